@@ -1,0 +1,35 @@
+"""gptkit: train, evaluate, inspect, sample from and serve GPT-style decoder-only language models."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Public names and the module each lives in; imported on first use so that `gptkit --help` stays fast.
+_EXPORTS = {
+    "ModelConfig": "gptkit.config",
+    "PRESETS": "gptkit.config",
+    "GPT": "gptkit.model",
+    "Trace": "gptkit.model",
+    "next_token_loss": "gptkit.model",
+    "KVCache": "gptkit.kv_cache",
+    "param_breakdown": "gptkit.accounting",
+    "forward_flops_per_token": "gptkit.accounting",
+    "training_flops_per_token": "gptkit.accounting",
+    "kv_cache_bytes": "gptkit.accounting",
+    "GptkitError": "gptkit.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gptkit' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,93 @@
+"""Parameter, compute and memory accounting from a ModelConfig alone (SPEC section 2)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from gptkit.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+@dataclass(frozen=True)
+class ParamBreakdown:
+    """Parameter counts by part of the model; tied weights are counted once, under token_embedding."""
+
+    token_embedding: int
+    position_embedding: int
+    attention: int  # all blocks
+    mlp: int  # all blocks
+    norms: int  # all blocks plus the final norm
+    lm_head: int  # 0 when tied, except for a head bias
+    total: int
+
+    def to_dict(self) -> dict[str, int]:
+        """The counts as a plain dict."""
+        return asdict(self)
+
+
+def attention_params(config: ModelConfig) -> int:
+    """Parameters of one block's attention: fused Q, K, V projection and the output projection."""
+    qkv_width = (config.n_head + 2 * config.n_kv_head) * config.head_dim
+    attn_width = config.n_head * config.head_dim
+    biases = (qkv_width + config.n_embd) if config.attn_bias else 0
+    return config.n_embd * qkv_width + attn_width * config.n_embd + biases
+
+
+def mlp_params(config: ModelConfig) -> int:
+    """Parameters of one block's feed-forward network."""
+    fc_width = config.ffn_hidden * (2 if config.activation == "swiglu" else 1)
+    biases = (fc_width + config.n_embd) if config.mlp_bias else 0
+    return config.n_embd * fc_width + config.ffn_hidden * config.n_embd + biases
+
+
+def norm_params(config: ModelConfig) -> int:
+    """Parameters of one normalisation layer: a gain, plus a shift for LayerNorm with norm_bias."""
+    has_shift = config.norm == "layernorm" and config.norm_bias
+    return config.n_embd * (2 if has_shift else 1)
+
+
+def param_breakdown(config: ModelConfig) -> ParamBreakdown:
+    """The exact parameter count by part, equal to the numel of GPT(config)'s distinct parameters."""
+    token_embedding = config.vocab_size * config.n_embd
+    position_embedding = config.block_size * config.n_embd if config.position == "learned" else 0
+    attention = config.n_layer * attention_params(config)
+    mlp = config.n_layer * mlp_params(config)
+    norm_count = 2 * config.n_layer + (1 if config.norm_position == "pre" else 0)
+    norms = norm_count * norm_params(config)
+    lm_head = (0 if config.tie_embeddings else config.vocab_size * config.n_embd) + (
+        config.vocab_size if config.lm_head_bias else 0
+    )
+    total = token_embedding + position_embedding + attention + mlp + norms + lm_head
+    return ParamBreakdown(token_embedding, position_embedding, attention, mlp, norms, lm_head, total)
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Parameters that take part in a matrix multiply per token: all but lookup-only embeddings.
+
+    The LM head always multiplies (when tied, through the token embedding); position tables and an untied
+    token embedding are only looked up.
+    """
+    parts = param_breakdown(config)
+    lookup_only = parts.position_embedding + (0 if config.tie_embeddings else parts.token_embedding)
+    return parts.total - lookup_only
+
+
+def forward_flops_per_token(config: ModelConfig, context: int | None = None) -> int:
+    """FLOPs of one forward pass per token: 2 N plus 4 L T d for QK^T and AV (PaLM, Chowdhery et al. 2022, app. B)."""
+    T = config.block_size if context is None else context
+    attention = 4 * config.n_layer * T * config.n_head * config.head_dim
+    return 2 * matmul_params(config) + attention
+
+
+def training_flops_per_token(config: ModelConfig, context: int | None = None) -> int:
+    """FLOPs of forward plus backward per token: three forward passes, i.e. 6 N + 12 L T d."""
+    return 3 * forward_flops_per_token(config, context)
+
+
+def kv_cache_bytes(config: ModelConfig, batch_size: int, context: int, dtype: str = "float16") -> int:
+    """2 (keys and values) x L x B x T x n_kv_head x head_dim x bytes per element."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}; got {dtype!r}")
+    per_element = DTYPE_BYTES[dtype]
+    return 2 * config.n_layer * batch_size * context * config.n_kv_head * config.head_dim * per_element

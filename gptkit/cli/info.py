@@ -1,0 +1,97 @@
+"""`gptkit info`: a model's parameter breakdown, FLOPs per token and KV-cache size."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `info` sub-command."""
+    parser = subparsers.add_parser(
+        "info",
+        help="parameter breakdown, FLOPs per token and KV-cache size of a model",
+        description="Print the parameter breakdown, FLOPs per token and KV-cache bytes of a preset, "
+        "a config JSON file or a model directory.",
+    )
+    parser.add_argument("model", metavar="PRESET_OR_CONFIG", help="a preset name (e.g. gpt2), a JSON file or a model dir")
+    parser.add_argument("--context", type=int, default=None, help="context length for FLOPs (default: block_size)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(run=run)
+
+
+def describe(name: str, context: int | None = None) -> dict[str, Any]:
+    """Everything `info` reports, as a JSON-able dict."""
+    from gptkit.accounting import (
+        DTYPE_BYTES,
+        forward_flops_per_token,
+        kv_cache_bytes,
+        param_breakdown,
+        training_flops_per_token,
+    )
+    from gptkit.config import ModelConfig
+
+    config = ModelConfig.load(name)
+    context = config.block_size if context is None else context
+    params = param_breakdown(config).to_dict()
+    return {
+        "model": name,
+        "config": config.to_dict(),
+        "params": params,
+        "total": params["total"],
+        "flops_per_token": {
+            "context": context,
+            "forward": forward_flops_per_token(config, context),
+            "training": training_flops_per_token(config, context),
+        },
+        "kv_cache_bytes_per_1024_tokens": {
+            dtype: kv_cache_bytes(config, batch_size=1, context=1024, dtype=dtype) for dtype in DTYPE_BYTES
+        },
+    }
+
+
+def _human(n: float, unit: str = "") -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {suffix}{unit}"
+    return f"{n:g} {unit}".rstrip()
+
+
+def _human_bytes(n: int) -> str:
+    for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {suffix}"
+    return f"{n} B"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report for args.model."""
+    if args.context is not None and args.context < 1:
+        from gptkit.errors import GptkitError
+
+        raise GptkitError(f"--context must be >= 1, got {args.context}")
+    report = describe(args.model, args.context)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    c, p = report["config"], report["params"]
+    print(
+        f"{args.model}: {c['n_layer']} layers, {c['n_head']} heads ({c['n_kv_head']} kv), width {c['n_embd']}, "
+        f"ffn {c['ffn_hidden']} {c['activation']}, {c['norm']} {c['norm_position']}-norm, {c['position']} positions, "
+        f"context {c['block_size']}, vocab {c['vocab_size']}, {'tied' if c['tie_embeddings'] else 'untied'} head"
+    )
+    print()
+    for part, count in p.items():
+        share = f"{100 * count / p['total']:5.1f}%" if part != "total" else ""
+        print(f"  {part.replace('_', ' '):<20} {count:>15,} {share}")
+    f = report["flops_per_token"]
+    print()
+    print(
+        f"FLOPs per token (context {f['context']}): forward {_human(f['forward'], 'FLOP')}, "
+        f"training {_human(f['training'], 'FLOP')}"
+    )
+    kv = report["kv_cache_bytes_per_1024_tokens"]
+    sizes = ", ".join(f"{_human_bytes(nbytes)} {dtype}" for dtype, nbytes in kv.items())
+    print(f"KV cache per 1,024 tokens (batch 1): {sizes}")
+    return 0

@@ -1,0 +1,189 @@
+"""ModelConfig: every decoder-only variant gptkit builds, as one typed dataclass, plus named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_type_hints
+
+from gptkit.errors import ConfigError
+
+Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
+Norm = Literal["layernorm", "rmsnorm"]
+NormPosition = Literal["pre", "post"]
+Position = Literal["learned", "sinusoidal", "rope", "none"]
+
+# SwiGLU's hidden size is 8/3 of the width (Shazeer 2020 keeps the FFN's parameter count equal
+# to a 4x MLP); rounded up to this multiple so that matmuls stay aligned.
+SWIGLU_MULTIPLE = 64
+
+
+@dataclass
+class ModelConfig:
+    """Shape and architecture of a decoder-only transformer (SPEC section 1). Defaults are GPT-2 small."""
+
+    vocab_size: int = 50257
+    block_size: int = 1024  # maximum context the model is trained for
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None  # None means n_head (plain multi-head attention)
+    n_embd: int = 768
+    ffn_hidden: int | None = None  # None means 4*n_embd, or 8/3*n_embd rounded for swiglu
+    activation: Activation = "gelu_tanh"
+    norm: Norm = "layernorm"
+    norm_eps: float = 1e-5
+    norm_position: NormPosition = "pre"
+    position: Position = "learned"
+    rope_theta: float = 10000.0
+    attn_bias: bool = True
+    mlp_bias: bool = True
+    norm_bias: bool = True  # LayerNorm's shift; RMSNorm has none
+    lm_head_bias: bool = False
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.ffn_hidden is None:
+            if self.activation == "swiglu":
+                hidden = math.ceil(8 * self.n_embd / 3)
+                self.ffn_hidden = SWIGLU_MULTIPLE * math.ceil(hidden / SWIGLU_MULTIPLE)
+            else:
+                self.ffn_hidden = 4 * self.n_embd
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.n_embd // self.n_head
+
+    def validate(self) -> None:
+        """Raise ConfigError (a ValueError) naming the first field whose value is invalid."""
+        for name, expected in _field_types().items():
+            value = getattr(self, name)
+            if expected is bool:
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{name} must be true or false, got {value!r}")
+            elif expected is int:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ConfigError(f"{name} must be an integer, got {value!r}")
+                if value < 1:
+                    raise ConfigError(f"{name} must be >= 1, got {value}")
+            elif expected is float:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ConfigError(f"{name} must be a number, got {value!r}")
+                setattr(self, name, float(value))
+            else:
+                choices = get_args(expected)
+                if value not in choices:
+                    raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_head % self.n_kv_head:
+            raise ConfigError(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(f"position rope needs an even head size; n_embd/n_head is {self.head_dim}")
+        if self.position == "sinusoidal" and self.n_embd % 2:
+            raise ConfigError(f"position sinusoidal needs an even n_embd, got {self.n_embd}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields, with derived defaults resolved, as plain JSON-able values."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build from a dict of field values; an unknown key is a ConfigError naming it."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a model config must be a mapping of fields, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config field {unknown[0]!r}; known fields: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        """The named architecture from PRESETS; unknown names are a ConfigError listing the choices."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        return cls(**PRESETS[name])
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> ModelConfig:
+        """A preset name, a config JSON file, or a model directory holding config.json."""
+        path = Path(name_or_path)
+        if path.is_dir():
+            path = path / "config.json"
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ConfigError(f"cannot read model config {path}: {err}") from None
+            if isinstance(data, dict) and isinstance(data.get("model"), dict):
+                data = data["model"]  # a model directory's config.json nests the fields
+            return cls.from_dict(data)
+        if str(name_or_path) in PRESETS:
+            return cls.preset(str(name_or_path))
+        raise ConfigError(
+            f"{str(name_or_path)!r} is neither a preset nor a config file; presets: {', '.join(PRESETS)}"
+        )
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    """Each field's annotation with Optional stripped, e.g. {"n_kv_head": int, "norm": Norm}."""
+    types = {}
+    for name, hint in get_type_hints(ModelConfig).items():
+        args = [a for a in get_args(hint) if a is not type(None)]
+        types[name] = args[0] if type(None) in get_args(hint) else hint
+    return types
+
+
+_GPT2 = dict(vocab_size=50257, block_size=1024, activation="gelu_tanh", norm="layernorm", position="learned")
+_LLAMA = dict(
+    norm="rmsnorm", norm_eps=1e-5, position="rope", activation="swiglu", attn_bias=False, mlp_bias=False,
+    norm_bias=False, tie_embeddings=False,
+)  # fmt: skip
+_NANOGPT_CHAR = dict(
+    vocab_size=65, activation="gelu", attn_bias=False, mlp_bias=False, norm_bias=False, position="learned",
+)  # fmt: skip
+
+# Sizes from the papers and model cards they are named after.
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(_GPT2, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(_GPT2, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(_GPT2, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(_GPT2, n_layer=48, n_head=25, n_embd=1600),
+    # Llama-style family: the first two follow llama2.c's story models (with GQA), then TinyLlama and Llama 2 7B.
+    "llama-tiny": dict(_LLAMA, vocab_size=32000, block_size=512, n_layer=6, n_head=6, n_kv_head=2, n_embd=288,
+                       ffn_hidden=768),
+    "llama-110m": dict(_LLAMA, vocab_size=32000, block_size=1024, n_layer=12, n_head=12, n_kv_head=4, n_embd=768,
+                       ffn_hidden=2048),
+    "tinyllama-1.1b": dict(_LLAMA, vocab_size=32000, block_size=2048, n_layer=22, n_head=32, n_kv_head=4,
+                           n_embd=2048, ffn_hidden=5632),
+    "llama2-7b": dict(_LLAMA, vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096,
+                      ffn_hidden=11008),
+    # Vaswani et al. 2017 base model as a decoder only (shared 37k vocabulary, tied embeddings).
+    "transformer-decoder": dict(vocab_size=37000, block_size=512, n_layer=6, n_head=8, n_embd=512, ffn_hidden=2048,
+                                activation="relu", norm_position="post", position="sinusoidal", dropout=0.1),
+    # Radford et al. 2018: 12 layers, 768 wide, 512 context, 40,478 BPE tokens, GELU, learned positions.
+    "gpt1-style": dict(vocab_size=40478, block_size=512, n_layer=12, n_head=12, n_embd=768, activation="gelu",
+                       norm_position="post", position="learned", dropout=0.1),
+    # nanoGPT's character-level Shakespeare models: the GPU recipe and its README's CPU override.
+    "shakespeare-char": dict(_NANOGPT_CHAR, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.2),
+    "shakespeare-char-cpu": dict(_NANOGPT_CHAR, block_size=64, n_layer=4, n_head=4, n_embd=128),
+    # Small models for demos and tests: seconds to train on a laptop CPU.
+    "tiny": dict(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64),
+    "tiny-llama": dict(_LLAMA, vocab_size=256, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=64),
+}  # fmt: skip

@@ -1,0 +1,13 @@
+"""The one exception type that means "the user asked for something wrong"."""
+
+
+class GptkitError(Exception):
+    """A problem with the user's input; the CLI prints its message on one line and exits 2."""
+
+
+class ConfigError(GptkitError, ValueError):
+    """An invalid configuration value; the message names the field."""
+
+
+class InputError(GptkitError, ValueError):
+    """Input the model or a command cannot take (token ids out of range, a too-long sequence, ...)."""

@@ -1,0 +1,268 @@
+"""GPT: one configurable decoder-only transformer, the forward pass of SPEC section 1."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gptkit.config import ModelConfig
+from gptkit.errors import InputError
+from gptkit.kv_cache import KVCache, LayerKV
+
+IGNORE_INDEX = -100  # targets equal to this count in neither the loss nor its gradient
+
+
+@dataclass
+class Trace:
+    """What a forward pass saw, for inspection: filled in when passed to GPT.forward."""
+
+    hidden_states: list[Tensor] = field(default_factory=list)  # after the embedding, each block, the final norm
+    attentions: list[Tensor] = field(default_factory=list)  # per layer: (B, n_head, T, S) weights, rows sum to 1
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * g, computed in fp32 as Llama does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.type_as(x)
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    """The configured normalisation over the model width."""
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.n_embd, config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.norm_bias)
+
+
+def sinusoidal_embedding(positions: Tensor, dim: int) -> Tensor:
+    """Vaswani et al.'s table at the given positions: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(...)."""
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    angles = positions[..., None].float() * inv_freq  # (..., T, dim/2)
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)  # (..., T, dim), sin/cos interleaved
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """Rotary angles p * theta^(-2i/d) for the half-split layout (dim i pairs with i + d/2), as in HF Llama."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions[..., None].float() * inv_freq  # (B or 1, T, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (B or 1, T, head_dim)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each (x_i, x_{i+d/2}) pair of x (B, H, T, head_dim) by its position's angle."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # (B or 1, 1, T, head_dim)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def plain_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float) -> tuple[Tensor, Tensor]:
+    """softmax(QK^T / sqrt(d_k) + M) V, returning the output and the attention weights."""
+    T, S = q.size(-2), k.size(-2)
+    if mask is None:  # causal over the last T of S keys
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.size(-1))  # (B, H, T, S)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    out = F.dropout(weights, dropout).to(v.dtype) @ v  # (B, H, T, head_dim)
+    return out, weights
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head (grouped-query when n_kv_head < n_head) causal self-attention."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        qkv_width = (config.n_head + 2 * config.n_kv_head) * config.head_dim
+        self.qkv = nn.Linear(config.n_embd, qkv_width, bias=config.attn_bias)
+        self.proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=config.attn_bias)
+        self.dropout = config.dropout
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv: LayerKV | None, trace: Trace | None
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        mask = None
+        if kv is not None:
+            k, v, mask = kv.update(k, v)  # (B, KV, S, hd) with S the cached length
+        if self.n_kv_head != self.n_head:
+            groups = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, hd)
+        dropout = self.dropout if self.training else 0.0
+        if trace is not None:
+            y, weights = plain_attention(q, k, v, mask, dropout)
+            trace.attentions.append(weights)
+        else:
+            is_causal = mask is None and T > 1
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H*hd)
+        return self.resid_drop(self.proj(y))
+
+
+class FeedForward(nn.Module):
+    """The position-wise network: act(x W1) W2, or SiLU(x W_gate) * (x W_up) W_down for swiglu."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.activation = config.activation
+        fc_width = 2 * config.ffn_hidden if config.activation == "swiglu" else config.ffn_hidden
+        self.fc = nn.Linear(config.n_embd, fc_width, bias=config.mlp_bias)  # swiglu: [gate; up] in one matmul
+        self.proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.mlp_bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.activation == "relu":
+            h = F.relu(h)
+        elif self.activation == "gelu":
+            h = F.gelu(h)
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.drop(self.proj(h))
+
+
+class Block(nn.Module):
+    """Attention then feed-forward, each in a residual connection with pre- or post-normalisation."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.pre_norm = config.norm_position == "pre"
+        self.norm1, self.attn = make_norm(config), CausalSelfAttention(config)
+        self.norm2, self.mlp = make_norm(config), FeedForward(config)
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv: LayerKV | None, trace: Trace | None
+    ) -> Tensor:
+        if self.pre_norm:
+            x = x + self.attn(self.norm1(x), rope, kv, trace)
+            return x + self.mlp(self.norm2(x))
+        x = self.norm1(x + self.attn(x, rope, kv, trace))
+        return self.norm2(x + self.mlp(x))
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        # Checking ids costs a device sync; callers that feed validated data (the trainer) turn it off.
+        self.check_inputs = True
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_f = make_norm(config) if config.norm_position == "pre" else None
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02), zero biases, residual projections scaled by 1/sqrt(2 L)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+
+    def forward(
+        self,
+        ids: Tensor,
+        cache: KVCache | None = None,
+        start_pos: int | Tensor = 0,
+        trace: Trace | None = None,
+    ) -> Tensor:
+        """Logits for every position of ids (B, T), whose first token sits at absolute position start_pos.
+
+        With a cache, each layer writes its keys and values at positions start_pos.. and attends over all
+        cached positions up to each query. start_pos may be a (B,) tensor giving each row its own position.
+        With a trace, attention takes the plain path and the trace records its weights and hidden states.
+        """
+        if self.check_inputs:
+            self._check_inputs(ids, cache, start_pos)
+        T = ids.size(1)
+        offsets = torch.arange(T, device=ids.device)
+        positions = start_pos[:, None] + offsets if isinstance(start_pos, Tensor) else (start_pos + offsets)[None]
+        x = self.tok_emb(ids)  # (B, T, d)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        elif self.config.position == "sinusoidal":
+            x = x + sinusoidal_embedding(positions, self.config.n_embd).to(x.dtype)
+        rope = None
+        if self.config.position == "rope":
+            rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        x = self.drop(x)
+        if trace is not None:
+            trace.hidden_states.append(x)
+        for index, block in enumerate(self.blocks):
+            kv = cache.layer(index, start_pos) if cache is not None else None
+            x = block(x, rope, kv, trace)
+            if trace is not None:
+                trace.hidden_states.append(x)
+        if self.norm_f is not None:
+            x = self.norm_f(x)
+            if trace is not None:
+                trace.hidden_states.append(x)
+        return self.lm_head(x)  # (B, T, V)
+
+    def _check_inputs(self, ids: Tensor, cache: KVCache | None, start_pos: int | Tensor) -> None:
+        """Raise InputError for ids the forward pass cannot take."""
+        if ids.dim() != 2:
+            raise InputError(f"token ids must have shape (batch, time), got {tuple(ids.shape)}")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"token ids must be an integer tensor, got {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            bad = int(ids.max()) if int(ids.max()) >= self.config.vocab_size else int(ids.min())
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        last = int(start_pos.max()) if isinstance(start_pos, Tensor) else start_pos
+        last += ids.size(1)
+        if self.pos_emb is not None and last > self.config.block_size:
+            raise InputError(
+                f"positions up to {last} exceed block_size {self.config.block_size} of a model with learned "
+                f"positions; keep only the last {self.config.block_size} tokens"
+            )
+        if cache is not None and (last > cache.max_len or ids.size(0) != cache.batch_size):
+            raise InputError(
+                f"a batch of {ids.size(0)} rows reaching position {last} does not fit a KV cache of "
+                f"{cache.batch_size} rows x {cache.max_len} positions"
+            )
+
+
+def next_token_loss(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Mean cross-entropy (nats) over the targets not equal to ignore_index (SPEC section 3)."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=ignore_index
+    )

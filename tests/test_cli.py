@@ -1,0 +1,45 @@
+import json
+import subprocess
+import sys
+
+from gptkit.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gptkit", *args], capture_output=True, text=True)
+
+
+def test_info_gpt2_json_reports_spec_total():
+    result = run_cli("info", "gpt2", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["total"] == 124_439_808
+    assert report["params"]["position_embedding"] == 786_432
+    assert report["kv_cache_bytes_per_1024_tokens"]["float16"] == 2 * 12 * 1024 * 768 * 2
+
+
+def test_info_table_and_config_file(tmp_path, capsys):
+    config = tmp_path / "m.json"
+    config.write_text(json.dumps({"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 100, "block_size": 32}))
+    assert main(["info", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "2 layers" in out and "total" in out and "KV cache" in out
+
+
+def test_unknown_preset_is_one_line_exit_2():
+    result = run_cli("info", "gpt5")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "gpt5" in result.stderr and "gpt2" in result.stderr
+
+
+def test_bad_config_value_is_one_line_exit_2(tmp_path):
+    config = tmp_path / "bad.json"
+    config.write_text(json.dumps({"n_head": 7}))
+    result = run_cli("info", str(config))
+    assert result.returncode == 2 and "n_head" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_version_and_help():
+    assert run_cli("--version").stdout.startswith("gptkit ")
+    help_text = run_cli("--help").stdout
+    assert "info" in help_text

@@ -1,0 +1,224 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptkit.config import ModelConfig
+from gptkit.errors import InputError
+from gptkit.kv_cache import KVCache
+from gptkit.model import GPT, IGNORE_INDEX, Trace, apply_rope, next_token_loss, rope_cos_sin, sinusoidal_embedding
+
+from conftest import TINY, VARIANTS
+
+
+def test_forward_backward_shapes(variant_config):
+    model = GPT(variant_config)
+    ids = torch.randint(0, variant_config.vocab_size, (3, 11))
+    logits = model(ids)
+    assert logits.shape == (3, 11, variant_config.vocab_size)
+    loss = next_token_loss(logits[:, :-1], ids[:, 1:])
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_causal_future_tokens_never_change_past_logits(variant_config):
+    model = GPT(variant_config).eval()
+    T = variant_config.block_size
+    ids = torch.randint(0, variant_config.vocab_size, (2, T))
+    base = model(ids)
+    for t in (0, 5, T - 2):
+        changed = ids.clone()
+        changed[:, t + 1 :] = torch.randint(0, variant_config.vocab_size, (2, T - t - 1))
+        assert not torch.equal(changed, ids)
+        torch.testing.assert_close(model(changed)[:, : t + 1], base[:, : t + 1], atol=1e-6, rtol=0)
+        assert not torch.allclose(model(changed)[:, t + 1 :], base[:, t + 1 :])  # the future did see the change
+
+
+def test_fast_and_plain_attention_agree(variant_config):
+    model = GPT(variant_config).eval()
+    ids = torch.randint(0, variant_config.vocab_size, (2, variant_config.block_size))
+    trace = Trace()
+    plain = model(ids, trace=trace)
+    torch.testing.assert_close(model(ids), plain, atol=1e-5, rtol=1e-5)
+    assert len(trace.attentions) == variant_config.n_layer
+    for weights in trace.attentions:
+        assert weights.shape == (2, variant_config.n_head, 16, 16)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, variant_config.n_head, 16))
+        assert (weights.triu(1) == 0).all()
+    extra_final_norm = 1 if variant_config.norm_position == "pre" else 0
+    assert len(trace.hidden_states) == 1 + variant_config.n_layer + extra_final_norm
+
+
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+def test_grouped_query_attention_shares_kv_heads(n_kv_head):
+    config = ModelConfig(**dict(TINY, n_kv_head=n_kv_head, position="rope"))
+    model = GPT(config)
+    assert model.blocks[0].attn.qkv.out_features == (4 + 2 * n_kv_head) * 8
+    assert model(torch.randint(0, 50, (2, 9))).shape == (2, 9, 50)
+
+
+def test_gqa_equals_multi_head_with_repeated_kv_weights():
+    gqa = GPT(ModelConfig(**dict(TINY, n_kv_head=2, position="rope"))).eval()
+    mha = GPT(ModelConfig(**dict(TINY, position="rope"))).eval()
+    state = gqa.state_dict()
+    for i in range(TINY["n_layer"]):
+        key = f"blocks.{i}.attn.qkv.weight"
+        q, k, v = state[key].split([32, 16, 16])
+        # Query heads 0,1 read kv head 0 and heads 2,3 kv head 1: repeat each kv head's rows twice.
+        expand = lambda w: w.view(2, 1, 8, 32).expand(2, 2, 8, 32).reshape(32, 32)  # noqa: E731
+        state[key] = torch.cat([q, expand(k), expand(v)])
+        state[f"blocks.{i}.attn.qkv.bias"] = torch.cat(
+            [b if j == 0 else b.view(2, 1, 8).expand(2, 2, 8).reshape(32)
+             for j, b in enumerate(state[f"blocks.{i}.attn.qkv.bias"].split([32, 16, 16]))])  # fmt: skip
+    mha.load_state_dict(state)
+    ids = torch.randint(0, 50, (2, 12))
+    torch.testing.assert_close(mha(ids), gqa(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_tied_weights_are_one_tensor():
+    model = GPT(ModelConfig(**TINY))
+    assert model.lm_head.weight is model.tok_emb.weight
+    untied = GPT(ModelConfig(**dict(TINY, tie_embeddings=False)))
+    assert untied.lm_head.weight is not untied.tok_emb.weight
+
+
+def test_ignored_targets_change_neither_loss_nor_gradient():
+    model = GPT(ModelConfig(**TINY))
+    ids = torch.randint(0, 50, (2, 10))
+    targets = torch.randint(0, 50, (2, 10))
+    targets[0, 3:6] = IGNORE_INDEX
+
+    def loss_and_grads(tgt):
+        model.zero_grad()
+        loss = next_token_loss(model(ids), tgt)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss_a, grads_a = loss_and_grads(targets)
+    other = targets.clone()
+    other[0, 3:6] = IGNORE_INDEX  # same mask; the ignored slots held different tokens before masking
+    assert torch.equal(other, targets)
+    # The mean runs over the 17 valid targets only: equal to the mean of per-position losses there.
+    per_position = F.cross_entropy(model(ids).reshape(-1, 50), targets.reshape(-1), reduction="none",
+                                   ignore_index=IGNORE_INDEX)  # fmt: skip
+    valid = targets.reshape(-1) != IGNORE_INDEX
+    torch.testing.assert_close(loss_a, per_position[valid].sum() / valid.sum())
+    # Dropping the ignored positions from the batch entirely gives the same loss and gradient.
+    model.zero_grad()
+    logits = model(ids)
+    keep = targets != IGNORE_INDEX
+    loss_b = F.cross_entropy(logits[keep], targets[keep])
+    loss_b.backward()
+    grads_b = [p.grad.clone() for p in model.parameters()]
+    torch.testing.assert_close(loss_a, loss_b.detach())
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b)
+
+
+def test_loss_drops_when_overfitting_one_batch(variant_config):
+    model = GPT(variant_config)
+    ids = torch.randint(0, variant_config.vocab_size, (4, variant_config.block_size + 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(60):
+        loss = next_token_loss(model(ids[:, :-1]), ids[:, 1:])
+        first = loss.item() if first is None else first
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.5 * first
+
+
+def test_gpt2_initialisation_scales_residual_projections():
+    config = ModelConfig(**dict(TINY, n_embd=256, n_head=4, n_layer=8))
+    model = GPT(config)
+    assert abs(model.blocks[0].attn.qkv.weight.std().item() - 0.02) < 0.002
+    expected = 0.02 / math.sqrt(2 * 8)
+    assert abs(model.blocks[3].attn.proj.weight.std().item() - expected) < 0.1 * expected
+    assert abs(model.blocks[3].mlp.proj.weight.std().item() - expected) < 0.1 * expected
+    assert (model.blocks[0].attn.qkv.bias == 0).all()
+    assert (model.blocks[0].norm1.weight == 1).all()
+
+
+def test_cached_decode_equals_uncached_forward(variant_config):
+    model = GPT(variant_config).eval()
+    T = variant_config.block_size
+    ids = torch.randint(0, variant_config.vocab_size, (2, T))
+    full = model(ids)
+    cache = KVCache(variant_config, batch_size=2, max_len=T)
+    prefill = 5
+    steps = [model(ids[:, :prefill], cache=cache, start_pos=0)]
+    steps.append(model(ids[:, prefill : prefill + 3], cache=cache, start_pos=prefill))  # a chunk of 3
+    for t in range(prefill + 3, T):
+        steps.append(model(ids[:, t : t + 1], cache=cache, start_pos=t))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_decode_with_per_row_positions():
+    config = ModelConfig(**VARIANTS["llama-gqa"])
+    model = GPT(config).eval()
+    a = torch.randint(0, 50, (1, 12))
+    b = torch.randint(0, 50, (1, 7))
+    cache = KVCache(config, batch_size=2, max_len=16)
+    # Prefill both rows together, right-padded; row b's pad slots get overwritten before they are attended.
+    batch = torch.cat([a[:, :6], torch.cat([b[:, :4], torch.zeros(1, 2, dtype=torch.long)], 1)])
+    out = model(batch, cache=cache, start_pos=0)
+    torch.testing.assert_close(out[0], model(a[:, :6])[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1, :4], model(b[:, :4])[0], atol=1e-5, rtol=1e-5)
+    pos = torch.tensor([6, 4])
+    for step in range(3):
+        step_ids = torch.stack([a[0, 6 + step], b[0, 4 + step]])[:, None]
+        logits = model(step_ids, cache=cache, start_pos=pos + step)
+        torch.testing.assert_close(logits[0, 0], model(a[:, : 7 + step])[0, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[1, 0], model(b[:, : 5 + step])[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_memory_follows_spec():
+    config = ModelConfig(**VARIANTS["llama-gqa"])
+    cache = KVCache(config, batch_size=3, max_len=20, dtype=torch.bfloat16)
+    assert cache.nbytes == 2 * 2 * 3 * 20 * 2 * 8 * 2
+
+
+def test_input_errors_are_clear():
+    model = GPT(ModelConfig(**TINY))
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        model(torch.tensor([[1, 50]]))
+    with pytest.raises(InputError, match="block_size 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(InputError, match="shape"):
+        model(torch.zeros(17, dtype=torch.long))
+    rope = GPT(ModelConfig(**dict(TINY, position="rope")))
+    assert rope(torch.zeros(1, 20, dtype=torch.long)).shape == (1, 20, 50)  # RoPE has no fixed table
+
+
+def test_sinusoidal_table_matches_formula():
+    d = 16
+    table = sinusoidal_embedding(torch.arange(50), d)
+    for pos in (0, 1, 7, 49):
+        for i in range(d // 2):
+            angle = pos / 10000 ** (2 * i / d)
+            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-5)
+            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-5)
+
+
+def test_rope_rotates_pairs_by_position_angle():
+    head_dim, theta = 8, 10000.0
+    x = torch.randn(1, 1, 5, head_dim)
+    cos, sin = rope_cos_sin(torch.arange(5)[None], head_dim, theta)
+    out = apply_rope(x, cos, sin)
+    half = head_dim // 2
+    for pos in range(5):
+        for i in range(half):
+            angle = pos * theta ** (-2 * i / head_dim)
+            a, b = x[0, 0, pos, i].item(), x[0, 0, pos, i + half].item()
+            assert out[0, 0, pos, i].item() == pytest.approx(a * math.cos(angle) - b * math.sin(angle), abs=1e-5)
+            assert out[0, 0, pos, i + half].item() == pytest.approx(b * math.cos(angle) + a * math.sin(angle), abs=1e-5)
+    # Relative: q.k after rotation depends only on the distance between positions.
+    q, k = torch.randn(head_dim), torch.randn(head_dim)
+    def score(pq, pk):
+        cq, sq = rope_cos_sin(torch.tensor([[pq]]), head_dim, theta)
+        ck, sk = rope_cos_sin(torch.tensor([[pk]]), head_dim, theta)
+        return (apply_rope(q.view(1, 1, 1, -1), cq, sq) * apply_rope(k.view(1, 1, 1, -1), ck, sk)).sum()
+    torch.testing.assert_close(score(3, 1), score(10, 8), atol=1e-5, rtol=1e-5)
