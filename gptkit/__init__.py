@@ -20,6 +20,13 @@ _EXPORTS = {
     "training_flops_per_token": "gptkit.accounting",
     "kv_cache_bytes": "gptkit.accounting",
     "GptkitError": "gptkit.errors",
+    "load": "gptkit.modeldir",
+    "save_model_dir": "gptkit.modeldir",
+    "load_model_dir": "gptkit.modeldir",
+    "load_tokenizer": "gptkit.tokenizer",
+    "generate": "gptkit.generation",
+    "generate_ids": "gptkit.generation",
+    "stream": "gptkit.generation",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,0 +1,234 @@
+"""The gptkit model directory: config.json + model.safetensors (+ tokenizer files), saved atomically, never pickled.
+
+Layout:
+    config.json                     {"format": "gptkit", "format_version": 1, "model": {ModelConfig fields},
+                                     "generation": {optional defaults}}
+    model.safetensors               the weights (or model-0000x-of-0000y.safetensors + model.safetensors.index.json)
+    tokenizer files                 whatever the tokenizer's save(dir) writes (see gptkit.tokenizer)
+A tied LM head is stored once, as tok_emb.weight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from gptkit.config import ModelConfig
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.model import GPT
+
+FORMAT = "gptkit"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class ModelDirError(GptkitError):
+    """A model directory that is missing, incomplete or corrupt; the message names the file or tensor."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside this directory durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on directories; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call write(tmp_path) on a temporary file beside path, fsync it, then rename it over path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file atomically."""
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write tensors as one safetensors file, atomically."""
+    contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(contiguous, str(tmp), metadata=metadata))
+
+
+def load_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Read a safetensors file (memory-mapped, no pickle); a damaged file is a ModelDirError naming it."""
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except FileNotFoundError:
+        raise ModelDirError(f"{path} does not exist") from None
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ModelDirError(f"{path} is not a readable safetensors file (truncated or corrupt?): {err}") from None
+
+
+def model_state(model: GPT) -> dict[str, torch.Tensor]:
+    """The weights to save: the state dict without the tied head's second name, without compile prefixes."""
+    module = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
+    state = module.state_dict()
+    if module.config.tie_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
+def save_model_dir(
+    model: GPT,
+    path: str | Path,
+    tokenizer: Any | None = None,
+    generation: dict[str, Any] | None = None,
+) -> Path:
+    """Write model (and its tokenizer, if given) as a gptkit model directory; each file lands atomically."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    module = getattr(model, "_orig_mod", model)
+    save_tensors(model_state(module), path / WEIGHTS_FILE, metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(path)
+    config: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": module.config.to_dict()}
+    if generation:
+        config["generation"] = generation
+    atomic_write_text(path / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The parsed config.json of a model directory (gptkit's or Hugging Face's)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelDirError(f"model directory {path} does not exist")
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise ModelDirError(f"{path} has no {CONFIG_FILE}; is it a model directory?")
+    try:
+        data = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelDirError(f"cannot read {config_path}: {err}") from None
+    if not isinstance(data, dict):
+        raise ModelDirError(f"{config_path} must hold a JSON object")
+    return data
+
+
+def is_gptkit_dir(path: str | Path) -> bool:
+    """Whether path holds a gptkit config.json (as opposed to, e.g., a Hugging Face one)."""
+    try:
+        return read_config_json(path).get("format") == FORMAT
+    except ModelDirError:
+        return False
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a gptkit model directory."""
+    data = read_config_json(path)
+    if data.get("format") != FORMAT:
+        raise ModelDirError(f"{Path(path) / CONFIG_FILE} is not a gptkit config (no \"format\": \"gptkit\")")
+    if data.get("format_version", 0) > FORMAT_VERSION:
+        raise ModelDirError(
+            f"{path} was written by a newer gptkit (format_version {data['format_version']}); upgrade gptkit"
+        )
+    try:
+        return ModelConfig.from_dict(data.get("model"))
+    except ConfigError as err:
+        raise ModelDirError(f"{Path(path) / CONFIG_FILE}: {err}") from None
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files holding a directory's weights, single or sharded."""
+    if (path / WEIGHTS_FILE).is_file():
+        return [path / WEIGHTS_FILE]
+    if (path / INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ModelDirError(f"cannot read {path / INDEX_FILE}: {err}") from None
+        return [path / name for name in sorted(set(weight_map.values()))]
+    raise ModelDirError(f"{path} has no {WEIGHTS_FILE} (or {INDEX_FILE})")
+
+
+def load_state_into(model: GPT, state: dict[str, torch.Tensor], source: str) -> GPT:
+    """Assign state to a (possibly meta-device) model, naming any missing, extra or misshapen tensor."""
+    expected = {name: p for name, p in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ModelDirError(f"{source} lacks tensor {missing[0]!r} ({len(missing)} missing in all)")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ModelDirError(f"{source} has unexpected tensor {unexpected[0]!r} for this config")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ModelDirError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config needs {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(state, strict=False, assign=True)
+    if model.config.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    return model
+
+
+def load_model_dir(
+    path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> GPT:
+    """Build the GPT saved in a gptkit model directory, in eval mode, without holding two copies of the weights."""
+    path = Path(path)
+    config = read_model_config(path)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        state.update(load_tensors(file, device))
+    if dtype is not None:
+        state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
+    with torch.device("meta"):
+        model = GPT(config)
+    return load_state_into(model, state, str(path)).eval()
+
+
+def load(
+    path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> tuple[GPT, Any]:
+    """(model, tokenizer) from a gptkit model directory or a Hugging Face one (converted in memory).
+
+    The tokenizer is None when the directory holds no tokenizer files.
+    """
+    from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
+
+    path = Path(path)
+    if not is_gptkit_dir(path):
+        data = read_config_json(path)  # raises for a missing directory or config
+        if "model_type" in data or "architectures" in data:
+            from gptkit.hf import load_hf
+
+            return load_hf(path, dtype=dtype, device=device)
+        raise ModelDirError(f"{path / CONFIG_FILE} is neither a gptkit nor a Hugging Face model config")
+    model = load_model_dir(path, device=device, dtype=dtype)
+    try:
+        tokenizer = load_tokenizer(path)
+    except TokenizerNotFound:
+        tokenizer = None
+    return model, tokenizer
