@@ -11,8 +11,6 @@ A tied LM head is stored once, as tok_emb.weight.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from gptkit.atomic import atomic_write, atomic_write_text, fsync_dir  # noqa: F401 (re-exported)
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.model import GPT
@@ -33,42 +32,6 @@ INDEX_FILE = "model.safetensors.index.json"
 
 class ModelDirError(GptkitError):
     """A model directory that is missing, incomplete or corrupt; the message names the file or tensor."""
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside this directory durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on directories; the rename itself is still atomic
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Any) -> None:
-    """Call write(tmp_path) on a temporary file beside path, fsync it, then rename it over path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a text file atomically."""
-    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:

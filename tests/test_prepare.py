@@ -1,0 +1,290 @@
+"""`gptkit prepare`: nanoGPT's split, every input kind, exact BPE round trips, errors, atomicity and flat memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gptkit.prepare as prep
+from gptkit.cli import main
+from gptkit.data import load_tokens, read_meta
+from gptkit.errors import InputError
+from gptkit.prepare import DEFAULT_CORPUS, PrepareConfig, prepare
+from gptkit.tokenizer import EOT, load_tokenizer
+
+SHAKESPEARE = DEFAULT_CORPUS.read_text(encoding="utf-8")
+PACKAGE = Path(prep.__file__).parent
+
+
+def _tokens(out: Path) -> tuple[np.ndarray, np.ndarray]:
+    meta = read_meta(out)
+    return load_tokens(out / "train.bin", meta["dtype"]), load_tokens(out / "val.bin", meta["dtype"])
+
+
+def _documents(out: Path) -> list[str]:
+    """The prepared stream split at the end-of-text token and decoded."""
+    tok = load_tokenizer(out)
+    stream = np.concatenate(_tokens(out)).tolist()
+    docs, current = [], []
+    for t in stream:
+        if t == tok.eos_id:
+            docs.append(current)
+            current = []
+        else:
+            current.append(t)
+    return [tok.decode(d) for d in [*docs, current]]
+
+
+def test_char_on_the_default_corpus_matches_nanogpt(tmp_path: Path) -> None:
+    assert main(["prepare", "--tokenizer", "char", "--out", str(tmp_path)]) == 0
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (65, 1003854, 111540)
+    assert meta["dtype"] == "uint16" and meta["tokenizer"] == "char" and meta["separator"] is None
+    assert meta["inputs"][0]["bytes"] == 1115394 and len(meta["inputs"][0]["sha256"]) == 64
+    assert (meta["train_bytes"], meta["val_bytes"]) == (1003854, 111540)
+    train, val = _tokens(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    assert tok.decode(train.tolist()) == SHAKESPEARE[:1003854] and tok.decode(val.tolist()) == SHAKESPEARE[1003854:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gptkit_tokenizer.json", "meta.json", "train.bin", "val.bin"]
+
+
+def test_bpe_trained_on_a_directory_of_source_files_round_trips_every_file(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(PACKAGE, source, ignore=shutil.ignore_patterns("__pycache__", "corpora"))
+    out = tmp_path / "data"
+    meta = prepare(PrepareConfig(out=str(out), inputs=[str(source)], tokenizer="bpe", vocab_size=700))
+    files = sorted(p for p in source.rglob("*") if p.is_file())
+    assert meta["documents"] == len(files) == len(meta["inputs"]) and meta["vocab_size"] == 700
+    tok = load_tokenizer(out)
+    texts = [f.read_text(encoding="utf-8") for f in files]
+    for text in texts:
+        assert tok.decode(tok.encode(text)) == text
+    assert _documents(out) == texts  # the prepared stream is exactly the files, separated by <|endoftext|>
+    assert meta["train_bytes"] + meta["val_bytes"] == sum(len(t.encode()) for t in texts)
+
+
+def test_cut_stream_equals_whole_document_encoding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With small pieces and batches the text is cut hundreds of times; the tokens must not change."""
+    monkeypatch.setattr(prep, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
+    monkeypatch.setattr(prep, "READ_CHUNK", 7_777)
+    corpus = tmp_path / "play.txt"
+    corpus.write_text(SHAKESPEARE[:150_000] + "\nnaïve café 日本語 🌍\n" * 50)
+    prepare(PrepareConfig(out=str(tmp_path / "a"), inputs=[str(corpus)], tokenizer="bpe", vocab_size=400))
+    tok = load_tokenizer(tmp_path / "a")
+    assert np.concatenate(_tokens(tmp_path / "a")).tolist() == tok.encode(corpus.read_text())
+    meta = prepare(PrepareConfig(out=str(tmp_path / "b"), inputs=[str(corpus)], tokenizer=str(tmp_path / "a")))
+    assert meta["forced_cuts"] == 0 and meta["tokenizer"] == "bpe"
+    assert np.concatenate(_tokens(tmp_path / "b")).tolist() == tok.encode(corpus.read_text())
+
+
+def test_jsonl_documents_are_separated_by_the_end_of_text_token(tmp_path: Path) -> None:
+    docs = ["first doc", "", "with\nnewlines é", "last"]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(docs)) + "\n\n")
+    meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "d.jsonl")], tokenizer="byte",
+                                 val_fraction=0.2))  # fmt: skip
+    assert meta["documents"] == 4 and meta["separator"] == EOT
+    assert _documents(tmp_path / "o") == docs
+    total = sum(len(d.encode()) for d in docs) + 3
+    assert (meta["train_tokens"], meta["val_tokens"]) == (int(total * 0.8), total - int(total * 0.8))
+
+
+def test_char_on_several_files_adds_the_eot_token(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("abc")
+    (tmp_path / "in" / "b.txt").write_text("cd")
+    meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "in")], val_fraction=0.0))
+    assert meta["vocab_size"] == 5 and meta["eos_id"] == 4 and meta["val_tokens"] == 0
+    assert np.concatenate(_tokens(tmp_path / "o")).tolist() == [0, 1, 2, 4, 2, 3]
+
+
+def test_directory_inputs_glob_skip_binary_and_hidden_files(tmp_path: Path) -> None:
+    root = tmp_path / "in"
+    (root / "sub").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / "a.py").write_text("print(1)\n")
+    (root / "sub" / "b.txt").write_text("hello\n")
+    (root / "sub" / "c.py").write_text("x = 2\n")
+    (root / "blob.bin").write_bytes(b"\x00\x01binary")
+    (root / ".git" / "config").write_text("hidden\n")
+    meta = prepare(PrepareConfig(out=str(tmp_path / "all"), inputs=[str(root)], tokenizer="byte"))
+    assert [Path(i["path"]).name for i in meta["inputs"]] == ["a.py", "b.txt", "c.py"]
+    meta = prepare(PrepareConfig(out=str(tmp_path / "py"), inputs=[str(root)], tokenizer="byte", glob="*.py"))
+    assert [Path(i["path"]).name for i in meta["inputs"]] == ["a.py", "c.py"]
+    assert _documents(tmp_path / "py") == ["print(1)\n", "x = 2\n"]
+
+
+def test_a_large_vocabulary_is_stored_as_uint32(tmp_path: Path) -> None:
+    chars = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 70_000) if not 0xD800 <= c < 0xE000)
+    (tmp_path / "wide.txt").write_text(chars)
+    meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "wide.txt")]))
+    assert meta["vocab_size"] == len(chars) > 65536 and meta["dtype"] == "uint32"
+    train, val = _tokens(tmp_path / "o")
+    assert np.concatenate([train, val]).tolist() == list(range(len(chars)))
+
+
+def test_invalid_utf8_names_file_and_byte_offset_and_replace_mode(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(prep, "READ_CHUNK", 1000)  # the bad byte sits in the 6th chunk, after a split character
+    good = ("é" * 1000 + "x")[:2501]  # "é" is 2 bytes: 1000 of them and a split one at the chunk boundary
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(good.encode() + b"ab\xffcd")
+    offset = len(good.encode()) + 2
+    with pytest.raises(InputError, match=rf"bad.txt: invalid UTF-8 at byte offset {offset} .*--errors replace"):
+        prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(bad)], tokenizer="byte"))
+    truncated = tmp_path / "cut.txt"
+    truncated.write_bytes(b"abc\xe6\x97")  # a 3-byte character missing its last byte at end of file
+    with pytest.raises(InputError, match="cut.txt: invalid UTF-8 at byte offset 3"):
+        prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(truncated)], tokenizer="byte"))
+    meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(bad)], tokenizer="char", errors="replace"))
+    assert _documents(tmp_path / "o") == [good + "ab\ufffdcd"] and meta["errors"] == "replace"
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{"txt": "no"}\n')
+    with pytest.raises(InputError, match='a.jsonl line 2 has no string field "text"'):
+        prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "a.jsonl")]))
+    (tmp_path / "b.jsonl").write_text('{"text": "ok"}\n\n{"text": broken\n')
+    with pytest.raises(InputError, match="b.jsonl line 3 is not valid JSON"):
+        prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "b.jsonl")]))
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a\ud800b"}) + "\n")  # JSON can spell a lone surrogate
+    with pytest.raises(InputError, match="c.jsonl line 1: the text holds a lone surrogate at character 1"):
+        prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "c.jsonl")], tokenizer="byte"))
+    prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "c.jsonl")], tokenizer="byte", errors="replace"))
+    assert _documents(tmp_path / "o") == ["a\ufffdb"]
+
+
+def test_unknown_character_of_a_given_char_tokenizer_names_file_and_offset(tmp_path: Path) -> None:
+    prepare(PrepareConfig(out=str(tmp_path / "ref")))
+    (tmp_path / "new.txt").write_text("hello\nwörld")
+    with pytest.raises(InputError, match=r"new.txt: character 'ö' \(U\+00F6\) at character offset 7 is not in the char"):
+        prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "new.txt")], tokenizer=str(tmp_path / "ref")))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--input", "{tmp}/missing.txt"], "input .*missing.txt does not exist"),
+        (["--input", "{tmp}/empty.txt"], "the input holds no text"),
+        (["--input", "{tmp}/emptydir"], "holds no text file"),
+        (["--input", "{tmp}/emptydir", "--glob", "*.md"], "holds no file matching '\\*.md'"),
+        (["--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size 100 is too small: .* at least 257"),
+        (["--tokenizer", "char", "--vocab-size", "100"], "--vocab-size applies only to --tokenizer bpe"),
+        (["--tokenizer", "{tmp}/emptydir"], "--tokenizer .*emptydir: .*holds no tokenizer"),
+        (["--tokenizer", "wordpiece"], "--tokenizer must be char, byte, bpe or a directory"),
+        (["--val-fraction", "1.5"], "--val-fraction must be in \\[0, 1\\)"),
+        (["--input", "{tmp}/bad.jsonl"], "bad.jsonl line 1 has no string field"),
+        (["--input", "{tmp}/latin1.txt"], "latin1.txt: invalid UTF-8 at byte offset 2"),
+        (["--out", "{tmp}/empty.txt"], "--out .*empty.txt exists and is not a directory"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "emptydir").mkdir()
+    (tmp_path / "bad.jsonl").write_text('"just a string"\n')
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9".encode("latin-1")[1:])
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "out")]
+    assert main(["prepare", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("gptkit prepare: error: ")
+    import re
+
+    assert re.search(message, err), err
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
+def test_unreadable_input_is_a_clear_error(tmp_path: Path) -> None:
+    locked = tmp_path / "locked.txt"
+    locked.write_text("secret")
+    locked.chmod(0)
+    with pytest.raises(InputError, match="cannot read input .*locked.txt"):
+        prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(locked)]))
+
+
+def test_an_interrupted_run_leaves_nothing_that_looks_complete(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "o"
+    prepare(PrepareConfig(out=str(out), tokenizer="byte"))  # a finished earlier run in the same directory
+    calls = {"n": 0}
+    real = prep._encode_batch
+
+    def interrupted(*args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(prep, "_encode_batch", interrupted)
+    monkeypatch.setattr(prep, "BATCH_CHARS", 100_000)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(PrepareConfig(out=str(out), tokenizer="char"))
+    assert not (out / "meta.json").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left behind
+    with pytest.raises(Exception, match="no meta.json"):
+        read_meta(out)
+
+
+# A child process sets its own memory limit after importing everything and warming up, then prepares a corpus
+# several times larger than that limit. RLIMIT_DATA (private writable memory: heap, anonymous mmaps, numpy
+# buffers) is used rather than RLIMIT_AS because address-space reservations that are never touched (torch's and
+# the allocator's) would make an AS limit either meaningless or need a corpus of gigabytes. The child first shows
+# that the limit bites (a buffer of the corpus's size cannot be allocated), so a pass cannot come from a limit that
+# is not there.
+MEMORY_CHILD = textwrap.dedent(
+    """
+    import json, os, resource, sys
+    import gptkit.modeldir  # imported by prepare at the end; load it before measuring the baseline
+    from gptkit.prepare import PrepareConfig, prepare
+
+    tokenizer, budget, corpus, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    prepare(PrepareConfig(out=out + "-warm", inputs=[sys.argv[5]], tokenizer=tokenizer))  # warm up lazy state
+    data = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmData"))
+    resource.setrlimit(resource.RLIMIT_DATA, (data + budget, resource.RLIM_INFINITY))
+    try:
+        bytearray(os.path.getsize(corpus))  # the corpus cannot be held in memory under this limit
+        sys.exit("the memory limit is not enforced")
+    except MemoryError:
+        pass
+    meta = prepare(PrepareConfig(out=out, inputs=[corpus], tokenizer=tokenizer))
+    print(json.dumps(meta))
+    """
+)
+
+
+def _prepare_under_memory_limit(tmp_path: Path, tokenizer: str, budget_mb: int, times: int) -> dict:
+    corpus = tmp_path / "big.txt"
+    with open(corpus, "w", encoding="utf-8") as f:
+        while f.tell() < times * budget_mb * 2**20:
+            f.write(SHAKESPEARE)
+    warm = tmp_path / "warm.txt"
+    warm.write_text(SHAKESPEARE[:200_000])
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY_CHILD, tokenizer, str(budget_mb * 2**20), str(corpus), str(tmp_path / "o"), str(warm)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    meta = json.loads(result.stdout.strip().splitlines()[-1])
+    assert meta["inputs"][0]["bytes"] == corpus.stat().st_size >= times * budget_mb * 2**20
+    return meta
+
+
+def test_memory_stays_flat_on_a_corpus_four_times_the_memory_limit(tmp_path: Path) -> None:
+    meta = _prepare_under_memory_limit(tmp_path, "char", budget_mb=24, times=4)
+    size = meta["inputs"][0]["bytes"]
+    assert meta["train_tokens"] + meta["val_tokens"] == size and meta["vocab_size"] == 65
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_for_bpe_on_a_corpus_several_times_the_memory_limit(tmp_path: Path) -> None:
+    prepare(PrepareConfig(out=str(tmp_path / "tok"), tokenizer="bpe", vocab_size=2000))
+    meta = _prepare_under_memory_limit(tmp_path, str(tmp_path / "tok"), budget_mb=64, times=3)
+    assert meta["train_tokens"] + meta["val_tokens"] > 0 and meta["tokenizer"] == "bpe"
