@@ -1,0 +1,90 @@
+"""`gptkit convert`: import a Hugging Face checkpoint directory, or export a gptkit model directory to one."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `convert` sub-command."""
+    parser = subparsers.add_parser(
+        "convert",
+        help="convert between gptkit model directories and Hugging Face checkpoints (GPT-2, Llama families)",
+        description="Import a local Hugging Face GPT-2 / Llama / Mistral / Qwen2 checkpoint directory as a gptkit "
+        "model directory, or export a gptkit model directory as a GPT-2 or Llama checkpoint that transformers "
+        "loads. Anything that cannot be converted exactly is refused with the reason.",
+    )
+    direction = parser.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-hf", metavar="HF_DIR", type=Path, help="Hugging Face directory to import")
+    direction.add_argument("--to-hf", metavar="MODEL_DIR", type=Path, help="gptkit model directory to export")
+    parser.add_argument("--out", metavar="DIR", type=Path, required=True, help="directory to write")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default=None, help="store the weights in this dtype (default: as they are)"
+    )
+    parser.add_argument("--force", action="store_true", help="write into --out even if it is not empty")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Convert in the direction asked and print what was written."""
+    import torch
+
+    from gptkit.errors import GptkitError
+
+    source: Path = args.from_hf if args.from_hf is not None else args.to_hf
+    if not source.is_dir():
+        raise GptkitError(f"{source} is not a directory")
+    if args.out.exists() and not args.out.is_dir():
+        raise GptkitError(f"--out {args.out} exists and is not a directory")
+    if args.out.is_dir() and args.out.resolve() == source.resolve():
+        raise GptkitError("--out must differ from the directory being converted")
+    if args.out.is_dir() and any(args.out.iterdir()) and not args.force:
+        raise GptkitError(f"--out {args.out} is not empty; pick a new directory or pass --force")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.from_hf is not None:
+        return _import(source, args.out, dtype)
+    return _export(source, args.out, dtype)
+
+
+def _import(source: Path, out: Path, dtype: object) -> int:
+    from gptkit.hf import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_hf
+    from gptkit.modeldir import atomic_write, save_model_dir
+
+    model, tokenizer = load_hf(source, dtype=dtype)
+    save_model_dir(model, out, tokenizer=tokenizer)
+    carried = source / TOKENIZER_CONFIG_FILE  # keeps chat templates and special-token names for a later export
+    if tokenizer is not None and carried.is_file():
+        atomic_write(out / TOKENIZER_CONFIG_FILE, lambda tmp: tmp.write_bytes(carried.read_bytes()))
+    if tokenizer is None:
+        hint = " (it has vocab.json/merges.txt only; re-save it with a fast tokenizer)" if (
+            source / "vocab.json"
+        ).is_file() else ""
+        print(f"note: {source} has no {TOKENIZER_FILE}; the model directory has no tokenizer{hint}", file=sys.stderr)
+    _summary(model, source, out)
+    return 0
+
+
+def _export(source: Path, out: Path, dtype: object) -> int:
+    from gptkit.hf import export_hf, read_tokenizer_config
+    from gptkit.modeldir import load
+
+    model, tokenizer = load(source, dtype=dtype)
+    export_hf(model, out, tokenizer=tokenizer, tokenizer_config=read_tokenizer_config(source))
+    if tokenizer is None:
+        print(f"note: {source} has no tokenizer; the Hugging Face directory has none either", file=sys.stderr)
+    _summary(model, source, out)
+    return 0
+
+
+def _summary(model: object, source: Path, out: Path) -> None:
+    config = model.config  # type: ignore[attr-defined]
+    params = sum(p.numel() for p in model.parameters())  # type: ignore[attr-defined]
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # type: ignore[attr-defined]
+    print(
+        f"{source} -> {out}: {config.n_layer} layers, width {config.n_embd}, {config.n_head} heads "
+        f"({config.n_kv_head} kv), vocab {config.vocab_size}, {params:,} parameters, {dtype}"
+    )
