@@ -1,0 +1,117 @@
+"""`gptkit eval`: loss, perplexity and bits per byte of a text file or a prepared val.bin under a model."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `eval` sub-command; its tuning flags come from EvalOptions."""
+    from gptkit.evaluate import EvalOptions
+
+    parser = subparsers.add_parser(
+        "eval",
+        help="loss, perplexity and bits per byte of a text (sliding window over long texts)",
+        description="Score a UTF-8 text file (--input) or a prepared data directory's val.bin (--data) under "
+        "MODEL_DIR: mean next-token loss in nats, perplexity and bits per byte. Texts longer than the context are "
+        "scored with windows of block_size tokens starting every --stride tokens; every token but the first is "
+        "scored exactly once. Bytes are the UTF-8 bytes the scored tokens stand for.",
+    )
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="a gptkit (or Hugging Face) model directory")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", metavar="FILE", help="a UTF-8 text file, encoded as the tokenizer encodes it")
+    source.add_argument("--data", metavar="DATA_DIR", help="a directory made by `gptkit prepare`: scores its val.bin")
+    for f in dataclasses.fields(EvalOptions):
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=int if f.type.startswith("int") else str,
+            default=f.default,
+            choices=f.metadata.get("choices"),
+            help=f.metadata["help"] + ("" if "default" in f.metadata["help"] else f" (default: {f.default})"),
+        )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
+
+
+def _read_text(path: str) -> str:
+    """The text of a UTF-8 file, or a one-line error naming what is wrong with it."""
+    from gptkit.errors import InputError
+
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"--input {path} does not exist (or is not a file)")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"--input {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
+    except OSError as err:
+        raise InputError(f"cannot read --input {path}: {err.strerror}") from None
+
+
+def _val_tokens(data_dir: str, model_tokenizer):  # -> (np.ndarray, tokenizer or None)
+    """val.bin of a prepared directory and the tokenizer it was encoded with."""
+    from gptkit.data import load_tokens, read_meta
+    from gptkit.errors import InputError
+    from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
+
+    meta = read_meta(data_dir)
+    tokens = load_tokens(Path(data_dir) / "val.bin", meta["dtype"])
+    try:
+        tokenizer = load_tokenizer(data_dir)
+    except TokenizerNotFound:
+        tokenizer = model_tokenizer
+    if tokenizer is not None and model_tokenizer is not None and (
+        tokenizer.kind != model_tokenizer.kind or tokenizer.vocab_size != model_tokenizer.vocab_size
+    ):
+        raise InputError(
+            f"{data_dir} was encoded with a {tokenizer.kind} tokenizer of {tokenizer.vocab_size} ids but the model's "
+            f"is {model_tokenizer.kind} with {model_tokenizer.vocab_size}; prepare the data with the model's tokenizer"
+        )
+    return tokens, tokenizer
+
+
+def run(args: argparse.Namespace) -> int:
+    """Evaluate and print the metrics."""
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    from gptkit.errors import InputError
+    from gptkit.evaluate import EvalOptions, evaluate_ids, sliding_windows
+    from gptkit.modeldir import load
+    from gptkit.train import pick_device
+
+    options = EvalOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EvalOptions)})
+    text = _read_text(args.input) if args.input is not None else None
+    if text == "":
+        raise InputError(f"--input {args.input} is empty; there is nothing to score")
+    model, tokenizer = load(args.model_dir, dtype=getattr(torch, options.dtype), device=pick_device(options.device))
+    context = model.config.block_size
+    if text is not None:
+        if tokenizer is None:
+            raise InputError(f"{args.model_dir} has no tokenizer files; use --data with a prepared directory")
+        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        lengths = tokenizer.token_byte_lengths()
+        source = args.input
+    else:
+        ids, data_tokenizer = _val_tokens(args.data, tokenizer)
+        lengths = data_tokenizer.token_byte_lengths() if data_tokenizer is not None else None
+        source = str(Path(args.data) / "val.bin")
+    if len(ids) < 2:
+        raise InputError(f"{source} holds {len(ids)} token(s); at least 2 are needed to score a prediction")
+    total = len(sliding_windows(len(ids), context, options.stride))  # also checks --stride before the model runs
+    with tqdm(total=total, unit="window", desc="eval", file=sys.stderr, disable=args.quiet) as bar:
+        result = evaluate_ids(model, ids, lengths, options.stride, options.batch_size, bar.update)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    bpb = f"{result.bits_per_byte:.4f}" if result.bits_per_byte is not None else "unknown (no tokenizer)"
+    print(f"{source}: {result.tokens:,} tokens scored ({result.bytes:,} bytes), context {context}, "
+          f"stride {options.stride or max(1, context // 2)}")  # fmt: skip
+    print(f"loss {result.loss:.4f} nats/token  perplexity {result.perplexity:.3f}  bits per byte {bpb}")
+    return 0

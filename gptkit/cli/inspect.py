@@ -1,0 +1,46 @@
+"""`gptkit inspect`: PNG pictures of what is inside a model, and an index.html showing them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `inspect` sub-command."""
+    from gptkit.insight import DEFAULT_PROMPT, MAX_HEATMAP_TOKENS
+
+    parser = subparsers.add_parser(
+        "inspect",
+        help="pictures of what is inside a model (attention, hidden states, next-token distribution, ...)",
+        description="Run a prompt through MODEL_DIR and write PNG pictures into --out with an index.html showing "
+        "them: the parameter breakdown, attention heatmaps per layer and head, hidden-state norms, the cosine "
+        "similarity between layers, the next-token distribution at temperatures 0.5, 1 and 2, the causal mask and "
+        "the activation function against ReLU.",
+    )
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="a gptkit (or Hugging Face) model directory")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to run through the model "
+                        "(default: the first line of tiny shakespeare)")  # fmt: skip
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory for the PNGs and index.html")
+    parser.add_argument("--max-tokens", type=int, default=MAX_HEATMAP_TOKENS, help="draw at most this many of the "
+                        f"last positions in heatmaps (default: {MAX_HEATMAP_TOKENS})")  # fmt: skip
+    parser.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (default: auto)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the pictures and print where index.html is."""
+    from gptkit.errors import InputError
+    from gptkit.insight import write_report
+    from gptkit.modeldir import load
+    from gptkit.train import pick_device
+
+    if not args.prompt:
+        raise InputError("--prompt is empty; give some text to run through the model")
+    model, tokenizer = load(args.model_dir, device=pick_device(args.device))
+    if tokenizer is None:
+        raise InputError(f"{args.model_dir} has no tokenizer files; inspect needs one to encode the prompt")
+    pictures = write_report(model, tokenizer, args.prompt, args.out, title=Path(args.model_dir).name,
+                            max_tokens=args.max_tokens)  # fmt: skip
+    print(f"wrote {len(pictures)} pictures and {Path(args.out) / 'index.html'}")
+    return 0

@@ -1,0 +1,195 @@
+"""Loss, perplexity and bits per byte of a token sequence under a model, scored with a sliding window.
+
+Windows of block_size input tokens start at 0, S, 2S, ... The window starting at s predicts tokens
+s+1 .. s+block_size and scores only those no earlier window scored, so every token but the first is scored
+exactly once, each with as much context as its window gives (at least block_size - S tokens once the first
+window is past). With S = block_size the windows do not overlap.
+
+Bits per byte (SPEC section 3) = loss * tokens / (bytes * ln 2), where bytes are the UTF-8 bytes of the text
+that the scored tokens stand for: the sum of the tokenizer's token_byte_lengths() over every token but the
+first (special tokens count zero bytes). For text encoded by a byte-level tokenizer this is the UTF-8 length
+of the text minus the bytes of its first token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gptkit.errors import InputError
+from gptkit.model import GPT
+
+
+EVAL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EvalOptions:
+    """How to run an evaluation; the CLI's flags are generated from these fields."""
+
+    stride: int | None = field(
+        default=None, metadata={"help": "tokens between window starts (default: half the context)"}
+    )
+    batch_size: int = field(default=8, metadata={"help": "windows per forward pass"})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, mps or auto"})
+    dtype: str = field(default="float32", metadata={"help": "weights' dtype", "choices": EVAL_DTYPES})
+
+
+@dataclass(frozen=True)
+class Window:
+    """One model input: tokens[start:end] go in, targets tokens[start+1:end+1] come out, and the targets
+    from absolute index first_scored on are scored."""
+
+    start: int
+    end: int  # exclusive end of the input; targets end at end + 1
+    first_scored: int  # absolute index of the first scored target token
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Metrics of a scored text (SPEC section 3)."""
+
+    tokens: int  # scored tokens
+    bytes: int  # UTF-8 bytes those tokens stand for
+    loss: float  # mean nats per scored token
+    perplexity: float
+    bits_per_byte: float | None  # None when the bytes are unknown (0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The metrics as a JSON-able dict."""
+        return asdict(self)
+
+
+def sliding_windows(n_tokens: int, block_size: int, stride: int | None = None) -> list[Window]:
+    """The windows that score tokens 1 .. n_tokens-1 of a sequence once each (stride defaults to block_size // 2)."""
+    stride = max(1, block_size // 2) if stride is None else stride
+    if not 1 <= stride <= block_size:
+        raise InputError(f"--stride must be between 1 and the context ({block_size}), got {stride}")
+    if n_tokens < 2:
+        raise InputError(f"need at least 2 tokens to score a next-token prediction, got {n_tokens}")
+    windows, scored_up_to, start = [], 0, 0  # tokens 1 .. scored_up_to have been scored
+    while scored_up_to < n_tokens - 1:
+        end = min(start + block_size, n_tokens - 1)
+        windows.append(Window(start, end, scored_up_to + 1))
+        scored_up_to = end
+        start += stride
+    return windows
+
+
+def metrics(nll_sum: float, tokens: int, n_bytes: int) -> EvalResult:
+    """Mean loss, perplexity and bits per byte from a summed negative log-likelihood in nats."""
+    if tokens < 1:
+        raise InputError("no tokens were scored")
+    loss = nll_sum / tokens
+    bpb = nll_sum / (n_bytes * math.log(2)) if n_bytes > 0 else None  # = loss * tokens / (bytes * ln 2)
+    perplexity = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
+    return EvalResult(tokens=tokens, bytes=n_bytes, loss=loss, perplexity=perplexity, bits_per_byte=bpb)
+
+
+def scored_bytes(ids: np.ndarray, token_byte_lengths: np.ndarray) -> int:
+    """UTF-8 bytes that every token but the first stands for."""
+    lengths = np.asarray(token_byte_lengths, dtype=np.int64)
+    counts = np.bincount(np.asarray(ids[1:]), minlength=len(lengths))  # no per-token copy of a large memory map
+    if len(counts) > len(lengths):
+        raise InputError(f"token id {len(counts) - 1} is outside the tokenizer's {len(lengths)} ids")
+    return int(counts @ lengths)
+
+
+@torch.no_grad()
+def score_tokens(
+    model: GPT,
+    ids: np.ndarray | torch.Tensor,
+    stride: int | None = None,
+    batch_size: int = 8,
+    context: int | None = None,
+    on_windows: Callable[[int], None] = lambda n: None,
+) -> tuple[float, int]:
+    """(summed nats, scored tokens) of ids (1-D) under model with sliding windows of `context` tokens.
+
+    context defaults to the model's block_size; on_windows(n) is called after each batch of n windows.
+    """
+    if batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+    config = model.config
+    context = config.block_size if context is None else context
+    if config.position == "learned" and context > config.block_size:
+        raise InputError(f"context {context} exceeds the model's {config.block_size} learned positions")
+    tokens = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids  # a memory map stays one
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= config.vocab_size):
+        raise InputError(
+            f"token ids run from {int(tokens.min())} to {int(tokens.max())}, outside the model's vocabulary "
+            f"of {config.vocab_size}; was the data prepared with this model's tokenizer?"
+        )
+    windows = sliding_windows(len(tokens), context, stride)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    nll_sum, scored = 0.0, 0
+    try:
+        for first in range(0, len(windows), batch_size):
+            batch = windows[first : first + batch_size]
+            inputs, targets = _batch(tokens, batch, context)
+            logits = model(inputs.to(device))
+            nll = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.to(device).flatten(), ignore_index=-100, reduction="sum"
+            )
+            nll_sum += float(nll)
+            scored += int((targets != -100).sum())
+            on_windows(len(batch))
+    finally:
+        model.train(was_training)
+    return nll_sum, scored
+
+
+def _batch(tokens: np.ndarray, windows: list[Window], context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs (B, T) and targets (B, T) of a batch of windows; unscored targets and padding are -100.
+
+    Only the last window of a sequence can be shorter than the rest; padding sits after its real tokens, where
+    the causal mask keeps it from touching them.
+    """
+    width = min(context, max(w.end - w.start for w in windows))
+    inputs = torch.zeros(len(windows), width, dtype=torch.long)
+    targets = torch.full((len(windows), width), -100, dtype=torch.long)
+    for row, w in enumerate(windows):
+        n = w.end - w.start
+        inputs[row, :n] = torch.from_numpy(np.asarray(tokens[w.start : w.end], dtype=np.int64))
+        skip = w.first_scored - (w.start + 1)  # targets an earlier window already scored
+        targets[row, skip:n] = torch.from_numpy(np.asarray(tokens[w.first_scored : w.end + 1], dtype=np.int64))
+    return inputs, targets
+
+
+def evaluate_ids(
+    model: GPT,
+    ids: np.ndarray,
+    token_byte_lengths: np.ndarray | None,
+    stride: int | None = None,
+    batch_size: int = 8,
+    on_windows: Callable[[int], None] = lambda n: None,
+) -> EvalResult:
+    """Metrics of a token sequence; bytes come from the tokenizer's per-token byte lengths (0 if unknown)."""
+    nll_sum, tokens = score_tokens(model, ids, stride, batch_size, on_windows=on_windows)
+    n_bytes = scored_bytes(ids, token_byte_lengths) if token_byte_lengths is not None else 0
+    return metrics(nll_sum, tokens, n_bytes)
+
+
+def evaluate_text(
+    model: GPT,
+    tokenizer: Any,
+    text: str,
+    stride: int | None = None,
+    batch_size: int = 8,
+    on_windows: Callable[[int], None] = lambda n: None,
+) -> EvalResult:
+    """Metrics of text encoded as the tokenizer encodes it (no added tokens)."""
+    if not text:
+        raise InputError("the text to evaluate is empty")
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    if len(ids) < 2:
+        raise InputError(f"the text encodes to {len(ids)} token; at least 2 are needed to score a prediction")
+    return evaluate_ids(model, ids, tokenizer.token_byte_lengths(), stride, batch_size, on_windows)

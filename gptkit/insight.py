@@ -1,0 +1,432 @@
+"""What is inside a model (SPEC section 5): the data behind each picture, the pictures, and an index.html.
+
+The data functions (prompt_insight, attention_maps, hidden_state_norms, layer_similarity,
+next_token_distributions, token_probabilities, parameter_parts, causal_mask) return plain tensors and lists, so
+that other front ends (the HTTP playground) can reuse them; the draw_* functions turn them into matplotlib
+Figures; write_report saves the PNGs and an index.html that shows them with captions.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+from torch import Tensor
+
+from gptkit.accounting import attention_params, mlp_params, norm_params, param_breakdown
+from gptkit.config import ModelConfig
+from gptkit.errors import InputError
+from gptkit.model import GPT, Trace
+from gptkit.modeldir import atomic_write, atomic_write_text
+
+TEMPERATURES = (0.5, 1.0, 2.0)
+MAX_HEATMAP_TOKENS = 48  # beyond this, token labels become unreadable: heatmaps show the last positions only
+TOP_TOKENS = 10
+DEFAULT_PROMPT = "First Citizen:\nBefore we proceed any further, hear me speak."
+DPI = 100
+
+
+@dataclass(frozen=True)
+class PromptInsight:
+    """One traced forward pass over a prompt, as float32 CPU tensors."""
+
+    ids: list[int]  # the tokens the model saw (the prompt's last block_size tokens for learned positions)
+    dropped: int  # prompt tokens cut from the front to fit the context
+    attentions: list[Tensor]  # per layer: (n_head, T, T), row i = how query i spreads over keys 0..i
+    hidden_states: list[Tensor]  # (T, d) after the embedding, each block and (pre-norm) the final norm
+    state_labels: list[str]  # a name for each hidden state
+    logits: Tensor  # (T, vocab_size)
+
+
+@dataclass(frozen=True)
+class Picture:
+    """A written PNG and what index.html says about it."""
+
+    file: str
+    title: str
+    caption: str
+
+
+# --- data ---------------------------------------------------------------------------------------------------
+
+
+def state_labels(config: ModelConfig) -> list[str]:
+    """Names of the hidden states a Trace records, in order."""
+    labels = ["embedding"] + [f"block {i + 1}" for i in range(config.n_layer)]
+    return labels + (["final norm"] if config.norm_position == "pre" else [])
+
+
+@torch.no_grad()
+def prompt_insight(model: GPT, ids: Sequence[int]) -> PromptInsight:
+    """Run ids (one sequence) through model with a Trace; the context keeps its last block_size tokens."""
+    if len(ids) == 0:
+        raise InputError("the prompt encodes to no tokens; give a non-empty --prompt")
+    config = model.config
+    keep = list(ids)[-config.block_size :]
+    device = next(model.parameters()).device
+    trace = Trace()
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(torch.tensor([keep], device=device), trace=trace)
+    finally:
+        model.train(was_training)
+    return PromptInsight(
+        ids=keep,
+        dropped=len(ids) - len(keep),
+        attentions=[a[0].float().cpu() for a in trace.attentions],
+        hidden_states=[h[0].float().cpu() for h in trace.hidden_states],
+        state_labels=state_labels(config),
+        logits=logits[0].float().cpu(),
+    )
+
+
+def attention_maps(insight: PromptInsight) -> list[Tensor]:
+    """Per layer, the (n_head, T, T) attention weights: rows sum to 1, zero above the diagonal."""
+    return insight.attentions
+
+
+def hidden_state_norms(hidden_states: Sequence[Tensor]) -> Tensor:
+    """(states, T): the L2 norm of each position's hidden state after each stage."""
+    return torch.stack([h.norm(dim=-1) for h in hidden_states])
+
+
+def layer_similarity(hidden_states: Sequence[Tensor], position: int = -1) -> Tensor:
+    """(states, states): cosine similarity between the stages' representations of one position."""
+    vectors = torch.stack([h[position] for h in hidden_states])  # (states, d)
+    unit = vectors / vectors.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return unit @ unit.T
+
+
+def next_token_distributions(logits: Tensor, temperatures: Sequence[float] = TEMPERATURES) -> dict[float, Tensor]:
+    """softmax(z / tau) of one position's logits (V,) for each temperature tau > 0."""
+    if any(t <= 0 for t in temperatures):
+        raise InputError(f"temperatures must be > 0, got {list(temperatures)}")
+    return {t: torch.softmax(logits.float() / t, dim=-1) for t in temperatures}
+
+
+def token_probabilities(logits: Tensor, ids: Sequence[int]) -> Tensor:
+    """(T-1,): the probability the model gave each actual next token ids[1:], from logits (T, V)."""
+    targets = torch.tensor(list(ids[1:]), dtype=torch.long)
+    probs = torch.softmax(logits[: len(targets)].float(), dim=-1)
+    return probs.gather(1, targets[:, None])[:, 0]
+
+
+def causal_mask(size: int) -> Tensor:
+    """(size, size) booleans: True where query i may attend to key j (j <= i)."""
+    return torch.ones(size, size, dtype=torch.bool).tril()
+
+
+def parameter_parts(config: ModelConfig) -> list[tuple[str, int]]:
+    """Parameter counts by part: embeddings, each block's attention and MLP, all norms, the head (from accounting)."""
+    totals = param_breakdown(config)
+    parts = [("token embedding" + (" (tied head)" if config.tie_embeddings else ""), totals.token_embedding)]
+    if totals.position_embedding:
+        parts.append(("position embedding", totals.position_embedding))
+    for i in range(config.n_layer):
+        parts += [(f"block {i + 1} attention", attention_params(config)), (f"block {i + 1} MLP", mlp_params(config))]
+    parts.append((f"norms ({totals.norms // norm_params(config)})", totals.norms))
+    if totals.lm_head:
+        parts.append(("LM head", totals.lm_head))
+    return parts
+
+
+def token_label(text: str, width: int = 12) -> str:
+    """A token's text made visible and safe for a plot label: spaces as ␣, control characters escaped."""
+    out = []
+    for ch in text:
+        if ch == " ":
+            out.append("\u2423")
+        elif ch in "\n\t\r":
+            out.append({"\n": "\\n", "\t": "\\t", "\r": "\\r"}[ch])
+        elif ord(ch) < 32 or ord(ch) == 127:
+            out.append(f"\\x{ord(ch):02x}")
+        elif ch == "$":
+            out.append("\\$")  # a bare $ would start matplotlib's mathtext
+        else:
+            out.append(ch)
+    label = "".join(out) or "\u2205"
+    return label if len(label) <= width else label[: width - 1] + "\u2026"
+
+
+def token_labels(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """The display label of each token, decoded one by one."""
+    return [token_label(tokenizer.decode([i])) for i in ids]
+
+
+# --- drawing ------------------------------------------------------------------------------------------------
+
+
+def _figure(width: float, height: float) -> Figure:
+    return Figure(figsize=(min(width, 40), min(height, 60)), dpi=DPI, layout="constrained")
+
+
+def _tick_labels(ax: Any, labels: Sequence[str], x: bool = True, y: bool = True) -> None:
+    size = max(4.0, min(9.0, 300 / max(1, len(labels))))
+    ticks = range(len(labels))
+    if x:
+        ax.set_xticks(ticks, labels, rotation=90, fontsize=size)
+    else:
+        ax.set_xticks([])
+    if y:
+        ax.set_yticks(ticks, labels, fontsize=size)
+    else:
+        ax.set_yticks([])
+
+
+def draw_parameters(config: ModelConfig) -> Figure:
+    """Horizontal bars of parameter_parts, with each count and share and the total in the title."""
+    parts = parameter_parts(config)
+    total = param_breakdown(config).total
+    fig = _figure(9, 1.5 + 0.28 * len(parts))
+    ax = fig.add_subplot()
+    labels, counts = [p[0] for p in parts], [p[1] for p in parts]
+    colours = ["#4c72b0" if "attention" in lab else "#dd8452" if "MLP" in lab else "#55a868" for lab in labels]
+    ax.barh(range(len(parts)), counts, color=colours)
+    ax.set_yticks(range(len(parts)), labels, fontsize=8)
+    ax.invert_yaxis()
+    for i, count in enumerate(counts):
+        ax.text(count, i, f" {count:,} ({100 * count / total:.1f}%)", va="center", fontsize=7)
+    ax.set_xlim(0, max(counts) * 1.35)
+    ax.set_xlabel("parameters")
+    ax.set_title(f"{total:,} parameters in all")
+    return fig
+
+
+def draw_attention(weights: Tensor, labels: Sequence[str], layer: int) -> Figure:
+    """One lower-triangular heatmap per head of one layer's (n_head, T, T) weights."""
+    n_head, T = weights.size(0), weights.size(-1)
+    cols = min(n_head, 4)
+    rows = math.ceil(n_head / cols)
+    panel = min(6.0, max(2.5, 0.14 * T + 1.2))
+    fig = _figure(cols * panel, rows * panel + 0.5)
+    upper = np.triu(np.ones((T, T), dtype=bool), k=1)
+    for h in range(n_head):
+        ax = fig.add_subplot(rows, cols, h + 1)
+        image = ax.imshow(np.ma.masked_array(weights[h].numpy(), mask=upper), cmap="viridis", vmin=0, vmax=1)
+        ax.set_title(f"head {h + 1}", fontsize=9)
+        _tick_labels(ax, labels, x=h // cols == rows - 1 or h + cols >= n_head, y=h % cols == 0)
+    fig.colorbar(image, ax=fig.axes, shrink=0.6, label="attention weight")
+    fig.suptitle(f"layer {layer}: query (row) attends to key (column)")
+    return fig
+
+
+def draw_norms(norms: Tensor, state_names: Sequence[str], labels: Sequence[str]) -> Figure:
+    """Heatmap of hidden-state norms: one row per stage, one column per position."""
+    S, T = norms.shape
+    fig = _figure(max(6, 0.22 * T + 3), max(3, 0.3 * S + 2))
+    ax = fig.add_subplot()
+    from matplotlib.colors import LogNorm
+
+    # log colours: a final norm often has norms many times the residual stream's, which would flatten the rest
+    image = ax.imshow(norms.clamp_min(1e-6).numpy(), aspect="auto", cmap="magma", norm=LogNorm())
+    _tick_labels(ax, labels, y=False)
+    ax.set_yticks(range(S), state_names, fontsize=8)
+    ax.set_xlabel("position (token)")
+    fig.colorbar(image, ax=ax, label="L2 norm (log scale)")
+    ax.set_title("norm of each position's hidden state")
+    return fig
+
+
+def draw_similarity(similarity: Tensor, state_names: Sequence[str], token: str) -> Figure:
+    """Heatmap of the cosine similarity between stages at one position, annotated when small."""
+    S = similarity.size(0)
+    size = max(4.5, 0.35 * S + 2.5)
+    fig = _figure(size + 1, size)
+    ax = fig.add_subplot()
+    image = ax.imshow(similarity.numpy(), cmap="coolwarm", vmin=-1, vmax=1)
+    ax.set_xticks(range(S), state_names, rotation=90, fontsize=8)
+    ax.set_yticks(range(S), state_names, fontsize=8)
+    if S <= 14:
+        for i in range(S):
+            for j in range(S):
+                ax.text(j, i, f"{similarity[i, j]:.2f}", ha="center", va="center", fontsize=7)
+    fig.colorbar(image, ax=ax, label="cosine similarity")
+    ax.set_title(f"similarity of the representations of the last token ({token})")
+    return fig
+
+
+def draw_distributions(distributions: dict[float, Tensor], tokenizer: Any, k: int = TOP_TOKENS) -> Figure:
+    """Bars of the top-k next tokens under each temperature (temperature keeps the order, so one token set)."""
+    temps = list(distributions)
+    first = distributions[temps[0]]
+    top = torch.topk(first, min(k, first.numel())).indices
+    labels = token_labels(tokenizer, top.tolist())
+    fig = _figure(4 * len(temps), 4.2)
+    ceiling = min(1.0, 1.15 * max(float(distributions[t][top].max()) for t in temps))  # one scale for all panels
+    for n, t in enumerate(temps):
+        ax = fig.add_subplot(1, len(temps), n + 1)
+        probs = distributions[t][top].numpy()
+        ax.bar(range(len(top)), probs, color="#4c72b0")
+        ax.set_xticks(range(len(top)), labels, rotation=90, fontsize=8)
+        ax.set_ylim(0, ceiling)
+        ax.set_title(f"temperature {t:g}: top {len(top)} hold {probs.sum():.0%}", fontsize=9)
+        if n == 0:
+            ax.set_ylabel("probability")
+    fig.suptitle("next-token distribution after the prompt")
+    return fig
+
+
+def draw_mask(size: int, labels: Sequence[str]) -> Figure:
+    """The causal mask as an image: light where attention is allowed (key j <= query i)."""
+    fig = _figure(max(4, 0.16 * size + 2), max(4, 0.16 * size + 2))
+    ax = fig.add_subplot()
+    ax.imshow(causal_mask(size).numpy(), cmap="Greys_r", vmin=0, vmax=1)
+    _tick_labels(ax, labels)
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    ax.set_title("causal mask: white = may attend, black = -inf before the softmax")
+    return fig
+
+
+def draw_activation(activation: str) -> Figure:
+    """The model's nonlinearity (GELU, its tanh approximation, or SwiGLU's SiLU gate) against ReLU."""
+    x = torch.linspace(-4, 4, 401)
+    curves = {
+        "gelu": ("GELU x·Φ(x)", torch.nn.functional.gelu(x)),
+        "gelu_tanh": ("GELU (tanh approximation)", torch.nn.functional.gelu(x, approximate="tanh")),
+        "swiglu": ("SiLU x·σ(x) (SwiGLU's gate)", torch.nn.functional.silu(x)),
+    }
+    name, y = curves[activation]
+    fig = _figure(6, 4)
+    ax = fig.add_subplot()
+    ax.plot(x.numpy(), torch.relu(x).numpy(), label="ReLU max(0, x)", linestyle="--", color="grey")
+    ax.plot(x.numpy(), y.numpy(), label=name, color="#c44e52")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.axvline(0, color="black", linewidth=0.5)
+    ax.legend()
+    ax.set_xlabel("x")
+    ax.set_title(f"{name.split(' ')[0]} against ReLU")
+    return fig
+
+
+def save_png(fig: Figure, path: Path) -> None:
+    """Render a figure to a PNG file atomically (Agg, no global backend)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from")  # tokens in scripts the font lacks
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=DPI))
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+
+def write_report(
+    model: GPT,
+    tokenizer: Any,
+    prompt: str,
+    out_dir: str | Path,
+    title: str = "model",
+    max_tokens: int = MAX_HEATMAP_TOKENS,
+) -> list[Picture]:
+    """Write every picture of the prompt's pass through model into out_dir, then index.html showing them.
+
+    Heatmaps over positions draw at most the last max_tokens positions (the captions say so).
+    """
+    if max_tokens < 1:
+        raise InputError(f"--max-tokens must be >= 1, got {max_tokens}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    ids = tokenizer.encode(prompt)
+    insight = prompt_insight(model, ids)
+    shown = min(len(insight.ids), max_tokens)
+    cut = len(insight.ids) - shown
+    labels = token_labels(tokenizer, insight.ids)[cut:]
+    context_note = (
+        f" The prompt's first {insight.dropped} tokens were dropped to fit the {config.block_size}-token context."
+        if insight.dropped
+        else ""
+    )
+    shown_note = f" Only the last {shown} of the {len(insight.ids)} positions are drawn." if cut else ""
+    rows_note = " The weights on earlier keys are left out, so a drawn row can sum to less than 1." if cut else ""
+    pictures: list[Picture] = []
+
+    def add(fig: Figure, file: str, heading: str, caption: str) -> None:
+        save_png(fig, out / file)
+        pictures.append(Picture(file, heading, caption))
+
+    total = param_breakdown(config).total
+    add(draw_parameters(config), "parameters.png", "Parameter breakdown",
+        f"{total:,} parameters: the token embedding, each block's attention (fused q, k, v and output "
+        "projections) and MLP, all norms together, and the LM head when it is not tied to the embedding.")
+    for layer, weights in enumerate(attention_maps(insight), start=1):
+        add(draw_attention(weights[:, cut:, cut:], labels, layer), f"attention_layer{layer}.png",
+            f"Attention, layer {layer}",
+            f"softmax(QK^T/sqrt(d_k) + M) for each of the {config.n_head} heads: row i shows how query token i "
+            "spreads its attention over keys 0..i; each full row sums to 1 and nothing lies above the diagonal."
+            + shown_note + rows_note + context_note)  # fmt: skip
+    add(draw_norms(hidden_state_norms(insight.hidden_states)[:, cut:], insight.state_labels, labels),
+        "hidden_norms.png", "Hidden-state norms",
+        "The L2 norm of each position's hidden state after the embedding, after each block"
+        + (" and after the final norm." if config.norm_position == "pre" else " (post-norm: each block ends in a "
+           "norm).") + shown_note + context_note)  # fmt: skip
+    last = token_labels(tokenizer, insight.ids[-1:])[0]
+    add(draw_similarity(layer_similarity(insight.hidden_states), insight.state_labels, last),
+        "layer_similarity.png", "Similarity between layers",
+        "Cosine similarity between the representations of the last prompt token after each stage: how much each "
+        "block changes the residual stream.")  # fmt: skip
+    distributions = next_token_distributions(insight.logits[-1])
+    add(draw_distributions(distributions, tokenizer), "next_token.png", "Next-token distribution",
+        f"The top {TOP_TOKENS} next tokens after the prompt under softmax(z / tau) for tau = "
+        + ", ".join(f"{t:g}" for t in TEMPERATURES) + ": a low temperature sharpens the distribution, a high one "
+        "flattens it (the order never changes).")  # fmt: skip
+    add(draw_mask(shown, labels), "causal_mask.png", "Causal mask",
+        "M_ij = 0 where key j <= query i and -inf above the diagonal, so no position sees the future."
+        + shown_note)  # fmt: skip
+    if config.activation != "relu":
+        add(draw_activation(config.activation), "activation.png", "Activation function",
+            f"This model's MLP uses {config.activation}; ReLU (the original Transformer's) for comparison.")
+    atomic_write_text(out / "index.html", render_index(pictures, title, prompt, config))
+    return pictures
+
+
+def render_index(pictures: Sequence[Picture], title: str, prompt: str, config: ModelConfig) -> str:
+    """A self-contained HTML page (no external resources) showing each picture with its caption."""
+    esc = html.escape
+    summary = (
+        f"{config.n_layer} layers, {config.n_head} heads ({config.n_kv_head} kv), width {config.n_embd}, "
+        f"{config.activation}, {config.norm} {config.norm_position}-norm, {config.position} positions, "
+        f"context {config.block_size}, vocabulary {config.vocab_size}"
+    )
+    toc = "\n".join(f'<li><a href="#{esc(Path(p.file).stem)}">{esc(p.title)}</a></li>' for p in pictures)
+    figures = "\n".join(
+        f'<figure id="{esc(Path(p.file).stem)}"><h2>{esc(p.title)}</h2>'
+        f'<img src="{esc(p.file)}" alt="{esc(p.title)}"><figcaption>{esc(p.caption)}</figcaption></figure>'
+        for p in pictures
+    )
+    return f"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>gptkit inspect: {esc(title)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; padding: 0 1em; color: #222; }}
+img {{ max-width: 100%; height: auto; border: 1px solid #ddd; }}
+figure {{ margin: 2em 0; }}
+figcaption {{ color: #555; margin-top: 0.5em; }}
+pre {{ background: #f4f4f4; padding: 0.8em; white-space: pre-wrap; }}
+</style>
+</head>
+<body>
+<h1>gptkit inspect: {esc(title)}</h1>
+<p>{esc(summary)}</p>
+<p>Prompt:</p>
+<pre>{esc(prompt)}</pre>
+<ul>
+{toc}
+</ul>
+{figures}
+</body>
+</html>
+"""

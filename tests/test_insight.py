@@ -1,0 +1,157 @@
+"""gptkit inspect: the data behind each picture, valid PNGs, and an index.html that shows them."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import VARIANTS
+from matplotlib.image import imread
+
+from gptkit.accounting import param_breakdown
+from gptkit.cli import main
+from gptkit.config import ModelConfig
+from gptkit.insight import (
+    attention_maps,
+    causal_mask,
+    hidden_state_norms,
+    layer_similarity,
+    next_token_distributions,
+    parameter_parts,
+    prompt_insight,
+    token_label,
+    token_probabilities,
+    write_report,
+)
+from gptkit.model import GPT
+from gptkit.modeldir import save_model_dir
+from gptkit.tokenizer import ByteTokenizer
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "original-decoder"])
+def test_attention_rows_sum_to_one_and_upper_triangle_is_zero(name):
+    config = ModelConfig(**VARIANTS[name])
+    model = GPT(config)
+    ids = torch.randint(0, config.vocab_size, (12,)).tolist()
+    insight = prompt_insight(model, ids)
+    maps = attention_maps(insight)
+    assert len(maps) == config.n_layer
+    for weights in maps:
+        assert weights.shape == (config.n_head, 12, 12)
+        assert torch.allclose(weights.sum(-1), torch.ones(config.n_head, 12), atol=1e-5)
+        assert torch.all(weights.triu(diagonal=1) == 0)
+        assert torch.all(weights[:, 0, 0] == 1)  # the first token can only attend to itself
+
+
+def test_hidden_states_norms_and_similarity():
+    config = ModelConfig(**VARIANTS["gpt2"])
+    model = GPT(config)
+    ids = torch.randint(0, config.vocab_size, (9,)).tolist()
+    insight = prompt_insight(model, ids)
+    assert len(insight.hidden_states) == len(insight.state_labels) == config.n_layer + 2  # + embedding, final norm
+    norms = hidden_state_norms(insight.hidden_states)
+    assert norms.shape == (config.n_layer + 2, 9)
+    assert norms[1, 4] == pytest.approx(float(insight.hidden_states[1][4].norm()))
+    sim = layer_similarity(insight.hidden_states)
+    assert torch.allclose(sim, sim.T, atol=1e-6) and torch.allclose(sim.diagonal(), torch.ones(len(sim)), atol=1e-5)
+    direct = F.cosine_similarity(insight.hidden_states[0][-1], insight.hidden_states[2][-1], dim=0)
+    assert sim[0, 2] == pytest.approx(float(direct), abs=1e-5)
+    # the final logits are the model's own
+    assert torch.allclose(insight.logits, model(torch.tensor([ids]))[0], atol=1e-5)
+    post = ModelConfig(**VARIANTS["original-decoder"])
+    assert len(prompt_insight(GPT(post), ids).hidden_states) == post.n_layer + 1  # no final norm
+
+
+def test_next_token_distributions_follow_temperature():
+    logits = torch.randn(50)
+    dists = next_token_distributions(logits)
+    assert list(dists) == [0.5, 1.0, 2.0]
+    entropies = []
+    for t, probs in dists.items():
+        assert probs.sum() == pytest.approx(1.0, abs=1e-5)
+        assert torch.allclose(probs, torch.softmax(logits / t, dim=-1))
+        entropies.append(float(-(probs * probs.log()).sum()))
+    assert entropies[0] < entropies[1] < entropies[2]  # a higher temperature flattens the distribution
+    assert torch.equal(dists[0.5].argsort(), dists[2.0].argsort())  # but keeps the order
+
+
+def test_token_probabilities_are_those_of_the_actual_next_tokens():
+    logits = torch.randn(5, 20)
+    ids = [3, 7, 1, 19, 0]
+    probs = token_probabilities(logits, ids)
+    expected = torch.exp(-F.cross_entropy(logits[:4], torch.tensor(ids[1:]), reduction="none"))
+    assert torch.allclose(probs, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_parameter_parts_add_up_to_the_model(name):
+    config = ModelConfig(**VARIANTS[name])
+    parts = parameter_parts(config)
+    assert sum(count for _, count in parts) == param_breakdown(config).total
+    assert sum(count for _, count in parts) == sum(p.numel() for p in GPT(config).parameters())
+    labels = [label for label, _ in parts]
+    assert all(f"block {i + 1} attention" in labels and f"block {i + 1} MLP" in labels for i in range(config.n_layer))
+
+
+def test_causal_mask_and_token_labels():
+    mask = causal_mask(4)
+    assert mask.tolist() == [[True, False, False, False], [True, True, False, False],
+                             [True, True, True, False], [True, True, True, True]]  # fmt: skip
+    assert token_label(" the\n") == "\u2423the\\n"
+    assert token_label("$x$") == "\\$x\\$"  # no mathtext
+    assert token_label("\x00") == "\\x00"
+    assert len(token_label("a" * 40)) == 12
+
+
+def check_png(path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 1000, path
+    image = imread(path)
+    assert image.ndim == 3 and image.shape[0] > 50 and image.shape[1] > 50
+    assert image.std() > 0  # not a blank canvas
+
+
+@pytest.fixture(scope="module")
+def gelu_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=257, block_size=64, n_layer=2, n_head=2, n_embd=32, activation="gelu")
+    return save_model_dir(GPT(config), tmp_path_factory.mktemp("gelu"), tokenizer=ByteTokenizer())
+
+
+def test_report_pictures_are_valid_pngs_referenced_by_index(gelu_dir, tmp_path, capsys):
+    prompt = "<b>To be</b> & $not$ to be"
+    assert main(["inspect", str(gelu_dir), "--prompt", prompt, "--out", str(tmp_path / "out")]) == 0
+    assert "index.html" in capsys.readouterr().out
+    pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    expected = {"parameters.png", "attention_layer1.png", "attention_layer2.png", "hidden_norms.png",
+                "layer_similarity.png", "next_token.png", "causal_mask.png", "activation.png"}  # fmt: skip
+    assert set(pngs) == expected
+    for name in pngs:
+        check_png(tmp_path / "out" / name)
+    page = (tmp_path / "out" / "index.html").read_text()
+    assert sorted(re.findall(r'<img src="([^"]+)"', page)) == pngs  # relative links, one per picture
+    assert "&lt;b&gt;To be&lt;/b&gt; &amp; $not$ to be" in page and "<b>To be" not in page
+    assert "http://" not in page and "https://" not in page  # nothing fetched from elsewhere
+
+
+def test_long_prompt_is_capped_and_captioned(tmp_path):
+    config = ModelConfig(vocab_size=257, block_size=16, n_layer=1, n_head=2, n_embd=16, activation="relu")
+    prompt = "x" * 30  # 30 byte tokens: 16 fit the context, the last 6 are drawn
+    pictures = write_report(GPT(config), ByteTokenizer(), prompt, tmp_path, max_tokens=6)
+    attention = next(p for p in pictures if p.file == "attention_layer1.png")
+    assert "last 6 of the 16 positions" in attention.caption
+    assert "first 14 tokens were dropped" in attention.caption
+    assert "activation.png" not in {p.file for p in pictures}  # a ReLU model gets no activation picture
+    assert len(pictures) == 6
+    check_png(tmp_path / "attention_layer1.png")
+
+
+def test_cli_errors_are_one_line(gelu_dir, tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert main(["inspect", str(gelu_dir), "--prompt", "", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "does not exist" in err and "empty" in err
