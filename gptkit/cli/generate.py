@@ -1,0 +1,152 @@
+"""`gptkit generate`: sample text from a model directory, streamed to stdout or as one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gptkit.errors import GptkitError
+
+if TYPE_CHECKING:
+    from gptkit.sampling import SamplingParams
+
+METHODS = ("int8",)  # gptkit.quantization.METHODS, repeated here so that `gptkit --help` does not import torch
+DRAFT_K = 4  # gptkit.generation.DRAFT_K, likewise
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+_EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field (--max-new-tokens, --top-p, ...), with the dataclass's defaults."""
+    from gptkit.sampling import SamplingParams
+
+    hints = typing.get_type_hints(SamplingParams)
+    for f in dataclasses.fields(SamplingParams):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        options: dict[str, Any] = {"dest": f.name, "default": f.default}
+        if f.name == "stop":
+            options.update(nargs="+", action="extend", default=None, metavar="S")
+        elif f.name == "early_stopping":
+            options.update(choices=list(_EARLY_STOPPING), default=str(f.default).lower())
+        else:
+            kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            options["type"] = kinds[0]
+        default = "none" if f.default in (None, ()) else str(f.default).lower()
+        parser.add_argument(flag, help=f"{f.metadata['help']} (default: {default})", **options)
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> "SamplingParams":
+    """The SamplingParams the parsed flags ask for (validated: a bad value is a one-line ConfigError)."""
+    from gptkit.sampling import SamplingParams
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)}
+    values["stop"] = tuple(values["stop"] or ())
+    values["early_stopping"] = _EARLY_STOPPING[values["early_stopping"]]
+    return SamplingParams(**values)
+
+
+HELP = "generate text from a model directory (streamed, or --json with ids and timing)"  # shown by `gptkit --help` without importing the command
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `generate` sub-command."""
+    parser = subparsers.add_parser(
+        "generate",
+        help=HELP,
+        description="Continue a prompt with a model: the text streams to stdout as it is decoded. The prompt comes "
+        "from --prompt, --prompt-file or standard input; with none of them (and a terminal on stdin) the model "
+        "starts from its end-of-text token.",
+    )
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="a gptkit (or Hugging Face) model directory")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", default=None, help="the prompt text")
+    source.add_argument("--prompt-file", type=Path, default=None, metavar="F", help="read the prompt from file F")
+    add_sampling_arguments(parser)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weight precision (default: float32)")
+    parser.add_argument("--device", choices=DEVICES, default="auto", help="where to run (default: auto)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, timing")
+    parser.add_argument("--quantize", choices=METHODS, default=None,
+                        help="int8: int8 weight-only quantisation of a float model after loading (default: none)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decode step with torch.compile: a one-off cost (reported in --json "
+                        "timing) that pays back over long generations (default: eager)")
+    parser.add_argument("--draft", default=None, metavar="DRAFT_DIR",
+                        help="speculative decoding with this smaller model of the same tokenizer (default: none)")
+    parser.add_argument("--draft-k", type=int, default=DRAFT_K, metavar="K",
+                        help=f"tokens the draft proposes per target pass (default: {DRAFT_K})")  # fmt: skip
+    parser.set_defaults(run=run)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt from --prompt, --prompt-file, or stdin when it is not a terminal (else empty)."""
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            return args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise GptkitError(f"cannot read --prompt-file {args.prompt_file}: {err}") from None
+    if sys.stdin is not None and not sys.stdin.isatty():
+        return sys.stdin.read()
+    return ""
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, generate, and print the text (or the JSON report)."""
+    from gptkit.devices import pick_device
+
+    params = sampling_params_from_args(args)  # validate before the (slow) model load
+    prompt = read_prompt(args)
+    import torch
+
+    from gptkit.generation import encode_prompt, generate_text, stream_text
+    from gptkit.modeldir import load
+    from gptkit.quantization import is_quantized, quantize
+    from gptkit.speculative import check_draft
+
+    dtype, device = getattr(torch, args.dtype), pick_device(args.device)
+    model, tokenizer = load(args.model_dir, dtype=dtype, device=device)  # a saved int8 directory loads as it is
+    if tokenizer is None:
+        raise GptkitError(
+            f"{args.model_dir} has no tokenizer files; save one with the model or use gptkit.generate_ids in Python"
+        )
+    if args.quantize and not is_quantized(model):
+        quantize(model, args.quantize)
+    draft = None
+    if args.draft is not None:
+        draft, _ = load(args.draft, dtype=dtype, device=device)
+        if args.quantize and not is_quantized(draft):
+            quantize(draft, args.quantize)
+        check_draft(model, draft, params, args.draft_k)
+    fast = dict(compile=args.compile, draft=draft, draft_k=args.draft_k)
+    encode_prompt(tokenizer, prompt)  # a bad prompt fails before anything is printed
+    if args.json:
+        with torch.no_grad():  # warm up (allocator, kernels) so that the timing measures steady work
+            model(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))
+        [texts], result = generate_text(model, tokenizer, [prompt], params, **fast)
+        samples = [{"text": text, "ids": c.ids, "finish_reason": c.finish_reason}
+                   for text, c in zip(texts, result.completions[0])]  # fmt: skip
+        report = {"prompt": prompt, "prompt_ids": encode_prompt(tokenizer, prompt), **samples[0],
+                  "samples": samples, "timing": result.timing.to_dict()}  # fmt: skip
+        print(json.dumps(report, ensure_ascii=False))
+        return 0
+    if params.num_beams > 1 or params.num_samples > 1 or draft is not None:  # not streamed
+        [texts], _ = generate_text(model, tokenizer, [prompt], params, **fast)
+        print("\n---------------\n".join(texts))
+        return 0
+    text = ""
+    for piece in stream_text(model, tokenizer, prompt, params, compile=args.compile):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        text += piece
+    if sys.stdout.isatty() and not text.endswith("\n"):
+        sys.stdout.write("\n")
+    return 0
