@@ -1,0 +1,49 @@
+"""`gptkit serve`: an OpenAI-compatible HTTP server (completions, chat, streaming) with a playground at /."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+API_KEY_ENV = "GPTKIT_API_KEY"  # read when --api-key is not given
+
+
+HELP = "serve a model over an OpenAI-compatible HTTP API with a playground page"  # shown by `gptkit --help` without importing the command
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `serve` sub-command; its flags come from ServeOptions."""
+    from gptkit.serving.server import ServeOptions
+
+    parser = subparsers.add_parser(
+        "serve",
+        help=HELP,
+        description="Serve MODEL_DIR over HTTP: POST /v1/completions, POST /v1/chat/completions (streaming with "
+        "stream=true), GET /v1/models, GET /health, and a playground page at /. Concurrent requests are decoded "
+        "together in one batch.",
+    )
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="a gptkit (or Hugging Face) model directory")
+    for f in dataclasses.fields(ServeOptions):
+        flag = "--" + f.name.replace("_", "-")
+        kind = int if f.type in ("int", "int | None") else str
+        shown = "" if f.default is None else f" (default: {f.default})"
+        parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"] + shown)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the server and block until Ctrl-C."""
+    from gptkit.serving.server import ServeOptions, serve
+
+    options = ServeOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeOptions)})
+    if options.api_key is None and os.environ.get(API_KEY_ENV):
+        options.api_key = os.environ[API_KEY_ENV]  # keeps the key out of the process list
+    if options.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
+        print(f"gptkit serve: warning: binding {options.host} without --api-key lets anyone who can reach this "
+              "machine use the model", file=sys.stderr)  # fmt: skip
+    print(f"gptkit serve: loading {args.model_dir}; the playground will be at http://{options.host}:<port>/",
+          file=sys.stderr, flush=True)  # fmt: skip
+    serve(args.model_dir, options)
+    return 0

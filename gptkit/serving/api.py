@@ -1,0 +1,577 @@
+"""The HTTP face of the server: a FastAPI app speaking the OpenAI completions and chat API, plus the playground."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gptkit.errors import GptkitError
+from gptkit.sampling import SamplingParams
+from gptkit.serving.chat import ChatTemplate
+from gptkit.serving.engine import Chunk, Engine, QueueFull, Sequence, TokenInfo
+from gptkit.serving.schemas import AttentionRequest, ChatRequest, CompletionRequest, _Sampling, error_body
+
+STATIC = Path(__file__).parent / "static"
+DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
+RETRY_AFTER_SECONDS = 1
+POLL_SECONDS = 0.5  # how often a non-streaming request checks whether its client is still there
+_REQUEST_NAMES = {"num_samples": "n"}  # SamplingParams field -> OpenAI request field
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI error object and the given HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need: the engine, the tokenizer, the served name and the limits."""
+
+    engine: Engine
+    tokenizer: Any
+    model_name: str
+    chat_template: ChatTemplate
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+
+    @property
+    def block_size(self) -> int:
+        """The model's context length in tokens."""
+        return self.engine.block_size
+
+
+class BodyLimit:
+    """ASGI middleware: a request body larger than limit bytes gets 413 before the app parses it.
+
+    The body is read here in full (it is at most limit bytes) and handed on as one message, so that a chunked
+    upload without a Content-Length is refused as soon as it passes the limit.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            await self._reject(scope, receive, send)
+            return
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending its body
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                await self._reject(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # later calls wait for the disconnect, as streaming responses expect
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"request body exceeds the server's limit of {self.limit} bytes"
+        response = JSONResponse(error_body(message, code="request_too_large"), status_code=413)
+        await response(scope, receive, send)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI application serving state's engine."""
+    app = FastAPI(title="gptkit", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gptkit = state
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=state.max_body_bytes)
+
+    if state.api_key:
+        app.add_middleware(BearerAuth, key=state.api_key)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": state.model_name, **state.engine.stats()}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        _check_model(state, model_id)
+        return _model_card(state)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await _completions(state, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Any:
+        return await _chat(state, body, request)
+
+    @app.post("/playground/attention")
+    async def attention(body: AttentionRequest) -> Any:
+        return await _attention(state, body)
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+class BearerAuth:
+    """ASGI middleware: API and playground routes answer 401 unless the request carries the bearer key."""
+
+    GUARDED = ("/v1/", "/playground/")
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.GUARDED) and not self._authorised(scope):
+            message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+            response = JSONResponse(error_body(message, code="invalid_api_key"), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorised(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return JSONResponse(error_body(err.message, err.type, err.param, err.code), err.status, headers=err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
+        if first.get("type") == "json_invalid":
+            detail = first.get("ctx", {}).get("error", "")
+            return JSONResponse(error_body(f"the request body is not valid JSON: {detail}".rstrip(": "),
+                                           code="invalid_json"), 400)  # fmt: skip
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first['msg']}" if param else str(first["msg"])
+        if first.get("type") == "missing":
+            message = f"{param} is required"
+        return JSONResponse(error_body(message, param=param, code="invalid_value"), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = f"no route {request.method} {request.url.path}" if err.status_code in (404, 405) else err.detail
+        return JSONResponse(error_body(str(message)), err.status_code, headers=getattr(err, "headers", None))
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "gptkit",
+            "context_length": state.block_size}  # fmt: skip
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")  # fmt: skip
+
+
+# ----- turning a request into sequences -----
+
+
+def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+    """The request's prompt(s) as token-id lists, each checked against the vocabulary and the context."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "prompt must not be an empty list", param="prompt")
+    encoded = []
+    for p in prompts:
+        try:
+            ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        except GptkitError as err:
+            raise APIError(400, f"cannot tokenize the prompt: {err}", param="prompt") from None
+        encoded.append(_check_prompt(state, ids))
+    return encoded
+
+
+def _check_prompt(state: ServerState, ids: list[int]) -> list[int]:
+    vocab = state.tokenizer.vocab_size
+    if not ids:
+        raise APIError(400, "the prompt is empty; send at least one token of text", param="prompt")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+    if len(ids) > state.block_size:
+        raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context is {state.block_size} tokens",
+                       param="prompt", code="context_length_exceeded")  # fmt: skip
+    return ids
+
+
+def _max_tokens(state: ServerState, requested: int | None, prompt_len: int, allow_zero: bool = False) -> int:
+    """The tokens to generate: as requested (checked against the context), else the default capped to fit."""
+    room = state.block_size - prompt_len
+    if requested is None:
+        if room < 1:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) fills the context of {state.block_size} tokens; "
+                           "nothing can be generated", param="prompt", code="context_length_exceeded")  # fmt: skip
+        return min(DEFAULT_MAX_TOKENS, room)
+    if requested < (0 if allow_zero else 1):
+        hint = " (0 is allowed only with echo, to score the prompt)" if not allow_zero else ""
+        raise APIError(400, f"max_tokens must be >= 1, got {requested}{hint}", param="max_tokens")
+    if requested > room:
+        raise APIError(400, f"max_tokens {requested} plus the prompt's {prompt_len} tokens exceed this model's "
+                       f"context of {state.block_size} tokens; ask for at most {max(room, 0)}",
+                       param="max_tokens", code="context_length_exceeded")  # fmt: skip
+    return requested
+
+
+def _sampling_params(body: _Sampling, max_tokens: int, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+    """SamplingParams from the request's fields; fields the request leaves out keep SamplingParams' defaults."""
+    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                                      "seed") if getattr(body, name) is not None}  # fmt: skip
+    if body.n is not None:
+        given["num_samples"] = body.n
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > 4:
+        raise APIError(400, f"stop takes at most 4 strings, got {len(stop)}", param="stop")
+    try:
+        return SamplingParams(max_new_tokens=max(max_tokens, 1), stop=tuple(stop) + extra_stop, **given)
+    except (GptkitError, ValueError) as err:
+        message = str(err).replace("num_samples", "n")  # the request's names, not SamplingParams'
+        param = next((name for name in [*given, "stop"] if name in str(err)), None)
+        raise APIError(400, message, param=_REQUEST_NAMES.get(param, param)) from None
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of choice `index` of n: its own seed (seed + index), one sample."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, seed=seed, num_samples=1)
+
+
+class Collector:
+    """Receives chunks from the engine thread into an asyncio queue on the server's loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Chunk]] = asyncio.Queue()
+
+    def sink(self, index: int) -> Callable[[Chunk], None]:
+        """The emit callback of choice `index`."""
+
+        def emit(chunk: Chunk) -> None:
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, chunk))
+            except RuntimeError:  # the server's loop has closed (shutdown): nobody is listening any more
+                pass
+
+        return emit
+
+
+def _submit(state: ServerState, prompts: list[list[int]], params: SamplingParams, top: int | None,
+            collector: Collector) -> list[Sequence]:  # fmt: skip
+    count, capacity = len(prompts) * params.num_samples, state.engine.max_batch_size + state.engine.max_queue
+    if count > capacity:
+        raise APIError(400, f"n x prompts = {count} sequences exceed the {capacity} this server can hold "
+                       "(--max-batch-size + --max-queue); ask for fewer", param="n")  # fmt: skip
+    sequences = [
+        Sequence(prompt, _choice_params(params, i), collector.sink(p * params.num_samples + i), top)
+        for p, prompt in enumerate(prompts)
+        for i in range(params.num_samples)
+    ]
+    try:
+        state.engine.submit(sequences)
+    except QueueFull as err:
+        raise APIError(503, str(err), code="server_busy", type_="server_error",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None  # fmt: skip
+    return sequences
+
+
+async def _collect(state: ServerState, sequences: list[Sequence], collector: Collector,
+                   request: Request) -> list[list[Chunk]]:  # fmt: skip
+    """Every chunk of every sequence, waiting for the last; a client that leaves cancels its sequences."""
+    chunks: list[list[Chunk]] = [[] for _ in sequences]
+    remaining = len(sequences)
+    try:
+        while remaining:
+            try:
+                index, chunk = await asyncio.wait_for(collector.queue.get(), POLL_SECONDS)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    break
+                continue
+            chunks[index].append(chunk)
+            remaining -= chunk.finish_reason is not None
+    finally:
+        state.engine.cancel(sequences)  # a no-op for finished ones
+    for per_choice in chunks:
+        if per_choice and per_choice[-1].finish_reason == "error":
+            raise APIError(500, "generation failed on the server; see its log", type_="server_error")
+    return chunks
+
+
+async def _stream_events(state: ServerState, sequences: list[Sequence], collector: Collector,
+                         render: Callable[[int, Chunk], dict[str, Any] | None],
+                         usage: Callable[[], dict[str, Any]] | None,
+                         preamble: list[dict[str, Any]]) -> AsyncIterator[str]:  # fmt: skip
+    """Server-sent events: the preamble, one event per chunk, the usage if asked, then [DONE]."""
+    remaining = len(sequences)
+    try:
+        for event in preamble:
+            yield _sse(event)
+        while remaining:
+            index, chunk = await collector.queue.get()
+            remaining -= chunk.finish_reason is not None
+            event = render(index, chunk)
+            if event is not None:
+                yield _sse(event)
+        if usage is not None:
+            yield _sse(usage())
+        yield "data: [DONE]\n\n"
+    finally:  # also runs when the client disconnects and the response is cancelled
+        state.engine.cancel(sequences)
+
+
+def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    """An event stream that proxies must not buffer or cache."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+
+
+def _sse(event: dict[str, Any]) -> str:
+    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def _finish(reason: str | None) -> str | None:
+    """OpenAI's finish reasons; a cancelled or failed sequence reports what it has as "length"."""
+    return reason if reason in (None, "stop", "length") else "length"
+
+
+# ----- /v1/completions -----
+
+
+def _completion_logprobs(tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs object; text_offset counts characters from the start of the echoed text."""
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token.text)
+    return {
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [dict(t.top) if t.logprob is not None else None for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+async def _completions(state: ServerState, body: CompletionRequest, request: Request) -> Any:
+    _check_model(state, body.model)
+    prompts = _prompts(state, body.prompt)
+    longest = max(len(p) for p in prompts)
+    scoring_only = body.echo and body.max_tokens == 0
+    max_tokens = _max_tokens(state, body.max_tokens, longest, allow_zero=body.echo)
+    params = _sampling_params(body, max_tokens)
+    n = params.num_samples
+    created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+    texts = [state.tokenizer.decode(p) for p in prompts]
+    echoed: list[list[TokenInfo]] = [[] for _ in prompts]
+    if body.echo and body.logprobs is not None:
+        futures = [state.engine.call(lambda p=p: state.engine.score(p, body.logprobs)) for p in prompts]
+        echoed = [await asyncio.wrap_future(f) for f in futures]
+
+    def choice(index: int, text: str, tokens: list[TokenInfo], reason: str | None, echo: bool) -> dict[str, Any]:
+        p = index // n
+        logprobs = None
+        if body.logprobs is not None:
+            pre = echoed[p] if echo else []
+            logprobs = _completion_logprobs(pre + tokens, 0 if echo else len(texts[p]))
+        return {"index": index, "text": (texts[p] if echo else "") + text, "logprobs": logprobs,
+                "finish_reason": _finish(reason)}  # fmt: skip
+
+    def envelope(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        out = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+               "choices": choices}  # fmt: skip
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    prompt_tokens = sum(len(p) for p in prompts) * n
+    if scoring_only:
+        choices = [choice(i, "", [], "length", True) for i in range(len(prompts) * n)]
+        result = envelope(choices, _usage(prompt_tokens, 0))
+        if body.stream:
+            return _sse_response(_one_shot(result))
+        return result
+
+    collector = Collector()
+    sequences = _submit(state, prompts, params, body.logprobs, collector)
+    if body.stream:
+        completion_tokens = [0] * len(sequences)
+        offsets = [len(texts[i // n]) for i in range(len(sequences))]  # where each choice's next text starts
+
+        def render(index: int, chunk: Chunk) -> dict[str, Any] | None:
+            completion_tokens[index] = chunk.completion_tokens
+            if not chunk.text and not chunk.tokens and chunk.finish_reason is None:
+                return None
+            event = choice(index, chunk.text, chunk.tokens, chunk.finish_reason, False)
+            if event["logprobs"] is not None:
+                event["logprobs"] = _completion_logprobs(chunk.tokens, offsets[index])
+            offsets[index] += len(chunk.text)
+            return envelope([event])
+
+        preamble = [envelope([choice(i, "", [], None, True)]) for i in range(len(sequences))] if body.echo else []
+        want_usage = body.stream_options is not None and body.stream_options.include_usage
+        usage = (lambda: envelope([], _usage(prompt_tokens, sum(completion_tokens)))) if want_usage else None
+        return _sse_response(_stream_events(state, sequences, collector, render, usage, preamble))
+    chunks = await _collect(state, sequences, collector, request)
+    choices = []
+    for index, per_choice in enumerate(chunks):
+        text = "".join(c.text for c in per_choice)
+        tokens = [t for c in per_choice for t in c.tokens]
+        reason = per_choice[-1].finish_reason if per_choice else "length"
+        choices.append(choice(index, text, tokens, reason, body.echo))
+    completion_tokens = sum(c[-1].completion_tokens for c in chunks if c)
+    return envelope(choices, _usage(prompt_tokens, completion_tokens))
+
+
+async def _one_shot(event: dict[str, Any]) -> AsyncIterator[str]:
+    yield _sse(event)
+    yield "data: [DONE]\n\n"
+
+
+# ----- /v1/chat/completions -----
+
+
+def _chat_logprobs(tokens: list[TokenInfo]) -> list[dict[str, Any]]:
+    """OpenAI's chat logprobs content list."""
+
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return [{**entry(t.text, t.logprob), "top_logprobs": [entry(s, lp) for s, lp in t.top]} for t in tokens]
+
+
+async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
+    _check_model(state, body.model)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        prompt_text = state.chat_template.render(messages)
+        prompt = _check_prompt(state, state.tokenizer.encode(prompt_text))
+    except GptkitError as err:
+        raise APIError(400, str(err), param="messages") from None
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = _sampling_params(body, _max_tokens(state, requested, len(prompt)), state.chat_template.stop)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+    collector = Collector()
+    sequences = _submit(state, [prompt], params, top, collector)
+    prompt_tokens = len(prompt)
+
+    def envelope(kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        out = {"id": rid, "object": kind, "created": created, "model": state.model_name, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    if body.stream:
+        completion_tokens = [0] * len(sequences)
+
+        def render(index: int, chunk: Chunk) -> dict[str, Any] | None:
+            completion_tokens[index] = chunk.completion_tokens
+            if not chunk.text and chunk.finish_reason is None:
+                return None
+            delta = {"content": chunk.text} if chunk.text else {}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": _finish(chunk.finish_reason)}
+            if top is not None and chunk.tokens:
+                choice["logprobs"] = {"content": _chat_logprobs(chunk.tokens)}
+            return envelope("chat.completion.chunk", [choice])
+
+        preamble = [envelope("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}])
+                    for i in range(len(sequences))]  # fmt: skip
+        want_usage = body.stream_options is not None and body.stream_options.include_usage
+        usage = None
+        if want_usage:
+            usage = lambda: envelope("chat.completion.chunk", [], _usage(prompt_tokens * len(sequences),
+                                                                         sum(completion_tokens)))  # noqa: E731
+        return _sse_response(_stream_events(state, sequences, collector, render, usage, preamble))
+    chunks = await _collect(state, sequences, collector, request)
+    choices = []
+    for index, per_choice in enumerate(chunks):
+        tokens = [t for c in per_choice for t in c.tokens]
+        choices.append({
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(c.text for c in per_choice)},
+            "logprobs": {"content": _chat_logprobs(tokens)} if top is not None else None,
+            "finish_reason": _finish(per_choice[-1].finish_reason if per_choice else "length"),
+        })  # fmt: skip
+    completion_tokens = sum(c[-1].completion_tokens for c in chunks if c)
+    return envelope("chat.completion", choices, _usage(prompt_tokens * len(sequences), completion_tokens))
+
+
+# ----- the playground's inspection -----
+
+
+async def _attention(state: ServerState, body: AttentionRequest) -> dict[str, Any]:
+    from gptkit.serving.inspection import attention_map
+
+    try:
+        ids = _check_prompt(state, state.tokenizer.encode(body.text))
+    except GptkitError as err:
+        raise APIError(400, f"cannot tokenize the text: {err}", param="text") from None
+    config = state.engine.model.config
+    if body.layer >= config.n_layer:
+        raise APIError(400, f"layer must be < {config.n_layer}, got {body.layer}", param="layer")
+    if body.head is not None and body.head >= config.n_head:
+        raise APIError(400, f"head must be < {config.n_head}, got {body.head}", param="head")
+    future = state.engine.call(lambda: attention_map(state.engine.model, ids, body.layer, body.head))
+    weights, probs = await asyncio.wrap_future(future)
+    return {
+        "tokens": [state.tokenizer.decode([t]) for t in ids],
+        "layers": config.n_layer,
+        "heads": config.n_head,
+        "layer": body.layer,
+        "head": body.head,
+        "attention": [[round(w, 4) for w in row] for row in weights],
+        "probs": [None if p is None else round(p, 5) for p in probs],
+    }

@@ -1,0 +1,84 @@
+"""Request bodies of the OpenAI API as gptkit serves them, and its error object.
+
+Fields that gptkit has a SamplingParams default for are None here when absent, so that SamplingParams alone
+declares the defaults. Unknown fields are accepted and ignored, as OpenAI clients send some (e.g. `user`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    # strict: "5" is not an integer and 1 is not a string; extra: clients send fields gptkit ignores.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    """The decoding fields shared by both endpoints (OpenAI's names, plus top_k, min_p, repetition_penalty)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        """The message's text, with content parts joined."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class AttentionRequest(_Request):
+    """POST /playground/attention: one layer's attention (one head, or the mean over heads) over a text."""
+
+    text: str
+    layer: int = Field(default=0, ge=0)
+    head: int | None = Field(default=None, ge=0)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

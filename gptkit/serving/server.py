@@ -1,0 +1,89 @@
+"""Load a model directory, start the batching engine and run the OpenAI-compatible app on uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+from fastapi import FastAPI
+
+from gptkit.devices import pick_device
+from gptkit.errors import GptkitError
+from gptkit.serving.api import ServerState, create_app
+from gptkit.serving.chat import load_chat_template
+from gptkit.serving.engine import Engine
+
+log = logging.getLogger("gptkit.serve")
+
+
+@dataclass
+class ServeOptions:
+    """How `gptkit serve` runs; each field becomes a CLI flag with this default and help."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind; 0.0.0.0 exposes the server"})
+    port: int = field(default=8000, metadata={"help": "TCP port (0 picks a free one)"})
+    api_key: str | None = field(
+        default=None, metadata={"help": "require 'Authorization: Bearer KEY' (or set GPTKIT_API_KEY)"}
+    )
+    max_batch_size: int = field(default=8, metadata={"help": "requests decoded together in one batch"})
+    max_queue: int = field(default=64, metadata={"help": "requests that may wait for a batch row; beyond, 503"})
+    max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest request body accepted (413 beyond)"})
+    model_name: str | None = field(default=None, metadata={"help": "model id clients send (default: dir name)"})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, mps or auto"})
+    threads: int | None = field(default=None, metadata={"help": "CPU threads for the model (default: torch's "
+                                                                 "choice; 1 is often fastest for small models)"})
+    quantize: str | None = field(default=None, metadata={"help": "int8: int8 weight-only quantisation of the "
+                                                                  "loaded float model"})
+
+
+def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
+    """The app serving model_dir; its engine thread starts and stops with the app."""
+    from gptkit.modeldir import load
+    from gptkit.quantization import is_quantized, quantize
+
+    if options.max_body_bytes < 1:
+        raise GptkitError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
+    model, tokenizer = load(model_dir, device=pick_device(options.device))  # float or saved-quantised directories
+    if options.quantize is not None and not is_quantized(model):
+        model = quantize(model, options.quantize)
+    if tokenizer is None:
+        raise GptkitError(f"{model_dir} has no tokenizer files; the server needs one to read and write text")
+    engine = Engine(model, tokenizer, options.max_batch_size, options.max_queue)
+    state = ServerState(
+        engine=engine,
+        tokenizer=tokenizer,
+        model_name=options.model_name or Path(model_dir).resolve().name,
+        chat_template=load_chat_template(model_dir),
+        api_key=options.api_key,
+        max_body_bytes=options.max_body_bytes,
+    )
+    app = create_app(state)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+def serve(model_dir: str | Path, options: ServeOptions) -> None:
+    """Run the server until interrupted."""
+    import uvicorn
+
+    if not 0 <= options.port <= 65535:
+        raise GptkitError(f"--port must be in 0..65535, got {options.port}")
+    if options.threads is not None:
+        if options.threads < 1:
+            raise GptkitError(f"--threads must be >= 1, got {options.threads}")
+        torch.set_num_threads(options.threads)  # process-wide, so only here and not in build_app
+    app = build_app(model_dir, options)
+    uvicorn.run(app, host=options.host, port=options.port, log_level="info", timeout_graceful_shutdown=5)

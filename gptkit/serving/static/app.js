@@ -1,0 +1,211 @@
+// The gptkit playground: streams /v1/completions into the page, shades each generated token by its
+// probability, and draws one layer's attention over the text from /playground/attention. No dependencies.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { model: null, abort: null, tokens: [], attention: null };
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = $("api_key").value.trim();
+  if (key) h["Authorization"] = "Bearer " + key;
+  return h;
+}
+
+function setStatus(text, isError) {
+  $("status").textContent = text;
+  $("status").className = isError ? "error" : "muted";
+}
+
+async function errorMessage(response) {
+  try { return (await response.json()).error.message; } catch (e) { return response.status + " " + response.statusText; }
+}
+
+async function loadModel() {
+  const response = await fetch("/v1/models", { headers: headers() });
+  if (!response.ok) { $("model-name").textContent = "cannot list models: " + (await errorMessage(response)); return; }
+  const card = (await response.json()).data[0];
+  state.model = card.id;
+  $("model-name").textContent = card.id + " · context " + card.context_length + " tokens";
+}
+
+function numberField(body, id, integer) {
+  const raw = $(id).value.trim();
+  if (raw === "") return;
+  body[id] = integer ? parseInt(raw, 10) : parseFloat(raw);
+}
+
+function shade(p) {  // red for unlikely, green for likely tokens
+  return "hsl(" + Math.round(120 * p) + ", 70%, " + Math.round(88 - 6 * p) + "%)";
+}
+
+function addToken(info) {
+  const span = document.createElement("span");
+  const p = Math.exp(info.logprob);
+  span.className = "tok";
+  span.textContent = info.text;
+  span.style.background = shade(p);
+  span.title = "p = " + p.toFixed(4);
+  span.dataset.index = state.tokens.length;
+  state.tokens.push(info);
+  $("output-generated").appendChild(span);
+}
+
+function showToken(index) {
+  const info = state.tokens[index];
+  document.querySelectorAll(".tok.selected").forEach((el) => el.classList.remove("selected"));
+  document.querySelector('.tok[data-index="' + index + '"]').classList.add("selected");
+  const rows = Object.entries(info.top || {}).sort((a, b) => b[1] - a[1])
+    .map(([text, lp]) => "<tr><td>" + escapeHtml(JSON.stringify(text)) + "</td><td>" + Math.exp(lp).toFixed(4) + "</td></tr>")
+    .join("");
+  $("token-info").innerHTML = "Token " + escapeHtml(JSON.stringify(info.text)) + ": p = " +
+    Math.exp(info.logprob).toFixed(4) + "<table><tr><td>most likely</td><td>p</td></tr>" + rows + "</table>";
+}
+
+function escapeHtml(s) {
+  return s.replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+}
+
+async function generate() {
+  const prompt = $("prompt").value;
+  if (!prompt) { setStatus("Type a prompt first.", true); return; }
+  if (!state.model) await loadModel();
+  const body = { model: state.model, prompt: prompt, stream: true, logprobs: 5 };
+  numberField(body, "max_tokens", true);
+  numberField(body, "temperature", false);
+  numberField(body, "top_k", true);
+  numberField(body, "top_p", false);
+  numberField(body, "min_p", false);
+  numberField(body, "repetition_penalty", false);
+  numberField(body, "seed", true);
+  state.tokens = [];
+  state.attention = null;
+  $("output-prompt").textContent = prompt;
+  $("output-generated").textContent = "";
+  $("token-info").textContent = "No token selected.";
+  $("generate").disabled = true;
+  $("stop").disabled = false;
+  setStatus("generating…");
+  state.abort = new AbortController();
+  const started = performance.now();
+  let finish = null;
+  try {
+    const response = await fetch("/v1/completions", {
+      method: "POST", headers: headers(), body: JSON.stringify(body), signal: state.abort.signal,
+    });
+    if (!response.ok) { setStatus(await errorMessage(response), true); return; }
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        if (!event.startsWith("data: ")) continue;
+        const data = event.slice(6);
+        if (data === "[DONE]") continue;
+        const choice = JSON.parse(data).choices[0];
+        if (!choice) continue;
+        const lp = choice.logprobs;
+        if (lp && lp.tokens.length) {
+          lp.tokens.forEach((text, i) => addToken({ text: text, logprob: lp.token_logprobs[i], top: lp.top_logprobs[i] }));
+        } else if (choice.text) {
+          $("output-generated").appendChild(document.createTextNode(choice.text));
+        }
+        if (choice.finish_reason) finish = choice.finish_reason;
+      }
+    }
+    const seconds = (performance.now() - started) / 1000;
+    setStatus(state.tokens.length + " tokens in " + seconds.toFixed(2) + " s (" +
+      (state.tokens.length / seconds).toFixed(1) + " tokens/s), finish: " + finish);
+    if (!$("view-attention").hidden) await showAttention();
+  } catch (err) {
+    setStatus(err.name === "AbortError" ? "stopped" : "error: " + err.message, err.name !== "AbortError");
+  } finally {
+    $("generate").disabled = false;
+    $("stop").disabled = true;
+    state.abort = null;
+  }
+}
+
+async function showAttention() {
+  const text = $("output-prompt").textContent + $("output-generated").textContent || $("prompt").value;
+  if (!text) { $("heatmap-info").textContent = "Generate (or type a prompt) first."; return; }
+  const body = { text: text, layer: parseInt($("layer").value || "0", 10) };
+  if ($("head").value !== "") body.head = parseInt($("head").value, 10);
+  const response = await fetch("/playground/attention", { method: "POST", headers: headers(), body: JSON.stringify(body) });
+  if (!response.ok) { $("heatmap-info").textContent = await errorMessage(response); return; }
+  const data = await response.json();
+  fillSelect($("layer"), data.layers, data.layer, "layer ");
+  fillSelect($("head"), data.heads, data.head, "head ", true);
+  state.attention = data;
+  drawHeatmap();
+}
+
+function fillSelect(select, count, chosen, label, withMean) {
+  const wanted = (withMean ? 1 : 0) + count;
+  if (select.options.length === wanted) return;
+  select.innerHTML = withMean ? '<option value="">mean of heads</option>' : "";
+  for (let i = 0; i < count; i++) select.add(new Option(label + i, String(i)));
+  select.value = chosen === null || chosen === undefined ? "" : String(chosen);
+}
+
+function drawHeatmap() {
+  const data = state.attention;
+  const canvas = $("heatmap");
+  const ctx = canvas.getContext("2d");
+  const n = data.tokens.length;
+  const cell = Math.max(1, Math.floor(canvas.width / n));
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  for (let i = 0; i < n; i++) {
+    for (let j = 0; j < n; j++) {
+      const w = data.attention[i][j];
+      ctx.fillStyle = "rgba(47, 111, 237, " + Math.sqrt(w) + ")";  // sqrt so that small weights stay visible
+      ctx.fillRect(j * cell, i * cell, cell, cell);
+    }
+  }
+  canvas.dataset.drawn = String(n);
+  $("heatmap-info").textContent = n + " tokens; hover a cell to see its weight.";
+}
+
+function heatmapHover(event) {
+  const data = state.attention;
+  if (!data) return;
+  const canvas = $("heatmap");
+  const rect = canvas.getBoundingClientRect();
+  const n = data.tokens.length;
+  const cell = Math.max(1, Math.floor(canvas.width / n)) * rect.width / canvas.width;
+  const i = Math.floor((event.clientY - rect.top) / cell), j = Math.floor((event.clientX - rect.left) / cell);
+  if (i < 0 || j < 0 || i >= n || j >= n) return;
+  const p = data.probs[i];
+  $("heatmap-info").textContent = "query " + i + " " + JSON.stringify(data.tokens[i]) + " → key " + j + " " +
+    JSON.stringify(data.tokens[j]) + ": weight " + data.attention[i][j].toFixed(4) +
+    (p === null ? "" : "; p(query token) = " + p.toFixed(4));
+}
+
+function selectTab(name) {
+  $("view-text").hidden = name !== "text";
+  $("view-attention").hidden = name !== "attention";
+  $("tab-text").classList.toggle("active", name === "text");
+  $("tab-attention").classList.toggle("active", name === "attention");
+  if (name === "attention" && !state.attention) showAttention();
+}
+
+$("generate").addEventListener("click", generate);
+$("stop").addEventListener("click", () => state.abort && state.abort.abort());
+$("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && e.ctrlKey) generate(); });
+$("output-generated").addEventListener("click", (e) => { if (e.target.dataset.index) showToken(e.target.dataset.index); });
+$("output-generated").addEventListener("mouseover", (e) => { if (e.target.dataset.index) showToken(e.target.dataset.index); });
+$("tab-text").addEventListener("click", () => selectTab("text"));
+$("tab-attention").addEventListener("click", () => selectTab("attention"));
+$("refresh-attention").addEventListener("click", showAttention);
+$("layer").addEventListener("change", showAttention);
+$("head").addEventListener("change", showAttention);
+$("heatmap").addEventListener("mousemove", heatmapHover);
+$("api_key").value = localStorage.getItem("gptkit-api-key") || "";
+$("api_key").addEventListener("change", () => { localStorage.setItem("gptkit-api-key", $("api_key").value); loadModel(); });
+loadModel();

@@ -1,0 +1,390 @@
+"""`gptkit serve`: a live server on loopback driven by the official openai client and by raw HTTP."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from gptkit.modeldir import load
+from gptkit.sampling import SamplingParams
+from gptkit.serving.chat import ChatTemplate, load_chat_template
+from gptkit.serving.engine import Sequence, held_back
+from gptkit.serving.server import ServeOptions, build_app
+from test_serve_helpers import live_server, make_model_dir
+
+MODEL = "tiny-served"
+PROMPTS = ["Hello", "The cat sat", "abc", "Once upon a time", "x", "1, 2, 3,", "What is it?", "Zebra\n"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("serve") / MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    model, tokenizer = load(model_dir)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    app = build_app(model_dir, ServeOptions(max_batch_size=8, max_queue=256, max_body_bytes=64 * 1024))
+    with live_server(app) as url:
+        yield url, app.state.gptkit
+
+
+@pytest.fixture(scope="module")
+def http(server) -> httpx.Client:
+    with httpx.Client(base_url=server[0], timeout=30) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy_reference(reference, prompt: str, max_tokens: int) -> tuple[str, str]:
+    """Greedy continuation computed without the server or a cache: (text up to EOS, finish reason)."""
+    model, tokenizer = reference
+    ids = tokenizer.encode(prompt)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            token = int(model(torch.tensor([ids + out]))[0, -1].argmax())
+            if token == tokenizer.eos_id:
+                return tokenizer.decode(out), "stop"
+            out.append(token)
+    return tokenizer.decode(out), "length"
+
+
+def test_completion_matches_uncached_greedy(client, reference):
+    for prompt in PROMPTS[:4]:
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        text, reason = greedy_reference(reference, prompt, 12)
+        assert response.choices[0].text == text
+        assert response.choices[0].finish_reason == reason
+        assert response.usage.prompt_tokens == len(prompt)
+        assert response.object == "text_completion" and response.model == MODEL
+
+
+def test_streaming_equals_non_streaming_and_ends_with_done(server, client):
+    full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0)
+    pieces = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0, stream=True))
+    assert len(pieces) > 1
+    assert "".join(p.choices[0].text for p in pieces) == full.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    usage = json.loads(events[-2][6:])["usage"]
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+
+
+def test_stop_string_cuts_the_output(client, reference):
+    text, _ = greedy_reference(reference, "The cat sat", 30)
+    stop = text[6:8]  # a stop string known to occur; the output must end just before its first occurrence
+    expected = text[: text.index(stop)]
+    response = client.completions.create(model=MODEL, prompt="The cat sat", max_tokens=30, temperature=0, stop=[stop])
+    assert response.choices[0].text == expected
+    assert response.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt="The cat sat", max_tokens=30, temperature=0,
+                                         stop=stop, stream=True)  # fmt: skip
+    assert "".join(p.choices[0].text for p in streamed) == expected
+
+
+def test_n_choices_seeded_and_prompt_lists(client):
+    kwargs = dict(model=MODEL, prompt="Once upon", max_tokens=10, temperature=1.0, seed=7)
+    many = client.completions.create(n=3, **kwargs)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert len({c.text for c in many.choices}) > 1  # different seeds, different samples
+    again = client.completions.create(n=3, **kwargs)
+    assert [c.text for c in again.choices] == [c.text for c in many.choices]
+    # Choice i is drawn with seed + i.
+    second = client.completions.create(**{**kwargs, "seed": 8})
+    assert second.choices[0].text == many.choices[1].text
+    both = client.completions.create(model=MODEL, prompt=["abc", "Hello"], max_tokens=6, temperature=0, n=2)
+    assert len(both.choices) == 4
+    assert both.choices[0].text == both.choices[1].text != both.choices[2].text == both.choices[3].text
+
+
+def test_logprobs_match_the_model(client, reference):
+    model, tokenizer = reference
+    response = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=3)
+    lp = response.choices[0].logprobs
+    ids = tokenizer.encode("Hello") + [tokenizer.encode(t)[0] for t in lp.tokens]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]))[0].log_softmax(-1)
+    for i, token in enumerate(lp.tokens):
+        position = len("Hello") - 1 + i
+        assert lp.token_logprobs[i] == pytest.approx(float(expected[position, ids[position + 1]]), abs=1e-4)
+        assert len(lp.top_logprobs[i]) == 3
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(float(expected[position].max()), abs=1e-4)
+    assert lp.text_offset[0] == len("Hello")
+
+
+def test_echo_with_zero_max_tokens_scores_the_prompt(client, reference):
+    model, tokenizer = reference
+    text = "The cat sat on the mat."
+    response = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=0)
+    choice = response.choices[0]
+    assert choice.text == text
+    ids = tokenizer.encode(text)
+    with torch.no_grad():
+        logprobs = model(torch.tensor([ids]))[0].log_softmax(-1)
+    expected = [None] + [float(logprobs[t - 1, ids[t]]) for t in range(1, len(ids))]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-4)
+    assert choice.logprobs.tokens == list(text)
+    assert response.usage.completion_tokens == 0
+
+
+def test_chat_uses_the_default_template(client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    prompt = ChatTemplate().render(messages)
+    assert prompt == "system: Be brief.\n\nuser: Hi there\n\nassistant:"
+    expected, _ = greedy_reference(reference, prompt, 10)
+    expected = expected.split("\n\nuser:")[0]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected
+    assert response.usage.prompt_tokens == len(prompt)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, logprobs=True, top_logprobs=2))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    streamed_tokens = [t.token for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert "".join(streamed_tokens).startswith(expected)
+
+
+def test_chat_template_from_tokenizer_config(tmp_path):
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}" \
+               "{% if add_generation_prompt %}<assistant>{% endif %}"  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "</s>"}))
+    loaded = load_chat_template(tmp_path)
+    assert loaded.render([{"role": "user", "content": "Hi"}]) == "<user>Hi</s><assistant>"
+    assert loaded.stop == ()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ raise_exception('no') }}"}))
+    with pytest.raises(Exception, match="no"):
+        load_chat_template(tmp_path).render([{"role": "user", "content": "Hi"}])
+
+
+def test_32_concurrent_clients_get_their_single_request_answers(server, client):
+    state = server[1]
+    cases = [(PROMPTS[i % len(PROMPTS)], 4 + 5 * (i % 3)) for i in range(32 * 4)]  # 24 distinct requests
+    singles = {}
+    for prompt, max_tokens in sorted(set(cases)):
+        singles[prompt, max_tokens] = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0
+        ).choices[0].text
+
+    def worker(worker_id: int) -> list[bool]:
+        own = openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+        results = []
+        for j in range(4):
+            prompt, max_tokens = cases[worker_id * 4 + j]
+            stream = (worker_id + j) % 2 == 0
+            kwargs = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+            if stream:
+                text = "".join(c.choices[0].text for c in own.completions.create(stream=True, **kwargs))
+            else:
+                text = own.completions.create(**kwargs).choices[0].text
+            results.append(text == singles[prompt, max_tokens])
+        return results
+
+    state.engine.max_rows_seen = 0
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        outcomes = [ok for oks in pool.map(worker, range(32)) for ok in oks]
+    assert len(outcomes) == 128 and all(outcomes)
+    assert state.engine.max_rows_seen > 1  # requests really were decoded together
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", "/v1/completions", b'{"model": "tiny-served", "prompt": "Hel', 400, None),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, None),
+    ("prompt missing", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("max_tokens a string", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    ("temperature a string", "/v1/completions", {"model": MODEL, "prompt": "a", "temperature": "hot"}, 400,
+     "temperature"),
+    ("max_tokens 0", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
+    ("max_tokens beyond context", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 94}, 400,
+     "max_tokens"),
+    ("prompt longer than context", "/v1/completions", {"model": MODEL, "prompt": "a" * 97, "max_tokens": 1}, 400,
+     "prompt"),
+    ("token id outside vocabulary", "/v1/completions", {"model": MODEL, "prompt": [1, 9999]}, 400, "prompt"),
+    ("character outside vocabulary", "/v1/completions", {"model": MODEL, "prompt": "caf\u00e9"}, 400, "prompt"),
+    ("negative temperature", "/v1/completions", {"model": MODEL, "prompt": "a", "temperature": -1}, 400,
+     "temperature"),
+    ("top_p above 1", "/v1/completions", {"model": MODEL, "prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("n zero", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
+    ("n beyond capacity", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 10_000}, 400, "n"),
+    ("logprobs above 20", "/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 50}, 400, "logprobs"),
+    ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
+    ("chat without messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("chat role unknown", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x", "content": "a"}]},
+     400, "messages.0.role"),
+    ("chat unknown model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "a"}]},
+     404, "model"),
+    ("oversized body", "/v1/completions", {"model": MODEL, "prompt": "a" * 70_000}, 413, None),
+    ("unknown route", "/v1/engines", {}, 404, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, path, body, status, param", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_gets_4xx_error_object_and_server_stays_up(http, client, name, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = http.post(path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_chunked_oversized_body_is_refused(server):
+    def chunks():
+        for _ in range(100):
+            yield b" " * 1024
+
+    r = httpx.post(server[0] + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(server[0] + "/health").json()
+    assert health["status"] == "ok" and health["max_batch_size"] == 8
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    state = server[1]
+    before = state.engine.cancelled
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 95, "temperature": 1.0, "seed": 1, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=30) as r:
+        next(r.iter_lines())  # the first token arrived: the request holds a batch row now
+    deadline = time.monotonic() + 10
+    while state.engine.cancelled == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert state.engine.cancelled == before + 1
+    assert httpx.get(server[0] + "/health").json()["active"] == 0
+
+
+def test_full_queue_answers_503_with_retry_after(model_dir):
+    app = build_app(model_dir, ServeOptions(max_batch_size=1, max_queue=1))
+    engine = app.state.gptkit.engine  # not started (no lifespan): nothing leaves the queue
+    params = SamplingParams(max_new_tokens=1)
+    engine.submit([Sequence([1], params, lambda chunk: None), Sequence([1], params, lambda chunk: None)])
+    r = TestClient(app).post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "server_busy"
+
+
+def test_held_back_text_that_may_start_a_stop_string():
+    assert held_back("hello wor", ("world",)) == 3
+    assert held_back("hello", ("xyz",)) == 0
+    assert held_back("ab\ufffd", ()) == 1
+
+
+def test_cli_binds_loopback_and_requires_the_api_key(model_dir):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptkit", "serve", str(model_dir), "--port", "0", "--api-key", "sekrit",
+         "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            match = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", line)
+            url = match.group(1) if match else None
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        keyed = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
+        assert keyed.completions.create(model=MODEL, prompt="a", max_tokens=3).usage.completion_tokens == 3
+        assert httpx.get(url + "/").status_code == 200  # the playground page itself is public
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_engine_rows_join_at_the_next_step_and_leave_when_done(reference):
+    """Drive the scheduler step by step: rows join, leave and move (compaction) without changing any output."""
+    from gptkit.serving.engine import Engine
+
+    model, tokenizer = reference
+    engine = Engine(model, tokenizer, max_batch_size=2, max_queue=4)  # not started: the test calls _step itself
+    outputs: dict[str, list[str]] = {"a": [], "b": [], "c": []}
+
+    def submit(name: str, prompt: str, max_tokens: int) -> None:
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=0)
+        engine.submit([Sequence(tokenizer.encode(prompt), params, lambda chunk: outputs[name].append(chunk.text))])
+
+    def step() -> None:
+        with torch.inference_mode():
+            engine._step()
+
+    submit("a", "Hello", 3)
+    step()  # a joins (prefill picks its first token) and decodes its second in the same step
+    assert len(engine.active) == 1
+    submit("b", "Once upon a time", 12)
+    step()  # b joins at the next step: a and b decode together
+    assert len(engine.active) == 1 and engine.max_rows_seen == 2  # a finished at 3 tokens and left
+    submit("c", "abc", 5)
+    while engine.active or engine.waiting:
+        step()
+    for name, prompt, max_tokens in (("a", "Hello", 3), ("b", "Once upon a time", 12), ("c", "abc", 5)):
+        text, reason = greedy_reference(reference, prompt, max_tokens)
+        assert "".join(outputs[name]) == text, name
+
+
+def test_chat_uses_the_model_dirs_own_template(model_dir, reference, tmp_path):
+    import shutil
+
+    templated = Path(shutil.copytree(model_dir, tmp_path / MODEL))
+    template = "{% for m in messages %}{{ m.role[0] | upper }}: {{ m.content }}\n{% endfor %}A:"
+    (templated / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    with TestClient(build_app(templated, ServeOptions())) as test_client:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
+        r = test_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    expected, _ = greedy_reference(reference, "U: Hi\nA:", 6)
+    assert r.json()["choices"][0]["message"]["content"] == expected
+    assert r.json()["usage"]["prompt_tokens"] == len("U: Hi\nA:")
+
+
+def test_a_failing_model_call_fails_that_request_only(server, http, monkeypatch):
+    engine = server[1].engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(engine.model, "forward", broken)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 3})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

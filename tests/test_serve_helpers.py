@@ -1,0 +1,59 @@
+"""Helpers (no tests here): a tiny model directory and a live uvicorn server on a free loopback port."""
+
+from __future__ import annotations
+
+import socket
+import string
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import uvicorn
+
+from gptkit.config import ModelConfig
+from gptkit.model import GPT
+from gptkit.modeldir import save_model_dir
+from gptkit.tokenizer import EOT, CharTokenizer
+
+ALPHABET = string.ascii_letters + string.digits + " .,:!?'\n"
+
+
+def make_model_dir(path: Path, block_size: int = 96) -> Path:
+    """A random 2-layer model with a char tokenizer; weights wide enough that greedy picks are clear-cut."""
+    tokenizer = CharTokenizer.train([ALPHABET], specials=[EOT])
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, block_size=block_size, n_layer=2, n_head=4, n_embd=32))
+    with torch.no_grad():  # std 0.5 keeps the top-2 logit gap far above float rounding, so batching can't flip it
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5)
+    return save_model_dir(model, path, tokenizer=tokenizer)
+
+
+@contextmanager
+def live_server(app) -> Iterator[str]:
+    """Run app on uvicorn in a thread, bound to 127.0.0.1 on a free port; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model runs fastest on one thread, and a busy machine hurts OpenMP's barriers
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+        torch.set_num_threads(threads)
