@@ -105,16 +105,19 @@ class CausalSelfAttention(nn.Module):
         mask = None
         if kv is not None:
             k, v, mask = kv.update(k, v)  # (B, KV, S, hd) with S the cached length
-        if self.n_kv_head != self.n_head:
-            groups = self.n_head // self.n_kv_head
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, hd)
+        grouped = self.n_kv_head != self.n_head
         dropout = self.dropout if self.training else 0.0
         if trace is not None:
+            if grouped:
+                groups = self.n_head // self.n_kv_head
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, hd)
             y, weights = plain_attention(q, k, v, mask, dropout)
             trace.attentions.append(weights)
         else:
             is_causal = mask is None and T > 1
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+            # enable_gqa lets each group of query heads read its shared key/value head without copying the cache.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                               enable_gqa=grouped)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H*hd)
         return self.resid_drop(self.proj(y))
 

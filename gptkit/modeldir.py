@@ -189,7 +189,12 @@ def load(
 
             return load_hf(path, dtype=dtype, device=device)
         raise ModelDirError(f"{path / CONFIG_FILE} is neither a gptkit nor a Hugging Face model config")
-    model = load_model_dir(path, device=device, dtype=dtype)
+    if read_config_json(path).get("quantization"):
+        from gptkit.quantization import load_quantized_dir
+
+        model = load_quantized_dir(path, device=device, dtype=dtype)
+    else:
+        model = load_model_dir(path, device=device, dtype=dtype)
     try:
         tokenizer = load_tokenizer(path)
     except TokenizerNotFound:

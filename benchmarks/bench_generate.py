@@ -1,0 +1,318 @@
+"""gptkit's decoding against Hugging Face transformers' generate, on the same weights, in one process.
+
+For a GPT-2-small-shaped model (124M, random weights) and a Llama-shaped one of similar size, built as transformers
+models and converted with gptkit.hf so both sides run identical weights, it prints per dtype:
+  - prefill tokens/s of one 512-token prompt (HF: a forward with use_cache; gptkit: generation.prefill),
+  - decode tokens/s at batch 1 and 8 for 128 greedy new tokens (HF generate with its KV cache; gptkit complete(),
+    eager and compiled), with the ratio gptkit / HF and whether the batch-1 greedy tokens are identical,
+  - the memory-bandwidth bound: bytes of weights (+ KV cache) read per decode step against a measured read rate,
+and int8 weight-only for gptkit. The two sides run interleaved (HF, gptkit, HF, gptkit, ...) and each keeps its best
+round, so that load from other processes shifts both alike. A speculative-decoding section trains a target and a
+draft a tenth its size briefly on the same text (tiny shakespeare, characters) and reports acceptance and speed-up.
+
+    .venv/bin/python benchmarks/bench_generate.py                      # the full run (tens of minutes on 2 cores)
+    .venv/bin/python benchmarks/bench_generate.py --json > bench.json
+    .venv/bin/python benchmarks/bench_generate.py --n-layer 2 --n-embd 128 --vocab-size 1000 --prompt-len 32 \\
+        --new-tokens 8 --rounds 1 --no-compile --spec-steps 5    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gptkit.config import ModelConfig
+from gptkit.generation import complete, prefill
+from gptkit.hf import gpt_from_hf_model
+from gptkit.kv_cache import KVCache
+from gptkit.model import GPT, next_token_loss
+from gptkit.quantization import Int8Linear, quantize
+from gptkit.sampling import SamplingParams
+from gptkit.speculative import SpeculativeStats
+
+CORPUS = Path(__file__).resolve().parents[1] / "gptkit" / "corpora" / "tinyshakespeare.txt"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def best_of(rounds: int, run: Callable[[], float]) -> float:
+    """The highest rate of `rounds` runs (the least disturbed by other processes)."""
+    return max(run() for _ in range(rounds))
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes/s a multi-threaded sum streams from memory (a buffer far larger than the caches)."""
+    x = torch.ones(megabytes * (1 << 20) // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / min(times)
+
+
+def weight_bytes_per_token(model: GPT) -> int:
+    """Bytes of matmul weights a decode step reads (every Linear, the LM head included; not the embedding rows)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            total += module.weight.numel() + module.scales.numel() * module.scales.element_size()
+        elif isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
+# ----- the models -----
+
+
+def hf_models(args: argparse.Namespace) -> dict[str, Any]:
+    """The transformers models to compare, with random weights (seeded)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    width, layers, heads = args.n_embd, args.n_layer, max(1, args.n_embd // 64)
+    models = {}
+    if "gpt2" in args.shapes:
+        config = GPT2Config(vocab_size=args.vocab_size or 50257, n_positions=1024, n_embd=width, n_layer=layers,
+                            n_head=heads)  # fmt: skip
+        models["gpt2"] = GPT2LMHeadModel(config)
+    if "llama" in args.shapes:
+        config = LlamaConfig(vocab_size=args.vocab_size or 32000, hidden_size=width, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=max(1, heads // 3),
+                             intermediate_size=args.n_embd * 8 // 3 // 64 * 64 or 64, max_position_embeddings=1024)
+        models["llama"] = LlamaForCausalLM(config)
+    for model in models.values():
+        model.eval()
+        model.generation_config.eos_token_id = None  # random weights: always generate every token
+        model.generation_config.pad_token_id = 0
+    return models
+
+
+# ----- timed runs -----
+
+
+@torch.no_grad()
+def hf_prefill_rate(hf: Any, ids: torch.Tensor) -> float:
+    start = time.perf_counter()
+    hf(ids, use_cache=True)
+    return ids.numel() / (time.perf_counter() - start)
+
+
+@torch.no_grad()
+def gptkit_prefill_rate(model: GPT, ids: torch.Tensor) -> float:
+    cache = KVCache(model.config, ids.size(0), ids.size(1), dtype=next(model.parameters()).dtype)
+    lengths = torch.full((ids.size(0),), ids.size(1))
+    model.check_inputs = False
+    start = time.perf_counter()
+    prefill(model, ids, cache, lengths)
+    model.check_inputs = True
+    return ids.numel() / (time.perf_counter() - start)
+
+
+@torch.no_grad()
+def hf_decode(hf: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[int]]:
+    """Decode tokens/s of generate (its time for new_tokens minus its time for 1) and row 0's new tokens."""
+    mask = torch.ones_like(ids)
+    start = time.perf_counter()
+    hf.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+    one = time.perf_counter() - start
+    start = time.perf_counter()
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    full = time.perf_counter() - start
+    return ids.size(0) * (new_tokens - 1) / max(full - one, 1e-9), out[0, ids.size(1) :].tolist()
+
+
+def gptkit_decode(model: GPT, ids: torch.Tensor, new_tokens: int, compile: bool) -> tuple[float, list[int], float]:
+    """Decode tokens/s of complete(), row 0's new tokens, and the compile seconds (0 for eager)."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0)
+    result = complete(model, ids.tolist(), params, compile=compile)
+    timing = result.timing
+    return timing.decode_tokens / timing.decode_seconds, result.completions[0][0].ids, timing.compile_seconds or 0.0
+
+
+# ----- the comparison -----
+
+
+def compare_shape(name: str, hf_fp32: Any, args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any]]:
+    """Rows of the table for one model shape: each dtype, each measurement, gptkit against HF."""
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    vocab = hf_fp32.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=gen)
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        hf = copy.deepcopy(hf_fp32).to(dtype)
+        ours = gpt_from_hf_model(hf).eval()
+        variants = {dtype_name: ours}
+        if args.int8 and dtype_name in args.int8_dtypes:
+            variants[f"int8 ({dtype_name} act.)"] = quantize(gpt_from_hf_model(hf).eval(), "int8")
+        log(f"[{name} {dtype_name}] prefill {args.prompt_len} tokens")
+        hf_rate = best_of(args.rounds, lambda: hf_prefill_rate(hf, prompt))
+        for label, model in variants.items():
+            rate = best_of(args.rounds, lambda: gptkit_prefill_rate(model, prompt))
+            rows.append(dict(shape=name, dtype=label, measure=f"prefill {args.prompt_len}", hf=hf_rate,
+                             gptkit=rate, ratio=rate / hf_rate))  # fmt: skip
+        for batch in args.batch_sizes:
+            ids = torch.randint(0, vocab, (batch, args.decode_prompt_len), generator=gen)
+            log(f"[{name} {dtype_name}] decode batch {batch}, {args.new_tokens} new tokens")
+            hf_best, hf_tokens = 0.0, []
+            best: dict[str, float] = {}
+            tokens: dict[str, list[int]] = {}
+            compile_s: dict[str, float] = {}
+            modes = [(label, model, False) for label, model in variants.items()]
+            if args.compile:
+                modes += [(label + " compiled", model, True) for label, model in variants.items()]
+            for _ in range(args.rounds):  # interleaved rounds: HF, then each gptkit mode
+                rate, hf_tokens = hf_decode(hf, ids, args.new_tokens)
+                hf_best = max(hf_best, rate)
+                for label, model, compiled in modes:
+                    rate, toks, secs = gptkit_decode(model, ids, args.new_tokens, compiled)
+                    best[label] = max(best.get(label, 0.0), rate)
+                    tokens[label] = toks
+                    compile_s[label] = max(compile_s.get(label, 0.0), secs)
+            for label, model, compiled in modes:
+                bytes_per_step = weight_bytes_per_token(model)
+                row = dict(shape=name, dtype=label, measure=f"decode b{batch}", hf=hf_best, gptkit=best[label],
+                           ratio=best[label] / hf_best, bound_steps_per_s=bandwidth / bytes_per_step,
+                           weight_mb=bytes_per_step / 1e6)  # fmt: skip
+                if compiled:
+                    row["compile_seconds"] = compile_s[label]
+                if not label.startswith("int8"):
+                    row["same_tokens_as_hf"] = tokens[label] == hf_tokens
+                rows.append(row)
+        del hf, ours, variants
+    return rows
+
+
+# ----- speculative decoding -----
+
+
+def train_char_model(config: ModelConfig, data: torch.Tensor, steps: int, seed: int) -> GPT:
+    """A model trained briefly (AdamW) on character ids: enough to agree on the common continuations."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    T = min(128, config.block_size - 1)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - T - 1, (8,))
+        batch = torch.stack([data[s : s + T + 1] for s in starts.tolist()])
+        loss = next_token_loss(model(batch[:, :-1]), batch[:, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def speculative_section(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Target (args' width and depth) and a draft a tenth its size, both trained briefly on tiny shakespeare."""
+    from gptkit.tokenizer import CharTokenizer
+
+    text = CORPUS.read_text()
+    tokenizer = CharTokenizer.train([text])
+    data = torch.tensor(tokenizer.encode(text))
+    target_config = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=1024, n_layer=args.n_layer,
+                                n_head=max(1, args.n_embd // 64), n_embd=args.n_embd)  # fmt: skip
+    # Half the depth and 1/sqrt(5) the width: about a tenth of the target's block parameters (12 L d^2).
+    draft_width = max(64, round(args.n_embd / math.sqrt(5) / 64) * 64)
+    draft_config = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=1024, n_layer=max(1, args.n_layer // 2),
+                               n_head=max(1, draft_width // 64), n_embd=draft_width)  # fmt: skip
+    log(f"[speculative] training target ({args.spec_steps} steps) and draft ({args.spec_steps} steps)")
+    target = train_char_model(target_config, data, args.spec_steps, seed=0)
+    draft = train_char_model(draft_config, data, args.spec_steps, seed=1)
+    sizes = [sum(p.numel() for p in m.parameters()) for m in (target, draft)]
+    prompt = [tokenizer.encode("ROMEO:\n")]
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0)
+    rows = []
+    for k in args.draft_k:
+        plain_best, spec_best, stats = 0.0, 0.0, SpeculativeStats()
+        same = True
+        for _ in range(args.rounds):
+            plain = complete(target, prompt, params)
+            spec = complete(target, prompt, params, draft=draft, draft_k=k)
+            same = same and plain.completions[0][0].ids == spec.completions[0][0].ids
+            # Both rates over the whole request (prefill included: speculation does not time it apart).
+            plain_rate = (plain.timing.decode_tokens + 1) / (plain.timing.decode_seconds + plain.timing.prefill_seconds)
+            spec_rate = spec.timing.decode_tokens / spec.timing.decode_seconds
+            plain_best, spec_best, stats = max(plain_best, plain_rate), max(spec_best, spec_rate), spec.timing.speculative
+        rows.append(dict(k=k, target_params=sizes[0], draft_params=sizes[1], acceptance_rate=stats.acceptance_rate,
+                         plain_tokens_per_s=plain_best, speculative_tokens_per_s=spec_best,
+                         speedup=spec_best / plain_best, same_tokens=same))  # fmt: skip
+    return rows
+
+
+# ----- output -----
+
+
+def print_table(rows: list[dict[str, Any]], spec_rows: list[dict[str, Any]], bandwidth: float) -> None:
+    print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s; threads: {torch.get_num_threads()}")
+    print(f"{'shape':6} {'dtype':24} {'measure':12} {'HF tok/s':>9} {'gptkit':>9} {'ratio':>6} {'bound':>7} "
+          f"{'compile s':>9} same")  # fmt: skip
+    for r in rows:
+        bound = f"{r['bound_steps_per_s']:7.1f}" if "bound_steps_per_s" in r else " " * 7
+        comp = f"{r['compile_seconds']:9.1f}" if "compile_seconds" in r else " " * 9
+        same = {True: "yes", False: "NO"}.get(r.get("same_tokens_as_hf"), "")
+        print(f"{r['shape']:6} {r['dtype']:24} {r['measure']:12} {r['hf']:9.1f} {r['gptkit']:9.1f} "
+              f"{r['ratio']:6.2f} {bound} {comp} {same}")  # fmt: skip
+    print("bound: steps/s if every weight byte is read once per step at the measured bandwidth (x batch = tok/s)")
+    for r in spec_rows:
+        print(f"speculative k={r['k']}: target {r['target_params'] / 1e6:.1f}M, draft {r['draft_params'] / 1e6:.1f}M, "
+              f"acceptance {r['acceptance_rate'] or 0:.2f}, {r['plain_tokens_per_s']:.1f} -> "
+              f"{r['speculative_tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x), same tokens: {r['same_tokens']}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    csv = lambda kind: lambda s: [kind(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--shapes", type=csv(str), default=["gpt2", "llama"], help="gpt2,llama (default: both)")
+    p.add_argument("--dtypes", type=csv(str), default=["fp32", "bf16"], help="fp32,bf16 (default: both)")
+    p.add_argument("--no-int8", dest="int8", action="store_false", help="skip gptkit's int8 rows")
+    p.add_argument("--int8-dtypes", type=csv(str), default=["fp32", "bf16"],
+                   help="activation dtypes of the int8 rows (default: fp32,bf16)")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="skip gptkit's compiled rows")
+    p.add_argument("--n-layer", type=int, default=12)
+    p.add_argument("--n-embd", type=int, default=768)
+    p.add_argument("--vocab-size", type=int, default=None, help="default: 50257 (gpt2) / 32000 (llama)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prefill length (default: 512)")
+    p.add_argument("--decode-prompt-len", type=int, default=16, help="prompt length before decoding (default: 16)")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", type=csv(int), default=[1, 8])
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best of each side counts")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--spec-steps", type=int, default=150, help="training steps of the speculative pair (0: skip)")
+    p.add_argument("--draft-k", type=csv(int), default=[2, 4])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bandwidth = read_bandwidth()
+    rows = []
+    for name, hf in hf_models(args).items():
+        rows += compare_shape(name, hf, args, bandwidth)
+    spec_rows = speculative_section(args) if args.spec_steps > 0 else []
+    if args.json:
+        print(json.dumps({"read_bandwidth_gb_s": bandwidth / 1e9, "threads": torch.get_num_threads(),
+                          "rows": rows, "speculative": spec_rows}, indent=2))  # fmt: skip
+    else:
+        print_table(rows, spec_rows, bandwidth)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
