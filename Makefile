@@ -4,8 +4,9 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 # The CPU wheel of this torch release is what the dev/test set-up is pinned to.
 TORCH = torch==2.13.0
+SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test test-all clean
+.PHONY: install browser run test test-all clean
 
 $(BIN)/gptkit: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,13 +17,22 @@ $(BIN)/gptkit: pyproject.toml
 
 install: $(BIN)/gptkit
 
-run: install
-	$(BIN)/gptkit info gpt2
+# The playground test drives Debian's Chromium (never a browser downloaded by a test tool).
+browser:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 
-test: install
+# The main job: prepare the bundled corpus, train nanoGPT's CPU recipe, print a sample. Running it again
+# resumes an interrupted run (or, once finished, only samples).
+RUN_DIR = runs/shakespeare-char-cpu
+run: install
+	$(BIN)/gptkit prepare --tokenizer char --out data/shakespeare_char
+	$(BIN)/gptkit train --config configs/shakespeare-char-cpu.yaml $$(test -f $(RUN_DIR)/latest && echo --resume)
+	$(BIN)/gptkit generate $(RUN_DIR)/checkpoints/step-002000 --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --seed 1337
+
+test: install browser
 	$(BIN)/python -m pytest -q
 
-test-all: install
+test-all: install browser
 	$(BIN)/python -m pytest -q -m ''
 
 clean:

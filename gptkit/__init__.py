@@ -27,6 +27,13 @@ _EXPORTS = {
     "generate": "gptkit.generation",
     "generate_ids": "gptkit.generation",
     "stream": "gptkit.generation",
+    "SamplingParams": "gptkit.sampling",
+    "quantize": "gptkit.quantization",
+    "save_quantized_dir": "gptkit.quantization",
+    "load_hf": "gptkit.hf",
+    "export_hf": "gptkit.hf",
+    "gpt_from_hf_model": "gptkit.hf",
+    "hf_model_from_gpt": "gptkit.hf",
 }
 
 __all__ = ["__version__", *_EXPORTS]

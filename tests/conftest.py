@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -21,6 +23,12 @@ VARIANTS: dict[str, dict] = {
     "untied-head-bias": dict(TINY, tie_embeddings=False, lm_head_bias=True, ffn_hidden=40),
     "rmsnorm-post-rope": dict(TINY, norm="rmsnorm", norm_position="post", position="rope", rope_theta=500.0),
 }  # fmt: skip
+
+
+# The models here are tiny: one thread beats two (no thread hand-offs per small op), and the subprocesses the
+# tests start inherit the setting through the environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(params=list(VARIANTS), ids=list(VARIANTS))

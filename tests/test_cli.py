@@ -43,3 +43,20 @@ def test_version_and_help():
     assert run_cli("--version").stdout.startswith("gptkit ")
     help_text = run_cli("--help").stdout
     assert "info" in help_text
+
+
+def test_argparse_errors_are_one_line_naming_the_subcommand():
+    result = run_cli("info", "gpt2", "--bogus-flag", "3")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "--bogus-flag" in result.stderr and "gptkit info --help" in result.stderr
+
+
+def test_top_level_help_imports_no_command_dependencies():
+    code = (
+        "import sys, contextlib, io\n"
+        "from gptkit.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main([])\n"
+        "assert 'torch' not in sys.modules, 'torch imported for --help'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

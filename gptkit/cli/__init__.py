@@ -5,31 +5,50 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Collection
+from typing import NoReturn
 
 from gptkit import __version__
 from gptkit.errors import GptkitError
 
 # Sub-command modules in the order `gptkit --help` lists them.
-COMMANDS = ["info"]
+COMMANDS = ["prepare", "train", "generate", "eval", "inspect", "plan", "info", "convert", "serve"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser, with every sub-command registered."""
-    parser = argparse.ArgumentParser(
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line (what was wrong and where to look), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(full: Collection[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
+    """The argument parser, with the arguments of the commands in `full` (the others are listed by name)."""
+    parser = OneLineErrorParser(
         prog="gptkit",
         description="Train, evaluate, inspect, sample from and serve GPT-style language models.",
     )
     parser.add_argument("--version", action="version", version=f"gptkit {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     for name in COMMANDS:
-        importlib.import_module(f"gptkit.cli.{name}").register(subparsers)
+        module = importlib.import_module(f"gptkit.cli.{name}")
+        if name in full:
+            module.register(subparsers)
+        else:  # building the others' flags would import their heavy dependencies for nothing
+            subparsers.add_parser(name, help=module.HELP)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one gptkit command; user errors print one line and return 2."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((arg for arg in argv if not arg.startswith("-")), None)  # the top level takes no values
+    parser = build_parser(full=[command] if command in COMMANDS else [])
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # report it against the sub-command, whose --help lists what it takes
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        culprit = subparsers.choices[args.command] if args.command else parser
+        culprit.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -9,11 +9,14 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+HELP = "convert between gptkit model directories and Hugging Face checkpoints (GPT-2, Llama families)"  # shown by `gptkit --help` without importing the command
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `convert` sub-command."""
     parser = subparsers.add_parser(
         "convert",
-        help="convert between gptkit model directories and Hugging Face checkpoints (GPT-2, Llama families)",
+        help=HELP,
         description="Import a local Hugging Face GPT-2 / Llama / Mistral / Qwen2 checkpoint directory as a gptkit "
         "model directory, or export a gptkit model directory as a GPT-2 or Llama checkpoint that transformers "
         "loads. Anything that cannot be converted exactly is refused with the reason.",

@@ -9,13 +9,16 @@ import sys
 from pathlib import Path
 
 
+HELP = "loss, perplexity and bits per byte of a text (sliding window over long texts)"  # shown by `gptkit --help` without importing the command
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `eval` sub-command; its tuning flags come from EvalOptions."""
     from gptkit.evaluate import EvalOptions
 
     parser = subparsers.add_parser(
         "eval",
-        help="loss, perplexity and bits per byte of a text (sliding window over long texts)",
+        help=HELP,
         description="Score a UTF-8 text file (--input) or a prepared data directory's val.bin (--data) under "
         "MODEL_DIR: mean next-token loss in nats, perplexity and bits per byte. Texts longer than the context are "
         "scored with windows of block_size tokens starting every --stride tokens; every token but the first is "
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.errors import InputError
     from gptkit.evaluate import EvalOptions, evaluate_ids, sliding_windows
     from gptkit.modeldir import load
-    from gptkit.train import pick_device
+    from gptkit.devices import pick_device
 
     options = EvalOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EvalOptions)})
     text = _read_text(args.input) if args.input is not None else None

@@ -7,11 +7,14 @@ import json
 from typing import Any
 
 
+HELP = "parameter breakdown, FLOPs per token and KV-cache size of a model"  # shown by `gptkit --help` without importing the command
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `info` sub-command."""
     parser = subparsers.add_parser(
         "info",
-        help="parameter breakdown, FLOPs per token and KV-cache size of a model",
+        help=HELP,
         description="Print the parameter breakdown, FLOPs per token and KV-cache bytes of a preset, "
         "a config JSON file or a model directory.",
     )

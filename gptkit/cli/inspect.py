@@ -6,13 +6,16 @@ import argparse
 from pathlib import Path
 
 
+HELP = "pictures of what is inside a model (attention, hidden states, next-token distribution, ...)"  # shown by `gptkit --help` without importing the command
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `inspect` sub-command."""
     from gptkit.insight import DEFAULT_PROMPT, MAX_HEATMAP_TOKENS
 
     parser = subparsers.add_parser(
         "inspect",
-        help="pictures of what is inside a model (attention, hidden states, next-token distribution, ...)",
+        help=HELP,
         description="Run a prompt through MODEL_DIR and write PNG pictures into --out with an index.html showing "
         "them: the parameter breakdown, attention heatmaps per layer and head, hidden-state norms, the cosine "
         "similarity between layers, the next-token distribution at temperatures 0.5, 1 and 2, the causal mask and "
@@ -33,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.errors import InputError
     from gptkit.insight import write_report
     from gptkit.modeldir import load
-    from gptkit.train import pick_device
+    from gptkit.devices import pick_device
 
     if not args.prompt:
         raise InputError("--prompt is empty; give some text to run through the model")

@@ -7,13 +7,16 @@ import dataclasses
 import json
 
 
+HELP = "size a training run before it starts: FLOPs, compute-optimal tokens, memory, fit and wall time"  # shown by `gptkit --help` without importing the command
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `plan` sub-command; its flags come from PlanSettings."""
     from gptkit.plan import PlanSettings
 
     parser = subparsers.add_parser(
         "plan",
-        help="size a training run before it starts: FLOPs, compute-optimal tokens, memory, fit and wall time",
+        help=HELP,
         description="Plan a training run of a preset, a config JSON file or a model directory: parameters, "
         "training FLOPs (6ND plus attention), Chinchilla's compute-optimal tokens (20 per parameter) and model "
         "size for a FLOP budget (C = 6ND), memory for weights, gradients, AdamW state and activations (with and "

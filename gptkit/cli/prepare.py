@@ -13,13 +13,16 @@ from gptkit.errors import InputError
 FLAG_NAMES = {"inputs": "--input"}
 
 
+HELP = "tokenize text into train.bin / val.bin / meta.json for training"  # shown by `gptkit --help` without importing the command
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `prepare` sub-command; its flags are generated from PrepareConfig."""
     from gptkit.prepare import PrepareConfig
 
     parser = subparsers.add_parser(
         "prepare",
-        help="tokenize text into train.bin / val.bin / meta.json for training",
+        help=HELP,
         description="Tokenize text files, directories (recursively) and JSONL files (a 'text' field per line) "
         "into DATA_DIR/train.bin, val.bin, the tokenizer files and meta.json. With no --input, the bundled tiny "
         "shakespeare is used.",

@@ -1,0 +1,93 @@
+"""`gptkit train`: train (or resume) a model on a prepared data directory, from a YAML recipe plus flags."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gptkit.train_config import RunConfig
+
+USAGE = "gptkit train [--config FILE.yaml] [--data DIR] [--out RUN_DIR] [--resume] [--SECTION.KEY VALUE ...]"
+
+
+HELP = "train or fine-tune a model on prepared data, with checkpoints and exact resume"  # shown by `gptkit --help` without importing the command
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `train` sub-command, with one flag per config key."""
+    from gptkit.train_config import add_flags
+
+    parser = subparsers.add_parser(
+        "train",
+        help=HELP,
+        description="Train a model on a directory made by `gptkit prepare`. Settings come from the dataclass "
+        "defaults, then --config FILE.yaml (sections model:, optim:, train:), then --SECTION.KEY VALUE flags. "
+        "The run directory receives config.yaml, metrics.jsonl, loss.png and checkpoints/ (each one a model "
+        "directory); `latest` names the newest checkpoint. Launched by torchrun (torchrun --nproc_per_node N -m "
+        "gptkit train ...), it trains data-parallel (train.parallel ddp or fsdp); rank 0 writes the files.",
+        usage=USAGE,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", metavar="FILE.yaml", help="a recipe, e.g. configs/shakespeare-char-cpu.yaml")
+    parser.add_argument("--data", metavar="DIR", help="prepared data directory (same as --train.data_dir)")
+    parser.add_argument("--out", metavar="RUN_DIR", help="run directory (same as --train.out_dir; default "
+                        "runs/<config name>)")  # fmt: skip
+    parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR from its latest checkpoint")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def build_config(args: argparse.Namespace) -> RunConfig:
+    """The run's settings from the arguments; with --resume, the run directory's config.yaml is the base."""
+    from gptkit.errors import ConfigError
+    from gptkit.train import CONFIG_FILE
+    from gptkit.train_config import flag_overrides, from_sources
+
+    flags = flag_overrides(args)
+    train_flags = flags.setdefault("train", {})
+    for option, key in (("data", "data_dir"), ("out", "out_dir")):
+        if getattr(args, option) is not None:
+            train_flags[key] = getattr(args, option)
+    recipe = from_sources(args.config, flags)
+    if recipe.train.out_dir is None:
+        recipe.train.out_dir = str(Path("runs") / (Path(args.config).stem if args.config else "run"))
+    if not args.resume:
+        return recipe
+    # Resuming: the run's own resolved config.yaml is the base (the recipe was baked into it); flags may extend
+    # the run (e.g. --train.max_steps) but not change the model it trains.
+    saved_path = Path(recipe.train.out_dir) / CONFIG_FILE
+    if not saved_path.is_file():
+        raise ConfigError(f"{saved_path} does not exist; is {recipe.train.out_dir} a gptkit run directory?")
+    config = from_sources(saved_path, {section: values for section, values in flags.items() if section != "model"})
+    config.train.out_dir = recipe.train.out_dir
+    for key, value in flags.get("model", {}).items():
+        if key not in ("preset", "init_from") and config.model.fields.get(key) != value:
+            raise ConfigError(
+                f"model.{key} cannot change on --resume (the run has {config.model.fields.get(key)!r}); "
+                "start a new run with model.init_from instead"
+            )
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train, then say where the model is and how to continue."""
+    from gptkit.train import train
+
+    from gptkit.distributed import world_from_env
+
+    config = build_config(args)
+    result = train(config, resume=args.resume, progress=not args.quiet)
+    if not world_from_env().is_main:  # under torchrun, rank 0 speaks for the run
+        return 130 if result.interrupted else 0
+    where = f" (val loss {result.val_loss:.4f})" if result.val_loss is not None else ""
+    print(f"step {result.step}{where}; model: {result.checkpoint}", file=sys.stderr)
+    if result.skipped_steps:
+        print(f"{result.skipped_steps} update(s) were skipped for a non-finite loss or gradient", file=sys.stderr)
+    if result.interrupted:
+        print(f"interrupted; continue with: gptkit train --resume --out {result.run_dir}", file=sys.stderr)
+        return 130
+    return 0
