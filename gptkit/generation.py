@@ -743,7 +743,7 @@ def generate(
     return _shape(texts, batched, params.num_samples)
 
 
-def _safe_end(text: str, stops: Sequence[str]) -> int:
+def visible_end(text: str, stops: Sequence[str]) -> int:
     """How much of unfinished text may be shown: not an incomplete UTF-8 character (a trailing U+FFFD), nor a
     tail that a stop string might begin with."""
     end = len(text.rstrip("\ufffd"))
@@ -772,7 +772,7 @@ def stream_text(
         cut = _first_stop(text, params.stop)
         if cut >= 0:
             text = text[:cut]
-        end = len(text) if row.done else _safe_end(text, params.stop)
+        end = len(text) if row.done else visible_end(text, params.stop)
         if end > sent:
             yield text[sent:end]
             sent = end

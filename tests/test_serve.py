@@ -20,7 +20,8 @@ from fastapi.testclient import TestClient
 from gptkit.modeldir import load
 from gptkit.sampling import SamplingParams
 from gptkit.serving.chat import ChatTemplate, load_chat_template
-from gptkit.serving.engine import Sequence, held_back
+from gptkit.generation import visible_end
+from gptkit.serving.engine import Sequence
 from gptkit.serving.server import ServeOptions, build_app
 from test_serve_helpers import live_server, make_model_dir
 
@@ -300,10 +301,12 @@ def test_full_queue_answers_503_with_retry_after(model_dir):
     assert r.json()["error"]["code"] == "server_busy"
 
 
-def test_held_back_text_that_may_start_a_stop_string():
-    assert held_back("hello wor", ("world",)) == 3
-    assert held_back("hello", ("xyz",)) == 0
-    assert held_back("ab\ufffd", ()) == 1
+def test_streamed_text_holds_back_what_may_start_a_stop_string():
+    assert visible_end("hello wor", ("world",)) == 6
+    assert visible_end("hello", ("xyz",)) == 5
+    assert visible_end("ab\ufffd", ()) == 2
+    # A stop string ending in a multi-byte character: its start must not leak while the character is incomplete.
+    assert visible_end("say caf\ufffd", ("café",)) == 4
 
 
 def test_cli_binds_loopback_and_requires_the_api_key(model_dir):

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gptkit.errors import GptkitError
-from gptkit.generation import decode_one_token, prefill
+from gptkit.generation import decode_one_token, prefill, visible_end
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 from gptkit.sampling import SamplingParams, sample
@@ -79,19 +79,6 @@ def _row_view(cache: KVCache, rows: slice, length: int) -> KVCache:
     view.keys = [k[rows, :, :length] for k in cache.keys]
     view.values = [v[rows, :, :length] for v in cache.values]
     return view
-
-
-def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters of text might begin a stop string (or an unfinished UTF-8 character)."""
-    hold = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:size]):
-                hold = max(hold, size)
-                break
-    if text.endswith("\ufffd"):  # a multi-byte character split across tokens decodes to U+FFFD until complete
-        hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
-    return hold
 
 
 class Engine:
@@ -292,7 +279,7 @@ class Engine:
             reason = "length"
         if reason is None and len(seq.prompt) + len(seq.generated) >= self.block_size:
             reason = "length"  # the context is full (only reachable when max_new_tokens was not checked)
-        end = len(text) if reason else len(text) - held_back(text, seq.params.stop)
+        end = len(text) if reason else visible_end(text, seq.params.stop)
         if end > seq.sent or reason:
             new = text[seq.sent : max(end, seq.sent)]
             seq.sent = max(end, seq.sent)
