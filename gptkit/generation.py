@@ -51,8 +51,12 @@ def prefill(model: GPT, ids: Tensor, cache: KVCache, lengths: Tensor) -> Tensor:
     return logits[torch.arange(ids.size(0), device=ids.device), lengths - 1]
 
 
-def decode_one_token(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
-    """Logits (B, V) for tokens (B, 1), row b written at cache position positions[b]; fixed shapes every step."""
+def decode_one_token(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int) -> Tensor:
+    """Logits (B, V) for tokens (B, 1), row b written at cache position positions[b]; fixed shapes every step.
+
+    An int position (every row at the same place) lets eager attention read only the filled part of the cache
+    instead of masking the whole of it; the shapes then change every step, so the compiled step never gets one.
+    """
     return model(tokens, cache=cache, start_pos=positions)[:, -1]
 
 
@@ -310,11 +314,13 @@ class Engine:
                 for slot in cached:
                     tokens[slot], positions[slot] = self.rows[slot].tokens[-1], self.rows[slot].position
                     self.rows[slot].position += 1
+                eager = self.decode_step is decode_one_token
+                shared = eager and len(cached) == len(self.rows) and len(set(positions)) == 1
                 logits = self.decode_step(
                     self.model,
                     torch.tensor(tokens, device=self.device)[:, None],
                     self.cache,
-                    torch.tensor(positions, device=self.device),
+                    positions[0] if shared else torch.tensor(positions, device=self.device),
                 ).float()
             if windowed:
                 if logits is None:
