@@ -11,6 +11,7 @@ speed-up over one client. Only loopback is ever contacted.
 from __future__ import annotations
 
 import argparse
+import json
 import concurrent.futures
 import re
 import subprocess
@@ -88,22 +89,30 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--threads", type=int, default=None, help="the server's --threads (default: torch's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
+    show = (lambda *a, **k: None) if args.json else print  # noqa: E731
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or build_model_dir(Path(tmp), args.n_layer, args.n_embd, args.block_size)
         proc, url = start_server(model_dir, max(args.concurrency), args.threads)
         try:
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             run_clients(url, model, 1, 1, 4)  # warm-up
-            print(f"model {model}; {args.requests} requests per client, {args.max_tokens} max tokens each, "
+            show(f"model {model}; {args.requests} requests per client, {args.max_tokens} max tokens each, "
                   f"server threads: {args.threads or 'torch default'}")
-            print(f"{'clients':>8} {'requests/s':>11} {'tokens/s':>10} {'speed-up':>9}")
+            show(f"{'clients':>8} {'requests/s':>11} {'tokens/s':>10} {'speed-up':>9}")
             base = None
             for clients in args.concurrency:
                 seconds, requests, tokens = run_clients(url, model, clients, args.requests, args.max_tokens)
                 rate = tokens / seconds
                 base = base or rate
-                print(f"{clients:>8} {requests / seconds:>11.2f} {rate:>10.1f} {rate / base:>8.2f}x", flush=True)
+                show(f"{clients:>8} {requests / seconds:>11.2f} {rate:>10.1f} {rate / base:>8.2f}x", flush=True)
+                rows.append({"clients": clients, "requests_per_s": requests / seconds, "tokens_per_s": rate,
+                             "speedup": rate / base})  # fmt: skip
+            if args.json:
+                print(json.dumps({"model": model, "requests_per_client": args.requests,
+                                  "max_tokens": args.max_tokens, "threads": args.threads, "rows": rows}, indent=2))
         finally:
             proc.terminate()
             proc.wait(timeout=30)
