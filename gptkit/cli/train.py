@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 USAGE = "gptkit train [--config FILE.yaml] [--data DIR] [--out RUN_DIR] [--resume] [--SECTION.KEY VALUE ...]"
 
 
-HELP = "train or fine-tune a model on prepared data, with checkpoints and exact resume"  # shown by `gptkit --help` without importing the command
+# Shown by `gptkit --help`, which imports no command's dependencies.
+HELP = "train or fine-tune a model on prepared data, with checkpoints and exact resume"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

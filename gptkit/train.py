@@ -1,0 +1,597 @@
+"""The training loop: AdamW on next-token loss, with evaluation, metrics, checkpoints, exact resume and fault skips.
+
+The step never waits on the device except every log_interval steps (and at evaluations and checkpoints): the
+loss, gradient norm and fault counters stay on the device until then, and a non-finite step is skipped by the
+fused AdamW kernel itself (its found_inf input) rather than by a Python `if`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from torch import Tensor
+
+from gptkit.accounting import training_flops_per_token
+from gptkit.atomic import atomic_write, atomic_write_text
+from gptkit.checkpoint import (
+    CheckpointError,
+    full_tensor,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_stale_temporaries,
+    rng_state,
+    save_checkpoint,
+)
+from gptkit.devices import pick_device
+from gptkit.distributed import (
+    RankBatches,
+    World,
+    all_mean,
+    any_rank,
+    barrier,
+    gather_objects,
+    device_for,
+    init_process_group,
+    sync_context,
+    world_from_env,
+    wrap,
+)
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.model import GPT, next_token_loss
+from gptkit.optim import lr_at, make_optimizer
+from gptkit.train_config import RunConfig, TrainConfig, resolve_model
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+# Peak dense FLOP/s of this project's reference machine (2 cores; issue 9 measured them), used for MFU on CPU.
+# Other devices show MFU only when train.peak_flops is set.
+CPU_PEAK_FLOPS = {"float32": 146e9, "bfloat16": 349e9}
+
+
+class TrainingStopped(GptkitError):
+    """The run stopped on purpose (too many non-finite steps, weights gone bad); the message says why and where."""
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or interrupted) run leaves behind."""
+
+    run_dir: Path
+    step: int
+    checkpoint: Path | None
+    val_loss: float | None
+    skipped_steps: int
+    interrupted: bool
+
+
+def autocast_for(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """The mixed-precision context of the forward pass (a no-op for float32)."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
+def peak_flops(device: torch.device, dtype: str, override: float | None) -> float | None:
+    """Peak FLOP/s for MFU: the override, else the reference CPU's figure, else unknown (None)."""
+    if override is not None:
+        return override
+    return CPU_PEAK_FLOPS.get(dtype) if device.type == "cpu" else None
+
+
+def bytes_per_token(meta: dict[str, Any], split: str, tokens: np.ndarray, tokenizer: Any | None) -> float | None:
+    """UTF-8 bytes of text per token of a split, for bits per byte (SPEC section 3): from meta.json or counted."""
+    if isinstance(meta.get(f"{split}_bytes"), int) and len(tokens):
+        return meta[f"{split}_bytes"] / len(tokens)
+    if tokenizer is None or not len(tokens):
+        return None
+    lengths = np.asarray(tokenizer.token_byte_lengths(), dtype=np.float64)
+    counts = np.bincount(np.asarray(tokens), minlength=len(lengths))[: len(lengths)]
+    return float(counts @ lengths) / len(tokens)
+
+
+class Batches:
+    """Training batches moved to the device one step ahead, with the loader state that reproduces the next one."""
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self.loader = loader
+        self.device = device
+        self._pending = self._fetch()
+
+    def _fetch(self) -> tuple[dict[str, Any], Tensor, Tensor]:
+        state = self.loader.state_dict()
+        x, y = self.loader.next_batch()
+        if self.device.type == "cuda":  # pinned host memory lets the copy overlap the running step
+            x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        elif self.device.type != "cpu":
+            x, y = x.to(self.device), y.to(self.device)
+        return state, x, y
+
+    def next(self) -> tuple[Tensor, Tensor]:
+        """The next (x, y); the one after it is fetched at once, while the device works on this one."""
+        _, x, y = self._pending
+        self._pending = self._fetch()
+        return x, y
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader state whose next batch is the next one this object hands out."""
+        return self._pending[0]
+
+
+# Evaluation forwards up to this many tokens at once (at least one training batch): bigger matrix products run
+# faster per token on CPU, and the mean over equal-size windows is the same however they are grouped.
+EVAL_TOKENS = 8192
+
+
+@torch.no_grad()  # not inference_mode: FSDP2 reuses its all-gather buffers in the next training step
+def evaluate(model: torch.nn.Module, tokens: np.ndarray, train: TrainConfig, block_size: int, seed: int,
+             device: torch.device, dtype: str) -> float:
+    """Mean loss over eval_iters x batch_size fixed windows of a split (the same windows at every evaluation)."""
+    from gptkit.data import TrainBatches
+
+    batches = TrainBatches(tokens, block_size, train.batch_size, seed)
+    x, y = (torch.cat(parts) for parts in zip(*(batches.next_batch() for _ in range(train.eval_iters))))
+    chunk = max(train.batch_size, EVAL_TOKENS // block_size)
+    total = torch.zeros((), device=device)
+    for start in range(0, len(x), chunk):
+        xb, yb = x[start : start + chunk].to(device), y[start : start + chunk].to(device)
+        with autocast_for(device, dtype):
+            total += next_token_loss(model(xb), yb).float() * len(xb)
+    return (total / len(x)).item()
+
+
+def plot_losses(history: list[dict[str, Any]], path: Path) -> None:
+    """Write the train and validation loss curves as a PNG (matplotlib's Agg canvas, no display needed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    series = [("loss", "train (logged steps)", 0.5), ("train_eval_loss", "train (eval)", 1.0),
+              ("val_loss", "validation", 1.0)]  # fmt: skip
+    for key, label, alpha in series:
+        points = [(r["step"], r[key]) for r in history if r.get(key) is not None and math.isfinite(r[key])]
+        if points:
+            axes.plot(*zip(*points), label=label, alpha=alpha, marker="o" if key != "loss" else None, markersize=3)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (nats)")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    atomic_write(path, lambda tmp: figure.savefig(tmp, format="png"))
+
+
+def read_history(path: Path, up_to: int) -> list[dict[str, Any]]:
+    """The metrics records of a run up to step `up_to` (later ones belong to steps a resume will redo)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if isinstance(record, dict) and record.get("step", math.inf) <= up_to:
+            records.append(record)
+    return records
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """An event set by the first SIGINT or SIGTERM (the loop then checkpoints and returns); a second SIGINT aborts."""
+    requested = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if requested.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        requested.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield requested
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def load_data(data_dir: str | None) -> tuple[dict[str, Any], np.ndarray, np.ndarray, Any | None]:
+    """(meta, train tokens, val tokens, tokenizer) of a prepared data directory; errors name what is missing."""
+    from gptkit.data import SPLIT_FILES, load_tokens, read_meta
+    from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
+
+    if data_dir is None:
+        raise ConfigError("no data: pass --data DIR (a directory made by `gptkit prepare`) or set train.data_dir")
+    meta = read_meta(data_dir)
+    train_tokens = load_tokens(Path(data_dir) / SPLIT_FILES["train"], meta["dtype"])
+    val_tokens = load_tokens(Path(data_dir) / SPLIT_FILES["val"], meta["dtype"])
+    try:
+        tokenizer = load_tokenizer(data_dir)
+    except TokenizerNotFound:
+        tokenizer = None
+    return meta, train_tokens, val_tokens, tokenizer
+
+
+# Splits up to this many tokens are checked whole; larger ones (made by `gptkit prepare`, which writes only ids
+# of its tokenizer) by their first and last chunks, so that starting a large run does not read it all.
+FULL_CHECK_TOKENS = 1 << 28
+CHECK_CHUNK = 1 << 24
+
+
+def check_tokens(name: str, tokens: np.ndarray, vocab_size: int, block_size: int) -> None:
+    """Each split must be long enough for one window and hold only ids inside the vocabulary (the model skips it)."""
+    if len(tokens) < block_size + 1:
+        raise GptkitError(
+            f"{name} has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}; "
+            "lower model.block_size or prepare more text"
+        )
+    if len(tokens) <= FULL_CHECK_TOKENS:
+        starts = range(0, len(tokens), CHECK_CHUNK)
+    else:
+        starts = [0, len(tokens) - CHECK_CHUNK]
+    top = max(int(tokens[i : i + CHECK_CHUNK].max()) for i in starts)
+    if top >= vocab_size:
+        raise GptkitError(f"{name} holds token id {top}, outside the vocabulary of {vocab_size}; re-prepare the data")
+
+
+def build_model(config: RunConfig, vocab_size: int) -> tuple[GPT, Any | None]:
+    """(model, tokenizer of init_from or None): a fresh model, or init_from's weights for fine-tuning."""
+    section = config.model
+    if section.init_from is None:
+        return GPT(resolve_model(section, vocab_size)), None
+    from gptkit.modeldir import load
+
+    pretrained, tokenizer = load(section.init_from)
+    model_config = resolve_model(section, vocab_size, init_config=pretrained.config)
+    if model_config == pretrained.config:
+        return pretrained.train(), tokenizer
+    model = GPT(model_config)  # only dropout differs
+    model.load_state_dict(pretrained.state_dict())
+    return model, tokenizer
+
+
+def train(config: RunConfig, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Run (or, with resume, continue) the training described by config; returns where it ended.
+
+    Under torchrun (WORLD_SIZE > 1 in the environment) every process calls this: it joins the process group
+    (unless the caller already did), trains its share of each batch, and leaves the group it joined.
+    """
+    world = world_from_env()
+    device = device_for(world, pick_device(config.train.device, "train.device"))
+    joined = init_process_group(world, device)
+    try:
+        return Trainer(config, resume, world, device).run(progress and world.is_main)
+    finally:
+        if joined:
+            torch.distributed.destroy_process_group()
+
+
+def _check_counts(t: TrainConfig) -> None:
+    for key in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval",
+                "checkpoint_interval", "keep_checkpoints", "max_bad_steps"):  # fmt: skip
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+
+
+def _tokenizer_of(path: Path) -> Any | None:
+    from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except TokenizerNotFound:
+        return None
+
+
+class Trainer:
+    """One run: everything is checked and built in __init__ (errors come before any work), run() trains."""
+
+    def __init__(self, config: RunConfig, resume: bool, world: World | None = None,
+                 device: torch.device | None = None) -> None:  # fmt: skip
+        t = self.t = config.train
+        self.world = world if world is not None else World()
+        self.o = config.optim
+        if t.out_dir is None:
+            raise ConfigError("no run directory: pass --out RUN_DIR or set train.out_dir")
+        _check_counts(t)
+        self.run_dir = Path(t.out_dir)
+        self.meta, self.train_tokens, self.val_tokens, tokenizer = load_data(t.data_dir)
+        vocab_size = self.meta["vocab_size"]
+        checkpoint = latest_checkpoint(self.run_dir) if self.run_dir.is_dir() else None
+        if resume and checkpoint is None:
+            raise CheckpointError(f"{self.run_dir} has no checkpoint to resume from; start the run without --resume")
+        if not resume and checkpoint is not None:
+            raise ConfigError(
+                f"{self.run_dir} already holds a run; pass --resume to continue it, or choose another --out"
+            )
+        self.device = device if device is not None else pick_device(t.device, "train.device")
+        if t.dtype == "float16" and self.device.type != "cuda":
+            raise ConfigError(f"train.dtype float16 needs CUDA (gradient scaling); on {self.device.type} use "
+                              "bfloat16 or float32")  # fmt: skip
+
+        torch.manual_seed(t.seed)  # initial weights and dropout; a resumed run restores its generator state instead
+        if checkpoint is not None:
+            from gptkit.modeldir import read_model_config
+
+            model = GPT(read_model_config(checkpoint))
+            if model.config.vocab_size != vocab_size:
+                raise ConfigError(f"the run's model has vocab_size {model.config.vocab_size}, the data {vocab_size}")
+            own_tokenizer = _tokenizer_of(checkpoint)
+        else:
+            model, own_tokenizer = build_model(config, vocab_size)
+        self.tokenizer = tokenizer if tokenizer is not None else own_tokenizer
+        self.block_size = model.config.block_size
+        check_tokens("train.bin", self.train_tokens, vocab_size, self.block_size)
+        check_tokens("val.bin", self.val_tokens, vocab_size, self.block_size)
+
+        from gptkit.data import TrainBatches
+
+        self.model = model.to(self.device)
+        model.check_inputs = False  # the data were checked above; the check would sync the device every step
+        model.train()
+        if self.world.rank:  # the same initial weights on every rank (above), but each rank its own dropout
+            torch.manual_seed(t.seed + 7919 * self.world.rank)
+        # DDP keeps the parameters; FSDP turns them into shards (DTensors), so it wraps before the optimiser.
+        self.wrapped = wrap(model, self.world, t.parallel, self.device)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.names = {p: n for n, p in model.named_parameters()}
+        self.optimizer, self.fused = make_optimizer(model, self.o)
+        self.scaler = torch.amp.GradScaler("cuda") if t.dtype == "float16" else None
+        # Every rank reads one global stream (keyed by the seed alone) and takes its strided share of it.
+        loader = RankBatches(TrainBatches(self.train_tokens, self.block_size, t.batch_size, t.seed), self.world)
+
+        self.step, self.elapsed_before, self.skipped_before = 0, 0.0, 0
+        self.last_good = checkpoint
+        if self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(self.run_dir)
+        if checkpoint is not None:
+            saved = load_checkpoint(checkpoint, model, self.optimizer, self.names, self.world.rank)
+            self.step, self.elapsed_before = saved["step"], saved.get("elapsed_s", 0.0)
+            self.skipped_before = saved.get("skipped_steps", 0)
+            loader.load_state_dict(saved["loader"])
+            if self.scaler is not None and saved.get("scaler"):
+                self.scaler.load_state_dict(saved["scaler"])
+        self.batches = Batches(loader, self.device)
+
+        resolved = config.to_dict()
+        init_from = {"init_from": config.model.init_from} if config.model.init_from else {}
+        resolved["model"] = {**init_from, **model.config.to_dict()}
+        header = "# The resolved settings of this run, written by gptkit train.\n"
+        # Records after the checkpoint belong to steps this run is about to redo.
+        self.history = read_history(self.run_dir / METRICS_FILE, self.step)
+        if self.world.is_main:
+            atomic_write_text(self.run_dir / CONFIG_FILE, header + yaml.safe_dump(resolved, sort_keys=False))
+            atomic_write_text(self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.history))
+        barrier(self.world)  # no rank starts before rank 0 has made the run directory
+
+        self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
+        self.flops_per_token = training_flops_per_token(model.config)
+        self.peak = peak_flops(self.device, t.dtype, t.peak_flops)
+        self.val_bytes_per_token = bytes_per_token(self.meta, "val", self.val_tokens, self.tokenizer)
+        # Fault counters stay on the device, so no step waits to learn whether it was skipped.
+        zero = torch.zeros((), device=self.device)
+        self.bad_run, self.bad_run_max, self.bad_count = zero.clone(), zero.clone(), zero.clone()
+        self.skipped = self.skipped_before
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Training wall time of the whole run, across resumes."""
+        return self.elapsed_before + time.perf_counter() - self.started
+
+    def train_step(self) -> tuple[Tensor, Tensor, float]:
+        """One update (or a skipped one); returns the mean loss and gradient norm, still on the device, and the lr."""
+        t, optimizer, scaler = self.t, self.optimizer, self.scaler
+        lr = lr_at(self.step, self.o, t.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(t.grad_accum):
+            x, y = self.batches.next()
+            # Across ranks, gradients are all-reduced on the final micro-step only.
+            with sync_context(self.wrapped, micro == t.grad_accum - 1):
+                with autocast_for(self.device, t.dtype):
+                    loss = next_token_loss(self.forward(x), y) / t.grad_accum
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            loss_sum += loss.detach()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        clip = self.o.grad_clip if self.o.grad_clip > 0 else math.inf
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=True))  # FSDP: a DTensor
+        if scaler is not None:  # the scaler skips overflowing steps itself; only a non-finite loss is a fault
+            bad = (~loss_sum.isfinite()).float()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            bad = (~(loss_sum.isfinite() & grad_norm.isfinite())).float()
+            if self.fused:
+                optimizer.found_inf = bad  # the fused kernel leaves weights and moments alone when this is 1
+                optimizer.step()
+            elif not bool(bad):  # no fused kernel on this device: this check syncs
+                optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.bad_run.mul_(bad).add_(bad)
+        torch.maximum(self.bad_run_max, self.bad_run, out=self.bad_run_max)
+        self.bad_count.add_(bad)
+        self.step += 1
+        return loss_sum, grad_norm, lr
+
+    def log_record(self, loss_sum: Tensor, grad_norm: Tensor, lr: float, tokens_per_s: float) -> dict[str, Any]:
+        """Read the step's numbers from the device (the one sync of a logged step) and check the fault counters."""
+        loss_sum = all_mean(self.world, loss_sum)  # each rank's mean over its micro-batches -> the step's mean
+        record = {"step": self.step, "loss": loss_sum.item(), "lr": lr, "grad_norm": grad_norm.item(),
+                  "tokens_per_s": tokens_per_s, "elapsed_s": self.elapsed()}  # fmt: skip
+        if self.peak:  # per device: the peak is one device's (one process's)
+            record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak * self.world.world_size)
+        skipped = self.skipped_before + int(self.bad_count.item())
+        if skipped != self.skipped:
+            record["skipped_steps"] = skipped
+            self.note(f"step {self.step}: skipped {skipped - self.skipped} update(s) with a non-finite loss or "
+                      f"gradient norm ({skipped} in all)")  # fmt: skip
+            self.skipped = skipped
+        streak = int(self.bad_run_max.item())
+        if streak >= self.t.max_bad_steps:
+            self.write(record)
+            raise TrainingStopped(
+                f"{streak} non-finite steps in a row by step {self.step} (train.max_bad_steps "
+                f"{self.t.max_bad_steps}): lower optim.lr, raise optim.warmup_steps or check the data; the last "
+                f"good checkpoint is {self.last_good or 'none (no checkpoint was written)'}"
+            )
+        return record
+
+    def evaluate_into(self, record: dict[str, Any]) -> None:
+        """Add train and validation loss, perplexity and bits per byte to record."""
+        t = self.t
+        self.forward.eval()
+        train_loss = evaluate(self.forward, self.train_tokens, t, self.block_size, t.seed + 1, self.device, t.dtype)
+        val_loss = evaluate(self.forward, self.val_tokens, t, self.block_size, t.seed + 2, self.device, t.dtype)
+        self.forward.train()
+        record.update(train_eval_loss=train_loss, train_eval_ppl=_exp(train_loss), val_loss=val_loss,
+                      val_ppl=_exp(val_loss))  # fmt: skip
+        line = f"step {self.step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}"
+        if self.val_bytes_per_token:
+            record["val_bpb"] = val_loss / (math.log(2) * self.val_bytes_per_token)
+            line += f", val bpb {record['val_bpb']:.4f}"
+        self.note(line)
+        self.write(record)
+        if t.plot and self.world.is_main:
+            plot_losses(self.history, self.run_dir / PLOT_FILE)
+
+    def save(self) -> Path:
+        """Checkpoint the current step, unless the weights went bad (then the last good one stays the latest)."""
+        finite = bool(torch.stack([_local(p).detach().isfinite().all() for p in self.params]).all())
+        if any_rank(self.world, not finite, self.device):
+            raise TrainingStopped(
+                f"weights became non-finite by step {self.step}; the last good checkpoint is {self.last_good}"
+            )
+        trainer = {"loader": self.batches.state_dict(), "elapsed_s": self.elapsed(), "skipped_steps": self.skipped,
+                   "scaler": self.scaler.state_dict() if self.scaler is not None else None}  # fmt: skip
+        # Each rank's generators, so that every rank's dropout resumes exactly (rank 0's keys unprefixed).
+        rngs = gather_objects(self.world, rng_state())
+        rng = {(f"rank{r}." if r else "") + k: v for r, state in enumerate(rngs) for k, v in state.items()}
+        self.last_good = save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, self.optimizer,
+                                         self.names, trainer, self.t.keep_checkpoints, rng=rng,
+                                         write=self.world.is_main)  # fmt: skip
+        barrier(self.world)  # no rank goes on (or exits) while rank 0 is still writing
+        return self.last_good
+
+    def note(self, message: str) -> None:
+        """A line above the progress bar (evaluations, skipped steps); silent without a bar."""
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append a record to metrics.jsonl and the in-memory history the plot draws (rank 0 only)."""
+        if self.metrics is not None:
+            _write(self.metrics, record, self.history)
+
+    def stop_requested(self, stop: threading.Event) -> bool:
+        """Whether to stop now: at once in one process; across ranks, agreed at logged steps (a collective)."""
+        if not self.world.distributed:
+            return stop.is_set()
+        if self.step % self.t.log_interval and self.step != self.t.max_steps:
+            return False
+        return any_rank(self.world, stop.is_set(), self.device)
+
+    def run(self, progress: bool = True) -> TrainResult:
+        """Train to max_steps (or until SIGINT/SIGTERM, which checkpoint first); return where the run ended."""
+        from tqdm import tqdm
+
+        t = self.t
+        self.bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", file=sys.stderr,
+                        dynamic_ncols=True, smoothing=0.1) if progress else None  # fmt: skip
+        self.metrics = open(self.run_dir / METRICS_FILE, "a") if self.world.is_main else None
+        tokens_per_step = t.batch_size * t.grad_accum * self.block_size * self.world.world_size  # all ranks
+        interrupted, val_loss = False, None
+        try:
+            with stop_on_signals() as stop:
+                if self.step == 0 and t.eval_at_start:
+                    record: dict[str, Any] = {"step": 0}
+                    self.evaluate_into(record)
+                    val_loss = record["val_loss"]
+                window_start, window_steps = time.perf_counter(), 0
+                stopping = False
+                while self.step < t.max_steps and not stopping:
+                    loss_sum, grad_norm, lr = self.train_step()
+                    window_steps += 1
+                    if self.bar is not None:
+                        self.bar.update(1)
+                    step = self.step
+                    is_eval = step % t.eval_interval == 0 or step == t.max_steps
+                    stopping = self.stop_requested(stop)
+                    is_ckpt = step % t.checkpoint_interval == 0 or step == t.max_steps or stopping
+                    if not (step % t.log_interval == 0 or is_eval or is_ckpt):
+                        continue
+                    tokens_per_s = window_steps * tokens_per_step / max(time.perf_counter() - window_start, 1e-9)
+                    record = self.log_record(loss_sum, grad_norm, lr, tokens_per_s)
+                    if self.bar is not None:
+                        mfu = f" MFU {100 * record['mfu']:.0f}%" if "mfu" in record else ""
+                        self.bar.set_postfix_str(f"loss {record['loss']:.4f} lr {lr:.2e} "
+                                                 f"{_si(tokens_per_s)}tok/s{mfu}", refresh=False)  # fmt: skip
+                    if is_eval:
+                        self.evaluate_into(record)
+                        val_loss = record["val_loss"]
+                    else:
+                        self.write(record)
+                    if is_ckpt:
+                        self.save()
+                    window_start, window_steps = time.perf_counter(), 0
+                interrupted = stopping and self.step < t.max_steps
+        except torch.OutOfMemoryError:
+            raise GptkitError(
+                f"out of memory on {self.device} with train.batch_size {t.batch_size} x block_size "
+                f"{self.block_size}: lower train.batch_size (raise train.grad_accum to keep the tokens per step), "
+                "or model.block_size, or use train.dtype bfloat16"
+            ) from None
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+            if self.bar is not None:
+                self.bar.close()
+        return TrainResult(self.run_dir, self.step, self.last_good, val_loss, self.skipped, interrupted)
+
+
+def _write(file: Any, record: dict[str, Any], history: list[dict[str, Any]]) -> None:
+    """Append one metrics record (a line, flushed: a kill loses at most the line being written).
+
+    A non-finite number is written as null, since NaN and Infinity are not JSON.
+    """
+    record.update({k: None for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)})
+    file.write(json.dumps(record) + "\n")
+    file.flush()
+    history.append(record)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A plain tensor: this rank's shard of an FSDP2 DTensor (a replicated one's whole value), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _exp(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def _si(n: float) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix} "
+    return f"{n:.0f} "
+

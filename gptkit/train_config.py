@@ -1,0 +1,285 @@
+"""The training run's settings: three YAML sections (model, optim, train), each declared once and turned into flags.
+
+Precedence: dataclass defaults < the YAML file < `--section.field VALUE` flags. The model section holds
+ModelConfig's own fields (not re-declared here) plus `preset` and `init_from`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+from gptkit.config import PRESETS, ModelConfig
+from gptkit.errors import ConfigError
+
+Schedule = Literal["cosine", "constant"]
+Device = Literal["auto", "cpu", "cuda", "mps"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+Parallel = Literal["ddp", "fsdp"]
+
+
+@dataclass
+class ModelSection:
+    """Where the architecture comes from; the remaining model keys are ModelConfig fields, kept in `fields`."""
+
+    preset: str | None = None  # a gptkit preset name; its fields are the base the other keys override
+    init_from: str | None = None  # a model directory whose weights (and config) start the run: fine-tuning
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 6e-4  # peak learning rate, reached after warm-up
+    min_lr: float = 6e-5  # the cosine schedule's floor
+    warmup_steps: int = 100  # linear warm-up from lr/(warmup_steps+1)
+    schedule: Schedule = "cosine"
+    decay_steps: int | None = None  # steps over which cosine decays to min_lr; None means train.max_steps
+    weight_decay: float = 0.1  # decoupled, on matrices only (linear weights and embeddings)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 turns clipping off
+
+
+@dataclass
+class TrainConfig:
+    """The run: data, batch, cadence of evaluation, logging and checkpoints, device and precision."""
+
+    data_dir: str | None = None  # prepared data (train.bin, val.bin, meta.json); also --data
+    out_dir: str | None = None  # the run directory; also --out; default runs/<config file name>
+    max_steps: int = 5000
+    batch_size: int = 12  # sequences per micro-batch; each step sees batch_size * grad_accum sequences
+    grad_accum: int = 1
+    eval_interval: int = 250  # evaluate every this many steps (and at step 0 and at the end)
+    eval_iters: int = 20  # batches per split in each evaluation
+    eval_at_start: bool = True  # also evaluate before the first step (a fresh run only)
+    log_interval: int = 10  # read the loss from the device every this many steps
+    checkpoint_interval: int = 1000
+    keep_checkpoints: int = 3  # keep the newest K checkpoints
+    seed: int = 1337
+    device: Device = "auto"  # auto picks cuda, then mps, then cpu
+    dtype: Dtype = "float32"  # bfloat16 autocasts (CPU, CUDA); float16 autocasts with a gradient scaler (CUDA)
+    compile: bool = False  # torch.compile the model
+    parallel: Parallel = "ddp"  # under torchrun: ddp replicates the model, fsdp shards it per block (FSDP2)
+    max_bad_steps: int = 10  # stop after this many non-finite steps in a row
+    peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None uses a known figure or shows none
+    plot: bool = True  # refresh RUN_DIR/loss.png at each evaluation
+
+
+@dataclass
+class RunConfig:
+    """Everything one `gptkit train` run needs."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML-shaped dict: model keys flattened, None values kept so that the file is complete."""
+        model: dict[str, Any] = {}
+        if self.model.preset is not None:
+            model["preset"] = self.model.preset
+        if self.model.init_from is not None:
+            model["init_from"] = self.model.init_from
+        model.update(self.model.fields)
+        return {"model": model, "optim": dataclasses.asdict(self.optim), "train": dataclasses.asdict(self.train)}
+
+    def to_yaml(self) -> str:
+        """The config as YAML text, in section order."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SECTIONS: dict[str, type] = {"optim": OptimConfig, "train": TrainConfig}
+MODEL_SPECIAL = {"preset": str | None, "init_from": str | None}
+
+
+def section_types(section: str) -> dict[str, Any]:
+    """Each key a section accepts and its annotated type (the model section's come from ModelConfig)."""
+    if section == "model":
+        return {**MODEL_SPECIAL, **get_type_hints(ModelConfig)}
+    return get_type_hints(SECTIONS[section])
+
+
+def _describe(kind: Any) -> str:
+    """A type as a user reads it: 'an integer', 'one of cosine, constant', ..."""
+    args = get_args(kind)
+    if type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return _describe(inner[0]) + " or null"
+    if get_origin(kind) is Literal:
+        return "one of " + ", ".join(map(str, args))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, str(kind))
+
+
+def coerce(key: str, value: Any, kind: Any) -> Any:
+    """Check value against kind (int, float, bool, str, Literal, Optional), returning it normalised."""
+    args = get_args(kind)
+    if get_origin(kind) in (typing.Union, types.UnionType) and type(None) in args:
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        try:
+            return coerce(key, value, inner)
+        except ConfigError:
+            raise ConfigError(f"{key} must be {_describe(kind)}, got {value!r}") from None
+    ok = False
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string; it is meant as a number
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind is str:
+        ok = isinstance(value, str)
+    elif get_origin(kind) is Literal:
+        ok = value in args
+    if not ok:
+        raise ConfigError(f"{key} must be {_describe(kind)}, got {value!r}")
+    return value
+
+
+def _unknown(key: str, known: typing.Iterable[str]) -> ConfigError:
+    """An error for an unknown key, suggesting the nearest known one."""
+    close = difflib.get_close_matches(key.split(".")[-1], list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(known))}"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def apply(config: RunConfig, overrides: dict[str, dict[str, Any]], source: str) -> RunConfig:
+    """A copy of config with {section: {key: value}} applied, every key and value checked."""
+    config = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, fields=dict(config.model.fields)),
+        optim=dataclasses.replace(config.optim),
+        train=dataclasses.replace(config.train),
+    )
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"{source} must be a mapping with sections model, optim, train")
+    for section, values in overrides.items():
+        if section not in ("model", *SECTIONS):
+            raise ConfigError(f"{source}: unknown section {section!r}; sections are model, optim, train")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section {section!r} must be a mapping of keys to values")
+        known = section_types(section)
+        for key, value in values.items():
+            if key not in known:
+                raise _unknown(f"{section}.{key}", known)
+            value = coerce(f"{section}.{key}", value, known[key])
+            if section == "model" and key in MODEL_SPECIAL:
+                setattr(config.model, key, value)
+            elif section == "model":
+                config.model.fields[key] = value
+            else:
+                setattr(getattr(config, section), key, value)
+    return config
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """The parsed YAML file; an unreadable or malformed file is a one-line ConfigError."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(err, 'problem', err)}") from None
+    return {} if data is None else data
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One `--section.key VALUE` flag per config key, generated from the dataclasses and ModelConfig."""
+    defaults = {"optim": OptimConfig(), "train": TrainConfig()}
+    for section in ("model", *SECTIONS):
+        group = parser.add_argument_group(f"{section} settings (YAML section {section}:)")
+        for key, kind in section_types(section).items():
+            if section == "model":
+                shown = "the preset's or ModelConfig's" if key not in MODEL_SPECIAL else "none"
+            else:
+                shown = repr(getattr(defaults[section], key))
+            group.add_argument(
+                f"--{section}.{key}",
+                dest=f"cfg:{section}.{key}",
+                metavar="VALUE",
+                default=argparse.SUPPRESS,
+                help=f"{_describe(kind)} (default {shown})",
+            )
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The generated flags the user gave, as {section: {key: value}}, each value parsed as a YAML scalar."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for dest, text in vars(args).items():
+        if not dest.startswith("cfg:"):
+            continue
+        section, key = dest[4:].split(".", 1)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        if isinstance(value, (dict, list)) or (value is not None and not isinstance(value, (bool, int, float))):
+            value = text  # keep strings (and anything structured) exactly as typed
+        overrides.setdefault(section, {})[key] = value
+    return overrides
+
+
+def from_sources(yaml_path: str | Path | None, flags: dict[str, dict[str, Any]]) -> RunConfig:
+    """Defaults, then the YAML file (if any), then the flags."""
+    config = RunConfig()
+    if yaml_path is not None:
+        config = apply(config, load_yaml(yaml_path), str(yaml_path))
+    return apply(config, flags, "command line")
+
+
+def resolve_model(section: ModelSection, vocab_size: int, init_config: ModelConfig | None = None) -> ModelConfig:
+    """The ModelConfig a run trains: preset (or init_from's config) + overrides, vocab_size from the data."""
+    overrides = dict(section.fields)
+    if "vocab_size" in overrides and overrides["vocab_size"] != vocab_size:
+        raise ConfigError(
+            f"model.vocab_size {overrides['vocab_size']} does not match the data's vocab_size {vocab_size} "
+            "(meta.json); drop model.vocab_size or prepare the data with the matching tokenizer"
+        )
+    if init_config is not None:
+        base = init_config.to_dict()
+        if base["vocab_size"] != vocab_size:
+            raise ConfigError(
+                f"model.init_from {section.init_from} has vocab_size {base['vocab_size']} but the data's is "
+                f"{vocab_size}; prepare the data with that model's tokenizer"
+            )
+        for key, value in overrides.items():
+            if key != "dropout" and value != base[key]:
+                raise ConfigError(
+                    f"model.{key} {value!r} conflicts with init_from's {base[key]!r}; only dropout may change"
+                )
+    elif section.preset is not None:
+        ModelConfig.preset(section.preset)  # raises for an unknown name, listing the presets
+        base = dict(PRESETS[section.preset])  # raw, so derived sizes follow overridden widths
+    else:
+        base = {}
+    base.update(overrides)
+    base["vocab_size"] = vocab_size
+    try:
+        return ModelConfig.from_dict(base)
+    except ConfigError as err:
+        raise ConfigError(f"model: {err}") from None
+
