@@ -1,0 +1,297 @@
+"""Training speed: `gptkit train`'s loop against Hugging Face GPT2LMHeadModel + AdamW, on the same shapes and batches.
+
+For each shape it reports ms per step, tokens/s and MFU (training FLOPs per token from gptkit.accounting over the
+device's peak) for:
+  gptkit   the real trainer (gptkit.train.train: loader, fused AdamW, clipping, fault counters, metrics), with
+           evaluation and checkpoints outside the timed steps;
+  hf       transformers' GPT2LMHeadModel in a plain loop: forward, cross-entropy, backward, clip, AdamW (fused,
+           decay on matrices), loss.item() every step.
+Shapes: `cpu-recipe` is configs/shakespeare-char-cpu.yaml's model and batch (4 layers, 128 wide, block 64, batch 12,
+vocab 65); `gpt2-small` is GPT-2 small's model (12 layers, 768 wide, vocab 50257) with a batch you choose (the
+full 12 x 1024 takes about a minute per step on a 2-core CPU). HF's GPT-2 always has biases and nanoGPT's recipe
+none, so the HF model has slightly more parameters; MFU counts each model's own FLOPs.
+
+Two more parts (issue 9), each optional:
+  --speedrun   the CPU speed run: wall time of the whole `gptkit train --config configs/shakespeare-char-cpu-fast.yaml`
+               command on the bundled corpus (char tokenizer, `gptkit prepare`'s validation split), its final
+               validation loss, and the same model scored by `gptkit eval` over every token of val.bin, against
+               the target 1.8857 (nanoGPT's CPU recipe); --speedrun-baseline also times
+               configs/shakespeare-char-cpu.yaml.
+  --ddp        data-parallel throughput of a ~20M-parameter model under torchrun: tokens/s of 1 process x 1 thread,
+               1 process x all threads, and N processes x 1 thread (the same per-process batch).
+
+    python benchmarks/bench_train.py                       # both shapes, default step counts
+    python benchmarks/bench_train.py --steps 5 --gpt2-steps 1 --warmup 1   # a quick smoke run
+    python benchmarks/bench_train.py --shapes --speedrun --ddp --json       # only the speed run and DDP
+Run it on a quiet machine: timings share the CPU with everything else running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gptkit.accounting import training_flops_per_token
+from gptkit.config import PRESETS, ModelConfig
+from gptkit.train import CPU_PEAK_FLOPS, train
+from gptkit.train_config import from_sources
+
+SHAPES = {
+    "cpu-recipe": dict(preset="shakespeare-char-cpu", overrides={"dropout": 0.0}, batch_size=12, block_size=64),
+    "gpt2-small": dict(preset="gpt2", overrides={}, batch_size=2, block_size=1024),
+}
+
+
+def write_data(directory: Path, vocab_size: int, tokens: int, seed: int = 0) -> None:
+    """A data directory of random tokens in gptkit's format (speed does not depend on the text)."""
+    rng = np.random.default_rng(seed)
+    dtype = "uint16" if vocab_size <= 65536 else "uint32"
+    for name, count in (("train", tokens), ("val", tokens // 10)):
+        rng.integers(0, vocab_size, size=count, dtype=np.int64).astype(dtype).tofile(directory / f"{name}.bin")
+    meta = {"vocab_size": vocab_size, "dtype": dtype, "train_tokens": tokens, "val_tokens": tokens // 10,
+            "tokenizer": "none"}  # fmt: skip
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
+def model_config(shape: dict, block_size: int) -> ModelConfig:
+    return ModelConfig(**{**PRESETS[shape["preset"]], **shape["overrides"], "block_size": block_size})
+
+
+def bench_gptkit(shape: dict, batch: int, block: int, steps: int, warmup: int, data: Path, out: Path) -> list[float]:
+    """Seconds per step of gptkit's trainer, from its own per-step metrics (log_interval 1)."""
+    overrides = {
+        "model": {"preset": shape["preset"], **shape["overrides"], "block_size": block},
+        "optim": {"lr": 6e-4, "warmup_steps": 0},
+        "train": {"data_dir": str(data), "out_dir": str(out), "max_steps": warmup + steps, "batch_size": batch,
+                  "eval_iters": 1, "eval_interval": 10**9, "checkpoint_interval": 10**9, "log_interval": 1,
+                  "keep_checkpoints": 1, "device": "cpu", "plot": False},
+    }  # fmt: skip
+    train(from_sources(None, overrides), progress=False)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if "tokens_per_s" in r][warmup:]
+    return [batch * block / r["tokens_per_s"] for r in timed]
+
+
+def bench_hf(
+    config: ModelConfig, batch: int, block: int, steps: int, warmup: int, data: Path
+) -> tuple[list[float], int]:
+    """Seconds per step of a plain HF GPT2LMHeadModel + fused AdamW loop, and the model's FLOPs per token."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gptkit.data import TrainBatches, load_tokens
+    from gptkit.optim import param_groups
+
+    hf_config = GPT2Config(
+        vocab_size=config.vocab_size, n_positions=block, n_embd=config.n_embd, n_layer=config.n_layer,
+        n_head=config.n_head, activation_function="gelu" if config.activation == "gelu" else "gelu_new",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(hf_config).train()
+    model.config._attn_implementation = "sdpa"
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.99), fused=True)
+    meta = json.loads((data / "meta.json").read_text())
+    batches = TrainBatches(load_tokens(data / "train.bin", meta["dtype"]), block, batch, seed=0)
+    times = []
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        x, y = batches.next_batch()
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    hf_gptkit_like = ModelConfig(vocab_size=config.vocab_size, block_size=block, n_layer=config.n_layer,
+                                 n_head=config.n_head, n_embd=config.n_embd)  # biases on, like HF's GPT-2
+    return times, training_flops_per_token(hf_gptkit_like)
+
+
+REPO = Path(__file__).resolve().parents[1]
+SPEEDRUN_CONFIG = REPO / "configs" / "shakespeare-char-cpu-fast.yaml"
+BASELINE_CONFIG = REPO / "configs" / "shakespeare-char-cpu.yaml"
+TARGET_VAL_LOSS = 1.8857  # nanoGPT's README CPU recipe ends here (configs/shakespeare-char-cpu.yaml)
+GPTKIT = [sys.executable, "-m", "gptkit"]
+
+
+def timed_train(config: Path, data: Path, out: Path, steps: int | None = None) -> dict:
+    """Wall time of a whole `gptkit train` command (start-up included), its last val loss and a full val.bin score.
+
+    steps (for smoke runs only) cuts the recipe short.
+    """
+    short = [f"--{key}={steps}" for key in ("train.max_steps", "train.eval_interval", "optim.decay_steps")]
+    start = time.perf_counter()
+    subprocess.run([*GPTKIT, "train", "--config", str(config), "--data", str(data), "--out", str(out), "--quiet",
+                    *(short if steps else [])], check=True)  # fmt: skip
+    wall = time.perf_counter() - start
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if r.get("val_loss") is not None]
+    checkpoint = out / (out / "latest").read_text().strip()
+    block = json.loads((checkpoint / "config.json").read_text())["model"]["block_size"]
+    scored = subprocess.run([*GPTKIT, "eval", str(checkpoint), "--data", str(data), "--stride", str(block), "--json",
+                             "--quiet"], check=True, capture_output=True, text=True)  # fmt: skip
+    full = json.loads(scored.stdout)
+    return {"config": str(config.relative_to(REPO)), "wall_s": wall, "steps": records[-1]["step"],
+            "val_loss": val[-1]["val_loss"], "val_loss_full_pass": full.get("loss"),
+            "reached_target": full.get("loss", float("inf")) <= TARGET_VAL_LOSS,
+            "time_to_target_s": _time_to_target(records, wall)}  # fmt: skip
+
+
+def _time_to_target(records: list[dict], wall: float) -> float | None:
+    """Training seconds until the first evaluation at or below the target (None if never)."""
+    for r in records:
+        if r.get("val_loss") is not None and r["val_loss"] <= TARGET_VAL_LOSS:
+            return r.get("elapsed_s", 0.0)
+    return None
+
+
+def bench_speedrun(tmp: Path, baseline: bool, steps: int | None) -> dict:
+    """The speed-run recipe (and optionally nanoGPT's) from scratch on freshly prepared char data."""
+    data = tmp / "shakespeare_char"
+    subprocess.run([*GPTKIT, "prepare", "--out", str(data), "--tokenizer", "char"], check=True,
+                   capture_output=True)  # fmt: skip
+    result = {"target_val_loss": TARGET_VAL_LOSS, "fast": timed_train(SPEEDRUN_CONFIG, data, tmp / "fast", steps)}
+    if baseline:
+        result["baseline"] = timed_train(BASELINE_CONFIG, data, tmp / "baseline", steps)
+        result["baseline_over_fast_time"] = result["baseline"]["wall_s"] / result["fast"]["wall_s"]
+    return result
+
+
+DDP_MODEL = {"n_layer": 6, "n_head": 8, "n_embd": 512, "block_size": 256, "dropout": 0.0}  # ~19M parameters
+
+
+def bench_ddp(tmp: Path, processes: int, steps: int, batch: int) -> dict:
+    """tokens/s (median of logged steps after the first) of 1 process x 1 thread, x all threads, N x 1 thread."""
+    data = tmp / "ddp-data"
+    data.mkdir()
+    write_data(data, 65, 2_000_000)
+    threads = os.cpu_count() or 1
+    runs = {"1 process x 1 thread": (1, 1), f"1 process x {threads} threads": (1, threads),
+            f"{processes} processes x 1 thread": (processes, 1)}  # fmt: skip
+    flags = [f"--model.{k}={v}" for k, v in DDP_MODEL.items()] + [
+        "--data", str(data), "--quiet", "--train.device=cpu", "--train.plot=false", f"--train.batch_size={batch}",
+        f"--train.max_steps={steps + 1}", "--train.eval_iters=1", f"--train.eval_interval={10**9}",
+        f"--train.checkpoint_interval={10**9}", "--train.log_interval=1", "--optim.warmup_steps=0"]  # fmt: skip
+    result: dict = {"model": DDP_MODEL, "batch_size_per_process": batch, "vocab_size": 65}
+    for index, (name, (nproc, nthreads)) in enumerate(runs.items()):
+        out = tmp / f"ddp-{index}"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+                  "127.0.0.1", "--master_port", str(port), "-m", "gptkit", "train"] if nproc > 1 else GPTKIT + ["train"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(nthreads)}
+        print(f"ddp: {name} ...", file=sys.stderr)
+        subprocess.run([*launch, "--out", str(out), *flags], check=True, env=env)  # fmt: skip
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
+        result[name] = statistics.median(rates)
+    result["n_processes_over_1x1"] = result[f"{processes} processes x 1 thread"] / result["1 process x 1 thread"]
+    result["n_processes_over_1_process"] = (result[f"{processes} processes x 1 thread"]
+                                            / result[f"1 process x {threads} threads"])  # fmt: skip
+    return result
+
+
+def summarise(seconds: list[float], tokens_per_step: int, flops_per_token: int, peak: float) -> dict:
+    ms = 1000 * statistics.median(seconds)
+    tokens_per_s = tokens_per_step / (ms / 1000)
+    return {"ms_per_step": ms, "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / peak,
+            "steps": len(seconds)}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=list(SHAPES),
+                        help="throughput shapes against HF (none: skip that part)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=100, help="timed steps for cpu-recipe (default 100)")
+    parser.add_argument("--gpt2-steps", type=int, default=3, help="timed steps for gpt2-small (default 3)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    parser.add_argument("--gpt2-batch", type=int, default=SHAPES["gpt2-small"]["batch_size"])
+    parser.add_argument("--gpt2-block", type=int, default=SHAPES["gpt2-small"]["block_size"])
+    parser.add_argument("--peak-flops", type=float, default=CPU_PEAK_FLOPS["float32"],
+                        help="peak FLOP/s for MFU (default: this project's 2-core reference CPU, fp32)")  # fmt: skip
+    parser.add_argument("--speedrun", action="store_true", help="time the CPU speed-run recipe end to end")
+    parser.add_argument("--speedrun-baseline", action="store_true", help="also time nanoGPT's CPU recipe")
+    parser.add_argument("--speedrun-steps", type=int, help="cut the recipes to this many steps (smoke runs only)")
+    parser.add_argument("--ddp", action="store_true", help="tokens/s of N processes vs 1 under torchrun")
+    parser.add_argument("--ddp-processes", type=int, default=2)
+    parser.add_argument("--ddp-steps", type=int, default=10, help="logged steps per DDP run (default 10)")
+    parser.add_argument("--ddp-batch", type=int, default=8, help="sequences per process per step (default 8)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.shapes:
+            shape = SHAPES[name]
+            gpt2 = name == "gpt2-small"
+            batch = args.gpt2_batch if gpt2 else shape["batch_size"]
+            block = args.gpt2_block if gpt2 else shape["block_size"]
+            steps = args.gpt2_steps if gpt2 else args.steps
+            warmup = min(args.warmup, 1) if gpt2 else args.warmup
+            config = model_config(shape, block)
+            data = Path(tmp) / name
+            data.mkdir()
+            write_data(data, config.vocab_size, max(200_000, 4 * batch * block * (steps + warmup)))
+            print(f"{name}: {steps} timed steps of {batch} x {block} tokens ...", file=sys.stderr)
+            mine = bench_gptkit(shape, batch, block, steps, warmup, data, Path(tmp) / f"{name}-run")
+            hf_times, hf_flops = bench_hf(config, batch, block, steps, warmup, data)
+            tokens = batch * block
+            results[name] = {
+                "batch_size": batch,
+                "block_size": block,
+                "gptkit": summarise(mine, tokens, training_flops_per_token(config), args.peak_flops),
+                "hf": summarise(hf_times, tokens, hf_flops, args.peak_flops),
+            }
+            r = results[name]
+            r["hf_over_gptkit_time"] = r["hf"]["ms_per_step"] / r["gptkit"]["ms_per_step"]
+        speedrun = bench_speedrun(Path(tmp), args.speedrun_baseline, args.speedrun_steps) if args.speedrun else None
+        ddp = bench_ddp(Path(tmp), args.ddp_processes, args.ddp_steps, args.ddp_batch) if args.ddp else None
+    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "peak_flops": args.peak_flops,
+              "shapes": results, "speedrun": speedrun, "ddp": ddp}  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads, MFU against {args.peak_flops / 1e9:.0f} GFLOP/s")
+    print(f"{'shape':<12} {'loop':<7} {'ms/step':>9} {'tokens/s':>10} {'MFU':>6}   HF time / gptkit time")
+    for name, r in results.items():
+        for loop in ("gptkit", "hf"):
+            s = r[loop]
+            ratio = f"   {r['hf_over_gptkit_time']:.2f}x" if loop == "hf" else ""
+            figures = f"{s['ms_per_step']:>9.1f} {s['tokens_per_s']:>10,.0f} {100 * s['mfu']:>5.1f}%"
+            print(f"{name:<12} {loop:<7} {figures}{ratio}")
+    if speedrun:
+        print(f"speed run (target val loss {TARGET_VAL_LOSS}):")
+        for key in ("fast", "baseline"):
+            if key in speedrun:
+                r = speedrun[key]
+                print(f"  {r['config']}: {r['wall_s']:.1f} s for the whole command, {r['steps']} steps, val loss "
+                      f"{r['val_loss']:.4f} (full val.bin pass {r['val_loss_full_pass']:.4f}), target "
+                      f"{'reached' if r['reached_target'] else 'NOT reached'}")  # fmt: skip
+        if "baseline_over_fast_time" in speedrun:
+            print(f"  baseline time / fast time: {speedrun['baseline_over_fast_time']:.2f}x")
+    if ddp:
+        print(f"data parallel, {ddp['model']} x batch {ddp['batch_size_per_process']} per process:")
+        for name, value in ddp.items():
+            if isinstance(value, float):
+                print(f"  {name:<28} {value:>12,.2f}" + ("x" if "over" in name else " tokens/s"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Data-parallel training on PyTorch's own engine: the torchrun environment, the process group, DDP and FSDP2.
+
+A run is distributed when torchrun (or anything else) sets WORLD_SIZE > 1 with RANK and LOCAL_RANK; no flag is
+needed. Every rank runs the same loop; rank 0 alone writes files.
+
+Batch assignment: the ranks share ONE global batch stream (gptkit.data.TrainBatches keyed by the seed alone).
+Rank r's k-th micro-batch is the stream's batch k * W + r. With W ranks and grad_accum A, update s therefore
+consumes global batches s*A*W ... s*A*W + A*W - 1, exactly the micro-batches a single process with grad_accum A*W
+would use for update s, so the two runs compute the same gradient (up to float summation order). The loader
+state saved in a checkpoint is the global position (k * W), which every rank maps back to its own k: a run
+resumes exactly, and may even resume on another world size when the position divides evenly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gptkit.errors import ConfigError, GptkitError
+
+# A collective that waits longer than this is taken as a dead rank (the default of 10 min hides hangs in tests).
+TIMEOUT = datetime.timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the run: rank among world_size processes, local_rank on its node."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes files and logs (rank 0)."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """Whether more than one process trains."""
+        return self.world_size > 1
+
+
+def world_from_env(env: dict[str, str] | None = None) -> World:
+    """The World torchrun describes in RANK / WORLD_SIZE / LOCAL_RANK (a single process when they are absent)."""
+    env = dict(os.environ) if env is None else env
+    if "WORLD_SIZE" not in env:
+        return World()
+    try:
+        world = World(int(env.get("RANK", "0")), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")))
+    except ValueError:
+        raise ConfigError(
+            f"RANK, WORLD_SIZE and LOCAL_RANK must be integers, got {env.get('RANK')!r}, {env.get('WORLD_SIZE')!r}, "
+            f"{env.get('LOCAL_RANK')!r}; launch with torchrun"
+        ) from None
+    if world.world_size < 1 or not 0 <= world.rank < world.world_size:
+        raise ConfigError(f"RANK {world.rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE {world.world_size})")
+    return world
+
+
+def device_for(world: World, device: torch.device) -> torch.device:
+    """Each rank's own accelerator: cuda:LOCAL_RANK when training on CUDA across processes."""
+    if world.distributed and device.type == "cuda" and device.index is None:
+        if world.local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK {world.local_rank} has no GPU ({torch.cuda.device_count()} visible); lower "
+                "--nproc_per_node to the number of GPUs"
+            )
+        device = torch.device("cuda", world.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def init_process_group(world: World, device: torch.device) -> bool:
+    """Join the run's process group (NCCL on CUDA, gloo otherwise); False if there is none to join or one exists."""
+    if not world.distributed or dist.is_initialized():
+        return False
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ConfigError("WORLD_SIZE > 1 but MASTER_ADDR / MASTER_PORT are not set; launch with torchrun")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=world.rank, world_size=world.world_size, timeout=TIMEOUT,
+                            device_id=device if device.type == "cuda" else None)  # fmt: skip
+    return True
+
+
+def barrier(world: World) -> None:
+    """Wait for every rank (a no-op in a single process)."""
+    if world.distributed:
+        dist.barrier()
+
+
+def all_mean(world: World, value: Tensor) -> Tensor:
+    """The mean of a tensor over the ranks (the tensor itself in a single process)."""
+    if not world.distributed:
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / world.world_size
+
+
+def any_rank(world: World, flag: bool, device: torch.device) -> bool:
+    """Whether flag is true on any rank (every rank must call this at the same point)."""
+    if not world.distributed:
+        return flag
+    value = torch.tensor(float(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def gather_objects(world: World, obj: Any) -> list[Any]:
+    """Every rank's obj, in rank order (a collective)."""
+    if not world.distributed:
+        return [obj]
+    out: list[Any] = [None] * world.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class RankBatches:
+    """Rank r's share of one global batch stream: its k-th batch is the stream's batch k * world_size + r."""
+
+    def __init__(self, stream: Any, world: World) -> None:
+        self.stream = stream  # a TrainBatches keyed by the seed alone (rank 0 of 1): the global stream
+        self.world = world
+        self.k = 0
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        """This rank's next (x, y)."""
+        self.stream.step = self.k * self.world.world_size + self.world.rank
+        self.k += 1
+        return self.stream.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        """The global stream position (the same on every rank); with one rank, TrainBatches' own state."""
+        return {"seed": self.stream.seed, "step": self.k * self.world.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a global position saved by a run of any world size that it divides."""
+        self.stream.load_state_dict(state)
+        position = self.stream.step
+        if position % self.world.world_size:
+            raise GptkitError(
+                f"the checkpoint's batch position {position} is not a multiple of the {self.world.world_size} "
+                "processes; resume with the world size the run used"
+            )
+        self.k = position // self.world.world_size
+
+
+def wrap(model: nn.Module, world: World, parallel: str, device: torch.device) -> nn.Module:
+    """The model as the training step calls it: DDP or FSDP2 (fully_shard per block) across ranks, else itself."""
+    if not world.distributed:
+        return model
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def sync_context(wrapped: nn.Module, sync: bool) -> Any:
+    """Gradient accumulation: a context that skips the gradient all-reduce unless sync (final micro-step)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(wrapped, DistributedDataParallel) and not sync:
+        return wrapped.no_sync()
+    if hasattr(wrapped, "set_requires_gradient_sync"):  # an FSDP2 module
+        wrapped.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()

@@ -1,0 +1,144 @@
+"""Data-parallel training under torchrun on 2 CPU processes (gloo): same losses as 1 process, exact resume, FSDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gptkit.checkpoint import LATEST, latest_checkpoint
+from gptkit.data import TrainBatches
+from gptkit.distributed import RankBatches, World, world_from_env
+from gptkit.errors import ConfigError
+from gptkit.modeldir import load_model_dir, load_tensors
+from gptkit.tokenizer import CharTokenizer
+from gptkit.train import train
+from gptkit.train_config import from_sources
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "dropout": 0.0, "activation": "gelu"}
+OPTIM = {"warmup_steps": 2, "decay_steps": 6, "lr": 3e-3}
+
+
+def settings(data: Path, out: Path, **train) -> dict[str, dict]:
+    return {"model": dict(MODEL), "optim": dict(OPTIM),
+            "train": {"data_dir": str(data), "out_dir": str(out), "max_steps": 6, "batch_size": 4, "grad_accum": 1,
+                      "eval_interval": 6, "eval_iters": 2, "log_interval": 1, "checkpoint_interval": 3,
+                      "keep_checkpoints": 3, "device": "cpu", "plot": False, **train}}  # fmt: skip
+
+
+def flags(config: dict[str, dict]) -> list[str]:
+    return [f"--{section}.{key}={value}" for section, values in config.items() for key, value in values.items()]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """A char-level data directory from the first 30k characters of the bundled corpus."""
+    text = (REPO / "gptkit" / "corpora" / "tinyshakespeare.txt").read_text()[:30_000]
+    tokenizer = CharTokenizer.train([text])
+    ids = np.asarray(tokenizer.encode(text), dtype=np.uint16)
+    split = int(0.9 * len(ids))
+    path = tmp_path_factory.mktemp("data")
+    ids[:split].tofile(path / "train.bin")
+    ids[split:].tofile(path / "val.bin")
+    tokenizer.save(path)
+    meta = {"vocab_size": tokenizer.vocab_size, "dtype": "uint16", "train_tokens": split,
+            "val_tokens": len(ids) - split, "tokenizer": "char"}  # fmt: skip
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def torchrun(config: dict[str, dict], *extra: str) -> None:
+    """`torchrun --nproc_per_node 2 -m gptkit train ...` on 127.0.0.1 and a free port; fails with the ranks' stderr."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+               "--master_addr", "127.0.0.1", "--master_port", str(port),
+               "-m", "gptkit", "train", "--quiet", *flags(config), *extra]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def one_process(data_dir, tmp_path_factory) -> Path:
+    """1 process with grad_accum 2: the run 2 processes with grad_accum 1 must reproduce."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(from_sources(None, settings(data_dir, out, grad_accum=2)), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_rank_batches_split_one_stream():
+    tokens = np.arange(1000, dtype=np.uint16)
+    whole = TrainBatches(tokens, 8, 2, seed=5)
+    stream = [whole.next_batch()[0] for _ in range(6)]
+    ranks = [RankBatches(TrainBatches(tokens, 8, 2, seed=5), World(r, 2)) for r in range(2)]
+    mine = [[rank.next_batch()[0] for _ in range(3)] for rank in ranks]
+    for k in range(3):  # rank r's k-th batch is the stream's batch 2k + r
+        assert torch.equal(mine[0][k], stream[2 * k]) and torch.equal(mine[1][k], stream[2 * k + 1])
+    assert ranks[0].state_dict() == ranks[1].state_dict() == whole.state_dict() == {"seed": 5, "step": 6}
+    resumed = RankBatches(TrainBatches(tokens, 8, 2, seed=0), World(1, 2))
+    resumed.load_state_dict({"seed": 5, "step": 4})
+    assert torch.equal(resumed.next_batch()[0], stream[5])
+    with pytest.raises(Exception, match="multiple of the 2 processes"):
+        resumed.load_state_dict({"seed": 5, "step": 3})
+
+
+def test_world_from_env():
+    assert world_from_env({}) == World(0, 1, 0)
+    assert world_from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == World(3, 4, 1)
+    with pytest.raises(ConfigError, match="RANK 4 is not in"):
+        world_from_env({"RANK": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "0"})
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_match_one_and_resume_exactly(parallel, data_dir, one_process, tmp_path):
+    out = tmp_path / parallel
+    torchrun(settings(data_dir, out, parallel=parallel))
+    one, two = losses(one_process), losses(out)
+    assert sorted(two) == list(range(1, 7))
+    assert max(abs(one[s] - two[s]) for s in one) < 1e-5, (one, two)
+    first = records(out)
+    # Only rank 0 writes: each step is logged once, and the checkpoints (FSDP's gathered whole) are plain model
+    # directories that load into one process.
+    assert [r["step"] for r in first] == list(range(7))
+    final = latest_checkpoint(out)
+    single = load_tensors(latest_checkpoint(one_process) / "model.safetensors")
+    double = load_tensors(final / "model.safetensors")
+    assert max((single[k] - double[k]).abs().max().item() for k in single) < 1e-5
+    assert load_model_dir(final).config.n_embd == 32
+
+    # Crash after step 3: keep only that checkpoint, then resume on 2 processes.
+    crashed = tmp_path / "crashed"
+    shutil.copytree(out, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step-000006")
+    (crashed / LATEST).write_text("checkpoints/step-000003\n")
+    torchrun(settings(data_dir, crashed, parallel=parallel), "--resume")
+    assert losses(crashed) == losses(out)
+    resumed = load_tensors(latest_checkpoint(crashed) / "model.safetensors")
+    assert all(torch.equal(resumed[k], double[k]) for k in double)
+    opt_a = load_tensors(latest_checkpoint(crashed) / "optimizer.safetensors")
+    opt_b = load_tensors(final / "optimizer.safetensors")
+    assert opt_a.keys() == opt_b.keys() and all(torch.equal(opt_a[k], opt_b[k]) for k in opt_a)
