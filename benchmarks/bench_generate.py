@@ -22,7 +22,6 @@ import argparse
 import copy
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path

@@ -162,12 +162,11 @@ def _norm_bytes(config: ModelConfig, compute: int) -> int:
 def _attention_bytes(config: ModelConfig, compute: int) -> int:
     """Per token: what one attention sublayer keeps for backward (SDPA with a fused kernel)."""
     d, kv = config.n_embd, config.n_kv_head * config.head_dim
-    rope, grouped = config.position == "rope", config.n_kv_head != config.n_head
-    q_new = d if rope else 0
-    k_new = d if grouped else (kv if rope else 0)
-    v_new = d if grouped else 0
-    qkv_view_kept = not (rope and grouped)  # some SDPA input is still a view of the fused qkv output
-    elements = q_new + k_new + v_new + (d + 2 * kv if qkv_view_kept else 0) + d  # + SDPA output
+    rope = config.position == "rope"
+    # RoPE makes new q and k tensors; v stays a view of the fused qkv output, which it keeps alive. Grouped
+    # heads add nothing: SDPA reads the shared key/value heads in place (enable_gqa).
+    rotated = d + kv if rope else 0
+    elements = rotated + (d + 2 * kv) + d  # + the fused qkv output + SDPA's output
     return compute * elements + FP32 * config.n_head  # log-sum-exp per head
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-HELP = "convert between gptkit model directories and Hugging Face checkpoints (GPT-2, Llama families)"  # shown by `gptkit --help` without importing the command
+# Shown by `gptkit --help`, which imports no command's dependencies.
+HELP = "convert between gptkit model directories and Hugging Face checkpoints (GPT-2, Llama families)"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 
-HELP = "loss, perplexity and bits per byte of a text (sliding window over long texts)"  # shown by `gptkit --help` without importing the command
+# Shown by `gptkit --help`, which imports no command's dependencies.
+HELP = "loss, perplexity and bits per byte of a text (sliding window over long texts)"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

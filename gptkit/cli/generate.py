@@ -53,7 +53,8 @@ def sampling_params_from_args(args: argparse.Namespace) -> "SamplingParams":
     return SamplingParams(**values)
 
 
-HELP = "generate text from a model directory (streamed, or --json with ids and timing)"  # shown by `gptkit --help` without importing the command
+# Shown by `gptkit --help`, which imports no command's dependencies.
+HELP = "generate text from a model directory (streamed, or --json with ids and timing)"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 
-HELP = "parameter breakdown, FLOPs per token and KV-cache size of a model"  # shown by `gptkit --help` without importing the command
+# Shown by `gptkit --help`, which imports no command's dependencies.
+HELP = "parameter breakdown, FLOPs per token and KV-cache size of a model"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 
-HELP = "pictures of what is inside a model (attention, hidden states, next-token distribution, ...)"  # shown by `gptkit --help` without importing the command
+# Shown by `gptkit --help`, which imports no command's dependencies.
+HELP = "pictures of what is inside a model (attention, hidden states, next-token distribution, ...)"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

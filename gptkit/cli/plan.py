@@ -7,7 +7,8 @@ import dataclasses
 import json
 
 
-HELP = "size a training run before it starts: FLOPs, compute-optimal tokens, memory, fit and wall time"  # shown by `gptkit --help` without importing the command
+# Shown by `gptkit --help`, which imports no command's dependencies.
+HELP = "size a training run before it starts: FLOPs, compute-optimal tokens, memory, fit and wall time"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

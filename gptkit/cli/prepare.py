@@ -13,7 +13,8 @@ from gptkit.errors import InputError
 FLAG_NAMES = {"inputs": "--input"}
 
 
-HELP = "tokenize text into train.bin / val.bin / meta.json for training"  # shown by `gptkit --help` without importing the command
+# Shown by `gptkit --help`, which imports no command's dependencies.
+HELP = "tokenize text into train.bin / val.bin / meta.json for training"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

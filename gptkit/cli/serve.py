@@ -10,7 +10,8 @@ import sys
 API_KEY_ENV = "GPTKIT_API_KEY"  # read when --api-key is not given
 
 
-HELP = "serve a model over an OpenAI-compatible HTTP API with a playground page"  # shown by `gptkit --help` without importing the command
+# Shown by `gptkit --help`, which imports no command's dependencies.
+HELP = "serve a model over an OpenAI-compatible HTTP API with a playground page"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
