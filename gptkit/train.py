@@ -56,6 +56,7 @@ from gptkit.train_config import RunConfig, TrainConfig, resolve_model
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "loss.png"
 
 # Peak dense FLOP/s of this project's reference machine (2 cores; issue 9 measured them), used for MFU on CPU.
@@ -376,6 +377,7 @@ class Trainer:
         header = "# The resolved settings of this run, written by gptkit train.\n"
         # Records after the checkpoint belong to steps this run is about to redo.
         self.history = read_history(self.run_dir / METRICS_FILE, self.step)
+        self.tensorboard: Any = None  # a SummaryWriter while run() goes, with train.tensorboard
         if self.world.is_main:
             atomic_write_text(self.run_dir / CONFIG_FILE, header + yaml.safe_dump(resolved, sort_keys=False))
             atomic_write_text(self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.history))
@@ -500,6 +502,10 @@ class Trainer:
         """Append a record to metrics.jsonl and the in-memory history the plot draws (rank 0 only)."""
         if self.metrics is not None:
             _write(self.metrics, record, self.history)
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, record["step"])
 
     def stop_requested(self, stop: threading.Event) -> bool:
         """Whether to stop now: at once in one process; across ranks, agreed at logged steps (a collective)."""
@@ -517,6 +523,8 @@ class Trainer:
         self.bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", file=sys.stderr,
                         dynamic_ncols=True, smoothing=0.1) if progress else None  # fmt: skip
         self.metrics = open(self.run_dir / METRICS_FILE, "a") if self.world.is_main else None
+        if t.tensorboard and self.world.is_main:
+            self.tensorboard = open_tensorboard(self.run_dir / TENSORBOARD_DIR)
         tokens_per_step = t.batch_size * t.grad_accum * self.block_size * self.world.world_size  # all ranks
         interrupted, val_loss = False, None
         try:
@@ -562,9 +570,20 @@ class Trainer:
         finally:
             if self.metrics is not None:
                 self.metrics.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
             if self.bar is not None:
                 self.bar.close()
         return TrainResult(self.run_dir, self.step, self.last_good, val_loss, self.skipped, interrupted)
+
+
+def open_tensorboard(log_dir: Path) -> Any:
+    """A TensorBoard SummaryWriter for log_dir; a clear error when the tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("train.tensorboard needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter(log_dir=str(log_dir))
 
 
 def _write(file: Any, record: dict[str, Any], history: list[dict[str, Any]]) -> None:

@@ -73,6 +73,7 @@ class TrainConfig:
     max_bad_steps: int = 10  # stop after this many non-finite steps in a row
     peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None uses a known figure or shows none
     plot: bool = True  # refresh RUN_DIR/loss.png at each evaluation
+    tensorboard: bool = False  # also log every metric to RUN_DIR/tensorboard (needs the tensorboard package)
 
 
 @dataclass

@@ -270,3 +270,16 @@ def test_bfloat16_autocast_with_gradient_accumulation(data_dir, tmp_path):
     assert result.step == 4 and result.skipped_steps == 0
     assert all(np.isfinite(loss) for loss, _, _ in records.values())
     assert weights(result.checkpoint)["tok_emb.weight"].dtype == torch.float32  # autocast keeps fp32 master weights
+
+
+def test_tensorboard_logs_the_same_metrics(data_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = train(tiny(data_dir, tmp_path / "tb", tensorboard=True), progress=False).run_dir
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("loss")}
+    assert logged.keys() == {step for step in losses(run_dir) if step > 0}
+    for step, (loss, _, _) in losses(run_dir).items():
+        assert logged[step] == pytest.approx(loss, rel=1e-6)
+    assert [e.step for e in events.Scalars("val_loss")] == [0, 4, 8]
