@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--threads", type=int, default=None, help="the server's --threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None, help="the server's --threads (default: the server's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
     show = (lambda *a, **k: None) if args.json else print  # noqa: E731
@@ -100,7 +100,7 @@ def main() -> None:
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             run_clients(url, model, 1, 1, 4)  # warm-up
             show(f"model {model}; {args.requests} requests per client, {args.max_tokens} max tokens each, "
-                  f"server threads: {args.threads or 'torch default'}")
+                  f"server threads: {args.threads or 'server default'}")
             show(f"{'clients':>8} {'requests/s':>11} {'tokens/s':>10} {'speed-up':>9}")
             base = None
             for clients in args.concurrency:
