@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -39,3 +42,21 @@ def variant_config(request) -> ModelConfig:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def write_char_data_dir(path: Path, characters: int) -> Path:
+    """A char-level data directory (90/10 split) from the first `characters` characters of the bundled corpus."""
+    from gptkit.tokenizer import CharTokenizer
+
+    text = (Path(__file__).resolve().parents[1] / "gptkit" / "corpora" / "tinyshakespeare.txt").read_text()
+    text = text[:characters]
+    tokenizer = CharTokenizer.train([text])
+    ids = np.asarray(tokenizer.encode(text), dtype=np.uint16)
+    split = int(0.9 * len(ids))
+    ids[:split].tofile(path / "train.bin")
+    ids[split:].tofile(path / "val.bin")
+    tokenizer.save(path)
+    meta = {"vocab_size": tokenizer.vocab_size, "dtype": "uint16", "train_tokens": split,
+            "val_tokens": len(ids) - split, "tokenizer": "char"}  # fmt: skip
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path

@@ -19,9 +19,10 @@ from gptkit.data import TrainBatches
 from gptkit.distributed import RankBatches, World, world_from_env
 from gptkit.errors import ConfigError
 from gptkit.modeldir import load_model_dir, load_tensors
-from gptkit.tokenizer import CharTokenizer
 from gptkit.train import train
 from gptkit.train_config import from_sources
+
+from conftest import write_char_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "dropout": 0.0, "activation": "gelu"}
@@ -42,18 +43,7 @@ def flags(config: dict[str, dict]) -> list[str]:
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """A char-level data directory from the first 30k characters of the bundled corpus."""
-    text = (REPO / "gptkit" / "corpora" / "tinyshakespeare.txt").read_text()[:30_000]
-    tokenizer = CharTokenizer.train([text])
-    ids = np.asarray(tokenizer.encode(text), dtype=np.uint16)
-    split = int(0.9 * len(ids))
-    path = tmp_path_factory.mktemp("data")
-    ids[:split].tofile(path / "train.bin")
-    ids[split:].tofile(path / "val.bin")
-    tokenizer.save(path)
-    meta = {"vocab_size": tokenizer.vocab_size, "dtype": "uint16", "train_tokens": split,
-            "val_tokens": len(ids) - split, "tokenizer": "char"}  # fmt: skip
-    (path / "meta.json").write_text(json.dumps(meta))
-    return path
+    return write_char_data_dir(tmp_path_factory.mktemp("data"), 30_000)
 
 
 def torchrun(config: dict[str, dict], *extra: str) -> None:

@@ -17,9 +17,11 @@ import torch
 
 from gptkit.checkpoint import CHECKPOINTS, latest_checkpoint
 from gptkit.modeldir import load_model_dir, load_tensors
-from gptkit.tokenizer import CharTokenizer, load_tokenizer
+from gptkit.tokenizer import load_tokenizer
 from gptkit.train import TrainingStopped, train
 from gptkit.train_config import from_sources
+
+from conftest import write_char_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1, "activation": "gelu"}
@@ -37,18 +39,7 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """A char-level data directory from the first 60k characters of the bundled corpus."""
-    text = (REPO / "gptkit" / "corpora" / "tinyshakespeare.txt").read_text()[:60_000]
-    tokenizer = CharTokenizer.train([text])
-    ids = np.asarray(tokenizer.encode(text), dtype=np.uint16)
-    split = int(0.9 * len(ids))
-    path = tmp_path_factory.mktemp("data")
-    ids[:split].tofile(path / "train.bin")
-    ids[split:].tofile(path / "val.bin")
-    tokenizer.save(path)
-    meta = {"vocab_size": tokenizer.vocab_size, "dtype": "uint16", "train_tokens": split,
-            "val_tokens": len(ids) - split, "tokenizer": "char"}  # fmt: skip
-    (path / "meta.json").write_text(json.dumps(meta))
-    return path
+    return write_char_data_dir(tmp_path_factory.mktemp("data"), 60_000)
 
 
 def tiny(data_dir: Path, out: Path, **train_overrides):
