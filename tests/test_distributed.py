@@ -24,7 +24,6 @@ from gptkit.train_config import from_sources
 
 from conftest import write_char_data_dir
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "dropout": 0.0, "activation": "gelu"}
 OPTIM = {"warmup_steps": 2, "decay_steps": 6, "lr": 3e-3}
 

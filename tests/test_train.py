@@ -23,7 +23,6 @@ from gptkit.train_config import from_sources
 
 from conftest import write_char_data_dir
 
-REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1, "activation": "gelu"}
 
 
