@@ -52,15 +52,6 @@ def tiny(name: str = "gpt2") -> GPT:
     return GPT(ModelConfig(**VARIANTS[name])).eval()
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine the threads fight for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 # ----- the cache and the two model calls -----
 
 

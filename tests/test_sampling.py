@@ -24,14 +24,6 @@ from gptkit.sampling import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine the threads fight for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 V = 97
 NO_IDS = torch.zeros(4, 1, dtype=torch.long)  # the warpers ignore input_ids
 

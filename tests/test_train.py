@@ -26,15 +26,6 @@ from conftest import write_char_data_dir
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1, "activation": "gelu"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run several times faster on one thread, above all on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """A char-level data directory from the first 60k characters of the bundled corpus."""
