@@ -15,8 +15,6 @@ from gptkit.errors import GptkitError
 if TYPE_CHECKING:
     from gptkit.sampling import SamplingParams
 
-METHODS = ("int8",)  # gptkit.quantization.METHODS, repeated here so that `gptkit --help` does not import torch
-DRAFT_K = 4  # gptkit.generation.DRAFT_K, likewise
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -59,6 +57,9 @@ HELP = "generate text from a model directory (streamed, or --json with ids and t
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate` sub-command."""
+    from gptkit.generation import DRAFT_K
+    from gptkit.quantization import METHODS
+
     parser = subparsers.add_parser(
         "generate",
         help=HELP,
