@@ -2,13 +2,15 @@
 
 For a GPT-2-small-shaped model (124M, random weights) and a Llama-shaped one of similar size, built as transformers
 models and converted with gptkit.hf so both sides run identical weights, it prints per dtype:
-  - prefill tokens/s of one 512-token prompt (HF: a forward with use_cache; gptkit: generation.prefill),
+  - prefill tokens/s of one 512-token prompt (HF: a forward with use_cache and logits_to_keep=1, as its generate
+    prefills; gptkit: generation.prefill),
   - decode tokens/s at batch 1 and 8 for 128 greedy new tokens (HF generate with its KV cache; gptkit complete(),
     eager and compiled), with the ratio gptkit / HF and whether the batch-1 greedy tokens are identical,
   - the memory-bandwidth bound: bytes of weights (+ KV cache) read per decode step against a measured read rate,
 and int8 weight-only for gptkit. The two sides run interleaved (HF, gptkit, HF, gptkit, ...) and each keeps its best
-round, so that load from other processes shifts both alike. A speculative-decoding section trains a target and a
-draft a tenth its size briefly on the same text (tiny shakespeare, characters) and reports acceptance and speed-up.
+round, so that load from other processes shifts both alike. A speculative-decoding section trains a draft briefly on
+tiny shakespeare (characters), grows it into a target ten times as deep, fine-tunes that on the same text, and
+reports the draft's acceptance rate and the speed-up over plain greedy decoding.
 
     .venv/bin/python benchmarks/bench_generate.py                      # the full run (tens of minutes on 2 cores)
     .venv/bin/python benchmarks/bench_generate.py --json > bench.json
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -106,7 +107,7 @@ def hf_models(args: argparse.Namespace) -> dict[str, Any]:
 @torch.no_grad()
 def hf_prefill_rate(hf: Any, ids: torch.Tensor) -> float:
     start = time.perf_counter()
-    hf(ids, use_cache=True)
+    hf(ids, use_cache=True, logits_to_keep=1)  # generate's prefill: the LM head at the last position only
     return ids.numel() / (time.perf_counter() - start)
 
 
@@ -199,12 +200,12 @@ def compare_shape(name: str, hf_fp32: Any, args: argparse.Namespace, bandwidth: 
 # ----- speculative decoding -----
 
 
-def train_char_model(config: ModelConfig, data: torch.Tensor, steps: int, seed: int) -> GPT:
-    """A model trained briefly (AdamW) on character ids: enough to agree on the common continuations."""
+def train_char_model(model: GPT, data: torch.Tensor, steps: int, lr: float, seed: int) -> GPT:
+    """model trained (AdamW) on random windows of character ids; returned in eval mode."""
     torch.manual_seed(seed)
-    model = GPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    T = min(128, config.block_size - 1)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    T = min(128, model.config.block_size - 1)
     for _ in range(steps):
         starts = torch.randint(0, len(data) - T - 1, (8,))
         batch = torch.stack([data[s : s + T + 1] for s in starts.tolist()])
@@ -215,22 +216,37 @@ def train_char_model(config: ModelConfig, data: torch.Tensor, steps: int, seed: 
     return model.eval()
 
 
+def grown_from(draft: GPT, config: ModelConfig) -> GPT:
+    """A deeper model whose first blocks, embeddings, final norm and head are the draft's and whose extra blocks
+    start as the identity (zero output projections): it begins by predicting exactly what the draft predicts."""
+    target = GPT(config)
+    target.load_state_dict(target.state_dict() | draft.state_dict())  # the draft's block i is the target's block i
+    with torch.no_grad():
+        for block in target.blocks[draft.config.n_layer :]:
+            block.attn.proj.weight.zero_()
+            block.mlp.proj.weight.zero_()
+    return target
+
+
 def speculative_section(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Target (args' width and depth) and a draft a tenth its size, both trained briefly on tiny shakespeare."""
+    """A draft (1/10 of the target's depth) trained on tiny shakespeare, and a target fine-tuned from it.
+
+    The target is the draft grown to the full depth and then trained further on the same text, the way a draft and
+    its target share data and often weights in practice, so the draft agrees with it often without agreeing always.
+    """
     from gptkit.tokenizer import CharTokenizer
 
     text = CORPUS.read_text()
     tokenizer = CharTokenizer.train([text])
     data = torch.tensor(tokenizer.encode(text))
-    target_config = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=1024, n_layer=args.n_layer,
-                                n_head=max(1, args.n_embd // 64), n_embd=args.n_embd)  # fmt: skip
-    # Half the depth and 1/sqrt(5) the width: about a tenth of the target's block parameters (12 L d^2).
-    draft_width = max(64, round(args.n_embd / math.sqrt(5) / 64) * 64)
-    draft_config = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=1024, n_layer=max(1, args.n_layer // 2),
-                               n_head=max(1, draft_width // 64), n_embd=draft_width)  # fmt: skip
-    log(f"[speculative] training target ({args.spec_steps} steps) and draft ({args.spec_steps} steps)")
-    target = train_char_model(target_config, data, args.spec_steps, seed=0)
-    draft = train_char_model(draft_config, data, args.spec_steps, seed=1)
+    config = dict(vocab_size=tokenizer.vocab_size, block_size=1024, n_head=max(1, args.n_embd // 64),
+                  n_embd=args.n_embd)  # fmt: skip
+    draft_config = ModelConfig(**config, n_layer=max(1, args.n_layer // 10))
+    target_config = ModelConfig(**config, n_layer=args.n_layer)
+    log(f"[speculative] training the draft ({args.spec_steps} steps), then the target from it "
+        f"({args.spec_tune_steps} steps)")  # fmt: skip
+    draft = train_char_model(GPT(draft_config), data, args.spec_steps, lr=1e-3, seed=1)
+    target = train_char_model(grown_from(draft, target_config), data, args.spec_tune_steps, lr=1e-4, seed=2)
     sizes = [sum(p.numel() for p in m.parameters()) for m in (target, draft)]
     prompt = [tokenizer.encode("ROMEO:\n")]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0)
@@ -290,7 +306,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=csv(int), default=[1, 8])
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best of each side counts")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--spec-steps", type=int, default=150, help="training steps of the speculative pair (0: skip)")
+    p.add_argument("--spec-steps", type=int, default=300, help="training steps of the speculative draft (0: skip)")
+    p.add_argument("--spec-tune-steps", type=int, default=20, help="training steps of the target grown from it")
     p.add_argument("--draft-k", type=csv(int), default=[2, 4])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p.parse_args(argv)

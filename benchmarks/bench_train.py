@@ -23,6 +23,7 @@ Two more parts (issue 9), each optional:
     python benchmarks/bench_train.py                       # both shapes, default step counts
     python benchmarks/bench_train.py --steps 5 --gpt2-steps 1 --warmup 1   # a quick smoke run
     python benchmarks/bench_train.py --shapes --speedrun --ddp --json       # only the speed run and DDP
+    python benchmarks/bench_train.py --shapes cpu-recipe --compile          # also gptkit with train.compile
 Run it on a quiet machine: timings share the CPU with everything else running.
 """
 
@@ -68,14 +69,16 @@ def model_config(shape: dict, block_size: int) -> ModelConfig:
     return ModelConfig(**{**PRESETS[shape["preset"]], **shape["overrides"], "block_size": block_size})
 
 
-def bench_gptkit(shape: dict, batch: int, block: int, steps: int, warmup: int, data: Path, out: Path) -> list[float]:
+def bench_gptkit(
+    shape: dict, batch: int, block: int, steps: int, warmup: int, data: Path, out: Path, compile: bool = False
+) -> list[float]:
     """Seconds per step of gptkit's trainer, from its own per-step metrics (log_interval 1)."""
     overrides = {
         "model": {"preset": shape["preset"], **shape["overrides"], "block_size": block},
         "optim": {"lr": 6e-4, "warmup_steps": 0},
         "train": {"data_dir": str(data), "out_dir": str(out), "max_steps": warmup + steps, "batch_size": batch,
                   "eval_iters": 1, "eval_interval": 10**9, "checkpoint_interval": 10**9, "log_interval": 1,
-                  "keep_checkpoints": 1, "device": "cpu", "plot": False},
+                  "keep_checkpoints": 1, "device": "cpu", "plot": False, "compile": compile},
     }  # fmt: skip
     train(from_sources(None, overrides), progress=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -231,6 +234,7 @@ def main() -> int:
     parser.add_argument("--ddp-processes", type=int, default=2)
     parser.add_argument("--ddp-steps", type=int, default=10, help="logged steps per DDP run (default 10)")
     parser.add_argument("--ddp-batch", type=int, default=8, help="sequences per process per step (default 8)")
+    parser.add_argument("--compile", action="store_true", help="also time gptkit with train.compile (torch.compile)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
 
@@ -249,6 +253,10 @@ def main() -> int:
             write_data(data, config.vocab_size, max(200_000, 4 * batch * block * (steps + warmup)))
             print(f"{name}: {steps} timed steps of {batch} x {block} tokens ...", file=sys.stderr)
             mine = bench_gptkit(shape, batch, block, steps, warmup, data, Path(tmp) / f"{name}-run")
+            compiled = None
+            if args.compile:
+                print(f"{name}: the same with train.compile ...", file=sys.stderr)
+                compiled = bench_gptkit(shape, batch, block, steps, warmup, data, Path(tmp) / f"{name}-compiled", True)
             hf_times, hf_flops = bench_hf(config, batch, block, steps, warmup, data)
             tokens = batch * block
             results[name] = {
@@ -259,6 +267,9 @@ def main() -> int:
             }
             r = results[name]
             r["hf_over_gptkit_time"] = r["hf"]["ms_per_step"] / r["gptkit"]["ms_per_step"]
+            if compiled:
+                r["gptkit-compiled"] = summarise(compiled, tokens, training_flops_per_token(config), args.peak_flops)
+                r["hf_over_gptkit_compiled_time"] = r["hf"]["ms_per_step"] / r["gptkit-compiled"]["ms_per_step"]
         speedrun = bench_speedrun(Path(tmp), args.speedrun_baseline, args.speedrun_steps) if args.speedrun else None
         ddp = bench_ddp(Path(tmp), args.ddp_processes, args.ddp_steps, args.ddp_batch) if args.ddp else None
     report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "peak_flops": args.peak_flops,
@@ -268,13 +279,17 @@ def main() -> int:
         return 0
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads, MFU against {args.peak_flops / 1e9:.0f} GFLOP/s")
-    print(f"{'shape':<12} {'loop':<7} {'ms/step':>9} {'tokens/s':>10} {'MFU':>6}   HF time / gptkit time")
+    print(f"{'shape':<12} {'loop':<15} {'ms/step':>9} {'tokens/s':>10} {'MFU':>6}   HF time / gptkit time")
     for name, r in results.items():
-        for loop in ("gptkit", "hf"):
+        for loop in ("gptkit", "gptkit-compiled", "hf"):
+            if loop not in r:
+                continue
             s = r[loop]
             ratio = f"   {r['hf_over_gptkit_time']:.2f}x" if loop == "hf" else ""
+            if loop == "hf" and "gptkit-compiled" in r:
+                ratio += f" ({r['hf_over_gptkit_compiled_time']:.2f}x compiled)"
             figures = f"{s['ms_per_step']:>9.1f} {s['tokens_per_s']:>10,.0f} {100 * s['mfu']:>5.1f}%"
-            print(f"{name:<12} {loop:<7} {figures}{ratio}")
+            print(f"{name:<12} {loop:<15} {figures}{ratio}")
     if speedrun:
         print(f"speed run (target val loss {TARGET_VAL_LOSS}):")
         for key in ("fast", "baseline"):

@@ -47,8 +47,7 @@ _FINISHED = -1.0e9  # Hugging Face's beam search marks impossible candidates wit
 
 def prefill(model: GPT, ids: Tensor, cache: KVCache, lengths: Tensor) -> Tensor:
     """Run right-padded prompts ids (B, T) at positions 0.. into cache; logits (B, V) at each row's last token."""
-    logits = model(ids, cache=cache, start_pos=0)
-    return logits[torch.arange(ids.size(0), device=ids.device), lengths - 1]
+    return model(ids, cache=cache, start_pos=0, logits_at=lengths - 1)[:, 0]
 
 
 def decode_one_token(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int) -> Tensor:
@@ -77,20 +76,32 @@ def compiled_decode_step(model: GPT) -> Callable[[GPT, Tensor, KVCache, Tensor],
     step = base.__dict__.get("_gptkit_decode_step")
     if step is None:
         compiled = torch.compile(decode_one_token, dynamic=False)
-        freeze = _device_dtype(base)[0].type == "cpu"
+        device, dtype = _device_dtype(base)
+        int8 = any(buffer.dtype == torch.int8 for buffer in base.buffers())
 
         def step(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
-            # Inductor reads `freezing` from its global config when it compiles (torch.compile's options= does not
-            # reach it), so it is set around each call rather than for the whole process. Every model and shape
-            # is one more compiled version of the same function: past dynamo's default limit of 8 it would fall
-            # back to eager without a word.
-            with torch._inductor.config.patch(freezing=freeze), torch._dynamo.config.patch(
-                recompile_limit=COMPILED_VERSIONS
-            ):
+            # Inductor reads its options from its global config when it compiles (torch.compile's options= does
+            # not reach `freezing`), so they are set around each call rather than for the whole process. Every
+            # model and shape is one more compiled version of the same function: past dynamo's default limit of 8
+            # it would fall back to eager without a word.
+            autotune = _autotune_decode(device, dtype, int8, tokens.size(0))
+            with torch._inductor.config.patch(freezing=device.type == "cpu", max_autotune=autotune), \
+                    torch._dynamo.config.patch(recompile_limit=COMPILED_VERSIONS):  # fmt: skip
                 return compiled(model, tokens, cache, positions)
 
         base.__dict__["_gptkit_decode_step"] = step  # a plain attribute: not a submodule, not saved
     return step
+
+
+def _autotune_decode(device: torch.device, dtype: torch.dtype, int8: bool, batch: int) -> bool:
+    """Whether a compiled decode step should let inductor time its own C++ GEMM kernels against the libraries'.
+
+    Measured on a 2-core AVX-512 CPU (GPT-2 small, benchmarks/bench_generate.py): inductor's template beats MKL and
+    oneDNN for fp32 and int8 weights at batch 1 and 8 (+15-60% tokens/s) and for bf16 at batch 1 (+9%), but loses
+    to oneDNN's bf16 GEMM at batch 8 (-15%), which the autotuner, timing each matmul alone on warm caches, does not
+    see. It roughly triples the one-off compile time. On CUDA the default kernels are kept (not measured here).
+    """
+    return device.type == "cpu" and (int8 or dtype != torch.bfloat16 or batch == 1)
 
 
 # ----- helpers shared by the engine and beam search -----

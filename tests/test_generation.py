@@ -226,12 +226,12 @@ class Scripted(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(1))  # gives the engine a device and dtype
         self.register_buffer("script", torch.tensor(script + [eos]))
 
-    def forward(self, ids, cache=None, start_pos=0, trace=None):
+    def forward(self, ids, cache=None, start_pos=0, trace=None, logits_at=None):
         T = ids.size(1)
         start = start_pos[:, None] if isinstance(start_pos, torch.Tensor) else torch.tensor([[start_pos]])
         nxt = self.script[(start + torch.arange(T) + 1).clamp(max=len(self.script) - 1)].expand(ids.size(0), T)
-        logits = torch.zeros(ids.size(0), T, self.config.vocab_size)
-        return logits.scatter(-1, nxt[..., None], 10.0)
+        logits = torch.zeros(ids.size(0), T, self.config.vocab_size).scatter(-1, nxt[..., None], 10.0)
+        return logits if logits_at is None else logits[torch.arange(ids.size(0)), logits_at][:, None]
 
 
 TEXT = "héllo wörld ✓ 😀 and more text"

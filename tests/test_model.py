@@ -167,6 +167,10 @@ def test_cached_decode_with_per_row_positions():
     out = model(batch, cache=cache, start_pos=0)
     torch.testing.assert_close(out[0], model(a[:, :6])[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1, :4], model(b[:, :4])[0], atol=1e-5, rtol=1e-5)
+    # Logits at each row's last real token only, as a prefill asks for them.
+    last = model(batch, cache=KVCache(config, 2, 16), start_pos=0, logits_at=torch.tensor([5, 3]))
+    assert last.shape == (2, 1, 50)
+    torch.testing.assert_close(last[:, 0], out[[0, 1], [5, 3]], atol=1e-6, rtol=1e-6)
     pos = torch.tensor([6, 4])
     for step in range(3):
         step_ids = torch.stack([a[0, 6 + step], b[0, 4 + step]])[:, None]

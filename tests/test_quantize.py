@@ -13,9 +13,10 @@ import gptkit.quantization as q
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError
-from gptkit.generation import generate_ids
+from gptkit.generation import complete, generate_ids
 from gptkit.model import GPT, next_token_loss
 from gptkit.modeldir import ModelDirError, load, save_model_dir
+from gptkit.sampling import SamplingParams
 from gptkit.tokenizer import CharTokenizer
 
 from conftest import VARIANTS
@@ -122,6 +123,17 @@ def test_bf16_quantised_model_generates():
     assert model.blocks[0].attn.qkv.scales.dtype == torch.bfloat16
     out = generate_ids(model, [1, 2, 3], max_new_tokens=6, temperature=0)
     assert len(out) == 6 and all(0 <= t < 50 for t in out)
+
+
+def test_compiled_int8_decode_matches_eager(trained):
+    # On CPU the compiled step lets inductor autotune its own int8 GEMM template against torch's kernel.
+    model, _, held_out = trained
+    quantised = q.quantize(_copy(model), "int8")
+    prompt = held_out[:20].tolist()
+    eager = complete(quantised, [prompt], SamplingParams(max_new_tokens=12, temperature=0))
+    compiled = complete(quantised, [prompt], SamplingParams(max_new_tokens=12, temperature=0), compile=True)
+    assert compiled.completions == eager.completions
+    assert compiled.timing.compile_seconds is not None
 
 
 def test_saved_int8_directory_loads_and_generates(trained, tmp_path):
