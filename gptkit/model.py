@@ -218,7 +218,7 @@ class GPT(nn.Module):
         needs no others, and the LM head over every position can be a fifth of its time.
         """
         if self.check_inputs:
-            self._check_inputs(ids, cache, start_pos)
+            self._check_inputs(ids, cache, start_pos, logits_at)
         T = ids.size(1)
         offsets = torch.arange(T, device=ids.device)
         positions = start_pos[:, None] + offsets if isinstance(start_pos, Tensor) else (start_pos + offsets)[None]
@@ -246,7 +246,9 @@ class GPT(nn.Module):
             x = x[torch.arange(x.size(0), device=x.device), logits_at][:, None]  # (B, 1, d)
         return self.lm_head(x)  # (B, T, V)
 
-    def _check_inputs(self, ids: Tensor, cache: KVCache | None, start_pos: int | Tensor) -> None:
+    def _check_inputs(
+        self, ids: Tensor, cache: KVCache | None, start_pos: int | Tensor, logits_at: Tensor | None
+    ) -> None:
         """Raise InputError for ids the forward pass cannot take."""
         if ids.dim() != 2:
             raise InputError(f"token ids must have shape (batch, time), got {tuple(ids.shape)}")
@@ -255,6 +257,10 @@ class GPT(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             bad = int(ids.max()) if int(ids.max()) >= self.config.vocab_size else int(ids.min())
             raise InputError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        if logits_at is not None and (
+            tuple(logits_at.shape) != (ids.size(0),) or int(logits_at.min()) < 0 or int(logits_at.max()) >= ids.size(1)
+        ):
+            raise InputError(f"logits_at must hold one index in [0, {ids.size(1)}) per row of ids, got {logits_at}")
         last = int(start_pos.max()) if isinstance(start_pos, Tensor) else start_pos
         last += ids.size(1)
         if self.pos_emb is not None and last > self.config.block_size:

@@ -60,3 +60,12 @@ def test_top_level_help_imports_no_command_dependencies():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_closed_output_pipe_ends_the_command_quietly():
+    # `gptkit plan gpt2 --json | head -0`: the reader is gone before the command writes.
+    proc = subprocess.Popen([sys.executable, "-m", "gptkit", "plan", "gpt2", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and "Traceback" not in err, err

@@ -193,6 +193,8 @@ def test_input_errors_are_clear():
         model(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(InputError, match="shape"):
         model(torch.zeros(17, dtype=torch.long))
+    with pytest.raises(InputError, match="logits_at"):
+        model(torch.zeros(2, 5, dtype=torch.long), logits_at=torch.tensor([4, 5]))
     rope = GPT(ModelConfig(**dict(TINY, position="rope")))
     assert rope(torch.zeros(1, 20, dtype=torch.long)).shape == (1, 20, 50)  # RoPE has no fixed table
 

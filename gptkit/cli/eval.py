@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
+from gptkit.cli.flags import add_dataclass_flags, dataclass_from_args
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
 HELP = "loss, perplexity and bits per byte of a text (sliding window over long texts)"
@@ -29,14 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", metavar="FILE", help="a UTF-8 text file, encoded as the tokenizer encodes it")
     source.add_argument("--data", metavar="DATA_DIR", help="a directory made by `gptkit prepare`: scores its val.bin")
-    for f in dataclasses.fields(EvalOptions):
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=int if f.type.startswith("int") else str,
-            default=f.default,
-            choices=f.metadata.get("choices"),
-            help=f.metadata["help"] + ("" if "default" in f.metadata["help"] else f" (default: {f.default})"),
-        )
+    add_dataclass_flags(parser, EvalOptions)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -90,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.modeldir import load
     from gptkit.devices import pick_device
 
-    options = EvalOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EvalOptions)})
+    options = dataclass_from_args(EvalOptions, args)
     text = _read_text(args.input) if args.input is not None else None
     if text == "":
         raise InputError(f"--input {args.input} is empty; there is nothing to score")

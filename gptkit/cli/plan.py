@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
+from gptkit.cli.flags import add_dataclass_flags, dataclass_from_args
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
 HELP = "size a training run before it starts: FLOPs, compute-optimal tokens, memory, fit and wall time"
@@ -27,32 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "model", metavar="PRESET_OR_CONFIG", nargs="?", default="gpt2",
         help="a preset name, a ModelConfig JSON file or a model directory (default: gpt2)",
     )  # fmt: skip
-    for f in dataclasses.fields(PlanSettings):
-        kind = int if f.type.startswith("int") else float if f.type.startswith("float") else str
-        help_text = f.metadata["help"]
-        if "default" not in help_text:
-            help_text += f" (default: {'none' if f.default is None else f.default})"
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=_parse_int if kind is int else kind,
-            default=f.default,
-            choices=f.metadata.get("choices"),
-            metavar=f.metadata.get("metavar"),
-            help=help_text,
-        )
+    add_dataclass_flags(parser, PlanSettings)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
     parser.set_defaults(run=run)
-
-
-def _parse_int(text: str) -> int:
-    """An integer, also written like 1e9 or 2_000_000."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if not value.is_integer():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
-    return int(value)
 
 
 def _si(n: float, unit: str = "") -> str:
@@ -78,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.config import ModelConfig
     from gptkit.plan import PlanSettings, make_plan
 
-    settings = PlanSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanSettings)})
+    settings = dataclass_from_args(PlanSettings, args)
     plan = make_plan(ModelConfig.load(args.model), settings)
     if args.json:
         print(json.dumps({"model": args.model, **plan.to_dict()}, indent=2))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
+
+from gptkit.cli.flags import add_dataclass_flags, dataclass_from_args
 
 API_KEY_ENV = "GPTKIT_API_KEY"  # read when --api-key is not given
 
@@ -26,11 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "together in one batch.",
     )
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="a gptkit (or Hugging Face) model directory")
-    for f in dataclasses.fields(ServeOptions):
-        flag = "--" + f.name.replace("_", "-")
-        kind = int if f.type in ("int", "int | None") else str
-        shown = "" if f.default is None else f" (default: {f.default})"
-        parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"] + shown)
+    add_dataclass_flags(parser, ServeOptions)
     parser.set_defaults(run=run)
 
 
@@ -38,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the server and block until Ctrl-C."""
     from gptkit.serving.server import ServeOptions, serve
 
-    options = ServeOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeOptions)})
+    options = dataclass_from_args(ServeOptions, args)
     if options.api_key is None and os.environ.get(API_KEY_ENV):
         options.api_key = os.environ[API_KEY_ENV]  # keeps the key out of the process list
     if options.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
