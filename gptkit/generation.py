@@ -85,8 +85,10 @@ def compiled_decode_step(model: GPT) -> Callable[[GPT, Tensor, KVCache, Tensor],
             # model and shape is one more compiled version of the same function: past dynamo's default limit of 8
             # it would fall back to eager without a word.
             autotune = _autotune_decode(device, dtype, int8, tokens.size(0))
-            with torch._inductor.config.patch(freezing=device.type == "cpu", max_autotune=autotune), \
-                    torch._dynamo.config.patch(recompile_limit=COMPILED_VERSIONS):  # fmt: skip
+            # The autotuner writes a table of kernel timings to stderr per matrix shape unless told not to.
+            inductor = dict(freezing=device.type == "cpu", max_autotune=autotune, autotune_num_choices_displayed=0,
+                            max_autotune_report_choices_stats=False)  # fmt: skip
+            with torch._inductor.config.patch(inductor), torch._dynamo.config.patch(recompile_limit=COMPILED_VERSIONS):
                 return compiled(model, tokens, cache, positions)
 
         base.__dict__["_gptkit_decode_step"] = step  # a plain attribute: not a submodule, not saved
