@@ -34,6 +34,7 @@ from torch import Tensor
 from gptkit.errors import ConfigError, InputError
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
+from gptkit.quantization import is_quantized
 from gptkit.sampling import EarlyStopping, SamplingParams, apply_repetition_penalty, sample
 
 FinishReason = Literal["eos", "stop", "length"]
@@ -77,7 +78,7 @@ def compiled_decode_step(model: GPT) -> Callable[[GPT, Tensor, KVCache, Tensor],
     if step is None:
         compiled = torch.compile(decode_one_token, dynamic=False)
         device, dtype = _device_dtype(base)
-        int8 = any(buffer.dtype == torch.int8 for buffer in base.buffers())
+        int8 = is_quantized(base)
 
         def step(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
             # Inductor reads its options from its global config when it compiles (torch.compile's options= does
