@@ -31,6 +31,7 @@ import torch._dynamo.config
 import torch._inductor.config
 from torch import Tensor
 
+from gptkit import cpu_kernels
 from gptkit.errors import ConfigError, InputError
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
@@ -79,6 +80,8 @@ def compiled_decode_step(model: GPT) -> Callable[[GPT, Tensor, KVCache, Tensor],
         compiled = torch.compile(decode_one_token, dynamic=False)
         device, dtype = _device_dtype(base)
         int8 = is_quantized(base)
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            cpu_kernels.gemv_bf16_available()  # built (or ruled out) now: the compiled graph only reads the answer
 
         def step(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
             # Inductor reads its options from its global config when it compiles (torch.compile's options= does
@@ -103,6 +106,7 @@ def _autotune_decode(device: torch.device, dtype: torch.dtype, int8: bool, batch
     oneDNN for fp32 and int8 weights at batch 1 and 8 (+15-60% tokens/s) and for bf16 at batch 1 (+9%), but loses
     to oneDNN's bf16 GEMM at batch 8 (-15%), which the autotuner, timing each matmul alone on warm caches, does not
     see. It roughly triples the one-off compile time. On CUDA the default kernels are kept (not measured here).
+    (Where gptkit's own bf16 kernel runs, cpu_kernels, decoding's bf16 products bypass matmul and this choice.)
     """
     return device.type == "cpu" and (int8 or dtype != torch.bfloat16 or batch == 1)
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache, LayerKV
@@ -36,6 +37,13 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.type_as(x)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose few-row bf16 CPU inference runs gptkit's GEMV kernel (see cpu_kernels)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return cpu_kernels.linear(x, self.weight, self.bias)
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -85,8 +93,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         qkv_width = (config.n_head + 2 * config.n_kv_head) * config.head_dim
-        self.qkv = nn.Linear(config.n_embd, qkv_width, bias=config.attn_bias)
-        self.proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=config.attn_bias)
+        self.qkv = Linear(config.n_embd, qkv_width, bias=config.attn_bias)
+        self.proj = Linear(config.n_head * config.head_dim, config.n_embd, bias=config.attn_bias)
         self.dropout = config.dropout
         self.resid_drop = nn.Dropout(config.dropout)
 
@@ -129,8 +137,8 @@ class FeedForward(nn.Module):
         super().__init__()
         self.activation = config.activation
         fc_width = 2 * config.ffn_hidden if config.activation == "swiglu" else config.ffn_hidden
-        self.fc = nn.Linear(config.n_embd, fc_width, bias=config.mlp_bias)  # swiglu: [gate; up] in one matmul
-        self.proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.mlp_bias)
+        self.fc = Linear(config.n_embd, fc_width, bias=config.mlp_bias)  # swiglu: [gate; up] in one matmul
+        self.proj = Linear(config.ffn_hidden, config.n_embd, bias=config.mlp_bias)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -179,7 +187,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = make_norm(config) if config.norm_position == "pre" else None
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters()

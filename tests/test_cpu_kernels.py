@@ -1,0 +1,93 @@
+"""gptkit's bf16 CPU GEMV kernel: its products, when it is used, and what happens when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptkit import cpu_kernels
+from gptkit.config import ModelConfig
+from gptkit.generation import generate_ids
+from gptkit.model import GPT
+
+from conftest import VARIANTS
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.gemv_bf16_available(), reason="this CPU lacks AVX512-BF16")
+
+
+def _bf16_inputs(rows: int, k: int, n: int, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    return x, w, b
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("k", [17, 64, 100])  # 17 and 100 end in a partial 32-lane block
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_is_the_fp32_product_rounded_once(rows, k, bias):
+    x, w, b = _bf16_inputs(rows, k, 37, bias)  # 37 output rows: every thread gets a ragged end
+    got = torch.ops.gptkit.gemv_bf16(x, w, b)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 37)
+    # One rounding of an fp32 sum to bf16 is off by at most half a unit in the last place (2^-9 relative).
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
+
+
+@needs_kernel
+def test_linear_uses_the_kernel_only_for_few_bf16_rows_without_autograd(monkeypatch):
+    calls = []
+    real_linear = F.linear
+    monkeypatch.setattr(cpu_kernels.F, "linear", lambda *a: calls.append(a[0].shape) or real_linear(*a))
+    x, w, b = _bf16_inputs(8, 64, 48, True)
+    with torch.no_grad():
+        y = cpu_kernels.linear(x.view(8, 1, 64), w, b)  # decode's (B, 1, C) with B = 8
+        assert y.shape == (8, 1, 48) and calls == []
+        cpu_kernels.linear(torch.cat([x, x[:1]]), w, b)  # 9 rows: a GEMM, not a GEMV
+        cpu_kernels.linear(x.float(), w.float(), b.float())
+    cpu_kernels.linear(x, w.requires_grad_(), b)  # training keeps autograd's F.linear
+    assert len(calls) == 3
+
+
+@needs_kernel
+def test_compiled_bf16_decode_matches_eager():
+    config = ModelConfig(**dict(VARIANTS["untied-head-bias"], n_layer=1, n_embd=64, block_size=256))
+    model = GPT(config).eval()
+    with torch.no_grad():
+        model.norm_f.weight.mul_(20.0)  # logits far from ties, so bf16 rounding differences cannot flip a token
+    model = model.to(torch.bfloat16)
+    prompt = [3, 14, 15, 9, 26]
+    eager = generate_ids(model, prompt, max_new_tokens=12, temperature=0)
+    assert generate_ids(model, prompt, max_new_tokens=12, temperature=0, compile=True) == eager
+
+
+def test_a_failed_build_logs_once_and_falls_back(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def broken_build(**_):
+        raise RuntimeError("Error building extension 'gptkit_gemv_bf16'")
+
+    monkeypatch.setattr(cpu_kernels, "_LOADED", {})
+    monkeypatch.setattr(cpu_kernels, "_cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(cpp_extension, "load", broken_build)
+    x, w, b = _bf16_inputs(1, 64, 16, True)
+    with caplog.at_level(logging.WARNING, logger="gptkit.cpu_kernels"), torch.no_grad():
+        y1 = cpu_kernels.linear(x, w, b)
+        y2 = cpu_kernels.linear(x, w, b)
+    assert torch.equal(y1, F.linear(x, w, b)) and torch.equal(y2, y1)
+    assert [r.getMessage() for r in caplog.records if "did not build" in r.getMessage()] != []
+    assert len(caplog.records) == 1
+
+
+def test_cpus_without_avx512_bf16_never_build(monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpu_kernels, "_LOADED", {})
+    monkeypatch.setattr(cpu_kernels, "_cpu_has_avx512_bf16", lambda: False)
+    monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("built on a CPU that cannot run the kernel"))
+    assert cpu_kernels.gemv_bf16_available() is False
