@@ -1,13 +1,14 @@
-"""gptkit's own CPU kernel: a bf16 matrix-vector product that streams weights at memory speed.
+"""gptkit's own CPU kernels: bf16 and int8 matrix-vector products that stream weights at memory speed.
 
-Decoding reads every weight once per token, so a bf16 model should decode about twice as fast as an fp32 one. With
-PyTorch 2.13's kernels it does not on a CPU: measured on a 2-core AVX-512 machine (50 distinct GPT-2-small weight
-matrices, batch 1), fp32 F.linear streams 19-20 GB/s, bf16 F.linear 9 GB/s and inductor's compiled bf16 matmul 10-12;
-csrc/gemv_bf16.cpp streams 16-18. It is used for few-row bf16 products on CPUs with AVX512-BF16, with autograd off;
-every other product (training, prefill, fp32, CUDA) is F.linear.
+Decoding reads every weight once per token, so a bf16 model should decode about twice as fast as an fp32 one and
+an int8 one four times. With PyTorch 2.13's kernels it does not on a CPU. Measured on a 2-core AVX-512 machine over
+50 distinct GPT-2-small weight matrices at batch 1: fp32 F.linear streams 19-20 GB/s, bf16 F.linear 9 and inductor's
+compiled bf16 matmul 10-12; csrc/gemv.cpp streams 16-18 in bf16 (and 10 at 8 rows, against 7 for oneDNN).
+The kernels serve few-row products (decoding, up to GEMV_MAX_ROWS rows) on CPUs with AVX-512 (and AVX512-BF16 for
+bf16), with autograd off; every other product (training, prefill, fp32, CUDA) keeps PyTorch's.
 
 The C++ source is compiled once per machine on first use (about 10 s, cached by torch.utils.cpp_extension under
-~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR); if that fails, gptkit logs why once and keeps F.linear.
+~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR); if that fails, gptkit logs why once and keeps PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -24,71 +25,98 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "gemv_bf16.cpp"
-BUILD_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
+SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
+BUILD_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp"]
+BUILD_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl"}  # as /proc/cpuinfo names them
 # Above this many rows a product is no longer bound by reading the weights; the kernel handles 1 to 8.
 GEMV_MAX_ROWS = 8
 
-# Whether the kernel is loaded (True), unusable here (False) or not tried yet (absent). Decided in eager code only:
+# Whether the kernels are loaded (True), unusable here (False) or not tried yet (absent). Decided in eager code only:
 # a compiled graph reads the answer.
 _LOADED: dict[str, bool] = {}
 _BUILDING = threading.Lock()  # a server's first requests may arrive together
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    # Linux lists the instruction sets in /proc/cpuinfo (PyTorch 2.13 exposes no such probe). Elsewhere the kernel
-    # is not built: macOS on Apple silicon has no AVX-512 and the build flags are gcc/clang's.
+def _cpu_flags() -> set[str]:
+    # Linux lists the instruction sets in /proc/cpuinfo (PyTorch 2.13 exposes no such probe). Elsewhere nothing is
+    # built: macOS on Apple silicon has no AVX-512 and the build flags are gcc/clang's.
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
+        return set()
+
+
+def _loaded() -> bool:
+    """Whether the kernels' library is loaded, building it on the first call (eager code only)."""
+    if "library" not in _LOADED and not torch.compiler.is_compiling():
+        with _BUILDING:
+            if "library" not in _LOADED:
+                flags = _cpu_flags()
+                _LOADED["avx512_bf16"] = "avx512_bf16" in flags
+                _LOADED["library"] = BUILD_CPU_FLAGS <= flags and _build()
+    return _LOADED.get("library", False)
 
 
 def gemv_bf16_available() -> bool:
-    """Whether the bf16 GEMV kernel runs here, building and loading it on the first call (eager code only)."""
-    if "gemv_bf16" not in _LOADED and not torch.compiler.is_compiling():
-        with _BUILDING:
-            if "gemv_bf16" not in _LOADED:
-                _LOADED["gemv_bf16"] = _cpu_has_avx512_bf16() and _build()
-    return _LOADED.get("gemv_bf16", False)
+    """Whether the bf16 GEMV kernel runs here (the first call builds the kernels; eager code only)."""
+    return _loaded() and _LOADED["avx512_bf16"]
+
+
+def gemv_int8_available() -> bool:
+    """Whether the int8 weight-only GEMV kernel runs here (the first call builds the kernels; eager code only)."""
+    return _loaded()
 
 
 def _build() -> bool:
     from torch.utils import cpp_extension
 
-    log.info("building gptkit's bf16 CPU kernel (once per machine, about 10 s)")
+    log.info("building gptkit's CPU kernels (once per machine, about 10 s)")
     try:
-        cpp_extension.load(name="gptkit_gemv_bf16", sources=[str(SOURCE)], extra_cflags=BUILD_FLAGS,
+        cpp_extension.load(name="gptkit_gemv", sources=[str(SOURCE)], extra_cflags=BUILD_FLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False)  # fmt: skip
     except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
-        log.warning("gptkit's bf16 CPU kernel did not build, so bf16 decoding uses PyTorch's slower matmul: %s", err)
+        log.warning("gptkit's CPU kernels did not build, so bf16 and int8 decoding use PyTorch's slower ones: %s", err)
         return False
-    _register_shape_function()
+    _register_shape_functions()
     return True
 
 
 @functools.cache
-def _register_shape_function() -> None:
-    """Tell torch.compile the op's output shape (once per process; a second registration is an error)."""
-    torch.library.register_fake("gptkit::gemv_bf16")(_gemv_bf16_shape)
+def _register_shape_functions() -> None:
+    """Tell torch.compile the ops' output shapes (once per process; a second registration is an error)."""
+    torch.library.register_fake("gptkit::gemv_bf16")(lambda x, w, bias: x.new_empty(x.size(0), w.size(0)))
+    torch.library.register_fake("gptkit::gemv_int8")(lambda x, q, scales: x.new_empty(x.size(0), q.size(0)))
 
 
-def _gemv_bf16_shape(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty(x.size(0), w.size(0))
+def _few_cpu_rows(x: Tensor) -> int:
+    """The rows of x if they are few enough for a GEMV kernel, on CPU, with autograd off; else 0."""
+    rows = x.numel() // x.size(-1) if x.numel() else 0
+    ok = x.device.type == "cpu" and 1 <= rows <= GEMV_MAX_ROWS and not torch.is_grad_enabled()
+    return rows if ok else 0
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear, by the bf16 GEMV kernel when x is a few bf16 rows on a CPU that runs it and autograd is off."""
-    rows = x.numel() // x.size(-1) if x.numel() else 0
+    rows = _few_cpu_rows(x)
     if (
-        x.device.type == "cpu"
+        rows
         and x.dtype == weight.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
-        and 1 <= rows <= GEMV_MAX_ROWS
-        and not torch.is_grad_enabled()
         and weight.is_contiguous()
         and gemv_bf16_available()
     ):
         y = torch.ops.gptkit.gemv_bf16(x.reshape(rows, x.size(-1)).contiguous(), weight, bias)
         return y.view(*x.shape[:-1], weight.size(0))
     return F.linear(x, weight, bias)
+
+
+def int8_linear(x: Tensor, q: Tensor, scales: Tensor) -> Tensor | None:
+    """(x @ q^T) * scales in x's dtype by the int8 GEMV kernel, or None where it does not apply (the caller's job)."""
+    rows = _few_cpu_rows(x)
+    # Compiled graphs keep inductor's own int8 GEMM template, which prepacks the weights when it freezes them: on
+    # GPT-2 small at batch 1, 72 tokens/s against 58 with this kernel, which wins in eager code (55 against 42).
+    if torch.compiler.is_compiling() or not (rows and q.is_contiguous() and gemv_int8_available()):
+        return None
+    x2 = x.reshape(rows, x.size(-1)).float().contiguous()
+    y = torch.ops.gptkit.gemv_int8(x2, q, scales.float().contiguous())
+    return y.to(x.dtype).view(*x.shape[:-1], q.size(0))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gptkit import cpu_kernels
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
 
@@ -109,17 +110,23 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
-        compute = _compute_dtype(x.device.type, x.dtype) if self.in_features % KERNEL_K_MULTIPLE == 0 else None
-        if x2.size(0) > KERNEL_MAX_ROWS:  # prefill: compute-bound, where a float GEMM beats the int8 kernel
-            y = F.linear(x2, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None])
-        elif compute is not None:
-            y = torch._weight_int8pack_mm(x2.to(compute).contiguous(), self.weight, self.scales.to(compute))
-            y = y.to(x.dtype)
-        else:  # dequantise on the fly: correct everywhere, without the bandwidth saving
-            y = F.linear(x2, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        y = cpu_kernels.int8_linear(x2, self.weight, self.scales)  # decoding on an AVX-512 CPU
+        if y is None:
+            y = self._pytorch_product(x2)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _pytorch_product(self, x2: Tensor) -> Tensor:
+        """(x2 @ q^T) * scales by PyTorch's int8 kernel where it runs, else by dequantising."""
+        dtype = x2.dtype
+        compute = _compute_dtype(x2.device.type, dtype) if self.in_features % KERNEL_K_MULTIPLE == 0 else None
+        if x2.size(0) > KERNEL_MAX_ROWS:  # prefill: compute-bound, where a float GEMM beats the int8 kernel
+            return F.linear(x2, self.weight.to(dtype) * self.scales.to(dtype)[:, None])
+        if compute is not None:
+            y = torch._weight_int8pack_mm(x2.to(compute).contiguous(), self.weight, self.scales.to(compute))
+            return y.to(dtype)
+        return F.linear(x2, self.weight.to(dtype)) * self.scales.to(dtype)  # correct everywhere, no bandwidth saving
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"

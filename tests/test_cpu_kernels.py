@@ -1,4 +1,4 @@
-"""gptkit's bf16 CPU GEMV kernel: its products, when it is used, and what happens when it cannot be built."""
+"""gptkit's CPU GEMV kernels (bf16, int8): their products, when they are used, and what happens without them."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.generation import generate_ids
 from gptkit.model import GPT
+from gptkit.quantization import Int8Linear, quantize_weight
 
 from conftest import VARIANTS
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.gemv_bf16_available(), reason="this CPU lacks AVX512-BF16")
+needs_int8_kernel = pytest.mark.skipif(not cpu_kernels.gemv_int8_available(), reason="this CPU lacks AVX-512")
 
 
 def _bf16_inputs(rows: int, k: int, n: int, bias: bool, seed: int = 0):
@@ -66,14 +68,45 @@ def test_compiled_bf16_decode_matches_eager():
     assert generate_ids(model, prompt, max_new_tokens=12, temperature=0, compile=True) == eager
 
 
+@needs_int8_kernel
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("k", [17, 64, 100])  # 17 and 100 end in a partial 16-lane block
+def test_int8_gemv_is_the_exact_product_in_fp32(rows, k):
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k, generator=g)
+    q, scales = quantize_weight(torch.randn(37, k, generator=g))
+    got = torch.ops.gptkit.gemv_int8(x, q, scales)
+    want = (x.double() @ q.double().t()) * scales.double()
+    assert got.dtype == torch.float32 and got.shape == (rows, 37)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_uses_the_kernel_for_decoding_only(monkeypatch, dtype):
+    calls = []
+    real = torch.ops.gptkit.gemv_int8
+    monkeypatch.setattr(torch.ops.gptkit, "gemv_int8", lambda *a: calls.append(a[0].shape) or real(*a))
+    linear = torch.nn.Linear(64, 48).to(dtype)
+    module = Int8Linear.from_linear(linear)
+    x = torch.randn(3, 1, 64).to(dtype)
+    with torch.no_grad():
+        y = module(x)
+        assert calls == [(3, 64)] and y.dtype == dtype and y.shape == (3, 1, 48)
+        want = x.float() @ (module.weight.float() * module.scales.float()[:, None]).t() + module.bias.float()
+        torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
+        module(torch.randn(2, 40, 64).to(dtype))  # prefill: 80 rows
+    assert calls == [(3, 64)]
+
+
 def test_a_failed_build_logs_once_and_falls_back(monkeypatch, caplog):
     from torch.utils import cpp_extension
 
     def broken_build(**_):
-        raise RuntimeError("Error building extension 'gptkit_gemv_bf16'")
+        raise RuntimeError("Error building extension 'gptkit_gemv'")
 
     monkeypatch.setattr(cpu_kernels, "_LOADED", {})
-    monkeypatch.setattr(cpu_kernels, "_cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: cpu_kernels.BUILD_CPU_FLAGS | {"avx512_bf16"})
     monkeypatch.setattr(cpp_extension, "load", broken_build)
     x, w, b = _bf16_inputs(1, 64, 16, True)
     with caplog.at_level(logging.WARNING, logger="gptkit.cpu_kernels"), torch.no_grad():
@@ -84,10 +117,24 @@ def test_a_failed_build_logs_once_and_falls_back(monkeypatch, caplog):
     assert len(caplog.records) == 1
 
 
-def test_cpus_without_avx512_bf16_never_build(monkeypatch):
+@pytest.mark.parametrize("flags", [set(), {"avx512f", "avx2"}])
+def test_cpus_without_avx512_never_build(monkeypatch, flags):
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpu_kernels, "_LOADED", {})
-    monkeypatch.setattr(cpu_kernels, "_cpu_has_avx512_bf16", lambda: False)
-    monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("built on a CPU that cannot run the kernel"))
-    assert cpu_kernels.gemv_bf16_available() is False
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("built on a CPU that cannot run the kernels"))
+    assert cpu_kernels.gemv_bf16_available() is False and cpu_kernels.gemv_int8_available() is False
+    x, q = torch.randn(1, 32), torch.ones(8, 32, dtype=torch.int8)
+    with torch.no_grad():
+        assert cpu_kernels.int8_linear(x, q, torch.ones(8)) is None
+
+
+@needs_int8_kernel
+def test_int8_but_not_bf16_without_avx512_bf16(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_LOADED", {})
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: set(cpu_kernels.BUILD_CPU_FLAGS))
+    assert cpu_kernels.gemv_int8_available() is True and cpu_kernels.gemv_bf16_available() is False
+    x, w = torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
