@@ -30,6 +30,11 @@ BUILD_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp"]
 BUILD_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl"}  # as /proc/cpuinfo names them
 # Above this many rows a product is no longer bound by reading the weights; the kernel handles 1 to 8.
 GEMV_MAX_ROWS = 8
+# Below this many rows a compiled graph keeps inductor's own int8 GEMM template (it prepacks the weights when it
+# freezes them), which wins there; this kernel wins in eager code at every batch. GPT-2 small, compiled, fp32
+# activations, tokens/s template vs kernel: batch 1 72 vs 58, 2 131 vs 109, 4 195 vs 180, 6 156 vs 242,
+# 8 185 vs 233 (bf16 activations: batch 4 215 vs 211, 8 217 vs 248). Eager, batch 1: 42 vs 51.
+COMPILED_INT8_MIN_ROWS = 5
 
 # Whether the kernels are loaded (True), unusable here (False) or not tried yet (absent). Decided in eager code only:
 # a compiled graph reads the answer.
@@ -113,9 +118,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def int8_linear(x: Tensor, q: Tensor, scales: Tensor) -> Tensor | None:
     """(x @ q^T) * scales in x's dtype by the int8 GEMV kernel, or None where it does not apply (the caller's job)."""
     rows = _few_cpu_rows(x)
-    # Compiled graphs keep inductor's own int8 GEMM template, which prepacks the weights when it freezes them: on
-    # GPT-2 small at batch 1, 72 tokens/s against 58 with this kernel, which wins in eager code (55 against 42).
-    if torch.compiler.is_compiling() or not (rows and q.is_contiguous() and gemv_int8_available()):
+    if (torch.compiler.is_compiling() and rows < COMPILED_INT8_MIN_ROWS) or not (
+        rows and q.is_contiguous() and gemv_int8_available()
+    ):
         return None
     x2 = x.reshape(rows, x.size(-1)).float().contiguous()
     y = torch.ops.gptkit.gemv_int8(x2, q, scales.float().contiguous())
