@@ -6,7 +6,7 @@ BIN = $(VENV)/bin
 TORCH = torch==2.13.0
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser run test test-all clean
+.PHONY: install browser compiler run test test-all clean
 
 $(BIN)/gptkit: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ install: $(BIN)/gptkit
 browser:
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 
+# torch.compile and gptkit's own CPU kernels (gptkit/csrc) compile C++ at run time.
+compiler:
+	@command -v g++ >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q g++; }
+
 # The main job: prepare the bundled corpus, train nanoGPT's CPU recipe, print a sample. Running it again
 # resumes an interrupted run (or, once finished, only samples).
 RUN_DIR = runs/shakespeare-char-cpu
@@ -29,10 +33,10 @@ run: install
 	$(BIN)/gptkit train --config configs/shakespeare-char-cpu.yaml $$(test -f $(RUN_DIR)/latest && echo --resume)
 	$(BIN)/gptkit generate $(RUN_DIR)/checkpoints/step-002000 --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --seed 1337
 
-test: install browser
+test: install browser compiler
 	$(BIN)/python -m pytest -q
 
-test-all: install browser
+test-all: install browser compiler
 	$(BIN)/python -m pytest -q -m ''
 
 clean:

@@ -1,4 +1,5 @@
 import json
+import logging
 import subprocess
 import sys
 
@@ -69,3 +70,13 @@ def test_a_closed_output_pipe_ends_the_command_quietly():
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait() == 141 and "Traceback" not in err, err
+
+
+def test_library_info_messages_reach_the_command_line_user(capsys):
+    from gptkit.cli import show_library_messages
+
+    show_library_messages()
+    show_library_messages()  # idempotent: one handler, one line per message
+    logging.getLogger("gptkit.cpu_kernels").info("building gptkit's CPU kernels")
+    logging.getLogger("elsewhere").info("not ours")
+    assert capsys.readouterr().err == "gptkit: building gptkit's CPU kernels\n"

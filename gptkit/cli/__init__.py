@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Collection
@@ -21,6 +22,21 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class StderrHandler(logging.Handler):
+    """Writes "gptkit: message" to whatever sys.stderr is at the time (tests and tools swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(f"gptkit: {self.format(record)}\n")
+
+
+def show_library_messages() -> None:
+    """Let the command's user see gptkit's info messages (a one-off kernel build, say); the library sets none up."""
+    logger = logging.getLogger("gptkit")
+    if not any(isinstance(h, StderrHandler) for h in logger.handlers):
+        logger.addHandler(StderrHandler())
+        logger.setLevel(logging.INFO)
 
 
 def build_parser(full: Collection[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
@@ -53,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    show_library_messages()
     try:
         return args.run(args) or 0
     except GptkitError as err:
