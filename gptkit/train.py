@@ -59,9 +59,11 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "loss.png"
 
-# Peak dense FLOP/s of this project's reference machine (2 cores; issue 9 measured them), used for MFU on CPU.
-# Other devices show MFU only when train.peak_flops is set.
-CPU_PEAK_FLOPS = {"float32": 146e9, "bfloat16": 349e9}
+# On CPU, MFU is measured against this CPU's own matmul (CPUs differ too much for one table of peaks): the best of
+# a few square products of this size, about 0.1 s at start. The 2-core reference machine gives fp32 260 GFLOP/s and
+# bf16 135 (PyTorch 2.13 without AMX); a fixed 146 / 349 used before overstated fp32 MFU about twice. Other devices
+# show MFU only when train.peak_flops is set.
+PEAK_MATMUL_SIZE = 1024
 
 
 class TrainingStopped(GptkitError):
@@ -88,10 +90,24 @@ def autocast_for(device: torch.device, dtype: str) -> contextlib.AbstractContext
 
 
 def peak_flops(device: torch.device, dtype: str, override: float | None) -> float | None:
-    """Peak FLOP/s for MFU: the override, else the reference CPU's figure, else unknown (None)."""
+    """Peak FLOP/s for MFU: the override, else a CPU's measured matmul rate, else unknown (None)."""
     if override is not None:
         return override
-    return CPU_PEAK_FLOPS.get(dtype) if device.type == "cpu" else None
+    return measured_cpu_matmul_flops(getattr(torch, dtype)) if device.type == "cpu" else None
+
+
+def measured_cpu_matmul_flops(dtype: torch.dtype, repeats: int = 4) -> float:
+    """This CPU's dense matmul FLOP/s in dtype at the current thread count: the best of a few square products."""
+    n = PEAK_MATMUL_SIZE
+    own = torch.Generator().manual_seed(0)  # the global RNG stays untouched: resumed runs replay it exactly
+    a, b = torch.randn(n, n, generator=own).to(dtype), torch.randn(n, n, generator=own).to(dtype)
+    a @ b  # first-call set-up (thread pool, packing buffers) is not the rate
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
 
 
 def bytes_per_token(meta: dict[str, Any], split: str, tokens: np.ndarray, tokenizer: Any | None) -> float | None:

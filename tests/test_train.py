@@ -18,7 +18,7 @@ import torch
 from gptkit.checkpoint import CHECKPOINTS, latest_checkpoint
 from gptkit.modeldir import load_model_dir, load_tensors
 from gptkit.tokenizer import load_tokenizer
-from gptkit.train import TrainingStopped, train
+from gptkit.train import TrainingStopped, measured_cpu_matmul_flops, peak_flops, train
 from gptkit.train_config import from_sources
 
 from conftest import write_char_data_dir
@@ -264,3 +264,10 @@ def test_tensorboard_logs_the_same_metrics(data_dir, tmp_path):
     for step, (loss, _, _) in losses(run_dir).items():
         assert logged[step] == pytest.approx(loss, rel=1e-6)
     assert [e.step for e in events.Scalars("val_loss")] == [0, 4, 8]
+
+
+def test_mfu_peak_is_measured_on_cpu_and_overridable():
+    fp32 = measured_cpu_matmul_flops(torch.float32)
+    assert 1e8 < fp32 < 1e14  # a real CPU's matmul, not a constant: from 0.1 GFLOP/s to 100 TFLOP/s
+    assert peak_flops(torch.device("cpu"), "float32", 5e12) == 5e12
+    assert peak_flops(torch.device("meta"), "float32", None) is None  # unknown devices show no MFU
