@@ -16,6 +16,7 @@ reports the draft's acceptance rate and the speed-up over plain greedy decoding.
     .venv/bin/python benchmarks/bench_generate.py --json > bench.json
     .venv/bin/python benchmarks/bench_generate.py --n-layer 2 --n-embd 128 --vocab-size 1000 --prompt-len 32 \\
         --new-tokens 8 --rounds 1 --no-compile --spec-steps 5    # smoke run
+    GPTKIT_CPU_KERNELS=0 .venv/bin/python benchmarks/bench_generate.py --shapes gpt2   # without gptkit's CPU kernels
 """
 
 from __future__ import annotations

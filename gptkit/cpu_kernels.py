@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import subprocess
 import threading
 from pathlib import Path
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
 BUILD_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp"]
 BUILD_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl"}  # as /proc/cpuinfo names them
+DISABLE_VARIABLE = "GPTKIT_CPU_KERNELS"  # set to 0 to keep PyTorch's kernels (read once, at first use)
 # Above this many rows a product is no longer bound by reading the weights; the kernel handles 1 to 8.
 GEMV_MAX_ROWS = 8
 # Below this many rows a compiled graph keeps inductor's own int8 GEMM template (it prepacks the weights when it
@@ -58,7 +60,8 @@ def _loaded() -> bool:
             if "library" not in _LOADED:
                 flags = _cpu_flags()
                 _LOADED["avx512_bf16"] = "avx512_bf16" in flags
-                _LOADED["library"] = BUILD_CPU_FLAGS <= flags and _build()
+                wanted = os.environ.get(DISABLE_VARIABLE) != "0"
+                _LOADED["library"] = wanted and BUILD_CPU_FLAGS <= flags and _build()
     return _LOADED.get("library", False)
 
 

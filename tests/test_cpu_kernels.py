@@ -138,3 +138,12 @@ def test_int8_but_not_bf16_without_avx512_bf16(monkeypatch):
     x, w = torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16()
     with torch.no_grad():
         assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+
+
+def test_the_environment_can_turn_the_kernels_off(monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpu_kernels, "_LOADED", {})
+    monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
+    monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("built although turned off"))
+    assert cpu_kernels.gemv_bf16_available() is False and cpu_kernels.gemv_int8_available() is False
