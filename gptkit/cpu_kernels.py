@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import subprocess
 import threading
 from pathlib import Path
@@ -80,7 +81,9 @@ def _build() -> bool:
 
     log.info("building gptkit's CPU kernels (once per machine, about 10 s)")
     try:
-        cpp_extension.load(name="gptkit_gemv", sources=[str(SOURCE)], extra_cflags=BUILD_FLAGS,
+        # One build per torch version: a library built against another libtorch may not load.
+        name = "gptkit_gemv_torch_" + re.sub(r"\W", "_", torch.__version__)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=BUILD_FLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False)  # fmt: skip
     except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
         log.warning("gptkit's CPU kernels did not build, so bf16 and int8 decoding use PyTorch's slower ones: %s", err)
@@ -109,7 +112,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if (
         rows
         and x.dtype == weight.dtype == torch.bfloat16
-        and (bias is None or bias.dtype == torch.bfloat16)
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
         and weight.is_contiguous()
         and gemv_bf16_available()
     ):
