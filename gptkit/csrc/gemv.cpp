@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <type_traits>
 
 namespace {
 
@@ -41,11 +42,7 @@ BF16_TARGET void bf16_rows(const c10::BFloat16* x, const c10::BFloat16* w, const
     }
   };
   for (; n + R <= n1; n += R) {
-    __m512 acc[R][M];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    __m512 acc[R][M] = {};  // zeros
     const c10::BFloat16* rows = w + n * K;
     for (int64_t k = 0; k < K; k += kLanes) {
       const __mmask32 mask = k < k_full ? all : tail;
@@ -85,6 +82,21 @@ void bf16_m(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16*
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { bf16_rows<M, R>(x, w, bias, y, K, N, n0, n1); });
 }
 
+// Calls fn with M (1 to 8) as a compile-time constant, so that each row count gets its own unrolled loops.
+template <typename Fn>
+void with_rows(int64_t M, Fn&& fn) {
+  switch (M) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // Rows [n0, n1) of y for M rows of x, R int8 weight rows at a time, 16 weights per step widened to fp32.
 template <int M, int R>
 void int8_rows(const float* x, const int8_t* q, const float* scales, float* y, int64_t K, int64_t N, int64_t n0,
@@ -98,11 +110,7 @@ void int8_rows(const float* x, const int8_t* q, const float* scales, float* y, i
   };
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
-    __m512 acc[R][M];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    __m512 acc[R][M] = {};  // zeros
     const int8_t* rows = q + n * K;
     for (int64_t k = 0; k < K; k += lanes) {
       const __mmask16 mask = k < k_full ? all : tail;
@@ -153,16 +161,7 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  switch (M) {
-    case 1: int8_m<1>(xp, qp, sp, yp, K, N); break;
-    case 2: int8_m<2>(xp, qp, sp, yp, K, N); break;
-    case 3: int8_m<3>(xp, qp, sp, yp, K, N); break;
-    case 4: int8_m<4>(xp, qp, sp, yp, K, N); break;
-    case 5: int8_m<5>(xp, qp, sp, yp, K, N); break;
-    case 6: int8_m<6>(xp, qp, sp, yp, K, N); break;
-    case 7: int8_m<7>(xp, qp, sp, yp, K, N); break;
-    default: int8_m<8>(xp, qp, sp, yp, K, N); break;
-  }
+  with_rows(M, [&](auto rows) { int8_m<rows()>(xp, qp, sp, yp, K, N); });
   return y;
 }
 
@@ -182,16 +181,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  switch (M) {
-    case 1: bf16_m<1>(xp, wp, b, yp, K, N); break;
-    case 2: bf16_m<2>(xp, wp, b, yp, K, N); break;
-    case 3: bf16_m<3>(xp, wp, b, yp, K, N); break;
-    case 4: bf16_m<4>(xp, wp, b, yp, K, N); break;
-    case 5: bf16_m<5>(xp, wp, b, yp, K, N); break;
-    case 6: bf16_m<6>(xp, wp, b, yp, K, N); break;
-    case 7: bf16_m<7>(xp, wp, b, yp, K, N); break;
-    default: bf16_m<8>(xp, wp, b, yp, K, N); break;
-  }
+  with_rows(M, [&](auto rows) { bf16_m<rows()>(xp, wp, b, yp, K, N); });
   return y;
 }
 
