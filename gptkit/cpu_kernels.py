@@ -3,7 +3,8 @@
 Decoding reads every weight once per token, so a bf16 model should decode about twice as fast as an fp32 one and
 an int8 one four times. With PyTorch 2.13's kernels it does not on a CPU. Measured on a 2-core AVX-512 machine over
 50 distinct GPT-2-small weight matrices at batch 1: fp32 F.linear streams 19-20 GB/s, bf16 F.linear 9 and inductor's
-compiled bf16 matmul 10-12; csrc/gemv.cpp streams 16-18 in bf16 (and 10 at 8 rows, against 7 for oneDNN).
+compiled bf16 matmul 10-12; csrc/gemv.cpp streams 16-18 in bf16 (10-11 at 8 rows, against 7 for oneDNN), and
+int8 at 11-12 against 7 for torch._weight_int8pack_mm.
 The kernels serve few-row products (decoding, up to GEMV_MAX_ROWS rows) on CPUs with AVX-512 (and AVX512-BF16 for
 bf16), with autograd off; every other product (training, prefill, fp32, CUDA) keeps PyTorch's.
 

@@ -3,7 +3,7 @@
 //   gemv_int8: y = (x @ q^T) * scales, fp32 x (M, K), int8 q (N, K) and fp32 scales (N,), fp32 out.
 // Decoding one token is a matrix-vector product per weight matrix: its speed is how fast the weights stream from
 // memory. PyTorch 2.13's bf16 and int8 kernels read them at about 9-12 GB/s on a 2-core AVX-512 machine where
-// fp32 reaches 20; these loops read them at 16-18 (gptkit/cpu_kernels.py has the measurements). The file builds
+// fp32 reaches 20; these loops read bf16 at 16-18 and int8 at 11-12 (measurements in gptkit/cpu_kernels.py). The file builds
 // with AVX-512 F/BW/VL; gemv_bf16 alone also needs AVX512-BF16 (vdpbf16ps: fp32 += pairs of bf16 products), so it
 // is compiled for that target and only called where the CPU has it. Built once per machine by cpu_kernels.py.
 #include <ATen/Parallel.h>
