@@ -6,7 +6,8 @@ an int8 one four times. With PyTorch 2.13's kernels it does not on a CPU. Measur
 compiled bf16 matmul 10-12; csrc/gemv.cpp streams 16-18 in bf16 (10-11 at 8 rows, against 7 for oneDNN), and
 int8 at 11-12 against 7 for torch._weight_int8pack_mm.
 The kernels serve few-row products (decoding, up to GEMV_MAX_ROWS rows) on CPUs with AVX-512 (and AVX512-BF16 for
-bf16), with autograd off; every other product (training, prefill, fp32, CUDA) keeps PyTorch's.
+bf16), with autograd off; every other product (training, prefill, fp32, CUDA) keeps PyTorch's, except that bf16
+inference over many rows (prefill, eval) runs in fp32 on CPUs without AMX, where that is faster.
 
 The C++ source is compiled once per machine on first use (about 10 s, cached by torch.utils.cpp_extension under
 ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR); if that fails, gptkit logs why once and keeps PyTorch's kernels.
@@ -34,6 +35,10 @@ BUILD_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl"}  # as /proc/cpuinfo names 
 DISABLE_VARIABLE = "GPTKIT_CPU_KERNELS"  # set to 0 to keep PyTorch's kernels (read once, at first use)
 # Above this many rows a product is no longer bound by reading the weights; the kernel handles 1 to 8.
 GEMV_MAX_ROWS = 8
+# From this many rows on, a bf16 product on a CPU without AMX runs faster in fp32 (weights converted on the fly):
+# PyTorch 2.13's bf16 matmul reaches half the fp32 rate there (135 against 260 GFLOP/s on 2 threads). One GPT-2
+# matrix, bf16 against converted-fp32 ms: 64 rows 1.47 vs 1.71, 128 rows 2.89 vs 2.22, 512 rows 11.7 vs 7.7.
+BF16_UPCAST_MIN_ROWS = 128
 # Below this many rows a compiled graph keeps inductor's own int8 GEMM template (it prepacks the weights when it
 # freezes them), which wins there; this kernel wins in eager code at every batch. GPT-2 small, compiled, fp32
 # activations, tokens/s template vs kernel: batch 1 72 vs 58, 2 131 vs 109, 4 195 vs 180, 6 156 vs 242,
@@ -46,6 +51,7 @@ _LOADED: dict[str, bool] = {}
 _BUILDING = threading.Lock()  # a server's first requests may arrive together
 
 
+@functools.cache
 def _cpu_flags() -> set[str]:
     # Linux lists the instruction sets in /proc/cpuinfo (PyTorch 2.13 exposes no such probe). Elsewhere nothing is
     # built: macOS on Apple silicon has no AVX-512 and the build flags are gcc/clang's.
@@ -100,25 +106,34 @@ def _register_shape_functions() -> None:
     torch.library.register_fake("gptkit::gemv_int8")(lambda x, q, scales: x.new_empty(x.size(0), q.size(0)))
 
 
+def _cpu_inference_rows(x: Tensor) -> int:
+    """The rows of x (all dimensions but the last) if x is on a CPU with autograd off; else 0."""
+    if x.device.type != "cpu" or torch.is_grad_enabled() or not x.numel():
+        return 0
+    return x.numel() // x.size(-1)
+
+
 def _few_cpu_rows(x: Tensor) -> int:
     """The rows of x if they are few enough for a GEMV kernel, on CPU, with autograd off; else 0."""
-    rows = x.numel() // x.size(-1) if x.numel() else 0
-    ok = x.device.type == "cpu" and 1 <= rows <= GEMV_MAX_ROWS and not torch.is_grad_enabled()
-    return rows if ok else 0
+    rows = _cpu_inference_rows(x)
+    return rows if rows <= GEMV_MAX_ROWS else 0
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, by the bf16 GEMV kernel when x is a few bf16 rows on a CPU that runs it and autograd is off."""
-    rows = _few_cpu_rows(x)
+    """F.linear; for bf16 inference on a CPU, by the GEMV kernel (few rows) or in fp32 (many rows, no AMX)."""
+    rows = _cpu_inference_rows(x)
+    bf16 = x.dtype == weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
     if (
-        rows
-        and x.dtype == weight.dtype == torch.bfloat16
-        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+        bf16
+        and 1 <= rows <= GEMV_MAX_ROWS
+        and (bias is None or bias.is_contiguous())
         and weight.is_contiguous()
         and gemv_bf16_available()
     ):
         y = torch.ops.gptkit.gemv_bf16(x.reshape(rows, x.size(-1)).contiguous(), weight, bias)
         return y.view(*x.shape[:-1], weight.size(0))
+    if bf16 and rows >= BF16_UPCAST_MIN_ROWS and "amx_bf16" not in _cpu_flags():
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
     return F.linear(x, weight, bias)
 
 

@@ -56,6 +56,22 @@ def test_linear_uses_the_kernel_only_for_few_bf16_rows_without_autograd(monkeypa
     assert len(calls) == 3
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_many_bf16_rows_run_in_fp32_on_cpus_without_amx(monkeypatch, amx):
+    dtypes = []
+    real_linear = F.linear
+    monkeypatch.setattr(cpu_kernels.F, "linear", lambda *a: dtypes.append(a[0].dtype) or real_linear(*a))
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx512f", "amx_bf16"} if amx else {"avx512f"})
+    x, w, b = _bf16_inputs(cpu_kernels.BF16_UPCAST_MIN_ROWS, 64, 48, True)
+    with torch.no_grad():
+        y = cpu_kernels.linear(x.view(2, -1, 64), w, b)
+    assert dtypes == [torch.bfloat16 if amx else torch.float32] and y.dtype == torch.bfloat16
+    want = F.linear(x.float(), w.float(), b.float()).view(2, -1, 48)
+    assert ((y.float() - want).abs() <= want.abs() * 2**-7 + 1e-3).all()
+    cpu_kernels.linear(x, w.requires_grad_(), b)  # training keeps bf16 autograd
+    assert dtypes[-1] == torch.bfloat16
+
+
 @needs_kernel
 def test_compiled_bf16_decode_matches_eager():
     config = ModelConfig(**dict(VARIANTS["untied-head-bias"], n_layer=1, n_embd=64, block_size=256))
