@@ -61,7 +61,7 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def _loaded() -> bool:
+def load() -> bool:
     """Whether the kernels' library is loaded, building it on the first call (eager code only)."""
     if "library" not in _LOADED and not torch.compiler.is_compiling():
         with _BUILDING:
@@ -75,12 +75,12 @@ def _loaded() -> bool:
 
 def gemv_bf16_available() -> bool:
     """Whether the bf16 GEMV kernel runs here (the first call builds the kernels; eager code only)."""
-    return _loaded() and _LOADED["avx512_bf16"]
+    return load() and _LOADED["avx512_bf16"]
 
 
 def gemv_int8_available() -> bool:
     """Whether the int8 weight-only GEMV kernel runs here (the first call builds the kernels; eager code only)."""
-    return _loaded()
+    return load()
 
 
 def _build() -> bool:

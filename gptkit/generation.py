@@ -80,8 +80,8 @@ def compiled_decode_step(model: GPT) -> Callable[[GPT, Tensor, KVCache, Tensor],
         compiled = torch.compile(decode_one_token, dynamic=False)
         device, dtype = _device_dtype(base)
         int8 = is_quantized(base)
-        if device.type == "cpu" and dtype == torch.bfloat16:
-            cpu_kernels.gemv_bf16_available()  # built (or ruled out) now: the compiled graph only reads the answer
+        if device.type == "cpu" and (dtype == torch.bfloat16 or int8):
+            cpu_kernels.load()  # built (or ruled out) now: a compiled graph only reads the answer
 
         def step(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
             # Inductor reads its options from its global config when it compiles (torch.compile's options= does

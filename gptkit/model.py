@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose few-row bf16 CPU inference runs gptkit's GEMV kernel (see cpu_kernels)."""
+    """nn.Linear whose bf16 inference on a CPU takes gptkit's faster paths (see cpu_kernels.linear)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return cpu_kernels.linear(x, self.weight, self.bias)
