@@ -113,12 +113,6 @@ def _cpu_inference_rows(x: Tensor) -> int:
     return x.numel() // x.size(-1)
 
 
-def _few_cpu_rows(x: Tensor) -> int:
-    """The rows of x if they are few enough for a GEMV kernel, on CPU, with autograd off; else 0."""
-    rows = _cpu_inference_rows(x)
-    return rows if rows <= GEMV_MAX_ROWS else 0
-
-
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear; for bf16 inference on a CPU, by the GEMV kernel (few rows) or in fp32 (many rows, no AMX)."""
     rows = _cpu_inference_rows(x)
@@ -139,9 +133,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def int8_linear(x: Tensor, q: Tensor, scales: Tensor) -> Tensor | None:
     """(x @ q^T) * scales in x's dtype by the int8 GEMV kernel, or None where it does not apply (the caller's job)."""
-    rows = _few_cpu_rows(x)
-    if (torch.compiler.is_compiling() and rows < COMPILED_INT8_MIN_ROWS) or not (
-        rows and q.is_contiguous() and gemv_int8_available()
+    rows = _cpu_inference_rows(x)
+    if (
+        not 1 <= rows <= GEMV_MAX_ROWS
+        or not q.is_contiguous()
+        or (torch.compiler.is_compiling() and rows < COMPILED_INT8_MIN_ROWS)
+        or not gemv_int8_available()
     ):
         return None
     x2 = x.reshape(rows, x.size(-1)).float().contiguous()
