@@ -120,9 +120,9 @@ class Int8Linear(nn.Module):
     def _pytorch_product(self, x2: Tensor) -> Tensor:
         """(x2 @ q^T) * scales by PyTorch's int8 kernel where it runs, else by dequantising."""
         dtype = x2.dtype
-        compute = _compute_dtype(x2.device.type, dtype) if self.in_features % KERNEL_K_MULTIPLE == 0 else None
         if x2.size(0) > KERNEL_MAX_ROWS:  # prefill: compute-bound, where a float GEMM beats the int8 kernel
             return cpu_kernels.linear(x2, self.weight.to(dtype) * self.scales.to(dtype)[:, None])
+        compute = _compute_dtype(x2.device.type, dtype) if self.in_features % KERNEL_K_MULTIPLE == 0 else None
         if compute is not None:
             y = torch._weight_int8pack_mm(x2.to(compute).contiguous(), self.weight, self.scales.to(compute))
             return y.to(dtype)
