@@ -45,7 +45,7 @@ import torch
 
 from gptkit.accounting import training_flops_per_token
 from gptkit.config import PRESETS, ModelConfig
-from gptkit.train import CPU_PEAK_FLOPS, train
+from gptkit.train import measured_cpu_matmul_flops, train
 from gptkit.train_config import from_sources
 
 SHAPES = {
@@ -225,8 +225,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--gpt2-batch", type=int, default=SHAPES["gpt2-small"]["batch_size"])
     parser.add_argument("--gpt2-block", type=int, default=SHAPES["gpt2-small"]["block_size"])
-    parser.add_argument("--peak-flops", type=float, default=CPU_PEAK_FLOPS["float32"],
-                        help="peak FLOP/s for MFU (default: this project's 2-core reference CPU, fp32)")  # fmt: skip
+    parser.add_argument("--peak-flops", type=float,
+                        help="peak FLOP/s for MFU (default: this CPU's fp32 matmul, measured as the trainer does)")
     parser.add_argument("--speedrun", action="store_true", help="time the CPU speed-run recipe end to end")
     parser.add_argument("--speedrun-baseline", action="store_true", help="also time nanoGPT's CPU recipe")
     parser.add_argument("--speedrun-steps", type=int, help="cut the recipes to this many steps (smoke runs only)")
@@ -237,6 +237,8 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="also time gptkit with train.compile (torch.compile)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    if args.peak_flops is None:
+        args.peak_flops = measured_cpu_matmul_flops(torch.float32)
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,30 @@
+"""The benchmark scripts still start: their imports and flags follow the library (timings are never asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("bench_*.py"))
+
+
+def test_there_are_benchmarks():
+    assert {path.name for path in BENCHMARKS} >= {"bench_generate.py", "bench_train.py", "bench_serve.py"}
+
+
+@pytest.mark.parametrize("script", BENCHMARKS, ids=[path.stem for path in BENCHMARKS])
+def test_benchmark_help_runs(script):
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
+
+
+def test_bench_train_smoke_run_reports_both_loops():
+    result = subprocess.run([sys.executable, str(BENCHMARKS[-1].parent / "bench_train.py"), "--shapes", "cpu-recipe",
+                             "--steps", "2", "--warmup", "1", "--json"], capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    shape = json.loads(result.stdout)["shapes"]["cpu-recipe"]
+    assert shape["gptkit"]["steps"] == 2 and shape["hf"]["steps"] == 2
+    assert shape["gptkit"]["ms_per_step"] > 0 and 0 < shape["hf_over_gptkit_time"] < 100
