@@ -11,7 +11,10 @@ vocab 65); `gpt2-small` is GPT-2 small's model (12 layers, 768 wide, vocab 50257
 full 12 x 1024 takes about a minute per step on a 2-core CPU). HF's GPT-2 always has biases and nanoGPT's recipe
 none, so the HF model has slightly more parameters; MFU counts each model's own FLOPs.
 
-Two more parts (issue 9), each optional:
+Three more parts (issue 9), each optional:
+  --breakdown  the cpu-recipe step of gptkit's model (eager, and compiled with --compile) and HF's in one plain loop,
+               split by torch.profiler into matrix products, attention, the optimiser phase and the rest; and the
+               optimiser phase alone with PyTorch's fused, foreach and compiled AdamW.
   --speedrun   the CPU speed run: wall time of the whole `gptkit train --config configs/shakespeare-char-cpu-fast.yaml`
                command on the bundled corpus (char tokenizer, `gptkit prepare`'s validation split), its final
                validation loss, and the same model scored by `gptkit eval` over every token of val.bin, against
@@ -24,6 +27,7 @@ Two more parts (issue 9), each optional:
     python benchmarks/bench_train.py --steps 5 --gpt2-steps 1 --warmup 1   # a quick smoke run
     python benchmarks/bench_train.py --shapes --speedrun --ddp --json       # only the speed run and DDP
     python benchmarks/bench_train.py --shapes cpu-recipe --compile          # also gptkit with train.compile
+    python benchmarks/bench_train.py --shapes --breakdown --compile         # where the recipe step's time goes
 Run it on a quiet machine: timings share the CPU with everything else running.
 """
 
@@ -39,12 +43,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from gptkit.accounting import training_flops_per_token
 from gptkit.config import PRESETS, ModelConfig
+from gptkit.model import GPT
 from gptkit.train import measured_cpu_matmul_flops, train
 from gptkit.train_config import from_sources
 
@@ -86,14 +92,9 @@ def bench_gptkit(
     return [batch * block / r["tokens_per_s"] for r in timed]
 
 
-def bench_hf(
-    config: ModelConfig, batch: int, block: int, steps: int, warmup: int, data: Path
-) -> tuple[list[float], int]:
-    """Seconds per step of a plain HF GPT2LMHeadModel + fused AdamW loop, and the model's FLOPs per token."""
+def hf_model(config: ModelConfig, block: int) -> torch.nn.Module:
+    """transformers' GPT2LMHeadModel of config's shape (always with biases), in training mode, SDPA attention."""
     from transformers import GPT2Config, GPT2LMHeadModel
-
-    from gptkit.data import TrainBatches, load_tokens
-    from gptkit.optim import param_groups
 
     hf_config = GPT2Config(
         vocab_size=config.vocab_size, n_positions=block, n_embd=config.n_embd, n_layer=config.n_layer,
@@ -103,7 +104,23 @@ def bench_hf(
     torch.manual_seed(0)
     model = GPT2LMHeadModel(hf_config).train()
     model.config._attn_implementation = "sdpa"
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.99), fused=True)
+    return model
+
+
+def hf_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    from gptkit.optim import param_groups
+
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.99), fused=True)
+
+
+def bench_hf(
+    config: ModelConfig, batch: int, block: int, steps: int, warmup: int, data: Path
+) -> tuple[list[float], int]:
+    """Seconds per step of a plain HF GPT2LMHeadModel + fused AdamW loop, and the model's FLOPs per token."""
+    from gptkit.data import TrainBatches, load_tokens
+
+    model = hf_model(config, block)
+    optimizer = hf_optimizer(model)
     meta = json.loads((data / "meta.json").read_text())
     batches = TrainBatches(load_tokens(data / "train.bin", meta["dtype"]), block, batch, seed=0)
     times = []
@@ -122,6 +139,95 @@ def bench_hf(
     hf_gptkit_like = ModelConfig(vocab_size=config.vocab_size, block_size=block, n_layer=config.n_layer,
                                  n_head=config.n_head, n_embd=config.n_embd)  # biases on, like HF's GPT-2
     return times, training_flops_per_token(hf_gptkit_like)
+
+
+# Exact aten op names (the CPU kernels PyTorch 2.13 dispatches to) for the breakdown's two largest parts.
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
+ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}  # fmt: skip
+
+
+def step_breakdown(forward: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                   y: torch.Tensor, steps: int) -> dict:  # fmt: skip
+    """ms per step of one plain loop (forward, cross-entropy, backward, clip, AdamW) split by torch.profiler into
+    matrix products, attention, the optimiser phase (clip, step, zero_grad) and the rest (other kernels, autograd,
+    Python), all under the profiler's own overhead."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    params = list(model.parameters())
+
+    def step() -> torch.Tensor:
+        logits = forward(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        loss.backward()
+        with record_function("optimizer phase"):
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(3):  # compiles, if forward is compiled
+        step().item()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = step()
+        loss.item()
+        total = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6 / steps
+    attention = sum(e.self_cpu_time_total for e in events if e.key in ATTENTION_OPS) / 1e6 / steps
+    optim = sum(e.cpu_time_total for e in events if e.key == "optimizer phase") / 1e6 / steps
+    parts = {"total": total, "matmul": matmul, "attention": attention, "optimizer": optim,
+             "rest": total - matmul - attention - optim}  # fmt: skip
+    return {name: 1000 * seconds for name, seconds in parts.items()}
+
+
+def optimizer_phase_ms(model: torch.nn.Module, variant: str, repeats: int) -> float:
+    """Median ms of clip + AdamW step + zero_grad over model's parameters with random gradients: PyTorch's fused
+    AdamW (what gptkit uses where it exists), the foreach one, or the plain one's step under torch.compile."""
+    from gptkit.optim import param_groups
+
+    params = list(model.parameters())
+    grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-3 for i, p in enumerate(params)]
+    if variant == "compiled":  # a tensor lr, so that changing it does not recompile
+        optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=torch.tensor(6e-4), betas=(0.9, 0.99))
+        step = torch.compile(optimizer.step)
+    else:
+        optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.99), **{variant: True})
+        step = optimizer.step
+    times = []
+    for _ in range(5 + repeats):
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        start = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[5:])
+
+
+def bench_breakdown(shape: dict, batch: int, block: int, steps: int, compile: bool) -> dict:
+    """step_breakdown of gptkit's model (eager, and compiled if asked) and HF's in the same loop on one batch."""
+    from gptkit.optim import make_optimizer
+    from gptkit.train_config import OptimConfig
+
+    config = model_config(shape, block)
+    x = torch.randint(0, config.vocab_size, (batch, block), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, config.vocab_size, (batch, block), generator=torch.Generator().manual_seed(1))
+    result = {}
+    for loop in ("gptkit", "gptkit-compiled") if compile else ("gptkit",):
+        torch.manual_seed(0)
+        model = GPT(config).train()
+        model.check_inputs = False  # as the trainer runs it
+        forward = torch.compile(model) if loop == "gptkit-compiled" else model
+        result[loop] = step_breakdown(forward, model, make_optimizer(model, OptimConfig())[0], x, y, steps)
+    hf = hf_model(config, block)
+    result["hf"] = step_breakdown(lambda ids: hf(input_ids=ids).logits, hf, hf_optimizer(hf), x, y, steps)
+    result["optimizer_phase_ms"] = {variant: optimizer_phase_ms(GPT(config), variant, repeats=10 * steps)
+                                    for variant in ("fused", "foreach", "compiled")}  # fmt: skip
+    return result
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -216,6 +322,22 @@ def summarise(seconds: list[float], tokens_per_step: int, flops_per_token: int, 
             "steps": len(seconds)}  # fmt: skip
 
 
+def print_breakdown(breakdown: dict) -> None:
+    parts = ("total", "matmul", "attention", "optimizer", "rest")
+    print("cpu-recipe step under torch.profiler, ms (optimizer = clip + AdamW + zero_grad; rest = other kernels, "
+          "autograd, Python):")  # fmt: skip
+    print(f"  {'loop':<16}" + "".join(f"{part:>11}" for part in parts))
+    loops = {loop: ms for loop, ms in breakdown.items() if loop != "optimizer_phase_ms"}
+    for loop, ms in loops.items():
+        print(f"  {loop:<16}" + "".join(f"{ms[part]:>11.1f}" for part in parts))
+    best = min((ms for loop, ms in loops.items() if loop != "hf"), key=lambda ms: ms["total"])
+    without = best["total"] - best["attention"] - best["optimizer"]
+    print(f"  HF's step over gptkit's fastest: {breakdown['hf']['total'] / best['total']:.2f}x; with attention and "
+          f"the optimiser free it would be {breakdown['hf']['total'] / without:.2f}x")  # fmt: skip
+    variants = ", ".join(f"{name} {ms:.2f}" for name, ms in breakdown["optimizer_phase_ms"].items())
+    print(f"  optimiser phase alone (clip + AdamW + zero_grad, ms, no profiler): {variants}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=list(SHAPES),
@@ -226,7 +348,7 @@ def main() -> int:
     parser.add_argument("--gpt2-batch", type=int, default=SHAPES["gpt2-small"]["batch_size"])
     parser.add_argument("--gpt2-block", type=int, default=SHAPES["gpt2-small"]["block_size"])
     parser.add_argument("--peak-flops", type=float,
-                        help="peak FLOP/s for MFU (default: this CPU's fp32 matmul, measured as the trainer does)")
+                        help="peak FLOP/s for MFU (default: this CPU's fp32 matmul, measured as the trainer does)")  # fmt: skip
     parser.add_argument("--speedrun", action="store_true", help="time the CPU speed-run recipe end to end")
     parser.add_argument("--speedrun-baseline", action="store_true", help="also time nanoGPT's CPU recipe")
     parser.add_argument("--speedrun-steps", type=int, help="cut the recipes to this many steps (smoke runs only)")
@@ -235,6 +357,9 @@ def main() -> int:
     parser.add_argument("--ddp-steps", type=int, default=10, help="logged steps per DDP run (default 10)")
     parser.add_argument("--ddp-batch", type=int, default=8, help="sequences per process per step (default 8)")
     parser.add_argument("--compile", action="store_true", help="also time gptkit with train.compile (torch.compile)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also split each loop's cpu-recipe step into matmul, attention, optimiser and the rest")  # fmt: skip
+    parser.add_argument("--breakdown-steps", type=int, default=30, help="profiled steps per loop (default 30)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if args.peak_flops is None:
@@ -272,10 +397,16 @@ def main() -> int:
             if compiled:
                 r["gptkit-compiled"] = summarise(compiled, tokens, training_flops_per_token(config), args.peak_flops)
                 r["hf_over_gptkit_compiled_time"] = r["hf"]["ms_per_step"] / r["gptkit-compiled"]["ms_per_step"]
+        breakdown = None
+        if args.breakdown:
+            print("breakdown: profiling the cpu-recipe step ...", file=sys.stderr)
+            shape = SHAPES["cpu-recipe"]
+            breakdown = bench_breakdown(shape, shape["batch_size"], shape["block_size"], args.breakdown_steps,
+                                        args.compile)  # fmt: skip
         speedrun = bench_speedrun(Path(tmp), args.speedrun_baseline, args.speedrun_steps) if args.speedrun else None
         ddp = bench_ddp(Path(tmp), args.ddp_processes, args.ddp_steps, args.ddp_batch) if args.ddp else None
     report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "peak_flops": args.peak_flops,
-              "shapes": results, "speedrun": speedrun, "ddp": ddp}  # fmt: skip
+              "shapes": results, "breakdown": breakdown, "speedrun": speedrun, "ddp": ddp}  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -292,6 +423,8 @@ def main() -> int:
                 ratio += f" ({r['hf_over_gptkit_compiled_time']:.2f}x compiled)"
             figures = f"{s['ms_per_step']:>9.1f} {s['tokens_per_s']:>10,.0f} {100 * s['mfu']:>5.1f}%"
             print(f"{name:<12} {loop:<15} {figures}{ratio}")
+    if breakdown:
+        print_breakdown(breakdown)
     if speedrun:
         print(f"speed run (target val loss {TARGET_VAL_LOSS}):")
         for key in ("fast", "baseline"):

@@ -96,7 +96,7 @@ def peak_flops(device: torch.device, dtype: str, override: float | None) -> floa
     return measured_cpu_matmul_flops(getattr(torch, dtype)) if device.type == "cpu" else None
 
 
-def measured_cpu_matmul_flops(dtype: torch.dtype, repeats: int = 4) -> float:
+def measured_cpu_matmul_flops(dtype: torch.dtype, repeats: int = 10) -> float:
     """This CPU's dense matmul FLOP/s in dtype at the current thread count: the best of a few square products."""
     n = PEAK_MATMUL_SIZE
     own = torch.Generator().manual_seed(0)  # the global RNG stays untouched: resumed runs replay it exactly

@@ -23,8 +23,17 @@ def test_benchmark_help_runs(script):
 
 def test_bench_train_smoke_run_reports_both_loops():
     result = subprocess.run([sys.executable, str(BENCHMARKS[-1].parent / "bench_train.py"), "--shapes", "cpu-recipe",
-                             "--steps", "2", "--warmup", "1", "--json"], capture_output=True, text=True)  # fmt: skip
+                             "--steps", "2", "--warmup", "1", "--breakdown", "--breakdown-steps", "2", "--json"],
+                            capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    shape = json.loads(result.stdout)["shapes"]["cpu-recipe"]
+    report = json.loads(result.stdout)
+    shape = report["shapes"]["cpu-recipe"]
     assert shape["gptkit"]["steps"] == 2 and shape["hf"]["steps"] == 2
     assert shape["gptkit"]["ms_per_step"] > 0 and 0 < shape["hf_over_gptkit_time"] < 100
+    for loop in ("gptkit", "hf"):  # both models run matrix products and SDPA attention, and the parts add up
+        parts = report["breakdown"][loop]
+        assert parts["matmul"] > 0 and parts["attention"] > 0 and parts["optimizer"] > 0
+        named = parts["matmul"] + parts["attention"] + parts["optimizer"] + parts["rest"]
+        assert parts["total"] == pytest.approx(named)
+        assert parts["rest"] > 0
+    assert set(report["breakdown"]["optimizer_phase_ms"]) == {"fused", "foreach", "compiled"}
