@@ -10,7 +10,8 @@ bf16), with autograd off; every other product (training, prefill, fp32, CUDA) ke
 inference over many rows (prefill, eval) runs in fp32 on CPUs without AMX, where that is faster.
 
 The C++ source is compiled once per machine on first use (about 10 s, cached by torch.utils.cpp_extension under
-~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR); if that fails, gptkit logs why once and keeps PyTorch's kernels.
+$TORCH_EXTENSIONS_DIR or torch's default root, ~/.cache/torch_extensions); if that fails, gptkit logs why once and
+keeps PyTorch's kernels. A build killed midway leaves nothing that blocks the next one.
 """
 
 from __future__ import annotations
@@ -84,19 +85,38 @@ def gemv_int8_available() -> bool:
 
 
 def _build() -> bool:
+    import fcntl  # Unix only, as builds are (_cpu_flags is empty elsewhere)
+
     from torch.utils import cpp_extension
 
     log.info("building gptkit's CPU kernels (once per machine, about 10 s)")
+    build_dir = build_directory()
     try:
-        # One build per torch version: a library built against another libtorch may not load.
-        name = "gptkit_gemv_torch_" + re.sub(r"\W", "_", torch.__version__)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=BUILD_FLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False)  # fmt: skip
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # torch's own lock file names no owner, so a build killed outright leaves it and every later build waits on
+        # it forever. Builds here take an flock first, which the system releases when its holder dies: whoever
+        # holds it knows that a torch lock file still present is a dead build's.
+        with open(build_dir / "gptkit.lock", "w") as owner:
+            fcntl.flock(owner, fcntl.LOCK_EX)
+            if (build_dir / "lock").exists():
+                log.warning("removing the lock file of an earlier build that did not finish")
+                (build_dir / "lock").unlink()
+            cpp_extension.load(name=build_dir.name, sources=[str(SOURCE)], extra_cflags=BUILD_FLAGS,
+                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)  # fmt: skip
     except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
         log.warning("gptkit's CPU kernels did not build, so bf16 and int8 decoding use PyTorch's slower ones: %s", err)
         return False
     _register_shape_functions()
     return True
+
+
+def build_directory() -> Path:
+    """Where the kernels' library is built and cached: one directory per torch version (a library built against
+    another libtorch may not load), under $TORCH_EXTENSIONS_DIR or torch's default root."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / ("gptkit_gemv_torch_" + re.sub(r"\W", "_", torch.__version__))
 
 
 @functools.cache

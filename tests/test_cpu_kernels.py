@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +164,24 @@ def test_the_environment_can_turn_the_kernels_off(monkeypatch):
     monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
     monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("built although turned off"))
     assert cpu_kernels.gemv_bf16_available() is False and cpu_kernels.gemv_int8_available() is False
+
+
+def test_a_killed_builds_lock_file_does_not_block_the_next_build(monkeypatch, tmp_path, caplog):
+    from torch.utils import cpp_extension
+
+    seen = {}
+
+    def fake_build(**kwargs):  # records what torch's build would find
+        seen["lock_exists"] = (Path(kwargs["build_directory"]) / "lock").exists()
+        raise RuntimeError("stop here")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", fake_build)
+    lock = cpu_kernels.build_directory() / "lock"
+    assert lock.parent.parent == tmp_path
+    lock.parent.mkdir()
+    lock.touch()  # as a build killed with SIGKILL leaves it; nobody holds the flock
+    with caplog.at_level(logging.WARNING, logger="gptkit.cpu_kernels"):
+        assert cpu_kernels._build() is False
+    assert seen["lock_exists"] is False
+    assert any("did not finish" in r.getMessage() for r in caplog.records)
