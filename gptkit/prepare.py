@@ -54,8 +54,8 @@ FORCE_CUT_CHARS = 1 << 23  # a document with no safe cut point this long is cut 
 TEXT_SNIFF = 8192  # bytes inspected to tell a text file from a binary one when no --glob is given
 
 
-def _flag(help: str, metavar: str | None = None) -> dict[str, str | None]:
-    """Field metadata from which gptkit.cli.prepare generates a flag."""
+def _flag(help: str, metavar: str | None = None) -> dict[str, Any]:
+    """Field metadata from which gptkit.cli.flags generates a flag."""
     return {"help": help, "metavar": metavar}
 
 
@@ -67,7 +67,7 @@ class PrepareConfig:
     inputs: list[str] = field(
         default_factory=list,
         metadata=_flag("text file, directory (searched recursively) or .jsonl file with a 'text' field; repeatable "
-                       "(default: the bundled tiny shakespeare)", "PATH"),
+                       "(default: the bundled tiny shakespeare)", "PATH") | {"flag": "--input", "repeatable": True},
     )  # fmt: skip
     tokenizer: str = field(
         default="char",
@@ -81,7 +81,9 @@ class PrepareConfig:
         default=None, metadata=_flag("file name pattern inside input directories (default: every text file)", "PATTERN")
     )
     errors: str = field(
-        default="strict", metadata=_flag("invalid UTF-8: strict (stop, naming file and offset) or replace (U+FFFD)")
+        default="strict",
+        metadata=_flag("invalid UTF-8: strict (stop, naming file and offset) or replace (U+FFFD)")
+        | {"choices": ["strict", "replace"]},
     )
 
     def validate(self) -> None:

@@ -15,6 +15,15 @@ from torch import Tensor
 from gptkit.errors import ConfigError
 
 EarlyStopping = Literal[True, False, "never"]
+_EARLY_STOPPING: dict[str, EarlyStopping] = {"true": True, "false": False, "never": "never"}
+
+
+def parse_early_stopping(text: str) -> EarlyStopping:
+    """The early_stopping value a flag spells true, false or never."""
+    try:
+        return _EARLY_STOPPING[text.lower()]
+    except KeyError:
+        raise ValueError(f"early_stopping must be true, false or never, got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -35,8 +44,9 @@ class SamplingParams:
                                         "discourages repeats"}
     )  # fmt: skip
     stop: tuple[str, ...] = field(
-        default=(), metadata={"help": "stop when the output contains this string (not returned); repeatable"}
-    )
+        default=(), metadata={"help": "stop when the output contains this string (not returned); repeatable",
+                              "repeatable": True, "metavar": "S"}
+    )  # fmt: skip
     seed: int | None = field(default=None, metadata={"help": "random seed; row i of a call uses seed + i"})
     num_samples: int = field(default=1, metadata={"help": "samples per prompt, sharing one prefill"})
     num_beams: int = field(default=1, metadata={"help": "beam search with this many beams (deterministic)"})
@@ -45,7 +55,8 @@ class SamplingParams:
     )
     early_stopping: EarlyStopping = field(
         default=False, metadata={"help": "beam search: stop when num_beams hypotheses are done (true), on a "
-                                         "heuristic (false) or never"}
+                                         "heuristic (false) or never", "parse": parse_early_stopping,
+                                 "metavar": "{true,false,never}"}
     )  # fmt: skip
 
     def __post_init__(self) -> None:

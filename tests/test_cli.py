@@ -3,6 +3,8 @@ import logging
 import subprocess
 import sys
 
+import pytest
+
 from gptkit.cli import main
 
 
@@ -80,3 +82,31 @@ def test_library_info_messages_reach_the_command_line_user(capsys):
     logging.getLogger("gptkit.cpu_kernels").info("building gptkit's CPU kernels")
     logging.getLogger("elsewhere").info("not ours")
     assert capsys.readouterr().err == "gptkit: building gptkit's CPU kernels\n"
+
+
+def test_dataclass_flags_cover_repeatable_parsed_required_and_unset_fields():
+    import argparse
+    import dataclasses
+
+    from gptkit.cli.flags import add_dataclass_flags, dataclass_from_args
+
+    @dataclasses.dataclass
+    class Options:
+        out: str = dataclasses.field(metadata={"help": "where"})
+        names: list[str] = dataclasses.field(default_factory=list, metadata={"help": "n", "flag": "--name",
+                                                                             "repeatable": True})  # fmt: skip
+        steps: int = dataclasses.field(default=10, metadata={"help": "s"})
+        mode: bool = dataclasses.field(default=False, metadata={"help": "m", "parse": {"yes": True}.__getitem__})
+
+    for keep_unset in (False, True):
+        parser = argparse.ArgumentParser()
+        add_dataclass_flags(parser, Options, keep_unset=keep_unset)
+        given = dataclass_from_args(Options, parser.parse_args(["--out", "d", "--name", "a", "--name", "b", "c",
+                                                                "--steps", "2e3"]))  # fmt: skip
+        assert given == Options(out="d", names=["a", "b", "c"], steps=2000)
+        defaults = parser.parse_args(["--out", "d"])
+        assert dataclass_from_args(Options, defaults) == Options(out="d")
+        assert ("steps" in vars(defaults)) is not keep_unset
+    with pytest.raises(SystemExit):
+        parser.parse_args([])  # --out is required: it has no default
+    assert "default: 10" in parser.format_help() and "default: false" in parser.format_help()

@@ -3,52 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
+from gptkit.cli.flags import add_dataclass_flags, dataclass_from_args
 from gptkit.errors import GptkitError
-
-if TYPE_CHECKING:
-    from gptkit.sampling import SamplingParams
-
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
-_EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
-
-
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per SamplingParams field (--max-new-tokens, --top-p, ...), with the dataclass's defaults."""
-    from gptkit.sampling import SamplingParams
-
-    hints = typing.get_type_hints(SamplingParams)
-    for f in dataclasses.fields(SamplingParams):
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        options: dict[str, Any] = {"dest": f.name, "default": f.default}
-        if f.name == "stop":
-            options.update(nargs="+", action="extend", default=None, metavar="S")
-        elif f.name == "early_stopping":
-            options.update(choices=list(_EARLY_STOPPING), default=str(f.default).lower())
-        else:
-            kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-            options["type"] = kinds[0]
-        default = "none" if f.default in (None, ()) else str(f.default).lower()
-        parser.add_argument(flag, help=f"{f.metadata['help']} (default: {default})", **options)
-
-
-def sampling_params_from_args(args: argparse.Namespace) -> "SamplingParams":
-    """The SamplingParams the parsed flags ask for (validated: a bad value is a one-line ConfigError)."""
-    from gptkit.sampling import SamplingParams
-
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)}
-    values["stop"] = tuple(values["stop"] or ())
-    values["early_stopping"] = _EARLY_STOPPING[values["early_stopping"]]
-    return SamplingParams(**values)
 
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
@@ -59,6 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate` sub-command."""
     from gptkit.generation import DRAFT_K
     from gptkit.quantization import METHODS
+    from gptkit.sampling import SamplingParams
 
     parser = subparsers.add_parser(
         "generate",
@@ -71,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", default=None, help="the prompt text")
     source.add_argument("--prompt-file", type=Path, default=None, metavar="F", help="read the prompt from file F")
-    add_sampling_arguments(parser)
+    add_dataclass_flags(parser, SamplingParams)
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weight precision (default: float32)")
     parser.add_argument("--device", choices=DEVICES, default="auto", help="where to run (default: auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, timing")
@@ -105,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, generate, and print the text (or the JSON report)."""
     from gptkit.devices import pick_device
 
-    params = sampling_params_from_args(args)  # validate before the (slow) model load
+    from gptkit.sampling import SamplingParams
+
+    params = dataclass_from_args(SamplingParams, args)  # validated before the (slow) model load
     prompt = read_prompt(args)
     import torch
 

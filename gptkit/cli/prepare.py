@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
+from gptkit.cli.flags import add_dataclass_flags, dataclass_from_args
 from gptkit.errors import InputError
-
-# Flag names for PrepareConfig fields whose flag is not simply --field-name.
-FLAG_NAMES = {"inputs": "--input"}
-
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
 HELP = "tokenize text into train.bin / val.bin / meta.json for training"
@@ -28,25 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "into DATA_DIR/train.bin, val.bin, the tokenizer files and meta.json. With no --input, the bundled tiny "
         "shakespeare is used.",
     )
-    for f in dataclasses.fields(PrepareConfig):
-        flag = FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        options: dict = {"dest": f.name, "help": f.metadata["help"]}
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            options["required"] = True
-        else:
-            # Unset flags stay absent so that run() can tell an explicit --vocab-size from the default.
-            options["default"] = argparse.SUPPRESS
-            options["help"] += f" (default: {default})" if default not in (None, []) else ""
-        if f.name == "inputs":
-            options["action"] = "append"
-        elif f.type in ("int", int):
-            options["type"] = int
-        elif f.type in ("float", float):
-            options["type"] = float
-        if f.name == "errors":
-            options["choices"] = ["strict", "replace"]
-        parser.add_argument(flag, metavar=f.metadata.get("metavar"), **options)
+    # Unset flags stay out of the namespace, so that run() can tell an explicit --vocab-size from the default.
+    add_dataclass_flags(parser, PrepareConfig, keep_unset=True)
     parser.set_defaults(run=run)
 
 
@@ -54,8 +33,7 @@ def run(args: argparse.Namespace) -> int:
     """Prepare the data directory and print a one-line summary."""
     from gptkit.prepare import PrepareConfig, prepare
 
-    names = {f.name for f in dataclasses.fields(PrepareConfig)}
-    config = PrepareConfig(**{k: v for k, v in vars(args).items() if k in names})
+    config = dataclass_from_args(PrepareConfig, args)
     if "vocab_size" in vars(args) and config.tokenizer != "bpe":
         raise InputError("--vocab-size applies only to --tokenizer bpe (char and byte vocabularies are fixed)")
     started = time.perf_counter()
