@@ -68,7 +68,6 @@ def read_prompt(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     """Load the model, generate, and print the text (or the JSON report)."""
     from gptkit.devices import pick_device
-
     from gptkit.sampling import SamplingParams
 
     params = dataclass_from_args(SamplingParams, args)  # validated before the (slow) model load
