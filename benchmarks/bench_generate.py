@@ -35,7 +35,8 @@ from gptkit.config import ModelConfig
 from gptkit.generation import complete, prefill
 from gptkit.hf import gpt_from_hf_model
 from gptkit.kv_cache import KVCache
-from gptkit.model import GPT, next_token_loss
+from gptkit.loss import next_token_loss
+from gptkit.model import GPT
 from gptkit.quantization import Int8Linear, quantize
 from gptkit.sampling import SamplingParams
 from gptkit.speculative import SpeculativeStats

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from gptkit.errors import InputError
+from gptkit.loss import IGNORE_INDEX
 from gptkit.model import GPT
 
 
@@ -137,10 +138,10 @@ def score_tokens(
             inputs, targets = _batch(tokens, batch, context)
             logits = model(inputs.to(device))
             nll = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.to(device).flatten(), ignore_index=-100, reduction="sum"
+                logits.float().flatten(0, 1), targets.to(device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
             nll_sum += float(nll)
-            scored += int((targets != -100).sum())
+            scored += int((targets != IGNORE_INDEX).sum())
             on_windows(len(batch))
     finally:
         model.train(was_training)
@@ -148,14 +149,14 @@ def score_tokens(
 
 
 def _batch(tokens: np.ndarray, windows: list[Window], context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs (B, T) and targets (B, T) of a batch of windows; unscored targets and padding are -100.
+    """Inputs (B, T) and targets (B, T) of a batch of windows; unscored targets and padding are IGNORE_INDEX.
 
     Only the last window of a sequence can be shorter than the rest; padding sits after its real tokens, where
     the causal mask keeps it from touching them.
     """
     width = min(context, max(w.end - w.start for w in windows))
     inputs = torch.zeros(len(windows), width, dtype=torch.long)
-    targets = torch.full((len(windows), width), -100, dtype=torch.long)
+    targets = torch.full((len(windows), width), IGNORE_INDEX, dtype=torch.long)
     for row, w in enumerate(windows):
         n = w.end - w.start
         inputs[row, :n] = torch.from_numpy(np.asarray(tokens[w.start : w.end], dtype=np.int64))

@@ -13,8 +13,7 @@ from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache, LayerKV
-
-IGNORE_INDEX = -100  # targets equal to this count in neither the loss nor its gradient
+from gptkit.loss import linear_cross_entropy
 
 
 @dataclass
@@ -216,6 +215,7 @@ class GPT(nn.Module):
         start_pos: int | Tensor = 0,
         trace: Trace | None = None,
         logits_at: Tensor | None = None,
+        targets: Tensor | None = None,
     ) -> Tensor:
         """Logits for every position of ids (B, T), whose first token sits at absolute position start_pos.
 
@@ -224,9 +224,13 @@ class GPT(nn.Module):
         With a trace, attention takes the plain path and the trace records its weights and hidden states.
         logits_at, a (B,) tensor of indices into T, asks for logits (B, 1, V) at those positions only: a prefill
         needs no others, and the LM head over every position can be a fifth of its time.
+        targets (B, T) returns instead the mean next-token loss over those not equal to IGNORE_INDEX, with the LM
+        head fused into the loss (gptkit.loss.linear_cross_entropy): no (B, T, V) logits are kept for training.
         """
         if self.check_inputs:
             self._check_inputs(ids, cache, start_pos, logits_at)
+            if targets is not None and tuple(targets.shape) != tuple(ids.shape):
+                raise InputError(f"targets must have the shape of ids {tuple(ids.shape)}, got {tuple(targets.shape)}")
         T = ids.size(1)
         offsets = torch.arange(T, device=ids.device)
         positions = start_pos[:, None] + offsets if isinstance(start_pos, Tensor) else (start_pos + offsets)[None]
@@ -250,6 +254,8 @@ class GPT(nn.Module):
             x = self.norm_f(x)
             if trace is not None:
                 trace.hidden_states.append(x)
+        if targets is not None:
+            return linear_cross_entropy(x, self.lm_head.weight, self.lm_head.bias, targets)
         if logits_at is not None:
             x = x[torch.arange(x.size(0), device=x.device), logits_at][:, None]  # (B, 1, d)
         return self.lm_head(x)  # (B, T, V)
@@ -282,9 +288,3 @@ class GPT(nn.Module):
                 f"{cache.batch_size} rows x {cache.max_len} positions"
             )
 
-
-def next_token_loss(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """Mean cross-entropy (nats) over the targets not equal to ignore_index (SPEC section 3)."""
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=ignore_index
-    )

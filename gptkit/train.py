@@ -50,7 +50,7 @@ from gptkit.distributed import (
     wrap,
 )
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.model import GPT, next_token_loss
+from gptkit.model import GPT
 from gptkit.optim import lr_at, make_optimizer
 from gptkit.train_config import RunConfig, TrainConfig, resolve_model
 
@@ -167,7 +167,7 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, train: TrainConfig, blo
     for start in range(0, len(x), chunk):
         xb, yb = x[start : start + chunk].to(device), y[start : start + chunk].to(device)
         with autocast_for(device, dtype):
-            total += next_token_loss(model(xb), yb).float() * len(xb)
+            total += model(xb, targets=yb).float() * len(xb)
     return (total / len(x)).item()
 
 
@@ -425,7 +425,7 @@ class Trainer:
             # Across ranks, gradients are all-reduced on the final micro-step only.
             with sync_context(self.wrapped, micro == t.grad_accum - 1):
                 with autocast_for(self.device, t.dtype):
-                    loss = next_token_loss(self.forward(x), y) / t.grad_accum
+                    loss = self.forward(x, targets=y) / t.grad_accum
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             loss_sum += loss.detach()
         if scaler is not None:

@@ -13,7 +13,8 @@ from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.evaluate import evaluate_ids, evaluate_text, metrics, score_tokens, sliding_windows
-from gptkit.model import GPT, next_token_loss
+from gptkit.loss import next_token_loss
+from gptkit.model import GPT
 from gptkit.modeldir import save_model_dir
 from gptkit.tokenizer import ByteTokenizer, CharTokenizer
 

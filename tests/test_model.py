@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache
-from gptkit.model import GPT, IGNORE_INDEX, Trace, apply_rope, next_token_loss, rope_cos_sin, sinusoidal_embedding
+from gptkit.loss import IGNORE_INDEX, next_token_loss
+from gptkit.model import GPT, Trace, apply_rope, rope_cos_sin, sinusoidal_embedding
 
 from conftest import TINY, VARIANTS
 

@@ -13,7 +13,8 @@ from gptkit.accounting import kv_cache_bytes, param_breakdown, training_flops_pe
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError
-from gptkit.model import GPT, next_token_loss
+from gptkit.loss import next_token_loss
+from gptkit.model import GPT
 from gptkit.plan import (
     PlanSettings,
     compute_optimal_size,

@@ -2,7 +2,8 @@
 
 import torch
 
-from gptkit.model import next_token_loss, plain_attention
+from gptkit.loss import next_token_loss
+from gptkit.model import plain_attention
 
 
 def test_cross_entropy_worked_number():

@@ -1,0 +1,98 @@
+"""Next-token cross-entropy (SPEC section 3): from logits, or fused with the LM head over slices of rows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+IGNORE_INDEX = -100  # targets equal to this count in neither the loss nor its gradient
+
+# linear_cross_entropy's slices hold about this many logits (128 MB in fp32: 668 rows of GPT-2's vocabulary). Its
+# LM-head weight gradient is read and written once per slice, so much smaller slices cost time: GPT-2 small's
+# head and loss over 2048 rows took 2.6-2.7 s (fwd + bwd, 2-core CPU) at 668 rows per slice, 3.0-3.7 at 167,
+# 2.5-2.6 in one slice, and 3.2-3.8 s as F.linear + F.cross_entropy.
+SLICE_LOGITS = 2**25
+
+
+def next_token_loss(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Mean cross-entropy (nats) over the targets not equal to ignore_index (SPEC section 3)."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=ignore_index
+    )
+
+
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int = IGNORE_INDEX
+) -> Tensor:
+    """next_token_loss(F.linear(hidden, weight, bias), targets), without ever holding every row's logits.
+
+    hidden (..., d) and targets (...) are taken a slice of rows at a time; a training step keeps no (rows, V)
+    tensor for its backward pass (GPT-2's vocabulary at 12 x 1024 tokens: 2.5 GB of fp32 logits, as much again
+    for their gradient).
+    """
+    rows = hidden.reshape(-1, hidden.size(-1))
+    # Under no_grad the function's needs_input_grad still says True: it is told here instead.
+    grads = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(rows, weight, bias, targets.reshape(-1), ignore_index, grads)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The loss and, where autograd asks for them, its gradients, computed together slice by slice.
+
+    A slice's softmax, less one at each target, is the gradient of its summed loss with respect to its logits, so
+    the forward pass turns it into the slice's share of the hidden and weight gradients at once and keeps only
+    those. The backward pass scales them by the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        ignore_index: int,
+        grads: bool,
+    ) -> Tensor:
+        want_hidden, want_weight = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        want_bias = grads and bias is not None and ctx.needs_input_grad[2]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight) if want_weight else None
+        grad_bias = torch.zeros_like(bias) if want_bias else None
+        valid = targets != ignore_index
+        safe_targets = targets.masked_fill(~valid, 0)  # any column: those rows are zeroed below
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        step = max(1, SLICE_LOGITS // weight.size(0))
+        for start in range(0, hidden.size(0), step):
+            h, t, keep = hidden[start : start + step], safe_targets[start : start + step], valid[start : start + step]
+            logits = F.linear(h, weight, bias)  # bf16 under autocast: the gradient products then are too
+            compute = logits.dtype
+            logits = logits.float()
+            log_norm = logits.logsumexp(dim=-1)  # (rows,)
+            total += ((log_norm - logits.gather(1, t[:, None])[:, 0]) * keep).sum()
+            if not (want_hidden or want_weight or want_bias):
+                continue
+            grad = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place of the logits
+            grad[torch.arange(len(t), device=grad.device), t] -= 1.0
+            grad.mul_(keep[:, None])
+            grad = grad.to(compute)
+            if grad_hidden is not None:
+                grad_hidden[start : start + step] = grad @ weight.to(compute)
+            if grad_weight is not None:
+                if compute == grad_weight.dtype:
+                    grad_weight.addmm_(grad.t(), h)
+                else:  # autocast: the product in its dtype, accumulated in the weight's
+                    grad_weight += (grad.t() @ h.to(compute)).to(grad_weight.dtype)
+            if grad_bias is not None:
+                grad_bias += grad.sum(dim=0, dtype=torch.float32).to(grad_bias.dtype)
+        count = valid.sum()
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, count)
+        return total / count
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
+        grad_hidden, grad_weight, grad_bias, count = ctx.saved_tensors
+        scale = grad_loss / count
+        grads = [None if g is None else g * scale.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias)]
+        return *grads, None, None, None  # targets, ignore_index and grads have none

@@ -1,0 +1,86 @@
+"""The LM head fused into the loss (model(ids, targets=...)) against logits + F.cross_entropy, values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptkit import loss as loss_module
+from gptkit.config import ModelConfig
+from gptkit.loss import IGNORE_INDEX, linear_cross_entropy, next_token_loss
+from gptkit.model import GPT
+
+from conftest import VARIANTS
+
+
+def _inputs(bias: bool):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 5, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(13, 8, generator=gen, requires_grad=True)
+    b = torch.randn(13, generator=gen, requires_grad=True) if bias else None
+    targets = torch.randint(0, 13, (3, 5), generator=gen)
+    targets[1, 2:4] = IGNORE_INDEX
+    return hidden, weight, b, targets
+
+
+@pytest.mark.parametrize("slice_logits", [2**25, 13 * 4, 1])  # one slice, slices of 4 rows, one row at a time
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_loss_and_gradients_equal_the_plain_ones(monkeypatch, slice_logits, bias):
+    monkeypatch.setattr(loss_module, "SLICE_LOGITS", slice_logits)
+    hidden, weight, b, targets = _inputs(bias)
+    inputs = [t for t in (hidden, weight, b) if t is not None]
+    fused = linear_cross_entropy(hidden, weight, b, targets)
+    plain = next_token_loss(F.linear(hidden, weight, b), targets)
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(3 * fused, inputs), torch.autograd.grad(3 * plain, inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_loss_without_autograd_and_with_every_target_ignored():
+    hidden, weight, _, targets = _inputs(False)
+    with torch.no_grad():
+        value = linear_cross_entropy(hidden, weight, None, targets)
+    assert value.grad_fn is None
+    torch.testing.assert_close(value, next_token_loss(F.linear(hidden, weight), targets).detach())
+    ignored = torch.full_like(targets, IGNORE_INDEX)  # as F.cross_entropy: 0 / 0
+    assert torch.isnan(linear_cross_entropy(hidden, weight, None, ignored))
+
+
+def test_model_with_targets_returns_the_loss_of_its_logits(variant_config):
+    torch.manual_seed(0)
+    model = GPT(variant_config)
+    ids = torch.randint(0, variant_config.vocab_size, (2, 9))
+    targets = torch.randint(0, variant_config.vocab_size, (2, 9))
+    targets[0, :3] = IGNORE_INDEX
+    params = [p for p in model.parameters()]
+    fused = model(ids, targets=targets)
+    grads = torch.autograd.grad(fused, params)
+    plain = next_token_loss(model(ids), targets)
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, torch.autograd.grad(plain, params)):  # a tied head gets both of its gradients
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "untied-head-bias"])  # tied head; own head with a bias
+def test_compiled_model_with_targets_matches_eager(variant):
+    config = ModelConfig(**VARIANTS[variant])
+    torch.manual_seed(0)
+    model = GPT(config)
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    targets = torch.randint(0, config.vocab_size, (2, 9))
+    eager = model(ids, targets=targets)
+    eager_grads = torch.autograd.grad(eager, list(model.parameters()))
+    compiled = torch.compile(model)(ids, targets=targets)
+    compiled_grads = torch.autograd.grad(compiled, list(model.parameters()))
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    for got, want in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_targets_of_another_shape_are_a_clear_error():
+    from gptkit.errors import InputError
+
+    model = GPT(ModelConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    with pytest.raises(InputError, match="targets must have the shape of ids"):
+        model(torch.zeros(2, 4, dtype=torch.long), targets=torch.zeros(2, 3, dtype=torch.long))
