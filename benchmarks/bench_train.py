@@ -12,7 +12,8 @@ full 12 x 1024 takes about a minute per step on a 2-core CPU). HF's GPT-2 always
 none, so the HF model has slightly more parameters; MFU counts each model's own FLOPs.
 
 Three more parts (issue 9), each optional:
-  --breakdown  the cpu-recipe step of gptkit's model (eager, and compiled with --compile) and HF's in one plain loop,
+  --breakdown  the cpu-recipe step of gptkit's model (eager, and compiled with --compile; its loss as the trainer
+               computes it, model(ids, targets=...)) and HF's (logits, then cross-entropy) in one plain loop,
                split by torch.profiler into matrix products, attention, the optimiser phase and the rest; and the
                optimiser phase alone with PyTorch's fused, foreach and compiled AdamW.
   --speedrun   the CPU speed run: wall time of the whole `gptkit train --config configs/shakespeare-char-cpu-fast.yaml`
@@ -50,6 +51,7 @@ import torch
 
 from gptkit.accounting import training_flops_per_token
 from gptkit.config import PRESETS, ModelConfig
+from gptkit.loss import next_token_loss
 from gptkit.model import GPT
 from gptkit.train import measured_cpu_matmul_flops, train
 from gptkit.train_config import from_sources
@@ -147,18 +149,17 @@ ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}  # fmt: skip
 
 
-def step_breakdown(forward: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+def step_breakdown(loss_of: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                    y: torch.Tensor, steps: int) -> dict:  # fmt: skip
-    """ms per step of one plain loop (forward, cross-entropy, backward, clip, AdamW) split by torch.profiler into
-    matrix products, attention, the optimiser phase (clip, step, zero_grad) and the rest (other kernels, autograd,
+    """ms per step of one plain loop (loss_of(x, y), backward, clip, AdamW) split by torch.profiler into matrix
+    products, attention, the optimiser phase (clip, step, zero_grad) and the rest (other kernels, autograd,
     Python), all under the profiler's own overhead."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     params = list(model.parameters())
 
     def step() -> torch.Tensor:
-        logits = forward(x)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        loss = loss_of(x, y)
         loss.backward()
         with record_function("optimizer phase"):
             torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
@@ -222,9 +223,11 @@ def bench_breakdown(shape: dict, batch: int, block: int, steps: int, compile: bo
         model = GPT(config).train()
         model.check_inputs = False  # as the trainer runs it
         forward = torch.compile(model) if loop == "gptkit-compiled" else model
-        result[loop] = step_breakdown(forward, model, make_optimizer(model, OptimConfig())[0], x, y, steps)
+        result[loop] = step_breakdown(lambda ids, targets: forward(ids, targets=targets), model,
+                                      make_optimizer(model, OptimConfig())[0], x, y, steps)  # as the trainer runs it
     hf = hf_model(config, block)
-    result["hf"] = step_breakdown(lambda ids: hf(input_ids=ids).logits, hf, hf_optimizer(hf), x, y, steps)
+    result["hf"] = step_breakdown(lambda ids, targets: next_token_loss(hf(input_ids=ids).logits, targets), hf,
+                                  hf_optimizer(hf), x, y, steps)  # fmt: skip
     result["optimizer_phase_ms"] = {variant: optimizer_phase_ms(GPT(config), variant, repeats=10 * steps)
                                     for variant in ("fused", "foreach", "compiled")}  # fmt: skip
     return result

@@ -24,7 +24,7 @@ def _inputs(bias: bool):
     return hidden, weight, b, targets
 
 
-@pytest.mark.parametrize("slice_logits", [2**25, 13 * 4, 1])  # one slice, slices of 4 rows, one row at a time
+@pytest.mark.parametrize("slice_logits", [2**25, 13 * 4, 1])  # plain path, slices of 4 rows, one row at a time
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_loss_and_gradients_equal_the_plain_ones(monkeypatch, slice_logits, bias):
     monkeypatch.setattr(loss_module, "SLICE_LOGITS", slice_logits)
@@ -37,7 +37,9 @@ def test_fused_loss_and_gradients_equal_the_plain_ones(monkeypatch, slice_logits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_loss_without_autograd_and_with_every_target_ignored():
+@pytest.mark.parametrize("slice_logits", [2**25, 13 * 4])
+def test_fused_loss_without_autograd_and_with_every_target_ignored(monkeypatch, slice_logits):
+    monkeypatch.setattr(loss_module, "SLICE_LOGITS", slice_logits)
     hidden, weight, _, targets = _inputs(False)
     with torch.no_grad():
         value = linear_cross_entropy(hidden, weight, None, targets)
@@ -47,7 +49,8 @@ def test_fused_loss_without_autograd_and_with_every_target_ignored():
     assert torch.isnan(linear_cross_entropy(hidden, weight, None, ignored))
 
 
-def test_model_with_targets_returns_the_loss_of_its_logits(variant_config):
+def test_model_with_targets_returns_the_loss_of_its_logits(variant_config, monkeypatch):
+    monkeypatch.setattr(loss_module, "SLICE_LOGITS", 5 * variant_config.vocab_size)  # slices of 5 rows
     torch.manual_seed(0)
     model = GPT(variant_config)
     ids = torch.randint(0, variant_config.vocab_size, (2, 9))
@@ -63,8 +66,9 @@ def test_model_with_targets_returns_the_loss_of_its_logits(variant_config):
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "untied-head-bias"])  # tied head; own head with a bias
-def test_compiled_model_with_targets_matches_eager(variant):
+def test_compiled_model_with_targets_matches_eager(variant, monkeypatch):
     config = ModelConfig(**VARIANTS[variant])
+    monkeypatch.setattr(loss_module, "SLICE_LOGITS", 5 * config.vocab_size)  # slices of 5 rows
     torch.manual_seed(0)
     model = GPT(config)
     ids = torch.randint(0, config.vocab_size, (2, 9))
