@@ -351,7 +351,8 @@ def main() -> int:
     parser.add_argument("--gpt2-batch", type=int, default=SHAPES["gpt2-small"]["batch_size"])
     parser.add_argument("--gpt2-block", type=int, default=SHAPES["gpt2-small"]["block_size"])
     parser.add_argument("--peak-flops", type=float,
-                        help="peak FLOP/s for MFU (default: this CPU's fp32 matmul, measured as the trainer does)")  # fmt: skip
+                        help="peak FLOP/s for MFU (default: this CPU's fp32 matmul, measured as the trainer "
+                        "does)")  # fmt: skip
     parser.add_argument("--speedrun", action="store_true", help="time the CPU speed-run recipe end to end")
     parser.add_argument("--speedrun-baseline", action="store_true", help="also time nanoGPT's CPU recipe")
     parser.add_argument("--speedrun-steps", type=int, help="cut the recipes to this many steps (smoke runs only)")
@@ -361,7 +362,8 @@ def main() -> int:
     parser.add_argument("--ddp-batch", type=int, default=8, help="sequences per process per step (default 8)")
     parser.add_argument("--compile", action="store_true", help="also time gptkit with train.compile (torch.compile)")
     parser.add_argument("--breakdown", action="store_true",
-                        help="also split each loop's cpu-recipe step into matmul, attention, optimiser and the rest")  # fmt: skip
+                        help="also split each loop's cpu-recipe step into matmul, attention, optimiser and the "
+                        "rest")  # fmt: skip
     parser.add_argument("--breakdown-steps", type=int, default=30, help="profiled steps per loop (default 30)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()

@@ -102,7 +102,8 @@ def _build() -> bool:
                 log.warning("removing the lock file of an earlier build that did not finish")
                 (build_dir / "lock").unlink()
             cpp_extension.load(name=build_dir.name, sources=[str(SOURCE)], extra_cflags=BUILD_FLAGS,
-                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)  # fmt: skip
+                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                               is_python_module=False)  # fmt: skip
     except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
         log.warning("gptkit's CPU kernels did not build, so bf16 and int8 decoding use PyTorch's slower ones: %s", err)
         return False

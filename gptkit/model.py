@@ -229,8 +229,9 @@ class GPT(nn.Module):
         """
         if self.check_inputs:
             self._check_inputs(ids, cache, start_pos, logits_at)
-            if targets is not None and tuple(targets.shape) != tuple(ids.shape):
-                raise InputError(f"targets must have the shape of ids {tuple(ids.shape)}, got {tuple(targets.shape)}")
+            if targets is not None and (tuple(targets.shape) != tuple(ids.shape) or logits_at is not None):
+                raise InputError(f"targets must have the shape of ids {tuple(ids.shape)} (and come without "
+                                 f"logits_at), got {tuple(targets.shape)}")  # fmt: skip
         T = ids.size(1)
         offsets = torch.arange(T, device=ids.device)
         positions = start_pos[:, None] + offsets if isinstance(start_pos, Tensor) else (start_pos + offsets)[None]

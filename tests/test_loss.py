@@ -86,5 +86,8 @@ def test_targets_of_another_shape_are_a_clear_error():
     from gptkit.errors import InputError
 
     model = GPT(ModelConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    ids = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(InputError, match="targets must have the shape of ids"):
-        model(torch.zeros(2, 4, dtype=torch.long), targets=torch.zeros(2, 3, dtype=torch.long))
+        model(ids, targets=torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(InputError, match="without logits_at"):
+        model(ids, targets=ids, logits_at=torch.tensor([3, 3]))
