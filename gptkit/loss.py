@@ -62,9 +62,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_hidden, want_weight = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         want_bias = grads and bias is not None and ctx.needs_input_grad[2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros_like(weight) if want_weight else None
+        grad_weight = torch.empty_like(weight) if want_weight else None  # the first slice writes it whole
         grad_bias = torch.zeros_like(bias) if want_bias else None
         valid = targets != ignore_index
+        count = valid.sum()
         safe_targets = targets.masked_fill(~valid, 0)  # any column: those rows are zeroed below
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         step = max(1, SLICE_LOGITS // weight.size(0))
@@ -83,24 +84,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 continue
             grad = exp.div_(row_sum[:, None])  # the softmax
             grad[torch.arange(len(t), device=grad.device), t] -= 1.0
-            grad.mul_(keep[:, None])
+            grad.mul_(keep[:, None] / count)  # the gradient of the mean: backward then only scales by its input
             grad = grad.to(compute)
             if grad_hidden is not None:
                 grad_hidden[start : start + step] = grad @ weight.to(compute)
             if grad_weight is not None:
-                if compute == grad_weight.dtype:
-                    grad_weight.addmm_(grad.t(), h)
+                if compute == grad_weight.dtype:  # beta=0 ignores the uninitialised values of the first slice
+                    grad_weight.addmm_(grad.t(), h, beta=0.0 if start == 0 else 1.0)
                 else:  # autocast: the product in its dtype, accumulated in the weight's
-                    grad_weight += (grad.t() @ h.to(compute)).to(grad_weight.dtype)
+                    part = (grad.t() @ h.to(compute)).to(grad_weight.dtype)
+                    grad_weight.copy_(part) if start == 0 else grad_weight.add_(part)
             if grad_bias is not None:
                 grad_bias += grad.sum(dim=0, dtype=torch.float32).to(grad_bias.dtype)
-        count = valid.sum()
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, count)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.spent = False
         return total / count
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        grad_hidden, grad_weight, grad_bias, count = ctx.saved_tensors
-        scale = grad_loss / count
-        grads = [None if g is None else g * scale.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias)]
+        # The saved gradients are scaled in place: a copy of the LM head's would cost as much as its update.
+        if ctx.spent:
+            raise RuntimeError("the fused LM-head loss supports one backward pass (its saved gradients are used up)")
+        ctx.spent = True
+        grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors]
         return *grads, None, None, None  # targets, ignore_index and grads have none

@@ -131,3 +131,36 @@ def test_two_processes_match_one_and_resume_exactly(parallel, data_dir, one_proc
     opt_a = load_tensors(latest_checkpoint(crashed) / "optimizer.safetensors")
     opt_b = load_tensors(final / "optimizer.safetensors")
     assert opt_a.keys() == opt_b.keys() and all(torch.equal(opt_a[k], opt_b[k]) for k in opt_a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_sliced_lm_head_loss_under_two_processes_matches_one(parallel, tmp_path):
+    """GPT-2's vocabulary on 4 x 256 tokens per micro-step is past SLICE_LOGITS: the loss runs in slices."""
+    from gptkit.loss import SLICE_LOGITS
+
+    vocab, block = 50257, 256
+    assert 4 * block * vocab > SLICE_LOGITS
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = np.random.default_rng(0).integers(0, vocab, size=200_000).astype(np.uint16)
+    tokens.tofile(data / "train.bin")
+    tokens[:20_000].tofile(data / "val.bin")
+    meta = {"vocab_size": vocab, "dtype": "uint16", "train_tokens": 200_000, "val_tokens": 20_000, "tokenizer": "none"}
+    (data / "meta.json").write_text(json.dumps(meta))
+
+    def config(out: Path, **train) -> dict[str, dict]:
+        c = settings(data, out, max_steps=3, eval_interval=3, checkpoint_interval=3, **train)
+        c["model"].update(n_layer=1, block_size=block, vocab_size=vocab)
+        return c
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(from_sources(None, config(tmp_path / "one", grad_accum=2)), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    torchrun(config(tmp_path / "two", parallel=parallel))
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert one.keys() == two.keys() == {1, 2, 3}
+    assert all(abs(one[step] - two[step]) < 1e-5 for step in one)

@@ -91,3 +91,12 @@ def test_targets_of_another_shape_are_a_clear_error():
         model(ids, targets=torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(InputError, match="without logits_at"):
         model(ids, targets=ids, logits_at=torch.tensor([3, 3]))
+
+
+def test_a_second_backward_through_the_sliced_loss_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(loss_module, "SLICE_LOGITS", 13 * 4)
+    hidden, weight, _, targets = _inputs(False)
+    value = linear_cross_entropy(hidden, weight, None, targets)
+    value.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward pass"):
+        value.backward()
