@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("bench_*.py"))
+BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = sorted(BENCH_DIR.glob("bench_*.py"))
 
 
 def test_there_are_benchmarks():
@@ -22,7 +23,7 @@ def test_benchmark_help_runs(script):
 
 
 def test_bench_train_smoke_run_reports_both_loops():
-    result = subprocess.run([sys.executable, str(BENCHMARKS[-1].parent / "bench_train.py"), "--shapes", "cpu-recipe",
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_train.py"), "--shapes", "cpu-recipe",
                              "--steps", "2", "--warmup", "1", "--breakdown", "--breakdown-steps", "2", "--json"],
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stderr
