@@ -36,7 +36,7 @@ from gptkit.errors import ConfigError, InputError
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 from gptkit.quantization import is_quantized
-from gptkit.sampling import EarlyStopping, SamplingParams, apply_repetition_penalty, sample
+from gptkit.sampling import EarlyStopping, SamplingParams, apply_repetition_penalty, row_seed, sample
 
 FinishReason = Literal["eos", "stop", "length"]
 Decode = Callable[[Sequence[int]], str]
@@ -301,7 +301,7 @@ class Engine:
         with _inference(self.model):
             logits = _prefill_slots(self.model, self.cache, slots, seqs, sources)
         for r, (slot, i) in enumerate(zip(slots, sources)):
-            seed = None if params.seed is None else params.seed + r
+            seed = row_seed(params.seed, r)
             self.rows[slot] = Row(list(prompts[i]), len(prompts[i]), params, _seeded(self.device, seed), eos_id,
                                   decode, position=len(seqs[i]))  # fmt: skip
             self.seen[slot] = False
@@ -630,7 +630,7 @@ def _complete_speculative(
     for i, prompt in enumerate(prompts):
         row = []
         for j in range(params.num_samples):
-            seed = None if params.seed is None else params.seed + i * params.num_samples + j
+            seed = row_seed(params.seed, i * params.num_samples + j)
             completion, stats = speculative_generate(model, draft, prompt, params, k, eos_id, decode, seed)
             timing.speculative.add(stats)
             row.append(completion)

@@ -6,6 +6,7 @@ Hugging Face's `generate` applies them: repetition penalty, temperature, top-k, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,6 +16,7 @@ from torch import Tensor
 from gptkit.errors import ConfigError
 
 EarlyStopping = Literal[True, False, "never"]
+SEED_LIMIT = 2**64  # torch.Generator seeds are unsigned 64-bit; the seeds derived for rows wrap around here
 _EARLY_STOPPING: dict[str, EarlyStopping] = {"true": True, "false": False, "never": "never"}
 
 
@@ -98,6 +100,8 @@ class SamplingParams:
         _check_number("length_penalty", self.length_penalty)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0)
+            if self.seed >= SEED_LIMIT:
+                raise ConfigError(f"seed must be < 2**64, got {self.seed}")
         for stop in self.stop:
             if not isinstance(stop, str) or not stop:
                 raise ConfigError(f"each stop string must be a non-empty string, got {stop!r}")
@@ -122,8 +126,13 @@ def _check_int(name: str, value: object, low: int) -> None:
 
 
 def _check_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+
+
+def row_seed(seed: int | None, row: int) -> int | None:
+    """The seed of row `row` of a seeded call: seed + row, wrapped into the generator's 64-bit range."""
+    return None if seed is None else (seed + row) % SEED_LIMIT
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:

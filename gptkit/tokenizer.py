@@ -61,6 +61,10 @@ class Tokenizer(ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ids; an incomplete UTF-8 sequence decodes to U+FFFD."""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text one id stands for, also when they are part of a character (a special: its text)."""
+        return self.decode([token_id]).encode("utf-8")
+
     @abstractmethod
     def save(self, directory: Path) -> None:
         """Write this tokenizer's files into an existing directory (atomically, file by file)."""
@@ -253,6 +257,11 @@ class ByteTokenizer(Tokenizer):
         out.append(run.decode("utf-8", "replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte itself (a special: its text)."""
+        self._check_ids([token_id])
+        return bytes([token_id]) if token_id < 256 else self._special_text[token_id].encode("utf-8")
+
     def token_byte_lengths(self) -> np.ndarray:
         """1 for every byte, 0 for specials."""
         return np.array([1] * 256 + [0] * len(self.special_tokens), dtype=np.int64)
@@ -278,6 +287,17 @@ def newline_cuts(text: str, every: int) -> list[int]:
         cuts.append(match.end())
         start = match.end() + every
     return cuts
+
+
+def _byte_level_symbols() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, symbol -> byte: printable Latin-1 bytes are their own symbol, the other bytes
+    take the characters from U+0100 on, in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = (b for b in range(256) if b not in printable)
+    return {chr(b): b for b in printable} | {chr(0x100 + n): b for n, b in enumerate(others)}
+
+
+_BYTE_OF_SYMBOL = _byte_level_symbols()
 
 
 class BPETokenizer(Tokenizer):
@@ -377,6 +397,20 @@ class BPETokenizer(Tokenizer):
         ids = list(ids)
         self._check_ids(ids)
         return self.hf.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's bytes: read from its symbols in a byte-level vocabulary (or a <0xNN> byte-fallback
+        token), else its decoded text."""
+        from tokenizers import decoders
+
+        self._check_ids([token_id])
+        token = self.hf.id_to_token(token_id)
+        if token is not None and token_id not in self.special_tokens.values():
+            if isinstance(self.hf.decoder, decoders.ByteLevel) and all(c in _BYTE_OF_SYMBOL for c in token):
+                return bytes(_BYTE_OF_SYMBOL[c] for c in token)
+            if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+                return bytes([int(token[3:5], 16)])
+        return super().token_bytes(token_id)
 
     def token_byte_lengths(self) -> np.ndarray:
         """Bytes per id: exact for byte-level vocabularies (one symbol per byte), else via decode."""

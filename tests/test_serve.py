@@ -126,6 +126,65 @@ def test_n_choices_seeded_and_prompt_lists(client):
     assert both.choices[0].text == both.choices[1].text != both.choices[2].text == both.choices[3].text
 
 
+def test_largest_seed_wraps_around_for_later_choices(client):
+    kwargs = dict(model=MODEL, prompt="Once upon", max_tokens=8, temperature=1.0)
+    two = client.completions.create(n=2, seed=2**64 - 1, **kwargs)
+    assert two.choices[1].text == client.completions.create(seed=0, **kwargs).choices[0].text
+
+
+def test_usage_counts_each_prompt_once_however_many_choices(client):
+    response = client.completions.create(model=MODEL, prompt=["abc", "Hello"], max_tokens=3, n=3)
+    assert response.usage.prompt_tokens == len("abc") + len("Hello")
+    assert response.usage.completion_tokens == 6 * 3
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=2)
+    assert chat.usage.prompt_tokens == len(ChatTemplate().render([{"role": "user", "content": "Hi"}]))
+
+
+def test_null_flags_are_false(http):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "stream": None, "echo": None, "logprobs": None}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": None,
+            "logprobs": None}  # fmt: skip
+    r = http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+
+
+def test_logprobs_cover_the_text_up_to_the_stop_string(client, reference):
+    text, _ = greedy_reference(reference, "The cat sat", 30)
+    stop = text[6:8]
+    kwargs = dict(model=MODEL, prompt="The cat sat", max_tokens=30, temperature=0, stop=[stop])
+    choice = client.completions.create(logprobs=1, **kwargs).choices[0]
+    assert choice.finish_reason == "stop" and "".join(choice.logprobs.tokens) == choice.text
+    streamed = list(client.completions.create(logprobs=1, stream=True, **kwargs))
+    assert "".join(t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens) == choice.text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=30,
+                                          temperature=0, stop=[stop], logprobs=True, top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(bytes(t.bytes) == t.token.encode() for t in content)
+
+
+def test_non_streaming_client_that_leaves_mid_generation_frees_its_row(server, monkeypatch):
+    engine = server[1].engine
+    decode = engine._decode
+
+    def slow_decode():  # 95 tokens now take about 5 s, and they flow without a pause
+        time.sleep(0.05)
+        decode()
+
+    monkeypatch.setattr(engine, "_decode", slow_decode)
+    before = engine.cancelled
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 95, "temperature": 1.0, "seed": 1}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server[0] + "/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 3
+    while engine.cancelled == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.cancelled == before + 1
+    assert httpx.get(server[0] + "/health").json()["active"] == 0
+
+
 def test_logprobs_match_the_model(client, reference):
     model, tokenizer = reference
     response = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=3)
@@ -239,10 +298,15 @@ BAD_REQUESTS = [
     ("n zero", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
     ("n beyond capacity", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 10_000}, 400, "n"),
     ("logprobs above 20", "/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 50}, 400, "logprobs"),
+    ("seed beyond 64 bits", "/v1/completions", {"model": MODEL, "prompt": "a", "seed": 2**64}, 400, "seed"),
+    ("infinite temperature", "/v1/completions", b'{"model": "tiny-served", "prompt": "a", "temperature": Infinity}',
+     400, "temperature"),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
     ("chat without messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("chat role unknown", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x", "content": "a"}]},
      400, "messages.0.role"),
+    ("chat user message without content", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]},
+     400, "messages.0"),
     ("chat unknown model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "a"}]},
      404, "model"),
     ("oversized body", "/v1/completions", {"model": MODEL, "prompt": "a" * 70_000}, 413, None),

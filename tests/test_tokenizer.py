@@ -130,6 +130,21 @@ def test_bpe_round_trips_awkward_text_and_counts_its_bytes(bpe: BPETokenizer) ->
     assert int(bpe.token_byte_lengths()[ids].sum()) == len(AWKWARD.encode()) - len(EOT)
 
 
+def test_token_bytes_rebuild_the_utf8_of_text_cut_inside_characters(bpe: BPETokenizer) -> None:
+    from tokenizers import Tokenizer, decoders, models
+
+    text = AWKWARD.replace(EOT, "")
+    # A Llama-style vocabulary: a few characters, and <0xNN> tokens for the bytes of all the others.
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {c: 256 + i for i, c in enumerate("helo wrd")}
+    fallback = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+    fallback.decoder = decoders.ByteFallback()
+    for tok in (ByteTokenizer(), bpe, BPETokenizer(fallback)):
+        ids = tok.encode(text)
+        assert any(tok.decode([i]) == "\ufffd" for i in ids)  # some tokens hold part of a character
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert ByteTokenizer().token_bytes(256) == EOT.encode()
+
+
 def test_bpe_rejects_a_vocabulary_too_small_for_bytes_and_specials() -> None:
     with pytest.raises(InputError, match="at least 257"):
         BPETokenizer.train(["abc"], vocab_size=256)

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gptkit.errors import GptkitError
-from gptkit.sampling import SamplingParams
+from gptkit.sampling import SamplingParams, row_seed
 from gptkit.serving.chat import ChatTemplate
 from gptkit.serving.engine import Chunk, Engine, QueueFull, Sequence, TokenInfo
 from gptkit.serving.schemas import AttentionRequest, ChatRequest, CompletionRequest, _Sampling, error_body
@@ -280,8 +280,7 @@ def _sampling_params(body: _Sampling, max_tokens: int, extra_stop: tuple[str, ..
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """The params of choice `index` of n: its own seed (seed + index), one sample."""
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, seed=seed, num_samples=1)
+    return dataclasses.replace(params, seed=row_seed(params.seed, index), num_samples=1)
 
 
 class Collector:
@@ -327,16 +326,19 @@ async def _collect(state: ServerState, sequences: list[Sequence], collector: Col
     """Every chunk of every sequence, waiting for the last; a client that leaves cancels its sequences."""
     chunks: list[list[Chunk]] = [[] for _ in sequences]
     remaining = len(sequences)
+    next_check = time.monotonic() + POLL_SECONDS
     try:
         while remaining:
             try:
                 index, chunk = await asyncio.wait_for(collector.queue.get(), POLL_SECONDS)
+                chunks[index].append(chunk)
+                remaining -= chunk.finish_reason is not None
             except asyncio.TimeoutError:
+                pass
+            if time.monotonic() >= next_check:  # on a clock: tokens may flow without pause for minutes
                 if await request.is_disconnected():
                     break
-                continue
-            chunks[index].append(chunk)
-            remaining -= chunk.finish_reason is not None
+                next_check = time.monotonic() + POLL_SECONDS
     finally:
         state.engine.cancel(sequences)  # a no-op for finished ones
     for per_choice in chunks:
@@ -399,7 +401,7 @@ def _completion_logprobs(tokens: list[TokenInfo], offset: int) -> dict[str, Any]
     return {
         "tokens": [t.text for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [dict(t.top) if t.logprob is not None else None for t in tokens],
+        "top_logprobs": [{a.text: a.logprob for a in t.top} if t.logprob is not None else None for t in tokens],
         "text_offset": offsets,
     }
 
@@ -435,7 +437,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
             out["usage"] = usage
         return out
 
-    prompt_tokens = sum(len(p) for p in prompts) * n
+    prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, however many choices (as OpenAI counts)
     if scoring_only:
         choices = [choice(i, "", [], "length", True) for i in range(len(prompts) * n)]
         result = envelope(choices, _usage(prompt_tokens, 0))
@@ -485,10 +487,10 @@ async def _one_shot(event: dict[str, Any]) -> AsyncIterator[str]:
 def _chat_logprobs(tokens: list[TokenInfo]) -> list[dict[str, Any]]:
     """OpenAI's chat logprobs content list."""
 
-    def entry(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+    def entry(token: TokenInfo) -> dict[str, Any]:
+        return {"token": token.text, "logprob": token.logprob, "bytes": list(token.data)}
 
-    return [{**entry(t.text, t.logprob), "top_logprobs": [entry(s, lp) for s, lp in t.top]} for t in tokens]
+    return [{**entry(t), "top_logprobs": [entry(a) for a in t.top]} for t in tokens]
 
 
 async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
@@ -532,7 +534,7 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
         want_usage = body.stream_options is not None and body.stream_options.include_usage
         usage = None
         if want_usage:
-            usage = lambda: envelope("chat.completion.chunk", [], _usage(prompt_tokens * len(sequences),
+            usage = lambda: envelope("chat.completion.chunk", [], _usage(prompt_tokens,
                                                                          sum(completion_tokens)))  # noqa: E731
         return _sse_response(_stream_events(state, sequences, collector, render, usage, preamble))
     chunks = await _collect(state, sequences, collector, request)
@@ -546,7 +548,7 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
             "finish_reason": _finish(per_choice[-1].finish_reason if per_choice else "length"),
         })  # fmt: skip
     completion_tokens = sum(c[-1].completion_tokens for c in chunks if c)
-    return envelope("chat.completion", choices, _usage(prompt_tokens * len(sequences), completion_tokens))
+    return envelope("chat.completion", choices, _usage(prompt_tokens, completion_tokens))
 
 
 # ----- the playground's inspection -----

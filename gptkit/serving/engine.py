@@ -37,8 +37,9 @@ class TokenInfo:
 
     id: int
     text: str
+    data: bytes  # the token's own bytes: its text may be U+FFFD where it holds part of a character
     logprob: float | None
-    top: list[tuple[str, float]] = field(default_factory=list)
+    top: list[TokenInfo] = field(default_factory=list)  # the alternatives, most likely first
 
 
 @dataclass
@@ -123,14 +124,14 @@ class Engine:
 
     def submit(self, sequences: list[Sequence]) -> None:
         """Queue sequences (all or none); raise QueueFull when the queue cannot take them all."""
+        for seq in sequences:
+            if seq.params.seed is not None:
+                seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
         with self.wakeup:
             free_rows = self.max_batch_size - len(self.active)
             if len(self.waiting) + len(sequences) > self.max_queue + max(free_rows, 0):
                 raise QueueFull(f"the server is busy ({len(self.waiting)} requests queued); retry shortly")
-            for seq in sequences:
-                if seq.params.seed is not None:
-                    seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
-                self.waiting.append(seq)
+            self.waiting.extend(sequences)
             self.wakeup.notify()
 
     def cancel(self, sequences: list[Sequence]) -> None:
@@ -258,11 +259,14 @@ class Engine:
 
     def _token_info(self, token: int, logprobs: Tensor, top: int) -> TokenInfo:
         """The token's text and log-probability, with the top most likely alternatives."""
-        alternatives: list[tuple[str, float]] = []
+        alternatives = []
         if top > 0:
             values, ids = logprobs.topk(min(top, logprobs.numel()))
-            alternatives = [(self.tokenizer.decode([int(t)]), float(v)) for v, t in zip(values, ids)]
-        return TokenInfo(token, self.tokenizer.decode([token]), float(logprobs[token]), alternatives)
+            alternatives = [self._info(int(t), float(v)) for v, t in zip(values, ids)]
+        return self._info(token, float(logprobs[token]), alternatives)
+
+    def _info(self, token: int, logprob: float | None, top: list[TokenInfo] | None = None) -> TokenInfo:
+        return TokenInfo(token, self.tokenizer.decode([token]), self.tokenizer.token_bytes(token), logprob, top or [])
 
     def _emit_progress(self, seq: Sequence) -> str | None:
         """Send seq's new text (holding back what might start a stop string); return its finish reason, if any."""
@@ -283,9 +287,28 @@ class Engine:
         if end > seq.sent or reason:
             new = text[seq.sent : max(end, seq.sent)]
             seq.sent = max(end, seq.sent)
-            tokens, seq.pending = seq.pending, []
+            tokens = self._pending_tokens(seq, ids, cut, reason)
             seq.emit(Chunk(new, tokens, reason, len(seq.prompt), len(seq.generated)))
         return reason
+
+    def _pending_tokens(self, seq: Sequence, ids: list[int], cut: int, reason: str | None) -> list[TokenInfo]:
+        """Take the logprobs of the tokens whose text has been sent: they hold back and drop the text of a stop
+        string as the text does (a finishing sequence sends them all, but for those past a stop string's start)."""
+        if not seq.pending:
+            return []
+        if reason is None:  # the most tokens whose text is all sent
+            count = len(ids)
+            while count > 0 and len(self.tokenizer.decode(ids[:count])) > seq.sent:
+                count -= 1
+        elif cut >= 0:  # the fewest tokens that reach the stop string
+            count = len(ids)
+            while count > 0 and len(self.tokenizer.decode(ids[: count - 1])) >= cut:
+                count -= 1
+        else:
+            count = len(seq.generated)
+        take = max(count - (len(seq.generated) - len(seq.pending)), 0)  # pending[0] is generated[-len(pending)]
+        tokens, seq.pending = seq.pending[:take], seq.pending[take:]
+        return tokens
 
     def _release(self, row: int) -> None:
         """Free a row; the last active row moves into it so that rows 0..k-1 stay in use."""
@@ -305,7 +328,7 @@ class Engine:
         """Each prompt token with its log-probability given the tokens before it (None for the first)."""
         ids = torch.tensor([prompt], device=self.device)
         logprobs = self.model(ids)[0].float().log_softmax(dim=-1)  # (T, V): row t predicts token t+1
-        infos = [TokenInfo(prompt[0], self.tokenizer.decode([prompt[0]]), None)]
+        infos = [self._info(prompt[0], None)]
         for t in range(1, len(prompt)):
             infos.append(self._token_info(prompt[t], logprobs[t - 1], top))
         return infos

@@ -6,9 +6,12 @@ declares the defaults. Unknown fields are accepted and ignored, as OpenAI client
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+# A flag that OpenAI's API lets clients send as null (the official client does): null means false.
+NullableFlag = Annotated[bool, BeforeValidator(lambda value: False if value is None else value)]
 
 
 class _Request(BaseModel):
@@ -33,7 +36,7 @@ class _Sampling(_Request):
     n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: NullableFlag = False
     stream_options: StreamOptions | None = None
 
 
@@ -42,7 +45,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: NullableFlag = False
 
 
 class TextPart(_Request):
@@ -53,6 +56,13 @@ class TextPart(_Request):
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        # Only an assistant turn may come without content (OpenAI's: one that made tool calls).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         """The message's text, with content parts joined."""
@@ -66,7 +76,7 @@ class ChatRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: NullableFlag = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
