@@ -40,6 +40,16 @@ from gptkit.sampling import EarlyStopping, SamplingParams, apply_repetition_pena
 
 FinishReason = Literal["eos", "stop", "length"]
 Decode = Callable[[Sequence[int]], str]
+EosIds = int | Sequence[int] | None  # the token(s) that end a sequence: one id, several, or none
+
+
+def end_ids(eos_id: EosIds) -> tuple[int, ...]:
+    """eos_id as a tuple of ids (checked to be integers)."""
+    ids = () if eos_id is None else (eos_id,) if isinstance(eos_id, numbers.Integral) else tuple(eos_id)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise InputError(f"eos_id must be a token id or a list of them, got {eos_id!r}")
+    return tuple(int(i) for i in ids)
 _DEFAULTS = SamplingParams()
 _FINISHED = -1.0e9  # Hugging Face's beam search marks impossible candidates with this score offset
 
@@ -206,7 +216,7 @@ class Row:
     prompt_len: int
     params: SamplingParams
     generator: torch.Generator
-    eos_id: int | None
+    eos_ids: tuple[int, ...]  # any of them ends the row
     decode: Decode | None  # needed only to find stop strings
     position: int  # cache position the next fed token (tokens[-1]) is written at
     finish_reason: FinishReason | None = None
@@ -276,13 +286,14 @@ class Engine:
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
-        eos_id: int | None = None,
+        eos_id: EosIds = None,
         decode: Decode | None = None,
     ) -> list[int]:
         """Prefill prompts (num_samples rows each, one shared prefill) into free slots and pick their first tokens.
 
         Returns the slots, prompt-major. Row r of the call draws with seed + r when params.seed is set.
         """
+        eos_ids = end_ids(eos_id)
         if params.num_beams > 1:
             raise ConfigError("the batch engine samples; use beam_search() for num_beams > 1")
         if params.stop and decode is None:
@@ -302,7 +313,7 @@ class Engine:
             logits = _prefill_slots(self.model, self.cache, slots, seqs, sources)
         for r, (slot, i) in enumerate(zip(slots, sources)):
             seed = row_seed(params.seed, r)
-            self.rows[slot] = Row(list(prompts[i]), len(prompts[i]), params, _seeded(self.device, seed), eos_id,
+            self.rows[slot] = Row(list(prompts[i]), len(prompts[i]), params, _seeded(self.device, seed), eos_ids,
                                   decode, position=len(seqs[i]))  # fmt: skip
             self.seen[slot] = False
             self.seen[slot, torch.tensor(list(prompts[i]), device=self.device)] = True
@@ -368,7 +379,7 @@ class Engine:
     @staticmethod
     def _accept(row: Row, token: int) -> None:
         """Append token to row, or finish the row at the end-of-text token, a stop string or max_new_tokens."""
-        if row.eos_id is not None and token == row.eos_id:
+        if token in row.eos_ids:
             row.finish_reason = "eos"
             return
         row.tokens.append(token)
@@ -383,7 +394,7 @@ class Engine:
 
 @torch.no_grad()
 def beam_search(
-    model: GPT, prompt: Sequence[int], params: SamplingParams, eos_id: int | None = None, decode: Decode | None = None
+    model: GPT, prompt: Sequence[int], params: SamplingParams, eos_id: EosIds = None, decode: Decode | None = None
 ) -> list[tuple[list[int], FinishReason]]:
     """Hugging Face's beam search for one prompt: the best params.num_samples (new ids, finish reason), best first.
 
@@ -393,6 +404,7 @@ def beam_search(
     _check_prompts(model, [prompt])
     if params.stop and decode is None:
         raise ConfigError("stop strings need a decode function (a tokenizer) to find them in the output")
+    eos_ids = end_ids(eos_id)
     n, keep, lp = params.num_beams, 2 * params.num_beams, params.length_penalty
     prompt_len = len(prompt)
     total_len = prompt_len + params.max_new_tokens
@@ -424,7 +436,7 @@ def beam_search(
             parents, tokens = top_index // vocab, top_index % vocab
             cand = seqs[parents]
             cand[:, cur] = tokens
-            ends = _candidate_ends(cand, tokens, prompt_len, cur, total_len, eos_id, params.stop, decode)
+            ends = _candidate_ends(cand, tokens, prompt_len, cur, total_len, eos_ids, params.stop, decode)
 
             # the num_beams best candidates that go on
             live_scores = top_scores + ends.float() * _FINISHED
@@ -463,7 +475,7 @@ def beam_search(
     results: list[tuple[list[int], FinishReason]] = []
     for row, length in zip(done_seqs[: params.num_samples].tolist(), done_lens[: params.num_samples].tolist()):
         new = row[prompt_len : prompt_len + length]
-        if eos_id is not None and new and new[-1] == eos_id:
+        if new and new[-1] in eos_ids:
             results.append((new[:-1], "eos"))
         elif params.stop and _first_stop(decode(new), params.stop) >= 0:
             results.append((new, "stop"))
@@ -473,13 +485,13 @@ def beam_search(
 
 
 def _candidate_ends(
-    cand: Tensor, tokens: Tensor, prompt_len: int, cur: int, total_len: int, eos_id: int | None,
+    cand: Tensor, tokens: Tensor, prompt_len: int, cur: int, total_len: int, eos_ids: tuple[int, ...],
     stops: Sequence[str], decode: Decode | None,
 ) -> Tensor:  # fmt: skip
     """Which candidates end here: at the end-of-text token, a stop string or the length limit."""
     if cur + 1 >= total_len:
         return torch.ones_like(tokens, dtype=torch.bool)
-    ends = tokens == eos_id if eos_id is not None else torch.zeros_like(tokens, dtype=torch.bool)
+    ends = torch.isin(tokens, torch.tensor(eos_ids, dtype=tokens.dtype, device=tokens.device))
     if stops:
         rows = cand[:, prompt_len : cur + 1].tolist()
         hits = [_first_stop(decode(r), stops) >= 0 for r in rows]
@@ -570,7 +582,7 @@ def complete(
     model: GPT,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
-    eos_id: int | None = None,
+    eos_id: EosIds = None,
     decode: Decode | None = None,
     compile: bool = False,
     draft: GPT | None = None,
@@ -614,7 +626,7 @@ def complete(
 
 
 def _complete_speculative(
-    model: GPT, draft: GPT, k: int, prompts: Sequence[Sequence[int]], params: SamplingParams, eos_id: int | None,
+    model: GPT, draft: GPT, k: int, prompts: Sequence[Sequence[int]], params: SamplingParams, eos_id: EosIds,
     decode: Decode | None, timing: Timing,
 ) -> Result:  # fmt: skip
     """complete() with a draft model: each row decoded speculatively, one after another."""
@@ -663,7 +675,7 @@ def generate_ids(
     num_samples: int = _DEFAULTS.num_samples,
     length_penalty: float = _DEFAULTS.length_penalty,
     early_stopping: EarlyStopping = _DEFAULTS.early_stopping,
-    eos_id: int | None = None,
+    eos_id: EosIds = None,
     tokenizer: Any | None = None,
     compile: bool = False,
     draft: GPT | None = None,
@@ -671,7 +683,8 @@ def generate_ids(
 ) -> list[int] | list[list[int]] | list[list[list[int]]]:
     """The new token ids for one prompt (a list of ids) or a batch (a list of such lists).
 
-    With num_samples > 1 each prompt gives a list of samples. Generation stops at eos_id (not returned) and at
+    With num_samples > 1 each prompt gives a list of samples. Generation stops at eos_id (an id or several; not
+    returned) and at
     stop strings (found by decoding with tokenizer; the ids up to the one completing the string are returned).
     compile, draft and draft_k choose the fast paths of complete().
     """
@@ -725,7 +738,7 @@ def generate_text(
     if not prompts:
         raise InputError("no prompts given")
     ids = [encode_prompt(tokenizer, p) for p in prompts]
-    result = complete(model, ids, params, tokenizer.eos_id, tokenizer.decode, compile=compile, draft=draft,
+    result = complete(model, ids, params, tokenizer.eos_ids, tokenizer.decode, compile=compile, draft=draft,
                       draft_k=draft_k)  # fmt: skip
     texts = [[completion_text(tokenizer, c, params.stop) for c in row] for row in result.completions]
     return texts, result
@@ -788,7 +801,7 @@ def stream_text(
         raise ConfigError("streaming produces one sequence: use num_beams=1 and num_samples=1")
     ids = encode_prompt(tokenizer, prompt)
     engine = Engine(model, 1, _cache_len(model, [ids], params, compile), compile)
-    [slot] = engine.add([ids], params, tokenizer.eos_id, tokenizer.decode)
+    [slot] = engine.add([ids], params, tokenizer.eos_ids, tokenizer.decode)
     row = engine.rows[slot]
     sent = 0
     while True:

@@ -44,6 +44,7 @@ BIN_FILE = "pytorch_model.bin"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 HINT_KEY = "gptkit_config"  # export stores the full gptkit config here, so that a round trip is lossless
 
 # Fields an exported HF config cannot carry but which do not change what the model computes: dropout is
@@ -397,7 +398,7 @@ def config_from_hf(hf: dict[str, Any], layout: Layout, source: str) -> ModelConf
     return config
 
 
-def hf_config_from_gptkit(config: ModelConfig, eos_id: int | None = None) -> dict[str, Any]:
+def hf_config_from_gptkit(config: ModelConfig, eos_id: int | list[int] | None = None) -> dict[str, Any]:
     """The HF config.json (GPT-2 or Llama) computing exactly what config does, or a ConversionError."""
     if config.position in ("sinusoidal", "none"):
         raise ConversionError(f"position {config.position!r} cannot be exported: {WHY['position']}")
@@ -601,7 +602,27 @@ def load_hf(
     detect_layout(hf, str(path))  # refuse an unknown architecture before touching the weights
     with open_weights(path) as (loaders, source):
         model = model_from_hf_state(hf, loaders, source, dtype=dtype, device=device)
-    return model, _load_tokenizer(path)
+    tokenizer = _load_tokenizer(path)
+    if tokenizer is not None:
+        # An id past the tokenizer's vocabulary (a padded embedding's) could never be decoded anyway.
+        tokenizer.add_eos_ids(i for i in hf_eos_ids(path, hf) if 0 <= i < tokenizer.vocab_size)
+    return model, tokenizer
+
+
+def hf_eos_ids(path: Path, hf: dict[str, Any]) -> list[int]:
+    """The eos_token_id(s) that end generation: generation_config.json's (what `generate` reads), else config's."""
+    source = hf
+    file = path / GENERATION_CONFIG_FILE
+    if file.is_file():
+        try:
+            data = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ModelDirError(f"cannot read {file}: {err}") from None
+        if isinstance(data, dict) and data.get("eos_token_id") is not None:
+            source = data
+    ids = source.get("eos_token_id")
+    ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
 
 
 def _load_tokenizer(path: Path) -> Any:
@@ -633,8 +654,8 @@ def hf_checkpoint(model: GPT, tokenizer: Any | None = None) -> tuple[dict[str, A
     """The HF config.json dict and state dict equal to model, or a ConversionError saying why none is."""
     module = getattr(model, "_orig_mod", model)
     config: ModelConfig = module.config
-    eos_id = getattr(tokenizer, "eos_id", None) if tokenizer is not None else None
-    hf = hf_config_from_gptkit(config, eos_id=eos_id)
+    eos_ids = list(tokenizer.eos_ids) if tokenizer is not None else []
+    hf = hf_config_from_gptkit(config, eos_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids or None)
     layout = LAYOUTS[hf["architectures"][0]]
     target = config_from_hf(hf, layout, "export")  # the config HF's model will have (e.g. with zero biases)
     state = with_biases(model_state(module), config, target)
@@ -725,8 +746,9 @@ def hf_tokenizer(tokenizer: Any) -> Any:
     if kind == "bpe":
         return tokenizer.hf
     if kind == "byte":
-        byte_of = _gpt2_byte_symbols()
-        vocab = {byte_of[b]: b for b in range(256)}
+        from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS
+
+        vocab = {symbol: b for b, symbol in BYTE_LEVEL_SYMBOLS.items()}
         hf = Tokenizer(models.BPE(vocab=vocab, merges=[]))
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         hf.decoder = decoders.ByteLevel()
@@ -741,19 +763,6 @@ def hf_tokenizer(tokenizer: Any) -> Any:
         if hf.token_to_id(text) != wanted:
             raise ConversionError(f"special token {text!r} would get id {hf.token_to_id(text)}, not {wanted}")
     return hf
-
-
-def _gpt2_byte_symbols() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (Radford et al. 2019, encoder.py bytes_to_unicode)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    symbols, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            symbols[b] = chr(b)
-        else:
-            symbols[b] = chr(256 + extra)
-            extra += 1
-    return symbols
 
 
 def write_hf_tokenizer(tokenizer: Any, out: Path, base_config: dict[str, Any] | None = None) -> None:

@@ -2,7 +2,7 @@
 
 Layout:
     config.json                     {"format": "gptkit", "format_version": 1, "model": {ModelConfig fields},
-                                     "generation": {optional defaults}}
+                                     "generation": {"eos_ids": [...], when more than the tokenizer's own}}
     model.safetensors               the weights (or model-0000x-of-0000y.safetensors + model.safetensors.index.json)
     tokenizer files                 whatever the tokenizer's save(dir) writes (see gptkit.tokenizer)
 A tied LM head is stored once, as tok_emb.weight.
@@ -60,24 +60,28 @@ def model_state(model: GPT) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_model_dir(
-    model: GPT,
-    path: str | Path,
-    tokenizer: Any | None = None,
-    generation: dict[str, Any] | None = None,
-) -> Path:
+def save_model_dir(model: GPT, path: str | Path, tokenizer: Any | None = None) -> Path:
     """Write model (and its tokenizer, if given) as a gptkit model directory; each file lands atomically."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     module = getattr(model, "_orig_mod", model)
     save_tensors(model_state(module), path / WEIGHTS_FILE, metadata={"format": "pt"})
+    write_config_and_tokenizer(path, module.config, tokenizer)
+    return path
+
+
+def write_config_and_tokenizer(
+    path: Path, config: ModelConfig, tokenizer: Any | None, extra: dict[str, Any] | None = None
+) -> None:
+    """The tokenizer's files and config.json (last: it makes the directory loadable) beside written weights."""
+    data: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": config.to_dict(),
+                            **(extra or {})}  # fmt: skip
     if tokenizer is not None:
         tokenizer.save(path)
-    config: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": module.config.to_dict()}
-    if generation:
-        config["generation"] = generation
-    atomic_write_text(path / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
-    return path
+        own = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
+        if tokenizer.eos_ids != own:  # end ids a model's config added (on import from Hugging Face)
+            data["generation"] = {"eos_ids": list(tokenizer.eos_ids)}
+    atomic_write_text(path / CONFIG_FILE, json.dumps(data, indent=2) + "\n")
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
@@ -189,7 +193,8 @@ def load(
 
             return load_hf(path, dtype=dtype, device=device)
         raise ModelDirError(f"{path / CONFIG_FILE} is neither a gptkit nor a Hugging Face model config")
-    if read_config_json(path).get("quantization"):
+    data = read_config_json(path)
+    if data.get("quantization"):
         from gptkit.quantization import load_quantized_dir
 
         model = load_quantized_dir(path, device=device, dtype=dtype)
@@ -199,4 +204,7 @@ def load(
         tokenizer = load_tokenizer(path)
     except TokenizerNotFound:
         tokenizer = None
+    eos_ids = data.get("generation", {}).get("eos_ids")
+    if tokenizer is not None and eos_ids:
+        tokenizer.add_eos_ids(eos_ids)
     return model, tokenizer

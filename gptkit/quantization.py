@@ -10,7 +10,6 @@ model.safetensors holds int8 `*.weight` and float `*.scales` tensors; load_quant
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +163,7 @@ def quantize(model: GPT, method: str = "int8") -> GPT:
 
 def save_quantized_dir(model: GPT, path: str | Path, tokenizer: Any | None = None) -> Path:
     """Write a quantised model as a gptkit model directory that load_quantized_dir (and modeldir.load) read back."""
-    from gptkit.modeldir import CONFIG_FILE, FORMAT, FORMAT_VERSION, WEIGHTS_FILE, atomic_write_text, save_tensors
+    from gptkit.modeldir import WEIGHTS_FILE, save_tensors, write_config_and_tokenizer
 
     base = getattr(model, "_orig_mod", model)
     if not is_quantized(base):
@@ -172,11 +171,7 @@ def save_quantized_dir(model: GPT, path: str | Path, tokenizer: Any | None = Non
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_tensors(base.state_dict(), path / WEIGHTS_FILE, metadata={"format": "pt", "quantization": "int8"})
-    if tokenizer is not None:
-        tokenizer.save(path)
-    config = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": base.config.to_dict(),
-              "quantization": "int8"}  # fmt: skip
-    atomic_write_text(path / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    write_config_and_tokenizer(path, base.config, tokenizer, {"quantization": "int8"})
     return path
 
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from gptkit.errors import ConfigError
 from gptkit.generation import (
-    DRAFT_K, Completion, Decode, Engine, Row, _base, _device_dtype, _inference, _seeded, _window,
+    DRAFT_K, Completion, Decode, Engine, EosIds, Row, _base, _device_dtype, _inference, _seeded, _window, end_ids,
 )  # fmt: skip
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
@@ -85,7 +85,7 @@ def speculative_generate(
     prompt: Sequence[int],
     params: SamplingParams,
     k: int = DRAFT_K,
-    eos_id: int | None = None,
+    eos_id: EosIds = None,
     decode: Decode | None = None,
     seed: int | None = None,
 ) -> tuple[Completion, SpeculativeStats]:
@@ -98,7 +98,8 @@ def speculative_generate(
     total = len(prompt) + params.max_new_tokens + k
     t_cache = KVCache(_base(target).config, 1, total, device=device, dtype=dtype)
     d_cache = KVCache(_base(draft).config, 1, total, device=d_device, dtype=d_dtype)
-    row = Row(list(prompt), len(prompt), params, _seeded(device, seed), eos_id, decode, position=len(prompt))
+    row = Row(list(prompt), len(prompt), params, _seeded(device, seed), end_ids(eos_id), decode,
+              position=len(prompt))  # fmt: skip
     stats = SpeculativeStats()
     with _inference(target), _inference(draft):
         logits = target(_ids(prompt, device), cache=t_cache, start_pos=0)[0, -1:]

@@ -52,6 +52,19 @@ class Tokenizer(ABC):
     vocab_size: int
     eos_id: int | None
     special_tokens: dict[str, int]
+    _more_eos_ids: tuple[int, ...] = ()
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generated text: eos_id, then those a model's config adds (e.g. end of turn)."""
+        first = () if self.eos_id is None else (self.eos_id,)
+        return first + tuple(i for i in self._more_eos_ids if i != self.eos_id)
+
+    def add_eos_ids(self, ids: Iterable[int]) -> None:
+        """Also end generated texts at these ids (a model's own list, such as Llama 3's end-of-turn token)."""
+        ids = list(ids)
+        self._check_ids(ids)
+        self._more_eos_ids = tuple(dict.fromkeys([*self._more_eos_ids, *ids]))
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -289,15 +302,16 @@ def newline_cuts(text: str, every: int) -> list[int]:
     return cuts
 
 
-def _byte_level_symbols() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, symbol -> byte: printable Latin-1 bytes are their own symbol, the other bytes
-    take the characters from U+0100 on, in byte order."""
+def _byte_level_symbols() -> dict[int, str]:
+    """GPT-2's byte-level alphabet, byte -> symbol (Radford et al. 2019, encoder.py bytes_to_unicode): printable
+    Latin-1 bytes are their own symbol, the other bytes take the characters from U+0100 on, in byte order."""
     printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
     others = (b for b in range(256) if b not in printable)
-    return {chr(b): b for b in printable} | {chr(0x100 + n): b for n, b in enumerate(others)}
+    return {b: chr(b) for b in printable} | {b: chr(0x100 + n) for n, b in enumerate(others)}
 
 
-_BYTE_OF_SYMBOL = _byte_level_symbols()
+BYTE_LEVEL_SYMBOLS = _byte_level_symbols()
+_BYTE_OF_SYMBOL = {symbol: b for b, symbol in BYTE_LEVEL_SYMBOLS.items()}
 
 
 class BPETokenizer(Tokenizer):
@@ -362,15 +376,16 @@ class BPETokenizer(Tokenizer):
             hf = HFTokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception for unreadable or malformed files
             raise GptkitError(f"cannot load {path} as a Hugging Face tokenizer: {err}") from None
-        eos = None
+        eos = None  # the tokenizer_config.json's eos_token wins over <|endoftext|> (a chat model's <|im_end|>)
         config = path.parent / "tokenizer_config.json"
-        if hf.token_to_id(EOT) is None and config.is_file():
+        if config.is_file():
             try:
-                value = json.loads(config.read_text()).get("eos_token")
+                data = json.loads(config.read_text())
             except (OSError, ValueError):
-                value = None
+                data = None
+            value = data.get("eos_token") if isinstance(data, dict) else None
             eos = value.get("content") if isinstance(value, dict) else value
-        return cls(hf, eos if isinstance(eos, str) else None)
+        return cls(hf, eos if isinstance(eos, str) and hf.token_to_id(eos) is not None else None)
 
     def encode(self, text: str) -> list[int]:
         """The ids of text."""

@@ -339,6 +339,43 @@ def test_gptkit_load_of_hf_directory_returns_model_and_tokenizer(tmp_path) -> No
     torch.testing.assert_close(model(torch.tensor([ids])), expected, atol=1e-4, rtol=0)
 
 
+def test_eos_ids_of_the_hf_configs_end_generation_as_in_transformers(tmp_path) -> None:
+    from gptkit.generation import generate_ids
+    from gptkit.tokenizer import BPETokenizer
+
+    bpe = BPETokenizer.train(["the quick brown fox jumps over the lazy dog. " * 20], vocab_size=300,
+                             specials=["<|endoftext|>", "<|im_end|>"])  # fmt: skip
+    im_end = bpe.hf.token_to_id("<|im_end|>")
+    hf_model = make_hf("llama-gqa-untied")
+    hf_model.resize_token_embeddings(bpe.vocab_size)
+    with torch.no_grad():
+        hf_model.get_output_embeddings().weight.normal_(0.0, 0.2)
+    prompt = bpe.encode("the lazy")
+    free = greedy_hf(hf_model, prompt, 12)
+    second_eos = free[4]  # the greedy text reaches it, so generation must end there
+    hf_model.generation_config.eos_token_id = [im_end, second_eos]
+    hf_model.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(bpe.hf.to_str())
+    # A chat model's tokenizer_config names its end of turn, not <|endoftext|>, as the eos token.
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    model, tokenizer = load(tmp_path / "hf")
+    assert tokenizer.eos_ids == (im_end, second_eos)
+    expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert expected[0, -1] == second_eos
+    for beams in (1, 2):
+        got = generate_ids(model, prompt, max_new_tokens=12, temperature=0, num_beams=beams, eos_id=tokenizer.eos_ids)
+        hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, num_beams=beams,
+                               pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+        assert got == (hf[:-1] if hf[-1] in tokenizer.eos_ids else hf)  # gptkit returns no eos token
+    # The list survives an import into a gptkit directory and an export back to Hugging Face.
+    save_model_dir(model, tmp_path / "gptkit", tokenizer=tokenizer)
+    assert load(tmp_path / "gptkit")[1].eos_ids == (im_end, second_eos)
+    export_hf(tmp_path / "gptkit", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == [im_end, second_eos]
+    with pytest.raises(GptkitError, match="eos_id must be a token id"):
+        generate_ids(model, prompt, max_new_tokens=2, eos_id=["x"])
+
+
 def tokenizers_under_test():
     from gptkit.tokenizer import EOT, BPETokenizer, ByteTokenizer, CharTokenizer
 

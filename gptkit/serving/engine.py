@@ -270,8 +270,7 @@ class Engine:
 
     def _emit_progress(self, seq: Sequence) -> str | None:
         """Send seq's new text (holding back what might start a stop string); return its finish reason, if any."""
-        eos = getattr(self.tokenizer, "eos_id", None)
-        hit_eos = eos is not None and seq.generated[-1] == eos
+        hit_eos = seq.generated[-1] in self.tokenizer.eos_ids
         ids = seq.generated[:-1] if hit_eos else seq.generated
         text = self.tokenizer.decode(ids)
         reason = "stop" if hit_eos else None
