@@ -285,14 +285,16 @@ class ByteTokenizer(Tokenizer):
 
 
 def newline_cuts(text: str, every: int) -> list[int]:
-    """Positions just after a newline that is followed by a non-space character, about `every` apart.
+    """Positions just after a newline between two non-space characters, about `every` apart.
 
     GPT-2's pre-tokenizer ends every whitespace run before a non-space character, and no other pattern of it
-    matches a newline, so byte-level BPE encodes the two sides of such a cut exactly as the whole. Python's \\s
-    counts a few more characters as space than the Rust regex does, which only removes candidate cuts.
+    matches a newline, so such a newline is a piece of its own, in the whole text as at the end of the part
+    before the cut: byte-level BPE encodes the two sides exactly as the whole. (A longer run, as in \\r\\n, is
+    one piece at the end of a text but splits before its last character inside one.) Python's \\s counts a few
+    more characters as space than the Rust regex does, which only removes candidate cuts.
     """
     cuts, start = [], every
-    pattern = re.compile(r"\n(?=\S)")
+    pattern = re.compile(r"(?<=\S)\n(?=\S)")
     while start < len(text):
         match = pattern.search(text, start - 1)
         if match is None:

@@ -151,7 +151,8 @@ def test_bpe_rejects_a_vocabulary_too_small_for_bytes_and_specials() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.sampled_from(["\n", "\n\n", " ", "    ", "\t", "a", "return", "'s", "日本", "🌍", "12", ".", EOT]), max_size=80))
+@given(st.lists(st.sampled_from(["\n", "\n\n", "\r\n", " ", "    ", "\t", "a", "return", "'s", "日本", "🌍", "12", ".",
+                                 EOT]), max_size=80))  # fmt: skip
 def test_bpe_cut_points_never_change_the_encoding(bpe: BPETokenizer, parts: list[str]) -> None:
     text = "".join(parts)
     cuts = bpe.cut_points(text, 3)
@@ -161,6 +162,17 @@ def test_bpe_cut_points_never_change_the_encoding(bpe: BPETokenizer, parts: list
     whole = bpe.encode_arrays([text])[0]
     assert np.concatenate([np.zeros(0, np.uint32), *bpe.encode_arrays(pieces)]).tolist() == whole.tolist()
     assert bpe.decode(whole.tolist()) == text
+
+
+def test_bpe_cut_points_keep_whitespace_runs_before_a_newline_whole() -> None:
+    text = "Line one of the text\r\nLine two \u00fc\r\nplain\n" * 300
+    # Texts ending in \r\n teach a merge of it: \r\n is one piece at a text's end, two inside one.
+    crlf = BPETokenizer.train([text, *["end\r\n"] * 50], vocab_size=300)
+    assert len(crlf.encode("a\r\n")) == 2
+    cuts = crlf.cut_points(text, 64)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    assert len(pieces) > 100
+    assert np.concatenate(crlf.encode_arrays(pieces)).tolist() == crlf.encode(text)
 
 
 def test_bpe_batch_encoding_of_cut_shakespeare_equals_whole_encoding(bpe: BPETokenizer) -> None:

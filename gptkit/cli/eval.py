@@ -43,7 +43,7 @@ def _read_text(path: str) -> str:
     if not file.is_file():
         raise InputError(f"--input {path} does not exist (or is not a file)")
     try:
-        return file.read_text(encoding="utf-8")
+        return file.read_bytes().decode("utf-8")  # not read_text: its newline translation would change \r\n
     except UnicodeDecodeError as err:
         raise InputError(f"--input {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     except OSError as err:

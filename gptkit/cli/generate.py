@@ -57,11 +57,15 @@ def read_prompt(args: argparse.Namespace) -> str:
         return args.prompt
     if args.prompt_file is not None:
         try:
-            return args.prompt_file.read_text(encoding="utf-8")
+            return args.prompt_file.read_bytes().decode("utf-8")  # as written: no \r\n -> \n translation
         except (OSError, UnicodeDecodeError) as err:
             raise GptkitError(f"cannot read --prompt-file {args.prompt_file}: {err}") from None
     if sys.stdin is not None and not sys.stdin.isatty():
-        return sys.stdin.read()
+        raw = getattr(sys.stdin, "buffer", None)  # bytes, so that \r\n stays as written
+        try:
+            return raw.read().decode("utf-8") if raw is not None else sys.stdin.read()
+        except UnicodeDecodeError as err:
+            raise GptkitError(f"standard input is not UTF-8 text (byte {err.start}: {err.reason})") from None
     return ""
 
 
