@@ -221,7 +221,8 @@ def save_checkpoint(
 def prune(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints, never the one `latest` names."""
     current = latest_checkpoint(run_dir)
-    done = sorted(p for p in (run_dir / CHECKPOINTS).glob("step-*") if p.is_dir())
+    numbered = [p for p in (run_dir / CHECKPOINTS).glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
+    done = sorted(numbered, key=lambda p: int(p.name[5:]))  # by number: step-1000000 comes after step-999000
     for path in done[: max(len(done) - keep, 0)]:
         if current is None or path.resolve() != current.resolve():
             shutil.rmtree(path, ignore_errors=True)

@@ -180,7 +180,10 @@ def weight_rules(config: ModelConfig, layout: Layout, base: str | None = None) -
 
 
 def ignorable_names(config: ModelConfig, layout: Layout, base: str) -> set[str]:
-    """HF tensors an import may skip: per-layer buffers of older checkpoints, the second name of a tied head."""
+    """HF tensors an import may skip: per-layer buffers of older checkpoints, the second name of a tied head.
+
+    A tied config's lm_head.weight is only skipped when it equals the embedding (see untied_if_head_differs).
+    """
     names = {f"{base}{layout.layers}.{i}.{b}" for i in range(config.n_layer) for b in layout.buffers}
     if config.tie_embeddings:
         names.add("lm_head.weight")
@@ -192,6 +195,11 @@ def import_tensor(rule: Rule, get: Callable[[str], Tensor], source: str) -> Tens
     parts = []
     for name, shape in zip(rule.theirs, rule.their_shapes):
         tensor = get(name)
+        if not tensor.is_floating_point():
+            raise ConversionError(
+                f"{source}: tensor {name!r} has dtype {tensor.dtype}; weights must be floating point "
+                "(re-save the checkpoint with float weights)"
+            )
         if tuple(tensor.shape) != shape:
             found = tuple(tensor.shape)
             raise ConversionError(f"{source}: tensor {name!r} has shape {found}, the config needs {shape}")
@@ -312,33 +320,42 @@ def _refuse(source: str, setting: str, why: str) -> ConversionError:
 
 def _rope_theta(hf: dict[str, Any], source: str) -> float:
     """RoPE's base, refusing any scaling or partial rotation gptkit does not implement."""
-    params = hf.get("rope_parameters")  # transformers 5.x; older files say rope_theta and rope_scaling
-    if params is None:
-        params = dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", 10000.0))
-    if not isinstance(params, dict) or "rope_theta" not in params:
+    # transformers 5.x reads rope_parameters, but a (legacy) rope_scaling replaces it whole when both are set;
+    # a scaled RoPE under either key is refused, so that no reading of the file hides one.
+    for key in ("rope_scaling", "rope_parameters"):
+        params = hf.get(key)
+        rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else None
+        if rope_type not in (None, "default"):
+            raise _refuse(source, f"RoPE scaling {rope_type!r}", "gptkit implements plain RoPE only")
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
         raise _refuse(source, f"rope_parameters {params!r}", "gptkit needs one plain RoPE for all layers")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise _refuse(source, f"RoPE scaling {rope_type!r}", "gptkit implements plain RoPE only")
+    # Entries the dict lacks come from the top-level keys, then transformers' defaults, as transformers fills them.
+    params = {"rope_theta": hf.get("rope_theta", 10000.0), "partial_rotary_factor": hf.get("partial_rotary_factor", 1.0),
+              **params}  # fmt: skip
     extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
-    if extra or params.get("partial_rotary_factor", 1.0) != 1.0:
+    if extra or params["partial_rotary_factor"] != 1.0:
         setting = extra[0] if extra else "partial_rotary_factor"
         raise _refuse(source, f"RoPE setting {setting!r}", "gptkit rotates the full head with plain RoPE")
-    return float(params["rope_theta"])
+    theta = params["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConversionError(f"{source}: rope_theta {theta!r} is not a number; fix it in {CONFIG_FILE}")
+    return float(theta)
 
 
-def _sliding_window_in_effect(hf: dict[str, Any], layout: Layout, block_size: int) -> int | None:
-    """The attention window, if some layer attends over fewer than block_size past positions."""
+def _sliding_window(hf: dict[str, Any], layout: Layout) -> int | None:
+    """The attention window some layer uses (Mistral, Qwen2), or None when every layer attends to all positions."""
     window = hf.get("sliding_window", FAMILY_DEFAULTS[layout.model_type].get("sliding_window"))
     if layout is QWEN2:
-        layer_types = hf.get("layer_types")
+        # Qwen2 configs commonly carry a sliding_window that use_sliding_window=false switches off.
         if not _get(hf, "use_sliding_window", layout, ""):
             return None
+        layer_types = hf.get("layer_types")
         if layer_types is not None and "sliding_attention" not in layer_types:
             return None
         if layer_types is None and hf.get("num_hidden_layers", 0) <= _get(hf, "max_window_layers", layout, ""):
             return None
-    return window if window is not None and window < block_size else None
+    return window
 
 
 def config_from_hf(hf: dict[str, Any], layout: Layout, source: str) -> ModelConfig:
@@ -389,12 +406,11 @@ def config_from_hf(hf: dict[str, Any], layout: Layout, source: str) -> ModelConf
     except ConfigError as err:
         raise ConversionError(f"{source}: {err}") from None
     if layout is not GPT2:
-        window = _sliding_window_in_effect(hf, layout, config.block_size)
+        # Even a window as long as max_position_embeddings binds: gptkit runs RoPE models past block_size.
+        window = _sliding_window(hf, layout)
         if window is not None:
-            raise _refuse(
-                source, f"sliding_window {window}",
-                f"gptkit attends over the whole context (max_position_embeddings {config.block_size})",
-            )  # fmt: skip
+            why = f"each token attends only to the last {window} positions; gptkit's attention is full causal"
+            raise _refuse(source, f"sliding_window {window}", why + " at any length")
     return config
 
 
@@ -565,9 +581,32 @@ def state_from_hf(
         if rule.theirs:
             tensor = import_tensor(rule, lambda name: loaders[name](), source)
         else:  # HF never stores this bias; it is zero
-            tensor = torch.zeros(rule.shape, dtype=state["tok_emb.weight"].dtype)
-        state[rule.ours] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            tensor = torch.zeros(rule.shape)
+        # gptkit computes in one dtype (as transformers does once loaded), so mixed files (bf16 weights, fp32
+        # norms) are cast to the requested dtype, else to the token embedding's: the first rule, and the bulk.
+        dtype = tensor.dtype if dtype is None else dtype
+        state[rule.ours] = tensor.to(device=device, dtype=dtype)
     return state
+
+
+def untied_if_head_differs(
+    config: ModelConfig,
+    layout: Layout,
+    loaders: dict[str, Callable[[], Tensor]],
+    source: str,
+    dtype: torch.dtype | None = None,
+) -> ModelConfig:
+    """config, untied when it ties the head but the file holds an lm_head.weight that is not the embedding."""
+    embed = _base_prefix(layout, set(loaders)) + layout.embed + ".weight"
+    if not config.tie_embeddings or "lm_head.weight" not in loaders or embed not in loaders:
+        return config
+    head, embedding = loaders["lm_head.weight"](), loaders[embed]()
+    dtype = embedding.dtype if dtype is None else dtype  # compared as imported, like transformers after loading
+    if head.shape == embedding.shape and torch.equal(head.to(dtype), embedding.to(dtype)):
+        return config
+    # transformers then keeps both tensors (with a warning): the model computes with the file's head.
+    log.warning("%s: lm_head.weight differs from the embedding although the config ties them; keeping both", source)
+    return dataclasses.replace(config, tie_embeddings=False)
 
 
 def model_from_hf_state(
@@ -580,7 +619,7 @@ def model_from_hf_state(
 ) -> GPT:
     """The GPT equal to an HF model given as its config dict and its tensors (lazily loaded)."""
     layout = detect_layout(hf, source, class_name)
-    derived = config_from_hf(hf, layout, source)
+    derived = untied_if_head_differs(config_from_hf(hf, layout, source), layout, loaders, source, dtype)
     state = state_from_hf(derived, layout, loaders, source, dtype, device)
     config = config_with_hint(derived, hf)
     if config != derived:

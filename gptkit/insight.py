@@ -336,6 +336,8 @@ def write_report(
     if max_tokens < 1:
         raise InputError(f"--max-tokens must be >= 1, got {max_tokens}")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file; give a directory for the report")
     out.mkdir(parents=True, exist_ok=True)
     config = model.config
     ids = tokenizer.encode(prompt)

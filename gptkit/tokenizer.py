@@ -74,6 +74,10 @@ class Tokenizer(ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ids; an incomplete UTF-8 sequence decodes to U+FFFD."""
 
+    @abstractmethod
+    def vocabulary(self) -> tuple[Any, ...]:
+        """What each id stands for, comparable between tokenizers: equal ones encode text the same way."""
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes of text one id stands for, also when they are part of a character (a special: its text)."""
         return self.decode([token_id]).encode("utf-8")
@@ -203,6 +207,10 @@ class CharTokenizer(Tokenizer):
         self._check_ids(ids)
         return "".join(self._itos[i] for i in ids)
 
+    def vocabulary(self) -> tuple[Any, ...]:
+        """The alphabet and the specials."""
+        return self.kind, tuple(self.chars), tuple(self.special_tokens.items())
+
     def token_byte_lengths(self) -> np.ndarray:
         """UTF-8 length of each character, 0 for specials."""
         lengths = [len(c.encode("utf-8", "surrogatepass")) for c in self.chars] + [0] * len(self.special_tokens)
@@ -270,6 +278,10 @@ class ByteTokenizer(Tokenizer):
         out.append(run.decode("utf-8", "replace"))
         return "".join(out)
 
+    def vocabulary(self) -> tuple[Any, ...]:
+        """The specials (ids 0..255 are always the bytes)."""
+        return self.kind, tuple(self.special_tokens.items())
+
     def token_bytes(self, token_id: int) -> bytes:
         """The byte itself (a special: its text)."""
         self._check_ids([token_id])
@@ -282,6 +294,15 @@ class ByteTokenizer(Tokenizer):
     def save(self, directory: Path) -> None:
         """Write gptkit_tokenizer.json with the specials."""
         self._write_gptkit_file(directory, {"specials": list(self.special_tokens)})
+
+
+def check_same_tokenizer(data: Tokenizer, model: Tokenizer, data_name: str, model_name: str) -> None:
+    """An InputError unless data's tokens mean what model's do (same kind, same id for every token)."""
+    if data.vocabulary() != model.vocabulary():
+        raise InputError(
+            f"{data_name} was encoded with a different tokenizer ({data.kind}, {data.vocab_size} ids) than "
+            f"{model_name} ({model.kind}, {model.vocab_size} ids); prepare the data with --tokenizer {model_name}"
+        )
 
 
 def newline_cuts(text: str, every: int) -> list[int]:
@@ -414,6 +435,10 @@ class BPETokenizer(Tokenizer):
         ids = list(ids)
         self._check_ids(ids)
         return self.hf.decode(ids, skip_special_tokens=False)
+
+    def vocabulary(self) -> tuple[Any, ...]:
+        """Every token's text by id, added tokens included."""
+        return self.kind, tuple(sorted(self.hf.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1]))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's bytes: read from its symbols in a byte-level vocabulary (or a <0xNN> byte-fallback

@@ -14,9 +14,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -42,8 +42,8 @@ from gptkit.distributed import (
     all_mean,
     any_rank,
     barrier,
-    gather_objects,
     device_for,
+    gather_objects,
     init_process_group,
     sync_context,
     world_from_env,
@@ -52,6 +52,7 @@ from gptkit.distributed import (
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.model import GPT
 from gptkit.optim import lr_at, make_optimizer
+from gptkit.tokenizer import check_same_tokenizer
 from gptkit.train_config import RunConfig, TrainConfig, resolve_model
 
 CONFIG_FILE = "config.yaml"
@@ -254,6 +255,9 @@ CHECK_CHUNK = 1 << 24
 
 def check_tokens(name: str, tokens: np.ndarray, vocab_size: int, block_size: int) -> None:
     """Each split must be long enough for one window and hold only ids inside the vocabulary (the model skips it)."""
+    if len(tokens) == 0 and name.startswith("val"):
+        raise GptkitError(f"{name} is empty (data prepared with --val-fraction 0): training evaluates on it; "
+                          "prepare the data again with --val-fraction above 0")  # fmt: skip
     if len(tokens) < block_size + 1:
         raise GptkitError(
             f"{name} has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}; "
@@ -300,13 +304,6 @@ def train(config: RunConfig, resume: bool = False, progress: bool = True) -> Tra
             torch.distributed.destroy_process_group()
 
 
-def _check_counts(t: TrainConfig) -> None:
-    for key in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval",
-                "checkpoint_interval", "keep_checkpoints", "max_bad_steps"):  # fmt: skip
-        if getattr(t, key) < 1:
-            raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
-
-
 def _tokenizer_of(path: Path) -> Any | None:
     from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
 
@@ -326,8 +323,10 @@ class Trainer:
         self.o = config.optim
         if t.out_dir is None:
             raise ConfigError("no run directory: pass --out RUN_DIR or set train.out_dir")
-        _check_counts(t)
+        config.validate()
         self.run_dir = Path(t.out_dir)
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise ConfigError(f"--out {self.run_dir} is a file; give a directory for the run")
         self.meta, self.train_tokens, self.val_tokens, tokenizer = load_data(t.data_dir)
         vocab_size = self.meta["vocab_size"]
         checkpoint = latest_checkpoint(self.run_dir) if self.run_dir.is_dir() else None
@@ -349,10 +348,13 @@ class Trainer:
             model = GPT(read_model_config(checkpoint))
             if model.config.vocab_size != vocab_size:
                 raise ConfigError(f"the run's model has vocab_size {model.config.vocab_size}, the data {vocab_size}")
-            own_tokenizer = _tokenizer_of(checkpoint)
+            own_tokenizer, source = _tokenizer_of(checkpoint), str(checkpoint)
         else:
             model, own_tokenizer = build_model(config, vocab_size)
-        self.tokenizer = tokenizer if tokenizer is not None else own_tokenizer
+            source = str(config.model.init_from)
+        if tokenizer is not None and own_tokenizer is not None:
+            check_same_tokenizer(tokenizer, own_tokenizer, str(t.data_dir), source)
+        self.tokenizer = own_tokenizer if own_tokenizer is not None else tokenizer  # the model's keeps its eos ids
         self.block_size = model.config.block_size
         check_tokens("train.bin", self.train_tokens, vocab_size, self.block_size)
         check_tokens("val.bin", self.val_tokens, vocab_size, self.block_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -49,6 +50,18 @@ class OptimConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 turns clipping off
 
+    def validate(self) -> None:
+        """Raise ConfigError naming the first setting out of its range."""
+        _check_range("optim.lr", self.lr, low=0.0, low_open=True)
+        _check_range("optim.min_lr", self.min_lr, low=0.0, high=self.lr, why="between 0 and optim.lr")
+        _check_range("optim.warmup_steps", self.warmup_steps, low=0)
+        if self.decay_steps is not None:
+            _check_range("optim.decay_steps", self.decay_steps, low=1)
+        _check_range("optim.weight_decay", self.weight_decay, low=0.0)
+        for name in ("beta1", "beta2"):
+            _check_range(f"optim.{name}", getattr(self, name), low=0.0, high=1.0, high_open=True)
+        _check_range("optim.grad_clip", self.grad_clip, low=0.0, why=">= 0 (0 turns clipping off)")
+
 
 @dataclass
 class TrainConfig:
@@ -75,6 +88,28 @@ class TrainConfig:
     plot: bool = True  # refresh RUN_DIR/loss.png at each evaluation
     tensorboard: bool = False  # also log every metric to RUN_DIR/tensorboard (needs the tensorboard package)
 
+    def validate(self) -> None:
+        """Raise ConfigError naming the first setting out of its range."""
+        for key in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval",
+                    "checkpoint_interval", "keep_checkpoints", "max_bad_steps"):  # fmt: skip
+            _check_range(f"train.{key}", getattr(self, key), low=1)
+        _check_range("train.seed", self.seed, low=0)
+        if self.peak_flops is not None:
+            _check_range("train.peak_flops", self.peak_flops, low=0.0, low_open=True)
+
+
+def _check_range(name: str, value: float, low: float, high: float | None = None, low_open: bool = False,
+                 high_open: bool = False, why: str | None = None) -> None:  # fmt: skip
+    """A ConfigError unless value is finite and within [low, high] (an open end excludes that bound)."""
+    inside = math.isfinite(value) and (value > low if low_open else value >= low)
+    if high is not None:
+        inside = inside and (value < high if high_open else value <= high)
+    if not inside:
+        if why is None:
+            why = (f"> {low}" if low_open else f">= {low}") if high is None else \
+                f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"  # fmt: skip
+        raise ConfigError(f"{name} must be {why}, got {value}")
+
 
 @dataclass
 class RunConfig:
@@ -97,6 +132,11 @@ class RunConfig:
     def to_yaml(self) -> str:
         """The config as YAML text, in section order."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first optim or train setting out of its range."""
+        self.optim.validate()
+        self.train.validate()
 
 
 SECTIONS: dict[str, type] = {"optim": OptimConfig, "train": TrainConfig}
@@ -238,7 +278,9 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
             value = text
-        if isinstance(value, (dict, list)) or (value is not None and not isinstance(value, (bool, int, float))):
+        kind = section_types(section).get(key) if section in ("model", *SECTIONS) else None
+        wants_text = kind is str or str in get_args(kind)  # a path named 2024 or yes stays a string
+        if value is not None and (wants_text or not isinstance(value, (bool, int, float))):
             value = text  # keep strings (and anything structured) exactly as typed
         overrides.setdefault(section, {})[key] = value
     return overrides

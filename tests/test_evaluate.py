@@ -122,12 +122,13 @@ def model_dir(tmp_path_factory, model):
 
 def test_cli_json_on_a_text_file(model_dir, model, tmp_path, capsys):
     text_file = tmp_path / "t.txt"
-    text_file.write_text(TEXT, encoding="utf-8")
+    text_file.write_bytes(TEXT.replace("\n", "\r\n").encode())  # scored as written: \r\n is two bytes
     assert main(["eval", str(model_dir), "--input", str(text_file), "--json", "--stride", "6", "--quiet"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {"tokens", "bytes", "loss", "perplexity", "bits_per_byte"}
-    direct = evaluate_text(model, ByteTokenizer(), TEXT, stride=6)
+    direct = evaluate_text(model, ByteTokenizer(), TEXT.replace("\n", "\r\n"), stride=6)
     assert report["loss"] == pytest.approx(direct.loss, rel=1e-6) and report["tokens"] == direct.tokens
+    assert report["bytes"] == text_file.stat().st_size - 1  # every byte but the first token's
 
 
 def test_cli_on_prepared_val_bin(model_dir, model, tmp_path, capsys):
@@ -153,11 +154,18 @@ def test_cli_on_prepared_val_bin(model_dir, model, tmp_path, capsys):
         (["--input", "{tmp}/t.txt", "--stride", "0"], "--stride"),
         (["--input", "{tmp}/t.txt", "--stride", str(BLOCK + 1)], "--stride"),
         (["--data", "{tmp}/nodata"], "does not exist"),
+        (["--data", "{tmp}/bpe-data"], "different tokenizer"),  # as many ids as the model's bytes, other tokens
     ],
 )
 def test_cli_errors_are_one_line_exit_2(model_dir, tmp_path, capsys, extra, message):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "t.txt").write_text(TEXT)
+    if "{tmp}/bpe-data" in extra:
+        from gptkit.prepare import PrepareConfig, prepare
+
+        meta = prepare(PrepareConfig(out=str(tmp_path / "bpe-data"), inputs=[str(tmp_path / "t.txt")],
+                                     tokenizer="bpe", vocab_size=257, val_fraction=0.5))  # fmt: skip
+        assert meta["vocab_size"] == 257
     argv = ["eval", str(model_dir), "--quiet", *[a.format(tmp=tmp_path) for a in extra]]
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,6 +231,36 @@ def test_compiled_model_checkpoints_without_orig_mod(data_dir, tmp_path, monkeyp
         names = load_tensors(latest / file)
         assert names and not [n for n in names if "_orig_mod" in n], file
     assert load_model_dir(latest).config.n_layer == 2
+
+
+def test_prune_orders_checkpoints_by_step_number_past_six_digits(tmp_path):
+    from gptkit.checkpoint import TRAINER_FILE, prune
+
+    steps = [998_000, 999_000, 1_000_000, 1_001_000]
+    for step in steps:
+        (tmp_path / CHECKPOINTS / f"step-{step:06d}").mkdir(parents=True)
+        (tmp_path / CHECKPOINTS / f"step-{step:06d}" / TRAINER_FILE).write_text("{}")
+    (tmp_path / "latest").write_text(f"{CHECKPOINTS}/step-1001000")
+    prune(tmp_path, keep=2)
+    assert sorted(p.name for p in (tmp_path / CHECKPOINTS).iterdir()) == ["step-1000000", "step-1001000"]
+
+
+def test_data_of_another_tokenizer_with_as_many_ids_is_refused(data_dir, reference, tmp_path):
+    from gptkit.errors import InputError
+
+    (tmp_path / "other").mkdir()
+    other = write_char_data_dir(tmp_path / "other", 60_000)
+    alphabet = load_tokenizer(data_dir).chars
+    (other / "gptkit_tokenizer.json").write_text(json.dumps({
+        "format": "gptkit-tokenizer", "format_version": 1, "kind": "char", "chars": "".join(reversed(alphabet)),
+        "specials": []}))  # fmt: skip
+    config = tiny(other, tmp_path / "ft", max_steps=1)
+    config.model.init_from = str(latest_checkpoint(reference))
+    with pytest.raises(InputError, match="different tokenizer"):
+        train(config, progress=False)
+    shutil.copytree(reference, tmp_path / "run")
+    with pytest.raises(InputError, match="different tokenizer"):  # resuming a run on such data
+        train(tiny(other, tmp_path / "run", max_steps=9), resume=True, progress=False)
 
 
 def test_fine_tune_from_model_dir(data_dir, reference, tmp_path):

@@ -91,16 +91,32 @@ def test_precedence_defaults_yaml_flags(tmp_path):
         (["--model.activation", "tanh"], "model.activation must be one of relu"),
         (["--model.preset", "gpt5"], "unknown preset 'gpt5'"),
         (["--train.max_steps", "0"], "train.max_steps must be >= 1"),
+        (["--optim.beta1", "1.5"], "optim.beta1 must be in [0.0, 1.0)"),
+        (["--optim.lr=-1e-3"], "optim.lr must be > 0.0"),
+        (["--optim.lr", "nan"], "optim.lr must be > 0.0, got nan"),
+        (["--optim.min_lr=-0.01"], "optim.min_lr must be between 0 and optim.lr"),
+        (["--optim.weight_decay=-1"], "optim.weight_decay must be >= 0.0"),
+        (["--optim.grad_clip=-1"], "optim.grad_clip must be >= 0 (0 turns clipping off)"),
+        (["--optim.decay_steps", "0"], "optim.decay_steps must be >= 1"),
+        (["--train.seed=-1"], "train.seed must be >= 0"),
+        (["--train.peak_flops=-1"], "train.peak_flops must be > 0.0"),
+        (["--out", "{data}/meta.json"], "is a file; give a directory"),
         (["--model.vocab_size", "50"], "model.vocab_size 50 does not match the data's vocab_size"),
         (["--train.dtype", "float16", "--train.device", "cpu"], "float16 needs CUDA"),
     ],
 )
 def test_bad_values_are_one_line_errors_before_any_work(argv, message, data_dir, tmp_path, capsys):
     out = tmp_path / "run"
+    argv = [arg.format(data=data_dir) for arg in argv]
     code, err = run_cli(["--data", str(data_dir), "--out", str(out), "--model.n_layer", "1", *argv], capsys)
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("gptkit train: error: ") and message in err, err
     assert not (out / "checkpoints").exists()
+
+
+def test_string_settings_keep_the_flag_text_as_typed():
+    config = flags_of(["--train.data_dir", "2024", "--train.out_dir", "yes", "--model.init_from", "null"])
+    assert (config.train.data_dir, config.train.out_dir, config.model.init_from) == ("2024", "yes", None)
 
 
 def test_yaml_errors(tmp_path, data_dir, capsys):

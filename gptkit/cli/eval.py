@@ -50,11 +50,10 @@ def _read_text(path: str) -> str:
         raise InputError(f"cannot read --input {path}: {err.strerror}") from None
 
 
-def _val_tokens(data_dir: str, model_tokenizer):  # -> (np.ndarray, tokenizer or None)
+def _val_tokens(data_dir: str, model_tokenizer, model_dir: str):  # -> (np.ndarray, tokenizer or None)
     """val.bin of a prepared directory and the tokenizer it was encoded with."""
     from gptkit.data import load_tokens, read_meta
-    from gptkit.errors import InputError
-    from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
+    from gptkit.tokenizer import TokenizerNotFound, check_same_tokenizer, load_tokenizer
 
     meta = read_meta(data_dir)
     tokens = load_tokens(Path(data_dir) / "val.bin", meta["dtype"])
@@ -62,13 +61,8 @@ def _val_tokens(data_dir: str, model_tokenizer):  # -> (np.ndarray, tokenizer or
         tokenizer = load_tokenizer(data_dir)
     except TokenizerNotFound:
         tokenizer = model_tokenizer
-    if tokenizer is not None and model_tokenizer is not None and (
-        tokenizer.kind != model_tokenizer.kind or tokenizer.vocab_size != model_tokenizer.vocab_size
-    ):
-        raise InputError(
-            f"{data_dir} was encoded with a {tokenizer.kind} tokenizer of {tokenizer.vocab_size} ids but the model's "
-            f"is {model_tokenizer.kind} with {model_tokenizer.vocab_size}; prepare the data with the model's tokenizer"
-        )
+    if tokenizer is not None and model_tokenizer is not None:
+        check_same_tokenizer(tokenizer, model_tokenizer, data_dir, model_dir)
     return tokens, tokenizer
 
 
@@ -96,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         lengths = tokenizer.token_byte_lengths()
         source = args.input
     else:
-        ids, data_tokenizer = _val_tokens(args.data, tokenizer)
+        ids, data_tokenizer = _val_tokens(args.data, tokenizer, args.model_dir)
         lengths = data_tokenizer.token_byte_lengths() if data_tokenizer is not None else None
         source = str(Path(args.data) / "val.bin")
     if len(ids) < 2:
