@@ -561,7 +561,7 @@ def state_from_hf(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> dict[str, Tensor]:
-    """gptkit's state dict for config, built tensor by tensor from HF tensors; names any missing or extra one."""
+    """gptkit's state dict for config, built tensor by tensor from HF tensors in one dtype; names any bad tensor."""
     base = _base_prefix(layout, set(loaders))
     rules = weight_rules(config, layout, base)
     needed = {name for rule in rules for name in rule.theirs}
@@ -582,8 +582,8 @@ def state_from_hf(
             tensor = import_tensor(rule, lambda name: loaders[name](), source)
         else:  # HF never stores this bias; it is zero
             tensor = torch.zeros(rule.shape)
-        # gptkit computes in one dtype (as transformers does once loaded), so mixed files (bf16 weights, fp32
-        # norms) are cast to the requested dtype, else to the token embedding's: the first rule, and the bulk.
+        # One dtype for the whole model, as transformers loads it: a mixed file (bf16 weights, fp32 norms) would
+        # fail at forward. Unless one is requested, the token embedding's (the first rule; the bulk's dtype).
         dtype = tensor.dtype if dtype is None else dtype
         state[rule.ours] = tensor.to(device=device, dtype=dtype)
     return state

@@ -5,8 +5,8 @@ encoding, encoded a batch of pieces at a time (on every core for BPE) and append
 file, so memory stays flat however large the corpus. Documents (each text file, each JSONL line) are
 separated by the end-of-text token. At the end the last val_fraction of the token stream is copied to val.bin,
 the temporary file is truncated and renamed to train.bin, and meta.json is written last: a directory without
-meta.json is incomplete, and an existing meta.json is removed first so that an interrupted run never leaves
-new token files described by old metadata.
+meta.json is incomplete, and an existing meta.json is removed before the first new token file replaces an old
+one, so that an interrupted run never leaves new token files described by old metadata.
 """
 
 from __future__ import annotations
@@ -220,6 +220,8 @@ class _Reader:
                     "fix the file or pass --errors replace"
                 ) from None
             position += len(raw)
+            if number == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write is not part of the JSON
             if not line.strip():
                 yield None, raw
                 continue
@@ -410,6 +412,9 @@ def _finish_split(
     return train, total - train, val_bytes
 
 
+TOKENS_TMP_PREFIX = ".tokens."  # the temporary token stream inside the output directory
+
+
 def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
     """Tokenize the configured inputs into config.out; returns the meta.json written there."""
 
@@ -429,8 +434,9 @@ def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
     dtype = _token_dtype(tokenizer.vocab_size)
     cutter = _Cutter(tokenizer.cut_points)
 
-    (out / "meta.json").unlink(missing_ok=True)  # from here on the directory is incomplete until meta.json lands
-    fd, name = tempfile.mkstemp(prefix=".tokens.", suffix=".tmp", dir=out)
+    for stale in out.glob(f"{TOKENS_TMP_PREFIX}*.tmp"):  # the token file of a run killed before its cleanup
+        stale.unlink(missing_ok=True)
+    fd, name = tempfile.mkstemp(prefix=TOKENS_TMP_PREFIX, suffix=".tmp", dir=out)
     all_path = Path(name)
     total_tokens = 0
     text_bytes = 0
@@ -449,6 +455,9 @@ def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
                 total_tokens += len(ids)
         if total_tokens == 0:
             raise _no_text(files)
+        # Encoding succeeded: from here on the directory is incomplete until the new meta.json lands (a failure
+        # before this point, such as invalid UTF-8, leaves the previous data set whole).
+        (out / "meta.json").unlink(missing_ok=True)
         train, val, val_bytes = _finish_split(
             all_path, out, dtype, total_tokens, config.val_fraction, tokenizer.token_byte_lengths()
         )

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     result = train(config, resume=args.resume, progress=not args.quiet)
     if not world_from_env().is_main:  # under torchrun, rank 0 speaks for the run
         return 130 if result.interrupted else 0
-    where = f" (val loss {result.val_loss:.4f})" if result.val_loss is not None else ""
+    where = f" (last val loss {result.val_loss:.4f})" if result.val_loss is not None else ""
     print(f"step {result.step}{where}; model: {result.checkpoint}", file=sys.stderr)
     if result.skipped_steps:
         print(f"{result.skipped_steps} update(s) were skipped for a non-finite loss or gradient", file=sys.stderr)
