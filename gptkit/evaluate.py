@@ -187,10 +187,11 @@ def evaluate_text(
     batch_size: int = 8,
     on_windows: Callable[[int], None] = lambda n: None,
 ) -> EvalResult:
-    """Metrics of text encoded as the tokenizer encodes it (no added tokens)."""
+    """Metrics of text encoded as `gptkit prepare` encodes a file (special-token text such as <|endoftext|> stays
+    text, so bits per byte count every byte, as in training's val_bpb)."""
     if not text:
         raise InputError("the text to evaluate is empty")
-    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    ids = np.asarray(tokenizer.encode_arrays([text])[0], dtype=np.int64)
     if len(ids) < 2:
         raise InputError(f"the text encodes to {len(ids)} token; at least 2 are needed to score a prediction")
     return evaluate_ids(model, ids, tokenizer.token_byte_lengths(), stride, batch_size, on_windows)

@@ -110,6 +110,12 @@ def test_char_tokenizer_counts_utf8_bytes(model):
     assert result.bytes == len(TEXT[1:].encode("utf-8")) > result.tokens  # é, ö, — and ✓ take several bytes
 
 
+def test_special_token_text_is_scored_as_text_as_prepare_encodes_it(model):
+    text = "one document<|endoftext|>and the next"
+    result = evaluate_text(model, ByteTokenizer(), text)
+    assert result.bytes == len(text.encode()) - 1 and result.tokens == len(text.encode()) - 1
+
+
 def test_ids_outside_the_vocabulary_are_an_input_error(model):
     with pytest.raises(InputError, match="vocabulary"):
         score_tokens(model, np.array([1, 2, 300]))
