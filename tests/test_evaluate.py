@@ -128,11 +128,11 @@ def model_dir(tmp_path_factory, model):
 
 def test_cli_json_on_a_text_file(model_dir, model, tmp_path, capsys):
     text_file = tmp_path / "t.txt"
-    text_file.write_bytes(TEXT.replace("\n", "\r\n").encode())  # scored as written: \r\n is two bytes
+    text_file.write_bytes(TEXT.replace("\n", "\r\n<|endoftext|>").encode())  # scored as written, as text
     assert main(["eval", str(model_dir), "--input", str(text_file), "--json", "--stride", "6", "--quiet"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {"tokens", "bytes", "loss", "perplexity", "bits_per_byte"}
-    direct = evaluate_text(model, ByteTokenizer(), TEXT.replace("\n", "\r\n"), stride=6)
+    direct = evaluate_text(model, ByteTokenizer(), TEXT.replace("\n", "\r\n<|endoftext|>"), stride=6)
     assert report["loss"] == pytest.approx(direct.loss, rel=1e-6) and report["tokens"] == direct.tokens
     assert report["bytes"] == text_file.stat().st_size - 1  # every byte but the first token's
 

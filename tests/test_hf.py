@@ -15,7 +15,7 @@ from gptkit.config import ModelConfig
 from gptkit.errors import GptkitError
 from gptkit.hf import export_hf, gpt_from_hf_model, hf_model_from_gpt, load_hf
 from gptkit.model import GPT
-from gptkit.modeldir import load, load_model_dir, model_state, save_model_dir
+from gptkit.modeldir import ModelDirError, load, load_model_dir, model_state, save_model_dir
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -198,15 +198,20 @@ def test_export_refuses_gqa_with_learned_positions(tmp_path) -> None:
         export_hf(GPT(ModelConfig(**dict(VARIANTS["gpt2"], n_kv_head=2))), tmp_path)
 
 
-def hf_config_error(tmp_path: Path, name: str, match: str, **changes) -> None:
-    """Save HF model `name`, edit its config.json, and expect a one-line error matching `match`."""
+def save_edited(tmp_path: Path, name: str, **changes) -> Path:
+    """Save HF model `name` and apply changes to its config.json."""
     path = tmp_path / "edited"
     make_hf(name).save_pretrained(path)
     data = json.loads((path / "config.json").read_text())
     data.update(changes)
     (path / "config.json").write_text(json.dumps(data))
+    return path
+
+
+def hf_config_error(tmp_path: Path, name: str, match: str, **changes) -> None:
+    """Save HF model `name`, edit its config.json, and expect a one-line error matching `match`."""
     with pytest.raises(GptkitError, match=match) as err:
-        load_hf(path)
+        load_hf(save_edited(tmp_path, name, **changes))
     assert "\n" not in str(err.value)
 
 
@@ -217,11 +222,18 @@ def hf_config_error(tmp_path: Path, name: str, match: str, **changes) -> None:
          "RoPE scaling 'linear'"),
         ("llama-gqa-untied", dict(rope_parameters=None, rope_theta=1e4, rope_scaling={"rope_type": "llama3"}),
          "RoPE scaling 'llama3'"),
+        # Beside a plain rope_parameters: transformers reads rope_scaling first.
+        ("llama-gqa-untied", dict(rope_scaling={"rope_type": "linear", "factor": 4.0}), "RoPE scaling 'linear'"),
+        ("llama-gqa-untied", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
         ("llama-gqa-untied", dict(head_dim=32), "head_dim 32"),
         ("llama-gqa-untied", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
         ("mistral", dict(sliding_window=16), "sliding_window 16"),
+        # As long as the context still binds: gptkit runs RoPE models past max_position_embeddings.
+        ("mistral", dict(sliding_window=64), "sliding_window 64.*full causal at any length"),
         ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0, layer_types=None),
          "sliding_window 8"),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]),
+         "sliding_window 64"),
         ("gpt2-tied", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
         ("gpt2-tied", dict(activation_function="quick_gelu"), "activation_function 'quick_gelu'"),
         ("gpt2-tied", dict(architectures=["GPT2DoubleHeadsModel"]), "architecture GPT2DoubleHeadsModel"),
@@ -232,14 +244,39 @@ def test_import_refuses_what_gptkit_cannot_compute(name, changes, match, tmp_pat
     hf_config_error(tmp_path, name, match, **changes)
 
 
-def test_sliding_window_not_in_effect_is_accepted(tmp_path) -> None:
-    path = tmp_path / "m"
-    hf_model = make_hf("mistral")
-    hf_model.save_pretrained(path)
-    data = json.loads((path / "config.json").read_text())
-    data["sliding_window"] = 64  # as long as the context: never narrower than causal attention
-    (path / "config.json").write_text(json.dumps(data))
-    assert_same_logits(hf_model, load_hf(path)[0], 99)
+@pytest.mark.parametrize(
+    "name, changes",
+    [
+        ("qwen2", dict(use_sliding_window=False, sliding_window=16)),  # as most Qwen2 configs: a window switched off
+        ("qwen2", dict(use_sliding_window=True, sliding_window=16)),  # but layer_types has no sliding layer
+        ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2, layer_types=None)),
+        ("llama-gqa-untied", dict(rope_parameters={"rope_type": "default"}, rope_theta=300.0)),  # theta beside it
+    ],
+)  # fmt: skip
+def test_settings_that_apply_to_no_layer_are_accepted(name, changes, tmp_path) -> None:
+    path = save_edited(tmp_path, name, **changes)
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = random_ids(99, (2, 40))  # longer than the window
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf(path)[0](ids), reference(ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt2-untied-gelu", "llama-gqa-untied"])
+def test_tied_config_with_a_different_head_in_the_file_imports_untied(name, tmp_path) -> None:
+    path = save_edited(tmp_path, name, tie_word_embeddings=True)
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()  # transformers keeps both, with a warning
+    model, _ = load_hf(path)
+    assert not model.config.tie_embeddings
+    assert_same_logits(reference, model, reference.config.vocab_size)
+
+
+def test_tied_head_stored_twice_stays_tied(tmp_path) -> None:
+    hf_model = make_hf("llama-mqa-tied-bias")
+    hf_model.save_pretrained(tmp_path)
+    rewrite_weights(tmp_path, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].clone()}))
+    model, _ = load_hf(tmp_path)
+    assert model.config.tie_embeddings and model.lm_head.weight is model.tok_emb.weight
+    assert_same_logits(hf_model, model, 83)
 
 
 @pytest.fixture
@@ -285,6 +322,35 @@ def test_unexpected_tensor_is_refused(gpt2_dir) -> None:
     rewrite_weights(gpt2_dir, lambda s: s.update({"transformer.h.0.crossattention.c_attn.weight": torch.zeros(2)}))
     with pytest.raises(GptkitError, match="crossattention"):
         load_hf(gpt2_dir)
+
+
+def test_integer_tensor_is_a_one_line_error(tmp_path) -> None:
+    make_hf("llama-gqa-untied").save_pretrained(tmp_path / "hf")
+    rewrite_weights(tmp_path / "hf", lambda s: s.update({"model.norm.weight": torch.ones(48, dtype=torch.int32)}))
+    with pytest.raises(GptkitError, match="'model.norm.weight' has dtype torch.int32") as err:
+        load_hf(tmp_path / "hf")
+    assert "\n" not in str(err.value)
+    # The same in a gptkit directory, where torch's load_state_dict is what refuses it.
+    save_model_dir(random_gpt(ModelConfig(**VARIANTS["llama-gqa"])), tmp_path / "gptkit")
+    rewrite_weights(tmp_path / "gptkit", lambda s: s.update({"norm_f.weight": torch.ones(32, dtype=torch.int32)}))
+    with pytest.raises(ModelDirError, match=r"'norm_f.weight' \(torch.int32\)") as err:
+        load_model_dir(tmp_path / "gptkit")
+    assert "\n" not in str(err.value)
+
+
+def test_mixed_dtypes_import_in_one_dtype(tmp_path) -> None:
+    """bf16 weights with fp32 norms, a common layout: the embedding's dtype, or the one asked for."""
+    make_hf("llama-gqa-untied").to(torch.bfloat16).save_pretrained(tmp_path)
+    rewrite_weights(tmp_path, lambda s: s.update({k: v.float() for k, v in s.items() if "norm" in k}))
+    model, _ = load_hf(tmp_path)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    as_float, _ = load_hf(tmp_path, dtype=torch.float32)
+    assert {p.dtype for p in as_float.parameters()} == {torch.float32}
+    for (name, x), y in zip(model_state(model).items(), model_state(as_float).values()):
+        assert torch.equal(x, y.to(torch.bfloat16)), name
+    assert model(random_ids(99)).dtype == torch.bfloat16  # mixed dtypes would fail in the first matmul
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert_same_logits(reference, as_float, 99)
 
 
 def test_sharded_safetensors_and_pytorch_bin_import(tmp_path) -> None:

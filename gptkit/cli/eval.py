@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if text is not None:
         if tokenizer is None:
             raise InputError(f"{args.model_dir} has no tokenizer files; use --data with a prepared directory")
-        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        ids = np.asarray(tokenizer.encode_arrays([text])[0], dtype=np.int64)  # as prepare encodes a file
         lengths = tokenizer.token_byte_lengths()
         source = args.input
     else:
