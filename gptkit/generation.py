@@ -703,13 +703,13 @@ def generate_ids(
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    """The prompt's ids; an empty prompt starts from the end-of-text token (GPT-2's document separator)."""
+    """The prompt's ids (with a start token the tokenizer adds, such as Llama's <s>); an empty prompt starts from
+    the end-of-text token (GPT-2's document separator) when the tokenizer adds none."""
     if not isinstance(prompt, str):
         raise InputError(f"a prompt must be a string, got {type(prompt).__name__}")
-    if prompt:
-        ids = tokenizer.encode(prompt)
-        if ids:
-            return ids
+    ids = tokenizer.encode_prompt(prompt)
+    if ids:
+        return ids
     if tokenizer.eos_id is None:
         raise InputError(
             "the prompt is empty and this model's tokenizer has no start (end-of-text) token; give a prompt of at "

@@ -74,6 +74,11 @@ class Tokenizer(ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ids; an incomplete UTF-8 sequence decodes to U+FFFD."""
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """The ids of a prompt to generate from: encode(text) plus any tokens the tokenizer puts around every
+        input (a Llama tokenizer's <s>), as Hugging Face's tokenizer(text) gives them."""
+        return self.encode(text)
+
     @abstractmethod
     def vocabulary(self) -> tuple[Any, ...]:
         """What each id stands for, comparable between tokenizers: equal ones encode text the same way."""
@@ -413,6 +418,10 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         """The ids of text."""
         return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The ids of text with the tokenizer.json's post-processor applied (e.g. a leading <s>)."""
+        return self.hf.encode(text, add_special_tokens=True).ids
 
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Encode documents in parallel on every core (the tokenizers library's own thread pool)."""

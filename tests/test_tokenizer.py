@@ -145,6 +145,24 @@ def test_token_bytes_rebuild_the_utf8_of_text_cut_inside_characters(bpe: BPEToke
     assert ByteTokenizer().token_bytes(256) == EOT.encode()
 
 
+def test_prompts_get_the_start_token_a_tokenizer_json_adds_as_in_transformers(tmp_path: Path) -> None:
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from gptkit.generation import encode_prompt
+
+    llama_like = BPETokenizer.train(["the lazy dog " * 50], vocab_size=280, specials=[EOT, "<s>"])
+    bos = llama_like.hf.token_to_id("<s>")
+    llama_like.hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    llama_like.hf.save(str(tmp_path / "tokenizer.json"))
+    reference = AutoTokenizer.from_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    for text in ("the lazy dog", "dog", ""):
+        assert encode_prompt(loaded, text) == reference(text)["input_ids"] == [bos, *loaded.encode(text)]
+    assert loaded.encode_arrays(["the dog"])[0].tolist() == loaded.encode("the dog")  # data gets no <s>
+    assert encode_prompt(ByteTokenizer(), "") == [256]  # no start token: an empty prompt starts from the EOT
+
+
 def test_bpe_rejects_a_vocabulary_too_small_for_bytes_and_specials() -> None:
     with pytest.raises(InputError, match="at least 257"):
         BPETokenizer.train(["abc"], vocab_size=256)

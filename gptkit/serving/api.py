@@ -223,7 +223,7 @@ def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
     encoded = []
     for p in prompts:
         try:
-            ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            ids = state.tokenizer.encode_prompt(p) if isinstance(p, str) else list(p)
         except GptkitError as err:
             raise APIError(400, f"cannot tokenize the prompt: {err}", param="prompt") from None
         encoded.append(_check_prompt(state, ids))
