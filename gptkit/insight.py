@@ -158,8 +158,14 @@ def token_label(text: str, width: int = 12) -> str:
 
 
 def token_labels(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    """The display label of each token, decoded one by one."""
-    return [token_label(tokenizer.decode([i])) for i in ids]
+    """The display label of each token, decoded one by one; a token holding part of a character shows its bytes."""
+    labels = []
+    for i in ids:
+        text = tokenizer.decode([i])
+        if "\ufffd" in text and tokenizer.token_bytes(i) != text.encode("utf-8"):
+            text = "".join(f"<{b:02X}>" for b in tokenizer.token_bytes(i))  # bytes of an incomplete character
+        labels.append(token_label(text))
+    return labels
 
 
 # --- drawing ------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from gptkit.insight import (
     parameter_parts,
     prompt_insight,
     token_label,
+    token_labels,
     token_probabilities,
     write_report,
 )
@@ -105,6 +106,8 @@ def test_causal_mask_and_token_labels():
     assert token_label("$x$") == "\\$x\\$"  # no mathtext
     assert token_label("\x00") == "\\x00"
     assert len(token_label("a" * 40)) == 12
+    assert token_labels(ByteTokenizer(), list("é✓".encode())) == ["<C3>", "<A9>", "<E2>", "<9C>", "<93>"]
+    assert token_labels(ByteTokenizer(), [ord("a"), 256]) == ["a", "<|endoftext|>"]
 
 
 def check_png(path) -> None:
