@@ -107,7 +107,7 @@ def test_causal_mask_and_token_labels():
     assert token_label("\x00") == "\\x00"
     assert len(token_label("a" * 40)) == 12
     assert token_labels(ByteTokenizer(), list("é✓".encode())) == ["<C3>", "<A9>", "<E2>", "<9C>", "<93>"]
-    assert token_labels(ByteTokenizer(), [ord("a"), 256]) == ["a", "<|endoftext|>"]
+    assert token_labels(ByteTokenizer(), [ord("a"), 256]) == ["a", token_label("<|endoftext|>")]
 
 
 def check_png(path) -> None:
