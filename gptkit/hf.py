@@ -331,8 +331,9 @@ def _rope_theta(hf: dict[str, Any], source: str) -> float:
     if not isinstance(params, dict):
         raise _refuse(source, f"rope_parameters {params!r}", "gptkit needs one plain RoPE for all layers")
     # Entries the dict lacks come from the top-level keys, then transformers' defaults, as transformers fills them.
-    params = {"rope_theta": hf.get("rope_theta", 10000.0), "partial_rotary_factor": hf.get("partial_rotary_factor", 1.0),
-              **params}  # fmt: skip
+    top_level = {"rope_theta": hf.get("rope_theta", 10000.0)}
+    top_level["partial_rotary_factor"] = hf.get("partial_rotary_factor", 1.0)
+    params = {**top_level, **params}
     extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     if extra or params["partial_rotary_factor"] != 1.0:
         setting = extra[0] if extra else "partial_rotary_factor"

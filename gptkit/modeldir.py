@@ -11,7 +11,6 @@ A tied LM head is stored once, as tok_emb.weight.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -154,15 +153,10 @@ def load_state_into(model: GPT, state: dict[str, torch.Tensor], source: str) -> 
             raise ModelDirError(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config needs {tuple(expected[name].shape)}"
             )
-    try:
-        model.load_state_dict(state, strict=False, assign=True)
-    except RuntimeError as err:  # e.g. an integer tensor, which cannot be a parameter
-        # torch names the tensor and the cause only inside a multi-line message.
-        name = re.search(r'parameter named "([^"]+)"', str(err))
-        cause = re.search(r"exception occurred : \('(.+)',\)", str(err))
-        what = f"tensor {name[1]!r} ({state[name[1]].dtype})" if name and name[1] in state else "the weights"
-        why = cause[1] if cause else str(err).strip().splitlines()[-1]
-        raise ModelDirError(f"{source}: cannot load {what}: {why}") from None
+        if tensor.is_floating_point() != expected[name].is_floating_point():
+            raise ModelDirError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, the model needs "
+                                f"{'floating-point' if expected[name].is_floating_point() else 'integer'} values")  # fmt: skip
+    model.load_state_dict(state, strict=False, assign=True)
     if model.config.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight
     return model
