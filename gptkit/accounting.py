@@ -63,7 +63,7 @@ def param_breakdown(config: ModelConfig) -> ParamBreakdown:
 
 
 def matmul_params(config: ModelConfig) -> int:
-    """Parameters that take part in a matrix multiply per token: all but lookup-only embeddings.
+    """Parameters that take part in the per-token arithmetic: all but lookup-only embeddings (norms and biases too).
 
     The LM head always multiplies (when tied, through the token embedding); position tables and an untied
     token embedding are only looked up.

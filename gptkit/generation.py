@@ -18,6 +18,7 @@ one completing the stop string are kept).
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import time
@@ -40,6 +41,7 @@ from gptkit.sampling import EarlyStopping, SamplingParams, apply_repetition_pena
 
 FinishReason = Literal["eos", "stop", "length"]
 Decode = Callable[[Sequence[int]], str]
+log = logging.getLogger("gptkit.generation")
 EosIds = int | Sequence[int] | None  # the token(s) that end a sequence: one id, several, or none
 
 
@@ -633,8 +635,11 @@ def _complete_speculative(
     from gptkit.speculative import SpeculativeStats, check_draft, fits, speculative_generate
 
     check_draft(model, draft, params, k)
-    if not fits(model, draft, max(len(p) for p in prompts) + params.max_new_tokens + k):
-        return complete(model, prompts, params, eos_id, decode)  # a learned-position window: plain decoding
+    need = max(len(p) for p in prompts) + params.max_new_tokens + k
+    if not fits(model, draft, need):  # a learned-position window would have to slide: decode without the draft
+        log.warning("decoding without the draft: speculative decoding needs prompt + max_new_tokens + draft_k "
+                    "(%d) positions, more than a learned-position model's block_size holds", need)  # fmt: skip
+        return complete(model, prompts, params, eos_id, decode)
     device, _ = _device_dtype(model)
     timing.speculative = SpeculativeStats()
     completions = []

@@ -92,11 +92,13 @@ def test_draft_errors_are_clear():
         generate_ids(target, [1, 2], max_new_tokens=3, draft=target, repetition_penalty=1.3)
 
 
-def test_learned_positions_past_block_size_fall_back_to_plain_decoding():
+def test_learned_positions_past_block_size_fall_back_to_plain_decoding(caplog):
     target = sharpened(ModelConfig(**TINY))  # block_size 16
     prompt = [1, 2, 3, 4, 5, 6]
     want = generate_ids(target, prompt, max_new_tokens=20, temperature=0)
-    assert generate_ids(target, prompt, max_new_tokens=20, temperature=0, draft=target) == want
+    with caplog.at_level("WARNING", logger="gptkit"):
+        assert generate_ids(target, prompt, max_new_tokens=20, temperature=0, draft=target) == want
+    assert "decoding without the draft" in caplog.text  # never silently
 
 
 def _joint(model: GPT, prompt: list[int], vocab: int) -> torch.Tensor:

@@ -195,7 +195,8 @@ def test_recipes_are_nanogpts():
     model = resolve_model(gpt2.model, vocab_size=50257)
     assert (model.n_layer, model.n_embd, model.block_size) == (12, 768, 1024)
     assert (gpt2.optim.lr, gpt2.optim.min_lr, gpt2.optim.warmup_steps, gpt2.optim.beta2) == (6e-4, 6e-5, 2000, 0.95)
-    assert (gpt2.train.batch_size, gpt2.train.grad_accum, gpt2.train.max_steps, gpt2.train.dtype) == (
+    # nanoGPT's 40 micro-batches per update over 8 processes: grad_accum counts one process's.
+    assert (gpt2.train.batch_size, 8 * gpt2.train.grad_accum, gpt2.train.max_steps, gpt2.train.dtype) == (
         12, 40, 600000, "bfloat16")  # fmt: skip
 
 
