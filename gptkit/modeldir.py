@@ -186,8 +186,6 @@ def load(
 
     The tokenizer is None when the directory holds no tokenizer files.
     """
-    from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
-
     path = Path(path)
     if not is_gptkit_dir(path):
         data = read_config_json(path)  # raises for a missing directory or config
@@ -196,18 +194,24 @@ def load(
 
             return load_hf(path, dtype=dtype, device=device)
         raise ModelDirError(f"{path / CONFIG_FILE} is neither a gptkit nor a Hugging Face model config")
-    data = read_config_json(path)
-    if data.get("quantization"):
+    if read_config_json(path).get("quantization"):
         from gptkit.quantization import load_quantized_dir
 
         model = load_quantized_dir(path, device=device, dtype=dtype)
     else:
         model = load_model_dir(path, device=device, dtype=dtype)
+    return model, load_model_tokenizer(path)
+
+
+def load_model_tokenizer(path: str | Path) -> Any | None:
+    """The tokenizer a gptkit model directory holds, with the model's own end ids; None when it holds none."""
+    from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
+
     try:
         tokenizer = load_tokenizer(path)
     except TokenizerNotFound:
-        tokenizer = None
-    eos_ids = data.get("generation", {}).get("eos_ids")
-    if tokenizer is not None and eos_ids:
+        return None
+    eos_ids = read_config_json(path).get("generation", {}).get("eos_ids")
+    if eos_ids:
         tokenizer.add_eos_ids(eos_ids)
-    return model, tokenizer
+    return tokenizer

@@ -304,15 +304,6 @@ def train(config: RunConfig, resume: bool = False, progress: bool = True) -> Tra
             torch.distributed.destroy_process_group()
 
 
-def _tokenizer_of(path: Path) -> Any | None:
-    from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
-
-    try:
-        return load_tokenizer(path)
-    except TokenizerNotFound:
-        return None
-
-
 class Trainer:
     """One run: everything is checked and built in __init__ (errors come before any work), run() trains."""
 
@@ -343,12 +334,12 @@ class Trainer:
 
         torch.manual_seed(t.seed)  # initial weights and dropout; a resumed run restores its generator state instead
         if checkpoint is not None:
-            from gptkit.modeldir import read_model_config
+            from gptkit.modeldir import load_model_tokenizer, read_model_config
 
             model = GPT(read_model_config(checkpoint))
             if model.config.vocab_size != vocab_size:
                 raise ConfigError(f"the run's model has vocab_size {model.config.vocab_size}, the data {vocab_size}")
-            own_tokenizer, source = _tokenizer_of(checkpoint), str(checkpoint)
+            own_tokenizer, source = load_model_tokenizer(checkpoint), str(checkpoint)
         else:
             model, own_tokenizer = build_model(config, vocab_size)
             source = str(config.model.init_from)
