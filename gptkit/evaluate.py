@@ -179,6 +179,11 @@ def evaluate_ids(
     return metrics(nll_sum, tokens, n_bytes)
 
 
+def encode_text(tokenizer: Any, text: str) -> np.ndarray:
+    """text's ids as `gptkit prepare` encodes a file: special-token text such as <|endoftext|> stays text."""
+    return np.asarray(tokenizer.encode_arrays([text])[0], dtype=np.int64)
+
+
 def evaluate_text(
     model: GPT,
     tokenizer: Any,
@@ -191,7 +196,7 @@ def evaluate_text(
     text, so bits per byte count every byte, as in training's val_bpb)."""
     if not text:
         raise InputError("the text to evaluate is empty")
-    ids = np.asarray(tokenizer.encode_arrays([text])[0], dtype=np.int64)
+    ids = encode_text(tokenizer, text)
     if len(ids) < 2:
         raise InputError(f"the text encodes to {len(ids)} token; at least 2 are needed to score a prediction")
     return evaluate_ids(model, ids, tokenizer.token_byte_lengths(), stride, batch_size, on_windows)

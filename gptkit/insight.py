@@ -161,9 +161,9 @@ def token_labels(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     """The display label of each token, decoded one by one; a token holding part of a character shows its bytes."""
     labels = []
     for i in ids:
-        text = tokenizer.decode([i])
-        if "\ufffd" in text and tokenizer.token_bytes(i) != text.encode("utf-8"):
-            text = "".join(f"<{b:02X}>" for b in tokenizer.token_bytes(i))  # bytes of an incomplete character
+        text, data = tokenizer.decode([i]), tokenizer.token_bytes(i)
+        if "\ufffd" in text and data != text.encode("utf-8"):
+            text = "".join(f"<{b:02X}>" for b in data)  # bytes of an incomplete character
         labels.append(token_label(text))
     return labels
 

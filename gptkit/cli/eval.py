@@ -68,12 +68,11 @@ def _val_tokens(data_dir: str, model_tokenizer, model_dir: str):  # -> (np.ndarr
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate and print the metrics."""
-    import numpy as np
     import torch
     from tqdm import tqdm
 
     from gptkit.errors import InputError
-    from gptkit.evaluate import EvalOptions, evaluate_ids, sliding_windows
+    from gptkit.evaluate import EvalOptions, encode_text, evaluate_ids, sliding_windows
     from gptkit.modeldir import load
     from gptkit.devices import pick_device
 
@@ -86,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if text is not None:
         if tokenizer is None:
             raise InputError(f"{args.model_dir} has no tokenizer files; use --data with a prepared directory")
-        ids = np.asarray(tokenizer.encode_arrays([text])[0], dtype=np.int64)  # as prepare encodes a file
+        ids = encode_text(tokenizer, text)
         lengths = tokenizer.token_byte_lengths()
         source = args.input
     else:

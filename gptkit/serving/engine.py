@@ -286,19 +286,23 @@ class Engine:
         if end > seq.sent or reason:
             new = text[seq.sent : max(end, seq.sent)]
             seq.sent = max(end, seq.sent)
-            tokens = self._pending_tokens(seq, ids, cut, reason)
+            tokens = self._pending_tokens(seq, ids, len(text), cut, reason)
             seq.emit(Chunk(new, tokens, reason, len(seq.prompt), len(seq.generated)))
         return reason
 
-    def _pending_tokens(self, seq: Sequence, ids: list[int], cut: int, reason: str | None) -> list[TokenInfo]:
+    def _pending_tokens(self, seq: Sequence, ids: list[int], text_len: int, cut: int,
+                        reason: str | None) -> list[TokenInfo]:  # fmt: skip
         """Take the logprobs of the tokens whose text has been sent: they hold back and drop the text of a stop
-        string as the text does (a finishing sequence sends them all, but for those past a stop string's start)."""
+        string as the text does (a finishing sequence sends them all, but for those past a stop string's start).
+
+        text_len is the length of ids' text, which the caller has decoded already."""
         if not seq.pending:
             return []
         if reason is None:  # the most tokens whose text is all sent
-            count = len(ids)
-            while count > 0 and len(self.tokenizer.decode(ids[:count])) > seq.sent:
+            count, length = len(ids), text_len
+            while count > 0 and length > seq.sent:
                 count -= 1
+                length = len(self.tokenizer.decode(ids[:count]))
         elif cut >= 0:  # the fewest tokens that reach the stop string
             count = len(ids)
             while count > 0 and len(self.tokenizer.decode(ids[: count - 1])) >= cut:
