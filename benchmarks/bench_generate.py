@@ -38,7 +38,7 @@ from gptkit.kv_cache import KVCache
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
 from gptkit.quantization import Int8Linear, quantize
-from gptkit.sampling import SamplingParams
+from gptkit.decoding.sampling import SamplingParams
 from gptkit.speculative import SpeculativeStats
 
 CORPUS = Path(__file__).resolve().parents[1] / "gptkit" / "corpora" / "tinyshakespeare.txt"

@@ -165,3 +165,8 @@ def int8_linear(x: Tensor, q: Tensor, scales: Tensor) -> Tensor | None:
     x2 = x.reshape(rows, x.size(-1)).float().contiguous()
     y = torch.ops.gptkit.gemv_int8(x2, q, scales.float().contiguous())
     return y.to(x.dtype).view(*x.shape[:-1], q.size(0))
+
+
+def prepare() -> None:
+    """Build (or rule out) the kernels now, in eager code, before a compiled graph needs the answer."""
+    load()

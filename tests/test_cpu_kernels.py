@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
-from gptkit.generation import generate_ids
+from gptkit.decoding.api import generate_ids
 from gptkit.model import GPT
 from gptkit.quantization import Int8Linear, quantize_weight
 
