@@ -109,11 +109,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = cpu_kernels.int8_linear(x2, self.weight, self.scales)  # decoding on an AVX-512 CPU
+        y = cpu_kernels.int8_linear(x2, self.weight, self.scales, self.bias)  # decoding on a CPU, bias included
         if y is None:
             y = self._pytorch_product(x2)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _pytorch_product(self, x2: Tensor) -> Tensor:
