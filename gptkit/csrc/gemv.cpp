@@ -76,13 +76,16 @@ AVX2 void avx2_block(const Product<W, Out>& p, int64_t n) {
     for (int r = 0; r < RR; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
     const W* rows = p.w + n * K;
+    constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line: one prefetch per line and row
     for (int64_t k = 0; k < k_full; k += 8) {
       __m256 wv[RR];
+      if (k % kLine == 0) {
 #pragma GCC unroll 8
-      for (int r = 0; r < RR; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
-        wv[r] = widen8(rows + r * K + k);
+        for (int r = 0; r < RR; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
       }
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) wv[r] = widen8(rows + r * K + k);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const __m256 xv = _mm256_loadu_ps(p.x + m * K + k);
