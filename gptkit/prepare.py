@@ -537,8 +537,9 @@ def _example_formats(files: list[Path], errors: str) -> dict[Path, str | None]:
                 if record is not None:
                     formats[path] = row_format(record)
                     if formats[path] is None:
-                        raise InputError(f"{where}: unknown JSONL row; give \"text\", \"messages\", \"prompt\" and "
-                                         "\"completion\", or \"instruction\" and \"output\"")  # fmt: skip
+                        raise InputError(f"{where} has no string field \"text\" (nor is it a supervised example with "
+                                         "\"messages\", \"prompt\" and \"completion\", or \"instruction\" and "
+                                         "\"output\")")  # fmt: skip
                     break
     return formats
 
