@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,11 +182,13 @@ def save_checkpoint(
     keep: int,
     rng: dict[str, torch.Tensor] | None = None,
     write: bool = True,
+    save_model: Callable[[torch.nn.Module, Path], Any] | None = None,
 ) -> Path:
     """Write the checkpoint after `step` updates, point `latest` at it, and keep only the newest `keep`.
 
     rng defaults to this process's generators. Under torchrun every rank calls this (FSDP shards are gathered)
-    and only the one with write=True writes; the path is returned on every rank.
+    and only the one with write=True writes; the path is returned on every rank. save_model(module, directory)
+    writes the model's files (default: a gptkit model directory with the tokenizer; a LoRA run: its adapters).
     """
     run_dir = Path(run_dir)
     module = full_module(model)
@@ -198,7 +201,10 @@ def save_checkpoint(
     tmp = folder / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_model_dir(module, tmp, tokenizer=tokenizer)
+        if save_model is not None:
+            save_model(module, tmp)
+        else:
+            save_model_dir(module, tmp, tokenizer=tokenizer)
         save_tensors(opt_tensors, tmp / OPTIMIZER_FILE)
         save_tensors(rng if rng is not None else rng_state(), tmp / RNG_FILE)
         record = {"step": step, "optimizer": structure, **trainer}
@@ -234,28 +240,21 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     names: dict[torch.nn.Parameter, str],
     rank: int = 0,
+    load_model: Callable[[torch.nn.Module, Path], Any] | None = None,
 ) -> dict[str, Any]:
     """Restore weights, optimiser and RNG from a checkpoint into a model built with its config; return trainer.json.
 
     Rank r > 0 of a distributed run restores its own generators (keys "rank<r>.") when the checkpoint has them,
-    and keeps its current ones otherwise (a run resumed on more processes than it had).
+    and keeps its current ones otherwise (a run resumed on more processes than it had). load_model(module,
+    directory) reads the model's files in place of the default full weights (a LoRA run: its adapters).
     """
-    from gptkit.modeldir import WEIGHTS_FILE
-
     try:
         record = json.loads((path / TRAINER_FILE).read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"cannot read {path / TRAINER_FILE}: {err}") from None
     module = getattr(model, "_orig_mod", model)
     device = next(module.parameters()).device
-    weights = load_tensors(path / WEIGHTS_FILE, device)
-    weights = _shard_like(module, weights)
-    # Copy in place: the optimiser holds these very parameter objects.
-    result = module.load_state_dict(weights, strict=False)
-    missing = set(result.missing_keys) - ({"lm_head.weight"} if module.config.tie_embeddings else set())
-    if missing or result.unexpected_keys:
-        first = sorted(missing or result.unexpected_keys)[0]
-        raise CheckpointError(f"{path} does not match the run's model (tensor {first!r})")
+    (load_model or _load_weights)(module, path)
     load_optimizer_state(optimizer, load_tensors(path / OPTIMIZER_FILE, device), record["optimizer"], names)
     rng = load_tensors(path / RNG_FILE)
     if rank:
@@ -264,6 +263,18 @@ def load_checkpoint(
     if rng:
         set_rng_state(rng)
     return record
+
+
+def _load_weights(module: torch.nn.Module, path: Path) -> None:
+    """Copy a checkpoint's full weights into the run's model, in place (the optimiser holds these parameters)."""
+    from gptkit.modeldir import WEIGHTS_FILE
+
+    weights = _shard_like(module, load_tensors(path / WEIGHTS_FILE, next(module.parameters()).device))
+    result = module.load_state_dict(weights, strict=False)
+    missing = set(result.missing_keys) - ({"lm_head.weight"} if module.config.tie_embeddings else set())
+    if missing or result.unexpected_keys:
+        first = sorted(missing or result.unexpected_keys)[0]
+        raise CheckpointError(f"{path} does not match the run's model (tensor {first!r})")
 
 
 def _shard_like(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

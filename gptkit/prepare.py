@@ -28,7 +28,10 @@ from typing import Any
 import numpy as np
 
 from gptkit.atomic import atomic_write, atomic_write_text, fsync_dir
-from gptkit.errors import InputError
+from gptkit.chat import TOKENIZER_CONFIG, ChatTemplate, eos_text, load_chat_template
+from gptkit.data import EXAMPLE_FILES
+from gptkit.errors import GptkitError, InputError
+from gptkit.finetune.examples import SUPERVISED, ExampleEncoder, fit, row_format
 from gptkit.tokenizer import (
     EOT,
     KINDS,
@@ -52,6 +55,8 @@ PIECE_CHARS = 1 << 14  # target size of one piece handed to the encoder (small e
 BATCH_CHARS = 1 << 20  # characters encoded per batch: bounds the encoder's working memory
 FORCE_CUT_CHARS = 1 << 23  # a document with no safe cut point this long is cut anyway (and counted in meta)
 TEXT_SNIFF = 8192  # bytes inspected to tell a text file from a binary one when no --glob is given
+DEFAULT_MAX_LENGTH = 1024  # supervised examples' length limit when no model gives its context
+SPLIT_SEED = 1337  # which supervised examples go to val.bin: a fixed draw, so that a re-prepare gives the same split
 
 
 def _flag(help: str, metavar: str | None = None) -> dict[str, Any]:
@@ -85,6 +90,21 @@ class PrepareConfig:
         metadata=_flag("invalid UTF-8: strict (stop, naming file and offset) or replace (U+FFFD)")
         | {"choices": ["strict", "replace"]},
     )
+    loss_on: str = field(
+        default="completion",
+        metadata=_flag("supervised examples: train on the replies and completions only (completion) or on every "
+                       "token (all)") | {"choices": ["completion", "all"]},
+    )  # fmt: skip
+    max_length: int | None = field(
+        default=None,
+        metadata=_flag("supervised examples: the most tokens an example may have (default: the context of the "
+                       f"model given as --tokenizer, else {DEFAULT_MAX_LENGTH})", "N"),
+    )  # fmt: skip
+    overlong: str = field(
+        default="truncate",
+        metadata=_flag("supervised examples longer than --max-length: truncate (keep the start) or drop")
+        | {"choices": ["truncate", "drop"]},
+    )
 
     def validate(self) -> None:
         """Raise InputError for an option no run could use."""
@@ -94,6 +114,8 @@ class PrepareConfig:
             raise InputError(f"--errors must be strict or replace, got {self.errors!r}")
         if self.vocab_size < 1:
             raise InputError(f"--vocab-size must be positive, got {self.vocab_size}")
+        if self.max_length is not None and self.max_length < 2:
+            raise InputError(f"--max-length must be at least 2 (a token and one to predict), got {self.max_length}")
 
 
 @dataclass(frozen=True)
@@ -209,26 +231,10 @@ class _Reader:
                 return
 
     def _jsonl(self, path: Path, f: Any) -> Iterator[tuple[Piece | None, bytes]]:
-        position = 0
-        for number, raw in enumerate(f, start=1):
-            where = f"{path} line {number}"
-            try:
-                line = raw.decode("utf-8", self.errors)
-            except UnicodeDecodeError as err:
-                raise InputError(
-                    f"{path}: invalid UTF-8 at byte offset {position + err.start} (line {number}, {err.reason}); "
-                    "fix the file or pass --errors replace"
-                ) from None
-            position += len(raw)
-            if number == 1:
-                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write is not part of the JSON
-            if not line.strip():
+        for record, where, raw in jsonl_records(path, f, self.errors):
+            if record is None:
                 yield None, raw
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError as err:
-                raise InputError(f"{where} is not valid JSON: {err}") from None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise InputError(f"{where} has no string field \"text\" (each JSONL line must be an object with one)")
             text = record["text"]
@@ -243,6 +249,30 @@ class _Reader:
                 text = re.sub("[\ud800-\udfff]", "\ufffd", text)
             self.documents += 1
             yield Piece(text, True, where, 0), raw
+
+
+def jsonl_records(path: Path, f: Any, errors: str) -> Iterator[tuple[Any, str, bytes]]:
+    """(parsed JSON value or None for a blank line, "file line N", the line's bytes) for each line of a JSONL file."""
+    position = 0
+    for number, raw in enumerate(f, start=1):
+        where = f"{path} line {number}"
+        try:
+            line = raw.decode("utf-8", errors)
+        except UnicodeDecodeError as err:
+            raise InputError(
+                f"{path}: invalid UTF-8 at byte offset {position + err.start} (line {number}, {err.reason}); "
+                "fix the file or pass --errors replace"
+            ) from None
+        position += len(raw)
+        if number == 1:
+            line = line.removeprefix("\ufeff")  # a byte-order mark some editors write is not part of the JSON
+        if not line.strip():
+            yield None, where, raw
+            continue
+        try:
+            yield json.loads(line), where, raw
+        except ValueError as err:
+            raise InputError(f"{where} is not valid JSON: {err}") from None
 
 
 # ---------------------------------------------------------------- pieces and encoding
@@ -427,6 +457,10 @@ def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
         raise InputError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
 
+    formats = _example_formats(files, config.errors)
+    if any(fmt in SUPERVISED for fmt in formats.values()):
+        return _prepare_examples(config, files, formats, out, started, progress)
+
     reader = _Reader(files, config.errors)
     tokenizer = _train_pass(config.tokenizer, config, reader, progress, total_input)
     if config.tokenizer == "bpe" and tokenizer.vocab_size < config.vocab_size:
@@ -486,3 +520,199 @@ def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
     }
     atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+# ---------------------------------------------------------------- supervised examples
+
+
+def _example_formats(files: list[Path], errors: str) -> dict[Path, str | None]:
+    """Each JSONL input's format, read from the keys of its first row (gptkit.finetune.examples)."""
+    formats: dict[Path, str | None] = {}
+    for path in files:
+        if not _is_jsonl(path):
+            continue
+        formats[path] = None
+        with open(path, "rb") as f:
+            for record, where, _ in jsonl_records(path, f, errors):
+                if record is not None:
+                    formats[path] = row_format(record)
+                    if formats[path] is None:
+                        raise InputError(f"{where} has no string field \"text\" (nor is it a supervised example with "
+                                         "\"messages\", \"prompt\" and \"completion\", or \"instruction\" and "
+                                         "\"output\")")  # fmt: skip
+                    break
+    return formats
+
+
+def _rows(files: list[Path], formats: dict[Path, str | None], errors: str,
+          on_bytes: Callable[[int], Any] = lambda n: None) -> Iterator[tuple[Any, str, str]]:  # fmt: skip
+    """(record, format, "file line N") for every non-blank row of the example files."""
+    for path in files:
+        fmt = formats.get(path)
+        if fmt is None:
+            continue
+        with open(path, "rb") as f:
+            for record, where, raw in jsonl_records(path, f, errors):
+                on_bytes(len(raw))
+                if record is not None:
+                    yield _without_surrogates(record, where, errors), fmt, where
+
+
+def _without_surrogates(value: Any, where: str, errors: str) -> Any:
+    """value with any lone surrogate (a JSON escape UTF-8 cannot encode) replaced, or an error naming the row."""
+    if isinstance(value, str):
+        if not re.search("[\ud800-\udfff]", value):
+            return value
+        if errors == "strict":
+            raise InputError(f"{where}: a string holds a lone surrogate, which UTF-8 cannot encode; fix the file or "
+                             "pass --errors replace")  # fmt: skip
+        return re.sub("[\ud800-\udfff]", "\ufffd", value)
+    if isinstance(value, list):
+        return [_without_surrogates(v, where, errors) for v in value]
+    if isinstance(value, dict):
+        return {k: _without_surrogates(v, where, errors) for k, v in value.items()}
+    return value
+
+
+def _example_tokenizer(config: PrepareConfig, rows: Callable[[], Iterable[tuple[Any, str, str]]],
+                       progress: bool) -> tuple[Tokenizer, ChatTemplate]:  # fmt: skip
+    """The tokenizer and chat template of a supervised data set: a directory's own, or a new one with the default
+    template (char and bpe are trained on the rendered examples)."""
+    name = config.tokenizer
+    if name not in KINDS:
+        tokenizer = _train_pass(name, config, _Reader([], config.errors), progress, 0)
+        return tokenizer, load_chat_template(name, eos_text(tokenizer))
+    if name == "byte":
+        return ByteTokenizer(), ChatTemplate(eos_token=EOT)
+    template = ChatTemplate(eos_token=EOT)
+    plain = ExampleEncoder(ByteTokenizer(), template, "all")  # renders each row as the real encoder will
+
+    def texts() -> Iterator[str]:
+        for record, fmt, where in rows():
+            yield plain.tokenizer.decode(plain.encode(record, fmt, where).ids.tolist()).replace(EOT, "")
+
+    if name == "char":
+        return CharTokenizer.train(texts(), [EOT]), template
+    return BPETokenizer.train(texts(), config.vocab_size), template
+
+
+def _context_of(tokenizer_source: str) -> int | None:
+    """The context length of the model directory a tokenizer came from, when it is one gptkit can read."""
+    from gptkit.config import ModelConfig
+
+    try:
+        return ModelConfig.load(tokenizer_source).block_size
+    except GptkitError:
+        return None
+
+
+EXAMPLES_TMP_PREFIX = ".examples."  # the temporary example files inside the output directory
+
+
+def _prepare_examples(config: PrepareConfig, files: list[Path], formats: dict[Path, str | None], out: Path,
+                      started: float, progress: bool) -> dict[str, Any]:  # fmt: skip
+    """Encode supervised examples into train/val token, trained-token and offset files (see gptkit.data)."""
+    plain = [str(p) for p in files if formats.get(p) is None]
+    if plain:
+        raise InputError(f"{plain[0]} is plain text, the other inputs supervised examples; prepare them separately "
+                         "(or give the text as {\"text\": ...} JSONL rows)")  # fmt: skip
+    tokenizer, template = _example_tokenizer(config, lambda: _rows(files, formats, config.errors), progress)
+    encoder = ExampleEncoder(tokenizer, template, config.loss_on)  # type: ignore[arg-type]
+    max_length = config.max_length or _context_of(config.tokenizer) or DEFAULT_MAX_LENGTH
+    dtype = _token_dtype(tokenizer.vocab_size)
+
+    for stale in out.glob(f"{EXAMPLES_TMP_PREFIX}*.tmp"):  # the files of a run killed before its cleanup
+        stale.unlink(missing_ok=True)
+    temporaries = [Path(tempfile.mkstemp(prefix=EXAMPLES_TMP_PREFIX, suffix=".tmp", dir=out)[1]) for _ in range(2)]
+    offsets, targets = [0], []
+    truncated = dropped = 0
+    try:
+        with open(temporaries[0], "wb") as ids_file, open(temporaries[1], "wb") as mask_file, \
+                _progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:  # fmt: skip
+            for record, fmt, where in _rows(files, formats, config.errors, bar.update):
+                example = encoder.encode(record, fmt, where)
+                fitted = fit(example, max_length, config.overlong)  # type: ignore[arg-type]
+                if fitted is None:
+                    dropped += 1
+                    continue
+                truncated += fitted is not example
+                ids_file.write(fitted.ids.astype(dtype).tobytes())
+                mask_file.write(fitted.trained.astype(np.uint8).tobytes())
+                offsets.append(offsets[-1] + len(fitted.ids))
+                targets.append(fitted.targets)
+        if len(offsets) == 1:
+            raise InputError(f"no example fits --max-length {max_length} ({dropped} dropped); raise --max-length")
+        val = _val_examples(len(targets), config.val_fraction)
+        (out / "meta.json").unlink(missing_ok=True)  # the directory is incomplete until the new meta.json lands
+        counts = _write_example_splits(temporaries, np.asarray(offsets, dtype=np.int64), val, out, dtype)
+    finally:
+        for path in temporaries:
+            path.unlink(missing_ok=True)
+    tokenizer.save(out)
+    carried = Path(config.tokenizer) / TOKENIZER_CONFIG  # the chat template: training carries it into checkpoints
+    if config.tokenizer not in KINDS and carried.is_file():
+        atomic_write(out / TOKENIZER_CONFIG, lambda tmp: tmp.write_bytes(carried.read_bytes()))
+    else:
+        (out / TOKENIZER_CONFIG).unlink(missing_ok=True)
+    split_targets = {"train": int(np.delete(np.asarray(targets), val).sum()), "val": int(np.asarray(targets)[val].sum())}
+    meta = {
+        "format": META_FORMAT,
+        "format_version": META_VERSION,
+        "kind": "examples",
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": dtype,
+        "train_tokens": counts["train"][0],
+        "val_tokens": counts["val"][0],
+        "train_examples": counts["train"][1],
+        "val_examples": counts["val"][1],
+        "train_targets": split_targets["train"],
+        "val_targets": split_targets["val"],
+        "tokenizer": tokenizer.kind,
+        "eos_id": tokenizer.eos_id,
+        "chat_template": template.source,
+        "loss_on": config.loss_on,
+        "max_length": max_length,
+        "truncated": truncated,
+        "dropped": dropped,
+        "val_fraction": config.val_fraction,
+        "errors": config.errors,
+        "inputs": [{"path": str(p), "bytes": p.stat().st_size, "format": formats[p]} for p in files],
+        "config": asdict(config),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _val_examples(count: int, val_fraction: float) -> np.ndarray:
+    """Sorted indices of the examples kept for validation: round(count * val_fraction) of them (at least one when
+    the fraction is above 0 and there are two examples), drawn with a fixed seed."""
+    n_val = round(count * val_fraction)
+    if val_fraction > 0 and n_val == 0 and count >= 2:
+        n_val = 1
+    n_val = min(n_val, count - 1)  # training needs one example
+    return np.sort(np.random.default_rng(SPLIT_SEED).permutation(count)[:n_val])
+
+
+def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.ndarray, out: Path,
+                          dtype: str) -> dict[str, tuple[int, int]]:  # fmt: skip
+    """Copy each split's examples from the temporary files into its token, mask and offset files (see
+    gptkit.data.EXAMPLE_FILES); returns {split: (tokens, examples)}."""
+    ids = np.memmap(temporaries[0], dtype=dtype, mode="r") if offsets[-1] else np.zeros(0, dtype=dtype)
+    mask = np.memmap(temporaries[1], dtype=np.uint8, mode="r") if offsets[-1] else np.zeros(0, dtype=np.uint8)
+    is_val = np.zeros(len(offsets) - 1, dtype=bool)
+    is_val[val] = True
+    counts = {}
+    for split, chosen in (("train", np.flatnonzero(~is_val)), ("val", np.flatnonzero(is_val))):
+        lengths = offsets[chosen + 1] - offsets[chosen]
+        split_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        for source, name in ((ids, EXAMPLE_FILES[split]["ids"]), (mask, EXAMPLE_FILES[split]["mask"])):
+            def write(tmp: Path, source: np.ndarray = source) -> None:
+                with open(tmp, "wb") as sink:
+                    for i in chosen:
+                        sink.write(source[offsets[i] : offsets[i + 1]].tobytes())
+            atomic_write(out / name, write)
+        atomic_write(out / EXAMPLE_FILES[split]["offsets"], lambda tmp: split_offsets.tofile(tmp))
+        counts[split] = (int(split_offsets[-1]), len(chosen))
+    fsync_dir(out)
+    return counts

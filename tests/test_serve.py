@@ -18,9 +18,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from gptkit.modeldir import load
-from gptkit.decoding.sampling import SamplingParams
-from gptkit.serving.chat import ChatTemplate, load_chat_template
+from gptkit.chat import ChatTemplate, load_chat_template
 from gptkit.decoding.request import Request, visible_end
+from gptkit.decoding.sampling import SamplingParams
 from gptkit.serving.server import ServeOptions, build_app
 from test_serve_helpers import live_server, make_model_dir
 

@@ -21,9 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gptkit.errors import GptkitError
+from gptkit.chat import ChatTemplate
 from gptkit.decoding.request import Request as DecodeRequest
 from gptkit.decoding.sampling import SamplingParams, row_seed
-from gptkit.serving.chat import ChatTemplate
 from gptkit.serving.engine import Chunk, Engine, QueueFull, TokenInfo
 from gptkit.serving.schemas import AttentionRequest, ChatRequest, CompletionRequest, _Sampling, error_body
 
