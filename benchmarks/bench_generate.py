@@ -210,11 +210,16 @@ def compare_shape(name: str, hf_fp32: Any, args: argparse.Namespace, bandwidth: 
 GGUF_TYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}  # gptkit's rows -> the GGUF type llama.cpp runs
 
 
-def llama_cpp_rates(hf_fp32: Any, args: argparse.Namespace) -> dict[tuple[str, str], float]:
-    """llama-bench's tokens/s on the same weights as GGUF: {(gguf type, "prefill" or "decode"): rate}."""
-    from gptkit.formats.gguf import export_gguf  # gptkit's own GGUF writer (`gptkit convert --to-gguf`)
+def write_gguf(model: GPT, path: Path, kind: str) -> Path:
+    """model's weights as a GGUF file of tensor type kind, by gptkit's own writer (`gptkit convert --to-gguf`)."""
+    from gptkit.formats.gguf import export_gguf
     from gptkit.tokenizer import ByteTokenizer
 
+    return export_gguf(model, path, ByteTokenizer(), file_type=kind)
+
+
+def llama_cpp_rates(hf_fp32: Any, args: argparse.Namespace) -> dict[tuple[str, str], float]:
+    """llama-bench's tokens/s on the same weights as GGUF: {(gguf type, "prefill" or "decode"): rate}."""
     binary = Path(args.llama_cpp) / "llama-bench"
     if not binary.is_file():
         raise SystemExit(f"bench_generate: no llama-bench in {args.llama_cpp}; see README's 'Building llama.cpp'")
@@ -223,7 +228,7 @@ def llama_cpp_rates(hf_fp32: Any, args: argparse.Namespace) -> dict[tuple[str, s
     rates = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in wanted:
-            path = export_gguf(model, Path(tmp) / f"model-{kind}.gguf", ByteTokenizer(), file_type=kind)
+            path = write_gguf(model, Path(tmp) / f"model-{kind}.gguf", kind)
             log(f"[llama.cpp {kind}] llama-bench -p {args.prompt_len} -n {args.new_tokens}")
             command = [str(binary), "-m", str(path), "-p", str(args.prompt_len), "-n", str(args.new_tokens),
                        "-t", str(torch.get_num_threads()), "-r", str(args.rounds), "-o", "json"]  # fmt: skip
