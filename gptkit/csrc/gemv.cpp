@@ -71,35 +71,33 @@ AVX2 inline float hsum8(__m256 v) {
 template <int M, int RR, typename W, typename Out>
 AVX2 void avx2_block(const Product<W, Out>& p, int64_t n) {
   const int64_t K = p.K, k_full = K - K % 8;
-  {
-    __m256 acc[RR][M];
-    for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    const W* rows = p.w + n * K;
-    constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line: one prefetch per line and row
-    for (int64_t k = 0; k < k_full; k += 8) {
-      __m256 wv[RR];
-      if (k % kLine == 0) {
+  __m256 acc[RR][M];
+  for (int r = 0; r < RR; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  const W* rows = p.w + n * K;
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line: one prefetch per line and row
+  for (int64_t k = 0; k < k_full; k += 8) {
+    __m256 wv[RR];
+    if (k % kLine == 0) {
 #pragma GCC unroll 8
-        for (int r = 0; r < RR; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < RR; ++r) wv[r] = widen8(rows + r * K + k);
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const __m256 xv = _mm256_loadu_ps(p.x + m * K + k);
-#pragma GCC unroll 8
-        for (int r = 0; r < RR; ++r) acc[r][m] = _mm256_fmadd_ps(xv, wv[r], acc[r][m]);
-      }
+      for (int r = 0; r < RR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
     }
-    for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < M; ++m) {
-        float v = hsum8(acc[r][m]);
-        for (int64_t k = k_full; k < K; ++k) v += p.x[m * K + k] * float(rows[r * K + k]);
-        p.store(m, n + r, v);
-      }
+#pragma GCC unroll 8
+    for (int r = 0; r < RR; ++r) wv[r] = widen8(rows + r * K + k);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(p.x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) acc[r][m] = _mm256_fmadd_ps(xv, wv[r], acc[r][m]);
+    }
   }
+  for (int r = 0; r < RR; ++r)
+    for (int m = 0; m < M; ++m) {
+      float v = hsum8(acc[r][m]);
+      for (int64_t k = k_full; k < K; ++k) v += p.x[m * K + k] * float(rows[r * K + k]);
+      p.store(m, n + r, v);
+    }
 }
 
 // Rows [n0, n1) of y, R weight rows at a time.
@@ -126,29 +124,27 @@ AVX512 void avx512_block(const Product<W, Out>& p, int64_t n) {
   const int64_t K = p.K, k_full = K - K % 16;
   const __mmask16 all = ~__mmask16(0);
   const __mmask16 tail = K % 16 ? __mmask16((1u << (K % 16)) - 1) : all;
-  {
-    __m512 acc[RR][M];
-    for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-    const W* rows = p.w + n * K;
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 mask = k < k_full ? all : tail;
-      __m512 wv[RR];
+  __m512 acc[RR][M];
+  for (int r = 0; r < RR; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const W* rows = p.w + n * K;
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = k < k_full ? all : tail;
+    __m512 wv[RR];
 #pragma GCC unroll 8
-      for (int r = 0; r < RR; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
-        wv[r] = widen16(rows + r * K + k, mask);
-      }
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const __m512 xv = _mm512_maskz_loadu_ps(mask, p.x + m * K + k);
-#pragma GCC unroll 8
-        for (int r = 0; r < RR; ++r) acc[r][m] = _mm512_fmadd_ps(xv, wv[r], acc[r][m]);
-      }
+    for (int r = 0; r < RR; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
+      wv[r] = widen16(rows + r * K + k, mask);
     }
-    for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < M; ++m) p.store(m, n + r, _mm512_reduce_add_ps(acc[r][m]));
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, p.x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) acc[r][m] = _mm512_fmadd_ps(xv, wv[r], acc[r][m]);
+    }
   }
+  for (int r = 0; r < RR; ++r)
+    for (int m = 0; m < M; ++m) p.store(m, n + r, _mm512_reduce_add_ps(acc[r][m]));
 }
 
 template <int M, int R, typename W, typename Out>
@@ -169,29 +165,27 @@ AVX512BF16 void dpbf16_block(const bf16* x, const Product<bf16, bf16>& p, int64_
   const int64_t K = p.K, k_full = K - K % 32;
   const __mmask32 all = ~__mmask32(0);
   const __mmask32 tail = K % 32 ? __mmask32((1u << (K % 32)) - 1) : all;
-  {
-    __m512 acc[RR][M];
-    for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-    const bf16* rows = p.w + n * K;
-    for (int64_t k = 0; k < K; k += 32) {
-      const __mmask32 mask = k < k_full ? all : tail;
-      __m512bh wv[RR];
+  __m512 acc[RR][M];
+  for (int r = 0; r < RR; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const bf16* rows = p.w + n * K;
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = k < k_full ? all : tail;
+    __m512bh wv[RR];
 #pragma GCC unroll 8
-      for (int r = 0; r < RR; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
-        wv[r] = load_bh(rows + r * K + k, mask);
-      }
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const __m512bh xv = load_bh(x + m * K + k, mask);
-#pragma GCC unroll 8
-        for (int r = 0; r < RR; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], xv, wv[r]);
-      }
+    for (int r = 0; r < RR; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
+      wv[r] = load_bh(rows + r * K + k, mask);
     }
-    for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < M; ++m) p.store(m, n + r, _mm512_reduce_add_ps(acc[r][m]));
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = load_bh(x + m * K + k, mask);
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], xv, wv[r]);
+    }
   }
+  for (int r = 0; r < RR; ++r)
+    for (int m = 0; m < M; ++m) p.store(m, n + r, _mm512_reduce_add_ps(acc[r][m]));
 }
 
 template <int M, int R>
