@@ -10,6 +10,7 @@ against PyTorch's product on this machine, once, and kept in a small JSON file b
 flag says what can run, never what is faster. The same measurement decides whether bf16 inference over many rows
 (prefill, eval) runs in fp32, which is faster where bf16 matmul has no hardware behind it.
 
+Delete choices.json to measure again (a measurement on a busy machine may choose wrong).
 Overrides: GPTKIT_CPU_KERNELS=0 keeps PyTorch's products (the kernels are not even built), =1 uses the kernels
 without measuring; GPTKIT_BF16_UPCAST=1 or 0 forces the many-row bf16 choice. Everything runs on CPU inference
 only (autograd off); training, CUDA and MPS keep PyTorch's products.
@@ -202,15 +203,17 @@ def _machine_key() -> str:
     return f"{_cpu_name()}|{os.cpu_count()}|{torch.__version__}|{source}|{torch.get_num_threads()}"
 
 
-def _seconds(fn: Callable[[], object], repeats: int = 5) -> float:
-    """The fastest of a few runs of fn."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _faster(ours: Callable[[], object], theirs: Callable[[], object], rounds: int = 5) -> bool:
+    """Whether ours runs faster than theirs: the best of a few rounds each, interleaved so that load from other
+    processes falls on both alike."""
+    best = [float("inf"), float("inf")]
+    for round_ in range(rounds + 1):
+        for i, fn in enumerate((ours, theirs)):
+            start = time.perf_counter()
+            fn()
+            if round_:  # round 0 warms up
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] < best[1]
 
 
 def _weights(dtype: torch.dtype, megabytes: int = 64) -> list[Tensor]:
@@ -227,15 +230,13 @@ def _measure() -> dict[str, bool]:
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         ws = _weights(dtype)
         x = torch.randn(1, 768).to(dtype)
-        ours = _seconds(lambda: [torch.ops.gptkit.gemv(x, w, None) for w in ws])
-        theirs = _seconds(lambda: [F.linear(x, w) for w in ws])
-        chosen[name] = ours < theirs
+        chosen[name] = _faster(lambda: [torch.ops.gptkit.gemv(x, w, None) for w in ws],
+                               lambda: [F.linear(x, w) for w in ws])  # fmt: skip
     qs = [w.to(torch.int8) for w in _weights(torch.int8)]
     scales = torch.ones(2304)
     x = torch.randn(1, 768)
-    ours = _seconds(lambda: [torch.ops.gptkit.gemv_int8(x, q, scales, None) for q in qs])
-    theirs = _seconds(lambda: [_torch_int8(x, q, scales) for q in qs])
-    chosen["int8"] = ours < theirs
+    chosen["int8"] = _faster(lambda: [torch.ops.gptkit.gemv_int8(x, q, scales, None) for q in qs],
+                             lambda: [_torch_int8(x, q, scales) for q in qs])  # fmt: skip
     chosen["bf16_upcast"] = _faster_in_fp32()
     return chosen
 
@@ -255,9 +256,7 @@ def _faster_in_fp32() -> bool:
         return os.environ[UPCAST_VARIABLE] == "1"
     x = torch.randn(BF16_UPCAST_MIN_ROWS, 768).bfloat16()
     w = torch.randn(3072, 768).bfloat16()
-    native = _seconds(lambda: F.linear(x, w), repeats=3)
-    upcast = _seconds(lambda: F.linear(x.float(), w.float()).bfloat16(), repeats=3)
-    return upcast < native
+    return _faster(lambda: F.linear(x.float(), w.float()).bfloat16(), lambda: F.linear(x, w), rounds=3)
 
 
 # ----- the products -----
