@@ -12,6 +12,7 @@ one, so that an interrupted run never leaves new token files described by old me
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import json
 import logging
@@ -694,6 +695,13 @@ def _val_examples(count: int, val_fraction: float) -> np.ndarray:
     return np.sort(np.random.default_rng(SPLIT_SEED).permutation(count)[:n_val])
 
 
+def _copy_examples(source: np.ndarray, offsets: np.ndarray, chosen: np.ndarray, path: Path) -> None:
+    """Write the chosen examples' slices of source (ids or mask) to path, back to back."""
+    with open(path, "wb") as sink:
+        for i in chosen:
+            sink.write(source[offsets[i] : offsets[i + 1]].tobytes())
+
+
 def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.ndarray, out: Path,
                           dtype: str) -> dict[str, tuple[int, int]]:  # fmt: skip
     """Copy each split's examples from the temporary files into its token, mask and offset files (see
@@ -707,12 +715,8 @@ def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.
         lengths = offsets[chosen + 1] - offsets[chosen]
         split_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         for source, name in ((ids, EXAMPLE_FILES[split]["ids"]), (mask, EXAMPLE_FILES[split]["mask"])):
-            def write(tmp: Path, source: np.ndarray = source) -> None:
-                with open(tmp, "wb") as sink:
-                    for i in chosen:
-                        sink.write(source[offsets[i] : offsets[i + 1]].tobytes())
-            atomic_write(out / name, write)
-        atomic_write(out / EXAMPLE_FILES[split]["offsets"], lambda tmp: split_offsets.tofile(tmp))
+            atomic_write(out / name, functools.partial(_copy_examples, source, offsets, chosen))
+        atomic_write(out / EXAMPLE_FILES[split]["offsets"], split_offsets.tofile)
         counts[split] = (int(split_offsets[-1]), len(chosen))
     fsync_dir(out)
     return counts
