@@ -289,6 +289,8 @@ def test_adapters_train_over_a_bfloat16_or_int8_base(precision, tmp_path):
         optimizer.zero_grad()
     assert loss.item() < first - 0.3
     assert all(a.lora_A.dtype == torch.float32 for a in adapters(model).values())
+    stored = {a.base.weight.dtype for a in adapters(model).values()}
+    assert stored == {torch.bfloat16 if precision == "bfloat16" else torch.int8}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])

@@ -21,7 +21,7 @@ from torch import nn
 
 from gptkit.atomic import atomic_write_text
 from gptkit.errors import GptkitError
-from gptkit.finetune.lora import add_lora, fingerprint, load_lora_state, lora_state, merge_lora, peft_adapter
+from gptkit.finetune.lora import TARGETS, add_lora, fingerprint, load_lora_state, lora_state, merge_lora, peft_adapter
 from gptkit.modeldir import load_tensors, model_state, save_tensors
 
 FORMAT = "gptkit-lora"
@@ -88,13 +88,20 @@ def load_base(base: str | Path, expected: str | None = None,
 
 
 def with_precision(model: nn.Module, precision: str) -> nn.Module:
-    """The frozen base in the precision its adapters train over: float32, bfloat16, or int8 weight-only blocks."""
-    from gptkit.quantization import quantize
+    """The frozen base in the precision its adapters train over: float32, or the blocks' linear weights stored in
+    bfloat16 or int8 (weight-only) and multiplied in float32; embeddings, norms and the head stay float (the fused
+    loss reads the head's weight, and they are a small part of the weights)."""
+    from gptkit.quantization import Bfloat16Linear, quantize
 
     if precision == "bfloat16":
-        return model.to(torch.bfloat16)
+        for block in model.blocks:
+            for path in TARGETS["all"]:
+                parent_path, _, name = path.rpartition(".")
+                parent = block.get_submodule(parent_path)
+                setattr(parent, name, Bfloat16Linear(getattr(parent, name)))
+        return model
     if precision == "int8":
-        return quantize(model, "int8", include_head=False)  # the head stays float: the fused loss reads its weight
+        return quantize(model, "int8", include_head=False)
     return model
 
 
