@@ -20,7 +20,9 @@ Under torchrun every rank calls save_checkpoint (sharded FSDP tensors are gather
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,10 +31,13 @@ from typing import Any
 
 import torch
 import xxhash
+from safetensors import SafetensorError
 
 from gptkit.atomic import atomic_write_text, fsync_dir
 from gptkit.errors import GptkitError
 from gptkit.modeldir import load_tensors, save_model_dir, save_tensors
+
+logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 CHECKPOINTS = "checkpoints"
@@ -314,9 +319,14 @@ def save_checkpoint(
     tmp = folder / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_model_dir(module, tmp, tokenizer=tokenizer)
-        save_tensors(opt_tensors, tmp / OPTIMIZER_FILE)
-        save_tensors(rng if rng is not None else rng_state(), tmp / RNG_FILE)
+        try:
+            save_model_dir(module, tmp, tokenizer=tokenizer)
+            save_tensors(opt_tensors, tmp / OPTIMIZER_FILE)
+            save_tensors(rng if rng is not None else rng_state(), tmp / RNG_FILE)
+        except SafetensorError as err:  # how safetensors reports a failed write (a full disk, say)
+            code = re.search(r"os error (\d+)", str(err))
+            raise OSError(int(code.group(1)) if code else errno.EIO, os.strerror(int(code.group(1))) if code else
+                          str(err)) from None  # fmt: skip
         record = {"step": step, "optimizer": structure, **trainer}
         atomic_write_text(tmp / TRAINER_FILE, json.dumps(record, indent=1) + "\n")
         write_manifest(tmp)
@@ -329,7 +339,11 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    atomic_write_text(run_dir / LATEST, f"{CHECKPOINTS}/{final.name}\n")
+    try:
+        atomic_write_text(run_dir / LATEST, f"{CHECKPOINTS}/{final.name}\n")
+    except OSError as err:  # the checkpoint is complete, and found without `latest`: only people read that file
+        logger.warning("could not update %s (%s); %s is complete all the same", run_dir / LATEST,
+                       err.strerror or err, final)  # fmt: skip
     prune(run_dir, keep)
     return final
 

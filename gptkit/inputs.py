@@ -38,6 +38,7 @@ SNIFF_BYTES = 8192  # bytes inspected to tell a file's format from its content
 # Above this share of invalid bytes around the first bad one, a file is not "text with a few bad bytes" and
 # --errors replace would train on noise.
 REPLACE_MAX_INVALID = 0.01
+UTF8_WINDOW = 1 << 16  # bytes each side of the first invalid one over which that share is measured
 
 @dataclass(frozen=True)
 class Piece:
@@ -254,13 +255,16 @@ def read_text(src: Source) -> Iterator[Piece]:
     position = 0  # bytes consumed so far
     chars = 0
     first = True
+    previous = b""
     while True:
         raw = src.stream.read(READ_CHUNK)
         pending = len(decoder.getstate()[0])
         try:
             text = decoder.decode(raw, final=not raw)
         except UnicodeDecodeError as err:
-            raise _invalid_utf8_error(src.where, position - pending + err.start, err.reason, err.object) from None
+            around = previous[-UTF8_WINDOW:] + err.object + src.stream.read(UTF8_WINDOW)
+            raise _invalid_utf8_error(src.where, position - pending + err.start, err.reason, around) from None
+        previous = raw
         position += len(raw)
         if text or first:
             yield Piece(text, first, str(src.path), chars)
@@ -292,7 +296,8 @@ def read_jsonl(src: Source) -> Iterator[Piece]:
         try:
             line = raw.decode("utf-8", src.errors)
         except UnicodeDecodeError as err:
-            raise _invalid_utf8_error(src.where, position + err.start, err.reason, raw, f"line {number}, ") from None
+            around = raw + src.stream.read(UTF8_WINDOW)
+            raise _invalid_utf8_error(src.where, position + err.start, err.reason, around, f"line {number}, ") from None
         position += len(raw)
         if number == 1:
             line = line.removeprefix("\ufeff")  # a byte-order mark some editors write is not part of the JSON

@@ -325,7 +325,8 @@ def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = N
         raise CheckpointError(f"{run_dir} has no checkpoint to resume from (a run stopped before its first "
                               "checkpoint starts again without --resume)")  # fmt: skip
     if skipped:
-        logger.warning("%s; resuming from %s, the newest checkpoint that verifies", "; ".join(skipped), checkpoint)
+        logger.warning("%s; resuming from %s, the newest checkpoint that verifies (the newer ones are removed)",
+                       "; ".join(skipped), checkpoint)  # fmt: skip
     elif (run_dir / LATEST).exists() and read_latest(run_dir) is None:
         logger.warning("%s does not name a checkpoint inside %s (ignored); resuming from %s", run_dir / LATEST,
                        CHECKPOINTS, checkpoint)  # fmt: skip
@@ -413,7 +414,7 @@ class Trainer:
             remove_stale_temporaries(self.run_dir)
             if checkpoint is not None:
                 dropped = rewind(self.run_dir, checkpoint)
-                if dropped:
+                if dropped and resume_from is not None:  # (damaged ones passed over were named already)
                     logger.warning("continuing from %s: removed the later checkpoint(s) %s", checkpoint.name,
                                    ", ".join(p.name for p in dropped))  # fmt: skip
         if checkpoint is not None:

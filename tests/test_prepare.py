@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import gptkit.inputs as inputs
 import gptkit.prepare as prep
 from gptkit.cli import main
 from gptkit.data import load_tokens, read_meta
-from gptkit.errors import InputError
+from gptkit.errors import GptkitError, InputError
 from gptkit.prepare import DEFAULT_CORPUS, PrepareConfig, prepare
 from gptkit.tokenizer import EOT, load_tokenizer
 
@@ -75,7 +76,7 @@ def test_cut_stream_equals_whole_document_encoding(tmp_path: Path, monkeypatch: 
     """With small pieces and batches the text is cut hundreds of times; the tokens must not change."""
     monkeypatch.setattr(prep, "PIECE_CHARS", 1000)
     monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
-    monkeypatch.setattr(prep, "READ_CHUNK", 7_777)
+    monkeypatch.setattr(inputs, "READ_CHUNK", 7_777)
     corpus = tmp_path / "play.txt"
     corpus.write_text(SHAKESPEARE[:150_000] + "\nnaïve café 日本語 🌍\n" * 50)
     prepare(PrepareConfig(out=str(tmp_path / "a"), inputs=[str(corpus)], tokenizer="bpe", vocab_size=400))
@@ -133,7 +134,7 @@ def test_a_large_vocabulary_is_stored_as_uint32(tmp_path: Path) -> None:
 
 
 def test_invalid_utf8_names_file_and_byte_offset_and_replace_mode(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(prep, "READ_CHUNK", 1000)  # the bad byte sits in the 6th chunk, after a split character
+    monkeypatch.setattr(inputs, "READ_CHUNK", 1000)  # the bad byte sits in the 6th chunk, after a split character
     good = ("é" * 1000 + "x")[:2501]  # "é" is 2 bytes: 1000 of them and a split one at the chunk boundary
     bad = tmp_path / "bad.txt"
     bad.write_bytes(good.encode() + b"ab\xffcd")
@@ -232,6 +233,130 @@ def test_an_interrupted_run_leaves_the_previous_data_set_whole(tmp_path: Path, m
         prepare(PrepareConfig(out=str(out), tokenizer="char"))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == files  # no temporary file either
     assert read_meta(out)["tokenizer"] == before["tokenizer"] == "byte"
+
+
+KILL_CHILD = textwrap.dedent(
+    """
+    import errno, os, sys
+    import gptkit.atomic as atomic
+    import gptkit.prepare as prep
+
+    stage, corpus, out = sys.argv[1:4]
+
+    def die(*args, **kwargs):
+        os._exit(9)
+
+    if stage == "encoding":  # before the swap: the staging directory is half written
+        real, calls = prep._encode_batch, []
+        def encode(*args):
+            calls.append(1)
+            return die() if len(calls) == 2 else real(*args)
+        prep._encode_batch = encode
+        prep.BATCH_CHARS = 50_000
+    elif stage == "staged":  # before the swap: the new data set is complete beside the old one
+        prep.replace_dir = die
+    elif stage == "exchanged":  # during the swap: exchanged, the user's files not yet carried over
+        real_finish = atomic.finish_replace
+        def finish(target):  # (the sweep at the start calls it too, with no journal to act on)
+            return die() if (target / atomic.JOURNAL).exists() else real_finish(target)
+        atomic.finish_replace = finish
+    elif stage == "cleanup":  # after the swap: the old contents are being deleted
+        atomic.shutil.rmtree = die
+    elif stage == "moving":  # no atomic exchange on this file system: files move one by one
+        def no_exchange(a, b):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        atomic.exchange = no_exchange
+        real_replace, moves = os.replace, []
+        def replace(src, dst):
+            moves.append(1)
+            return die() if len(moves) == 2 else real_replace(src, dst)
+        real_move = atomic._move_entries
+        def move(*args):
+            atomic.os.replace = replace
+            real_move(*args)
+        atomic._move_entries = move
+    prep.prepare(prep.PrepareConfig(out=out, inputs=[corpus], tokenizer="char"))
+    """
+)
+
+
+def _data_set(out: Path) -> tuple[str, list[int]]:
+    """(tokenizer kind, token stream) of a data directory, checked whole by read_meta."""
+    meta = read_meta(out)
+    return meta["tokenizer"], np.concatenate(_tokens(out)).tolist()
+
+
+@pytest.mark.parametrize("stage", ["encoding", "staged", "exchanged", "cleanup", "moving"])
+def test_a_prepare_killed_at_any_stage_leaves_a_usable_data_set(tmp_path: Path, stage: str) -> None:
+    out = tmp_path / "data"
+    old_corpus, new_corpus = tmp_path / "old.txt", tmp_path / "new.txt"
+    old_corpus.write_text(SHAKESPEARE[:20_000])
+    new_corpus.write_text(SHAKESPEARE[50_000:200_000])
+    prepare(PrepareConfig(out=str(out), inputs=[str(old_corpus)], tokenizer="byte"))
+    (out / "notes.txt").write_text("the user's own file")  # not part of the data set: it must stay
+    old = _data_set(out)
+    child = subprocess.run([sys.executable, "-c", KILL_CHILD, stage, str(new_corpus), str(out)],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert child.returncode == 9, child.stderr[-2000:]
+
+    if stage in ("encoding", "staged"):  # not swapped yet: the old data set, untouched
+        assert _data_set(out) == old and (out / "notes.txt").is_file()
+    elif stage == "moving":  # no exchange: the directory says it is incomplete rather than mixing two data sets
+        with pytest.raises(GptkitError, match="has no meta.json .*interrupted prepare.*run `gptkit prepare"):
+            read_meta(out)
+    else:  # swapped: the new data set, whole
+        kind, stream = _data_set(out)
+        assert kind == "char" and load_tokenizer(out).decode(stream) == new_corpus.read_text()
+    # The next run finishes or sweeps what the killed one left, and keeps the user's file.
+    prepare(PrepareConfig(out=str(out), inputs=[str(new_corpus)], tokenizer="char"))
+    assert (out / "notes.txt").read_text() == "the user's own file"
+    assert sorted(p.name for p in out.iterdir()) == ["gptkit_tokenizer.json", "meta.json", "notes.txt", "train.bin",
+                                                     "val.bin"]  # fmt: skip
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging directory left
+    assert _data_set(out)[0] == "char"
+
+
+def test_prepare_files_and_directory_get_the_umask_permissions(tmp_path: Path) -> None:
+    umask = os.umask(0o022)
+    try:
+        out = tmp_path / "data"
+        prepare(PrepareConfig(out=str(out), tokenizer="byte"))
+        assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {
+            n: "0o644" for n in ("gptkit_tokenizer.json", "meta.json", "train.bin", "val.bin")}  # fmt: skip
+        assert oct(out.stat().st_mode & 0o777) == "0o755"
+        out.chmod(0o750)  # a mode the user chose for an existing directory is kept
+        prepare(PrepareConfig(out=str(out), tokenizer="char"))
+        assert oct(out.stat().st_mode & 0o777) == "0o750"
+    finally:
+        os.umask(umask)
+
+
+def test_a_symlinked_data_directory_is_replaced_where_it_lives(tmp_path: Path) -> None:
+    real = tmp_path / "disk" / "data"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    prepare(PrepareConfig(out=str(tmp_path / "link"), tokenizer="byte"))
+    assert (tmp_path / "link").is_symlink() and (real / "meta.json").is_file()
+    assert read_meta(tmp_path / "link")["tokenizer"] == "byte"
+
+
+def test_a_full_disk_while_preparing_is_one_line_and_keeps_the_old_data(tmp_path: Path, capsys, monkeypatch) -> None:
+    import errno
+
+    out = tmp_path / "data"
+    prepare(PrepareConfig(out=str(out), tokenizer="byte"))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prep, "_split_tail", full)
+    assert main(["prepare", "--tokenizer", "char", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"gptkit prepare: error: cannot write the new data set beside {out}: No space left on device; "
+                   "the previous data set there is unchanged")  # fmt: skip
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 # A child process sets its own memory limit after importing everything and warming up, then prepares a corpus
