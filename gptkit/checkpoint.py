@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,18 +118,52 @@ def _checksum(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def write_manifest(directory: Path) -> None:
-    """fsync every file under directory and list it, with its size and checksum, in manifest.json (written last)."""
+class Checksums:
+    """Checksums of a directory's files, computed in a background thread while the save writes the next ones
+    (xxhash releases the GIL), so that the manifest adds little to a save's time."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum")
+        self.started: dict[Path, Future] = {}
+
+    def update(self) -> None:
+        """Start on every file of the directory written since the last call (each file is written whole)."""
+        for path in _files(self.directory):
+            if path not in self.started:
+                self.started[path] = self.pool.submit(_checksum, path)
+
+    def get(self, path: Path) -> tuple[int, str]:
+        """(size, checksum) of a file: the background result if it was started, else computed now."""
+        return self.started[path].result() if path in self.started else _checksum(path)
+
+    def close(self) -> None:
+        """Stop the thread (after the checksums under way)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def write_manifest(directory: Path, checksums: Checksums | None = None) -> None:
+    """fsync every file under directory and list it, with its size and checksum, in manifest.json (written last).
+
+    checksums holds those already computed while the files were written (the rest are computed here)."""
     files: dict[str, dict[str, Any]] = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+    for path in _files(directory):
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        size, checksum = _checksum(path)
+        size, checksum = checksums.get(path) if checksums is not None else _checksum(path)
         files[path.relative_to(directory).as_posix()] = {"bytes": size, CHECKSUM: checksum}
+    record = {"format": MANIFEST_FORMAT, "format_version": 1, "checksum": CHECKSUM, "files": files}
+    # A plain write: the directory is renamed into place only after this, so the manifest needs no rename of its own.
+    with open(directory / MANIFEST_FILE, "w", encoding="utf-8") as f:
+        f.write(json.dumps(record, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     for root, _, _ in os.walk(directory):
         fsync_dir(Path(root))
-    record = {"format": MANIFEST_FORMAT, "format_version": 1, "checksum": CHECKSUM, "files": files}
-    atomic_write_text(directory / MANIFEST_FILE, json.dumps(record, indent=1) + "\n")
 
 
 def verify_checkpoint(path: Path) -> None:
@@ -318,10 +353,13 @@ def save_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    checksums = Checksums(tmp)
     try:
         try:
             save_model_dir(module, tmp, tokenizer=tokenizer)
+            checksums.update()  # the weights are checksummed while the optimiser state is written
             save_tensors(opt_tensors, tmp / OPTIMIZER_FILE)
+            checksums.update()
             save_tensors(rng if rng is not None else rng_state(), tmp / RNG_FILE)
         except SafetensorError as err:  # how safetensors reports a failed write (a full disk, say)
             code = re.search(r"os error (\d+)", str(err))
@@ -329,7 +367,7 @@ def save_checkpoint(
                           str(err)) from None  # fmt: skip
         record = {"step": step, "optimizer": structure, **trainer}
         atomic_write_text(tmp / TRAINER_FILE, json.dumps(record, indent=1) + "\n")
-        write_manifest(tmp)
+        write_manifest(tmp, checksums)
         if final.exists():  # a run killed after this rename but before `latest` moved leaves one behind
             stale = folder / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
             os.replace(final, stale)
@@ -337,8 +375,10 @@ def save_checkpoint(
         os.replace(tmp, final)
         fsync_dir(folder)
     except BaseException:
+        checksums.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    checksums.close()
     try:
         atomic_write_text(run_dir / LATEST, f"{CHECKPOINTS}/{final.name}\n")
     except OSError as err:  # the checkpoint is complete, and found without `latest`: only people read that file
