@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -337,11 +338,13 @@ def save_checkpoint(
     keep: int,
     rng: dict[str, torch.Tensor] | None = None,
     write: bool = True,
+    save_model: Callable[[torch.nn.Module, Path], Any] | None = None,
 ) -> Path:
     """Write the checkpoint after `step` updates, point `latest` at it, and keep only the newest `keep`.
 
     rng defaults to this process's generators. Under torchrun every rank calls this (FSDP shards are gathered)
-    and only the one with write=True writes; the path is returned on every rank.
+    and only the one with write=True writes; the path is returned on every rank. save_model(module, directory)
+    writes the model's files (default: a gptkit model directory with the tokenizer; a LoRA run: its adapters).
     """
     run_dir = Path(run_dir)
     module = full_module(model)
@@ -356,8 +359,11 @@ def save_checkpoint(
     checksums = Checksums(tmp)
     try:
         try:
-            save_model_dir(module, tmp, tokenizer=tokenizer)
-            checksums.update()  # the weights are checksummed while the optimiser state is written
+            if save_model is not None:
+                save_model(module, tmp)
+            else:
+                save_model_dir(module, tmp, tokenizer=tokenizer)
+            checksums.update()  # the model's files are checksummed while the optimiser state is written
             save_tensors(opt_tensors, tmp / OPTIMIZER_FILE)
             checksums.update()
             save_tensors(rng if rng is not None else rng_state(), tmp / RNG_FILE)
@@ -417,28 +423,18 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     names: dict[torch.nn.Parameter, str],
     rank: int = 0,
+    load_model: Callable[[torch.nn.Module, Path], Any] | None = None,
 ) -> dict[str, Any]:
     """Restore weights, optimiser and RNG from a checkpoint into a model built with its config; return trainer.json.
 
     Rank r > 0 of a distributed run restores its own generators (keys "rank<r>.") when the checkpoint has them,
-    and keeps its current ones otherwise (a run resumed on more processes than it had).
+    and keeps its current ones otherwise (a run resumed on more processes than it had). load_model(module,
+    directory) reads the model's files in place of the default full weights (a LoRA run: its adapters).
     """
-    from gptkit.modeldir import WEIGHTS_FILE
-
     record = read_trainer_state(path)
     module = getattr(model, "_orig_mod", model)
     device = next(module.parameters()).device
-    weights = load_tensors(path / WEIGHTS_FILE, device)
-    weights = _shard_like(module, weights)
-    # Copy in place: the optimiser holds these very parameter objects.
-    try:
-        result = module.load_state_dict(weights, strict=False)
-    except RuntimeError as err:  # a tensor of another shape
-        raise CheckpointError(f"{path / WEIGHTS_FILE} does not match the run's model: {str(err).splitlines()[-1].strip()}") from None
-    missing = set(result.missing_keys) - ({"lm_head.weight"} if module.config.tie_embeddings else set())
-    if missing or result.unexpected_keys:
-        first = sorted(missing or result.unexpected_keys)[0]
-        raise CheckpointError(f"{path} does not match the run's model (tensor {first!r})")
+    (load_model or _load_weights)(module, path)
     try:
         load_optimizer_state(optimizer, load_tensors(path / OPTIMIZER_FILE, device), record["optimizer"], names)
     except (KeyError, ValueError, TypeError, RuntimeError) as err:
@@ -454,6 +450,22 @@ def load_checkpoint(
         except (KeyError, RuntimeError, TypeError) as err:
             raise CheckpointError(f"{path / RNG_FILE} holds no usable generator state ({err})") from None
     return record
+
+
+def _load_weights(module: torch.nn.Module, path: Path) -> None:
+    """Copy a checkpoint's full weights into the run's model, in place (the optimiser holds these parameters)."""
+    from gptkit.modeldir import WEIGHTS_FILE
+
+    weights = _shard_like(module, load_tensors(path / WEIGHTS_FILE, next(module.parameters()).device))
+    try:
+        result = module.load_state_dict(weights, strict=False)
+    except RuntimeError as err:  # a tensor of another shape
+        last = str(err).strip().splitlines()[-1].strip()
+        raise CheckpointError(f"{path / WEIGHTS_FILE} does not match the run's model: {last}") from None
+    missing = set(result.missing_keys) - ({"lm_head.weight"} if module.config.tie_embeddings else set())
+    if missing or result.unexpected_keys:
+        first = sorted(missing or result.unexpected_keys)[0]
+        raise CheckpointError(f"{path} does not match the run's model (tensor {first!r})")
 
 
 def _shard_like(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,16 @@ import numpy as np
 import torch
 
 from gptkit.errors import GptkitError, InputError
+from gptkit.loss import IGNORE_INDEX
 
 META_FILE = "meta.json"
 TOKEN_DTYPES = ("uint16", "uint32")
 SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
+# A data set of supervised examples (meta.json "kind": "examples") adds, per split, which tokens are trained on
+# (uint8, 1 = the loss trains the model to predict this token) and where each example starts (int64, one offset
+# per example into the token file, then the total).
+EXAMPLE_FILES = {split: {"ids": name, "mask": name.replace(".bin", ".mask.bin"),
+                         "offsets": name.replace(".bin", ".offsets.bin")} for split, name in SPLIT_FILES.items()}
 
 
 def read_meta(data_dir: str | Path) -> dict[str, Any]:
@@ -45,23 +52,41 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
     if meta.get("dtype") not in TOKEN_DTYPES:
         raise GptkitError(f"{path}: field 'dtype' must be one of {', '.join(TOKEN_DTYPES)}, got {meta.get('dtype')!r}")
     itemsize = np.dtype(meta["dtype"]).itemsize
+    expected = {}
     for split, name in SPLIT_FILES.items():
-        expected = meta[f"{split}_tokens"] * itemsize
+        expected[name] = meta[f"{split}_tokens"] * itemsize
+    if is_examples(meta):
+        for split, files in EXAMPLE_FILES.items():
+            count = meta.get(f"{split}_examples")
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise GptkitError(f"{path}: field '{split}_examples' must be a non-negative integer, got {count!r}")
+            expected[files["mask"]] = meta[f"{split}_tokens"]
+            expected[files["offsets"]] = (count + 1) * 8
+    for name, size in expected.items():
         file = data_dir / name
         actual = file.stat().st_size if file.is_file() else None
-        if actual != expected:
+        if actual != size:
             found = "is missing" if actual is None else f"has {actual} bytes"
             raise GptkitError(
-                f"{file} {found} but {META_FILE} promises {expected} bytes; rerun `gptkit prepare --out {data_dir}`"
+                f"{file} {found} but {META_FILE} promises {size} bytes; rerun `gptkit prepare --out {data_dir}`"
             )
     return meta
 
 
+def is_examples(meta: dict[str, Any]) -> bool:
+    """Whether a data set holds supervised examples (ids, trained tokens, example starts) rather than a stream."""
+    return meta.get("kind") == "examples"
+
+
 def load_tokens(path: str | Path, dtype: str) -> np.memmap:
     """A read-only memory map of a token file (an empty file gives an empty read-only array)."""
-    path = Path(path)
     if dtype not in TOKEN_DTYPES:
         raise GptkitError(f"token dtype must be one of {', '.join(TOKEN_DTYPES)}, got {dtype!r}")
+    return _map(Path(path), dtype)
+
+
+def _map(path: Path, dtype: str) -> np.memmap:
+    """A read-only memory map of a flat array file, checked to hold whole elements."""
     if not path.is_file():
         raise GptkitError(f"token file {path} does not exist")
     size = path.stat().st_size
@@ -163,3 +188,189 @@ def sequential_batches(
             return
         starts = np.arange(first, min(first + batch_size, count)) * block_size
         yield _windows(tokens, starts, block_size)
+
+
+# ---------------------------------------------------------------- supervised examples
+
+
+@dataclass
+class Batch:
+    """One micro-batch: inputs x, targets y (IGNORE_INDEX where nothing is trained), and for packed rows the
+    document each position belongs to. targets counts the trained targets; step_targets those of every
+    micro-batch of the same update across all ranks (None for text windows, where every micro-batch is full);
+    tokens the input positions that are not padding."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    document_ids: torch.Tensor | None = None
+    targets: int = 0
+    step_targets: int | None = None
+    tokens: int = 0  # input positions that are not padding
+
+
+@dataclass
+class Examples:
+    """One split of a supervised data set: every example's tokens back to back, its trained tokens, its offsets."""
+
+    ids: np.ndarray
+    trained: np.ndarray  # uint8, 1 where the token is a trained target
+    offsets: np.ndarray  # int64, len(examples) + 1
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        """Tokens per example."""
+        return np.diff(self.offsets)
+
+    def targets(self) -> np.ndarray:
+        """Trained targets per example (an example's first token has no context, so it is never one)."""
+        starts, ends = self.offsets[:-1] + 1, self.offsets[1:]
+        bounds = np.stack([np.minimum(starts, ends), ends], axis=1).reshape(-1)  # [s0, e0, s1, e1, ...]
+        padded = np.concatenate([self.trained, np.zeros(1, dtype=np.uint8)])  # reduceat needs every index < len
+        sums = np.add.reduceat(padded, bounds, dtype=np.int64)[::2]  # sums over [s_i, e_i)
+        return np.where(starts < ends, sums, 0)
+
+
+def load_examples(data_dir: str | Path, split: str, meta: dict[str, Any]) -> Examples:
+    """The memory-mapped examples of a split of a data set read_meta has checked."""
+    files = EXAMPLE_FILES[split]
+    data_dir = Path(data_dir)
+    ids = load_tokens(data_dir / files["ids"], meta["dtype"])
+    trained = _map(data_dir / files["mask"], "uint8")
+    offsets = np.fromfile(data_dir / files["offsets"], dtype=np.int64)
+    if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
+        raise GptkitError(f"{data_dir / files['offsets']} does not describe {split}'s examples; rerun gptkit prepare")
+    return Examples(ids, trained, offsets)
+
+
+def _example_rows(examples: Examples, rows: list[list[int]], block_size: int,
+                  packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(x, y, document_ids) for rows of example indices: each example's inputs and targets side by side,
+    right-padded (padding predicts nothing; packed rows give it a document id of its own)."""
+    width = max(sum(int(examples.offsets[i + 1] - examples.offsets[i]) - 1 for i in row) for row in rows)
+    width = block_size if packed else min(block_size, -(-width // PAD_MULTIPLE) * PAD_MULTIPLE)
+    x = np.zeros((len(rows), width), dtype=np.int64)
+    y = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+    docs = np.full((len(rows), width), -1, dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for d, i in enumerate(row):
+            a, b = examples.offsets[i], examples.offsets[i + 1]
+            n = b - a - 1
+            x[r, at : at + n] = examples.ids[a : b - 1]
+            targets = examples.ids[a + 1 : b].astype(np.int64)
+            y[r, at : at + n] = np.where(examples.trained[a + 1 : b] != 0, targets, IGNORE_INDEX)
+            docs[r, at : at + n] = d
+            at += n
+    return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(docs) if packed else None
+
+
+# Padded batches are as wide as their longest example, rounded up to this: fewer distinct shapes for a compiled
+# model to see, at the cost of a few padding positions.
+PAD_MULTIPLE = 8
+
+
+class ExampleBatches:
+    """Training batches of whole supervised examples, padded or packed, deterministic in (seed, batch number).
+
+    Epoch e visits every example once, in an order drawn from a Philox generator keyed by the seed with its
+    counter set to e. Each example becomes a row of its own (padded), or examples are packed in that order into
+    rows of block_size positions (next fit: an example that does not fit the current row starts the next one).
+    Batch k is rows k * batch_size ... of that endless row stream, so the state is just k, as for TrainBatches.
+    group is how many consecutive batches make one update (grad_accum x processes): each batch says how many
+    targets its whole update has, for a loss that is the mean over the update's trained tokens.
+    """
+
+    def __init__(self, examples: Examples, block_size: int, batch_size: int, seed: int, packed: bool,
+                 group: int = 1) -> None:  # fmt: skip
+        if len(examples) == 0:
+            raise InputError("the data set has no examples to train on")
+        longest = int(examples.lengths().max()) - 1
+        if longest > block_size:
+            raise InputError(
+                f"an example of {longest + 1} tokens does not fit the model's block_size {block_size}; prepare the "
+                f"data again with --max-length {block_size + 1}"
+            )
+        self.examples, self.block_size, self.batch_size = examples, block_size, batch_size
+        self.packed, self.group = packed, group
+        self.targets = examples.targets()
+        self.positions = examples.lengths() - 1  # input positions per example
+        self.seed = int(seed)
+        self.step = 0
+        self._epochs: dict[int, list[list[int]]] = {}  # rows of recent epochs
+        self._epoch_starts = [0]  # first global row of each epoch computed so far
+        self._update = (-1, 0)  # (first batch of an update, its targets) last computed
+
+    def _rows_of(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._epochs:
+            key = np.random.SeedSequence([self.seed, 1]).generate_state(2, dtype=np.uint64)
+            order = np.random.Generator(np.random.Philox(key=key, counter=[0, 0, 0, epoch])).permutation(
+                len(self.examples))
+            self._epochs = {e: rows for e, rows in self._epochs.items() if e >= epoch - 1}  # keep memory bounded
+            self._epochs[epoch] = self._pack(order) if self.packed else [[int(i)] for i in order]
+        return self._epochs[epoch]
+
+    def _pack(self, order: np.ndarray) -> list[list[int]]:
+        rows, row, used = [], [], 0
+        for i in order.tolist():
+            if row and used + self.positions[i] > self.block_size:
+                rows.append(row)
+                row, used = [], 0
+            row.append(i)
+            used += int(self.positions[i])
+        return rows + [row]
+
+    def _rows(self, first: int, count: int) -> list[list[int]]:
+        """Rows first ... first + count - 1 of the endless stream."""
+        while self._epoch_starts[-1] <= first + count:  # learn where each epoch starts, as far as needed
+            epoch = len(self._epoch_starts) - 1
+            self._epoch_starts.append(self._epoch_starts[-1] + len(self._rows_of(epoch)))
+        out = []
+        for g in range(first, first + count):
+            epoch = int(np.searchsorted(self._epoch_starts, g, side="right")) - 1
+            out.append(self._rows_of(epoch)[g - self._epoch_starts[epoch]])
+        return out
+
+    def _count(self, batch: int) -> int:
+        return sum(int(self.targets[row].sum()) for row in self._rows(batch * self.batch_size, self.batch_size))
+
+    def next_batch(self) -> Batch:
+        """The next micro-batch."""
+        k = self.step
+        self.step += 1
+        rows = self._rows(k * self.batch_size, self.batch_size)
+        x, y, docs = _example_rows(self.examples, rows, self.block_size, self.packed)
+        first = k - k % self.group
+        if self._update[0] != first:  # the update's count, once per update rather than once per micro-batch
+            self._update = (first, sum(self._count(b) for b in range(first, first + self.group)))
+        return Batch(x, y, docs, int(sum(self.targets[row].sum() for row in rows)), self._update[1],
+                     int(sum(self.positions[row].sum() for row in rows)))
+
+    def state_dict(self) -> dict[str, int]:
+        """The position in the batch stream (JSON-able)."""
+        return {"seed": self.seed, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position."""
+        try:
+            seed, step = int(state["seed"]), int(state["step"])
+        except (KeyError, TypeError, ValueError):
+            raise GptkitError(f"not an ExampleBatches state (needs integer 'seed' and 'step'): {state!r}") from None
+        if step < 0:
+            raise GptkitError(f"ExampleBatches state has a negative step {step}")
+        if seed != self.seed:
+            self.seed, self._epochs, self._epoch_starts, self._update = seed, {}, [0], (-1, 0)
+        self.step = step
+
+
+def example_batches(examples: Examples, block_size: int, batch_size: int, limit: int | None = None,
+                    order: np.ndarray | None = None) -> Iterator[Batch]:  # fmt: skip
+    """Padded batches over the first `limit` examples of a split (in `order`, default as stored): evaluation."""
+    chosen = np.arange(len(examples)) if order is None else order
+    chosen = chosen[:limit] if limit is not None else chosen
+    targets = examples.targets()
+    for start in range(0, len(chosen), batch_size):
+        rows = [[int(i)] for i in chosen[start : start + batch_size]]
+        x, y, _ = _example_rows(examples, rows, block_size, packed=False)
+        yield Batch(x, y, None, int(sum(targets[row[0]] for row in rows)))

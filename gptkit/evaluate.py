@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gptkit.data import Examples, example_batches
 from gptkit.errors import InputError
 from gptkit.loss import IGNORE_INDEX
 from gptkit.model import GPT
@@ -177,6 +178,51 @@ def evaluate_ids(
     nll_sum, tokens = score_tokens(model, ids, stride, batch_size, on_windows=on_windows)
     n_bytes = scored_bytes(ids, token_byte_lengths) if token_byte_lengths is not None else 0
     return metrics(nll_sum, tokens, n_bytes)
+
+
+@torch.no_grad()
+def score_examples(
+    model: torch.nn.Module,
+    examples: Examples,
+    block_size: int,
+    batch_size: int = 8,
+    limit: int | None = None,
+    order: np.ndarray | None = None,
+    on_examples: Callable[[int], None] = lambda n: None,
+) -> tuple[float, int]:
+    """(summed nats, scored tokens) over the trained tokens of supervised examples (the first `limit`, in `order`).
+
+    Each example is scored alone (padded batches), as training scores it."""
+    if batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+    device = next(model.parameters()).device
+    total, count = torch.zeros((), device=device), 0
+    for batch in example_batches(examples, block_size, batch_size, limit, order):
+        total += model(batch.x.to(device), targets=batch.y.to(device)).float() * batch.targets
+        count += batch.targets
+        on_examples(len(batch.x))
+    return float(total), count
+
+
+def evaluate_examples(
+    model: GPT,
+    examples: Examples,
+    token_byte_lengths: np.ndarray | None,
+    batch_size: int = 8,
+    on_examples: Callable[[int], None] = lambda n: None,
+) -> EvalResult:
+    """Metrics over the trained tokens of every example of a split (bytes: those the trained tokens stand for)."""
+    was_training = model.training
+    model.eval()
+    try:
+        nll_sum, scored = score_examples(model, examples, model.config.block_size, batch_size,
+                                         on_examples=on_examples)  # fmt: skip
+    finally:
+        model.train(was_training)
+    n_bytes = 0
+    if token_byte_lengths is not None:
+        n_bytes = int(token_byte_lengths[np.asarray(examples.ids)[1:][np.asarray(examples.trained)[1:] != 0]].sum())
+    return metrics(nll_sum, scored, n_bytes)
 
 
 def encode_text(tokenizer: Any, text: str) -> np.ndarray:

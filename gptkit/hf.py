@@ -708,6 +708,20 @@ def hf_checkpoint(model: GPT, tokenizer: Any | None = None) -> tuple[dict[str, A
     return hf, hf_state
 
 
+def hf_block_modules(config: ModelConfig) -> tuple[dict[str, list[tuple[str, int | None]]], bool]:
+    """Where each gptkit block layer ("blocks.0.attn.qkv") lives in the exported HF model: its modules, each with
+    the rows of the layer's output it takes (None: all), and whether they store weights transposed (Conv1D)."""
+    hf = hf_config_from_gptkit(config)
+    layout = LAYOUTS[hf["architectures"][0]]
+    modules = {}
+    for i in range(config.n_layer):
+        layer = f"{layout.base}{layout.layers}.{i}."
+        for spec in layout.block:
+            rows = spec.rows(config) if spec.rows is not None else (None,)
+            modules[f"blocks.{i}.{spec.ours}"] = [(layer + their, r) for their, r in zip(spec.theirs, rows)]
+    return modules, any(spec.transposed for spec in layout.block)
+
+
 def hf_model_from_gpt(model: GPT) -> Any:
     """An in-memory transformers model (GPT2LMHeadModel or LlamaForCausalLM) computing what model does."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,17 +1,19 @@
 """The documents of `gptkit prepare`'s inputs, streamed from files and directories in the formats people have.
 
-Formats, told by the file's name (after any compression suffix): `.jsonl`/`.ndjson` (a text field per line),
-`.csv`/`.tsv` (a named column, through the csv module), `.parquet` (a named column, one row group at a time;
-needs pyarrow), and anything else as plain text. Each may be gzip, xz, bzip2 or zstd compressed (told by the
-file's first bytes; zstd needs the zstandard package). A format is one reader function from a Source to Pieces;
-Reader walks the files, hashes and counts their bytes, and hands the Pieces on. A file of a binary format
-(PDF, image, archive, executable, ...) is named in a one-line error that says what to do instead.
+Formats, told by the file's name (after any compression suffix): plain text (one document a file), and rows:
+`.jsonl`/`.ndjson`, `.csv`/`.tsv` (through the csv module, a header row naming the columns), `.parquet` (one row
+group at a time; needs pyarrow). Each may be gzip, xz, bzip2 or zstd compressed (told by the file's first bytes;
+zstd needs the zstandard package). A format is one reader function: read_text yields a document's Pieces, a row
+reader yields records (dicts), which Reader turns into documents (a named field's text) and `records` hands to
+other uses (supervised examples). A file of a binary format (PDF, image, archive, executable, ...) is named in a
+one-line error that says what to do instead.
 """
 
 from __future__ import annotations
 
 import bz2
 import codecs
+import contextlib
 import csv
 import gzip
 import hashlib
@@ -23,6 +25,8 @@ import logging
 import lzma
 import os
 import re
+import sys
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -38,7 +42,8 @@ SNIFF_BYTES = 8192  # bytes inspected to tell a file's format from its content
 # Above this share of invalid bytes around the first bad one, a file is not "text with a few bad bytes" and
 # --errors replace would train on noise.
 REPLACE_MAX_INVALID = 0.01
-UTF8_WINDOW = 1 << 16  # bytes each side of the first invalid one over which that share is measured
+UTF8_WINDOW = 1 << 16
+PARQUET_BATCH_ROWS = 1024  # rows converted to Python at a time  # bytes each side of the first invalid one over which that share is measured
 
 @dataclass(frozen=True)
 class Piece:
@@ -52,12 +57,11 @@ class Piece:
 
 @dataclass
 class Source:
-    """One input file as a reader sees it: its decompressed bytes and the options that shape its documents."""
+    """One input file as a reader sees it."""
 
     path: Path
     stream: IO[bytes]  # the file's bytes, decompressed
     errors: str  # "strict" or "replace" for invalid UTF-8
-    field: str  # the JSONL field or CSV / Parquet column holding the text
     on_bytes: Callable[[int], None]  # progress, in bytes of the file (for readers that bypass `stream`)
     compressed: bool
 
@@ -274,22 +278,29 @@ def read_text(src: Source) -> Iterator[Piece]:
             return
 
 
-def _check_encodable(text: str, where: str, errors: str) -> str:
-    """text, or an error (strict) / U+FFFD in place (replace) for lone surrogates, which UTF-8 cannot encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
+def without_surrogates(value: Any, where: str, errors: str) -> Any:
+    """value with any lone surrogate (a JSON escape UTF-8 cannot encode) replaced, or an error naming the row."""
+    if isinstance(value, str):
+        found = re.search("[\ud800-\udfff]", value)
+        if found is None:
+            return value
         if errors == "strict":
-            raise InputError(
-                f"{where}: the text holds a lone surrogate at character {err.start}, which UTF-8 cannot "
-                "encode; fix the file or pass --errors replace"
-            ) from None
-        text = re.sub("[\ud800-\udfff]", "\ufffd", text)
-    return text
+            raise InputError(f"{where}: a string holds a lone surrogate at character {found.start()}, which UTF-8 "
+                             "cannot encode; fix the file or pass --errors replace")  # fmt: skip
+        return re.sub("[\ud800-\udfff]", "\ufffd", value)
+    if isinstance(value, list):
+        return [without_surrogates(v, where, errors) for v in value]
+    if isinstance(value, dict):
+        return {k: without_surrogates(v, where, errors) for k, v in value.items()}
+    return value
 
 
-def read_jsonl(src: Source) -> Iterator[Piece]:
-    """JSON Lines: each non-blank line an object whose text field is one document."""
+# A row reader yields (record, "file line N" / "file row N"); columns, when given, are all the caller needs.
+Rows = Iterator[tuple[Any, str]]
+
+
+def read_jsonl(src: Source, columns: list[str] | None = None) -> Rows:
+    """JSON Lines: each non-blank line one JSON value (a row is an object)."""
     position = 0
     for number, raw in enumerate(src.stream, start=1):
         where = f"{src.path} line {number}"
@@ -304,37 +315,23 @@ def read_jsonl(src: Source) -> Iterator[Piece]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield json.loads(line), where
         except ValueError as err:
             raise InputError(f"{where} is not valid JSON: {err}") from None
-        if not isinstance(record, dict) or not isinstance(record.get(src.field), str):
-            raise InputError(f"{where} has no string field \"{src.field}\" (each JSONL line must be an object with "
-                             "one; --text-field names another field)")  # fmt: skip
-        yield Piece(_check_encodable(record[src.field], where, src.errors), True, where, 0)
 
 
-def _read_table(src: Source, dialect: type[csv.Dialect], name: str) -> Iterator[Piece]:
-    """CSV or TSV: a header row, then one document per row, from the column named by --text-field."""
+def _read_table(src: Source, dialect: type[csv.Dialect], name: str) -> Rows:
+    """CSV or TSV: a header row naming the columns, then one row per record."""
     text = io.TextIOWrapper(src.stream, encoding="utf-8-sig", errors=src.errors, newline="")
-    rows = csv.reader(text, dialect)
     limit = csv.field_size_limit()
     csv.field_size_limit(2**31 - 1)  # a document can be longer than the module's 128 KiB default
     number = 1
     try:
+        rows = csv.reader(text, dialect)
         header = next(rows, None)
-        if header is None:
-            return
-        if src.field not in header:
-            raise InputError(f"{src.path} has no column {src.field!r} in its header row (columns: "
-                             f"{', '.join(map(repr, header[:10]))}); --text-field names the column to read")  # fmt: skip
-        column = header.index(src.field)
         for number, row in enumerate(rows, start=2):
-            if not row:
-                continue  # a blank line
-            if len(row) <= column:
-                raise InputError(f"{src.path} row {number} has {len(row)} fields, too few for column {src.field!r}")
-            where = f"{src.path} row {number}"
-            yield Piece(_check_encodable(row[column], where, src.errors), True, where, 0)
+            if row:  # (a blank line is no row)
+                yield dict(zip(header, row)), f"{src.path} row {number}"
     except UnicodeDecodeError as err:
         raise _invalid_utf8_error(src.where, err.start, err.reason, err.object, f"near row {number}, ") from None
     except csv.Error as err:
@@ -344,52 +341,51 @@ def _read_table(src: Source, dialect: type[csv.Dialect], name: str) -> Iterator[
         text.detach()  # the caller closes the file
 
 
-def read_csv(src: Source) -> Iterator[Piece]:
+def read_csv(src: Source, columns: list[str] | None = None) -> Rows:
     """Comma-separated values with a header row."""
     return _read_table(src, csv.excel, "CSV")
 
 
-def read_tsv(src: Source) -> Iterator[Piece]:
+def read_tsv(src: Source, columns: list[str] | None = None) -> Rows:
     """Tab-separated values with a header row."""
     return _read_table(src, csv.excel_tab, "TSV")
 
 
-def read_parquet(src: Source) -> Iterator[Piece]:
-    """Apache Parquet: one document per row of a string column, read one row group at a time."""
+def read_parquet(src: Source, columns: list[str] | None = None) -> Rows:
+    """Apache Parquet: one record per row, streamed a row group at a time (only the columns asked for)."""
     pa = _optional("pyarrow", "parquet", "Parquet input")
     pq = _optional("pyarrow.parquet", "parquet", "Parquet input")
     try:
         table = pq.ParquetFile(src.path)
     except (pa.ArrowException, OSError) as err:
         raise InputError(f"{src.path} is not a readable Parquet file: {err}") from None
-    schema = table.schema_arrow
-    if src.field not in schema.names:
-        raise InputError(f"{src.path} has no column {src.field!r} (columns: {', '.join(map(repr, schema.names[:10]))}); "
-                         "--text-field names the column to read")  # fmt: skip
-    kind = schema.field(src.field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or getattr(pa.types, "is_string_view",
-                                                                                   lambda _: False)(kind)):
-        raise InputError(f"{src.path}: column {src.field!r} holds {kind}, not text; --text-field names a string column")
+    names = table.schema_arrow.names
+    if columns is not None:
+        columns = [c for c in columns if c in names]  # an absent one: each row then lacks it, and the caller says so
     size, rows = src.path.stat().st_size, max(table.metadata.num_rows, 1)
-    row = 0
-    for group in range(table.num_row_groups):
+    number = 0
+    batches = table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns)  # row group by row group
+    while True:
         try:
-            column = table.read_row_group(group, columns=[src.field]).column(0)
+            batch = next(batches, None)
         except (pa.ArrowException, OSError) as err:
-            raise InputError(f"{src.path}: cannot read row group {group}: {err}") from None
-        for chunk in column.chunks:
-            if chunk.null_count:
-                first = row + next(i for i, v in enumerate(chunk.is_null().to_pylist()) if v)
-                raise InputError(f"{src.path} row {first}: column {src.field!r} is null; drop such rows first")
-            for text in chunk.to_pylist():
-                yield Piece(text, True, f"{src.path} row {row}", 0)
-                row += 1
-        src.on_bytes(size * table.metadata.row_group(group).num_rows // rows)
+            raise InputError(f"{src.path}: cannot read the rows after row {number}: {err}") from None
+        if batch is None:
+            return
+        for record in batch.to_pylist():
+            number += 1
+            yield record, f"{src.path} row {number}"
+        src.on_bytes(size * batch.num_rows // rows)
 
 
-READERS: dict[str, Callable[[Source], Iterator[Piece]]] = {
-    "text": read_text, "jsonl": read_jsonl, "csv": read_csv, "tsv": read_tsv, "parquet": read_parquet,
-}  # fmt: skip
+ROW_READERS: dict[str, Callable[..., Rows]] = {"jsonl": read_jsonl, "csv": read_csv, "tsv": read_tsv,
+                                               "parquet": read_parquet}  # fmt: skip
+
+
+def row_kind(path: Path) -> str | None:
+    """The row format a file's name says (jsonl, csv, tsv, parquet), or None for text."""
+    fmt = _format(path)
+    return fmt if fmt in ROW_READERS else None
 
 
 # ---------------------------------------------------------------- the files in turn
@@ -417,6 +413,43 @@ class _Counted(io.RawIOBase):
         return n or 0
 
 
+@contextlib.contextmanager
+def _opened(path: Path, errors: str, on_bytes: Callable[[int], None]) -> Iterator[tuple[Source, _Counted]]:
+    """A Source for the file (decompressed if it is compressed), and the counter of its bytes."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            counted = _Counted(f, on_bytes)
+            stream: IO[bytes] = io.BufferedReader(counted, READ_CHUNK)
+            compression = _compression(stream.peek(8)[:8]) if _format(path) != "parquet" else None
+            if compression is not None:
+                stream = _decompressed(stream, compression[0])
+            yield Source(path, stream, errors, on_bytes, compression is not None), counted
+    except OSError as err:  # (gzip's BadGzipFile among them)
+        raise InputError(f"cannot read input {path}: {err.strerror or err}") from None
+    except Exception as err:
+        zstandard = sys.modules.get("zstandard")
+        if isinstance(err, (EOFError, lzma.LZMAError, zlib.error)) or (zstandard and isinstance(err, zstandard.ZstdError)):
+            raise InputError(f"{path}: damaged or truncated compressed file ({err})") from None  # cut short, say
+        raise
+
+
+def records(path: Path, errors: str, columns: list[str] | None = None,
+            on_bytes: Callable[[int], None] = lambda n: None) -> Rows:  # fmt: skip
+    """(record, where) for each row of a JSONL, CSV, TSV or Parquet file, lone surrogates handled as `errors` says."""
+    with _opened(path, errors, on_bytes) as (src, _):
+        for record, where in ROW_READERS[_format(path)](src, columns):
+            yield without_surrogates(record, where, errors), where
+
+
+def first_record(path: Path, errors: str) -> tuple[Any, str] | None:
+    """The first row of a JSONL, CSV, TSV or Parquet file, or None when it has none."""
+    rows = records(path, errors)
+    try:
+        return next(rows, None)
+    finally:
+        rows.close()
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -426,7 +459,8 @@ def _sha256(path: Path) -> str:
 
 
 class Reader:
-    """Streams the documents of the input files as Pieces, counting bytes read and hashing each file."""
+    """Streams the documents of the input files as Pieces, counting bytes read and hashing each file: a text file is
+    one document; each row of the other formats is one, its text in the field (column) named `field`."""
 
     def __init__(self, files: list[Path], errors: str, field: str = "text",
                  on_bytes: Callable[[int], None] = lambda n: None) -> None:  # fmt: skip
@@ -441,27 +475,21 @@ class Reader:
         self.documents = 0
         self.inputs = []
         for path in self.files:
-            try:
-                yield from self._file(path)
-            except OSError as err:
-                raise InputError(f"cannot read input {path}: {err.strerror or err}") from None
-            except (EOFError, lzma.LZMAError) as err:  # a compressed file cut short or damaged
-                raise InputError(f"{path}: damaged or truncated compressed file ({err})") from None
+            fmt = _format(path)
+            with _opened(path, self.errors, self.on_bytes) as (src, counted):
+                for piece in read_text(src) if fmt == "text" else self._rows(src, ROW_READERS[fmt]):
+                    self.documents += piece.starts_document
+                    yield piece
+            if fmt == "parquet":  # pyarrow reads the file out of order: hash it as a whole
+                digest, size = _sha256(path), path.stat().st_size
+            else:
+                digest, size = counted.digest.hexdigest(), counted.size
+            self.inputs.append({"path": str(path), "bytes": size, "sha256": digest})
 
-    def _file(self, path: Path) -> Iterator[Piece]:
-        fmt = _format(path)
-        with open(path, "rb", buffering=0) as f:
-            counted = _Counted(f, self.on_bytes)
-            stream: IO[bytes] = io.BufferedReader(counted, READ_CHUNK)
-            compression = _compression(stream.peek(8)[:8]) if fmt != "parquet" else None
-            if compression is not None:
-                stream = _decompressed(stream, compression[0])
-            src = Source(path, stream, self.errors, self.field, self.on_bytes, compression is not None)
-            for piece in READERS[fmt](src):
-                self.documents += piece.starts_document
-                yield piece
-        if fmt == "parquet":  # pyarrow reads the file out of order: hash it as a whole
-            digest, size = _sha256(path), path.stat().st_size
-        else:
-            digest, size = counted.digest.hexdigest(), counted.size
-        self.inputs.append({"path": str(path), "bytes": size, "sha256": digest})
+    def _rows(self, src: Source, read: Callable[..., Rows]) -> Iterator[Piece]:
+        for record, where in read(src, [self.field]):
+            text = record.get(self.field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise InputError(f"{where} has no string field \"{self.field}\" (each row must have one; "
+                                 "--text-field names another field)")  # fmt: skip
+            yield Piece(without_surrogates(text, where, self.errors), True, where, 0)

@@ -74,6 +74,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def document_positions(document_ids: Tensor) -> Tensor:
+    """Each token's position inside its document (B, T): counting restarts where a row's id changes."""
+    index = torch.arange(document_ids.size(1), device=document_ids.device).expand_as(document_ids)  # (B, T)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(starts, index, 0).cummax(dim=1).values  # (B, T): where each token's document starts
+    return index - first
+
+
+def document_mask(document_ids: Tensor) -> Tensor:
+    """Causal attention within documents (B, 1, T, T), True where a query may attend a key."""
+    T = document_ids.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
+
+
 def plain_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float) -> tuple[Tensor, Tensor]:
     """softmax(QK^T / sqrt(d_k) + M) V, returning the output and the attention weights."""
     T, S = q.size(-2), k.size(-2)
@@ -98,7 +114,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv: LayerKV | None, trace: Trace | None
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv: LayerKV | None, mask: Tensor | None,
+        trace: Trace | None,
     ) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(
@@ -109,7 +126,6 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        mask = None
         if kv is not None:
             k, v, mask = kv.update(k, v)  # (B, KV, S, hd) with S the cached length
         grouped = self.n_kv_head != self.n_head
@@ -164,12 +180,13 @@ class Block(nn.Module):
         self.norm2, self.mlp = make_norm(config), FeedForward(config)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv: LayerKV | None, trace: Trace | None
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv: LayerKV | None, mask: Tensor | None,
+        trace: Trace | None,
     ) -> Tensor:
         if self.pre_norm:
-            x = x + self.attn(self.norm1(x), rope, kv, trace)
+            x = x + self.attn(self.norm1(x), rope, kv, mask, trace)
             return x + self.mlp(self.norm2(x))
-        x = self.norm1(x + self.attn(x, rope, kv, trace))
+        x = self.norm1(x + self.attn(x, rope, kv, mask, trace))
         return self.norm2(x + self.mlp(x))
 
 
@@ -216,6 +233,7 @@ class GPT(nn.Module):
         trace: Trace | None = None,
         logits_at: Tensor | None = None,
         targets: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Logits for every position of ids (B, T), whose first token sits at absolute position start_pos.
 
@@ -226,15 +244,24 @@ class GPT(nn.Module):
         needs no others, and the LM head over every position can be a fifth of its time.
         targets (B, T) returns instead the mean next-token loss over those not equal to IGNORE_INDEX, with the LM
         head fused into the loss (gptkit.loss.linear_cross_entropy): no (B, T, V) logits are kept for training.
+        document_ids (B, T) packs several documents (contiguous runs of equal ids) into a row: each token attends
+        only to earlier tokens of its own document, and positions restart at 0 where a document starts.
         """
         if self.check_inputs:
             self._check_inputs(ids, cache, start_pos, logits_at)
             if targets is not None and (tuple(targets.shape) != tuple(ids.shape) or logits_at is not None):
                 raise InputError(f"targets must have the shape of ids {tuple(ids.shape)} (and come without "
                                  f"logits_at), got {tuple(targets.shape)}")  # fmt: skip
+            if document_ids is not None and (tuple(document_ids.shape) != tuple(ids.shape) or cache is not None):
+                raise InputError(f"document_ids must have the shape of ids {tuple(ids.shape)} (and come without a "
+                                 f"cache), got {tuple(document_ids.shape)}")  # fmt: skip
         T = ids.size(1)
         offsets = torch.arange(T, device=ids.device)
         positions = start_pos[:, None] + offsets if isinstance(start_pos, Tensor) else (start_pos + offsets)[None]
+        mask = None
+        if document_ids is not None:
+            positions = document_positions(document_ids)
+            mask = document_mask(document_ids)
         x = self.tok_emb(ids)  # (B, T, d)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)
@@ -248,7 +275,7 @@ class GPT(nn.Module):
             trace.hidden_states.append(x)
         for index, block in enumerate(self.blocks):
             kv = cache.layer(index, start_pos) if cache is not None else None
-            x = block(x, rope, kv, trace)
+            x = block(x, rope, kv, mask, trace)
             if trace is not None:
                 trace.hidden_states.append(x)
         if self.norm_f is not None:

@@ -182,11 +182,16 @@ def load_model_dir(
 def load(
     path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
 ) -> tuple[GPT, Any]:
-    """(model, tokenizer) from a gptkit model directory or a Hugging Face one (converted in memory).
+    """(model, tokenizer) from a gptkit model directory, a LoRA directory (adapters merged into their base) or a
+    Hugging Face directory (converted in memory).
 
     The tokenizer is None when the directory holds no tokenizer files.
     """
     path = Path(path)
+    from gptkit.finetune.lora_dir import is_lora_dir, load_lora  # (moves to the format-detecting loader)
+
+    if is_lora_dir(path):
+        return load_lora(path, dtype=dtype, device=device)
     if not is_gptkit_dir(path):
         data = read_config_json(path)  # raises for a missing directory or config
         if "model_type" in data or "architectures" in data:

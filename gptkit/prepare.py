@@ -28,8 +28,11 @@ from typing import Any
 import numpy as np
 
 from gptkit.atomic import atomic_write_text, replace_dir, staging_dir, sweep_staging
+from gptkit.chat import TOKENIZER_CONFIG, ChatTemplate, eos_text, load_chat_template
+from gptkit.data import EXAMPLE_FILES, META_FILE, SPLIT_FILES
 from gptkit.errors import GptkitError, InputError
-from gptkit.inputs import READ_CHUNK, Piece, Reader, resolve_inputs
+from gptkit.finetune.examples import SUPERVISED, ExampleEncoder, fit, row_format
+from gptkit.inputs import READ_CHUNK, Piece, Reader, first_record, records, resolve_inputs, row_kind
 from gptkit.tokenizer import (
     EOT,
     GPTKIT_FILE,
@@ -53,6 +56,8 @@ META_VERSION = 1
 PIECE_CHARS = 1 << 14  # target size of one piece handed to the encoder (small enough to spread over cores)
 BATCH_CHARS = 1 << 20  # characters encoded per batch: bounds the encoder's working memory
 FORCE_CUT_CHARS = 1 << 23  # a document with no safe cut point this long is cut anyway (and counted in meta)
+DEFAULT_MAX_LENGTH = 1024  # supervised examples' length limit when no model gives its context
+SPLIT_SEED = 1337  # which supervised examples go to val.bin: a fixed draw, so that a re-prepare gives the same split
 
 
 def _flag(help: str, metavar: str | None = None) -> dict[str, Any]:
@@ -90,6 +95,21 @@ class PrepareConfig:
         metadata=_flag("invalid UTF-8: strict (stop, naming file and offset) or replace (U+FFFD)")
         | {"choices": ["strict", "replace"]},
     )
+    loss_on: str = field(
+        default="completion",
+        metadata=_flag("supervised examples: train on the replies and completions only (completion) or on every "
+                       "token (all)") | {"choices": ["completion", "all"]},
+    )  # fmt: skip
+    max_length: int | None = field(
+        default=None,
+        metadata=_flag("supervised examples: the most tokens an example may have (default: the context of the "
+                       f"model given as --tokenizer, else {DEFAULT_MAX_LENGTH})", "N"),
+    )  # fmt: skip
+    overlong: str = field(
+        default="truncate",
+        metadata=_flag("supervised examples longer than --max-length: truncate (keep the start) or drop")
+        | {"choices": ["truncate", "drop"]},
+    )
 
     def validate(self) -> None:
         """Raise InputError for an option no run could use."""
@@ -99,6 +119,8 @@ class PrepareConfig:
             raise InputError(f"--errors must be strict or replace, got {self.errors!r}")
         if self.vocab_size < 1:
             raise InputError(f"--vocab-size must be positive, got {self.vocab_size}")
+        if self.max_length is not None and self.max_length < 2:
+            raise InputError(f"--max-length must be at least 2 (a token and one to predict), got {self.max_length}")
 
 
 # ---------------------------------------------------------------- pieces and encoding
@@ -259,9 +281,8 @@ def _split_tail(stage: Path, dtype: str, total: int, val_fraction: float, length
 
 
 # The files a data set is made of; anything else found in an output directory is the user's and stays there.
-# (gptkit.data's META_FILE and SPLIT_FILES, spelled out: importing that module would import torch.)
-META_FILE = "meta.json"
-DATA_FILES = {META_FILE, "train.bin", "val.bin", GPTKIT_FILE, HF_FILE}
+DATA_FILES = {META_FILE, *SPLIT_FILES.values(), *(n for f in EXAMPLE_FILES.values() for n in f.values()),
+              GPTKIT_FILE, HF_FILE, TOKENIZER_CONFIG}  # fmt: skip
 
 
 def _owned(out: Path) -> Callable[[str], bool]:
@@ -302,18 +323,27 @@ def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
     out = out.resolve()  # a symlinked data directory is replaced where it lives
     _sweep(out)
 
+    formats = _example_formats(files, config)
+    if any(fmt in SUPERVISED for fmt in formats.values()):
+        return _publish(out, config.out, lambda stage: _write_examples(stage, config, files, formats, started, progress))
     reader = Reader(files, config.errors, config.text_field)
     tokenizer = _train_pass(config.tokenizer, config, reader, progress, total_input)
     if config.tokenizer == "bpe" and tokenizer.vocab_size < config.vocab_size:
         logger.warning("the corpus allowed only %d BPE tokens (asked for %d)", tokenizer.vocab_size, config.vocab_size)
+    return _publish(out, config.out, lambda stage: _write_data_set(stage, files, reader, tokenizer, config, progress,
+                                                                   total_input, started))  # fmt: skip
+
+
+def _publish(out: Path, name: str, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """Have write() build a data set in a staging directory (meta.json last), then swap it in for out's."""
     try:
         stage = staging_dir(out)
     except OSError as err:
-        raise GptkitError(f"cannot create the data directory {config.out}: {err.strerror or err}") from None
+        raise GptkitError(f"cannot create the data directory {name}: {err.strerror or err}") from None
     try:
-        meta = _write_data_set(stage, files, reader, tokenizer, config, progress, total_input, started)
+        meta = write(stage)
     except OSError as err:  # a full disk, say: the previous data set was never touched
-        raise GptkitError(f"cannot write the new data set beside {config.out}: {err.strerror or err}; "
+        raise GptkitError(f"cannot write the new data set beside {name}: {err.strerror or err}; "
                           "the previous data set there is unchanged") from None  # fmt: skip
     finally:
         if not (stage / META_FILE).is_file():
@@ -321,8 +351,15 @@ def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
     try:
         replace_dir(stage, out, _owned(out), META_FILE)
     except OSError as err:
-        raise GptkitError(f"cannot put the new data set in place in {config.out}: {err.strerror or err}; "
+        raise GptkitError(f"cannot put the new data set in place in {name}: {err.strerror or err}; "
                           "run gptkit prepare again") from None  # fmt: skip
+    return meta
+
+
+def _write_meta(stage: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write meta.json, the file that makes a data set complete, listing the data set's files."""
+    meta["files"] = sorted([*os.listdir(stage), META_FILE])
+    atomic_write_text(stage / META_FILE, json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -367,9 +404,182 @@ def _write_data_set(stage: Path, files: list[Path], reader: Reader, tokenizer: T
         "errors": config.errors,
         "forced_cuts": cutter.forced,
         "inputs": reader.inputs,
-        "files": sorted([*os.listdir(stage), META_FILE]),
         "config": asdict(config),
         "seconds": round(time.perf_counter() - started, 3),
     }
-    atomic_write_text(stage / META_FILE, json.dumps(meta, indent=2) + "\n")
-    return meta
+    return _write_meta(stage, meta)
+
+
+# ---------------------------------------------------------------- supervised examples
+
+
+ROW_NAMES = {"jsonl": "JSONL", "csv": "CSV", "tsv": "TSV", "parquet": "Parquet"}
+
+
+def _example_formats(files: list[Path], config: PrepareConfig) -> dict[Path, str | None]:
+    """Each row file's format, told by the keys of its first row: "text" (its --text-field holds the text) or a
+    supervised one (gptkit.finetune.examples); plain text files are None."""
+    formats: dict[Path, str | None] = {}
+    for path in files:
+        kind = row_kind(path)
+        first = first_record(path, config.errors) if kind is not None else None
+        if first is None:  # a text file, or rows without a row
+            formats[path] = None if kind is None else "text"
+            continue
+        record, where = first
+        fmt = row_format(record)
+        if fmt not in SUPERVISED:
+            if not (isinstance(record, dict) and config.text_field in record):
+                fields = ", ".join(map(repr, list(record)[:10])) if isinstance(record, dict) else "none"
+                raise InputError(f"{where}: unknown {ROW_NAMES[kind]} row: no field {config.text_field!r} (its fields: "
+                                 f"{fields}); --text-field names the field that holds the text, or give supervised "
+                                 "examples (\"messages\", \"prompt\" and \"completion\", or \"instruction\" and "
+                                 "\"output\")")  # fmt: skip
+            fmt = "text"
+        formats[path] = fmt
+    return formats
+
+
+def _rows(files: list[Path], formats: dict[Path, str | None], errors: str,
+          on_bytes: Callable[[int], Any] = lambda n: None) -> Iterator[tuple[Any, str, str]]:  # fmt: skip
+    """(record, format, "file line N") for every row of the example files."""
+    for path in files:
+        fmt = formats.get(path)
+        if fmt is not None:
+            for record, where in records(path, errors, on_bytes=on_bytes):
+                yield record, fmt, where
+
+
+def _example_tokenizer(config: PrepareConfig, rows: Callable[[], Iterable[tuple[Any, str, str]]],
+                       progress: bool) -> tuple[Tokenizer, ChatTemplate]:  # fmt: skip
+    """The tokenizer and chat template of a supervised data set: a directory's own, or a new one with the default
+    template (char and bpe are trained on the rendered examples)."""
+    name = config.tokenizer
+    if name not in KINDS:
+        tokenizer = _train_pass(name, config, Reader([], config.errors), progress, 0)
+        return tokenizer, load_chat_template(name, eos_text(tokenizer))
+    if name == "byte":
+        return ByteTokenizer(), ChatTemplate(eos_token=EOT)
+    template = ChatTemplate(eos_token=EOT)
+    plain = ExampleEncoder(ByteTokenizer(), template, "all")  # renders each row as the real encoder will
+
+    def texts() -> Iterator[str]:
+        for record, fmt, where in rows():
+            yield plain.tokenizer.decode(plain.encode(record, fmt, where).ids.tolist()).replace(EOT, "")
+
+    if name == "char":
+        return CharTokenizer.train(texts(), [EOT]), template
+    return BPETokenizer.train(texts(), config.vocab_size), template
+
+
+def _context_of(tokenizer_source: str) -> int | None:
+    """The context length of the model directory a tokenizer came from, when it is one gptkit can read."""
+    from gptkit.config import ModelConfig
+
+    try:
+        return ModelConfig.load(tokenizer_source).block_size
+    except GptkitError:
+        return None
+
+
+def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], formats: dict[Path, str | None],
+                    started: float, progress: bool) -> dict[str, Any]:  # fmt: skip
+    """Encode supervised examples into stage's train/val token, trained-token and offset files (see gptkit.data)."""
+    plain = [str(p) for p in files if formats.get(p) is None]
+    if plain:
+        raise InputError(f"{plain[0]} is plain text, the other inputs supervised examples; prepare them separately "
+                         "(or give the text as {\"text\": ...} JSONL rows)")  # fmt: skip
+    tokenizer, template = _example_tokenizer(config, lambda: _rows(files, formats, config.errors), progress)
+    encoder = ExampleEncoder(tokenizer, template, config.loss_on)  # type: ignore[arg-type]
+    max_length = config.max_length or _context_of(config.tokenizer) or DEFAULT_MAX_LENGTH
+    dtype = _token_dtype(tokenizer.vocab_size)
+
+    temporaries = [stage / ".ids.tmp", stage / ".mask.tmp"]  # all examples, before the split
+    offsets, targets = [0], []
+    truncated = dropped = 0
+    with open(temporaries[0], "wb") as ids_file, open(temporaries[1], "wb") as mask_file, \
+            _progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:  # fmt: skip
+        for record, fmt, where in _rows(files, formats, config.errors, bar.update):
+            example = encoder.encode(record, fmt, where)
+            fitted = fit(example, max_length, config.overlong)  # type: ignore[arg-type]
+            if fitted is None:
+                dropped += 1
+                continue
+            truncated += fitted is not example
+            ids_file.write(fitted.ids.astype(dtype).tobytes())
+            mask_file.write(fitted.trained.astype(np.uint8).tobytes())
+            offsets.append(offsets[-1] + len(fitted.ids))
+            targets.append(fitted.targets)
+    if len(offsets) == 1:
+        raise InputError(f"no example fits --max-length {max_length} ({dropped} dropped); raise --max-length")
+    val = _val_examples(len(targets), config.val_fraction)
+    counts = _write_example_splits(temporaries, np.asarray(offsets, dtype=np.int64), val, stage, dtype)
+    for path in temporaries:
+        path.unlink()
+    tokenizer.save(stage)
+    carried = Path(config.tokenizer) / TOKENIZER_CONFIG  # the chat template: training carries it into checkpoints
+    if config.tokenizer not in KINDS and carried.is_file():
+        shutil.copyfile(carried, stage / TOKENIZER_CONFIG)
+    split_targets = {"train": int(np.delete(np.asarray(targets), val).sum()), "val": int(np.asarray(targets)[val].sum())}
+    meta = {
+        "format": META_FORMAT,
+        "format_version": META_VERSION,
+        "kind": "examples",
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": dtype,
+        "train_tokens": counts["train"][0],
+        "val_tokens": counts["val"][0],
+        "train_examples": counts["train"][1],
+        "val_examples": counts["val"][1],
+        "train_targets": split_targets["train"],
+        "val_targets": split_targets["val"],
+        "tokenizer": tokenizer.kind,
+        "eos_id": tokenizer.eos_id,
+        "chat_template": template.source,
+        "loss_on": config.loss_on,
+        "max_length": max_length,
+        "truncated": truncated,
+        "dropped": dropped,
+        "val_fraction": config.val_fraction,
+        "errors": config.errors,
+        "inputs": [{"path": str(p), "bytes": p.stat().st_size, "format": formats[p]} for p in files],
+        "config": asdict(config),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    return _write_meta(stage, meta)
+
+
+def _val_examples(count: int, val_fraction: float) -> np.ndarray:
+    """Sorted indices of the examples kept for validation: round(count * val_fraction) of them (at least one when
+    the fraction is above 0 and there are two examples), drawn with a fixed seed."""
+    n_val = round(count * val_fraction)
+    if val_fraction > 0 and n_val == 0 and count >= 2:
+        n_val = 1
+    n_val = min(n_val, count - 1)  # training needs one example
+    return np.sort(np.random.default_rng(SPLIT_SEED).permutation(count)[:n_val])
+
+
+def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.ndarray, stage: Path,
+                          dtype: str) -> dict[str, tuple[int, int]]:  # fmt: skip
+    """Copy each split's examples from the temporary files into its token, mask and offset files in stage (see
+    gptkit.data.EXAMPLE_FILES; fsynced before the swap); returns {split: (tokens, examples)}."""
+    ids = np.memmap(temporaries[0], dtype=dtype, mode="r") if offsets[-1] else np.zeros(0, dtype=dtype)
+    mask = np.memmap(temporaries[1], dtype=np.uint8, mode="r") if offsets[-1] else np.zeros(0, dtype=np.uint8)
+    is_val = np.zeros(len(offsets) - 1, dtype=bool)
+    is_val[val] = True
+    counts = {}
+    for split, chosen in (("train", np.flatnonzero(~is_val)), ("val", np.flatnonzero(is_val))):
+        lengths = offsets[chosen + 1] - offsets[chosen]
+        split_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        for source, name in ((ids, EXAMPLE_FILES[split]["ids"]), (mask, EXAMPLE_FILES[split]["mask"])):
+            with open(stage / name, "wb") as sink:
+                for i in chosen:
+                    sink.write(source[offsets[i] : offsets[i + 1]].tobytes())
+                sink.flush()
+                os.fsync(sink.fileno())
+        with open(stage / EXAMPLE_FILES[split]["offsets"], "wb") as sink:
+            sink.write(split_offsets.tobytes())
+            sink.flush()
+            os.fsync(sink.fileno())
+        counts[split] = (int(split_offsets[-1]), len(chosen))
+    return counts

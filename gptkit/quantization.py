@@ -84,6 +84,21 @@ def _compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype | None:
     return dtype if _kernel_works(device_type, dtype) else None
 
 
+class _Int8Product(torch.autograd.Function):
+    """x @ (q * scales)^T with a gradient for x only. The weight is dequantised for the product and again for the
+    backward pass, so that autograd keeps the int8 weight (a byte per weight) rather than a float copy."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
+        ctx.save_for_backward(q, scales)
+        return F.linear(x, q.to(x.dtype) * scales.to(x.dtype)[:, None])
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
+        q, scales = ctx.saved_tensors
+        return grad @ (q.to(grad.dtype) * scales.to(grad.dtype)[:, None]), None, None
+
+
 class Int8Linear(nn.Module):
     """y = (x @ q^T) * scales + bias with q int8 (out, in); PyTorch's int8 weight-only kernel where it runs."""
 
@@ -109,7 +124,10 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = cpu_kernels.int8_linear(x2, self.weight, self.scales)  # decoding on an AVX-512 CPU
+        if torch.is_grad_enabled() and x2.requires_grad:  # training adapters over this layer: x needs a gradient
+            y = _Int8Product.apply(x2, self.weight, self.scales)
+        else:
+            y = cpu_kernels.int8_linear(x2, self.weight, self.scales)  # decoding on an AVX-512 CPU
         if y is None:
             y = self._pytorch_product(x2)
         if self.bias is not None:
@@ -151,13 +169,16 @@ def is_quantized(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def quantize(model: GPT, method: str = "int8") -> GPT:
-    """Quantise model's Linear weights in place (int8, per output channel) and return it, in eval mode."""
+def quantize(model: GPT, method: str = "int8", include_head: bool = True) -> GPT:
+    """Quantise model's Linear weights in place (int8, per output channel) and return it, in eval mode.
+
+    include_head=False keeps the LM head in float (LoRA training over an int8 base: the fused loss reads it).
+    """
     _check_method(method)
     base = getattr(model, "_orig_mod", model)
     if is_quantized(base):
         raise ConfigError("this model is already quantised")
-    _swap_linears(base, Int8Linear.from_linear)
+    _swap_linears(base if include_head else base.blocks, Int8Linear.from_linear)
     return model.eval()
 
 

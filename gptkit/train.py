@@ -27,6 +27,7 @@ from torch import Tensor
 
 from gptkit.accounting import training_flops_per_token
 from gptkit.atomic import atomic_write, atomic_write_text
+from gptkit.chat import TOKENIZER_CONFIG, load_chat_template
 from gptkit.checkpoint import (
     CHECKPOINTS,
     LATEST,
@@ -56,8 +57,15 @@ from gptkit.distributed import (
     world_from_env,
     wrap,
 )
+from gptkit.data import Batch, ExampleBatches, Examples, TrainBatches, is_examples, load_examples
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.evaluate import score_examples
+from gptkit.finetune.lora import add_lora, load_lora_state
+from gptkit.finetune.lora_dir import WEIGHTS_FILE as LORA_WEIGHTS
+from gptkit.finetune.lora_dir import adapted_model, is_lora_dir, load_base, read_lora_config, with_precision, \
+    write_lora_dir  # fmt: skip
 from gptkit.model import GPT
+from gptkit.modeldir import load, load_model_tokenizer, load_tensors, read_model_config, save_model_dir
 from gptkit.optim import lr_at, make_optimizer
 from gptkit.tokenizer import check_same_tokenizer
 from gptkit.train_config import RunConfig, TrainConfig, resolve_model
@@ -139,24 +147,31 @@ class Batches:
         self.device = device
         self._pending = self._fetch()
 
-    def _fetch(self) -> tuple[dict[str, Any], Tensor, Tensor]:
+    def _fetch(self) -> tuple[dict[str, Any], Batch]:
         state = self.loader.state_dict()
-        x, y = self.loader.next_batch()
-        if self.device.type == "cuda":  # pinned host memory lets the copy overlap the running step
-            x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        elif self.device.type != "cpu":
-            x, y = x.to(self.device), y.to(self.device)
-        return state, x, y
+        batch = self.loader.next_batch()
+        if isinstance(batch, tuple):  # a text window (TrainBatches): every target trains
+            batch = Batch(*batch, targets=batch[0].numel(), tokens=batch[0].numel())
+        if self.device.type != "cpu":
+            batch = Batch(*(_to_device(t, self.device) for t in (batch.x, batch.y, batch.document_ids)),
+                          targets=batch.targets, step_targets=batch.step_targets, tokens=batch.tokens)  # fmt: skip
+        return state, batch
 
-    def next(self) -> tuple[Tensor, Tensor]:
-        """The next (x, y); the one after it is fetched at once, while the device works on this one."""
-        _, x, y = self._pending
+    def next(self) -> Batch:
+        """The next batch; the one after it is fetched at once, while the device works on this one."""
+        _, batch = self._pending
         self._pending = self._fetch()
-        return x, y
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The loader state whose next batch is the next one this object hands out."""
         return self._pending[0]
+
+
+def _to_device(tensor: Tensor | None, device: torch.device) -> Tensor | None:
+    if tensor is None or device.type != "cuda":
+        return None if tensor is None else tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)  # pinned host memory: the copy overlaps the step
 
 
 # Evaluation forwards up to this many tokens at once (at least one training batch): bigger matrix products run
@@ -168,8 +183,6 @@ EVAL_TOKENS = 8192
 def evaluate(model: torch.nn.Module, tokens: np.ndarray, train: TrainConfig, block_size: int, seed: int,
              device: torch.device, dtype: str) -> float:
     """Mean loss over eval_iters x batch_size fixed windows of a split (the same windows at every evaluation)."""
-    from gptkit.data import TrainBatches
-
     batches = TrainBatches(tokens, block_size, train.batch_size, seed)
     x, y = (torch.cat(parts) for parts in zip(*(batches.next_batch() for _ in range(train.eval_iters))))
     chunk = max(train.batch_size, EVAL_TOKENS // block_size)
@@ -179,6 +192,15 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, train: TrainConfig, blo
         with autocast_for(device, dtype):
             total += model(xb, targets=yb).float() * len(xb)
     return (total / len(x)).item()
+
+
+def evaluate_split(model: torch.nn.Module, examples: Examples, train: TrainConfig, block_size: int,
+                   order: np.ndarray | None, device: torch.device, dtype: str) -> float:  # fmt: skip
+    """Mean loss over the trained tokens of the first eval_iters x batch_size examples of a split (in order)."""
+    with autocast_for(device, dtype):
+        nll, count = score_examples(model, examples, block_size, train.batch_size, train.eval_iters * train.batch_size,
+                                    order)  # fmt: skip
+    return nll / max(count, 1)
 
 
 def plot_losses(history: list[dict[str, Any]], path: Path) -> None:
@@ -282,20 +304,66 @@ def check_tokens(name: str, tokens: np.ndarray, vocab_size: int, block_size: int
         raise GptkitError(f"{name} holds token id {top}, outside the vocabulary of {vocab_size}; re-prepare the data")
 
 
-def build_model(config: RunConfig, vocab_size: int) -> tuple[GPT, Any | None]:
-    """(model, tokenizer of init_from or None): a fresh model, or init_from's weights for fine-tuning."""
-    section = config.model
-    if section.init_from is None:
-        return GPT(resolve_model(section, vocab_size)), None
-    from gptkit.modeldir import load
+@dataclass
+class RunModel:
+    """The model a run trains and what comes with it."""
 
-    pretrained, tokenizer = load(section.init_from)
+    model: GPT
+    tokenizer: Any | None  # the model's own (init_from's or the checkpoint's), None for a fresh model
+    template_dir: str | None  # the directory whose chat template the model carries (init_from or the checkpoint)
+    lora: dict[str, Any] | None = None  # a LoRA run's settings (gptkit.finetune.lora_dir), None for full training
+
+
+def check_examples(meta: dict[str, Any], examples: tuple[Examples, Examples], vocab_size: int,
+                   template_dir: Path) -> None:  # fmt: skip
+    """Supervised examples must hold ids of the vocabulary, and have been rendered with the run's chat template
+    (the one it will be served with)."""
+    for name, split in zip(("train", "val"), examples):
+        if len(split) == 0 and name == "val":
+            raise GptkitError("the data set has no validation examples (prepared with --val-fraction 0): training "
+                              "evaluates on them; prepare the data again with --val-fraction above 0")  # fmt: skip
+        if len(split.ids) and int(split.ids.max()) >= vocab_size:
+            raise GptkitError(f"{name} examples hold token id {int(split.ids.max())}, outside the vocabulary of "
+                              f"{vocab_size}; re-prepare the data")  # fmt: skip
+    own = load_chat_template(template_dir).source
+    if meta.get("chat_template") != own:
+        raise GptkitError(
+            f"the examples were rendered with {'a different' if meta.get('chat_template') else 'the default'} chat "
+            f"template than the model's ({template_dir}); prepare them again with --tokenizer {template_dir}"
+        )
+
+
+def build_model(config: RunConfig, vocab_size: int) -> RunModel:
+    """A fresh model, or init_from's weights for fine-tuning (with LoRA: frozen, in their precision, adapted)."""
+    section, finetune = config.model, config.finetune
+    if section.init_from is None:
+        return RunModel(GPT(resolve_model(section, vocab_size)), None, None)
+    lora = finetune.method == "lora"
+    pretrained, tokenizer, fingerprint = load_base(section.init_from) if lora else (*load(section.init_from), None)
     model_config = resolve_model(section, vocab_size, init_config=pretrained.config)
     if model_config == pretrained.config:
-        return pretrained.train(), tokenizer
-    model = GPT(model_config)  # only dropout differs
-    model.load_state_dict(pretrained.state_dict())
-    return model, tokenizer
+        model = pretrained.train()
+    else:
+        model = GPT(model_config)  # only dropout differs
+        model.load_state_dict(pretrained.state_dict())
+    if not lora:
+        return RunModel(model, tokenizer, section.init_from)
+    model = with_precision(model, finetune.base_precision)
+    add_lora(model, finetune.lora_rank, finetune.lora_alpha, finetune.lora_dropout, finetune.lora_targets)
+    settings = {"base": str(Path(section.init_from).resolve()), "base_fingerprint": fingerprint,
+                "rank": finetune.lora_rank, "alpha": finetune.lora_alpha, "dropout": finetune.lora_dropout,
+                "targets": finetune.lora_targets, "base_precision": finetune.base_precision}  # fmt: skip
+    return RunModel(model, tokenizer, section.init_from, settings)
+
+
+def resume_model(checkpoint: Path) -> RunModel:
+    """The model of a run's checkpoint, built as the run built it (its weights are loaded with the optimiser)."""
+    if is_lora_dir(checkpoint):
+        settings = read_lora_config(checkpoint)
+        model, tokenizer = adapted_model(settings)
+        settings = {k: v for k, v in settings.items() if k not in ("format", "format_version")}
+        return RunModel(model, tokenizer, str(checkpoint), settings)
+    return RunModel(GPT(read_model_config(checkpoint)), load_model_tokenizer(checkpoint), str(checkpoint))
 
 
 def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = None) -> Path | None:
@@ -374,24 +442,31 @@ class Trainer:
                               "bfloat16 or float32")  # fmt: skip
 
         torch.manual_seed(t.seed)  # initial weights and dropout; a resumed run restores its generator state instead
-        if checkpoint is not None:
-            from gptkit.modeldir import load_model_tokenizer, read_model_config
-
-            model = GPT(read_model_config(checkpoint))
-            if model.config.vocab_size != vocab_size:
-                raise ConfigError(f"the run's model has vocab_size {model.config.vocab_size}, the data {vocab_size}")
-            own_tokenizer, source = load_model_tokenizer(checkpoint), str(checkpoint)
-        else:
-            model, own_tokenizer = build_model(config, vocab_size)
-            source = str(config.model.init_from)
-        if tokenizer is not None and own_tokenizer is not None:
-            check_same_tokenizer(tokenizer, own_tokenizer, str(t.data_dir), source)
-        self.tokenizer = own_tokenizer if own_tokenizer is not None else tokenizer  # the model's keeps its eos ids
+        run = resume_model(checkpoint) if checkpoint is not None else build_model(config, vocab_size)
+        model = run.model
+        if model.config.vocab_size != vocab_size:
+            raise ConfigError(f"the run's model has vocab_size {model.config.vocab_size}, the data {vocab_size}")
+        if tokenizer is not None and run.tokenizer is not None:
+            check_same_tokenizer(tokenizer, run.tokenizer, str(t.data_dir), str(run.template_dir))
+        self.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer  # the model's keeps its eos ids
+        self.lora = run.lora
+        if self.lora is not None and t.parallel == "fsdp":
+            raise ConfigError("finetune.method lora trains under train.parallel ddp (FSDP would shard only the "
+                              "small adapters' updates); use ddp")  # fmt: skip
+        # The chat template the model carries, into every checkpoint: the model's own, else the data's.
+        template_dir = Path(run.template_dir or t.data_dir)
+        if not (template_dir / TOKENIZER_CONFIG).is_file():
+            template_dir = Path(t.data_dir)
+        tokenizer_config = template_dir / TOKENIZER_CONFIG
+        self.tokenizer_config = tokenizer_config.read_bytes() if tokenizer_config.is_file() else None
         self.block_size = model.config.block_size
-        check_tokens("train.bin", self.train_tokens, vocab_size, self.block_size)
-        check_tokens("val.bin", self.val_tokens, vocab_size, self.block_size)
-
-        from gptkit.data import TrainBatches
+        self.examples: tuple[Examples, Examples] | None = None
+        if is_examples(self.meta):
+            self.examples = (load_examples(t.data_dir, "train", self.meta), load_examples(t.data_dir, "val", self.meta))
+            check_examples(self.meta, self.examples, vocab_size, template_dir)
+        else:
+            check_tokens("train.bin", self.train_tokens, vocab_size, self.block_size)
+            check_tokens("val.bin", self.val_tokens, vocab_size, self.block_size)
 
         self.model = model.to(self.device)
         model.check_inputs = False  # the data were checked above; the check would sync the device every step
@@ -405,7 +480,12 @@ class Trainer:
         self.optimizer, self.fused = make_optimizer(model, self.o)
         self.scaler = torch.amp.GradScaler("cuda") if t.dtype == "float16" else None
         # Every rank reads one global stream (keyed by the seed alone) and takes its strided share of it.
-        loader = RankBatches(TrainBatches(self.train_tokens, self.block_size, t.batch_size, t.seed), self.world)
+        if self.examples is not None:
+            stream: Any = ExampleBatches(self.examples[0], self.block_size, t.batch_size, t.seed,
+                                         config.finetune.packing, group=t.grad_accum * self.world.world_size)
+        else:
+            stream = TrainBatches(self.train_tokens, self.block_size, t.batch_size, t.seed)
+        loader = RankBatches(stream, self.world)
 
         self.step, self.elapsed_before, self.skipped_before = 0, 0.0, 0
         self.last_good = checkpoint
@@ -418,7 +498,9 @@ class Trainer:
                     logger.warning("continuing from %s: removed the later checkpoint(s) %s", checkpoint.name,
                                    ", ".join(p.name for p in dropped))  # fmt: skip
         if checkpoint is not None:
-            saved = load_checkpoint(checkpoint, model, self.optimizer, self.names, self.world.rank)
+            load_adapters = None if self.lora is None else \
+                (lambda module, path: load_lora_state(module, load_tensors(path / LORA_WEIGHTS, self.device), str(path)))
+            saved = load_checkpoint(checkpoint, model, self.optimizer, self.names, self.world.rank, load_adapters)
             self.step, self.elapsed_before = saved["step"], saved.get("elapsed_s", 0.0)
             self.skipped_before = saved.get("skipped_steps", 0)
             loader.load_state_dict(saved["loader"])
@@ -441,11 +523,13 @@ class Trainer:
         self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
         self.flops_per_token = training_flops_per_token(model.config)
         self.peak = peak_flops(self.device, t.dtype, t.peak_flops)
-        self.val_bytes_per_token = bytes_per_token(self.meta, "val", self.val_tokens, self.tokenizer)
+        self.val_bytes_per_token = None if self.examples is not None else \
+            bytes_per_token(self.meta, "val", self.val_tokens, self.tokenizer)  # fmt: skip
         # Fault counters stay on the device, so no step waits to learn whether it was skipped.
         zero = torch.zeros((), device=self.device)
         self.bad_run, self.bad_run_max, self.bad_count = zero.clone(), zero.clone(), zero.clone()
         self.skipped = self.skipped_before
+        self.tokens_seen = 0  # input tokens since the last logged step, on this rank
         self.started = time.perf_counter()
 
     def elapsed(self) -> float:
@@ -460,11 +544,16 @@ class Trainer:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(t.grad_accum):
-            x, y = self.batches.next()
+            batch = self.batches.next()
+            self.tokens_seen += batch.tokens
+            # The update's loss is the mean over all its targets: micro-batches of examples hold different numbers
+            # of them, so each counts by its share (the all-reduce averages over ranks, hence world_size).
+            weight = 1 / t.grad_accum if batch.step_targets is None else \
+                batch.targets * self.world.world_size / batch.step_targets  # fmt: skip
             # Across ranks, gradients are all-reduced on the final micro-step only.
             with sync_context(self.wrapped, micro == t.grad_accum - 1):
                 with autocast_for(self.device, t.dtype):
-                    loss = self.forward(x, targets=y) / t.grad_accum
+                    loss = self.forward(batch.x, targets=batch.y, document_ids=batch.document_ids) * weight
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             loss_sum += loss.detach()
         if scaler is not None:
@@ -516,8 +605,15 @@ class Trainer:
         """Add train and validation loss, perplexity and bits per byte to record."""
         t = self.t
         self.forward.eval()
-        train_loss = evaluate(self.forward, self.train_tokens, t, self.block_size, t.seed + 1, self.device, t.dtype)
-        val_loss = evaluate(self.forward, self.val_tokens, t, self.block_size, t.seed + 2, self.device, t.dtype)
+        if self.examples is not None:
+            train_examples, val_examples = self.examples
+            order = np.random.default_rng(t.seed + 1).permutation(len(train_examples))  # the same ones every time
+            train_loss = evaluate_split(self.forward, train_examples, t, self.block_size, order, self.device, t.dtype)
+            val_loss = evaluate_split(self.forward, val_examples, t, self.block_size, None, self.device, t.dtype)
+        else:
+            train_loss = evaluate(self.forward, self.train_tokens, t, self.block_size, t.seed + 1, self.device,
+                                  t.dtype)  # fmt: skip
+            val_loss = evaluate(self.forward, self.val_tokens, t, self.block_size, t.seed + 2, self.device, t.dtype)
         self.forward.train()
         record.update(train_eval_loss=train_loss, train_eval_ppl=_exp(train_loss), val_loss=val_loss,
                       val_ppl=_exp(val_loss))  # fmt: skip
@@ -545,7 +641,8 @@ class Trainer:
         failure = None
         try:
             saved = save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, self.optimizer, self.names,
-                                    trainer, self.t.keep_checkpoints, rng=rng, write=self.world.is_main)  # fmt: skip
+                                    trainer, self.t.keep_checkpoints, rng=rng, write=self.world.is_main,
+                                    save_model=self.write_model)  # fmt: skip
         except OSError as err:  # a full disk, a lost mount: the checkpoint before stays whole
             failure = err
         if any_rank(self.world, failure is not None, self.device):  # every rank stops, not only the writer
@@ -562,6 +659,15 @@ class Trainer:
             reason = f": {err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
         intact = latest_checkpoint(self.run_dir, verify=True) if self.world.is_main else self.last_good
         return CheckpointError(f"{what}{reason}; the last intact checkpoint is {intact or 'none (none was written)'}")
+
+    def write_model(self, module: torch.nn.Module, directory: Path) -> None:
+        """A checkpoint's model files: a model directory, or a LoRA run's adapters; with the chat template."""
+        if self.lora is not None:
+            write_lora_dir(module, directory, self.lora, self.tokenizer_config)
+            return
+        save_model_dir(module, directory, tokenizer=self.tokenizer)
+        if self.tokenizer_config is not None:
+            atomic_write(directory / TOKENIZER_CONFIG, lambda tmp: tmp.write_bytes(self.tokenizer_config))
 
     def note(self, message: str) -> None:
         """A line above the progress bar (evaluations, skipped steps); silent without a bar."""
@@ -598,7 +704,6 @@ class Trainer:
         self.metrics = open(self.run_dir / METRICS_FILE, "a") if self.world.is_main else None
         if t.tensorboard and self.world.is_main:
             self.tensorboard = open_tensorboard(self.run_dir / TENSORBOARD_DIR)
-        tokens_per_step = t.batch_size * t.grad_accum * self.block_size * self.world.world_size  # all ranks
         interrupted, val_loss = False, None
         try:
             with stop_on_signals() as stop:
@@ -606,11 +711,10 @@ class Trainer:
                     record: dict[str, Any] = {"step": 0}
                     self.evaluate_into(record)
                     val_loss = record["val_loss"]
-                window_start, window_steps = time.perf_counter(), 0
+                window_start, self.tokens_seen = time.perf_counter(), 0
                 stopping = False
                 while self.step < t.max_steps and not stopping:
                     loss_sum, grad_norm, lr = self.train_step()
-                    window_steps += 1
                     if self.bar is not None:
                         self.bar.update(1)
                     step = self.step
@@ -619,7 +723,9 @@ class Trainer:
                     is_ckpt = step % t.checkpoint_interval == 0 or step == t.max_steps or stopping
                     if not (step % t.log_interval == 0 or is_eval or is_ckpt):
                         continue
-                    tokens_per_s = window_steps * tokens_per_step / max(time.perf_counter() - window_start, 1e-9)
+                    # Input positions that are not padding, on every rank (each reads as many, near enough).
+                    seen = self.tokens_seen * self.world.world_size
+                    tokens_per_s = seen / max(time.perf_counter() - window_start, 1e-9)
                     record = self.log_record(loss_sum, grad_norm, lr, tokens_per_s)
                     if self.bar is not None:
                         mfu = f" MFU {100 * record['mfu']:.0f}%" if "mfu" in record else ""
@@ -632,7 +738,7 @@ class Trainer:
                         self.write(record)
                     if is_ckpt:
                         self.save()
-                    window_start, window_steps = time.perf_counter(), 0
+                    window_start, self.tokens_seen = time.perf_counter(), 0
                 interrupted = stopping and self.step < t.max_steps
         except torch.OutOfMemoryError:
             raise GptkitError(

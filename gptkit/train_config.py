@@ -1,4 +1,4 @@
-"""The training run's settings: three YAML sections (model, optim, train), each declared once and turned into flags.
+"""The training run's settings: YAML sections (model, optim, train, finetune), each declared once and turned into flags.
 
 Precedence: dataclass defaults < the YAML file < `--section.field VALUE` flags. The model section holds
 ModelConfig's own fields (not re-declared here) plus `preset` and `init_from`.
@@ -25,6 +25,9 @@ Schedule = Literal["cosine", "constant"]
 Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Parallel = Literal["ddp", "fsdp"]
+Method = Literal["full", "lora"]
+BasePrecision = Literal["float32", "bfloat16", "int8"]
+LoraTargets = Literal["attention", "mlp", "all"]
 
 
 @dataclass
@@ -98,6 +101,28 @@ class TrainConfig:
             _check_range("train.peak_flops", self.peak_flops, low=0.0, low_open=True)
 
 
+@dataclass
+class FinetuneConfig:
+    """What trains (every weight, or LoRA adapters over a frozen base) and how supervised examples are batched."""
+
+    method: Method = "full"  # lora needs model.init_from (the base) and trains only the adapters
+    lora_rank: int = 8  # r: the adapters' inner width
+    lora_alpha: float = 16.0  # the update is scaled by alpha / r, as in PEFT
+    lora_dropout: float = 0.0  # dropout on an adapter's input (PEFT's default is none)
+    lora_targets: LoraTargets = "all"  # the block layers adapted: attention (q, k, v and output), mlp, or all
+    base_precision: BasePrecision = "float32"  # lora: the frozen base's weights (bfloat16 or int8 save memory)
+    packing: bool = False  # supervised examples: several whole examples per row (attention kept apart) vs padding
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first setting out of its range."""
+        _check_range("finetune.lora_rank", self.lora_rank, low=1)
+        _check_range("finetune.lora_alpha", self.lora_alpha, low=0.0, low_open=True)
+        _check_range("finetune.lora_dropout", self.lora_dropout, low=0.0, high=1.0, high_open=True)
+        if self.method != "lora" and self.base_precision != "float32":
+            raise ConfigError(f"finetune.base_precision {self.base_precision} needs finetune.method lora (a frozen "
+                              "base); full fine-tuning trains every weight in float32")  # fmt: skip
+
+
 def _check_range(name: str, value: float, low: float, high: float | None = None, low_open: bool = False,
                  high_open: bool = False, why: str | None = None) -> None:  # fmt: skip
     """A ConfigError unless value is finite and within [low, high] (an open end excludes that bound)."""
@@ -118,6 +143,7 @@ class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML-shaped dict: model keys flattened, None values kept so that the file is complete."""
@@ -127,19 +153,22 @@ class RunConfig:
         if self.model.init_from is not None:
             model["init_from"] = self.model.init_from
         model.update(self.model.fields)
-        return {"model": model, "optim": dataclasses.asdict(self.optim), "train": dataclasses.asdict(self.train)}
+        sections = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        return {"model": model, **sections}
 
     def to_yaml(self) -> str:
         """The config as YAML text, in section order."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def validate(self) -> None:
-        """Raise ConfigError naming the first optim or train setting out of its range."""
-        self.optim.validate()
-        self.train.validate()
+        """Raise ConfigError naming the first optim, train or finetune setting out of its range."""
+        for name in SECTIONS:
+            getattr(self, name).validate()
+        if self.finetune.method == "lora" and self.model.init_from is None:
+            raise ConfigError("finetune.method lora trains adapters over a base model: set model.init_from")
 
 
-SECTIONS: dict[str, type] = {"optim": OptimConfig, "train": TrainConfig}
+SECTIONS: dict[str, type] = {"optim": OptimConfig, "train": TrainConfig, "finetune": FinetuneConfig}
 MODEL_SPECIAL = {"preset": str | None, "init_from": str | None}
 
 
@@ -206,14 +235,14 @@ def apply(config: RunConfig, overrides: dict[str, dict[str, Any]], source: str) 
     config = dataclasses.replace(
         config,
         model=dataclasses.replace(config.model, fields=dict(config.model.fields)),
-        optim=dataclasses.replace(config.optim),
-        train=dataclasses.replace(config.train),
+        **{name: dataclasses.replace(getattr(config, name)) for name in SECTIONS},
     )
+    names = ", ".join(("model", *SECTIONS))
     if not isinstance(overrides, dict):
-        raise ConfigError(f"{source} must be a mapping with sections model, optim, train")
+        raise ConfigError(f"{source} must be a mapping with sections {names}")
     for section, values in overrides.items():
         if section not in ("model", *SECTIONS):
-            raise ConfigError(f"{source}: unknown section {section!r}; sections are model, optim, train")
+            raise ConfigError(f"{source}: unknown section {section!r}; sections are {names}")
         if values is None:
             continue
         if not isinstance(values, dict):
@@ -250,7 +279,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One `--section.key VALUE` flag per config key, generated from the dataclasses and ModelConfig."""
-    defaults = {"optim": OptimConfig(), "train": TrainConfig()}
+    defaults = {name: kind() for name, kind in SECTIONS.items()}
     for section in ("model", *SECTIONS):
         group = parser.add_argument_group(f"{section} settings (YAML section {section}:)")
         for key, kind in section_types(section).items():

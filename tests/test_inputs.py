@@ -100,24 +100,22 @@ def test_compressed_text_is_told_by_content_and_equals_the_plain_file(tmp_path, 
     assert _prepare(tmp_path, tmp_path / "c.data")[0] == expected
 
 
-def test_parquet_is_read_row_group_by_row_group(tmp_path, plain, monkeypatch):
+def test_parquet_is_streamed_row_group_by_row_group(tmp_path, plain, monkeypatch):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     table = pa.table({"id": list(range(len(DOCS))), "content": DOCS})
     path = tmp_path / "d.parquet"
     pq.write_table(table, path, row_group_size=2)  # three row groups
     assert pq.ParquetFile(path).num_row_groups == 3
-    groups = []
-    real = pq.ParquetFile.read_row_group
 
-    def counting(self, index, *args, **kwargs):
-        groups.append(index)
-        return real(self, index, *args, **kwargs)
+    def whole(*args, **kwargs):
+        raise AssertionError("the whole file was read at once")
 
-    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    monkeypatch.setattr(pq.ParquetFile, "read", whole)
+    monkeypatch.setattr(pq, "read_table", whole)
+    monkeypatch.setattr(inputs, "PARQUET_BATCH_ROWS", 1)
     stream, meta = _prepare(tmp_path, path, text_field="content")
     assert stream == plain and meta["documents"] == len(DOCS)
-    assert groups == [0, 1, 2]  # one row group at a time, in order
     # A directory holding it reads it too (Parquet holds NUL bytes, but its magic says what it is).
     folder = tmp_path / "dir"
     folder.mkdir()
@@ -129,22 +127,23 @@ def test_parquet_errors_name_the_column(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     pq.write_table(pa.table({"n": [1, 2], "text": ["a", None]}), tmp_path / "t.parquet")
-    with pytest.raises(InputError, match=r"t.parquet has no column 'body' \(columns: 'n', 'text'\); --text-field"):
+    with pytest.raises(InputError, match=r"t.parquet row 1: unknown Parquet row: no field 'body' \(its fields: 'n', "
+                                         r"'text'\); --text-field names"):  # fmt: skip
         _prepare(tmp_path, tmp_path / "t.parquet", text_field="body")
-    with pytest.raises(InputError, match="column 'n' holds int64, not text"):
+    with pytest.raises(InputError, match='t.parquet row 1 has no string field "n"'):  # a column of numbers
         _prepare(tmp_path, tmp_path / "t.parquet", text_field="n")
-    with pytest.raises(InputError, match="t.parquet row 1: column 'text' is null"):
+    with pytest.raises(InputError, match='t.parquet row 2 has no string field "text"'):  # a null
         _prepare(tmp_path, tmp_path / "t.parquet")
 
 
 def test_csv_errors_name_the_column_and_row(tmp_path):
     (tmp_path / "a.csv").write_text("id,body\n1,hello\n")
-    with pytest.raises(InputError, match=r"a.csv has no column 'text' in its header row \(columns: 'id', 'body'\)"):
+    with pytest.raises(InputError, match=r"a.csv row 2: unknown CSV row: no field 'text' \(its fields: 'id', 'body'\)"):
         _prepare(tmp_path, tmp_path / "a.csv")
     (tmp_path / "b.csv").write_text("body,id\nfine,1\n\n2\n")  # row 4 lacks nothing: column 0 is there
     assert _prepare(tmp_path, tmp_path / "b.csv", text_field="body")[1]["documents"] == 2
     (tmp_path / "c.csv").write_text("id,body\n1,fine\n2\n")
-    with pytest.raises(InputError, match="c.csv row 3 has 1 fields, too few for column 'body'"):
+    with pytest.raises(InputError, match='c.csv row 3 has no string field "body"'):
         _prepare(tmp_path, tmp_path / "c.csv", text_field="body")
     long_doc = "x" * 300_000  # longer than the csv module's default field limit of 128 KiB
     (tmp_path / "d.csv").write_text(f"text\n{long_doc}\n")
@@ -234,3 +233,25 @@ def test_a_missing_optional_package_names_its_extra(tmp_path, monkeypatch):
     monkeypatch.setattr(inputs.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(InputError, match=r"zstd-compressed input needs the optional zstandard package: pip install 'gptkit\[zstd\]'"):
         _prepare(tmp_path, tmp_path / "t.txt.zst")
+
+
+def test_supervised_examples_read_from_compressed_jsonl_and_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [{"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": w}]}
+            for w in ("one", "two", "three", "four", "five")]  # fmt: skip
+    plain = tmp_path / "chat.jsonl"
+    plain.write_bytes(_jsonl([r["messages"] for r in rows], "messages"))
+    (tmp_path / "chat.jsonl.xz").write_bytes(lzma.compress(plain.read_bytes()))
+    pq.write_table(pa.table({"messages": [r["messages"] for r in rows]}), tmp_path / "chat.parquet", row_group_size=2)
+
+    def example_files(path: Path) -> dict[str, bytes]:
+        out = tmp_path / f"out-{path.name}"
+        meta = prepare(PrepareConfig(out=str(out), inputs=[str(path)], tokenizer="byte", val_fraction=0.2))
+        assert meta["kind"] == "examples" and meta["train_examples"] + meta["val_examples"] == 5
+        return {p.name: p.read_bytes() for p in out.iterdir() if p.suffix == ".bin"}
+
+    expected = example_files(plain)
+    assert len(expected) == 6  # ids, trained-token mask and offsets of each split
+    assert example_files(tmp_path / "chat.jsonl.xz") == expected
+    assert example_files(tmp_path / "chat.parquet") == expected

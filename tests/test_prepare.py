@@ -157,7 +157,7 @@ def test_jsonl_errors_name_file_and_line(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="b.jsonl line 3 is not valid JSON"):
         prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "b.jsonl")]))
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a\ud800b"}) + "\n")  # JSON can spell a lone surrogate
-    with pytest.raises(InputError, match="c.jsonl line 1: the text holds a lone surrogate at character 1"):
+    with pytest.raises(InputError, match="c.jsonl line 1: a string holds a lone surrogate at character 1"):
         prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "c.jsonl")], tokenizer="byte"))
     prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "c.jsonl")], tokenizer="byte", errors="replace"))
     assert _documents(tmp_path / "o") == ["a\ufffdb"]
@@ -182,7 +182,7 @@ def test_unknown_character_of_a_given_char_tokenizer_names_file_and_offset(tmp_p
         (["--tokenizer", "{tmp}/emptydir"], "--tokenizer .*emptydir: .*holds no tokenizer"),
         (["--tokenizer", "wordpiece"], "--tokenizer must be char, byte, bpe or a directory"),
         (["--val-fraction", "1.5"], "--val-fraction must be in \\[0, 1\\)"),
-        (["--input", "{tmp}/bad.jsonl"], "bad.jsonl line 1 has no string field"),
+        (["--input", "{tmp}/bad.jsonl"], "bad.jsonl line 1: unknown JSONL row: no field 'text'"),
         (["--input", "{tmp}/latin1.txt"], "latin1.txt: invalid UTF-8 at byte offset 2"),
         (["--out", "{tmp}/empty.txt"], "--out .*empty.txt exists and is not a directory"),
     ],

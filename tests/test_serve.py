@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from gptkit.modeldir import load
 from gptkit.sampling import SamplingParams
-from gptkit.serving.chat import ChatTemplate, load_chat_template
+from gptkit.chat import ChatTemplate, load_chat_template
 from gptkit.generation import visible_end
 from gptkit.serving.engine import Sequence
 from gptkit.serving.server import ServeOptions, build_app

@@ -64,3 +64,42 @@ def test_playground_streams_text_probabilities_and_attention(tmp_path):
                 assert page.locator("#layer option").count() == 2
             finally:
                 browser.close()
+
+
+def test_playground_chat_tab_keeps_the_conversation(tmp_path):
+    sync_playwright = _need_browser()
+    model_dir = make_model_dir(tmp_path / "tiny-chat", block_size=256)  # room for the second turn's history
+    app = build_app(model_dir, ServeOptions())
+
+    def reply(url: str, messages: list[dict]) -> str:
+        body = {"model": "tiny-chat", "messages": messages, "max_tokens": 12, "temperature": 0}
+        return httpx.post(url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+    with live_server(app) as url:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+            try:
+                page = browser.new_page()
+                page.goto(url + "/")
+                page.wait_for_function("document.getElementById('model-name').textContent.includes('tiny-chat')")
+                page.fill("#max_tokens", "12")
+                page.fill("#temperature", "0")
+                page.click("#tab-chat")
+                page.fill("#chat-system", "Be brief.")
+                history = [{"role": "system", "content": "Be brief."}]
+                for turn, text in enumerate(["Hi there", "And then?"], start=1):
+                    page.fill("#chat-input", text)
+                    page.click("#chat-send")
+                    page.wait_for_function("['finish', 'error'].some(w => "
+                                           "document.getElementById('chat-status').textContent.includes(w))")
+                    assert "finish" in page.text_content("#chat-status")
+                    history.append({"role": "user", "content": text})
+                    expected = reply(url, history)  # the page must have sent the whole conversation so far
+                    shown = page.locator("#chat-log .msg.assistant").nth(turn - 1).text_content()
+                    assert shown == expected
+                    history.append({"role": "assistant", "content": expected})
+                assert [m.text_content() for m in page.locator("#chat-log .msg.user").all()] == ["Hi there", "And then?"]
+                page.click("#chat-new")
+                assert page.locator("#chat-log .msg").count() == 0
+            finally:
+                browser.close()

@@ -452,3 +452,87 @@ def test_a_full_tmpfs_during_a_save_is_one_line_naming_the_intact_checkpoint(dat
     last = err.read_text().strip().splitlines()[-1]
     assert re.fullmatch(r"gptkit train: error: could not (write the checkpoint of step \d|append to .*metrics.jsonl): "
                         r"No space left on device.*; the last intact checkpoint is " + re.escape(intact), last), last
+
+
+def test_compiled_model_checkpoints_without_orig_mod(data_dir, tmp_path, monkeypatch):
+    # The eager backend still wraps the model in OptimizedModule (the source of `_orig_mod.`) but skips codegen.
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    out = tmp_path / "run"
+    train(tiny(data_dir, out, max_steps=3, compile=True), progress=False)
+    train(tiny(data_dir, out, max_steps=4, compile=True), resume=True, progress=False)
+    latest = latest_checkpoint(out)
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        names = load_tensors(latest / file)
+        assert names and not [n for n in names if "_orig_mod" in n], file
+    assert load_model_dir(latest).config.n_layer == 2
+
+
+def test_prune_orders_checkpoints_by_step_number_past_six_digits(tmp_path):
+    from gptkit.checkpoint import TRAINER_FILE, prune
+
+    steps = [998_000, 999_000, 1_000_000, 1_001_000]
+    for step in steps:
+        (tmp_path / CHECKPOINTS / f"step-{step:06d}").mkdir(parents=True)
+        (tmp_path / CHECKPOINTS / f"step-{step:06d}" / TRAINER_FILE).write_text("{}")
+    (tmp_path / "latest").write_text(f"{CHECKPOINTS}/step-1001000")
+    prune(tmp_path, keep=2)
+    assert sorted(p.name for p in (tmp_path / CHECKPOINTS).iterdir()) == ["step-1000000", "step-1001000"]
+
+
+def test_data_of_another_tokenizer_with_as_many_ids_is_refused(data_dir, reference, tmp_path):
+    from gptkit.errors import InputError
+
+    (tmp_path / "other").mkdir()
+    other = write_char_data_dir(tmp_path / "other", 60_000)
+    alphabet = load_tokenizer(data_dir).chars
+    (other / "gptkit_tokenizer.json").write_text(json.dumps({
+        "format": "gptkit-tokenizer", "format_version": 1, "kind": "char", "chars": "".join(reversed(alphabet)),
+        "specials": []}))  # fmt: skip
+    config = tiny(other, tmp_path / "ft", max_steps=1)
+    config.model.init_from = str(latest_checkpoint(reference))
+    with pytest.raises(InputError, match="different tokenizer"):
+        train(config, progress=False)
+    shutil.copytree(reference, tmp_path / "run")
+    with pytest.raises(InputError, match="different tokenizer"):  # resuming a run on such data
+        train(tiny(other, tmp_path / "run", max_steps=9), resume=True, progress=False)
+
+
+def test_fine_tune_from_model_dir(data_dir, reference, tmp_path):
+    config = tiny(data_dir, tmp_path / "ft", max_steps=1)
+    config.model.fields = {"dropout": 0.0}
+    config.model.init_from = str(latest_checkpoint(reference))
+    result = train(config, progress=False)
+    before = weights(latest_checkpoint(reference))
+    after = weights(result.checkpoint)
+    assert load_model_dir(result.checkpoint).config.dropout == 0.0
+    # One small step from the reference weights: close to them, but not equal.
+    assert all(torch.allclose(before[k], after[k], atol=0.05) for k in before)
+    assert not all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bfloat16_autocast_with_gradient_accumulation(data_dir, tmp_path):
+    result = train(tiny(data_dir, tmp_path / "run", max_steps=4, dtype="bfloat16", grad_accum=2), progress=False)
+    records = losses(tmp_path / "run")
+    assert result.step == 4 and result.skipped_steps == 0
+    assert all(np.isfinite(loss) for loss, _, _ in records.values())
+    assert weights(result.checkpoint)["tok_emb.weight"].dtype == torch.float32  # autocast keeps fp32 master weights
+
+
+def test_tensorboard_logs_the_same_metrics(data_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = train(tiny(data_dir, tmp_path / "tb", tensorboard=True), progress=False).run_dir
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("loss")}
+    assert logged.keys() == {step for step in losses(run_dir) if step > 0}
+    for step, (loss, _, _) in losses(run_dir).items():
+        assert logged[step] == pytest.approx(loss, rel=1e-6)
+    assert [e.step for e in events.Scalars("val_loss")] == [0, 4, 8]
+
+
+def test_mfu_peak_is_measured_on_cpu_and_overridable():
+    fp32 = measured_cpu_matmul_flops(torch.float32)
+    assert 1e8 < fp32 < 1e14  # a real CPU's matmul, not a constant: from 0.1 GFLOP/s to 100 TFLOP/s
+    assert peak_flops(torch.device("cpu"), "float32", 5e12) == 5e12
+    assert peak_flops(torch.device("meta"), "float32", None) is None  # unknown devices show no MFU

@@ -10,7 +10,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
-HELP = "convert between gptkit model directories and Hugging Face checkpoints (GPT-2, Llama families)"
+HELP = "convert between gptkit model directories and Hugging Face checkpoints (GPT-2, Llama); merge LoRA adapters"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR", type=Path, help="Hugging Face directory to import")
-    direction.add_argument("--to-hf", metavar="MODEL_DIR", type=Path, help="gptkit model directory to export")
+    direction.add_argument("--to-hf", metavar="MODEL_DIR", type=Path, help="gptkit model directory to export (a "
+                           "LoRA directory: merged, with its adapters in PEFT's format in OUT/adapter)")
+    direction.add_argument("--merge", metavar="LORA_DIR", type=Path, help="LoRA directory (or checkpoint) to fold "
+                           "into its base as a plain gptkit model directory")  # fmt: skip
     parser.add_argument("--out", metavar="DIR", type=Path, required=True, help="directory to write")
     parser.add_argument(
         "--dtype", choices=DTYPES, default=None, help="store the weights in this dtype (default: as they are)"
@@ -39,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     from gptkit.errors import GptkitError
 
-    source: Path = args.from_hf if args.from_hf is not None else args.to_hf
+    source: Path = next(p for p in (args.from_hf, args.to_hf, args.merge) if p is not None)
     if not source.is_dir():
         raise GptkitError(f"{source} is not a directory")
     if args.out.exists() and not args.out.is_dir():
@@ -51,7 +54,27 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if args.from_hf is not None:
         return _import(source, args.out, dtype)
+    if args.merge is not None:
+        return _merge(source, args.out, dtype)
     return _export(source, args.out, dtype)
+
+
+def _merge(source: Path, out: Path, dtype: object) -> int:
+    from gptkit.chat import TOKENIZER_CONFIG
+    from gptkit.errors import GptkitError
+    from gptkit.finetune.lora_dir import is_lora_dir
+    from gptkit.modeldir import atomic_write, load, save_model_dir
+
+    if not is_lora_dir(source):
+        raise GptkitError(f"{source} is not a LoRA directory (no lora_config.json); --merge folds adapters into "
+                          "their base")  # fmt: skip
+    model, tokenizer = load(source, dtype=dtype)
+    save_model_dir(model, out, tokenizer=tokenizer)
+    carried = source / TOKENIZER_CONFIG  # the chat template the model was fine-tuned with
+    if carried.is_file():
+        atomic_write(out / TOKENIZER_CONFIG, lambda tmp: tmp.write_bytes(carried.read_bytes()))
+    _summary(model, source, out)
+    return 0
 
 
 def _import(source: Path, out: Path, dtype: object) -> int:
@@ -73,6 +96,7 @@ def _import(source: Path, out: Path, dtype: object) -> int:
 
 
 def _export(source: Path, out: Path, dtype: object) -> int:
+    from gptkit.finetune.lora_dir import is_lora_dir, write_peft_dir
     from gptkit.hf import export_hf, read_tokenizer_config
     from gptkit.modeldir import load
 
@@ -80,6 +104,11 @@ def _export(source: Path, out: Path, dtype: object) -> int:
     export_hf(model, out, tokenizer=tokenizer, tokenizer_config=read_tokenizer_config(source))
     if tokenizer is None:
         print(f"note: {source} has no tokenizer; the Hugging Face directory has none either", file=sys.stderr)
+    if is_lora_dir(source):
+        adapter = write_peft_dir(source, out / "adapter")
+        print(f"note: the adapters alone, in PEFT's format, are in {adapter}: load them with "
+              "peft.PeftModel.from_pretrained over the base exported by `gptkit convert --to-hf BASE`",
+              file=sys.stderr)  # fmt: skip
     _summary(model, source, out)
     return 0
 

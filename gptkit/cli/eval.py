@@ -71,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from gptkit.data import is_examples, load_examples, read_meta
     from gptkit.errors import InputError
-    from gptkit.evaluate import EvalOptions, encode_text, evaluate_ids, sliding_windows
+    from gptkit.evaluate import EvalOptions, encode_text, evaluate_examples, evaluate_ids, sliding_windows
     from gptkit.modeldir import load
     from gptkit.devices import pick_device
 
@@ -92,16 +93,28 @@ def run(args: argparse.Namespace) -> int:
         ids, data_tokenizer = _val_tokens(args.data, tokenizer, args.model_dir)
         lengths = data_tokenizer.token_byte_lengths() if data_tokenizer is not None else None
         source = str(Path(args.data) / "val.bin")
+        meta = read_meta(args.data)
+        if is_examples(meta):  # supervised examples: each scored alone, on its trained tokens
+            examples = load_examples(args.data, "val", meta)
+            with tqdm(total=len(examples), unit="example", desc="eval", file=sys.stderr, disable=args.quiet) as bar:
+                result = evaluate_examples(model, examples, lengths, options.batch_size, bar.update)
+            return _report(args, result, f"{source}: {len(examples):,} examples, {result.tokens:,} trained tokens "
+                                         f"scored ({result.bytes:,} bytes)")  # fmt: skip
     if len(ids) < 2:
         raise InputError(f"{source} holds {len(ids)} token(s); at least 2 are needed to score a prediction")
     total = len(sliding_windows(len(ids), context, options.stride))  # also checks --stride before the model runs
     with tqdm(total=total, unit="window", desc="eval", file=sys.stderr, disable=args.quiet) as bar:
         result = evaluate_ids(model, ids, lengths, options.stride, options.batch_size, bar.update)
+    return _report(args, result, f"{source}: {result.tokens:,} tokens scored ({result.bytes:,} bytes), context "
+                                 f"{context}, stride {options.stride or max(1, context // 2)}")  # fmt: skip
+
+
+def _report(args: argparse.Namespace, result, heading: str) -> int:
+    """Print the metrics: one JSON object, or a heading line and a metrics line."""
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
     bpb = f"{result.bits_per_byte:.4f}" if result.bits_per_byte is not None else "unknown (no tokenizer)"
-    print(f"{source}: {result.tokens:,} tokens scored ({result.bytes:,} bytes), context {context}, "
-          f"stride {options.stride or max(1, context // 2)}")  # fmt: skip
+    print(heading)
     print(f"loss {result.loss:.4f} nats/token  perplexity {result.perplexity:.3f}  bits per byte {bpb}")
     return 0

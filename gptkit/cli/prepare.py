@@ -22,7 +22,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=HELP,
         description="Tokenize text, JSONL, CSV/TSV and Parquet files (plain or gzip/xz/bzip2/zstd compressed) and "
         "directories of them into DATA_DIR/train.bin, val.bin, the tokenizer files and meta.json. With no --input, "
-        "the bundled tiny shakespeare is used. The new data set replaces the old one only once it is complete.",
+        "the bundled tiny shakespeare is used. The new data set replaces the old one only once it is complete. "
+        "Rows of supervised examples (\"messages\" conversations, \"prompt\" and \"completion\", or "
+        "\"instruction\" and \"output\") make a data set of examples for fine-tuning: each rendered with the chat "
+        "template of the model given as --tokenizer, with which tokens are trained on.",
     )
     # Unset flags stay out of the namespace, so that run() can tell an explicit --vocab-size from the default.
     add_dataclass_flags(parser, PrepareConfig, keep_unset=True)
@@ -40,6 +43,13 @@ def run(args: argparse.Namespace) -> int:
     meta = prepare(config, progress=True)
     seconds = time.perf_counter() - started
     read = sum(i["bytes"] for i in meta["inputs"])
+    if meta.get("kind") == "examples":
+        kept = meta["train_examples"] + meta["val_examples"]
+        cut = f"; longer than {meta['max_length']} tokens: {meta['truncated']} truncated, {meta['dropped']} dropped"
+        print(f"wrote {config.out}: {meta['tokenizer']} vocabulary {meta['vocab_size']:,}, {kept:,} examples "
+              f"(train {meta['train_examples']:,}, val {meta['val_examples']:,}), {meta['train_targets']:,} trained "
+              f"tokens of {meta['train_tokens']:,} in train{cut if meta['truncated'] or meta['dropped'] else ''}")
+        return 0
     print(
         f"wrote {config.out}: {meta['tokenizer']} vocabulary {meta['vocab_size']:,}, "
         f"train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens ({meta['dtype']}), "

@@ -88,7 +88,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             raise ConfigError(f"{run_dir} has no checkpoint to resume from (the run stopped before its first "
                               "checkpoint): start it again without --resume")  # fmt: skip
         raise ConfigError(f"{saved_path} is missing, so the run's settings are unknown; restore it to resume")
-    config = from_sources(saved_path, {section: values for section, values in flags.items() if section != "model"})
+    fixed = ("model", "finetune")  # what the checkpoint's weights were built as
+    config = from_sources(saved_path, {section: values for section, values in flags.items() if section not in fixed})
     config.train.out_dir = recipe.train.out_dir
     for key, value in flags.get("model", {}).items():
         if key not in ("preset", "init_from") and config.model.fields.get(key) != value:
@@ -96,6 +97,10 @@ def build_config(args: argparse.Namespace) -> RunConfig:
                 f"model.{key} cannot change on --resume (the run has {config.model.fields.get(key)!r}); "
                 "start a new run with model.init_from instead"
             )
+    for key, value in flags.get("finetune", {}).items():
+        if getattr(config.finetune, key) != value:
+            raise ConfigError(f"finetune.{key} cannot change on --resume (the run has "
+                              f"{getattr(config.finetune, key)!r}); start a new run instead")  # fmt: skip
     return config
 
 

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gptkit.errors import GptkitError
 from gptkit.sampling import SamplingParams, row_seed
-from gptkit.serving.chat import ChatTemplate
+from gptkit.chat import ChatTemplate
 from gptkit.serving.engine import Chunk, Engine, QueueFull, Sequence, TokenInfo
 from gptkit.serving.schemas import AttentionRequest, ChatRequest, CompletionRequest, _Sampling, error_body
 

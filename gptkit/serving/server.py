@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from gptkit.devices import pick_device
 from gptkit.errors import GptkitError
 from gptkit.serving.api import ServerState, create_app
-from gptkit.serving.chat import load_chat_template
+from gptkit.chat import eos_text, load_chat_template
 from gptkit.serving.engine import Engine
 
 log = logging.getLogger("gptkit.serve")
@@ -58,7 +58,7 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
         engine=engine,
         tokenizer=tokenizer,
         model_name=options.model_name or Path(model_dir).resolve().name,
-        chat_template=load_chat_template(model_dir),
+        chat_template=load_chat_template(model_dir, eos_text(tokenizer)),
         api_key=options.api_key,
         max_body_bytes=options.max_body_bytes,
     )

@@ -1,9 +1,10 @@
 // The gptkit playground: streams /v1/completions into the page, shades each generated token by its
-// probability, and draws one layer's attention over the text from /playground/attention. No dependencies.
+// probability, draws one layer's attention over the text from /playground/attention, and chats through
+// /v1/chat/completions. No dependencies.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { model: null, abort: null, tokens: [], attention: null };
+const state = { model: null, abort: null, tokens: [], attention: null, chat: [] };
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -66,11 +67,7 @@ function escapeHtml(s) {
   return s.replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 }
 
-async function generate() {
-  const prompt = $("prompt").value;
-  if (!prompt) { setStatus("Type a prompt first.", true); return; }
-  if (!state.model) await loadModel();
-  const body = { model: state.model, prompt: prompt, stream: true, logprobs: 5 };
+function withSettings(body) {  // the sampling settings of the controls panel, for either endpoint
   numberField(body, "max_tokens", true);
   numberField(body, "temperature", false);
   numberField(body, "top_k", true);
@@ -78,47 +75,67 @@ async function generate() {
   numberField(body, "min_p", false);
   numberField(body, "repetition_penalty", false);
   numberField(body, "seed", true);
+  return body;
+}
+
+// POST a streaming request and call onChoice with the first choice of each server-sent event; returns the
+// finish reason, or throws an Error with the server's message.
+async function streamChoices(path, body, onChoice) {
+  const response = await fetch(path, {
+    method: "POST", headers: headers(), body: JSON.stringify(body), signal: state.abort.signal,
+  });
+  if (!response.ok) throw new Error(await errorMessage(response));
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "", finish = null;
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return finish;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      if (!event.startsWith("data: ")) continue;
+      const data = event.slice(6);
+      if (data === "[DONE]") continue;
+      const choice = JSON.parse(data).choices[0];
+      if (!choice) continue;
+      onChoice(choice);
+      if (choice.finish_reason) finish = choice.finish_reason;
+    }
+  }
+}
+
+function busy(on) {
+  $("generate").disabled = on;
+  $("chat-send").disabled = on;
+  $("stop").disabled = !on;
+  state.abort = on ? new AbortController() : null;
+}
+
+async function generate() {
+  const prompt = $("prompt").value;
+  if (!prompt) { setStatus("Type a prompt first.", true); return; }
+  if (!state.model) await loadModel();
+  const body = withSettings({ model: state.model, prompt: prompt, stream: true, logprobs: 5 });
   state.tokens = [];
   state.attention = null;
   $("output-prompt").textContent = prompt;
   $("output-generated").textContent = "";
   $("token-info").textContent = "No token selected.";
-  $("generate").disabled = true;
-  $("stop").disabled = false;
+  busy(true);
   setStatus("generating…");
-  state.abort = new AbortController();
   const started = performance.now();
-  let finish = null;
   try {
-    const response = await fetch("/v1/completions", {
-      method: "POST", headers: headers(), body: JSON.stringify(body), signal: state.abort.signal,
-    });
-    if (!response.ok) { setStatus(await errorMessage(response), true); return; }
-    const reader = response.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, { stream: true });
-      let cut;
-      while ((cut = buffer.indexOf("\n\n")) >= 0) {
-        const event = buffer.slice(0, cut);
-        buffer = buffer.slice(cut + 2);
-        if (!event.startsWith("data: ")) continue;
-        const data = event.slice(6);
-        if (data === "[DONE]") continue;
-        const choice = JSON.parse(data).choices[0];
-        if (!choice) continue;
-        const lp = choice.logprobs;
-        if (lp && lp.tokens.length) {
-          lp.tokens.forEach((text, i) => addToken({ text: text, logprob: lp.token_logprobs[i], top: lp.top_logprobs[i] }));
-        } else if (choice.text) {
-          $("output-generated").appendChild(document.createTextNode(choice.text));
-        }
-        if (choice.finish_reason) finish = choice.finish_reason;
+    const finish = await streamChoices("/v1/completions", body, (choice) => {
+      const lp = choice.logprobs;
+      if (lp && lp.tokens.length) {
+        lp.tokens.forEach((text, i) => addToken({ text: text, logprob: lp.token_logprobs[i], top: lp.top_logprobs[i] }));
+      } else if (choice.text) {
+        $("output-generated").appendChild(document.createTextNode(choice.text));
       }
-    }
+    });
     const seconds = (performance.now() - started) / 1000;
     setStatus(state.tokens.length + " tokens in " + seconds.toFixed(2) + " s (" +
       (state.tokens.length / seconds).toFixed(1) + " tokens/s), finish: " + finish);
@@ -126,10 +143,48 @@ async function generate() {
   } catch (err) {
     setStatus(err.name === "AbortError" ? "stopped" : "error: " + err.message, err.name !== "AbortError");
   } finally {
-    $("generate").disabled = false;
-    $("stop").disabled = true;
-    state.abort = null;
+    busy(false);
   }
+}
+
+function addMessage(role, text) {
+  const div = document.createElement("div");
+  div.className = "msg " + role;
+  div.textContent = text;
+  $("chat-log").appendChild(div);
+  return div;
+}
+
+async function sendChat() {
+  const text = $("chat-input").value;
+  if (!text.trim()) { $("chat-status").textContent = "Type a message first."; return; }
+  if (!state.model) await loadModel();
+  const system = $("chat-system").value.trim();
+  state.chat.push({ role: "user", content: text });
+  addMessage("user", text);
+  $("chat-input").value = "";
+  const reply = addMessage("assistant", "");
+  const messages = (system ? [{ role: "system", content: system }] : []).concat(state.chat);
+  busy(true);
+  $("chat-status").textContent = "replying…";
+  try {
+    const finish = await streamChoices("/v1/chat/completions", withSettings({ model: state.model, messages: messages, stream: true }),
+      (choice) => { if (choice.delta && choice.delta.content) reply.textContent += choice.delta.content; });
+    state.chat.push({ role: "assistant", content: reply.textContent });
+    $("chat-status").textContent = "finish: " + finish;
+  } catch (err) {
+    state.chat.pop();  // the turn did not happen: the user may send it again
+    reply.remove();
+    $("chat-status").textContent = err.name === "AbortError" ? "stopped" : "error: " + err.message;
+  } finally {
+    busy(false);
+  }
+}
+
+function newChat() {
+  state.chat = [];
+  $("chat-log").textContent = "";
+  $("chat-status").textContent = "";
 }
 
 async function showAttention() {
@@ -188,10 +243,10 @@ function heatmapHover(event) {
 }
 
 function selectTab(name) {
-  $("view-text").hidden = name !== "text";
-  $("view-attention").hidden = name !== "attention";
-  $("tab-text").classList.toggle("active", name === "text");
-  $("tab-attention").classList.toggle("active", name === "attention");
+  for (const tab of ["text", "attention", "chat"]) {
+    $("view-" + tab).hidden = name !== tab;
+    $("tab-" + tab).classList.toggle("active", name === tab);
+  }
   if (name === "attention" && !state.attention) showAttention();
 }
 
@@ -202,6 +257,10 @@ $("output-generated").addEventListener("click", (e) => { if (e.target.dataset.in
 $("output-generated").addEventListener("mouseover", (e) => { if (e.target.dataset.index) showToken(e.target.dataset.index); });
 $("tab-text").addEventListener("click", () => selectTab("text"));
 $("tab-attention").addEventListener("click", () => selectTab("attention"));
+$("tab-chat").addEventListener("click", () => selectTab("chat"));
+$("chat-send").addEventListener("click", sendChat);
+$("chat-new").addEventListener("click", newChat);
+$("chat-input").addEventListener("keydown", (e) => { if (e.key === "Enter" && e.ctrlKey) sendChat(); });
 $("refresh-attention").addEventListener("click", showAttention);
 $("layer").addEventListener("change", showAttention);
 $("head").addEventListener("change", showAttention);

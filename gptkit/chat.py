@@ -1,0 +1,145 @@
+"""Chat messages -> text: the tokenizer's own chat template if it ships one, else a plain default.
+
+Serving renders a request's messages with it, and supervised fine-tuning renders its conversations with the same
+template, so that a fine-tuned model sees the same text in training and in serving.
+
+The default template (used when the model directory has no `chat_template`) is, for each message,
+
+    <role>: <content>\n\n
+
+with an assistant's content followed by the end-of-text token's text, and `assistant:` at the end to cue the
+reply, e.g. `system: Be brief.\n\nuser: Hi\n\nassistant: Hello<|endoftext|>\n\nuser: Bye\n\nassistant:`. A reply
+ends at the end-of-text token; the stop string `\n\nuser:` also ends one where a model writes the user's next turn.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gptkit.errors import GptkitError
+
+TOKENIZER_CONFIG = "tokenizer_config.json"  # where Hugging Face tokenizers keep `chat_template`
+ROLES = ("system", "user", "assistant", "tool", "developer")
+DEFAULT_STOP = ("\n\nuser:",)
+
+
+class ChatTemplateError(GptkitError):
+    """A chat template that cannot be read or rendered; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How to turn messages into text: a Jinja source (Hugging Face style) or None for the default."""
+
+    source: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """Stop strings that end an assistant reply under this template."""
+        return DEFAULT_STOP if self.source is None else ()
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The text of these messages; with add_generation_prompt it ends where the assistant's reply begins."""
+        if self.source is None:
+            turns = "".join(
+                f"{m['role']}: {m['content']}{self.eos_token if m['role'] == 'assistant' else ''}\n\n"
+                for m in messages
+            )
+            return turns + ("assistant:" if add_generation_prompt else "")
+        return _render_jinja(self.source, messages, add_generation_prompt, self.bos_token, self.eos_token)
+
+    def reply_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        """(the whole conversation's text, the character span of each assistant reply in it).
+
+        A reply's span runs from where the prompt for it ends (the messages before it rendered with the
+        generation prompt, as serving renders them) to where the conversation up to it ends, so it holds exactly
+        what a model must write, the template's end-of-turn marks included.
+        """
+        text = self.render(messages, add_generation_prompt=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[: i + 1], add_generation_prompt=False)
+            if not (through.startswith(prompt) and text.startswith(through)):
+                raise ChatTemplateError(
+                    f"the chat template renders the conversation before assistant message {i + 1} differently "
+                    "once the reply follows, so the reply's text cannot be found; train on every token instead"
+                )
+            spans.append((len(prompt), len(through)))
+        return text, spans
+
+
+def load_chat_template(model_dir: str | Path, eos_token: str = "") -> ChatTemplate:
+    """The chat template shipped in model_dir's tokenizer_config.json, or the default (ending replies with
+    eos_token, the tokenizer's end-of-text text) if there is none."""
+    path = Path(model_dir) / TOKENIZER_CONFIG
+    if not path.is_file():
+        return ChatTemplate(eos_token=eos_token)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ChatTemplateError(f"cannot read {path}: {err}") from None
+    source = data.get("chat_template") if isinstance(data, dict) else None
+    if isinstance(source, list):  # some tokenizers ship several named templates; "default" is the chat one
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if not isinstance(source, str) or not source.strip():
+        return ChatTemplate(eos_token=eos_token)
+    return ChatTemplate(source, _token_text(data.get("bos_token")), _token_text(data.get("eos_token")) or eos_token)
+
+
+def eos_text(tokenizer: Any) -> str:
+    """The text of a tokenizer's end-of-text token ("" when it has none)."""
+    return tokenizer.decode([tokenizer.eos_id]) if tokenizer is not None and tokenizer.eos_id is not None else ""
+
+
+def _token_text(token: object) -> str:
+    """A special token as HF configs store it: a string or {"content": ...}."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else ""
+
+
+def _generation_tag() -> type:
+    """A Jinja extension that renders {% generation %}...{% endgeneration %} as its body: the tag Hugging Face
+    templates use to mark what the assistant writes (gptkit finds replies by rendering, see reply_spans)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> nodes.Node:
+            lineno = next(parser.stream).lineno
+            return nodes.Scope(parser.parse_statements(("name:endgeneration",), drop_needle=True), lineno=lineno)
+
+    return Generation
+
+
+def _render_jinja(source: str, messages: list[dict[str, str]], add_generation_prompt: bool, bos: str,
+                  eos: str) -> str:  # fmt: skip
+    """Render a Hugging Face chat template in a sandbox (templates come with downloaded models)."""
+    try:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ChatTemplateError("this model's chat template needs jinja2: pip install jinja2") from None
+
+    def raise_exception(message: str) -> None:
+        raise ChatTemplateError(f"chat template refused the messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_generation_tag()])
+    env.globals["raise_exception"] = raise_exception
+    try:
+        template = env.from_string(source)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                               eos_token=eos)  # fmt: skip
+    except TemplateError as err:
+        raise ChatTemplateError(f"cannot render the chat template: {err}") from None

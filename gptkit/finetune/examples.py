@@ -1,0 +1,182 @@
+"""Supervised examples: JSONL rows in the formats TRL users have -> token ids and the tokens trained on.
+
+A file's format is read from the keys of its first row (every row must then have them):
+    messages            {"messages": [{"role": ..., "content": ...}, ...]}       a conversation
+    prompt_completion   {"prompt": ..., "completion": ...}                       strings, or lists of messages
+    alpaca              {"instruction": ..., "input": optional, "output": ...}   one user turn, one reply
+    text                {"text": ...}                                            trained on every token
+
+Conversations (messages, prompt/completion message lists, alpaca rows as a user turn and an assistant turn) are
+rendered with the model's chat template (gptkit.chat), as `gptkit serve` renders a chat request. By default only
+what a model must write is trained on: each assistant reply (its text as far as the first end-of-text id, that id
+included; one is appended where the template writes none) and a completion. Text before a reply is encoded on
+its own, as the server encodes a prompt, so the reply's first token is the one a served model must choose.
+Prompt/completion strings are plain text (no template): the prompt gets the tokens the tokenizer puts around an
+input (Llama's <s>), as a completions request does, and the completion the end-of-text id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from gptkit.chat import ROLES, ChatTemplate, ChatTemplateError
+from gptkit.errors import InputError
+
+LossOn = Literal["completion", "all"]
+FORMATS = ("messages", "prompt_completion", "alpaca", "text")
+SUPERVISED = ("messages", "prompt_completion", "alpaca")  # formats that make a data set of examples
+
+
+@dataclass
+class Example:
+    """One example's token ids (uint32) and, per token, whether the loss trains the model to predict it."""
+
+    ids: np.ndarray
+    trained: np.ndarray  # bool, the length of ids
+
+    @property
+    def targets(self) -> int:
+        """How many tokens are trained on (a first token has no context, so it never is)."""
+        return int(self.trained[1:].sum())
+
+
+def row_format(record: Any) -> str | None:
+    """The format a JSON row's keys say it is in, or None."""
+    if not isinstance(record, dict):
+        return None
+    if "messages" in record:
+        return "messages"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if "text" in record:
+        return "text"
+    return None
+
+
+class ExampleEncoder:
+    """Turns rows into Examples with one tokenizer and chat template."""
+
+    def __init__(self, tokenizer: Any, template: ChatTemplate, loss_on: LossOn = "completion") -> None:
+        if tokenizer.eos_id is None:
+            raise InputError(
+                f"supervised examples end each reply with the end-of-text token, and this {tokenizer.kind} "
+                "tokenizer has none; prepare with --tokenizer byte, bpe or a model directory"
+            )
+        self.tokenizer = tokenizer
+        self.template = template
+        self.loss_on = loss_on
+        self.ends = set(tokenizer.eos_ids)
+
+    def encode(self, record: Any, fmt: str, where: str) -> Example:
+        """The Example of one row in format fmt; where ("file line N") names it in errors."""
+        if row_format(record) != fmt:
+            raise InputError(f"{where} is not a {fmt} row like the file's first row ({_keys_hint(fmt)})")
+        if fmt == "text":
+            text = _string(record, "text", where)
+            return self._example([(self._ids(text, prompt=True), True), (self._end(), True)])
+        if fmt == "prompt_completion":
+            prompt, completion = record["prompt"], record["completion"]
+            if isinstance(prompt, str) and isinstance(completion, str):
+                return self._example([(self._ids(prompt, prompt=True), False),
+                                      (self._ids(completion) + self._end(), True)])  # fmt: skip
+            if isinstance(prompt, list) and isinstance(completion, list):
+                context = _messages(prompt, where, "prompt")
+                return self._conversation(context + _messages(completion, where, "completion"), len(context), where)
+            raise InputError(f"{where}: \"prompt\" and \"completion\" must both be strings or both lists of messages")
+        if fmt == "alpaca":
+            instruction, extra = _string(record, "instruction", where), record.get("input") or ""
+            if not isinstance(extra, str):
+                raise InputError(f"{where}: \"input\" must be a string")
+            user = instruction + ("\n\n" + extra if extra else "")
+            messages = [{"role": "user", "content": user}, {"role": "assistant", "content": _string(record, "output", where)}]
+            return self._conversation(messages, 0, where)
+        return self._conversation(_messages(record["messages"], where, "messages"), 0, where)
+
+    def _conversation(self, messages: list[dict[str, str]], first_trained: int, where: str) -> Example:
+        """The rendered messages; replies from message index first_trained on are trained (all with loss_on all)."""
+        try:
+            text, spans = self.template.reply_spans(messages)
+        except ChatTemplateError as err:
+            raise InputError(f"{where}: {err}") from None
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        trained_spans = [span for i, span in zip(replies, spans) if i >= first_trained]
+        if not trained_spans and self.loss_on == "completion":
+            raise InputError(f"{where} has no trained token: it holds no assistant reply to train on")
+        parts, cursor = [], 0
+        for start, end in trained_spans:
+            parts.append((self._ids(text[cursor:start]), False))
+            parts += self._reply(text[start:end])
+            cursor = end
+        parts.append((self._ids(text[cursor:]), False))
+        return self._example(parts)
+
+    def _reply(self, text: str) -> list[tuple[list[int], bool]]:
+        """A reply's ids, trained as far as its first end-of-text id (what the template writes after it is
+        context); the end id appended, trained, when the text has none."""
+        ids = self._ids(text)
+        end = next((j for j, t in enumerate(ids) if t in self.ends), None)
+        if end is None:
+            return [(ids + self._end(), True)]
+        return [(ids[: end + 1], True), (ids[end + 1 :], False)]
+
+    def _example(self, parts: list[tuple[list[int], bool]]) -> Example:
+        ids = np.fromiter((t for part, _ in parts for t in part), dtype=np.uint32)
+        trained = np.fromiter((flag or self.loss_on == "all" for part, flag in parts for _ in part), dtype=bool)
+        return Example(ids, trained)
+
+    def _ids(self, text: str, prompt: bool = False) -> list[int]:
+        if not text:
+            return self.tokenizer.encode_prompt("") if prompt else []
+        return self.tokenizer.encode_prompt(text) if prompt else self.tokenizer.encode(text)
+
+    def _end(self) -> list[int]:
+        return [self.tokenizer.eos_id]
+
+
+def fit(example: Example, max_length: int, overlong: Literal["truncate", "drop"]) -> Example | None:
+    """The example cut to max_length tokens (truncate) or None (drop, or nothing trained left after the cut)."""
+    if len(example.ids) <= max_length:
+        return example
+    if overlong == "drop":
+        return None
+    cut = Example(example.ids[:max_length], example.trained[:max_length])
+    return cut if cut.targets else None
+
+
+def _keys_hint(fmt: str) -> str:
+    return {"messages": 'a "messages" list', "prompt_completion": '"prompt" and "completion"',
+            "alpaca": '"instruction" and "output"', "text": 'a "text" string'}[fmt]  # fmt: skip
+
+
+def _string(record: dict[str, Any], key: str, where: str) -> str:
+    value = record.get(key)
+    if not isinstance(value, str):
+        raise InputError(f"{where}: \"{key}\" must be a string, got {type(value).__name__}")
+    return value
+
+
+def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
+    """A list of {"role", "content"} messages with known roles, content as a string or a list of text parts."""
+    if not isinstance(value, list) or not value:
+        raise InputError(f"{where}: \"{key}\" must be a non-empty list of messages")
+    messages = []
+    for n, message in enumerate(value, start=1):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InputError(f"{where}: message {n} of \"{key}\" must be an object with a \"role\"")
+        role, content = message["role"], message.get("content")
+        if role not in ROLES:
+            raise InputError(f"{where}: message {n} has unknown role {role!r}; roles are {', '.join(ROLES)}")
+        if isinstance(content, list):  # OpenAI's content parts: the text parts joined, as the server reads them
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):  # fmt: skip
+                raise InputError(f"{where}: message {n}'s content parts must be {{\"type\": \"text\", \"text\": ...}}")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InputError(f"{where}: message {n} ({role}) needs a string \"content\"")
+        messages.append({"role": role, "content": content})
+    return messages

@@ -1,0 +1,146 @@
+"""A LoRA directory: adapters and the base model they were trained on, named by path and weight fingerprint.
+
+Layout:
+    lora_config.json        {"format": "gptkit-lora", "format_version": 1, "base": absolute path of the base model,
+                             "base_fingerprint": gptkit.finetune.lora.fingerprint of its weights as stored,
+                             "rank", "alpha", "dropout", "targets", "base_precision"}
+    adapters.safetensors    "<module>.lora_A" (r, in) and "<module>.lora_B" (out, r) per adapted layer
+    tokenizer_config.json   the base's, when it has one (its chat template serves the fine-tuned model)
+A training checkpoint of a LoRA run is such a directory plus the optimiser, RNG and trainer files, so it holds the
+adapters only: the base is read from its own directory and must still hash to the fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gptkit.atomic import atomic_write_text
+from gptkit.errors import GptkitError
+from gptkit.finetune.lora import add_lora, fingerprint, load_lora_state, lora_state, merge_lora, peft_adapter
+from gptkit.modeldir import load_tensors, model_state, save_tensors
+
+FORMAT = "gptkit-lora"
+FORMAT_VERSION = 1
+CONFIG_FILE = "lora_config.json"
+WEIGHTS_FILE = "adapters.safetensors"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+PRECISIONS = ("float32", "bfloat16", "int8")
+
+
+def is_lora_dir(path: str | Path) -> bool:
+    """Whether path is a LoRA directory (it holds lora_config.json)."""
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def read_lora_config(path: str | Path) -> dict[str, Any]:
+    """The checked lora_config.json of a LoRA directory."""
+    file = Path(path) / CONFIG_FILE
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise GptkitError(f"cannot read {file}: {err}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise GptkitError(f"{file} is not a gptkit LoRA config (no \"format\": \"{FORMAT}\")")
+    if data.get("format_version", 0) > FORMAT_VERSION:
+        raise GptkitError(f"{path} was written by a newer gptkit (format_version {data['format_version']})")
+    kinds = {"base": str, "base_fingerprint": str, "rank": int, "alpha": (int, float), "dropout": (int, float),
+             "targets": str, "base_precision": str}  # fmt: skip
+    for key, kind in kinds.items():
+        if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
+            raise GptkitError(f"{file}: field {key!r} is missing or malformed")
+    if data["base_precision"] not in PRECISIONS:
+        raise GptkitError(f"{file}: base_precision must be one of {', '.join(PRECISIONS)}")
+    return data
+
+
+def write_lora_dir(model: nn.Module, path: str | Path, settings: dict[str, Any],
+                   tokenizer_config: bytes | None = None) -> Path:  # fmt: skip
+    """Write model's adapters and settings (see the module docstring) into path; each file lands atomically."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_tensors(lora_state(model), path / WEIGHTS_FILE, metadata={"format": "pt"})
+    if tokenizer_config is not None:
+        atomic_write_text(path / TOKENIZER_CONFIG, tokenizer_config.decode("utf-8"))
+    data = {"format": FORMAT, "format_version": FORMAT_VERSION, **settings}
+    atomic_write_text(path / CONFIG_FILE, json.dumps(data, indent=2) + "\n")  # last: it makes the directory one
+    return path
+
+
+def load_base(base: str | Path, expected: str | None = None,
+              device: torch.device | str | None = None) -> tuple[nn.Module, Any, str]:  # fmt: skip
+    """(model, tokenizer, fingerprint) of a base model directory as stored; expected checks the fingerprint."""
+    from gptkit.modeldir import load
+
+    if not Path(base).exists():
+        raise GptkitError(f"the base model {base} of these adapters is missing; put it back (or convert a merged "
+                          "model with `gptkit convert --merge` while it exists)")  # fmt: skip
+    model, tokenizer = load(base, device=device)
+    found = fingerprint(model_state(model))
+    if expected is not None and found != expected:
+        raise GptkitError(f"the base model {base} has changed since the adapters were trained on it (its weights "
+                          f"hash to {found[:12]}, the adapters expect {expected[:12]})")  # fmt: skip
+    return model, tokenizer, found
+
+
+def with_precision(model: nn.Module, precision: str) -> nn.Module:
+    """The frozen base in the precision its adapters train over: float32, bfloat16, or int8 weight-only blocks."""
+    from gptkit.quantization import quantize
+
+    if precision == "bfloat16":
+        return model.to(torch.bfloat16)
+    if precision == "int8":
+        return quantize(model, "int8", include_head=False)  # the head stays float: the fused loss reads its weight
+    return model
+
+
+def adapted_model(settings: dict[str, Any], device: torch.device | str | None = None) -> tuple[nn.Module, Any]:
+    """(base in its training precision with fresh adapters, tokenizer) for these settings (a fingerprint-checked
+    base); load_lora_state then fills the adapters."""
+    model, tokenizer, _ = load_base(settings["base"], settings["base_fingerprint"], device)
+    model = with_precision(model, settings["base_precision"])
+    add_lora(model, settings["rank"], float(settings["alpha"]), float(settings["dropout"]), settings["targets"])
+    return model, tokenizer
+
+
+def load_lora(path: str | Path, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None) -> tuple[nn.Module, Any]:  # fmt: skip
+    """(base with the adapters merged in, in eval mode, tokenizer): a LoRA directory used like a model directory.
+
+    The adapters fold into the base's float weights (an int8-trained run's too), then the model takes dtype.
+    """
+    settings = read_lora_config(path)
+    model, tokenizer, _ = load_base(settings["base"], settings["base_fingerprint"], device)
+    add_lora(model, settings["rank"], float(settings["alpha"]), float(settings["dropout"]), settings["targets"])
+    load_lora_state(model, load_tensors(Path(path) / WEIGHTS_FILE, next(model.parameters()).device), str(path))
+    model = merge_lora(model)
+    for param in model.parameters():
+        param.requires_grad_(True)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval(), tokenizer
+
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+def write_peft_dir(path: str | Path, out: str | Path) -> Path:
+    """Write a LoRA directory's adapters in PEFT's format, for the base as `gptkit convert --to-hf` exports it:
+    peft.PeftModel.from_pretrained(that HF base, out) computes what the merged model does."""
+    from gptkit.hf import hf_block_modules
+
+    settings = read_lora_config(path)
+    base, _, _ = load_base(settings["base"], settings["base_fingerprint"])
+    modules, transposed = hf_block_modules(base.config)
+    config, tensors = peft_adapter(load_tensors(Path(path) / WEIGHTS_FILE), modules, settings, settings["base"],
+                                   transposed)  # fmt: skip
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_tensors(tensors, out / PEFT_WEIGHTS, metadata={"format": "pt"})
+    atomic_write_text(out / PEFT_CONFIG, json.dumps(config, indent=2) + "\n")
+    return out
