@@ -301,9 +301,9 @@ def _sweep(out: Path) -> None:
     """Remove what killed runs left: staging directories, and the temporary files of older gptkit versions."""
     sweep_staging(out)
     if out.is_dir():
-        owned = _owned(out)
+        prefixes = tuple(f".{name}." for name in (*DATA_FILES, "tokens", "examples"))  # atomic_write's, and the streams'
         for path in out.glob(".*.tmp"):
-            if path.is_file() and owned(path.name) and any(path.name.startswith(f".{n}.") for n in (*DATA_FILES, "tokens")):
+            if path.is_file() and path.name.startswith(prefixes):
                 path.unlink(missing_ok=True)
 
 

@@ -217,7 +217,8 @@ def test_an_interrupted_run_leaves_the_previous_data_set_whole(tmp_path: Path, m
     out = tmp_path / "o"
     before = prepare(PrepareConfig(out=str(out), tokenizer="byte"))  # a finished earlier run in the same directory
     files = {p.name: p.read_bytes() for p in out.iterdir()}
-    (out / ".tokens.killed.tmp").write_bytes(b"\0" * 10)  # what a kill -9 during encoding leaves
+    for leftover in (".tokens.killed.tmp", ".val.bin.x1y2.tmp", ".meta.json.x3.tmp"):  # what older versions' kills left
+        (out / leftover).write_bytes(b"\0" * 10)
     calls = {"n": 0}
     real = prep._encode_batch
 
@@ -372,11 +373,12 @@ MEMORY_CHILD = textwrap.dedent(
     from gptkit.prepare import PrepareConfig, prepare
 
     tokenizer, budget, corpus, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    text_size = int(sys.argv[6]) if len(sys.argv) > 6 else os.path.getsize(corpus)  # (compressed: the text's)
     prepare(PrepareConfig(out=out + "-warm", inputs=[sys.argv[5]], tokenizer=tokenizer))  # warm up lazy state
     data = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmData"))
     resource.setrlimit(resource.RLIMIT_DATA, (data + budget, resource.RLIM_INFINITY))
     try:
-        bytearray(os.path.getsize(corpus))  # the corpus cannot be held in memory under this limit
+        bytearray(text_size)  # the corpus cannot be held in memory under this limit
         sys.exit("the memory limit is not enforced")
     except MemoryError:
         pass
@@ -414,3 +416,35 @@ def test_memory_stays_flat_for_bpe_on_a_corpus_several_times_the_memory_limit(tm
     prepare(PrepareConfig(out=str(tmp_path / "tok"), tokenizer="bpe", vocab_size=2000))
     meta = _prepare_under_memory_limit(tmp_path, str(tmp_path / "tok"), budget_mb=64, times=3)
     assert meta["train_tokens"] + meta["val_tokens"] > 0 and meta["tokenizer"] == "bpe"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["jsonl.gz", "parquet"])
+def test_memory_stays_flat_for_compressed_jsonl_and_parquet(tmp_path: Path, kind: str) -> None:
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    budget, docs = 48 * 2**20, [SHAKESPEARE[i : i + 4000] for i in range(0, len(SHAKESPEARE) - 4000, 4000)]
+    rounds = 4 * budget // sum(len(d) for d in docs) + 1  # four times the budget of text
+
+    def write(path: Path, repeat: int) -> None:
+        if kind == "parquet":
+            with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+                for _ in range(repeat):
+                    writer.write_table(pa.table({"text": docs}))
+        else:
+            with gzip.open(path, "wt", compresslevel=1) as f:
+                for _ in range(repeat):
+                    f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+
+    corpus, warm = tmp_path / f"big.{kind}", tmp_path / f"warm.{kind}"
+    write(corpus, rounds)
+    write(warm, 1)
+    text_size = rounds * sum(len(d) for d in docs)
+    result = subprocess.run([sys.executable, "-c", MEMORY_CHILD, "byte", str(budget), str(corpus), str(tmp_path / "o"),
+                             str(warm), str(text_size)], capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    meta = json.loads(result.stdout.strip().splitlines()[-1])
+    assert meta["documents"] == rounds * len(docs) and meta["train_bytes"] + meta["val_bytes"] == text_size

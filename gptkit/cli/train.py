@@ -65,11 +65,12 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         flags.setdefault(section, {})[key] = getattr(args, option)
     if args.resume_from is not None:
         checkpoint = Path(args.resume_from)
-        if checkpoint.resolve().parent.name != CHECKPOINTS:
+        folder = checkpoint.parent if checkpoint.parent.name == CHECKPOINTS else checkpoint.resolve().parent
+        if folder.name != CHECKPOINTS:
             raise ConfigError(f"--resume-from {checkpoint} is not a checkpoint directory (RUN_DIR/{CHECKPOINTS}/step-N)")
-        run_dir = checkpoint.resolve().parent.parent
+        run_dir = folder.parent
         given = flags.get("train", {}).get("out_dir")
-        if given is not None and Path(given).resolve() != run_dir:
+        if given is not None and Path(given).resolve() != run_dir.resolve():
             raise ConfigError(f"--resume-from {checkpoint} belongs to the run {run_dir}, not to --out {given}")
         flags.setdefault("train", {})["out_dir"] = str(run_dir if given is None else given)
     recipe = from_sources(args.config, flags)
