@@ -413,9 +413,6 @@ def _write_data_set(stage: Path, files: list[Path], reader: Reader, tokenizer: T
 # ---------------------------------------------------------------- supervised examples
 
 
-ROW_NAMES = {"jsonl": "JSONL", "csv": "CSV", "tsv": "TSV", "parquet": "Parquet"}
-
-
 def _example_formats(files: list[Path], config: PrepareConfig) -> dict[Path, str | None]:
     """Each row file's format, told by the keys of its first row: "text" (its --text-field holds the text) or a
     supervised one (gptkit.finetune.examples); plain text files are None."""
@@ -429,12 +426,12 @@ def _example_formats(files: list[Path], config: PrepareConfig) -> dict[Path, str
         record, where = first
         fmt = row_format(record)
         if fmt not in SUPERVISED:
-            if not (isinstance(record, dict) and config.text_field in record):
+            if not (isinstance(record, dict) and isinstance(record.get(config.text_field), str)):
                 fields = ", ".join(map(repr, list(record)[:10])) if isinstance(record, dict) else "none"
-                raise InputError(f"{where}: unknown {ROW_NAMES[kind]} row: no field {config.text_field!r} (its fields: "
-                                 f"{fields}); --text-field names the field that holds the text, or give supervised "
-                                 "examples (\"messages\", \"prompt\" and \"completion\", or \"instruction\" and "
-                                 "\"output\")")  # fmt: skip
+                raise InputError(f"{where} has no string field \"{config.text_field}\" (nor is it a supervised example "
+                                 "with \"messages\", \"prompt\" and \"completion\", or \"instruction\" and "
+                                 f"\"output\"); its fields: {fields}; --text-field names the field that holds the "
+                                 "text")  # fmt: skip
             fmt = "text"
         formats[path] = fmt
     return formats

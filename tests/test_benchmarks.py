@@ -38,3 +38,17 @@ def test_bench_train_smoke_run_reports_both_loops():
         assert parts["total"] == pytest.approx(named)
         assert parts["rest"] > 0
     assert set(report["breakdown"]["optimizer_phase_ms"]) == {"fused", "foreach", "compiled"}
+
+
+def test_bench_finetune_smoke_run_reports_every_configuration():
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_finetune.py"), "--preset", "tiny", "--batch", "2",
+                             "--seq", "16", "--rank", "2", "--steps", "1", "--warmup", "0", "--json"],
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["results"]) == {"gptkit full", "gptkit lora", "gptkit lora bf16 base", "gptkit lora int8 base",
+                                      "hf+peft lora"}  # fmt: skip
+    lora = report["results"]["gptkit lora"]
+    assert lora["trainable_params"] == report["results"]["hf+peft lora"]["trainable_params"]  # the same adapters
+    assert report["results"]["gptkit full"]["trainable_params"] > lora["trainable_params"] > 0
+    assert report["lora_speedup_over_peft"] > 0 and lora["peak_mb"] > 0

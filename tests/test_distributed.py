@@ -166,7 +166,8 @@ def test_sliced_lm_head_loss_under_two_processes_matches_one(parallel, tmp_path)
     assert all(abs(one[step] - two[step]) < 1e-5 for step in one)
 
 
-def test_two_processes_fine_tune_lora_on_examples_as_one(tmp_path):
+@pytest.mark.parametrize("method, parallel", [("lora", "ddp"), ("full", "fsdp")])
+def test_two_processes_fine_tune_on_examples_as_one(method, parallel, tmp_path):
     """Micro-batches of examples hold different numbers of trained tokens: each rank weighs its own by the
     update's total, so 2 processes match 1 process with twice the accumulation."""
     import gptkit.cli
@@ -179,16 +180,17 @@ def test_two_processes_fine_tune_lora_on_examples_as_one(tmp_path):
     assert gptkit.cli.main(["prepare", "--input", str(rows), "--tokenizer", str(base), "--out", str(data)]) == 0
     config = settings(data, tmp_path / "one", grad_accum=2, batch_size=3)
     config["model"] = {"init_from": str(base)}
-    config["finetune"] = {"method": "lora", "packing": True}
+    config["finetune"] = {"method": method, "packing": True}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         train(from_sources(None, config), progress=False)
     finally:
         torch.set_num_threads(threads)
-    config["train"].update(grad_accum=1, out_dir=str(tmp_path / "two"))
+    config["train"].update(grad_accum=1, out_dir=str(tmp_path / "two"), parallel=parallel)
     torchrun(config)
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(two) == list(range(1, 7)) and max(abs(one[s] - two[s]) for s in one) < 1e-5, (one, two)
-    a, b = (load_tensors(latest_checkpoint(tmp_path / run) / "adapters.safetensors") for run in ("one", "two"))
+    weights = "adapters.safetensors" if method == "lora" else "model.safetensors"
+    a, b = (load_tensors(latest_checkpoint(tmp_path / run) / weights) for run in ("one", "two"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

@@ -141,7 +141,7 @@ def test_malformed_rows_are_one_line_errors_naming_file_and_line(tmp_path, capsy
         "another format": ([good, {"prompt": "p", "completion": "c"}], "line 2 is not a messages row"),
         "mixed prompt": ([{"prompt": "p", "completion": [{"role": "assistant", "content": "c"}]}], "line 1: \"prompt\" and \"completion\" must both"),
         "no content": ([{"messages": [{"role": "user"}, {"role": "assistant", "content": "c"}]}], "line 1: message 1 (user) needs a string"),
-        "unknown keys": ([{"question": "q"}], "line 1: unknown JSONL row"),
+        "unknown keys": ([{"question": "q"}], 'line 1 has no string field "text" (nor is it a supervised example'),
     }  # fmt: skip
     for name, (rows, message) in cases.items():
         path = write_jsonl(tmp_path / f"{name.replace(' ', '_')}.jsonl", rows)

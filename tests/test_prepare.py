@@ -182,7 +182,7 @@ def test_unknown_character_of_a_given_char_tokenizer_names_file_and_offset(tmp_p
         (["--tokenizer", "{tmp}/emptydir"], "--tokenizer .*emptydir: .*holds no tokenizer"),
         (["--tokenizer", "wordpiece"], "--tokenizer must be char, byte, bpe or a directory"),
         (["--val-fraction", "1.5"], "--val-fraction must be in \\[0, 1\\)"),
-        (["--input", "{tmp}/bad.jsonl"], "bad.jsonl line 1: unknown JSONL row: no field 'text'"),
+        (["--input", "{tmp}/bad.jsonl"], "bad.jsonl line 1 has no string field"),
         (["--input", "{tmp}/latin1.txt"], "latin1.txt: invalid UTF-8 at byte offset 2"),
         (["--out", "{tmp}/empty.txt"], "--out .*empty.txt exists and is not a directory"),
     ],

@@ -1,0 +1,187 @@
+"""Fine-tuning speed and memory: one training step of gptkit (full, LoRA over a float32, bfloat16 or int8 base)
+against Hugging Face transformers + PEFT doing LoRA, at the same shape, rank and target layers, in the same loop.
+
+The loop is what a training step does in both libraries: forward with the loss, backward, clip the gradient
+norm, fused AdamW over the trainable parameters, zero the gradients. gptkit's model computes its loss fused with
+the LM head (as `gptkit train` does); HF's GPT2LMHeadModel takes `labels`. Each configuration runs in its own
+process; peak memory is that process's resident-set high-water mark over the timed steps only (reset after the
+model is built, so loading is not counted), as the step itself needs it, and "above start" subtracts what the
+process held before the model was built (Python, PyTorch's libraries).
+
+    python benchmarks/bench_finetune.py                       # GPT-2 small, batch 4 x 256 tokens, rank 16
+    python benchmarks/bench_finetune.py --batch 2 --seq 128 --steps 2 --json   # quicker
+Targets (issue 17): LoRA step >= 1.3x faster than transformers + PEFT with no more peak memory; LoRA over an int8
+base at most 60% of full fine-tuning's peak memory. Run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gptkit.config import ModelConfig
+
+CONFIGS = {
+    "gptkit full": dict(library="gptkit", method="full", precision="float32"),
+    "gptkit lora": dict(library="gptkit", method="lora", precision="float32"),
+    "gptkit lora bf16 base": dict(library="gptkit", method="lora", precision="bfloat16"),
+    "gptkit lora int8 base": dict(library="gptkit", method="lora", precision="int8"),
+    "hf+peft lora": dict(library="hf", method="lora", precision="float32"),
+}
+# PEFT's names for the layers gptkit's "all" targets adapt in a GPT-2 block.
+PEFT_TARGETS = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+
+
+def memory_kb(field: str) -> int:
+    """A line of /proc/self/status, in kB (VmRSS: now; VmHWM: the high-water mark)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def reset_peak() -> None:
+    """Start the resident-set high-water mark afresh (Linux: writing 5 to clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def cpu_capability() -> str:
+    """What the CPU offers that decides which kernels run (printed with the figures)."""
+    flags = ""
+    if Path("/proc/cpuinfo").is_file():
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    found = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+    return f"{platform.machine()} {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()} " \
+        f"({', '.join(found) or 'no avx'})"  # fmt: skip
+
+
+def gptkit_model(config: ModelConfig, method: str, precision: str, rank: int) -> torch.nn.Module:
+    from gptkit.finetune.lora import add_lora
+    from gptkit.finetune.lora_dir import with_precision
+    from gptkit.model import GPT
+
+    model = GPT(config)
+    model.check_inputs = False  # as the trainer runs it
+    if method == "lora":
+        model = with_precision(model, precision)
+        add_lora(model, rank, 2.0 * rank, 0.0, "all")
+    return model.train()
+
+
+def hf_model(config: ModelConfig, rank: int) -> torch.nn.Module:
+    """transformers' GPT2LMHeadModel of the same shape, with PEFT's LoRA on the same layers."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf_config = GPT2Config(vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd,
+                           n_layer=config.n_layer, n_head=config.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                           attn_pdrop=0.0)  # fmt: skip
+    model = GPT2LMHeadModel(hf_config)
+    model.config._attn_implementation = "sdpa"
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=PEFT_TARGETS,
+                      fan_in_fan_out=True, task_type="CAUSAL_LM")  # fmt: skip
+    return get_peft_model(model, lora).train()
+
+
+def run_one(name: str, preset: str, batch: int, seq: int, rank: int, steps: int, warmup: int) -> dict:
+    """Time one configuration's training step in this process; return its figures."""
+    config = CONFIGS[name]
+    shape = ModelConfig.preset(preset)
+    torch.manual_seed(0)
+    start_kb = memory_kb("VmRSS")
+    if config["library"] == "gptkit":
+        model = gptkit_model(shape, config["method"], config["precision"], rank)
+    else:
+        model = hf_model(shape, rank)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    ids = torch.randint(0, shape.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        if config["library"] == "gptkit":
+            loss = model(ids[:, :-1], targets=ids[:, 1:])
+        else:
+            loss = model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    reset_peak()
+    times = []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - begin)
+    peak_kb = memory_kb("VmHWM")
+    seconds = sorted(times)[len(times) // 2]
+    return {"seconds_per_step": seconds, "tokens_per_s": batch * seq / seconds, "peak_mb": peak_kb / 1024,
+            "peak_above_start_mb": (peak_kb - start_kb) / 1024,
+            "trainable_params": sum(p.numel() for p in params)}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Fine-tuning step time and peak memory: gptkit vs transformers+PEFT")
+    parser.add_argument("--preset", default="gpt2", help="the model shape, a GPT-2-style gptkit preset (gpt2: GPT-2 "
+                        "small; tiny for a smoke run)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per step")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (the median is shown)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
+                        help=f"which to run (default all: {', '.join(CONFIGS)})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run a configuration in this process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args.preset, args.batch, args.seq, args.rank, args.steps, args.warmup)))
+        return 0
+
+    results = {}
+    for name in args.configs:
+        command = [sys.executable, __file__, "--one", name, "--preset", args.preset, "--batch", str(args.batch),
+                   "--seq", str(args.seq), "--rank", str(args.rank), "--steps", str(args.steps), "--warmup",
+                   str(args.warmup)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+        if done.returncode != 0:
+            print(f"{name} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    report = {"shape": f"{args.preset}, {args.batch} x {args.seq} tokens, rank {args.rank}, LoRA on attention and MLP",
+              "cpu": cpu_capability(), "results": results}  # fmt: skip
+    peft, lora, full = results.get("hf+peft lora"), results.get("gptkit lora"), results.get("gptkit full")
+    if peft and lora:
+        report["lora_speedup_over_peft"] = peft["seconds_per_step"] / lora["seconds_per_step"]
+        report["lora_peak_vs_peft"] = lora["peak_mb"] / peft["peak_mb"]
+    if full and results.get("gptkit lora int8 base"):
+        int8 = results["gptkit lora int8 base"]
+        report["int8_lora_peak_vs_full"] = int8["peak_mb"] / full["peak_mb"]
+        report["int8_lora_peak_above_start_vs_full"] = int8["peak_above_start_mb"] / full["peak_above_start_mb"]
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"{report['shape']}; {report['cpu']}")
+    print(f"{'configuration':24s} {'s/step':>8s} {'tokens/s':>9s} {'peak MB':>8s} {'above start':>12s} {'trainable':>11s}")
+    for name, r in results.items():
+        print(f"{name:24s} {r['seconds_per_step']:8.2f} {r['tokens_per_s']:9.0f} {r['peak_mb']:8.0f} "
+              f"{r['peak_above_start_mb']:12.0f} {r['trainable_params']:11,}")
+    for key in ("lora_speedup_over_peft", "lora_peak_vs_peft", "int8_lora_peak_vs_full",
+                "int8_lora_peak_above_start_vs_full"):  # fmt: skip
+        if key in report:
+            print(f"{key}: {report[key]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
