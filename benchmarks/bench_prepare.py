@@ -16,8 +16,8 @@ Default (BPE), all on the same generated corpus and the same cores:
 The target is pipeline >= 80% of raw.
 
 --formats: the same documents (tiny shakespeare's lines, shuffled, 1-8 KB a document; --mb megabytes of text) as
-.jsonl, .jsonl.gz (gzip level 6), .jsonl.zst, .parquet (pyarrow's defaults: snappy, 1 Mi rows a row group at
-most), .csv and a directory of .txt files, each prepared with `gptkit prepare --tokenizer byte` (the cheapest
+.jsonl, .jsonl.gz (gzip level 6), .jsonl.zst, .parquet (snappy, a row group per 20,000 documents), .csv and (up
+to 200 MB) a directory of one .txt file a document, each prepared with `gptkit prepare --tokenizer byte` (the cheapest
 encoder, so that reading weighs most) in its own process: MB of text per second (wall, start-up included) and
 the process's peak RSS. The target: .jsonl.gz and .parquet at >= 0.8x the plain .jsonl's throughput.
 Figures are noisy on a shared machine: run it on a quiet one.
@@ -113,6 +113,9 @@ def documents(megabytes: float, seed: int):
         yield doc
 
 
+TEXT_FILES_MAX_MB = 200  # above this, no directory of one .txt file a document (hundreds of thousands of files)
+
+
 def write_formats(directory: Path, megabytes: float, seed: int) -> dict[str, Path]:
     """The same documents in each format (a stream of them at a time, so memory stays small); returns the inputs."""
     import csv
@@ -123,7 +126,11 @@ def write_formats(directory: Path, megabytes: float, seed: int) -> dict[str, Pat
 
     paths = {"jsonl": directory / "d.jsonl", "jsonl.gz": directory / "d.jsonl.gz", "jsonl.zst": directory / "d.jsonl.zst",
              "parquet": directory / "d.parquet", "csv": directory / "d.csv", "txt dir": directory / "txt"}  # fmt: skip
-    paths["txt dir"].mkdir()
+    text_files = megabytes <= TEXT_FILES_MAX_MB
+    if text_files:
+        paths["txt dir"].mkdir()
+    else:
+        del paths["txt dir"]
     schema = pa.schema([("text", pa.string())])
     with open(paths["jsonl"], "w", encoding="utf-8") as plain, gzip.open(paths["jsonl.gz"], "wt", encoding="utf-8",
               compresslevel=6) as gz, open(paths["jsonl.zst"], "wb") as zst_file, \
@@ -139,8 +146,9 @@ def write_formats(directory: Path, megabytes: float, seed: int) -> dict[str, Pat
             gz.write(line)
             zst.write(line.encode())
             table.writerow([doc])
-            (paths["txt dir"] / f"{index // 1000:05d}").mkdir(exist_ok=True)
-            (paths["txt dir"] / f"{index // 1000:05d}" / f"{index:08d}.txt").write_text(doc, encoding="utf-8")
+            if text_files:
+                (paths["txt dir"] / f"{index // 1000:05d}").mkdir(exist_ok=True)
+                (paths["txt dir"] / f"{index // 1000:05d}" / f"{index:08d}.txt").write_text(doc, encoding="utf-8")
             batch.append(doc)
             if len(batch) == 20_000:
                 parquet.write_table(pa.table({"text": batch}, schema=schema))

@@ -78,11 +78,11 @@ def exchange(a: Path, b: Path) -> None:
     import ctypes
     import errno
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith(("linux", "darwin")) else None
+    if libc is not None and hasattr(libc, "renameat2"):  # Linux 3.15+, glibc 2.28+
         at_fdcwd, rename_exchange = -100, 2
         result = libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
-    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+    elif libc is not None and hasattr(libc, "renamex_np"):  # macOS 10.12+
         result = libc.renamex_np(os.fsencode(a), os.fsencode(b), 2)  # RENAME_SWAP
     else:
         raise OSError(errno.ENOSYS, "this system cannot swap two directories atomically")

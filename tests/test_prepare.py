@@ -448,3 +448,28 @@ def test_memory_stays_flat_for_compressed_jsonl_and_parquet(tmp_path: Path, kind
     assert result.returncode == 0, result.stderr[-2000:]
     meta = json.loads(result.stdout.strip().splitlines()[-1])
     assert meta["documents"] == rounds * len(docs) and meta["train_bytes"] + meta["val_bytes"] == text_size
+
+
+def test_an_unwritable_parent_stages_inside_the_data_directory(tmp_path: Path, monkeypatch) -> None:
+    import tempfile
+
+    import gptkit.atomic as atomic
+
+    out = tmp_path / "data"
+    prepare(PrepareConfig(out=str(out), tokenizer="byte"))
+    (out / "notes.txt").write_text("mine")
+    real = tempfile.mkdtemp
+    places = []
+
+    def mkdtemp(prefix: str, dir: Path) -> str:
+        places.append(Path(dir))
+        if Path(dir) == tmp_path:  # the parent is not ours to write (root ignores chmod, so say it here)
+            raise PermissionError(13, "Permission denied", str(dir))
+        return real(prefix=prefix, dir=dir)
+
+    monkeypatch.setattr(atomic.tempfile, "mkdtemp", mkdtemp)
+    prepare(PrepareConfig(out=str(out), tokenizer="char"))
+    assert places == [tmp_path, out]
+    assert read_meta(out)["tokenizer"] == "char" and (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["gptkit_tokenizer.json", "meta.json", "notes.txt", "train.bin",
+                                                     "val.bin"]  # fmt: skip
