@@ -364,18 +364,20 @@ def read_parquet(src: Source, columns: list[str] | None = None) -> Rows:
         columns = [c for c in columns if c in names]  # an absent one: each row then lacks it, and the caller says so
     size, rows = src.path.stat().st_size, max(table.metadata.num_rows, 1)
     number = 0
-    batches = table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns)  # row group by row group
-    while True:
-        try:
-            batch = next(batches, None)
-        except (pa.ArrowException, OSError) as err:
-            raise InputError(f"{src.path}: cannot read the rows after row {number}: {err}") from None
-        if batch is None:
-            return
-        for record in batch.to_pylist():
-            number += 1
-            yield record, f"{src.path} row {number}"
-        src.on_bytes(size * batch.num_rows // rows)
+    for group in range(table.num_row_groups):  # one row group at a time: pyarrow reads no further ahead
+        batches = table.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=columns)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as err:
+                raise InputError(f"{src.path}: cannot read row group {group}: {err}") from None
+            if batch is None:
+                break
+            for record in batch.to_pylist():
+                number += 1
+                yield record, f"{src.path} row {number}"
+            src.on_bytes(size * batch.num_rows // rows)
+        pa.default_memory_pool().release_unused()  # hand the row group's buffers back to the system
 
 
 ROW_READERS: dict[str, Callable[..., Rows]] = {"jsonl": read_jsonl, "csv": read_csv, "tsv": read_tsv,
