@@ -248,10 +248,30 @@ class GPT(nn.Module):
         only to earlier tokens of its own document, and positions restart at 0 where a document starts.
         """
         if self.check_inputs:
-            self._check_inputs(ids, cache, start_pos, logits_at)
             if targets is not None and (tuple(targets.shape) != tuple(ids.shape) or logits_at is not None):
                 raise InputError(f"targets must have the shape of ids {tuple(ids.shape)} (and come without "
                                  f"logits_at), got {tuple(targets.shape)}")  # fmt: skip
+            if logits_at is not None and (tuple(logits_at.shape) != (ids.size(0),) or int(logits_at.min()) < 0
+                                          or int(logits_at.max()) >= ids.size(1)):  # fmt: skip
+                raise InputError(f"logits_at must hold one index in [0, {ids.size(1)}) per row of ids, got {logits_at}")
+        x = self.hidden(ids, cache, start_pos, trace, document_ids)  # (B, T, d)
+        if targets is not None:
+            return linear_cross_entropy(x, self.lm_head.weight, self.lm_head.bias, targets)
+        if logits_at is not None:
+            x = x[torch.arange(x.size(0), device=x.device), logits_at][:, None]  # (B, 1, d)
+        return self.lm_head(x)  # (B, T, V)
+
+    def hidden(
+        self,
+        ids: Tensor,
+        cache: KVCache | None = None,
+        start_pos: int | Tensor = 0,
+        trace: Trace | None = None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
+        """The final hidden states (B, T, n_embd) the LM head reads: what forward computes before its head."""
+        if self.check_inputs:
+            self._check_inputs(ids, cache, start_pos)
             if document_ids is not None and (tuple(document_ids.shape) != tuple(ids.shape) or cache is not None):
                 raise InputError(f"document_ids must have the shape of ids {tuple(ids.shape)} (and come without a "
                                  f"cache), got {tuple(document_ids.shape)}")  # fmt: skip
@@ -282,15 +302,9 @@ class GPT(nn.Module):
             x = self.norm_f(x)
             if trace is not None:
                 trace.hidden_states.append(x)
-        if targets is not None:
-            return linear_cross_entropy(x, self.lm_head.weight, self.lm_head.bias, targets)
-        if logits_at is not None:
-            x = x[torch.arange(x.size(0), device=x.device), logits_at][:, None]  # (B, 1, d)
-        return self.lm_head(x)  # (B, T, V)
+        return x
 
-    def _check_inputs(
-        self, ids: Tensor, cache: KVCache | None, start_pos: int | Tensor, logits_at: Tensor | None
-    ) -> None:
+    def _check_inputs(self, ids: Tensor, cache: KVCache | None, start_pos: int | Tensor) -> None:
         """Raise InputError for ids the forward pass cannot take."""
         if ids.dim() != 2:
             raise InputError(f"token ids must have shape (batch, time), got {tuple(ids.shape)}")
@@ -299,10 +313,6 @@ class GPT(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             bad = int(ids.max()) if int(ids.max()) >= self.config.vocab_size else int(ids.min())
             raise InputError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
-        if logits_at is not None and (
-            tuple(logits_at.shape) != (ids.size(0),) or int(logits_at.min()) < 0 or int(logits_at.max()) >= ids.size(1)
-        ):
-            raise InputError(f"logits_at must hold one index in [0, {ids.size(1)}) per row of ids, got {logits_at}")
         last = int(start_pos.max()) if isinstance(start_pos, Tensor) else start_pos
         last += ids.size(1)
         if self.pos_emb is not None and last > self.config.block_size:

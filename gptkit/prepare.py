@@ -556,6 +556,15 @@ def _val_examples(count: int, val_fraction: float) -> np.ndarray:
     return np.sort(np.random.default_rng(SPLIT_SEED).permutation(count)[:n_val])
 
 
+def _write_synced(path: Path, chunks: Iterable[bytes]) -> None:
+    """Write the chunks to path, back to back, and fsync it (a staged file: the directory is swapped in later)."""
+    with open(path, "wb") as sink:
+        for chunk in chunks:
+            sink.write(chunk)
+        sink.flush()
+        os.fsync(sink.fileno())
+
+
 def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.ndarray, stage: Path,
                           dtype: str) -> dict[str, tuple[int, int]]:  # fmt: skip
     """Copy each split's examples from the temporary files into its token, mask and offset files in stage (see
@@ -569,14 +578,7 @@ def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.
         lengths = offsets[chosen + 1] - offsets[chosen]
         split_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         for source, name in ((ids, EXAMPLE_FILES[split]["ids"]), (mask, EXAMPLE_FILES[split]["mask"])):
-            with open(stage / name, "wb") as sink:
-                for i in chosen:
-                    sink.write(source[offsets[i] : offsets[i + 1]].tobytes())
-                sink.flush()
-                os.fsync(sink.fileno())
-        with open(stage / EXAMPLE_FILES[split]["offsets"], "wb") as sink:
-            sink.write(split_offsets.tobytes())
-            sink.flush()
-            os.fsync(sink.fileno())
+            _write_synced(stage / name, (source[offsets[i] : offsets[i + 1]].tobytes() for i in chosen))
+        _write_synced(stage / EXAMPLE_FILES[split]["offsets"], [split_offsets.tobytes()])
         counts[split] = (int(split_offsets[-1]), len(chosen))
     return counts

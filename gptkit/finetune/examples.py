@@ -5,6 +5,9 @@ A file's format is read from the keys of its first row (every row must then have
     prompt_completion   {"prompt": ..., "completion": ...}                       strings, or lists of messages
     alpaca              {"instruction": ..., "input": optional, "output": ...}   one user turn, one reply
     text                {"text": ...}                                            trained on every token
+    preference          {"prompt": ..., "chosen": ..., "rejected": ...}          two completions of one prompt
+                        (strings or message lists; without "prompt", the messages chosen and rejected share)
+    labelled            {"text": ..., "label": ...}                              a text and its class
 
 Conversations (messages, prompt/completion message lists, alpaca rows as a user turn and an assistant turn) are
 rendered with the model's chat template (gptkit.chat), as `gptkit serve` renders a chat request. By default only
@@ -12,7 +15,10 @@ what a model must write is trained on: each assistant reply (its text as far as 
 included; one is appended where the template writes none) and a completion. Text before a reply is encoded on
 its own, as the server encodes a prompt, so the reply's first token is the one a served model must choose.
 Prompt/completion strings are plain text (no template): the prompt gets the tokens the tokenizer puts around an
-input (Llama's <s>), as a completions request does, and the completion the end-of-text id.
+input (Llama's <s>), as a completions request does, and the completion the end-of-text id. A preference row is
+two prompt/completion examples, chosen and rejected, trained on their completions. A labelled text is encoded as
+a prompt is (no end-of-text id: the class is read at its last token), every token trained for the auxiliary
+language-modelling loss.
 """
 
 from __future__ import annotations
@@ -26,8 +32,12 @@ from gptkit.chat import ROLES, ChatTemplate, ChatTemplateError
 from gptkit.errors import InputError
 
 LossOn = Literal["completion", "all"]
-FORMATS = ("messages", "prompt_completion", "alpaca", "text")
-SUPERVISED = ("messages", "prompt_completion", "alpaca")  # formats that make a data set of examples
+FORMATS = ("messages", "prompt_completion", "alpaca", "text", "preference", "labelled")
+# What data set the rows of each format make: supervised examples, preference pairs, labelled texts ("text" rows
+# alone are pre-training text; beside supervised examples they are examples trained on every token).
+KINDS = {"messages": "examples", "prompt_completion": "examples", "alpaca": "examples", "text": "examples",
+         "preference": "preferences", "labelled": "labelled"}  # fmt: skip
+SUPERVISED = ("messages", "prompt_completion", "alpaca", "preference", "labelled")  # not text alone
 
 
 @dataclass
@@ -47,12 +57,16 @@ def row_format(record: Any) -> str | None:
     """The format a JSON row's keys say it is in, or None."""
     if not isinstance(record, dict):
         return None
+    if "chosen" in record and "rejected" in record:
+        return "preference"
     if "messages" in record:
         return "messages"
     if "prompt" in record and "completion" in record:
         return "prompt_completion"
     if "instruction" in record and "output" in record:
         return "alpaca"
+    if "text" in record and "label" in record:
+        return "labelled"
     if "text" in record:
         return "text"
     return None
@@ -74,6 +88,42 @@ class ExampleEncoder:
 
     def encode(self, record: Any, fmt: str, where: str) -> Example:
         """The Example of one row in format fmt; where ("file line N") names it in errors."""
+        example = self._encode(record, fmt, where)
+        if not example.targets:
+            raise InputError(f"{where} has no trained token: nothing follows its first token to learn")
+        return example
+
+    def encode_pair(self, record: Any, where: str) -> tuple[Example, Example]:
+        """(chosen, rejected) of a preference row: the prompt with each completion."""
+        if row_format(record) != "preference":
+            raise InputError(f"{where} is not a preference row like the file's first row ({_keys_hint('preference')})")
+        prompt, chosen, rejected = record.get("prompt"), record["chosen"], record["rejected"]
+        if prompt is None:  # TRL's implicit prompt: the messages both conversations begin with
+            chosen, rejected = _messages(chosen, where, "chosen"), _messages(rejected, where, "rejected")
+            shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+            if not prompt or not chosen or not rejected:
+                raise InputError(f"{where}: without a \"prompt\", \"chosen\" and \"rejected\" must be conversations "
+                                 "that share their first messages and differ after them")  # fmt: skip
+        if self.loss_on == "all":
+            raise InputError("preference pairs are scored on their completions; prepare them without --loss-on all")
+        return (self.encode({"prompt": prompt, "completion": chosen}, "prompt_completion", where),
+                self.encode({"prompt": prompt, "completion": rejected}, "prompt_completion", where))  # fmt: skip
+
+    def encode_labelled(self, record: Any, where: str) -> tuple[Example, str]:
+        """A labelled text's example (encoded as a prompt, every token trained) and its label as a string."""
+        if row_format(record) != "labelled":
+            raise InputError(f"{where} is not a labelled row like the file's first row ({_keys_hint('labelled')})")
+        label = record["label"]
+        if isinstance(label, bool) or not isinstance(label, (str, int)):
+            raise InputError(f"{where}: \"label\" must be a string (or an integer), got {json_type(label)}")
+        text = _string(record, "text", where)
+        ids = np.asarray(self.tokenizer.encode_prompt(text), dtype=np.uint32)
+        if len(ids) == 0:
+            raise InputError(f"{where}: the text is empty; a class is read at the text's last token")
+        return Example(ids, np.ones(len(ids), dtype=bool)), str(label)
+
+    def _encode(self, record: Any, fmt: str, where: str) -> Example:
         if row_format(record) != fmt:
             raise InputError(f"{where} is not a {fmt} row like the file's first row ({_keys_hint(fmt)})")
         if fmt == "text":
@@ -150,7 +200,14 @@ def fit(example: Example, max_length: int, overlong: Literal["truncate", "drop"]
 
 def _keys_hint(fmt: str) -> str:
     return {"messages": 'a "messages" list', "prompt_completion": '"prompt" and "completion"',
-            "alpaca": '"instruction" and "output"', "text": 'a "text" string'}[fmt]  # fmt: skip
+            "alpaca": '"instruction" and "output"', "text": 'a "text" string',
+            "preference": '"chosen" and "rejected" (and "prompt")', "labelled": '"text" and "label"'}[fmt]  # fmt: skip
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def _string(record: dict[str, Any], key: str, where: str) -> str:

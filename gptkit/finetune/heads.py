@@ -1,0 +1,92 @@
+"""GPT-1's task head: a linear classifier over the final hidden state at each example's last real token.
+
+The classifier wraps a GPT from outside (the model knows nothing of it): it reads the GPT's final hidden states,
+takes each row's state at the position a batch names as its last real token (the end of a right-padded row, the
+end of a left-padded one, wherever padding sits), and maps it to one logit per label, as transformers'
+GPT2ForSequenceClassification and LlamaForSequenceClassification do (`score`, no bias). Trained with the
+auxiliary language-modelling loss on the same text (GPT-1: L = L_task + lm_weight * L_lm), which one forward
+pass serves: the head and the LM head read the same hidden states.
+
+A classifier saves beside its model's files: classifier.json ({"labels": [...]}) and classifier.safetensors
+(score.weight, labels x n_embd).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from gptkit.atomic import atomic_write_text
+from gptkit.errors import GptkitError
+from gptkit.loss import linear_cross_entropy
+from gptkit.modeldir import load_tensors, save_tensors
+
+HEAD_CONFIG = "classifier.json"
+HEAD_WEIGHTS = "classifier.safetensors"
+
+
+class SequenceClassifier(nn.Module):
+    """A GPT plus a linear head over the hidden state at each row's last real token."""
+
+    def __init__(self, gpt: nn.Module, labels: list[str]) -> None:
+        super().__init__()
+        if len(labels) < 2:
+            raise GptkitError(f"a classifier needs at least two labels, got {labels}")
+        self.gpt = gpt
+        self.labels = list(labels)
+        weight = next(p for p in gpt.parameters() if p.is_floating_point())
+        self.score = nn.Linear(gpt.config.n_embd, len(labels), bias=False, device=weight.device)
+        nn.init.normal_(self.score.weight, std=0.02)  # GPT-2's initialisation, as transformers' head has
+
+    @property
+    def config(self) -> object:
+        """The GPT's ModelConfig."""
+        return self.gpt.config
+
+    def forward(self, ids: Tensor, last: Tensor, document_ids: Tensor | None = None,
+                targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """(class logits (B, labels), the mean language-modelling loss over targets or None).
+
+        last (B,) holds each row's last real position; document_ids (B, T) keeps padding apart (left padding:
+        its own id before the text's, so that the text's positions start at 0)."""
+        hidden = self.gpt.hidden(ids, document_ids=document_ids)  # (B, T, d)
+        pooled = hidden[torch.arange(hidden.size(0), device=hidden.device), last]  # (B, d)
+        logits = self.score(pooled.to(self.score.weight.dtype))
+        lm_loss = None
+        if targets is not None:
+            lm_loss = linear_cross_entropy(hidden, self.gpt.lm_head.weight, self.gpt.lm_head.bias, targets)
+        return logits, lm_loss
+
+
+def is_classifier_dir(path: str | Path) -> bool:
+    """Whether a model directory (or LoRA directory) carries a classification head."""
+    return (Path(path) / HEAD_CONFIG).is_file()
+
+
+def save_head(classifier: SequenceClassifier, path: str | Path) -> None:
+    """Write the head's labels and weight into a model directory (each file atomically)."""
+    path = Path(path)
+    save_tensors({"score.weight": classifier.score.weight}, path / HEAD_WEIGHTS, metadata={"format": "pt"})
+    atomic_write_text(path / HEAD_CONFIG, json.dumps({"labels": classifier.labels}, indent=1) + "\n")
+
+
+def load_head(gpt: nn.Module, path: str | Path) -> SequenceClassifier:
+    """The classifier of a model directory: gpt with the head saved there."""
+    path = Path(path)
+    try:
+        labels = json.loads((path / HEAD_CONFIG).read_text())["labels"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise GptkitError(f"cannot read {path / HEAD_CONFIG}: {err}") from None
+    if not isinstance(labels, list) or not all(isinstance(label, str) for label in labels):
+        raise GptkitError(f"{path / HEAD_CONFIG}: \"labels\" must be a list of strings")
+    classifier = SequenceClassifier(gpt, labels)
+    weight = load_tensors(path / HEAD_WEIGHTS, classifier.score.weight.device).get("score.weight")
+    if weight is None or tuple(weight.shape) != tuple(classifier.score.weight.shape):
+        raise GptkitError(f"{path / HEAD_WEIGHTS} does not hold a score.weight of shape "
+                          f"{tuple(classifier.score.weight.shape)}")  # fmt: skip
+    with torch.no_grad():
+        classifier.score.weight.copy_(weight)
+    return classifier
