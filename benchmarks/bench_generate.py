@@ -1,4 +1,4 @@
-"""gptkit's decoding against Hugging Face transformers' generate, on the same weights, in one process.
+"""gptkit's decoding against Hugging Face transformers' generate and llama.cpp, on the same weights, in one run.
 
 For a GPT-2-small-shaped model (124M, random weights) and a Llama-shaped one of similar size, built as transformers
 models and converted with gptkit.hf so both sides run identical weights, it prints per dtype:
@@ -8,7 +8,10 @@ models and converted with gptkit.hf so both sides run identical weights, it prin
     eager and compiled), with the ratio gptkit / HF and whether the batch-1 greedy tokens are identical,
   - the memory-bandwidth bound: bytes of weights (+ KV cache) read per decode step against a measured read rate,
 and int8 weight-only for gptkit. The two sides run interleaved (HF, gptkit, HF, gptkit, ...) and each keeps its best
-round, so that load from other processes shifts both alike. A speculative-decoding section trains a draft briefly on
+round, so that load from other processes shifts both alike. With --llama-cpp DIR (a directory holding llama.cpp's
+llama-bench), the same weights are written as GGUF by gptkit's own writer (f32, bf16, and q8_0 beside gptkit's
+int8) and `llama-bench -p PROMPT_LEN -n NEW_TOKENS` gives llama.cpp's prefill and batch-1 decode rates. The first
+line printed names the CPU, its vector extensions and what gptkit's kernels chose on it. A speculative-decoding section trains a draft briefly on
 tiny shakespeare (characters), grows it into a target ten times as deep, fine-tunes that on the same text, and
 reports the draft's acceptance rate and the speed-up over plain greedy decoding.
 
@@ -17,6 +20,8 @@ reports the draft's acceptance rate and the speed-up over plain greedy decoding.
     .venv/bin/python benchmarks/bench_generate.py --n-layer 2 --n-embd 128 --vocab-size 1000 --prompt-len 32 \\
         --new-tokens 8 --rounds 1 --no-compile --spec-steps 5    # smoke run
     GPTKIT_CPU_KERNELS=0 .venv/bin/python benchmarks/bench_generate.py --shapes gpt2   # without gptkit's CPU kernels
+    .venv/bin/python benchmarks/bench_generate.py --shapes gpt2 --batch-sizes 1,8 --spec-steps 0 \
+        --llama-cpp /work/tools/llama.cpp/build/bin                   # the README's table
 """
 
 from __future__ import annotations
@@ -24,22 +29,25 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
-from gptkit.generation import complete, prefill
+from gptkit.decoding.api import complete
+from gptkit.decoding.sampling import SamplingParams
+from gptkit.decoding.speculative import SpeculativeStats
+from gptkit.decoding.step import inference, new_cache, prefill
 from gptkit.hf import gpt_from_hf_model
-from gptkit.kv_cache import KVCache
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
 from gptkit.quantization import Int8Linear, quantize
-from gptkit.sampling import SamplingParams
-from gptkit.speculative import SpeculativeStats
 
 CORPUS = Path(__file__).resolve().parents[1] / "gptkit" / "corpora" / "tinyshakespeare.txt"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -113,15 +121,13 @@ def hf_prefill_rate(hf: Any, ids: torch.Tensor) -> float:
     return ids.numel() / (time.perf_counter() - start)
 
 
-@torch.no_grad()
 def gptkit_prefill_rate(model: GPT, ids: torch.Tensor) -> float:
-    cache = KVCache(model.config, ids.size(0), ids.size(1), dtype=next(model.parameters()).dtype)
+    cache = new_cache(model, ids.size(0), ids.size(1))
     lengths = torch.full((ids.size(0),), ids.size(1))
-    model.check_inputs = False
-    start = time.perf_counter()
-    prefill(model, ids, cache, lengths)
-    model.check_inputs = True
-    return ids.numel() / (time.perf_counter() - start)
+    with inference(model):
+        start = time.perf_counter()
+        prefill(model, ids, cache, lengths)
+        return ids.numel() / (time.perf_counter() - start)
 
 
 @torch.no_grad()
@@ -199,6 +205,52 @@ def compare_shape(name: str, hf_fp32: Any, args: argparse.Namespace, bandwidth: 
     return rows
 
 
+# ----- llama.cpp -----
+
+GGUF_TYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}  # gptkit's rows -> the GGUF type llama.cpp runs
+
+
+def write_gguf(model: GPT, path: Path, kind: str) -> Path:
+    """model's weights as a GGUF file of tensor type kind, by gptkit's own writer (`gptkit convert --to-gguf`)."""
+    from gptkit.formats.gguf import export_gguf
+    from gptkit.tokenizer import ByteTokenizer
+
+    return export_gguf(model, path, ByteTokenizer(), file_type=kind)
+
+
+def llama_cpp_rates(hf_fp32: Any, args: argparse.Namespace) -> dict[tuple[str, str], float]:
+    """llama-bench's tokens/s on the same weights as GGUF: {(gguf type, "prefill" or "decode"): rate}."""
+    binary = Path(args.llama_cpp) / "llama-bench"
+    if not binary.is_file():
+        raise SystemExit(f"bench_generate: no llama-bench in {args.llama_cpp}; see README's 'Building llama.cpp'")
+    model = gpt_from_hf_model(hf_fp32).eval()
+    wanted = sorted({GGUF_TYPES[d] for d in args.dtypes} | ({"q8_0"} if args.int8 else set()))
+    rates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in wanted:
+            path = write_gguf(model, Path(tmp) / f"model-{kind}.gguf", kind)
+            log(f"[llama.cpp {kind}] llama-bench -p {args.prompt_len} -n {args.new_tokens}")
+            command = [str(binary), "-m", str(path), "-p", str(args.prompt_len), "-n", str(args.new_tokens),
+                       "-t", str(torch.get_num_threads()), "-r", str(args.rounds), "-o", "json"]  # fmt: skip
+            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            for record in json.loads(out):
+                phase = "prefill" if record["n_prompt"] else "decode"
+                rates[kind, phase] = float(record["avg_ts"])
+    return rates
+
+
+def add_llama_cpp(rows: list[dict[str, Any]], rates: dict[tuple[str, str], float], shape: str) -> None:
+    """llama.cpp's rate beside each row it has a counterpart for (prefill, and decode at batch 1)."""
+    for row in rows:
+        if row["shape"] != shape:
+            continue
+        kind = GGUF_TYPES["int8" if row["dtype"].startswith("int8") else row["dtype"].split()[0]]
+        phase = "prefill" if row["measure"].startswith("prefill") else "decode" if row["measure"] == "decode b1" else None
+        if phase and (kind, phase) in rates:
+            row["llama_cpp"] = rates[kind, phase]
+            row["vs_llama_cpp"] = row["gptkit"] / rates[kind, phase]
+
+
 # ----- speculative decoding -----
 
 
@@ -274,15 +326,17 @@ def speculative_section(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def print_table(rows: list[dict[str, Any]], spec_rows: list[dict[str, Any]], bandwidth: float) -> None:
+    print(f"cpu: {cpu_kernels.capability()}")
     print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s; threads: {torch.get_num_threads()}")
-    print(f"{'shape':6} {'dtype':24} {'measure':12} {'HF tok/s':>9} {'gptkit':>9} {'ratio':>6} {'bound':>7} "
-          f"{'compile s':>9} same")  # fmt: skip
+    print(f"{'shape':6} {'dtype':24} {'measure':12} {'HF tok/s':>9} {'gptkit':>9} {'/HF':>6} {'llama.cpp':>9} "
+          f"{'/llama':>6} {'bound':>7} {'compile s':>9} same")  # fmt: skip
     for r in rows:
         bound = f"{r['bound_steps_per_s']:7.1f}" if "bound_steps_per_s" in r else " " * 7
         comp = f"{r['compile_seconds']:9.1f}" if "compile_seconds" in r else " " * 9
         same = {True: "yes", False: "NO"}.get(r.get("same_tokens_as_hf"), "")
+        llama = f"{r['llama_cpp']:9.1f} {r['vs_llama_cpp']:6.2f}" if "llama_cpp" in r else " " * 16
         print(f"{r['shape']:6} {r['dtype']:24} {r['measure']:12} {r['hf']:9.1f} {r['gptkit']:9.1f} "
-              f"{r['ratio']:6.2f} {bound} {comp} {same}")  # fmt: skip
+              f"{r['ratio']:6.2f} {llama} {bound} {comp} {same}")  # fmt: skip
     print("bound: steps/s if every weight byte is read once per step at the measured bandwidth (x batch = tok/s)")
     for r in spec_rows:
         print(f"speculative k={r['k']}: target {r['target_params'] / 1e6:.1f}M, draft {r['draft_params'] / 1e6:.1f}M, "
@@ -311,6 +365,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--spec-steps", type=int, default=300, help="training steps of the speculative draft (0: skip)")
     p.add_argument("--spec-tune-steps", type=int, default=20, help="training steps of the target grown from it")
     p.add_argument("--draft-k", type=csv(int), default=[2, 4])
+    p.add_argument("--llama-cpp", default=None, metavar="DIR",
+                   help="a directory holding llama.cpp's llama-bench: adds llama.cpp's rates on the same weights")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p.parse_args(argv)
 
@@ -320,12 +376,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth()
+    log(f"cpu: {cpu_kernels.capability()}")
     rows = []
     for name, hf in hf_models(args).items():
         rows += compare_shape(name, hf, args, bandwidth)
+        if args.llama_cpp:
+            add_llama_cpp(rows, llama_cpp_rates(hf, args), name)
     spec_rows = speculative_section(args) if args.spec_steps > 0 else []
     if args.json:
-        print(json.dumps({"read_bandwidth_gb_s": bandwidth / 1e9, "threads": torch.get_num_threads(),
+        print(json.dumps({"cpu": cpu_kernels.capability(), "read_bandwidth_gb_s": bandwidth / 1e9,
+                          "threads": torch.get_num_threads(),
                           "rows": rows, "speculative": spec_rows}, indent=2))  # fmt: skip
     else:
         print_table(rows, spec_rows, bandwidth)

@@ -39,15 +39,16 @@ def build_model_dir(path: Path, n_layer: int, n_embd: int, block_size: int) -> P
     return save_model_dir(GPT(config), path / "bench-model", tokenizer=tokenizer)
 
 
-def start_server(model_dir: Path, max_batch_size: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, max_batch_size: int, threads: int | None,
+                 compile: bool = False) -> tuple[subprocess.Popen, str]:  # fmt: skip
     """`gptkit serve` on 127.0.0.1 with a free port; returns the process and its base URL."""
-    extra = ["--threads", str(threads)] if threads else []
+    extra = (["--threads", str(threads)] if threads else []) + (["--compile"] if compile else [])
     proc = subprocess.Popen(
         [sys.executable, "-m", "gptkit", "serve", str(model_dir), "--port", "0", "--device", "cpu",
          "--max-batch-size", str(max_batch_size), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + (900 if compile else 120)  # compiling every batch shape comes before ready
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
@@ -89,13 +90,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--threads", type=int, default=None, help="the server's --threads (default: the server's)")
+    parser.add_argument("--compile", action="store_true", help="serve with --compile (compiled decode step)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
     show = (lambda *a, **k: None) if args.json else print  # noqa: E731
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or build_model_dir(Path(tmp), args.n_layer, args.n_embd, args.block_size)
-        proc, url = start_server(model_dir, max(args.concurrency), args.threads)
+        proc, url = start_server(model_dir, max(args.concurrency), args.threads, args.compile)
         try:
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             run_clients(url, model, 1, 1, 4)  # warm-up

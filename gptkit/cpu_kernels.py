@@ -1,15 +1,21 @@
-"""gptkit's own CPU kernels: bf16 and int8 matrix-vector products that stream weights at memory speed.
+"""gptkit's own CPU kernels: fp32, bf16 and int8 matrix-vector products that stream weights at memory speed.
 
-Decoding reads every weight once per token, so a bf16 model should decode about twice as fast as an fp32 one and
-an int8 one four times. With PyTorch 2.13's kernels it does not on a CPU. Measured on a 2-core AVX-512 machine over
-50 distinct GPT-2-small weight matrices at batch 1: fp32 F.linear streams 19-20 GB/s, bf16 F.linear 9 and inductor's
-compiled bf16 matmul 10-12; csrc/gemv.cpp streams 16-18 in bf16 (10-11 at 8 rows, against 7 for oneDNN), and
-int8 at 11-12 against 7 for torch._weight_int8pack_mm.
-The kernels serve few-row products (decoding, up to GEMV_MAX_ROWS rows) on CPUs with AVX-512 (and AVX512-BF16 for
-bf16), with autograd off; every other product (training, prefill, fp32, CUDA) keeps PyTorch's, except that bf16
-inference over many rows (prefill, eval) runs in fp32 on CPUs without AMX, where that is faster.
+Decoding reads every weight once per token, so its speed on a CPU is how fast the matmuls stream the weights; an
+int8 model should decode about four times as fast as an fp32 one. PyTorch 2.13's few-row kernels fall short of
+the memory's rate (measured over GPT-2-small matrices at batch 1: on a 2-core AVX-512 machine, fp32 F.linear 19-20
+GB/s of ~30, bf16 9, torch._weight_int8pack_mm 7; on a 2-core AVX2 EPYC, fp32 5.3 GB/s of ~11, bf16 2.9).
+csrc/gemv.cpp holds products for 1 to GEMV_MAX_ROWS rows in AVX2 and AVX-512 variants (the library picks the
+variant the CPU has when it loads). Whether each one (fp32, bf16, int8 weights) is used is decided by timing it
+against PyTorch's product on this machine, once, and kept in a small JSON file beside the built library: a CPU
+flag says what can run, never what is faster. The same measurement decides whether bf16 inference over many rows
+(prefill, eval) runs in fp32, which is faster where bf16 matmul has no hardware behind it.
 
-The C++ source is compiled once per machine on first use (about 10 s, cached by torch.utils.cpp_extension under
+Delete choices.json to measure again (a measurement on a busy machine may choose wrong).
+Overrides: GPTKIT_CPU_KERNELS=0 keeps PyTorch's products (the kernels are not even built), =1 uses the kernels
+without measuring; GPTKIT_BF16_UPCAST=1 or 0 forces the many-row bf16 choice. Everything runs on CPU inference
+only (autograd off); training, CUDA and MPS keep PyTorch's products.
+
+The C++ source is compiled once per machine on first use (about 20 s, cached by torch.utils.cpp_extension under
 $TORCH_EXTENSIONS_DIR or torch's default root, ~/.cache/torch_extensions); if that fails, gptkit logs why once and
 keeps PyTorch's kernels. A build killed midway leaves nothing that blocks the next one.
 """
@@ -17,71 +23,91 @@ keeps PyTorch's kernels. A build killed midway leaves nothing that blocks the ne
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import os
+import platform
 import re
 import subprocess
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gptkit.atomic import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
-BUILD_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp"]
-BUILD_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl"}  # as /proc/cpuinfo names them
-DISABLE_VARIABLE = "GPTKIT_CPU_KERNELS"  # set to 0 to keep PyTorch's kernels (read once, at first use)
-# Above this many rows a product is no longer bound by reading the weights; the kernel handles 1 to 8.
-GEMV_MAX_ROWS = 8
-# From this many rows on, a bf16 product on a CPU without AMX runs faster in fp32 (weights converted on the fly):
-# PyTorch 2.13's bf16 matmul reaches half the fp32 rate there (135 against 260 GFLOP/s on 2 threads). One GPT-2
-# matrix, bf16 against converted-fp32 ms: 64 rows 1.47 vs 1.71, 128 rows 2.89 vs 2.22, 512 rows 11.7 vs 7.7.
+BUILD_FLAGS = ["-O3", "-fopenmp"]  # each variant sets its own instruction set (function target attributes)
+BUILD_CPU_FLAGS = ({"avx2", "fma"}, {"avx512f", "avx512bw", "avx512vl"})  # either set, as /proc/cpuinfo names them
+DISABLE_VARIABLE = "GPTKIT_CPU_KERNELS"  # 0: PyTorch's products only; 1: the kernels without measuring
+UPCAST_VARIABLE = "GPTKIT_BF16_UPCAST"  # 1 or 0: many-row bf16 products in fp32 or not, without measuring
+GEMV_MAX_ROWS = 8  # above this many rows a product is no longer bound by reading the weights
+# From this many rows on, a bf16 product may run faster in fp32 (weights converted on the fly) where bf16 matmul
+# has no hardware support: whether it does is measured (choices()["bf16_upcast"]).
 BF16_UPCAST_MIN_ROWS = 128
 # Below this many rows a compiled graph keeps inductor's own int8 GEMM template (it prepacks the weights when it
-# freezes them), which wins there; this kernel wins in eager code at every batch. GPT-2 small, compiled, fp32
-# activations, tokens/s template vs kernel: batch 1 72 vs 58, 2 131 vs 109, 4 195 vs 180, 6 156 vs 242,
-# 8 185 vs 233 (bf16 activations: batch 4 215 vs 211, 8 217 vs 248). Eager, batch 1: 42 vs 51.
+# freezes them), which won there on a 2-core AVX-512 machine; the kernel won in eager code at every batch. GPT-2
+# small, compiled, fp32 activations, tokens/s template vs kernel: batch 1 72 vs 58, 2 131 vs 109, 4 195 vs 180,
+# 6 156 vs 242, 8 185 vs 233.
 COMPILED_INT8_MIN_ROWS = 5
+ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+CHOICES_FILE = "choices.json"
 
-# Whether the kernels are loaded (True), unusable here (False) or not tried yet (absent). Decided in eager code only:
-# a compiled graph reads the answer.
-_LOADED: dict[str, bool] = {}
-_BUILDING = threading.Lock()  # a server's first requests may arrive together
+# State decided in eager code only (a compiled graph reads the answers): "library" (bool), "choices" (dict).
+_STATE: dict[str, object] = {}
+_UNDECIDED: dict[str, bool] = {}  # what a compiled graph reads if nothing was decided in eager code before it
+_BUILDING = threading.RLock()  # a server's first requests may arrive together
 
 
 @functools.cache
 def _cpu_flags() -> set[str]:
     # Linux lists the instruction sets in /proc/cpuinfo (PyTorch 2.13 exposes no such probe). Elsewhere nothing is
-    # built: macOS on Apple silicon has no AVX-512 and the build flags are gcc/clang's.
+    # built: macOS on Apple silicon has neither AVX2 nor AVX-512 and the build flags are gcc/clang's.
     try:
         return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return set()
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def load() -> bool:
     """Whether the kernels' library is loaded, building it on the first call (eager code only)."""
-    if "library" not in _LOADED and not torch.compiler.is_compiling():
+    if "library" not in _STATE and not torch.compiler.is_compiling():
         with _BUILDING:
-            if "library" not in _LOADED:
-                flags = _cpu_flags()
-                _LOADED["avx512_bf16"] = "avx512_bf16" in flags
+            if "library" not in _STATE:
                 wanted = os.environ.get(DISABLE_VARIABLE) != "0"
-                _LOADED["library"] = wanted and BUILD_CPU_FLAGS <= flags and _build()
-    return _LOADED.get("library", False)
+                runs = any(needed <= _cpu_flags() for needed in BUILD_CPU_FLAGS)
+                _STATE["library"] = wanted and runs and _build()
+    return bool(_STATE.get("library", False))
 
 
-def gemv_bf16_available() -> bool:
-    """Whether the bf16 GEMV kernel runs here (the first call builds the kernels; eager code only)."""
-    return load() and _LOADED["avx512_bf16"]
+def isa() -> str:
+    """The instruction set the loaded kernels run with here ("none" when they are not loaded)."""
+    return ISA_NAMES[int(torch.ops.gptkit.isa())] if load() else "none"
 
 
-def gemv_int8_available() -> bool:
-    """Whether the int8 weight-only GEMV kernel runs here (the first call builds the kernels; eager code only)."""
-    return load()
+def capability() -> str:
+    """One line for benchmarks: the CPU, its vector extensions, and what the kernels chose here."""
+    flags = _cpu_flags()
+    extensions = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return (f"{_cpu_name()}; {os.cpu_count()} cores; {' '.join(extensions) or 'no x86 vector extensions'}; "
+            f"gptkit kernels: {isa()}; choices: {json.dumps(choices(), sort_keys=True)}")  # fmt: skip
 
 
 def _build() -> bool:
@@ -89,7 +115,7 @@ def _build() -> bool:
 
     from torch.utils import cpp_extension
 
-    log.info("building gptkit's CPU kernels (once per machine, about 10 s)")
+    log.info("building gptkit's CPU kernels (once per machine, about 20 s)")
     build_dir = build_directory()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +131,7 @@ def _build() -> bool:
                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                                is_python_module=False)  # fmt: skip
     except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
-        log.warning("gptkit's CPU kernels did not build, so bf16 and int8 decoding use PyTorch's slower ones: %s", err)
+        log.warning("gptkit's CPU kernels did not build, so decoding uses PyTorch's slower products: %s", err)
         return False
     _register_shape_functions()
     return True
@@ -123,8 +149,117 @@ def build_directory() -> Path:
 @functools.cache
 def _register_shape_functions() -> None:
     """Tell torch.compile the ops' output shapes (once per process; a second registration is an error)."""
-    torch.library.register_fake("gptkit::gemv_bf16")(lambda x, w, bias: x.new_empty(x.size(0), w.size(0)))
-    torch.library.register_fake("gptkit::gemv_int8")(lambda x, q, scales: x.new_empty(x.size(0), q.size(0)))
+    torch.library.register_fake("gptkit::gemv")(lambda x, w, bias: x.new_empty(x.size(0), w.size(0)))
+    torch.library.register_fake("gptkit::gemv_int8")(lambda x, q, scales, bias: x.new_empty(x.size(0), q.size(0)))
+
+
+# ----- the measured choices -----
+
+
+def choices() -> dict[str, bool]:
+    """Which products this machine runs faster: {"fp32", "bf16", "int8": the kernel beats PyTorch at one row;
+    "bf16_upcast": many-row bf16 products run faster in fp32}. Measured once per machine (eager code only)."""
+    if "choices" not in _STATE and not torch.compiler.is_compiling():
+        with _BUILDING:
+            if "choices" not in _STATE:
+                _STATE["choices"] = _decide()
+    return _STATE.get("choices", _UNDECIDED)  # type: ignore[return-value]  (read-only: called per product)
+
+
+def prepare() -> None:
+    """Build, load and measure now, in eager code, before a compiled graph needs the answers."""
+    choices()
+
+
+def _decide() -> dict[str, bool]:
+    forced = os.environ.get(DISABLE_VARIABLE)
+    upcast = os.environ.get(UPCAST_VARIABLE)
+    if forced in ("0", "1") or not load():
+        chosen = dict.fromkeys(("fp32", "bf16", "int8"), forced == "1" and load())
+        chosen["bf16_upcast"] = upcast == "1" if upcast in ("0", "1") else _faster_in_fp32()
+        return chosen
+    path = build_directory() / CHOICES_FILE
+    key = _machine_key()
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    if key not in saved:
+        log.info("timing gptkit's CPU kernels against PyTorch's products on this machine (once)")
+        saved[key] = _measure()
+        try:
+            atomic_write_text(path, json.dumps(saved, indent=1))
+        except OSError as err:
+            log.warning("could not keep the kernel choices in %s: %s", path, err)
+    chosen = dict(saved[key])
+    if upcast in ("0", "1"):
+        chosen["bf16_upcast"] = upcast == "1"
+    return chosen
+
+
+def _machine_key() -> str:
+    """What a measurement depends on: the CPU, its core count, torch, the kernels' source and the thread count."""
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return f"{_cpu_name()}|{os.cpu_count()}|{torch.__version__}|{source}|{torch.get_num_threads()}"
+
+
+def _faster(ours: Callable[[], object], theirs: Callable[[], object], rounds: int = 5) -> bool:
+    """Whether ours runs faster than theirs: the best of a few rounds each, interleaved so that load from other
+    processes falls on both alike."""
+    best = [float("inf"), float("inf")]
+    for round_ in range(rounds + 1):
+        for i, fn in enumerate((ours, theirs)):
+            start = time.perf_counter()
+            fn()
+            if round_:  # round 0 warms up
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] < best[1]
+
+
+def _weights(dtype: torch.dtype, megabytes: int = 64) -> list[Tensor]:
+    """GPT-2-small-shaped matrices (768 -> 2304) filling more memory than a CPU's caches hold."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    count = max(1, megabytes * (1 << 20) // (2304 * 768 * size))
+    return [torch.empty(2304, 768).uniform_(-1, 1).to(dtype) for _ in range(count)]
+
+
+@torch.no_grad()
+def _measure() -> dict[str, bool]:
+    """Time one decode row through the kernels and through PyTorch over matrices that do not fit in cache."""
+    chosen = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        ws = _weights(dtype)
+        x = torch.randn(1, 768).to(dtype)
+        chosen[name] = _faster(lambda: [torch.ops.gptkit.gemv(x, w, None) for w in ws],
+                               lambda: [F.linear(x, w) for w in ws])  # fmt: skip
+    qs = [w.to(torch.int8) for w in _weights(torch.int8)]
+    scales = torch.ones(2304)
+    x = torch.randn(1, 768)
+    chosen["int8"] = _faster(lambda: [torch.ops.gptkit.gemv_int8(x, q, scales, None) for q in qs],
+                             lambda: [_torch_int8(x, q, scales) for q in qs])  # fmt: skip
+    chosen["bf16_upcast"] = _faster_in_fp32()
+    return chosen
+
+
+def _torch_int8(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
+    """PyTorch's int8 weight-only product as gptkit's Int8Linear runs it without the kernel (bf16 activations)."""
+    try:
+        return torch._weight_int8pack_mm(x.bfloat16(), q, scales.bfloat16())
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return F.linear(x, q.float()) * scales
+
+
+@torch.no_grad()
+def _faster_in_fp32() -> bool:
+    """Whether a 128-row bf16 product runs faster converted to fp32 (the weight's conversion timed too)."""
+    if os.environ.get(UPCAST_VARIABLE) in ("0", "1"):
+        return os.environ[UPCAST_VARIABLE] == "1"
+    x = torch.randn(BF16_UPCAST_MIN_ROWS, 768).bfloat16()
+    w = torch.randn(3072, 768).bfloat16()
+    return _faster(lambda: F.linear(x.float(), w.float()).bfloat16(), lambda: F.linear(x, w), rounds=3)
+
+
+# ----- the products -----
 
 
 def _cpu_inference_rows(x: Tensor) -> int:
@@ -134,34 +269,35 @@ def _cpu_inference_rows(x: Tensor) -> int:
     return x.numel() // x.size(-1)
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear; for bf16 inference on a CPU, by the GEMV kernel (few rows) or in fp32 (many rows, no AMX)."""
+    """F.linear; for fp32 and bf16 inference on a CPU, by the GEMV kernel (few rows) where it is the faster, and
+    bf16 over many rows in fp32 where that is the faster."""
     rows = _cpu_inference_rows(x)
-    bf16 = x.dtype == weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
-    if (
-        bf16
-        and 1 <= rows <= GEMV_MAX_ROWS
-        and (bias is None or bias.is_contiguous())
-        and weight.is_contiguous()
-        and gemv_bf16_available()
-    ):
-        y = torch.ops.gptkit.gemv_bf16(x.reshape(rows, x.size(-1)).contiguous(), weight, bias)
+    if not rows:
+        return F.linear(x, weight, bias)
+    name = _DTYPE_NAMES.get(weight.dtype)
+    same = name is not None and x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype)
+    if same and rows <= GEMV_MAX_ROWS and weight.is_contiguous() and choices().get(name, False):
+        y = torch.ops.gptkit.gemv(x.reshape(rows, x.size(-1)).contiguous(), weight, bias)
         return y.view(*x.shape[:-1], weight.size(0))
-    if bf16 and rows >= BF16_UPCAST_MIN_ROWS and "amx_bf16" not in _cpu_flags():
+    if same and name == "bf16" and rows >= BF16_UPCAST_MIN_ROWS and choices().get("bf16_upcast", False):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
     return F.linear(x, weight, bias)
 
 
-def int8_linear(x: Tensor, q: Tensor, scales: Tensor) -> Tensor | None:
-    """(x @ q^T) * scales in x's dtype by the int8 GEMV kernel, or None where it does not apply (the caller's job)."""
+def int8_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor | None:
+    """(x @ q^T) * scales (+ bias) in x's dtype by the int8 GEMV kernel, or None where it does not apply."""
     rows = _cpu_inference_rows(x)
     if (
         not 1 <= rows <= GEMV_MAX_ROWS
         or not q.is_contiguous()
         or (torch.compiler.is_compiling() and rows < COMPILED_INT8_MIN_ROWS)
-        or not gemv_int8_available()
+        or not choices().get("int8", False)
     ):
         return None
     x2 = x.reshape(rows, x.size(-1)).float().contiguous()
-    y = torch.ops.gptkit.gemv_int8(x2, q, scales.float().contiguous())
+    y = torch.ops.gptkit.gemv_int8(x2, q, scales.float().contiguous(), bias)
     return y.to(x.dtype).view(*x.shape[:-1], q.size(0))

@@ -59,6 +59,13 @@ class KVCache:
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
 
+    @classmethod
+    def of(cls, keys: list[Tensor], values: list[Tensor]) -> KVCache:
+        """A cache over the given per-layer tensors (shared, not copied)."""
+        cache = cls.__new__(cls)
+        cache.keys, cache.values = keys, values
+        return cache
+
     @property
     def batch_size(self) -> int:
         """Rows the cache holds."""
@@ -77,3 +84,30 @@ class KVCache:
     def layer(self, index: int, start_pos: int | Tensor) -> LayerKV:
         """The view one attention layer writes its new keys and values into."""
         return LayerKV(self.keys[index], self.values[index], start_pos)
+
+    def view(self, rows: int, length: int) -> KVCache:
+        """A cache sharing this one's storage: its first `rows` rows and first `length` positions."""
+        return KVCache.of([k[:rows, :, :length] for k in self.keys], [v[:rows, :, :length] for v in self.values])
+
+    def copy_rows(self, dst: Tensor, source: KVCache, src: Tensor, length: int) -> None:
+        """Copy the first `length` positions of source's rows src into this cache's rows dst (index tensors)."""
+        for full, part in zip(self.keys + self.values, source.keys + source.values):
+            full[dst, :, :length] = part[src, :, :length]
+
+    def move_row(self, dst: int, src: int, length: int) -> None:
+        """Copy row src's first `length` positions into row dst (compacting the rows in use)."""
+        for t in self.keys + self.values:
+            t[dst, :, :length] = t[src, :, :length]
+
+    def reorder(self, index: Tensor) -> None:
+        """Row i becomes what row index[i] was (beam search following each beam's parent)."""
+        for t in self.keys + self.values:
+            t.copy_(t[index])
+
+    def grow(self, max_len: int) -> None:
+        """Hold max_len positions per row from now on, keeping what is stored (new positions are zero)."""
+        extra = max_len - self.max_len
+        if extra > 0:
+            pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.size(3))], dim=2)  # noqa: E731
+            self.keys = [pad(t) for t in self.keys]
+            self.values = [pad(t) for t in self.values]

@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose bf16 inference on a CPU takes gptkit's faster paths (see cpu_kernels.linear)."""
+    """nn.Linear whose inference on a CPU takes gptkit's faster products where measured faster (cpu_kernels.linear)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return cpu_kernels.linear(x, self.weight, self.bias)

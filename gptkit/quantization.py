@@ -126,9 +126,10 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if torch.is_grad_enabled() and x2.requires_grad:  # training adapters over this layer: x needs a gradient
             y = _Int8Product.apply(x2, self.weight, self.scales)
-        else:
-            y = cpu_kernels.int8_linear(x2, self.weight, self.scales)  # decoding on an AVX-512 CPU
-        if y is None:
+        else:  # decoding on a CPU: the kernel adds the bias too
+            y = cpu_kernels.int8_linear(x2, self.weight, self.scales, self.bias)
+            if y is not None:
+                return y.view(*x.shape[:-1], self.out_features)
             y = self._pytorch_product(x2)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from gptkit.config import ModelConfig
-from gptkit.generation import COMPILE_CACHE_MULTIPLE, Engine, _cache_len, complete, generate_ids
+from gptkit.decoding.api import complete, generate_ids
+from gptkit.decoding.batch import BatchEngine
+from gptkit.decoding.step import COMPILE_CACHE_MULTIPLE, cache_len
 from gptkit.model import GPT
-from gptkit.sampling import SamplingParams
+from gptkit.decoding.sampling import SamplingParams
 
 from conftest import TINY, VARIANTS
 
@@ -43,11 +45,10 @@ def test_compiled_decode_matches_eager_and_is_reused():
 
 def test_compiled_cache_length_is_bucketed():
     model = GPT(ModelConfig(**dict(VARIANTS["llama-gqa"], block_size=2048)))
-    params = SamplingParams(max_new_tokens=10)
-    assert _cache_len(model, [[1] * 5], params) == 15
-    assert _cache_len(model, [[1] * 5], params, compile=True) == COMPILE_CACHE_MULTIPLE
+    assert cache_len(model, 15) == 15
+    assert cache_len(model, 15, compile=True) == COMPILE_CACHE_MULTIPLE
     learned = GPT(ModelConfig(**TINY))  # block_size 16 caps the window
-    assert _cache_len(learned, [[1] * 5], params, compile=True) == 16
+    assert cache_len(learned, 15, compile=True) == 16
 
 
 @pytest.mark.slow
@@ -77,7 +78,7 @@ def test_bf16_greedy_tokens_match_fp32_where_clear(variant):
     clear = _agreeing_prefix(model, prompt, fp32, margin=0.2)
     assert clear >= 3  # enough clear-cut tokens for the comparison to mean something
     bf16_model = model.to(torch.bfloat16)
-    engine = Engine(bf16_model, 1, 32)
+    engine = BatchEngine(bf16_model, 1, 32)
     assert engine.cache.keys[0].dtype == torch.bfloat16  # the cache follows the weights
     bf16 = generate_ids(bf16_model, prompt, max_new_tokens=16, temperature=0)
     assert bf16[:clear] == fp32[:clear]

@@ -11,21 +11,16 @@ import gptkit
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError, InputError
-from gptkit.generation import (
-    Engine,
-    beam_search,
-    complete,
-    decode_one_token,
-    generate,
-    generate_ids,
-    prefill,
-    stream,
-)
+from gptkit.decoding.api import complete, generate, generate_ids, stream
+from gptkit.decoding.batch import BatchEngine
+from gptkit.decoding.beam import beam_search
+from gptkit.decoding.request import Request
+from gptkit.decoding.step import decode_one_token, prefill
 from gptkit.hf import gpt_from_hf_model
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 from gptkit.modeldir import save_model_dir
-from gptkit.sampling import SamplingParams
+from gptkit.decoding.sampling import SamplingParams
 from gptkit.tokenizer import EOT, ByteTokenizer, CharTokenizer
 
 from conftest import VARIANTS
@@ -296,26 +291,26 @@ def test_stop_string_and_eos_on_a_real_model():
 def test_engine_rows_join_and_leave_between_steps():
     model = tiny("llama-gqa")
     greedy = SamplingParams(max_new_tokens=8, temperature=0)
-    a, b, c = [1, 2, 3, 4, 5, 6], [9, 8], [7, 7, 7, 1]
-    engine = Engine(model, batch_size=2, max_len=24)
-    [slot_a] = engine.add([a], greedy)
+    a, b, c = Request([1, 2, 3, 4, 5, 6], greedy), Request([9, 8], greedy), Request([7, 7, 7, 1], greedy)
+    engine = BatchEngine(model, batch_size=2, max_len=24)
+    engine.add([a])
     engine.step()
     engine.step()
-    [slot_b] = engine.add([b], greedy)
-    assert slot_b != slot_a and engine.free_slots() == []
-    with pytest.raises(InputError, match="batch slots are free"):
-        engine.add([c], greedy)
-    while engine.active_slots():
-        engine.step()
-    assert engine.rows[slot_a].generated == uncached_greedy(model, a, 8)
-    assert engine.rows[slot_b].generated == uncached_greedy(model, b, 8)
-    assert engine.rows[slot_b].finish_reason == "length"
-    engine.free(slot_a)
-    [slot_c] = engine.add([c], greedy)
-    assert slot_c == slot_a
-    while engine.step():
-        pass
-    assert engine.rows[slot_c].generated == uncached_greedy(model, c, 8)
+    engine.add([b])
+    assert engine.rows == [a, b] and engine.free_rows == 0
+    with pytest.raises(InputError, match="batch rows are free"):
+        engine.add([c])
+    finished: list[Request] = []
+    while engine.rows:
+        finished += engine.step()
+        if finished == [a] and c.position == 0:  # a left first: b moved into row 0, and c takes row 1
+            assert engine.rows == [b]
+            engine.add([c])
+            assert engine.rows == [b, c]
+    assert a.generated == uncached_greedy(model, a.prompt, 8) and a.finish_reason == "length"
+    assert b.generated == uncached_greedy(model, b.prompt, 8)
+    assert c.generated == uncached_greedy(model, c.prompt, 8)
+    assert finished == [a, b, c]
 
 
 def test_bad_inputs_are_clear_errors():
@@ -346,7 +341,7 @@ def test_empty_prompt_starts_from_end_of_text_token():
 def test_bf16_generation_runs_with_a_bf16_cache():
     model = tiny("llama-gqa").to(torch.bfloat16)
     prompt = [4, 8, 15, 16, 23]
-    engine = Engine(model, batch_size=1, max_len=20)
+    engine = BatchEngine(model, batch_size=1, max_len=20)
     assert engine.cache.keys[0].dtype == torch.bfloat16
     out = generate_ids(model, prompt, max_new_tokens=10, temperature=0)
     assert len(out) == 10 and all(0 <= t < 50 for t in out)

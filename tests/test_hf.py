@@ -75,7 +75,7 @@ def greedy_hf(hf_model, prompt: list[int], n: int) -> list[int]:
 
 
 def greedy_gptkit(model: GPT, prompt: list[int], n: int) -> list[int]:
-    from gptkit.generation import generate_ids
+    from gptkit.decoding.api import generate_ids
 
     return generate_ids(model, prompt, max_new_tokens=n, temperature=0)
 
@@ -406,7 +406,7 @@ def test_gptkit_load_of_hf_directory_returns_model_and_tokenizer(tmp_path) -> No
 
 
 def test_eos_ids_of_the_hf_configs_end_generation_as_in_transformers(tmp_path) -> None:
-    from gptkit.generation import generate_ids
+    from gptkit.decoding.api import generate_ids
     from gptkit.tokenizer import BPETokenizer
 
     bpe = BPETokenizer.train(["the quick brown fox jumps over the lazy dog. " * 20], vocab_size=300,

@@ -13,11 +13,11 @@ import gptkit.quantization as q
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError
-from gptkit.generation import complete, generate_ids
+from gptkit.decoding.api import complete, generate_ids
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
 from gptkit.modeldir import ModelDirError, load, save_model_dir
-from gptkit.sampling import SamplingParams
+from gptkit.decoding.sampling import SamplingParams
 from gptkit.tokenizer import CharTokenizer
 
 from conftest import VARIANTS

@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (
 )
 
 from gptkit.errors import ConfigError
-from gptkit.sampling import (
+from gptkit.decoding.sampling import (
     SamplingParams,
     apply_repetition_penalty,
     apply_temperature,

@@ -18,10 +18,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from gptkit.modeldir import load
-from gptkit.sampling import SamplingParams
 from gptkit.chat import ChatTemplate, load_chat_template
-from gptkit.generation import visible_end
-from gptkit.serving.engine import Sequence
+from gptkit.decoding.request import Request, visible_end
+from gptkit.decoding.sampling import SamplingParams
 from gptkit.serving.server import ServeOptions, build_app
 from test_serve_helpers import live_server, make_model_dir
 
@@ -133,7 +132,7 @@ def test_largest_seed_wraps_around_for_later_choices(client):
 
 
 def test_usage_counts_each_prompt_once_however_many_choices(client):
-    response = client.completions.create(model=MODEL, prompt=["abc", "Hello"], max_tokens=3, n=3)
+    response = client.completions.create(model=MODEL, prompt=["abc", "Hello"], max_tokens=3, n=3, seed=0)
     assert response.usage.prompt_tokens == len("abc") + len("Hello")
     assert response.usage.completion_tokens == 6 * 3
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=2)
@@ -286,10 +285,10 @@ BAD_REQUESTS = [
      "temperature"),
     ("max_tokens 0", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens negative", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
-    ("max_tokens beyond context", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 94}, 400,
-     "max_tokens"),
-    ("prompt longer than context", "/v1/completions", {"model": MODEL, "prompt": "a" * 97, "max_tokens": 1}, 400,
-     "prompt"),
+    ("max_tokens beyond context", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 4 * 96 - 2},
+     400, "max_tokens"),
+    ("prompt longer than context", "/v1/completions", {"model": MODEL, "prompt": "a" * (4 * 96 + 1),
+                                                       "max_tokens": 1}, 400, "prompt"),
     ("token id outside vocabulary", "/v1/completions", {"model": MODEL, "prompt": [1, 9999]}, 400, "prompt"),
     ("character outside vocabulary", "/v1/completions", {"model": MODEL, "prompt": "caf\u00e9"}, 400, "prompt"),
     ("negative temperature", "/v1/completions", {"model": MODEL, "prompt": "a", "temperature": -1}, 400,
@@ -358,7 +357,7 @@ def test_full_queue_answers_503_with_retry_after(model_dir):
     app = build_app(model_dir, ServeOptions(max_batch_size=1, max_queue=1))
     engine = app.state.gptkit.engine  # not started (no lifespan): nothing leaves the queue
     params = SamplingParams(max_new_tokens=1)
-    engine.submit([Sequence([1], params, lambda chunk: None), Sequence([1], params, lambda chunk: None)])
+    engine.submit([(Request([1], params), lambda chunk: None), (Request([1], params), lambda chunk: None)])
     r = TestClient(app).post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
     assert r.status_code == 503
     assert r.headers["retry-after"] == "1"
@@ -408,11 +407,11 @@ def test_engine_rows_join_at_the_next_step_and_leave_when_done(reference):
 
     def submit(name: str, prompt: str, max_tokens: int) -> None:
         params = SamplingParams(max_new_tokens=max_tokens, temperature=0)
-        engine.submit([Sequence(tokenizer.encode(prompt), params, lambda chunk: outputs[name].append(chunk.text))])
+        request = Request(tokenizer.encode(prompt), params, tokenizer.eos_ids, tokenizer.decode)
+        engine.submit([(request, lambda chunk: outputs[name].append(chunk.text))])
 
     def step() -> None:
-        with torch.inference_mode():
-            engine._step()
+        engine._step()
 
     submit("a", "Hello", 3)
     step()  # a joins (prefill picks its first token) and decodes its second in the same step

@@ -10,11 +10,12 @@ import torch
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError
-from gptkit.generation import complete, generate_ids
+from gptkit.decoding.api import complete, generate_ids
 from gptkit.model import GPT
 from gptkit.modeldir import save_model_dir
-from gptkit.sampling import SamplingParams
-from gptkit.speculative import speculative_generate
+from gptkit.decoding.sampling import SamplingParams
+from gptkit.decoding.request import Request
+from gptkit.decoding.speculative import speculative_generate
 from gptkit.tokenizer import CharTokenizer
 
 from conftest import TINY, VARIANTS
@@ -55,9 +56,10 @@ def test_greedy_output_equals_target_greedy(variant, k):
         "always wrong": always_wrong_draft(config, unused),
     }
     for name, draft in drafts.items():
-        completion, stats = speculative_generate(target, draft, prompt, GREEDY, k=k)
-        assert completion.ids == want, name
-        assert completion.finish_reason == "length"
+        request = Request(prompt, GREEDY)
+        stats = speculative_generate(target, draft, request, k=k)
+        assert request.generated == want, name
+        assert request.finish_reason == "length"
         if name == "always wrong":
             assert stats.accepted == 0 and stats.proposed > 0
             assert stats.target_passes == 24 - 1  # one token per pass after the prefill's
@@ -122,8 +124,9 @@ def test_sampling_follows_the_target_distribution():
     counts = torch.zeros(vocab, vocab)
     n = 800
     for i in range(n):
-        completion, _ = speculative_generate(target, draft, prompt, params, k=1, seed=i)
-        counts[completion.ids[0], completion.ids[1]] += 1
+        request = Request(prompt, params, seed=i)
+        speculative_generate(target, draft, request, k=1)
+        counts[request.generated[0], request.generated[1]] += 1
     assert 0.5 * float((counts / n - exact).abs().sum()) < 0.1
 
 

@@ -149,7 +149,7 @@ def test_prompts_get_the_start_token_a_tokenizer_json_adds_as_in_transformers(tm
     from tokenizers import processors
     from transformers import AutoTokenizer
 
-    from gptkit.generation import encode_prompt
+    from gptkit.decoding.api import encode_prompt
 
     llama_like = BPETokenizer.train(["the lazy dog " * 50], vocab_size=280, specials=[EOT, "<s>"])
     bos = llama_like.hf.token_to_id("<s>")

@@ -2,7 +2,8 @@
 
 A field's metadata holds its "help" and optionally: "metavar"; "choices"; "flag" (the flag's name when it is not
 --field-name); "repeatable" (the flag may be given several times, each with one or more values, all collected into
-one list); "parse" (a function from the flag's text to the field's value, for types argparse cannot build).
+one list); "parse" (a function from the flag's text to the field's value, for types argparse cannot build). A bool
+field is a switch pair: --name and --no-name.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, keep_unset: 
         meta = f.metadata
         kind = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
         options: dict[str, Any] = {"dest": f.name, "metavar": meta.get("metavar"), "choices": meta.get("choices")}
-        if "parse" in meta:
+        if kind is bool:  # a switch: --name sets it, --no-name clears it
+            options = {"dest": f.name, "action": argparse.BooleanOptionalAction}
+        elif "parse" in meta:
             options["type"] = _with_clear_errors(meta["parse"])
         elif meta.get("repeatable"):
             options.update(action="extend", nargs="+", type=str)

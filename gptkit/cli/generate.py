@@ -20,9 +20,9 @@ HELP = "generate text from a model directory (streamed, or --json with ids and t
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate` sub-command."""
-    from gptkit.generation import DRAFT_K
+    from gptkit.decoding.speculative import DRAFT_K
     from gptkit.quantization import METHODS
-    from gptkit.sampling import SamplingParams
+    from gptkit.decoding.sampling import SamplingParams
 
     parser = subparsers.add_parser(
         "generate",
@@ -72,16 +72,16 @@ def read_prompt(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     """Load the model, generate, and print the text (or the JSON report)."""
     from gptkit.devices import pick_device
-    from gptkit.sampling import SamplingParams
+    from gptkit.decoding.sampling import SamplingParams
 
     params = dataclass_from_args(SamplingParams, args)  # validated before the (slow) model load
     prompt = read_prompt(args)
     import torch
 
-    from gptkit.generation import encode_prompt, generate_text, stream_text
+    from gptkit.decoding.api import encode_prompt, generate_text, stream_text
+    from gptkit.decoding.speculative import check_draft
     from gptkit.modeldir import load
     from gptkit.quantization import is_quantized, quantize
-    from gptkit.speculative import check_draft
 
     dtype, device = getattr(torch, args.dtype), pick_device(args.device)
     model, tokenizer = load(args.model_dir, dtype=dtype, device=device)  # a saved int8 directory loads as it is
@@ -109,12 +109,12 @@ def run(args: argparse.Namespace) -> int:
                   "samples": samples, "timing": result.timing.to_dict()}  # fmt: skip
         print(json.dumps(report, ensure_ascii=False))
         return 0
-    if params.num_beams > 1 or params.num_samples > 1 or draft is not None:  # not streamed
+    if params.num_beams > 1 or params.num_samples > 1:  # not streamed
         [texts], _ = generate_text(model, tokenizer, [prompt], params, **fast)
         print("\n---------------\n".join(texts))
         return 0
     text = ""
-    for piece in stream_text(model, tokenizer, prompt, params, compile=args.compile):
+    for piece in stream_text(model, tokenizer, prompt, params, **fast):
         sys.stdout.write(piece)
         sys.stdout.flush()
         text += piece

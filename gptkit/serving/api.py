@@ -21,9 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gptkit.errors import GptkitError
-from gptkit.sampling import SamplingParams, row_seed
 from gptkit.chat import ChatTemplate
-from gptkit.serving.engine import Chunk, Engine, QueueFull, Sequence, TokenInfo
+from gptkit.decoding.request import Request as DecodeRequest
+from gptkit.decoding.sampling import SamplingParams, row_seed
+from gptkit.serving.engine import Chunk, Engine, QueueFull, TokenInfo
 from gptkit.serving.schemas import AttentionRequest, ChatRequest, CompletionRequest, _Sampling, error_body
 
 STATIC = Path(__file__).parent / "static"
@@ -55,9 +56,9 @@ class ServerState:
     max_body_bytes: int = 1 << 20
 
     @property
-    def block_size(self) -> int:
-        """The model's context length in tokens."""
-        return self.engine.block_size
+    def context_length(self) -> int:
+        """The most tokens (prompt and completion) one request may hold."""
+        return self.engine.max_context
 
 
 class BodyLimit:
@@ -198,7 +199,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "gptkit",
-            "context_length": state.block_size}  # fmt: skip
+            "context_length": state.context_length}  # fmt: skip
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -237,18 +238,19 @@ def _check_prompt(state: ServerState, ids: list[int]) -> list[int]:
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
-    if len(ids) > state.block_size:
-        raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context is {state.block_size} tokens",
+    if len(ids) > state.context_length:
+        raise APIError(400, f"the prompt is {len(ids)} tokens; this server's context is {state.context_length} "
+                       "tokens",
                        param="prompt", code="context_length_exceeded")  # fmt: skip
     return ids
 
 
 def _max_tokens(state: ServerState, requested: int | None, prompt_len: int, allow_zero: bool = False) -> int:
     """The tokens to generate: as requested (checked against the context), else the default capped to fit."""
-    room = state.block_size - prompt_len
+    room = state.context_length - prompt_len
     if requested is None:
         if room < 1:
-            raise APIError(400, f"the prompt ({prompt_len} tokens) fills the context of {state.block_size} tokens; "
+            raise APIError(400, f"the prompt ({prompt_len} tokens) fills the context of {state.context_length} tokens; "
                            "nothing can be generated", param="prompt", code="context_length_exceeded")  # fmt: skip
         return min(DEFAULT_MAX_TOKENS, room)
     if requested < (0 if allow_zero else 1):
@@ -256,7 +258,7 @@ def _max_tokens(state: ServerState, requested: int | None, prompt_len: int, allo
         raise APIError(400, f"max_tokens must be >= 1, got {requested}{hint}", param="max_tokens")
     if requested > room:
         raise APIError(400, f"max_tokens {requested} plus the prompt's {prompt_len} tokens exceed this model's "
-                       f"context of {state.block_size} tokens; ask for at most {max(room, 0)}",
+                       f"context of {state.context_length} tokens; ask for at most {max(room, 0)}",
                        param="max_tokens", code="context_length_exceeded")  # fmt: skip
     return requested
 
@@ -303,25 +305,27 @@ class Collector:
 
 
 def _submit(state: ServerState, prompts: list[list[int]], params: SamplingParams, top: int | None,
-            collector: Collector) -> list[Sequence]:  # fmt: skip
+            collector: Collector) -> list[DecodeRequest]:  # fmt: skip
     count, capacity = len(prompts) * params.num_samples, state.engine.max_batch_size + state.engine.max_queue
     if count > capacity:
         raise APIError(400, f"n x prompts = {count} sequences exceed the {capacity} this server can hold "
                        "(--max-batch-size + --max-queue); ask for fewer", param="n")  # fmt: skip
-    sequences = [
-        Sequence(prompt, _choice_params(params, i), collector.sink(p * params.num_samples + i), top)
-        for p, prompt in enumerate(prompts)
-        for i in range(params.num_samples)
-    ]
+    sequences = []
+    for p, prompt in enumerate(prompts):
+        for i in range(params.num_samples):
+            choice = _choice_params(params, i)
+            request = DecodeRequest(prompt, choice, state.tokenizer.eos_ids, state.tokenizer.decode, seed=choice.seed,
+                                    top_logprobs=top)  # fmt: skip
+            sequences.append((request, collector.sink(p * params.num_samples + i)))
     try:
         state.engine.submit(sequences)
     except QueueFull as err:
         raise APIError(503, str(err), code="server_busy", type_="server_error",
                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None  # fmt: skip
-    return sequences
+    return [request for request, _ in sequences]
 
 
-async def _collect(state: ServerState, sequences: list[Sequence], collector: Collector,
+async def _collect(state: ServerState, sequences: list[DecodeRequest], collector: Collector,
                    request: Request) -> list[list[Chunk]]:  # fmt: skip
     """Every chunk of every sequence, waiting for the last; a client that leaves cancels its sequences."""
     chunks: list[list[Chunk]] = [[] for _ in sequences]
@@ -347,7 +351,7 @@ async def _collect(state: ServerState, sequences: list[Sequence], collector: Col
     return chunks
 
 
-async def _stream_events(state: ServerState, sequences: list[Sequence], collector: Collector,
+async def _stream_events(state: ServerState, sequences: list[DecodeRequest], collector: Collector,
                          render: Callable[[int, Chunk], dict[str, Any] | None],
                          usage: Callable[[], dict[str, Any]] | None,
                          preamble: list[dict[str, Any]]) -> AsyncIterator[str]:  # fmt: skip

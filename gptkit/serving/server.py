@@ -18,6 +18,8 @@ from gptkit.serving.api import ServerState, create_app
 from gptkit.chat import eos_text, load_chat_template
 from gptkit.serving.engine import Engine
 
+DTYPES = ("float32", "bfloat16", "float16")
+
 log = logging.getLogger("gptkit.serve")
 
 
@@ -39,6 +41,13 @@ class ServeOptions:
                                                                  "but one, left to the HTTP side)"})
     quantize: str | None = field(default=None, metadata={"help": "int8: int8 weight-only quantisation of the "
                                                                   "loaded float model"})
+    dtype: str = field(default="float32", metadata={"help": "weight precision", "choices": DTYPES})
+    compile: bool = field(default=False, metadata={"help": "compile the decode step (every batch shape, before the "
+                                                            "server reports ready)"})
+    max_context: int | None = field(default=None, metadata={
+        "help": "most tokens (prompt + completion) one request may reach (default: 4 x the model's block_size; "
+                "models with learned positions slide a window of block_size past it, others continue, as "
+                "`gptkit generate` does)"})  # fmt: skip
 
 
 def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
@@ -48,12 +57,18 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
 
     if options.max_body_bytes < 1:
         raise GptkitError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
-    model, tokenizer = load(model_dir, device=pick_device(options.device))  # float or saved-quantised directories
+    if options.dtype not in DTYPES:
+        raise GptkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+    dtype = getattr(torch, options.dtype)
+    model, tokenizer = load(model_dir, device=pick_device(options.device), dtype=dtype)  # float or saved-quantised
     if options.quantize is not None and not is_quantized(model):
         model = quantize(model, options.quantize)
     if tokenizer is None:
         raise GptkitError(f"{model_dir} has no tokenizer files; the server needs one to read and write text")
-    engine = Engine(model, tokenizer, options.max_batch_size, options.max_queue)
+    engine = Engine(model, tokenizer, options.max_batch_size, options.max_queue, options.compile, options.max_context)
+    if options.compile:
+        log.info("compiling the decode step for batches of %s rows", engine.batch.row_buckets())
+        log.info("compiled in %.1f s", engine.warm_up())
     state = ServerState(
         engine=engine,
         tokenizer=tokenizer,

@@ -1,0 +1,243 @@
+"""The batch engine: requests share one preallocated KV cache, one row each, and decode one token per step together.
+
+add() prefills new requests into free rows (one right-padded forward; identical prompts run once) and picks their
+first tokens; step() decodes one token for every request in one forward pass; a request that finishes leaves its
+row at once. Rows in use are always 0..k-1: when a row frees up, the last row's keys and values move into it, so
+an eager step runs the model on exactly k rows and attends over only the positions in use. A compiled step runs
+a fixed shape instead (rows rounded up to a power of two, the whole cache length), so that it compiles once per
+row bucket: the rows past k ride along with a dummy token written where nothing reads it.
+
+Context: a model with learned positions sees at most its last block_size tokens (once a row is full, each further
+token re-prefills that row's last block_size tokens, exactly as an uncached model cropped to block_size would see
+them). Other models continue past block_size: the cache grows (doubling) up to max_context positions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
+from gptkit.decoding.sampling import SamplingParams, row_seed, sample
+from gptkit.decoding.step import (
+    base, check_prompts, compiled, decode_one_token, device_dtype, inference, new_cache, prefill_rows, sync, window,
+)  # fmt: skip
+from gptkit.errors import InputError
+from gptkit.model import GPT
+
+
+class BatchEngine:
+    """Rows of one KVCache for up to batch_size requests; add, step, cancel. Not thread-safe (one driver)."""
+
+    def __init__(
+        self, model: GPT, batch_size: int, max_len: int, compile: bool = False, max_context: int | None = None,
+        buckets: bool = False,
+    ) -> None:  # fmt: skip
+        if batch_size < 1:
+            raise InputError(f"a batch needs at least one row, got {batch_size}")
+        self.model = model
+        self.device, _ = device_dtype(model)
+        self.vocab_size = base(model).config.vocab_size
+        self.window = window(model)
+        if self.window is not None:
+            max_len = min(max_len, self.window)
+        self.max_context = max(max_context or max_len, max_len)  # positions a row's cache may grow to
+        self.cache = new_cache(model, batch_size, max_len)
+        self.compile = compile
+        self.buckets = buckets  # compiled: run the fewest rows of a power of two (else always batch_size rows)
+        self.decode_step = compiled(model) if compile else decode_one_token
+        self.rows: list[Request] = []  # cache row i belongs to rows[i]
+        self.steps = 0  # decode steps run
+        self.max_rows_seen = 0  # the most rows one decode step ran
+
+    @property
+    def batch_size(self) -> int:
+        """Rows the cache holds."""
+        return self.cache.batch_size
+
+    @property
+    def max_len(self) -> int:
+        """Cache positions per row now (a model without a position limit may grow it up to max_context)."""
+        return self.cache.max_len
+
+    @property
+    def free_rows(self) -> int:
+        """Rows without a request."""
+        return self.batch_size - len(self.rows)
+
+    def row_buckets(self) -> list[int]:
+        """The row counts a compiled step runs: batch_size, and with buckets the powers of two below it."""
+        sizes = [1 << i for i in range(self.batch_size.bit_length()) if 1 << i < self.batch_size]
+        return (sizes if self.buckets else []) + [self.batch_size]
+
+    def _bucket(self, rows: int) -> int:
+        return next(b for b in self.row_buckets() if b >= rows)
+
+    @torch.no_grad()
+    def warm_up(self) -> float:
+        """Run the decode step once on each shape it will see (compiling them); returns the seconds taken.
+
+        The dummy tokens go to the last cache position of each row, which a row overwrites before attending to it.
+        """
+        start = time.perf_counter()
+        with inference(self.model):
+            for rows in self.row_buckets() if self.compile else [self.batch_size]:
+                self.decode_step(self.model, torch.zeros(rows, 1, dtype=torch.long, device=self.device),
+                                 self.cache.view(rows, self.max_len),
+                                 torch.full((rows,), self.max_len - 1, device=self.device))  # fmt: skip
+        sync(self.device)
+        return time.perf_counter() - start
+
+    # ----- admitting and releasing requests -----
+
+    @torch.no_grad()
+    def add(self, requests: Sequence[Request]) -> list[Request]:
+        """Prefill requests into free rows and pick their first tokens; returns those that already finished.
+
+        Requests with the same prompt share one prefill. Each request draws from its own generator (seeded with
+        request.seed); the rest of the engine never reads another request's state.
+        """
+        if len(requests) > self.free_rows:
+            raise InputError(f"{len(requests)} requests do not fit: only {self.free_rows} of {self.batch_size} "
+                             "batch rows are free")  # fmt: skip
+        check_prompts(self.model, [r.prompt for r in requests])
+        seqs: list[list[int]] = []
+        sources: list[int] = []
+        for request in requests:
+            seq = request.prompt[-self.window :] if self.window else request.prompt
+            if len(seq) > self.max_len:
+                self._grow(len(seq), "a prompt of")
+            if seq not in seqs:
+                seqs.append(seq)
+            sources.append(seqs.index(seq))
+        first = len(self.rows)
+        with inference(self.model):
+            logits = prefill_rows(self.model, self.cache, range(first, first + len(requests)), seqs, sources)
+        for request, source in zip(requests, sources):
+            request.generator = request.generator or seeded(self.device, request.seed)
+            request.position = len(seqs[source])
+            if request.params.repetition_penalty not in (None, 1.0):
+                request.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+                request.seen[torch.tensor(request.tokens, device=self.device)] = True
+            self.rows.append(request)
+        self._choose(list(requests), logits[torch.tensor(sources, device=self.device)])
+        return self._retire()
+
+    def cancel(self, request: Request) -> None:
+        """Free a request's row (finished or not); a request not in the batch is ignored."""
+        if request in self.rows:
+            self._release(self.rows.index(request))
+
+    def _release(self, row: int) -> None:
+        """Free a row; the last row moves into it so that rows 0..k-1 stay in use."""
+        last = len(self.rows) - 1
+        if row != last:
+            moved = self.rows[last]
+            self.cache.move_row(row, last, min(moved.position, self.max_len))
+            self.rows[row] = moved
+        self.rows.pop()
+
+    def _retire(self) -> list[Request]:
+        """Release every finished request's row; returns them."""
+        finished = [r for r in self.rows if r.done]
+        for request in finished:
+            self._release(self.rows.index(request))
+        return finished
+
+    def _grow(self, need: int, what: str) -> None:
+        if need > self.max_context:
+            raise InputError(f"{what} {need} tokens does not fit the {self.max_context} positions a request may use")
+        self.cache.grow(min(max(2 * self.max_len, need), self.max_context))
+
+    # ----- one step -----
+
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """Decode one token for every request; returns the requests that finished (their rows are free now)."""
+        for request in self.rows:
+            if request.position >= self.max_len and self.window is None:
+                if self.max_len < self.max_context:
+                    self._grow(request.position + 1, "a sequence of")
+                else:
+                    request.finish("length")  # the context is full
+        finished = self._retire()
+        if not self.rows:
+            return finished
+        k = len(self.rows)
+        windowed = [i for i, r in enumerate(self.rows) if r.position >= self.max_len]
+        positions = [r.position if i not in windowed else 0 for i, r in enumerate(self.rows)]
+        tokens = [r.last_token for r in self.rows]
+        with inference(self.model):
+            logits = self._decode(tokens, positions)
+            if windowed:
+                # A full learned-position row: recompute its last `window` tokens at positions 0.. (after the
+                # batched step, which wrote a dummy token into this row).
+                seqs = [self.rows[i].tokens[-self.max_len :] for i in windowed]
+                redone = prefill_rows(self.model, self.cache, windowed, seqs, range(len(windowed)))
+                logits[torch.tensor(windowed, device=self.device)] = redone.to(logits.dtype)
+        for i, request in enumerate(self.rows):
+            request.position = self.max_len if i in windowed else request.position + 1
+        self.steps += 1
+        self.max_rows_seen = max(self.max_rows_seen, k)
+        self._choose(self.rows, logits)
+        return finished + self._retire()
+
+    def _decode(self, tokens: list[int], positions: list[int]) -> Tensor:
+        """Logits (k, V) of one decode step over rows 0..k-1."""
+        k = len(tokens)
+        if self.compile:  # a fixed shape per row bucket; the extra rows write at a position nothing reads
+            rows = self._bucket(k)
+            pad = rows - k
+            ids = torch.tensor(tokens + [0] * pad, device=self.device)[:, None]
+            where = torch.tensor(positions + [self.max_len - 1] * pad, device=self.device)
+            return self.decode_step(self.model, ids, self.cache.view(rows, self.max_len), where)[:k]
+        ids = torch.tensor(tokens, device=self.device)[:, None]
+        view = self.cache.view(k, max(positions) + 1)
+        if len(set(positions)) == 1:  # an int position: attention reads the filled positions without a mask
+            return decode_one_token(self.model, ids, view, positions[0])
+        return decode_one_token(self.model, ids, view, torch.tensor(positions, device=self.device))
+
+    def _choose(self, requests: list[Request], logits: Tensor) -> None:
+        """Pick each request's next token from its row of logits (one host sync for all), then record it."""
+        if all(r.plain_greedy for r in requests):
+            for request, token in zip(requests, logits.argmax(dim=-1).tolist()):
+                request.accept(token)
+            return
+        logits = logits.float()
+        chosen = []
+        for i, request in enumerate(requests):
+            row = logits[i]
+            for processor in request.processors:
+                row = processor(row, request)
+            seen = None if request.seen is None else request.seen[None]
+            chosen.append(sample(row[None], request.generator, request.params, seen))
+        tokens = torch.cat(chosen).tolist()
+        wanted = [i for i, r in enumerate(requests) if r.top_logprobs is not None]
+        infos: dict[int, TokenLogprob] = {}
+        if wanted:
+            logprobs = logits[wanted].log_softmax(dim=-1)
+            for j, i in enumerate(wanted):
+                infos[i] = _token_logprob(logprobs[j], tokens[i], requests[i].top_logprobs)
+        for i, (request, token) in enumerate(zip(requests, tokens)):
+            request.accept(token, infos.get(i))
+
+
+def _token_logprob(logprobs: Tensor, token: int, top: int) -> TokenLogprob:
+    """The token's log-probability and the `top` most likely alternatives."""
+    alternatives = []
+    if top > 0:
+        values, ids = logprobs.topk(min(top, logprobs.numel()))
+        alternatives = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), alternatives)
+
+
+def requests_for(
+    prompts: Sequence[Sequence[int]], params: SamplingParams, eos_ids: tuple[int, ...] = (),
+    decode: Decode | None = None,
+) -> list[Request]:
+    """params.num_samples requests per prompt, prompt-major; request r of the call draws with params.seed + r."""
+    return [Request(list(p), params, eos_ids, decode, seed=row_seed(params.seed, i * params.num_samples + j))
+            for i, p in enumerate(prompts) for j in range(params.num_samples)]  # fmt: skip

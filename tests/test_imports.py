@@ -1,0 +1,136 @@
+"""gptkit's modules import one way: no import cycle (function-local imports count), and each imports on its own."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gptkit"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The package's modules an import statement loads (the longest known prefix of each name)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = module if is_package else module.rpartition(".")[0]
+        for _ in range(max(node.level - 1, 0)):
+            base = base.rpartition(".")[0]
+        source = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
+        names = [source] + [f"{source}.{alias.name}" for alias in node.names]
+    found = set()
+    for name in names:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            found.add(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports anywhere in its source (inside functions too: that hides no dependency)."""
+    files = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        graph[module] = set().union(*[
+            _targets(node, module, path.name == "__init__.py", set(files))
+            for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+        ])  # fmt: skip
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# Loading's modules, which issue 20 moves into gptkit/formats/ + gptkit/loading.py (one way: loading above the
+# formats); until it lands they import one another. Any other cycle, or a decoding module in one, fails.
+LOADING = {"gptkit.hf", "gptkit.modeldir", "gptkit.quantization", "gptkit.finetune.lora_dir"}
+
+
+def test_no_import_cycle_in_gptkit():
+    graph = import_graph()
+    assert "gptkit.decoding.batch" in graph and "gptkit.decoding.step" in graph["gptkit.decoding.batch"]
+    assert [c for c in cycles(graph) if not set(c) <= LOADING] == []
+
+
+def test_decoding_imports_flow_one_way():
+    graph = import_graph()
+    assert not {m for m in graph["gptkit.model"] if m.startswith(("gptkit.decoding", "gptkit.serving"))}
+    order = ["gptkit.decoding.sampling", "gptkit.decoding.step", "gptkit.decoding.request", "gptkit.decoding.batch",
+             "gptkit.decoding.beam", "gptkit.decoding.speculative", "gptkit.decoding.api"]  # fmt: skip
+    for i, module in enumerate(order):
+        assert not graph[module] & set(order[i + 1 :]), module  # nothing above it
+    assert not {m for m in graph["gptkit.serving.engine"] if m.startswith("gptkit.decoding.") and
+                m not in ("gptkit.decoding.batch", "gptkit.decoding.request")}  # fmt: skip
+
+
+def test_every_module_imports_on_its_own():
+    """Each module imported first, in a fresh set of gptkit modules (torch stays loaded to keep this quick)."""
+    modules = sorted(m for m in import_graph() if m != "gptkit.__main__")
+    script = (
+        "import importlib, sys\n"
+        "failed = []\n"
+        f"for name in {modules!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'gptkit' or m.startswith('gptkit.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as err:\n"
+        "        failed.append(f'{name}: {type(err).__name__}: {err}')\n"
+        "print('\\n'.join(failed))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ""
