@@ -1,9 +1,11 @@
-"""Throughput of `gptkit prepare --tokenizer bpe` next to the raw batch encoding of the `tokenizers` library.
+"""Throughput of `gptkit prepare`: BPE encoding next to the `tokenizers` library's own, and each input format.
 
-    .venv/bin/python benchmarks/bench_prepare.py            # 100 MB corpus (the issue's setting), a few minutes
-    .venv/bin/python benchmarks/bench_prepare.py --mb 5     # a quick smoke run
+    .venv/bin/python benchmarks/bench_prepare.py                    # 100 MB corpus (the issue's setting), a few minutes
+    .venv/bin/python benchmarks/bench_prepare.py --mb 5             # a quick smoke run
+    .venv/bin/python benchmarks/bench_prepare.py --formats          # input formats, 100 MB of text
+    .venv/bin/python benchmarks/bench_prepare.py --formats --mb 1000
 
-Steps, all on the same generated corpus and the same cores:
+Default (BPE), all on the same generated corpus and the same cores:
 1. generate --mb megabytes of text (tiny shakespeare's lines in a seeded random order, in 10 MB files);
 2. train a BPE tokenizer (`gptkit prepare --tokenizer bpe`, the full command: training pass + encoding pass);
 3. raw: `tokenizers` encode_batch_fast over the whole corpus, held in memory beforehand, in 1 MB batches of
@@ -11,15 +13,24 @@ Steps, all on the same generated corpus and the same cores:
    and the faster of the two is used;
 4. pipeline: `gptkit prepare --tokenizer DIR` with the tokenizer of step 2 (encoding only, as step 3), timed as
    wall-clock time of the command, process start-up included, and as prepare's own time from meta.json.
-The target is pipeline >= 80% of raw. Figures are noisy on a shared machine: run it on a quiet one.
+The target is pipeline >= 80% of raw.
+
+--formats: the same documents (tiny shakespeare's lines, shuffled, 1-8 KB a document; --mb megabytes of text) as
+.jsonl, .jsonl.gz (gzip level 6), .jsonl.zst, .parquet (snappy, a row group per 20,000 documents), .csv and (up
+to 200 MB) a directory of one .txt file a document, each prepared with `gptkit prepare --tokenizer byte` (the cheapest
+encoder, so that reading weighs most) in its own process: MB of text per second (wall, start-up included) and
+the process's peak RSS. The target: .jsonl.gz and .parquet at >= 0.8x the plain .jsonl's throughput.
+Figures are noisy on a shared machine: run it on a quiet one.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,14 +102,114 @@ def raw_encode(files: list[Path], tokenizer_dir: Path) -> tuple[float, int]:
     return seconds, tokens
 
 
+def documents(megabytes: float, seed: int):
+    """Documents of 1-8 KB of shuffled shakespeare lines, about `megabytes` MB of UTF-8 text in all."""
+    lines = CORPUS.read_text(encoding="utf-8").splitlines(keepends=True)
+    rng = random.Random(seed)
+    remaining = int(megabytes * 1e6)
+    while remaining > 0:
+        doc = "".join(rng.choices(lines, k=rng.randint(30, 240)))
+        remaining -= len(doc.encode("utf-8"))
+        yield doc
+
+
+TEXT_FILES_MAX_MB = 200  # above this, no directory of one .txt file a document (hundreds of thousands of files)
+
+
+def write_formats(directory: Path, megabytes: float, seed: int) -> dict[str, Path]:
+    """The same documents in each format (a stream of them at a time, so memory stays small); returns the inputs."""
+    import csv
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    paths = {"jsonl": directory / "d.jsonl", "jsonl.gz": directory / "d.jsonl.gz", "jsonl.zst": directory / "d.jsonl.zst",
+             "parquet": directory / "d.parquet", "csv": directory / "d.csv", "txt dir": directory / "txt"}  # fmt: skip
+    text_files = megabytes <= TEXT_FILES_MAX_MB
+    if text_files:
+        paths["txt dir"].mkdir()
+    else:
+        del paths["txt dir"]
+    schema = pa.schema([("text", pa.string())])
+    with open(paths["jsonl"], "w", encoding="utf-8") as plain, gzip.open(paths["jsonl.gz"], "wt", encoding="utf-8",
+              compresslevel=6) as gz, open(paths["jsonl.zst"], "wb") as zst_file, \
+            zstandard.ZstdCompressor().stream_writer(zst_file) as zst, open(paths["csv"], "w", encoding="utf-8",
+                                                                             newline="") as csv_file, \
+            pq.ParquetWriter(paths["parquet"], schema) as parquet:  # fmt: skip
+        table = csv.writer(csv_file)
+        table.writerow(["text"])
+        batch: list[str] = []
+        for index, doc in enumerate(documents(megabytes, seed)):
+            line = json.dumps({"text": doc}) + "\n"
+            plain.write(line)
+            gz.write(line)
+            zst.write(line.encode())
+            table.writerow([doc])
+            if text_files:
+                (paths["txt dir"] / f"{index // 1000:05d}").mkdir(exist_ok=True)
+                (paths["txt dir"] / f"{index // 1000:05d}" / f"{index:08d}.txt").write_text(doc, encoding="utf-8")
+            batch.append(doc)
+            if len(batch) == 20_000:
+                parquet.write_table(pa.table({"text": batch}, schema=schema))
+                batch = []
+        if batch:
+            parquet.write_table(pa.table({"text": batch}, schema=schema))
+    return paths
+
+
+# `gptkit prepare`, then the process's peak resident memory (VmHWM: this process image's own, unlike ru_maxrss,
+# which Linux carries over from the parent that forked it) as the last line of stdout.
+PEAK_CHILD = ("import sys; from gptkit.cli import main; code = main(['prepare', *sys.argv[1:]]); "
+              "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM'))); sys.exit(code)")
+
+
+def prepare_in_child(args: list[str]) -> tuple[float, int, dict]:
+    """Run `gptkit prepare ARGS` in its own process: (wall seconds, peak RSS in bytes, meta.json)."""
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", PEAK_CHILD, *args], stdout=subprocess.PIPE, text=True, check=True)
+    seconds = time.perf_counter() - started
+    out = Path(args[args.index("--out") + 1])
+    return seconds, int(result.stdout.split()[-1]) * 1024, json.loads((out / "meta.json").read_text())
+
+
+def formats(megabytes: float, seed: int) -> dict:
+    """Prepare the same documents from each format; throughput and peak memory of each."""
+    with tempfile.TemporaryDirectory(prefix="bench_prepare.") as tmp:
+        tmp_path = Path(tmp)
+        paths = write_formats(tmp_path, megabytes, seed)
+        results, tokens = {}, set()
+        for name, path in paths.items():
+            out = tmp_path / f"out-{name.replace(' ', '-')}"
+            seconds, rss, meta = prepare_in_child(["--input", str(path), "--tokenizer", "byte", "--out", str(out)])
+            text_mb = (meta["train_bytes"] + meta["val_bytes"]) / 1e6
+            results[name] = {"file_mb": round(sum(i["bytes"] for i in meta["inputs"]) / 1e6, 1),
+                             "text_mb_per_s": round(text_mb / seconds, 2), "seconds": round(seconds, 2),
+                             "max_rss_mb": round(rss / 2**20, 1), "documents": meta["documents"]}  # fmt: skip
+            tokens.add(meta["train_tokens"] + meta["val_tokens"])
+            shutil.rmtree(out)
+    plain = results["jsonl"]["text_mb_per_s"]
+    for entry in results.values():
+        entry["vs_jsonl"] = round(entry["text_mb_per_s"] / plain, 3)
+    return {"text_mb": round(megabytes, 1), "tokenizer": "byte", "formats": results, "target_vs_jsonl": 0.8,
+            "same_token_count": len(tokens) == 1}  # fmt: skip
+
+
 def main() -> None:
     """Run the benchmark and print one JSON report."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=float, default=100.0, help="corpus size in MB (default 100)")
     parser.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default 8192)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--formats", action="store_true", help="measure each input format instead (byte tokenizer)")
     args = parser.parse_args()
 
+    if args.formats:
+        import torch
+
+        print(json.dumps({"cpu": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+                          **formats(args.mb, args.seed)}, indent=2))  # fmt: skip
+        return
     with tempfile.TemporaryDirectory(prefix="bench_prepare.") as tmp:
         tmp_path = Path(tmp)
         (tmp_path / "corpus").mkdir()

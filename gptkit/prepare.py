@@ -1,25 +1,24 @@
-"""`gptkit prepare`: text files, directories and JSONL in; train.bin, val.bin, the tokenizer and meta.json out.
+"""`gptkit prepare`: text, JSONL, CSV, Parquet (plain or compressed; see gptkit.inputs) in; train.bin, val.bin,
+the tokenizer and meta.json out.
 
 The input is streamed: it is read in chunks, cut into pieces at places where cutting cannot change the
-encoding, encoded a batch of pieces at a time (on every core for BPE) and appended to one temporary token
-file, so memory stays flat however large the corpus. Documents (each text file, each JSONL line) are
-separated by the end-of-text token. At the end the last val_fraction of the token stream is copied to val.bin,
-the temporary file is truncated and renamed to train.bin, and meta.json is written last: a directory without
-meta.json is incomplete, and an existing meta.json is removed before the first new token file replaces an old
-one, so that an interrupted run never leaves new token files described by old metadata.
+encoding, encoded a batch of pieces at a time (on every core for BPE) and appended to one token file, so memory
+stays flat however large the corpus. Documents (each text file, each JSONL line, CSV or Parquet row) are
+separated by the end-of-text token. The last val_fraction of the token stream is then moved to val.bin.
+
+The new data set is written into a staging directory beside the output directory, meta.json last, and swapped
+in only when complete (gptkit.atomic.replace_dir: one atomic exchange of the two directories where the system
+has one), so a failure or a kill at any instant leaves the previous data set usable; files of the user's in the
+output directory stay there. The next run finishes a swap a kill interrupted and deletes what killed runs left.
 """
 
 from __future__ import annotations
 
-import codecs
-import functools
-import hashlib
 import json
 import logging
 import os
-import re
+import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -28,13 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from gptkit.atomic import atomic_write, atomic_write_text, fsync_dir
+from gptkit.atomic import atomic_write_text, replace_dir, staging_dir, sweep_staging
 from gptkit.chat import TOKENIZER_CONFIG, ChatTemplate, eos_text, load_chat_template
-from gptkit.data import EXAMPLE_FILES
+from gptkit.data import EXAMPLE_FILES, META_FILE, SPLIT_FILES
 from gptkit.errors import GptkitError, InputError
 from gptkit.finetune.examples import SUPERVISED, ExampleEncoder, fit, row_format
+from gptkit.inputs import READ_CHUNK, Piece, Reader, first_record, records, resolve_inputs, row_kind
 from gptkit.tokenizer import (
     EOT,
+    GPTKIT_FILE,
+    HF_FILE,
     KINDS,
     BPETokenizer,
     ByteTokenizer,
@@ -51,11 +53,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "corpora" / "tinyshakespeare.txt"
 META_FORMAT = "gptkit-data"
 META_VERSION = 1
-READ_CHUNK = 1 << 20  # bytes read from a file at a time
 PIECE_CHARS = 1 << 14  # target size of one piece handed to the encoder (small enough to spread over cores)
 BATCH_CHARS = 1 << 20  # characters encoded per batch: bounds the encoder's working memory
 FORCE_CUT_CHARS = 1 << 23  # a document with no safe cut point this long is cut anyway (and counted in meta)
-TEXT_SNIFF = 8192  # bytes inspected to tell a text file from a binary one when no --glob is given
 DEFAULT_MAX_LENGTH = 1024  # supervised examples' length limit when no model gives its context
 SPLIT_SEED = 1337  # which supervised examples go to val.bin: a fixed draw, so that a re-prepare gives the same split
 
@@ -72,8 +72,9 @@ class PrepareConfig:
     out: str = field(metadata=_flag("the data directory to write (created if missing)", "DATA_DIR"))
     inputs: list[str] = field(
         default_factory=list,
-        metadata=_flag("text file, directory (searched recursively) or .jsonl file with a 'text' field; repeatable "
-                       "(default: the bundled tiny shakespeare)", "PATH") | {"flag": "--input", "repeatable": True},
+        metadata=_flag("a file (text, .jsonl, .csv, .tsv, .parquet; also .gz, .xz, .bz2 or .zst compressed) or a "
+                       "directory of them (searched recursively); repeatable (default: the bundled tiny shakespeare)",
+                       "PATH") | {"flag": "--input", "repeatable": True},
     )  # fmt: skip
     tokenizer: str = field(
         default="char",
@@ -85,6 +86,9 @@ class PrepareConfig:
     )
     glob: str | None = field(
         default=None, metadata=_flag("file name pattern inside input directories (default: every text file)", "PATTERN")
+    )
+    text_field: str = field(
+        default="text", metadata=_flag("the JSONL field, or the CSV, TSV or Parquet column, that holds the text", "NAME")
     )
     errors: str = field(
         default="strict",
@@ -117,163 +121,6 @@ class PrepareConfig:
             raise InputError(f"--vocab-size must be positive, got {self.vocab_size}")
         if self.max_length is not None and self.max_length < 2:
             raise InputError(f"--max-length must be at least 2 (a token and one to predict), got {self.max_length}")
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A run of text from one document; `starts_document` marks a document's first piece."""
-
-    text: str
-    starts_document: bool
-    source: str  # "file" or "file line N", for error messages
-    offset: int  # character offset of text inside its document
-
-
-# ---------------------------------------------------------------- inputs
-
-
-def _looks_like_text(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return b"\0" not in f.read(TEXT_SNIFF)
-
-
-def _is_hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def resolve_inputs(inputs: Iterable[str], glob: str | None) -> list[Path]:
-    """The files to read, in a fixed order: directories expanded recursively (hidden entries skipped)."""
-    files: list[Path] = []
-    for name in inputs:
-        path = Path(name)
-        if not path.exists():
-            raise InputError(f"input {name} does not exist")
-        if path.is_dir():
-            found = sorted(p for p in path.rglob(glob or "*") if p.is_file() and not _is_hidden(p, path))
-            if glob is None:
-                found = [p for p in found if _readable(p) and _looks_like_text(p)]
-            if not found:
-                what = f"no file matching {glob!r}" if glob else "no text file"
-                raise InputError(f"input directory {name} holds {what}")
-            files.extend(found)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise InputError(f"input {name} is neither a file nor a directory")
-    for path in files:
-        if not _readable(path):
-            raise InputError(f"cannot read input {path}: permission denied")
-    return list(dict.fromkeys(files))  # the same file named twice is read once
-
-
-def _readable(path: Path) -> bool:
-    return os.access(path, os.R_OK)
-
-
-def _is_jsonl(path: Path) -> bool:
-    return path.suffix.lower() == ".jsonl"
-
-
-class _Reader:
-    """Streams the documents of the input files as Pieces, counting bytes read and hashing each file."""
-
-    def __init__(self, files: list[Path], errors: str, on_bytes: Callable[[int], None] = lambda n: None) -> None:
-        self.files = files
-        self.errors = errors
-        self.on_bytes = on_bytes
-        self.documents = 0
-        self.inputs: list[dict[str, Any]] = []
-
-    def __iter__(self) -> Iterator[Piece]:
-        self.documents = 0
-        self.inputs = []
-        for path in self.files:
-            digest = hashlib.sha256()
-            size = 0
-            try:
-                with open(path, "rb") as f:
-                    reader = self._jsonl if _is_jsonl(path) else self._text
-                    for piece, raw in reader(path, f):
-                        digest.update(raw)
-                        size += len(raw)
-                        self.on_bytes(len(raw))
-                        if piece is not None:
-                            yield piece
-            except OSError as err:
-                raise InputError(f"cannot read input {path}: {err.strerror or err}") from None
-            self.inputs.append({"path": str(path), "bytes": size, "sha256": digest.hexdigest()})
-
-    def _text(self, path: Path, f: Any) -> Iterator[tuple[Piece | None, bytes]]:
-        decoder = codecs.getincrementaldecoder("utf-8")(self.errors)
-        position = 0  # bytes consumed so far
-        chars = 0
-        first = True
-        while True:
-            raw = f.read(READ_CHUNK)
-            pending = len(decoder.getstate()[0])
-            try:
-                text = decoder.decode(raw, final=not raw)
-            except UnicodeDecodeError as err:
-                offset = position - pending + err.start
-                raise InputError(
-                    f"{path}: invalid UTF-8 at byte offset {offset} ({err.reason}); "
-                    "fix the file or pass --errors replace"
-                ) from None
-            position += len(raw)
-            if first:
-                self.documents += 1
-            if text or first:
-                yield Piece(text, first, str(path), chars), raw
-                first = False
-            elif raw:
-                yield None, raw
-            chars += len(text)
-            if not raw:
-                return
-
-    def _jsonl(self, path: Path, f: Any) -> Iterator[tuple[Piece | None, bytes]]:
-        for record, where, raw in jsonl_records(path, f, self.errors):
-            if record is None:
-                yield None, raw
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise InputError(f"{where} has no string field \"text\" (each JSONL line must be an object with one)")
-            text = record["text"]
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as err:
-                if self.errors == "strict":
-                    raise InputError(
-                        f"{where}: the text holds a lone surrogate at character {err.start}, which UTF-8 cannot "
-                        "encode; fix the file or pass --errors replace"
-                    ) from None
-                text = re.sub("[\ud800-\udfff]", "\ufffd", text)
-            self.documents += 1
-            yield Piece(text, True, where, 0), raw
-
-
-def jsonl_records(path: Path, f: Any, errors: str) -> Iterator[tuple[Any, str, bytes]]:
-    """(parsed JSON value or None for a blank line, "file line N", the line's bytes) for each line of a JSONL file."""
-    position = 0
-    for number, raw in enumerate(f, start=1):
-        where = f"{path} line {number}"
-        try:
-            line = raw.decode("utf-8", errors)
-        except UnicodeDecodeError as err:
-            raise InputError(
-                f"{path}: invalid UTF-8 at byte offset {position + err.start} (line {number}, {err.reason}); "
-                "fix the file or pass --errors replace"
-            ) from None
-        position += len(raw)
-        if number == 1:
-            line = line.removeprefix("\ufeff")  # a byte-order mark some editors write is not part of the JSON
-        if not line.strip():
-            yield None, where, raw
-            continue
-        try:
-            yield json.loads(line), where, raw
-        except ValueError as err:
-            raise InputError(f"{where} is not valid JSON: {err}") from None
 
 
 # ---------------------------------------------------------------- pieces and encoding
@@ -368,7 +215,7 @@ def _locate_error(tokenizer: Tokenizer, batch: list[Piece]) -> None:
 
 
 def _train_pass(
-    name: str, config: PrepareConfig, reader: _Reader, progress: bool, total: int
+    name: str, config: PrepareConfig, reader: Reader, progress: bool, total: int
 ) -> Tokenizer:
     """Build the tokenizer named by --tokenizer, training it on the input when it is char or bpe."""
     if name == "byte":
@@ -416,39 +263,56 @@ def _token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def _finish_split(
-    all_path: Path, out: Path, dtype: str, total: int, val_fraction: float, lengths: np.ndarray
-) -> tuple[int, int, int]:
-    """Move the tail of the token file into val.bin and the rest into train.bin; returns (train, val, val_bytes)."""
-
+def _split_tail(stage: Path, dtype: str, total: int, val_fraction: float, lengths: np.ndarray) -> tuple[int, int, int]:
+    """Move the tail of stage/train.bin (the whole token stream) into val.bin; returns (train, val, val_bytes)."""
     train = int(total * (1.0 - val_fraction))  # as nanoGPT: the first 90% of the stream trains
     itemsize = np.dtype(dtype).itemsize
     val_bytes = 0
-
-    def write_val(tmp: Path) -> None:
-        nonlocal val_bytes
-        with open(all_path, "rb") as src, open(tmp, "wb") as dst:
-            src.seek(train * itemsize)
-            while chunk := src.read(READ_CHUNK // 4 * itemsize):
-                dst.write(chunk)
-                val_bytes += int(lengths[np.frombuffer(chunk, dtype=dtype)].sum())
-
-    atomic_write(out / "val.bin", write_val)
-    with open(all_path, "rb+") as f:
-        f.truncate(train * itemsize)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(all_path, out / "train.bin")
-    fsync_dir(out)
+    with open(stage / "train.bin", "rb+") as src, open(stage / "val.bin", "wb") as dst:
+        src.seek(train * itemsize)
+        while chunk := src.read(READ_CHUNK // 4 * itemsize):
+            dst.write(chunk)
+            val_bytes += int(lengths[np.frombuffer(chunk, dtype=dtype)].sum())
+        src.truncate(train * itemsize)
+        for f in (src, dst):
+            f.flush()
+            os.fsync(f.fileno())
     return train, total - train, val_bytes
 
 
-TOKENS_TMP_PREFIX = ".tokens."  # the temporary token stream inside the output directory
+# The files a data set is made of; anything else found in an output directory is the user's and stays there.
+DATA_FILES = {META_FILE, *SPLIT_FILES.values(), *(n for f in EXAMPLE_FILES.values() for n in f.values()),
+              GPTKIT_FILE, HF_FILE, TOKENIZER_CONFIG}  # fmt: skip
+
+
+def _owned(out: Path) -> Callable[[str], bool]:
+    """Whether a name in out belongs to its data set: a file prepare writes (its meta.json lists them) or a
+    temporary an older prepare left."""
+    names = set(DATA_FILES)
+    try:
+        listed = json.loads((out / META_FILE).read_text(encoding="utf-8")).get("files", [])
+        names.update(n for n in listed if isinstance(n, str))
+    except (OSError, ValueError, AttributeError):
+        pass
+    return lambda name: name in names or (name.startswith(".") and name.endswith(".tmp"))
+
+
+def _sweep(out: Path) -> None:
+    """Remove what killed runs left: staging directories, and the temporary files of older gptkit versions."""
+    sweep_staging(out)
+    if out.is_dir():
+        prefixes = tuple(f".{name}." for name in (*DATA_FILES, "tokens", "examples"))  # atomic_write's, and the streams'
+        for path in out.glob(".*.tmp"):
+            if path.is_file() and path.name.startswith(prefixes):
+                path.unlink(missing_ok=True)
 
 
 def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
-    """Tokenize the configured inputs into config.out; returns the meta.json written there."""
+    """Tokenize the configured inputs into config.out; returns the meta.json written there.
 
+    The new data set is built in a staging directory and swapped in only once complete (see the module's
+    docstring), so a failure or a kill at any point leaves the previous one usable.
+    """
     config.validate()
     started = time.perf_counter()
     files = resolve_inputs(config.inputs or [str(DEFAULT_CORPUS)], config.glob)
@@ -456,49 +320,73 @@ def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    out = out.resolve()  # a symlinked data directory is replaced where it lives
+    _sweep(out)
 
-    formats = _example_formats(files, config.errors)
+    formats = _example_formats(files, config)
     if any(fmt in SUPERVISED for fmt in formats.values()):
-        return _prepare_examples(config, files, formats, out, started, progress)
-
-    reader = _Reader(files, config.errors)
+        return _publish(out, config.out, lambda stage: _write_examples(stage, config, files, formats, started, progress))
+    reader = Reader(files, config.errors, config.text_field)
     tokenizer = _train_pass(config.tokenizer, config, reader, progress, total_input)
     if config.tokenizer == "bpe" and tokenizer.vocab_size < config.vocab_size:
         logger.warning("the corpus allowed only %d BPE tokens (asked for %d)", tokenizer.vocab_size, config.vocab_size)
+    return _publish(out, config.out, lambda stage: _write_data_set(stage, files, reader, tokenizer, config, progress,
+                                                                   total_input, started))  # fmt: skip
+
+
+def _publish(out: Path, name: str, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """Have write() build a data set in a staging directory (meta.json last), then swap it in for out's."""
+    try:
+        stage = staging_dir(out)
+    except OSError as err:
+        raise GptkitError(f"cannot create the data directory {name}: {err.strerror or err}") from None
+    try:
+        meta = write(stage)
+    except OSError as err:  # a full disk, say: the previous data set was never touched
+        raise GptkitError(f"cannot write the new data set beside {name}: {err.strerror or err}; "
+                          "the previous data set there is unchanged") from None  # fmt: skip
+    finally:
+        if not (stage / META_FILE).is_file():
+            shutil.rmtree(stage, ignore_errors=True)
+    try:
+        replace_dir(stage, out, _owned(out), META_FILE)
+    except OSError as err:
+        raise GptkitError(f"cannot put the new data set in place in {name}: {err.strerror or err}; "
+                          "run gptkit prepare again") from None  # fmt: skip
+    return meta
+
+
+def _write_meta(stage: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Write meta.json, the file that makes a data set complete, listing the data set's files."""
+    meta["files"] = sorted([*os.listdir(stage), META_FILE])
+    atomic_write_text(stage / META_FILE, json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _write_data_set(stage: Path, files: list[Path], reader: Reader, tokenizer: Tokenizer, config: PrepareConfig,
+                    progress: bool, total_input: int, started: float) -> dict[str, Any]:  # fmt: skip
+    """Encode the input into stage: train.bin, val.bin, the tokenizer, and meta.json last; returns the meta."""
     dtype = _token_dtype(tokenizer.vocab_size)
     cutter = _Cutter(tokenizer.cut_points)
-
-    for stale in out.glob(f"{TOKENS_TMP_PREFIX}*.tmp"):  # the token file of a run killed before its cleanup
-        stale.unlink(missing_ok=True)
-    fd, name = tempfile.mkstemp(prefix=TOKENS_TMP_PREFIX, suffix=".tmp", dir=out)
-    all_path = Path(name)
     total_tokens = 0
     text_bytes = 0
-    try:
-        with os.fdopen(fd, "wb") as sink, _progress_bar(total_input, "encoding", progress) as bar:
-            reader.on_bytes = bar.update
+    with open(stage / "train.bin", "wb") as sink, _progress_bar(total_input, "encoding", progress) as bar:
+        reader.on_bytes = bar.update
 
-            def counted(pieces: Iterable[Piece]) -> Iterator[Piece]:
-                nonlocal text_bytes
-                for piece in pieces:
-                    text_bytes += len(piece.text.encode("utf-8"))
-                    yield piece
+        def counted(pieces: Iterable[Piece]) -> Iterator[Piece]:
+            nonlocal text_bytes
+            for piece in pieces:
+                text_bytes += len(piece.text.encode("utf-8"))
+                yield piece
 
-            for ids in _encode_stream(tokenizer, counted(cutter(reader)), tokenizer.eos_id):
-                sink.write(ids.astype(dtype))
-                total_tokens += len(ids)
-        if total_tokens == 0:
-            raise _no_text(files)
-        # Encoding succeeded: from here on the directory is incomplete until the new meta.json lands (a failure
-        # before this point, such as invalid UTF-8, leaves the previous data set whole).
-        (out / "meta.json").unlink(missing_ok=True)
-        train, val, val_bytes = _finish_split(
-            all_path, out, dtype, total_tokens, config.val_fraction, tokenizer.token_byte_lengths()
-        )
-    finally:
-        all_path.unlink(missing_ok=True)
-    tokenizer.save(out)
+        for ids in _encode_stream(tokenizer, counted(cutter(reader)), tokenizer.eos_id):
+            sink.write(ids.astype(dtype))
+            total_tokens += len(ids)
+    if total_tokens == 0:
+        raise _no_text(files)
+    train, val, val_bytes = _split_tail(stage, dtype, total_tokens, config.val_fraction,
+                                        tokenizer.token_byte_lengths())  # fmt: skip
+    tokenizer.save(stage)
     meta = {
         "format": META_FORMAT,
         "format_version": META_VERSION,
@@ -519,60 +407,44 @@ def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
         "config": asdict(config),
         "seconds": round(time.perf_counter() - started, 3),
     }
-    atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
-    return meta
+    return _write_meta(stage, meta)
 
 
 # ---------------------------------------------------------------- supervised examples
 
 
-def _example_formats(files: list[Path], errors: str) -> dict[Path, str | None]:
-    """Each JSONL input's format, read from the keys of its first row (gptkit.finetune.examples)."""
+def _example_formats(files: list[Path], config: PrepareConfig) -> dict[Path, str | None]:
+    """Each row file's format, told by the keys of its first row: "text" (its --text-field holds the text) or a
+    supervised one (gptkit.finetune.examples); plain text files are None."""
     formats: dict[Path, str | None] = {}
     for path in files:
-        if not _is_jsonl(path):
+        kind = row_kind(path)
+        first = first_record(path, config.errors) if kind is not None else None
+        if first is None:  # a text file, or rows without a row
+            formats[path] = None if kind is None else "text"
             continue
-        formats[path] = None
-        with open(path, "rb") as f:
-            for record, where, _ in jsonl_records(path, f, errors):
-                if record is not None:
-                    formats[path] = row_format(record)
-                    if formats[path] is None:
-                        raise InputError(f"{where} has no string field \"text\" (nor is it a supervised example with "
-                                         "\"messages\", \"prompt\" and \"completion\", or \"instruction\" and "
-                                         "\"output\")")  # fmt: skip
-                    break
+        record, where = first
+        fmt = row_format(record)
+        if fmt not in SUPERVISED:
+            if not (isinstance(record, dict) and isinstance(record.get(config.text_field), str)):
+                fields = ", ".join(map(repr, list(record)[:10])) if isinstance(record, dict) else "none"
+                raise InputError(f"{where} has no string field \"{config.text_field}\" (nor is it a supervised example "
+                                 "with \"messages\", \"prompt\" and \"completion\", or \"instruction\" and "
+                                 f"\"output\"); its fields: {fields}; --text-field names the field that holds the "
+                                 "text")  # fmt: skip
+            fmt = "text"
+        formats[path] = fmt
     return formats
 
 
 def _rows(files: list[Path], formats: dict[Path, str | None], errors: str,
           on_bytes: Callable[[int], Any] = lambda n: None) -> Iterator[tuple[Any, str, str]]:  # fmt: skip
-    """(record, format, "file line N") for every non-blank row of the example files."""
+    """(record, format, "file line N") for every row of the example files."""
     for path in files:
         fmt = formats.get(path)
-        if fmt is None:
-            continue
-        with open(path, "rb") as f:
-            for record, where, raw in jsonl_records(path, f, errors):
-                on_bytes(len(raw))
-                if record is not None:
-                    yield _without_surrogates(record, where, errors), fmt, where
-
-
-def _without_surrogates(value: Any, where: str, errors: str) -> Any:
-    """value with any lone surrogate (a JSON escape UTF-8 cannot encode) replaced, or an error naming the row."""
-    if isinstance(value, str):
-        if not re.search("[\ud800-\udfff]", value):
-            return value
-        if errors == "strict":
-            raise InputError(f"{where}: a string holds a lone surrogate, which UTF-8 cannot encode; fix the file or "
-                             "pass --errors replace")  # fmt: skip
-        return re.sub("[\ud800-\udfff]", "\ufffd", value)
-    if isinstance(value, list):
-        return [_without_surrogates(v, where, errors) for v in value]
-    if isinstance(value, dict):
-        return {k: _without_surrogates(v, where, errors) for k, v in value.items()}
-    return value
+        if fmt is not None:
+            for record, where in records(path, errors, on_bytes=on_bytes):
+                yield record, fmt, where
 
 
 def _example_tokenizer(config: PrepareConfig, rows: Callable[[], Iterable[tuple[Any, str, str]]],
@@ -581,7 +453,7 @@ def _example_tokenizer(config: PrepareConfig, rows: Callable[[], Iterable[tuple[
     template (char and bpe are trained on the rendered examples)."""
     name = config.tokenizer
     if name not in KINDS:
-        tokenizer = _train_pass(name, config, _Reader([], config.errors), progress, 0)
+        tokenizer = _train_pass(name, config, Reader([], config.errors), progress, 0)
         return tokenizer, load_chat_template(name, eos_text(tokenizer))
     if name == "byte":
         return ByteTokenizer(), ChatTemplate(eos_token=EOT)
@@ -607,12 +479,9 @@ def _context_of(tokenizer_source: str) -> int | None:
         return None
 
 
-EXAMPLES_TMP_PREFIX = ".examples."  # the temporary example files inside the output directory
-
-
-def _prepare_examples(config: PrepareConfig, files: list[Path], formats: dict[Path, str | None], out: Path,
-                      started: float, progress: bool) -> dict[str, Any]:  # fmt: skip
-    """Encode supervised examples into train/val token, trained-token and offset files (see gptkit.data)."""
+def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], formats: dict[Path, str | None],
+                    started: float, progress: bool) -> dict[str, Any]:  # fmt: skip
+    """Encode supervised examples into stage's train/val token, trained-token and offset files (see gptkit.data)."""
     plain = [str(p) for p in files if formats.get(p) is None]
     if plain:
         raise InputError(f"{plain[0]} is plain text, the other inputs supervised examples; prepare them separately "
@@ -622,39 +491,32 @@ def _prepare_examples(config: PrepareConfig, files: list[Path], formats: dict[Pa
     max_length = config.max_length or _context_of(config.tokenizer) or DEFAULT_MAX_LENGTH
     dtype = _token_dtype(tokenizer.vocab_size)
 
-    for stale in out.glob(f"{EXAMPLES_TMP_PREFIX}*.tmp"):  # the files of a run killed before its cleanup
-        stale.unlink(missing_ok=True)
-    temporaries = [Path(tempfile.mkstemp(prefix=EXAMPLES_TMP_PREFIX, suffix=".tmp", dir=out)[1]) for _ in range(2)]
+    temporaries = [stage / ".ids.tmp", stage / ".mask.tmp"]  # all examples, before the split
     offsets, targets = [0], []
     truncated = dropped = 0
-    try:
-        with open(temporaries[0], "wb") as ids_file, open(temporaries[1], "wb") as mask_file, \
-                _progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:  # fmt: skip
-            for record, fmt, where in _rows(files, formats, config.errors, bar.update):
-                example = encoder.encode(record, fmt, where)
-                fitted = fit(example, max_length, config.overlong)  # type: ignore[arg-type]
-                if fitted is None:
-                    dropped += 1
-                    continue
-                truncated += fitted is not example
-                ids_file.write(fitted.ids.astype(dtype).tobytes())
-                mask_file.write(fitted.trained.astype(np.uint8).tobytes())
-                offsets.append(offsets[-1] + len(fitted.ids))
-                targets.append(fitted.targets)
-        if len(offsets) == 1:
-            raise InputError(f"no example fits --max-length {max_length} ({dropped} dropped); raise --max-length")
-        val = _val_examples(len(targets), config.val_fraction)
-        (out / "meta.json").unlink(missing_ok=True)  # the directory is incomplete until the new meta.json lands
-        counts = _write_example_splits(temporaries, np.asarray(offsets, dtype=np.int64), val, out, dtype)
-    finally:
-        for path in temporaries:
-            path.unlink(missing_ok=True)
-    tokenizer.save(out)
+    with open(temporaries[0], "wb") as ids_file, open(temporaries[1], "wb") as mask_file, \
+            _progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:  # fmt: skip
+        for record, fmt, where in _rows(files, formats, config.errors, bar.update):
+            example = encoder.encode(record, fmt, where)
+            fitted = fit(example, max_length, config.overlong)  # type: ignore[arg-type]
+            if fitted is None:
+                dropped += 1
+                continue
+            truncated += fitted is not example
+            ids_file.write(fitted.ids.astype(dtype).tobytes())
+            mask_file.write(fitted.trained.astype(np.uint8).tobytes())
+            offsets.append(offsets[-1] + len(fitted.ids))
+            targets.append(fitted.targets)
+    if len(offsets) == 1:
+        raise InputError(f"no example fits --max-length {max_length} ({dropped} dropped); raise --max-length")
+    val = _val_examples(len(targets), config.val_fraction)
+    counts = _write_example_splits(temporaries, np.asarray(offsets, dtype=np.int64), val, stage, dtype)
+    for path in temporaries:
+        path.unlink()
+    tokenizer.save(stage)
     carried = Path(config.tokenizer) / TOKENIZER_CONFIG  # the chat template: training carries it into checkpoints
     if config.tokenizer not in KINDS and carried.is_file():
-        atomic_write(out / TOKENIZER_CONFIG, lambda tmp: tmp.write_bytes(carried.read_bytes()))
-    else:
-        (out / TOKENIZER_CONFIG).unlink(missing_ok=True)
+        shutil.copyfile(carried, stage / TOKENIZER_CONFIG)
     split_targets = {"train": int(np.delete(np.asarray(targets), val).sum()), "val": int(np.asarray(targets)[val].sum())}
     meta = {
         "format": META_FORMAT,
@@ -681,8 +543,7 @@ def _prepare_examples(config: PrepareConfig, files: list[Path], formats: dict[Pa
         "config": asdict(config),
         "seconds": round(time.perf_counter() - started, 3),
     }
-    atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
-    return meta
+    return _write_meta(stage, meta)
 
 
 def _val_examples(count: int, val_fraction: float) -> np.ndarray:
@@ -695,17 +556,19 @@ def _val_examples(count: int, val_fraction: float) -> np.ndarray:
     return np.sort(np.random.default_rng(SPLIT_SEED).permutation(count)[:n_val])
 
 
-def _copy_examples(source: np.ndarray, offsets: np.ndarray, chosen: np.ndarray, path: Path) -> None:
-    """Write the chosen examples' slices of source (ids or mask) to path, back to back."""
+def _write_synced(path: Path, chunks: Iterable[bytes]) -> None:
+    """Write the chunks to path, back to back, and fsync it (a staged file: the directory is swapped in later)."""
     with open(path, "wb") as sink:
-        for i in chosen:
-            sink.write(source[offsets[i] : offsets[i + 1]].tobytes())
+        for chunk in chunks:
+            sink.write(chunk)
+        sink.flush()
+        os.fsync(sink.fileno())
 
 
-def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.ndarray, out: Path,
+def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.ndarray, stage: Path,
                           dtype: str) -> dict[str, tuple[int, int]]:  # fmt: skip
-    """Copy each split's examples from the temporary files into its token, mask and offset files (see
-    gptkit.data.EXAMPLE_FILES); returns {split: (tokens, examples)}."""
+    """Copy each split's examples from the temporary files into its token, mask and offset files in stage (see
+    gptkit.data.EXAMPLE_FILES; fsynced before the swap); returns {split: (tokens, examples)}."""
     ids = np.memmap(temporaries[0], dtype=dtype, mode="r") if offsets[-1] else np.zeros(0, dtype=dtype)
     mask = np.memmap(temporaries[1], dtype=np.uint8, mode="r") if offsets[-1] else np.zeros(0, dtype=np.uint8)
     is_val = np.zeros(len(offsets) - 1, dtype=bool)
@@ -715,8 +578,7 @@ def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.
         lengths = offsets[chosen + 1] - offsets[chosen]
         split_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         for source, name in ((ids, EXAMPLE_FILES[split]["ids"]), (mask, EXAMPLE_FILES[split]["mask"])):
-            atomic_write(out / name, functools.partial(_copy_examples, source, offsets, chosen))
-        atomic_write(out / EXAMPLE_FILES[split]["offsets"], split_offsets.tofile)
+            _write_synced(stage / name, (source[offsets[i] : offsets[i + 1]].tobytes() for i in chosen))
+        _write_synced(stage / EXAMPLE_FILES[split]["offsets"], [split_offsets.tobytes()])
         counts[split] = (int(split_offsets[-1]), len(chosen))
-    fsync_dir(out)
     return counts

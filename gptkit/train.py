@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import signal
 import sys
@@ -28,13 +29,19 @@ from gptkit.accounting import training_flops_per_token
 from gptkit.atomic import atomic_write, atomic_write_text
 from gptkit.chat import TOKENIZER_CONFIG, load_chat_template
 from gptkit.checkpoint import (
+    CHECKPOINTS,
+    LATEST,
+    STEP_DIR,
     CheckpointError,
     full_tensor,
     latest_checkpoint,
     load_checkpoint,
+    read_latest,
     remove_stale_temporaries,
+    rewind,
     rng_state,
     save_checkpoint,
+    verify_checkpoint,
 )
 from gptkit.devices import pick_device
 from gptkit.distributed import (
@@ -62,6 +69,8 @@ from gptkit.modeldir import load, load_model_tokenizer, load_tensors, read_model
 from gptkit.optim import lr_at, make_optimizer
 from gptkit.tokenizer import check_same_tokenizer
 from gptkit.train_config import RunConfig, TrainConfig, resolve_model
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -221,12 +230,13 @@ def read_history(path: Path, up_to: int) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():
         try:
             record = json.loads(line)
         except ValueError:
-            continue  # a line cut short by a kill
-        if isinstance(record, dict) and record.get("step", math.inf) <= up_to:
+            continue  # a line cut short by a kill, or damaged (invalid UTF-8 is a ValueError too)
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and step <= up_to:
             records.append(record)
     return records
 
@@ -356,9 +366,46 @@ def resume_model(checkpoint: Path) -> RunModel:
     return RunModel(GPT(read_model_config(checkpoint)), load_model_tokenizer(checkpoint), str(checkpoint))
 
 
-def train(config: RunConfig, resume: bool = False, progress: bool = True) -> TrainResult:
+def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = None) -> Path | None:
+    """The checkpoint a run continues from: None for a new run; resume_from, verified; or the newest that verifies.
+
+    Passing over a damaged or incomplete checkpoint is said in one warning line; with resume_from, damage is an
+    error naming it.
+    """
+    if resume_from is not None:
+        path = Path(resume_from)
+        if not STEP_DIR.fullmatch(path.name) or path.resolve().parent != (run_dir / CHECKPOINTS).resolve():
+            raise ConfigError(f"--resume-from {path} is not a checkpoint of the run {run_dir} "
+                              f"(a directory {run_dir / CHECKPOINTS}/step-N)")  # fmt: skip
+        if not path.is_dir():
+            raise CheckpointError(f"--resume-from {path} does not exist")
+        verify_checkpoint(path)
+        return run_dir / CHECKPOINTS / path.name
+    if not resume:
+        if latest_checkpoint(run_dir) is not None:
+            raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it, or choose another --out")
+        return None
+    skipped: list[str] = []
+    checkpoint = latest_checkpoint(run_dir, verify=True, skipped=skipped)
+    if checkpoint is None:
+        if skipped:
+            raise CheckpointError(f"no checkpoint of {run_dir} can be resumed from: {'; '.join(skipped)}")
+        raise CheckpointError(f"{run_dir} has no checkpoint to resume from (a run stopped before its first "
+                              "checkpoint starts again without --resume)")  # fmt: skip
+    if skipped:
+        logger.warning("%s; resuming from %s, the newest checkpoint that verifies (the newer ones are removed)",
+                       "; ".join(skipped), checkpoint)  # fmt: skip
+    elif (run_dir / LATEST).exists() and read_latest(run_dir) is None:
+        logger.warning("%s does not name a checkpoint inside %s (ignored); resuming from %s", run_dir / LATEST,
+                       CHECKPOINTS, checkpoint)  # fmt: skip
+    return checkpoint
+
+
+def train(config: RunConfig, resume: bool = False, progress: bool = True,
+          resume_from: str | Path | None = None) -> TrainResult:  # fmt: skip
     """Run (or, with resume, continue) the training described by config; returns where it ended.
 
+    resume_from names the checkpoint to continue from (implies resume; default: the newest that verifies).
     Under torchrun (WORLD_SIZE > 1 in the environment) every process calls this: it joins the process group
     (unless the caller already did), trains its share of each batch, and leaves the group it joined.
     """
@@ -366,7 +413,7 @@ def train(config: RunConfig, resume: bool = False, progress: bool = True) -> Tra
     device = device_for(world, pick_device(config.train.device, "train.device"))
     joined = init_process_group(world, device)
     try:
-        return Trainer(config, resume, world, device).run(progress and world.is_main)
+        return Trainer(config, resume, world, device, resume_from).run(progress and world.is_main)
     finally:
         if joined:
             torch.distributed.destroy_process_group()
@@ -376,7 +423,7 @@ class Trainer:
     """One run: everything is checked and built in __init__ (errors come before any work), run() trains."""
 
     def __init__(self, config: RunConfig, resume: bool, world: World | None = None,
-                 device: torch.device | None = None) -> None:  # fmt: skip
+                 device: torch.device | None = None, resume_from: str | Path | None = None) -> None:  # fmt: skip
         t = self.t = config.train
         self.world = world if world is not None else World()
         self.o = config.optim
@@ -388,13 +435,7 @@ class Trainer:
             raise ConfigError(f"--out {self.run_dir} is a file; give a directory for the run")
         self.meta, self.train_tokens, self.val_tokens, tokenizer = load_data(t.data_dir)
         vocab_size = self.meta["vocab_size"]
-        checkpoint = latest_checkpoint(self.run_dir) if self.run_dir.is_dir() else None
-        if resume and checkpoint is None:
-            raise CheckpointError(f"{self.run_dir} has no checkpoint to resume from; start the run without --resume")
-        if not resume and checkpoint is not None:
-            raise ConfigError(
-                f"{self.run_dir} already holds a run; pass --resume to continue it, or choose another --out"
-            )
+        checkpoint = resume_point(self.run_dir, resume or resume_from is not None, resume_from)
         self.device = device if device is not None else pick_device(t.device, "train.device")
         if t.dtype == "float16" and self.device.type != "cuda":
             raise ConfigError(f"train.dtype float16 needs CUDA (gradient scaling); on {self.device.type} use "
@@ -451,6 +492,11 @@ class Trainer:
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.run_dir)
+            if checkpoint is not None:
+                dropped = rewind(self.run_dir, checkpoint)
+                if dropped and resume_from is not None:  # (damaged ones passed over were named already)
+                    logger.warning("continuing from %s: removed the later checkpoint(s) %s", checkpoint.name,
+                                   ", ".join(p.name for p in dropped))  # fmt: skip
         if checkpoint is not None:
             load_adapters = None if self.lora is None else \
                 (lambda module, path: load_lora_state(module, load_tensors(path / LORA_WEIGHTS, self.device), str(path)))
@@ -466,8 +512,8 @@ class Trainer:
         init_from = {"init_from": config.model.init_from} if config.model.init_from else {}
         resolved["model"] = {**init_from, **model.config.to_dict()}
         header = "# The resolved settings of this run, written by gptkit train.\n"
-        # Records after the checkpoint belong to steps this run is about to redo.
-        self.history = read_history(self.run_dir / METRICS_FILE, self.step)
+        # Records after the checkpoint belong to steps this run is about to redo; a new run starts a new file.
+        self.history = read_history(self.run_dir / METRICS_FILE, self.step) if checkpoint is not None else []
         self.tensorboard: Any = None  # a SummaryWriter while run() goes, with train.tensorboard
         if self.world.is_main:
             atomic_write_text(self.run_dir / CONFIG_FILE, header + yaml.safe_dump(resolved, sort_keys=False))
@@ -592,11 +638,27 @@ class Trainer:
         # Each rank's generators, so that every rank's dropout resumes exactly (rank 0's keys unprefixed).
         rngs = gather_objects(self.world, rng_state())
         rng = {(f"rank{r}." if r else "") + k: v for r, state in enumerate(rngs) for k, v in state.items()}
-        self.last_good = save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, self.optimizer,
-                                         self.names, trainer, self.t.keep_checkpoints, rng=rng,
-                                         write=self.world.is_main, save_model=self.write_model)  # fmt: skip
+        failure = None
+        try:
+            saved = save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, self.optimizer, self.names,
+                                    trainer, self.t.keep_checkpoints, rng=rng, write=self.world.is_main,
+                                    save_model=self.write_model)  # fmt: skip
+        except OSError as err:  # a full disk, a lost mount: the checkpoint before stays whole
+            failure = err
+        if any_rank(self.world, failure is not None, self.device):  # every rank stops, not only the writer
+            raise self.io_error(f"could not write the checkpoint of step {self.step}", failure)
+        self.last_good = saved
         barrier(self.world)  # no rank goes on (or exits) while rank 0 is still writing
         return self.last_good
+
+    def io_error(self, what: str, err: OSError | None) -> CheckpointError:
+        """The one-line error for a failed write: what failed, why, and the run's last intact checkpoint."""
+        if err is None:  # this rank writes nothing: rank 0 failed
+            reason = " (rank 0 failed to write it)"
+        else:
+            reason = f": {err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
+        intact = latest_checkpoint(self.run_dir, verify=True) if self.world.is_main else self.last_good
+        return CheckpointError(f"{what}{reason}; the last intact checkpoint is {intact or 'none (none was written)'}")
 
     def write_model(self, module: torch.nn.Module, directory: Path) -> None:
         """A checkpoint's model files: a model directory, or a LoRA run's adapters; with the chat template."""
@@ -615,7 +677,10 @@ class Trainer:
     def write(self, record: dict[str, Any]) -> None:
         """Append a record to metrics.jsonl and the in-memory history the plot draws (rank 0 only)."""
         if self.metrics is not None:
-            _write(self.metrics, record, self.history)
+            try:
+                _write(self.metrics, record, self.history)
+            except OSError as err:
+                raise self.io_error(f"could not append to {self.run_dir / METRICS_FILE}", err) from None
         if self.tensorboard is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -52,3 +52,12 @@ def test_bench_finetune_smoke_run_reports_every_configuration():
     assert lora["trainable_params"] == report["results"]["hf+peft lora"]["trainable_params"]  # the same adapters
     assert report["results"]["gptkit full"]["trainable_params"] > lora["trainable_params"] > 0
     assert report["lora_speedup_over_peft"] > 0 and lora["peak_mb"] > 0
+
+
+def test_bench_checkpoint_smoke_run_saves_both_ways_and_verifies():
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_checkpoint.py"), "--preset", "shakespeare-char-cpu",
+                             "--repeats", "1", "--json"], capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["save_s"]) == {"manifest", "fsync only"} and all(len(v) == 1 for v in report["save_s"].values())
+    assert report["checksum"] == "xxh3_64" and report["checkpoint_gb"] > 0 and report["verify_s"] >= 0

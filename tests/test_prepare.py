@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import gptkit.inputs as inputs
 import gptkit.prepare as prep
 from gptkit.cli import main
 from gptkit.data import load_tokens, read_meta
-from gptkit.errors import InputError
+from gptkit.errors import GptkitError, InputError
 from gptkit.prepare import DEFAULT_CORPUS, PrepareConfig, prepare
 from gptkit.tokenizer import EOT, load_tokenizer
 
@@ -75,7 +76,7 @@ def test_cut_stream_equals_whole_document_encoding(tmp_path: Path, monkeypatch: 
     """With small pieces and batches the text is cut hundreds of times; the tokens must not change."""
     monkeypatch.setattr(prep, "PIECE_CHARS", 1000)
     monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
-    monkeypatch.setattr(prep, "READ_CHUNK", 7_777)
+    monkeypatch.setattr(inputs, "READ_CHUNK", 7_777)
     corpus = tmp_path / "play.txt"
     corpus.write_text(SHAKESPEARE[:150_000] + "\nnaïve café 日本語 🌍\n" * 50)
     prepare(PrepareConfig(out=str(tmp_path / "a"), inputs=[str(corpus)], tokenizer="bpe", vocab_size=400))
@@ -133,7 +134,7 @@ def test_a_large_vocabulary_is_stored_as_uint32(tmp_path: Path) -> None:
 
 
 def test_invalid_utf8_names_file_and_byte_offset_and_replace_mode(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(prep, "READ_CHUNK", 1000)  # the bad byte sits in the 6th chunk, after a split character
+    monkeypatch.setattr(inputs, "READ_CHUNK", 1000)  # the bad byte sits in the 6th chunk, after a split character
     good = ("é" * 1000 + "x")[:2501]  # "é" is 2 bytes: 1000 of them and a split one at the chunk boundary
     bad = tmp_path / "bad.txt"
     bad.write_bytes(good.encode() + b"ab\xffcd")
@@ -156,7 +157,7 @@ def test_jsonl_errors_name_file_and_line(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="b.jsonl line 3 is not valid JSON"):
         prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "b.jsonl")]))
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a\ud800b"}) + "\n")  # JSON can spell a lone surrogate
-    with pytest.raises(InputError, match="c.jsonl line 1: the text holds a lone surrogate at character 1"):
+    with pytest.raises(InputError, match="c.jsonl line 1: a string holds a lone surrogate at character 1"):
         prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "c.jsonl")], tokenizer="byte"))
     prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "c.jsonl")], tokenizer="byte", errors="replace"))
     assert _documents(tmp_path / "o") == ["a\ufffdb"]
@@ -216,7 +217,8 @@ def test_an_interrupted_run_leaves_the_previous_data_set_whole(tmp_path: Path, m
     out = tmp_path / "o"
     before = prepare(PrepareConfig(out=str(out), tokenizer="byte"))  # a finished earlier run in the same directory
     files = {p.name: p.read_bytes() for p in out.iterdir()}
-    (out / ".tokens.killed.tmp").write_bytes(b"\0" * 10)  # what a kill -9 during encoding leaves
+    for leftover in (".tokens.killed.tmp", ".val.bin.x1y2.tmp", ".meta.json.x3.tmp"):  # what older versions' kills left
+        (out / leftover).write_bytes(b"\0" * 10)
     calls = {"n": 0}
     real = prep._encode_batch
 
@@ -234,6 +236,130 @@ def test_an_interrupted_run_leaves_the_previous_data_set_whole(tmp_path: Path, m
     assert read_meta(out)["tokenizer"] == before["tokenizer"] == "byte"
 
 
+KILL_CHILD = textwrap.dedent(
+    """
+    import errno, os, sys
+    import gptkit.atomic as atomic
+    import gptkit.prepare as prep
+
+    stage, corpus, out = sys.argv[1:4]
+
+    def die(*args, **kwargs):
+        os._exit(9)
+
+    if stage == "encoding":  # before the swap: the staging directory is half written
+        real, calls = prep._encode_batch, []
+        def encode(*args):
+            calls.append(1)
+            return die() if len(calls) == 2 else real(*args)
+        prep._encode_batch = encode
+        prep.BATCH_CHARS = 50_000
+    elif stage == "staged":  # before the swap: the new data set is complete beside the old one
+        prep.replace_dir = die
+    elif stage == "exchanged":  # during the swap: exchanged, the user's files not yet carried over
+        real_finish = atomic.finish_replace
+        def finish(target):  # (the sweep at the start calls it too, with no journal to act on)
+            return die() if (target / atomic.JOURNAL).exists() else real_finish(target)
+        atomic.finish_replace = finish
+    elif stage == "cleanup":  # after the swap: the old contents are being deleted
+        atomic.shutil.rmtree = die
+    elif stage == "moving":  # no atomic exchange on this file system: files move one by one
+        def no_exchange(a, b):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        atomic.exchange = no_exchange
+        real_replace, moves = os.replace, []
+        def replace(src, dst):
+            moves.append(1)
+            return die() if len(moves) == 2 else real_replace(src, dst)
+        real_move = atomic._move_entries
+        def move(*args):
+            atomic.os.replace = replace
+            real_move(*args)
+        atomic._move_entries = move
+    prep.prepare(prep.PrepareConfig(out=out, inputs=[corpus], tokenizer="char"))
+    """
+)
+
+
+def _data_set(out: Path) -> tuple[str, list[int]]:
+    """(tokenizer kind, token stream) of a data directory, checked whole by read_meta."""
+    meta = read_meta(out)
+    return meta["tokenizer"], np.concatenate(_tokens(out)).tolist()
+
+
+@pytest.mark.parametrize("stage", ["encoding", "staged", "exchanged", "cleanup", "moving"])
+def test_a_prepare_killed_at_any_stage_leaves_a_usable_data_set(tmp_path: Path, stage: str) -> None:
+    out = tmp_path / "data"
+    old_corpus, new_corpus = tmp_path / "old.txt", tmp_path / "new.txt"
+    old_corpus.write_text(SHAKESPEARE[:20_000])
+    new_corpus.write_text(SHAKESPEARE[50_000:200_000])
+    prepare(PrepareConfig(out=str(out), inputs=[str(old_corpus)], tokenizer="byte"))
+    (out / "notes.txt").write_text("the user's own file")  # not part of the data set: it must stay
+    old = _data_set(out)
+    child = subprocess.run([sys.executable, "-c", KILL_CHILD, stage, str(new_corpus), str(out)],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert child.returncode == 9, child.stderr[-2000:]
+
+    if stage in ("encoding", "staged"):  # not swapped yet: the old data set, untouched
+        assert _data_set(out) == old and (out / "notes.txt").is_file()
+    elif stage == "moving":  # no exchange: the directory says it is incomplete rather than mixing two data sets
+        with pytest.raises(GptkitError, match="has no meta.json .*interrupted prepare.*run `gptkit prepare"):
+            read_meta(out)
+    else:  # swapped: the new data set, whole
+        kind, stream = _data_set(out)
+        assert kind == "char" and load_tokenizer(out).decode(stream) == new_corpus.read_text()
+    # The next run finishes or sweeps what the killed one left, and keeps the user's file.
+    prepare(PrepareConfig(out=str(out), inputs=[str(new_corpus)], tokenizer="char"))
+    assert (out / "notes.txt").read_text() == "the user's own file"
+    assert sorted(p.name for p in out.iterdir()) == ["gptkit_tokenizer.json", "meta.json", "notes.txt", "train.bin",
+                                                     "val.bin"]  # fmt: skip
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging directory left
+    assert _data_set(out)[0] == "char"
+
+
+def test_prepare_files_and_directory_get_the_umask_permissions(tmp_path: Path) -> None:
+    umask = os.umask(0o022)
+    try:
+        out = tmp_path / "data"
+        prepare(PrepareConfig(out=str(out), tokenizer="byte"))
+        assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {
+            n: "0o644" for n in ("gptkit_tokenizer.json", "meta.json", "train.bin", "val.bin")}  # fmt: skip
+        assert oct(out.stat().st_mode & 0o777) == "0o755"
+        out.chmod(0o750)  # a mode the user chose for an existing directory is kept
+        prepare(PrepareConfig(out=str(out), tokenizer="char"))
+        assert oct(out.stat().st_mode & 0o777) == "0o750"
+    finally:
+        os.umask(umask)
+
+
+def test_a_symlinked_data_directory_is_replaced_where_it_lives(tmp_path: Path) -> None:
+    real = tmp_path / "disk" / "data"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    prepare(PrepareConfig(out=str(tmp_path / "link"), tokenizer="byte"))
+    assert (tmp_path / "link").is_symlink() and (real / "meta.json").is_file()
+    assert read_meta(tmp_path / "link")["tokenizer"] == "byte"
+
+
+def test_a_full_disk_while_preparing_is_one_line_and_keeps_the_old_data(tmp_path: Path, capsys, monkeypatch) -> None:
+    import errno
+
+    out = tmp_path / "data"
+    prepare(PrepareConfig(out=str(out), tokenizer="byte"))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prep, "_split_tail", full)
+    assert main(["prepare", "--tokenizer", "char", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"gptkit prepare: error: cannot write the new data set beside {out}: No space left on device; "
+                   "the previous data set there is unchanged")  # fmt: skip
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 # A child process sets its own memory limit after importing everything and warming up, then prepares a corpus
 # several times larger than that limit. RLIMIT_DATA (private writable memory: heap, anonymous mmaps, numpy
 # buffers) is used rather than RLIMIT_AS because address-space reservations that are never touched (torch's and
@@ -247,11 +373,12 @@ MEMORY_CHILD = textwrap.dedent(
     from gptkit.prepare import PrepareConfig, prepare
 
     tokenizer, budget, corpus, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    text_size = int(sys.argv[6]) if len(sys.argv) > 6 else os.path.getsize(corpus)  # (compressed: the text's)
     prepare(PrepareConfig(out=out + "-warm", inputs=[sys.argv[5]], tokenizer=tokenizer))  # warm up lazy state
     data = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmData"))
     resource.setrlimit(resource.RLIMIT_DATA, (data + budget, resource.RLIM_INFINITY))
     try:
-        bytearray(os.path.getsize(corpus))  # the corpus cannot be held in memory under this limit
+        bytearray(text_size)  # the corpus cannot be held in memory under this limit
         sys.exit("the memory limit is not enforced")
     except MemoryError:
         pass
@@ -289,3 +416,60 @@ def test_memory_stays_flat_for_bpe_on_a_corpus_several_times_the_memory_limit(tm
     prepare(PrepareConfig(out=str(tmp_path / "tok"), tokenizer="bpe", vocab_size=2000))
     meta = _prepare_under_memory_limit(tmp_path, str(tmp_path / "tok"), budget_mb=64, times=3)
     assert meta["train_tokens"] + meta["val_tokens"] > 0 and meta["tokenizer"] == "bpe"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["jsonl.gz", "parquet"])
+def test_memory_stays_flat_for_compressed_jsonl_and_parquet(tmp_path: Path, kind: str) -> None:
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    budget, docs = 48 * 2**20, [SHAKESPEARE[i : i + 4000] for i in range(0, len(SHAKESPEARE) - 4000, 4000)]
+    rounds = 4 * budget // sum(len(d) for d in docs) + 1  # four times the budget of text
+
+    def write(path: Path, repeat: int) -> None:
+        if kind == "parquet":
+            with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+                for _ in range(repeat):
+                    writer.write_table(pa.table({"text": docs}))
+        else:
+            with gzip.open(path, "wt", compresslevel=1) as f:
+                for _ in range(repeat):
+                    f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+
+    corpus, warm = tmp_path / f"big.{kind}", tmp_path / f"warm.{kind}"
+    write(corpus, rounds)
+    write(warm, 1)
+    text_size = rounds * sum(len(d) for d in docs)
+    result = subprocess.run([sys.executable, "-c", MEMORY_CHILD, "byte", str(budget), str(corpus), str(tmp_path / "o"),
+                             str(warm), str(text_size)], capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    meta = json.loads(result.stdout.strip().splitlines()[-1])
+    assert meta["documents"] == rounds * len(docs) and meta["train_bytes"] + meta["val_bytes"] == text_size
+
+
+def test_an_unwritable_parent_stages_inside_the_data_directory(tmp_path: Path, monkeypatch) -> None:
+    import tempfile
+
+    import gptkit.atomic as atomic
+
+    out = tmp_path / "data"
+    prepare(PrepareConfig(out=str(out), tokenizer="byte"))
+    (out / "notes.txt").write_text("mine")
+    real = tempfile.mkdtemp
+    places = []
+
+    def mkdtemp(prefix: str, dir: Path) -> str:
+        places.append(Path(dir))
+        if Path(dir) == tmp_path:  # the parent is not ours to write (root ignores chmod, so say it here)
+            raise PermissionError(13, "Permission denied", str(dir))
+        return real(prefix=prefix, dir=dir)
+
+    monkeypatch.setattr(atomic.tempfile, "mkdtemp", mkdtemp)
+    prepare(PrepareConfig(out=str(out), tokenizer="char"))
+    assert places == [tmp_path, out]
+    assert read_meta(out)["tokenizer"] == "char" and (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["gptkit_tokenizer.json", "meta.json", "notes.txt", "train.bin",
+                                                     "val.bin"]  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptkit.checkpoint import CHECKPOINTS, latest_checkpoint
+from gptkit.checkpoint import CHECKPOINTS, checkpoint_dirs, latest_checkpoint, read_latest, verify_checkpoint, write_manifest
+from gptkit.cli import main
 from gptkit.modeldir import load_model_dir, load_tensors
 from gptkit.tokenizer import load_tokenizer
 from gptkit.train import TrainingStopped, measured_cpu_matmul_flops, peak_flops, train
@@ -199,7 +201,9 @@ def test_non_finite_streak_stops_and_keeps_last_good_checkpoint(data_dir, tmp_pa
     assert not (out / CHECKPOINTS / "step-000008").exists()
 
 
-def test_failed_checkpoint_write_leaves_latest_intact(data_dir, tmp_path, monkeypatch):
+def test_failed_checkpoint_write_leaves_latest_intact(data_dir, tmp_path, monkeypatch, capsys):
+    import errno
+
     import gptkit.checkpoint
 
     out = tmp_path / "run"
@@ -208,16 +212,246 @@ def test_failed_checkpoint_write_leaves_latest_intact(data_dir, tmp_path, monkey
 
     def failing(tensors, path, metadata=None):
         calls["n"] += path.name == "optimizer.safetensors"
-        if calls["n"] == 2:  # the second checkpoint dies half-written
-            raise OSError("disk full")
+        if calls["n"] == 2:  # the second checkpoint dies half-written, as on a full disk
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(tensors, path, metadata)
 
     monkeypatch.setattr(gptkit.checkpoint, "save_tensors", failing)
-    with pytest.raises(OSError, match="disk full"):
-        train(tiny(data_dir, out), progress=False)
+    assert main(["train", *_cli_flags(data_dir, out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(r"gptkit train: error: could not write the checkpoint of step 6: No space left on device "
+                        r"\(.*optimizer.safetensors\); the last intact checkpoint is .*/step-000003", err), err
     assert latest_checkpoint(out).name == "step-000003"
     load_model_dir(latest_checkpoint(out))
     assert sorted(p.name for p in (out / CHECKPOINTS).iterdir()) == ["step-000003"]
+
+
+def _cli_flags(data_dir: Path, out: Path, **train) -> list[str]:
+    """`gptkit train` flags for tiny()'s run (plus train.KEY VALUE overrides)."""
+    config = tiny(data_dir, out, **train)
+    flags = ["--quiet"] + [a for k, v in TINY_MODEL.items() for a in (f"--model.{k}", str(v))]
+    for section in ("optim", "train"):
+        for key, value in getattr(config, section).__dict__.items():
+            if value is not None:
+                flags += [f"--{section}.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags
+
+
+@pytest.fixture(scope="module")
+def six_steps(data_dir, tmp_path_factory) -> Path:
+    """A run stopped after step 6 (of tiny's 8), with intact checkpoints at steps 3 and 6."""
+    out = tmp_path_factory.mktemp("six") / "run"
+    train(tiny(data_dir, out, max_steps=6), progress=False)
+    assert [p.name for p in checkpoint_dirs(out)] == ["step-000006", "step-000003"]
+    return out
+
+
+def _resume(run: Path, capsys, *flags: str) -> tuple[int, list[str]]:
+    """`gptkit train --resume` of a copy of `run` to step 8: (exit code, stderr lines)."""
+    code = main(["train", "--out", str(run), "--quiet", "--train.max_steps", "8", *flags])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _empty_trainer_json(checkpoint: Path) -> None:
+    (checkpoint / "trainer.json").write_text("{}")
+    write_manifest(checkpoint)  # consistent with the damage: only the content check can tell
+
+
+# Damage to the newest checkpoint (step 6), and what the warning must say about it.
+FALLBACK_DAMAGE = {
+    "truncated weights": (lambda c: os.truncate(c / "model.safetensors", 1000), r"model.safetensors has 1000 bytes"),
+    "missing optimizer": (lambda c: (c / "optimizer.safetensors").unlink(), r"optimizer.safetensors is missing"),
+    "flipped byte": (lambda c: _flip_byte(c / "model.safetensors"), r"model.safetensors does not match its checksum"),
+    "foreign tensor file": (lambda c: shutil.copy(c / "rng.safetensors", c / "optimizer.safetensors"),
+                            r"optimizer.safetensors has \d+ bytes, the manifest says"),
+    "trainer.json without keys": (_empty_trainer_json, r"trainer.json has no int 'step'"),
+    "garbage manifest": (lambda c: (c / "manifest.json").write_bytes(b"\xff\xfe\x00garbage"), r"manifest.json is unreadable"),
+    "incomplete": (lambda c: [(c / f).unlink() for f in ("manifest.json", "trainer.json")], r"is incomplete"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", list(FALLBACK_DAMAGE))
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(data_dir, reference, six_steps, tmp_path, capsys,
+                                                                  damage):  # fmt: skip
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)
+    harm, said = FALLBACK_DAMAGE[damage]
+    harm(run / CHECKPOINTS / "step-000006")
+    code, err = _resume(run, capsys, "--resume")
+    assert code == 0, err
+    warnings = [line for line in err if line.startswith("gptkit: ")]
+    assert len(warnings) == 1 and re.search(said, warnings[0]), err
+    assert warnings[0].endswith("resuming from " + str(run / CHECKPOINTS / "step-000003") + ", the newest checkpoint "
+                                "that verifies (the newer ones are removed)")  # fmt: skip
+    assert losses(run) == losses(reference)  # the lines of the abandoned steps 4-6 were dropped and redone
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # no step twice
+    assert_same_weights(latest_checkpoint(run), latest_checkpoint(reference))
+    verify_checkpoint(run / CHECKPOINTS / "step-000006")  # rewritten whole by the resumed run
+
+
+@pytest.mark.parametrize("latest", [b"\xff\xfe\x00\x01binary", b"../../../elsewhere/step-000001\n",
+                                    b"/etc\n", b"checkpoints/../../step-000006\n"])  # fmt: skip
+def test_garbage_or_an_escape_in_latest_is_ignored(data_dir, reference, six_steps, tmp_path, capsys, latest):
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)
+    (run / "latest").write_bytes(latest)
+    assert read_latest(run) is None
+    code, err = _resume(run, capsys, "--resume")
+    assert code == 0, err
+    assert [line for line in err if line.startswith("gptkit: ")] == [
+        f"gptkit: {run / 'latest'} does not name a checkpoint inside checkpoints (ignored); resuming from "
+        f"{run / CHECKPOINTS / 'step-000006'}"]  # fmt: skip
+    assert losses(run) == losses(reference) and (run / "latest").read_text() == "checkpoints/step-000008\n"
+
+
+def test_a_checkpoint_renamed_into_place_counts_before_latest_names_it(data_dir, reference, six_steps, tmp_path,
+                                                                       capsys):  # fmt: skip
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)
+    (run / "latest").write_text("checkpoints/step-000003\n")  # a kill after step 6's rename, before `latest` moved
+    assert latest_checkpoint(run).name == "step-000006"
+    code, err = _resume(run, capsys, "--resume")
+    assert code == 0 and not [line for line in err if line.startswith("gptkit")], err
+    assert losses(run) == losses(reference)
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(9))
+
+
+def test_a_damaged_metrics_file_is_read_past(data_dir, reference, six_steps, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 2, "loss": \xff\xfe}\n{"step": 7, "loss": 1.')  # invalid UTF-8, then a torn last line
+    code, err = _resume(run, capsys, "--resume")
+    assert code == 0, err
+    lines = (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(9)) and losses(run) == losses(reference)
+
+
+def test_resume_from_an_older_checkpoint_rewinds_the_run(data_dir, reference, six_steps, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)
+    code, err = _resume(run, capsys, "--resume-from", str(run / CHECKPOINTS / "step-000003"))
+    assert code == 0, err
+    assert [line for line in err if line.startswith("gptkit: ")] == [
+        "gptkit: continuing from step-000003: removed the later checkpoint(s) step-000006"]
+    assert losses(run) == losses(reference)
+    assert_same_weights(latest_checkpoint(run), latest_checkpoint(reference))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--resume-from", "{run}/checkpoints/step-000006"], r"{run}/checkpoints/step-000006/model.safetensors does "
+         r"not match its checksum in the manifest \(changed or damaged\)"),
+        (["--resume-from", "{run}/checkpoints/step-000009"], r"--resume-from {run}/checkpoints/step-000009 does not "
+         "exist"),
+        (["--resume-from", "{run}/config.yaml"], r"--resume-from {run}/config.yaml is not a checkpoint directory .*"),
+        (["--resume-from", "{run}/checkpoints/step-000003", "--out", "{run}/../other"],
+         r"--resume-from {run}/checkpoints/step-000003 belongs to the run {run}, not to --out {run}/../other"),
+    ],
+)  # fmt: skip
+def test_resume_from_a_damaged_or_wrong_checkpoint_is_one_line(six_steps, tmp_path, capsys, flags, message):
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)
+    _flip_byte(run / CHECKPOINTS / "step-000006" / "model.safetensors")
+    flags = [f.replace("{run}", str(run)) for f in flags]
+    code = main(["train", "--quiet", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and re.fullmatch("gptkit train: error: " + message.replace("{run}", str(run)),
+                                                        err[0]), err  # fmt: skip
+
+
+def test_every_checkpoint_damaged_or_a_foreign_file_ends_in_one_line(six_steps, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)
+    for step in ("step-000003", "step-000006"):
+        _flip_byte(run / CHECKPOINTS / step / "optimizer.safetensors")
+    code, err = _resume(run, capsys, "--resume")
+    assert code == 2 and len(err) == 1, err
+    assert re.fullmatch(r"gptkit train: error: no checkpoint of .*run can be resumed from: .*step-000006/optimizer"
+                        r".safetensors does not match .*; .*step-000003/optimizer.safetensors does not match .*", err[0])
+    # Another tensor file in place of the optimiser's, with a manifest that agrees: the load names it.
+    shutil.rmtree(run)
+    shutil.copytree(six_steps, run)
+    newest = run / CHECKPOINTS / "step-000006"
+    shutil.copy(newest / "rng.safetensors", newest / "optimizer.safetensors")
+    write_manifest(newest)
+    code, err = _resume(run, capsys, "--resume")
+    assert code == 2 and len(err) == 1, err
+    assert re.fullmatch(r"gptkit train: error: .*step-000006/optimizer.safetensors does not fit this run's optimiser "
+                        r"\(KeyError: .*\); is it another run's file\?", err[0]), err
+
+
+def test_a_run_killed_before_its_first_checkpoint(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()  # killed before config.yaml was written
+    code = main(["train", "--out", str(run), "--resume", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"gptkit train: error: {run} has no checkpoint to resume from (the run stopped before "
+                                 "its first checkpoint): start it again without --resume"]  # fmt: skip
+    (run / "metrics.jsonl").write_text('{"step": 0, "val_loss": 4.0}\n')  # a first run's step-0 line
+    assert main(["train", *_cli_flags(data_dir, run, max_steps=2)]) == 0
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]  # the restart's own step-0 line only
+
+
+def test_conflicting_flags_are_one_line_usage_errors(data_dir, tmp_path, capsys):
+    for alias, field in (("--data", "--train.data_dir"), ("--out", "--train.out_dir")):
+        code = main(["train", alias, str(tmp_path / "a"), field, str(tmp_path / "b")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err == [f"gptkit train: error: {alias} and {field} both set {field[2:]}; give one of "
+                                     "them"]  # fmt: skip
+
+
+def test_the_manifest_lists_every_file_and_save_verifies(data_dir, reference):
+    checkpoint = latest_checkpoint(reference)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    files = sorted(p.name for p in checkpoint.iterdir() if p.name != "manifest.json")
+    assert sorted(manifest["files"]) == files and "trainer.json" in files and manifest["checksum"] == "xxh3_64"
+    for name, entry in manifest["files"].items():
+        assert entry["bytes"] == (checkpoint / name).stat().st_size
+    verify_checkpoint(checkpoint)
+
+
+# In a private mount namespace: a small tmpfs, the run on it, then which checkpoint of the run verifies.
+TMPFS_CHILD = """mount -t tmpfs -o size={size}k tmpfs {mount} || exit 99
+{python} -m gptkit train {flags} 2> {err}
+echo "exit $?"
+{python} -c 'import sys; from gptkit.checkpoint import latest_checkpoint; print(latest_checkpoint(sys.argv[1], True))' {run}
+"""
+
+
+def test_a_full_tmpfs_during_a_save_is_one_line_naming_the_intact_checkpoint(data_dir, reference, tmp_path):
+    """A real full disk: a tmpfs with room for about one and a half checkpoints."""
+    import shlex
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    namespace = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
+    try:
+        probe = subprocess.run([*namespace, f"mount -t tmpfs -o size=64k tmpfs {mount}"], capture_output=True, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("no unshare command")
+    if probe.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (no user namespaces)")
+    one = sum(-(-p.stat().st_size // 4096) * 4 for p in latest_checkpoint(reference).iterdir())  # KiB, in pages
+    out, err = mount / "run", tmp_path / "stderr.txt"
+    child = TMPFS_CHILD.format(size=int(one * 1.5) + 32, mount=mount, python=shlex.quote(sys.executable), err=err,
+                               run=out, flags=" ".join(shlex.quote(f) for f in _cli_flags(data_dir, out)))  # fmt: skip
+    result = subprocess.run([*namespace, child], capture_output=True, text=True, timeout=300)
+    assert result.stdout.startswith("exit 2\n"), (result.stdout, result.stderr, err.read_text()[-3000:])
+    intact = result.stdout.splitlines()[1]  # the newest checkpoint that verifies, seen inside the namespace
+    assert intact.endswith(("step-000003", "step-000006")), result.stdout
+    last = err.read_text().strip().splitlines()[-1]
+    assert re.fullmatch(r"gptkit train: error: could not (write the checkpoint of step \d|append to .*metrics.jsonl): "
+                        r"No space left on device.*; the last intact checkpoint is " + re.escape(intact), last), last
 
 
 def test_compiled_model_checkpoints_without_orig_mod(data_dir, tmp_path, monkeypatch):

@@ -142,7 +142,7 @@ def test_missing_data_and_runs_that_exist(tmp_path, data_dir, capsys):
     code, err = run_cli(["--out", str(tmp_path / "r")], capsys)
     assert code == 2 and "pass --data DIR" in err
     code, err = run_cli(["--data", str(data_dir), "--out", str(tmp_path / "r"), "--resume"], capsys)
-    assert code == 2 and "config.yaml does not exist" in err
+    assert code == 2 and "does not exist: there is no run to resume (start it without --resume)" in err
     assert not (tmp_path / "r").exists()
 
 

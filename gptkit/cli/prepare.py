@@ -1,4 +1,4 @@
-"""`gptkit prepare`: tokenize text files, directories or JSONL into a data directory for training."""
+"""`gptkit prepare`: tokenize text, JSONL, CSV or Parquet files (or directories of them) into a data directory."""
 
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "prepare",
         help=HELP,
-        description="Tokenize text files, directories (recursively) and JSONL files (a 'text' field per line) "
-        "into DATA_DIR/train.bin, val.bin, the tokenizer files and meta.json. With no --input, the bundled tiny "
-        "shakespeare is used. JSONL files of supervised examples (\"messages\" conversations, \"prompt\" and "
-        "\"completion\", or \"instruction\" and \"output\") make a data set of examples for fine-tuning: each "
-        "rendered with the chat template of the model given as --tokenizer, with which tokens are trained on.",
+        description="Tokenize text, JSONL, CSV/TSV and Parquet files (plain or gzip/xz/bzip2/zstd compressed) and "
+        "directories of them into DATA_DIR/train.bin, val.bin, the tokenizer files and meta.json. With no --input, "
+        "the bundled tiny shakespeare is used. The new data set replaces the old one only once it is complete. "
+        "Rows of supervised examples (\"messages\" conversations, \"prompt\" and \"completion\", or "
+        "\"instruction\" and \"output\") make a data set of examples for fine-tuning: each rendered with the chat "
+        "template of the model given as --tokenizer, with which tokens are trained on.",
     )
     # Unset flags stay out of the namespace, so that run() can tell an explicit --vocab-size from the default.
     add_dataclass_flags(parser, PrepareConfig, keep_unset=True)

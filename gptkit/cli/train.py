@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gptkit.train_config import RunConfig
 
-USAGE = "gptkit train [--config FILE.yaml] [--data DIR] [--out RUN_DIR] [--resume] [--SECTION.KEY VALUE ...]"
+USAGE = ("gptkit train [--config FILE.yaml] [--data DIR] [--out RUN_DIR] [--resume | --resume-from CHECKPOINT] "
+         "[--SECTION.KEY VALUE ...]")
+# Short flags that set a config field, and the field's own flag: giving both is an error, not a silent choice.
+ALIASES = {"data": "train.data_dir", "out": "train.out_dir"}
 
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
@@ -36,7 +39,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", metavar="DIR", help="prepared data directory (same as --train.data_dir)")
     parser.add_argument("--out", metavar="RUN_DIR", help="run directory (same as --train.out_dir; default "
                         "runs/<config name>)")  # fmt: skip
-    parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR from its latest checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR from its newest checkpoint "
+                        "that verifies (a damaged newer one is passed over, with a warning)")  # fmt: skip
+    parser.add_argument("--resume-from", metavar="CHECKPOINT", help="continue the run from this checkpoint, "
+                        "RUN_DIR/checkpoints/step-N (an error if it is damaged); later checkpoints are removed")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_flags(parser)
     parser.set_defaults(run=run)
@@ -44,25 +50,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def build_config(args: argparse.Namespace) -> RunConfig:
     """The run's settings from the arguments; with --resume, the run directory's config.yaml is the base."""
+    from gptkit.checkpoint import CHECKPOINTS, latest_checkpoint
     from gptkit.errors import ConfigError
     from gptkit.train import CONFIG_FILE
     from gptkit.train_config import flag_overrides, from_sources
 
     flags = flag_overrides(args)
-    train_flags = flags.setdefault("train", {})
-    for option, key in (("data", "data_dir"), ("out", "out_dir")):
-        if getattr(args, option) is not None:
-            train_flags[key] = getattr(args, option)
+    for option, field in ALIASES.items():
+        section, key = field.split(".")
+        if getattr(args, option) is None:
+            continue
+        if key in flags.get(section, {}):
+            raise ConfigError(f"--{option} and --{field} both set {field}; give one of them")
+        flags.setdefault(section, {})[key] = getattr(args, option)
+    if args.resume_from is not None:
+        checkpoint = Path(args.resume_from)
+        folder = checkpoint.parent if checkpoint.parent.name == CHECKPOINTS else checkpoint.resolve().parent
+        if folder.name != CHECKPOINTS:
+            raise ConfigError(f"--resume-from {checkpoint} is not a checkpoint directory (RUN_DIR/{CHECKPOINTS}/step-N)")
+        run_dir = folder.parent
+        given = flags.get("train", {}).get("out_dir")
+        if given is not None and Path(given).resolve() != run_dir.resolve():
+            raise ConfigError(f"--resume-from {checkpoint} belongs to the run {run_dir}, not to --out {given}")
+        flags.setdefault("train", {})["out_dir"] = str(run_dir if given is None else given)
     recipe = from_sources(args.config, flags)
     if recipe.train.out_dir is None:
         recipe.train.out_dir = str(Path("runs") / (Path(args.config).stem if args.config else "run"))
-    if not args.resume:
+    if not (args.resume or args.resume_from):
         return recipe
     # Resuming: the run's own resolved config.yaml is the base (the recipe was baked into it); flags may extend
     # the run (e.g. --train.max_steps) but not change the model it trains.
-    saved_path = Path(recipe.train.out_dir) / CONFIG_FILE
+    run_dir = Path(recipe.train.out_dir)
+    saved_path = run_dir / CONFIG_FILE
     if not saved_path.is_file():
-        raise ConfigError(f"{saved_path} does not exist; is {recipe.train.out_dir} a gptkit run directory?")
+        if not run_dir.is_dir():
+            raise ConfigError(f"{run_dir} does not exist: there is no run to resume (start it without --resume)")
+        if latest_checkpoint(run_dir) is None:
+            raise ConfigError(f"{run_dir} has no checkpoint to resume from (the run stopped before its first "
+                              "checkpoint): start it again without --resume")  # fmt: skip
+        raise ConfigError(f"{saved_path} is missing, so the run's settings are unknown; restore it to resume")
     fixed = ("model", "finetune")  # what the checkpoint's weights were built as
     config = from_sources(saved_path, {section: values for section, values in flags.items() if section not in fixed})
     config.train.out_dir = recipe.train.out_dir
@@ -86,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.distributed import world_from_env
 
     config = build_config(args)
-    result = train(config, resume=args.resume, progress=not args.quiet)
+    result = train(config, resume=args.resume, progress=not args.quiet, resume_from=args.resume_from)
     if not world_from_env().is_main:  # under torchrun, rank 0 speaks for the run
         return 130 if result.interrupted else 0
     where = f" (last val loss {result.val_loss:.4f})" if result.val_loss is not None else ""
