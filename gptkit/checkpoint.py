@@ -437,7 +437,7 @@ def load_checkpoint(
     record = read_trainer_state(path)
     module = getattr(model, "_orig_mod", model)
     device = next(module.parameters()).device
-    (load_model or _load_weights)(module, path)
+    (load_model or load_weights)(module, path)
     try:
         load_optimizer_state(optimizer, load_tensors(path / OPTIMIZER_FILE, device), record["optimizer"], names)
     except (KeyError, ValueError, TypeError, RuntimeError) as err:
@@ -455,7 +455,7 @@ def load_checkpoint(
     return record
 
 
-def _load_weights(module: torch.nn.Module, path: Path) -> None:
+def load_weights(module: torch.nn.Module, path: Path) -> None:
     """Copy a checkpoint's full weights into the run's model, in place (the optimiser holds these parameters)."""
     from gptkit.modeldir import WEIGHTS_FILE
 

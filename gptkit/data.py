@@ -7,8 +7,9 @@ is incomplete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,13 @@ TOKEN_DTYPES = ("uint16", "uint32")
 SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
 # A data set of supervised examples (meta.json "kind": "examples") adds, per split, which tokens are trained on
 # (uint8, 1 = the loss trains the model to predict this token) and where each example starts (int64, one offset
-# per example into the token file, then the total).
+# per example into the token file, then the total). Preference pairs ("preferences") are stored the same way, each
+# pair's chosen example then its rejected one; labelled texts ("labelled") add each example's label (int64, an
+# index into meta.json's "labels").
+EXAMPLE_KINDS = ("examples", "preferences", "labelled")
 EXAMPLE_FILES = {split: {"ids": name, "mask": name.replace(".bin", ".mask.bin"),
-                         "offsets": name.replace(".bin", ".offsets.bin")} for split, name in SPLIT_FILES.items()}
+                         "offsets": name.replace(".bin", ".offsets.bin"), "labels": name.replace(".bin", ".labels.bin")}
+                 for split, name in SPLIT_FILES.items()}  # fmt: skip
 
 
 def read_meta(data_dir: str | Path) -> dict[str, Any]:
@@ -60,8 +65,16 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
             count = meta.get(f"{split}_examples")
             if not isinstance(count, int) or isinstance(count, bool) or count < 0:
                 raise GptkitError(f"{path}: field '{split}_examples' must be a non-negative integer, got {count!r}")
+            if meta["kind"] == "preferences" and count % 2:
+                raise GptkitError(f"{path}: '{split}_examples' must be even in a data set of preference pairs")
             expected[files["mask"]] = meta[f"{split}_tokens"]
             expected[files["offsets"]] = (count + 1) * 8
+            if meta["kind"] == "labelled":
+                expected[files["labels"]] = count * 8
+        labels = meta.get("labels")
+        if meta["kind"] == "labelled" and not (isinstance(labels, list) and len(labels) >= 2
+                                               and all(isinstance(label, str) for label in labels)):  # fmt: skip
+            raise GptkitError(f"{path}: field 'labels' must list at least two label strings, got {labels!r}")
     for name, size in expected.items():
         file = data_dir / name
         actual = file.stat().st_size if file.is_file() else None
@@ -74,8 +87,8 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
 
 
 def is_examples(meta: dict[str, Any]) -> bool:
-    """Whether a data set holds supervised examples (ids, trained tokens, example starts) rather than a stream."""
-    return meta.get("kind") == "examples"
+    """Whether a data set holds examples (supervised, preference pairs or labelled) rather than a token stream."""
+    return meta.get("kind") in EXAMPLE_KINDS
 
 
 def load_tokens(path: str | Path, dtype: str) -> np.memmap:
@@ -195,29 +208,58 @@ def sequential_batches(
 
 @dataclass
 class Batch:
-    """One micro-batch: inputs x, targets y (IGNORE_INDEX where nothing is trained), and for packed rows the
-    document each position belongs to. targets counts the trained targets; step_targets those of every
-    micro-batch of the same update across all ranks (None for text windows, where every micro-batch is full);
-    tokens the input positions that are not padding."""
+    """One micro-batch: inputs x, targets y (IGNORE_INDEX where nothing is trained), for packed rows the document
+    each position belongs to, and for labelled texts each row's label and last real position.
+
+    units counts what the batch's loss is a mean over (trained targets; preference pairs; labelled texts) and
+    step_units those of every micro-batch of the same update across all ranks (None for text windows, where every
+    micro-batch is full); tokens counts the input positions that are not padding."""
 
     x: torch.Tensor
     y: torch.Tensor
     document_ids: torch.Tensor | None = None
-    targets: int = 0
-    step_targets: int | None = None
-    tokens: int = 0  # input positions that are not padding
+    units: int = 0
+    step_units: int | None = None
+    tokens: int = 0
+    labels: torch.Tensor | None = None  # (B,) label indices
+    last: torch.Tensor | None = None  # (B,) each row's last real position
+
+    def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """The batch with every tensor passed through move (a copy to a device)."""
+        tensors = {k: None if v is None else move(v) for k, v in vars(self).items() if k in TENSOR_FIELDS}
+        return dataclasses.replace(self, **tensors)
+
+
+TENSOR_FIELDS = ("x", "y", "document_ids", "labels", "last")
 
 
 @dataclass
 class Examples:
-    """One split of a supervised data set: every example's tokens back to back, its trained tokens, its offsets."""
+    """One split of an example data set: every example's tokens back to back, its trained tokens, its offsets,
+    and what kind of set it is (gptkit.data.EXAMPLE_KINDS; labelled sets carry each example's label)."""
 
     ids: np.ndarray
     trained: np.ndarray  # uint8, 1 where the token is a trained target
     offsets: np.ndarray  # int64, len(examples) + 1
+    kind: str = "examples"
+    labels: np.ndarray | None = None  # int64 per example, labelled sets only
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    @property
+    def rows_per_item(self) -> int:
+        """Examples per item a batch draws: two for a preference pair (chosen, rejected), else one."""
+        return 2 if self.kind == "preferences" else 1
+
+    def items(self) -> int:
+        """How many items (examples, or preference pairs) the split holds."""
+        return len(self) // self.rows_per_item
+
+    def item_rows(self, item: int) -> list[list[int]]:
+        """The batch rows (lists of example indices) of one item."""
+        first = item * self.rows_per_item
+        return [[first + k] for k in range(self.rows_per_item)]
 
     def lengths(self) -> np.ndarray:
         """Tokens per example."""
@@ -231,6 +273,14 @@ class Examples:
         sums = np.add.reduceat(padded, bounds, dtype=np.int64)[::2]  # sums over [s_i, e_i)
         return np.where(starts < ends, sums, 0)
 
+    def units(self) -> np.ndarray:
+        """What each item adds to the count a loss is a mean over: its trained targets; one per pair or text."""
+        return self.targets() if self.kind == "examples" else np.ones(self.items(), dtype=np.int64)
+
+    def positions(self) -> np.ndarray:
+        """Input positions per example: a labelled text reads all its tokens (its class is read at the last)."""
+        return self.lengths() - (self.kind != "labelled")
+
 
 def load_examples(data_dir: str | Path, split: str, meta: dict[str, Any]) -> Examples:
     """The memory-mapped examples of a split of a data set read_meta has checked."""
@@ -241,29 +291,41 @@ def load_examples(data_dir: str | Path, split: str, meta: dict[str, Any]) -> Exa
     offsets = np.fromfile(data_dir / files["offsets"], dtype=np.int64)
     if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
         raise GptkitError(f"{data_dir / files['offsets']} does not describe {split}'s examples; rerun gptkit prepare")
-    return Examples(ids, trained, offsets)
+    labels = None
+    if meta["kind"] == "labelled":
+        labels = np.fromfile(data_dir / files["labels"], dtype=np.int64)
+        if len(labels) and (labels.min() < 0 or labels.max() >= len(meta["labels"])):
+            raise GptkitError(f"{data_dir / files['labels']} holds a label outside meta.json's labels; rerun gptkit "
+                              "prepare")  # fmt: skip
+    return Examples(ids, trained, offsets, meta["kind"], labels)
 
 
-def _example_rows(examples: Examples, rows: list[list[int]], block_size: int,
-                  packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """(x, y, document_ids) for rows of example indices: each example's inputs and targets side by side,
-    right-padded (padding predicts nothing; packed rows give it a document id of its own)."""
-    width = max(sum(int(examples.offsets[i + 1] - examples.offsets[i]) - 1 for i in row) for row in rows)
+def _example_rows(examples: Examples, rows: list[list[int]], block_size: int, packed: bool) -> Batch:
+    """The batch of rows of example indices: each example's inputs and targets side by side, right-padded (padding
+    predicts nothing; packed rows give it a document id of its own). A labelled text's inputs are all its tokens,
+    and each row's label and last real position come with it."""
+    whole = examples.kind == "labelled"
+    width = max(sum(int(examples.offsets[i + 1] - examples.offsets[i]) - (not whole) for i in row) for row in rows)
     width = block_size if packed else min(block_size, -(-width // PAD_MULTIPLE) * PAD_MULTIPLE)
     x = np.zeros((len(rows), width), dtype=np.int64)
     y = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
     docs = np.full((len(rows), width), -1, dtype=np.int64)
+    last = np.zeros(len(rows), dtype=np.int64)
     for r, row in enumerate(rows):
         at = 0
         for d, i in enumerate(row):
             a, b = examples.offsets[i], examples.offsets[i + 1]
-            n = b - a - 1
-            x[r, at : at + n] = examples.ids[a : b - 1]
+            n = b - a - (not whole)
+            x[r, at : at + n] = examples.ids[a : a + n]
             targets = examples.ids[a + 1 : b].astype(np.int64)
-            y[r, at : at + n] = np.where(examples.trained[a + 1 : b] != 0, targets, IGNORE_INDEX)
+            y[r, at : at + b - a - 1] = np.where(examples.trained[a + 1 : b] != 0, targets, IGNORE_INDEX)
             docs[r, at : at + n] = d
             at += n
-    return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(docs) if packed else None
+        last[r] = at - 1
+    labelled = examples.labels is not None
+    return Batch(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(docs) if packed else None,
+                 labels=torch.from_numpy(examples.labels[[row[0] for row in rows]]) if labelled else None,
+                 last=torch.from_numpy(last) if labelled else None)  # fmt: skip
 
 
 # Padded batches are as wide as their longest example, rounded up to this: fewer distinct shapes for a compiled
@@ -272,42 +334,46 @@ PAD_MULTIPLE = 8
 
 
 class ExampleBatches:
-    """Training batches of whole supervised examples, padded or packed, deterministic in (seed, batch number).
+    """Training batches of whole examples, padded or packed, deterministic in (seed, batch number).
 
-    Epoch e visits every example once, in an order drawn from a Philox generator keyed by the seed with its
-    counter set to e. Each example becomes a row of its own (padded), or examples are packed in that order into
-    rows of block_size positions (next fit: an example that does not fit the current row starts the next one).
-    Batch k is rows k * batch_size ... of that endless row stream, so the state is just k, as for TrainBatches.
-    group is how many consecutive batches make one update (grad_accum x processes): each batch says how many
-    targets its whole update has, for a loss that is the mean over the update's trained tokens.
+    Epoch e visits every item (an example, or a preference pair) once, in an order drawn from a Philox generator
+    keyed by the seed with its counter set to e. Each item gives its rows (padded; a pair's chosen then rejected
+    example), or supervised examples are packed in that order into rows of block_size positions (next fit: an
+    example that does not fit the current row starts the next one). Batch k is items k * batch_size ... of that
+    endless stream, so the state is just k, as for TrainBatches. group is how many consecutive batches make one
+    update (grad_accum x processes): each batch says how many units its whole update has, for a loss that is the
+    mean over the update's trained tokens (or pairs, or texts).
     """
 
     def __init__(self, examples: Examples, block_size: int, batch_size: int, seed: int, packed: bool,
                  group: int = 1) -> None:  # fmt: skip
-        if len(examples) == 0:
+        if examples.items() == 0:
             raise InputError("the data set has no examples to train on")
-        longest = int(examples.lengths().max()) - 1
+        if packed and examples.kind != "examples":
+            raise InputError(f"packing applies to supervised examples, not {examples.kind}; set finetune.packing "
+                             "false")  # fmt: skip
+        self.positions = examples.positions()
+        longest = int(self.positions.max())
         if longest > block_size:
             raise InputError(
-                f"an example of {longest + 1} tokens does not fit the model's block_size {block_size}; prepare the "
-                f"data again with --max-length {block_size + 1}"
+                f"an example of {longest + (examples.kind != 'labelled')} tokens does not fit the model's block_size "
+                f"{block_size}; prepare the data again with --max-length {block_size + (examples.kind != 'labelled')}"
             )
         self.examples, self.block_size, self.batch_size = examples, block_size, batch_size
         self.packed, self.group = packed, group
-        self.targets = examples.targets()
-        self.positions = examples.lengths() - 1  # input positions per example
+        self.units = examples.units()
         self.seed = int(seed)
         self.step = 0
-        self._epochs: dict[int, list[list[int]]] = {}  # rows of recent epochs
-        self._epoch_starts = [0]  # first global row of each epoch computed so far
-        self._update = (-1, 0)  # (first batch of an update, its targets) last computed
+        self._epochs: dict[int, list[list[int]]] = {}  # items of recent epochs (for packed rows, their examples)
+        self._epoch_starts = [0]  # first global item of each epoch computed so far
+        self._update = (-1, 0)  # (first batch of an update, its units) last computed
 
-    def _rows_of(self, epoch: int) -> list[list[int]]:
+    def _items_of(self, epoch: int) -> list[list[int]]:
         if epoch not in self._epochs:
             key = np.random.SeedSequence([self.seed, 1]).generate_state(2, dtype=np.uint64)
             order = np.random.Generator(np.random.Philox(key=key, counter=[0, 0, 0, epoch])).permutation(
-                len(self.examples))
-            self._epochs = {e: rows for e, rows in self._epochs.items() if e >= epoch - 1}  # keep memory bounded
+                self.examples.items())
+            self._epochs = {e: items for e, items in self._epochs.items() if e >= epoch - 1}  # memory stays bounded
             self._epochs[epoch] = self._pack(order) if self.packed else [[int(i)] for i in order]
         return self._epochs[epoch]
 
@@ -321,31 +387,33 @@ class ExampleBatches:
             used += int(self.positions[i])
         return rows + [row]
 
-    def _rows(self, first: int, count: int) -> list[list[int]]:
-        """Rows first ... first + count - 1 of the endless stream."""
+    def _items(self, first: int, count: int) -> list[list[int]]:
+        """Items first ... first + count - 1 of the endless stream (a packed row is one item)."""
         while self._epoch_starts[-1] <= first + count:  # learn where each epoch starts, as far as needed
             epoch = len(self._epoch_starts) - 1
-            self._epoch_starts.append(self._epoch_starts[-1] + len(self._rows_of(epoch)))
+            self._epoch_starts.append(self._epoch_starts[-1] + len(self._items_of(epoch)))
         out = []
         for g in range(first, first + count):
             epoch = int(np.searchsorted(self._epoch_starts, g, side="right")) - 1
-            out.append(self._rows_of(epoch)[g - self._epoch_starts[epoch]])
+            out.append(self._items_of(epoch)[g - self._epoch_starts[epoch]])
         return out
 
     def _count(self, batch: int) -> int:
-        return sum(int(self.targets[row].sum()) for row in self._rows(batch * self.batch_size, self.batch_size))
+        return sum(int(self.units[item].sum()) for item in self._items(batch * self.batch_size, self.batch_size))
 
     def next_batch(self) -> Batch:
         """The next micro-batch."""
         k = self.step
         self.step += 1
-        rows = self._rows(k * self.batch_size, self.batch_size)
-        x, y, docs = _example_rows(self.examples, rows, self.block_size, self.packed)
+        items = self._items(k * self.batch_size, self.batch_size)
+        rows = items if self.packed else [row for (item,) in items for row in self.examples.item_rows(item)]
+        batch = _example_rows(self.examples, rows, self.block_size, self.packed)
         first = k - k % self.group
         if self._update[0] != first:  # the update's count, once per update rather than once per micro-batch
             self._update = (first, sum(self._count(b) for b in range(first, first + self.group)))
-        return Batch(x, y, docs, int(sum(self.targets[row].sum() for row in rows)), self._update[1],
-                     int(sum(self.positions[row].sum() for row in rows)))
+        positions = sum(int(self.positions[row].sum()) for row in rows)
+        return dataclasses.replace(batch, units=sum(int(self.units[item].sum()) for item in items),
+                                   step_units=self._update[1], tokens=positions)  # fmt: skip
 
     def state_dict(self) -> dict[str, int]:
         """The position in the batch stream (JSON-able)."""
@@ -366,11 +434,11 @@ class ExampleBatches:
 
 def example_batches(examples: Examples, block_size: int, batch_size: int, limit: int | None = None,
                     order: np.ndarray | None = None) -> Iterator[Batch]:  # fmt: skip
-    """Padded batches over the first `limit` examples of a split (in `order`, default as stored): evaluation."""
-    chosen = np.arange(len(examples)) if order is None else order
+    """Padded batches over the first `limit` items of a split (in `order`, default as stored): evaluation."""
+    chosen = np.arange(examples.items()) if order is None else order
     chosen = chosen[:limit] if limit is not None else chosen
-    targets = examples.targets()
+    units = examples.units()
     for start in range(0, len(chosen), batch_size):
-        rows = [[int(i)] for i in chosen[start : start + batch_size]]
-        x, y, _ = _example_rows(examples, rows, block_size, packed=False)
-        yield Batch(x, y, None, int(sum(targets[row[0]] for row in rows)))
+        items = [int(i) for i in chosen[start : start + batch_size]]
+        batch = _example_rows(examples, [row for i in items for row in examples.item_rows(i)], block_size, False)
+        yield dataclasses.replace(batch, units=int(units[items].sum()))

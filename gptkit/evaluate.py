@@ -198,8 +198,10 @@ def score_examples(
     device = next(model.parameters()).device
     total, count = torch.zeros((), device=device), 0
     for batch in example_batches(examples, block_size, batch_size, limit, order):
-        total += model(batch.x.to(device), targets=batch.y.to(device)).float() * batch.targets
-        count += batch.targets
+        scored = int((batch.y != IGNORE_INDEX).sum())
+        if scored:
+            total += model(batch.x.to(device), targets=batch.y.to(device)).float() * scored
+        count += scored
         on_examples(len(batch.x))
     return float(total), count
 
@@ -246,3 +248,18 @@ def evaluate_text(
     if len(ids) < 2:
         raise InputError(f"the text encodes to {len(ids)} token; at least 2 are needed to score a prediction")
     return evaluate_ids(model, ids, tokenizer.token_byte_lengths(), stride, batch_size, on_windows)
+
+
+def classification_scores(truth: np.ndarray, predicted: np.ndarray, labels: list[str]) -> dict[str, Any]:
+    """Accuracy, macro-F1 (the mean F1 over the labels that occur in truth or prediction, as scikit-learn's
+    f1_score(average="macro") counts them) and the confusion matrix (rows: true label, columns: predicted)."""
+    n = len(labels)
+    confusion = np.zeros((n, n), dtype=np.int64)
+    np.add.at(confusion, (truth, predicted), 1)
+    hits = np.diag(confusion).astype(np.float64)
+    true_counts, predicted_counts = confusion.sum(1), confusion.sum(0)
+    present = (true_counts + predicted_counts) > 0
+    f1 = np.divide(2 * hits, true_counts + predicted_counts, out=np.zeros(n), where=present)
+    return {"examples": int(len(truth)), "accuracy": float(hits.sum() / max(len(truth), 1)),
+            "macro_f1": float(f1[present].mean()) if present.any() else 0.0, "labels": list(labels),
+            "f1": {label: float(f1[i]) for i, label in enumerate(labels)}, "confusion": confusion.tolist()}  # fmt: skip

@@ -708,6 +708,28 @@ def hf_checkpoint(model: GPT, tokenizer: Any | None = None) -> tuple[dict[str, A
     return hf, hf_state
 
 
+# transformers' sequence-classification class for each causal-LM class gptkit writes.
+CLASSIFIER_ARCHITECTURES = {"GPT2LMHeadModel": "GPT2ForSequenceClassification",
+                            "LlamaForCausalLM": "LlamaForSequenceClassification",
+                            "MistralForCausalLM": "MistralForSequenceClassification",
+                            "Qwen2ForCausalLM": "Qwen2ForSequenceClassification"}  # fmt: skip
+
+
+def hf_classifier_checkpoint(hf: dict[str, Any], hf_state: dict[str, Tensor], labels: list[str], score: Tensor,
+                             pad_id: int | None) -> tuple[dict[str, Any], dict[str, Tensor]]:  # fmt: skip
+    """A causal LM's config and state turned into its *ForSequenceClassification: the same body, and a linear
+    head without bias (score) that transformers reads at each row's last token that is not pad_id."""
+    architecture = CLASSIFIER_ARCHITECTURES.get(hf["architectures"][0])
+    if architecture is None:
+        raise ConversionError(f"transformers has no sequence classifier for {hf['architectures'][0]} here")
+    hf = dict(hf, architectures=[architecture], id2label=dict(enumerate(labels)),
+              label2id={label: i for i, label in enumerate(labels)}, pad_token_id=pad_id,
+              problem_type="single_label_classification")  # fmt: skip
+    state = {name: tensor for name, tensor in hf_state.items() if name != "lm_head.weight"}
+    state["score.weight"] = score.detach().to(next(iter(hf_state.values())).dtype)
+    return hf, state
+
+
 def hf_block_modules(config: ModelConfig) -> tuple[dict[str, list[tuple[str, int | None]]], bool]:
     """Where each gptkit block layer ("blocks.0.attn.qkv") lives in the exported HF model: its modules, each with
     the rows of the layer's output it takes (None: all), and whether they store weights transposed (Conv1D)."""
@@ -747,11 +769,13 @@ def export_hf(
     tokenizer: Any | None = None,
     tokenizer_config: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
+    head: tuple[list[str], Tensor] | None = None,
 ) -> Path:
     """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) equal to the model.
 
     model_or_dir is a GPT or a model directory, whose tokenizer and tokenizer_config.json (chat template,
-    special-token names) come along unless given; dtype casts the weights of a directory's model.
+    special-token names) come along unless given; dtype casts the weights of a directory's model. head (labels,
+    score weight) writes a sequence classifier instead of a causal LM, padding with the end-of-text id.
     """
     if isinstance(model_or_dir, (str, Path)):
         from gptkit.modeldir import load
@@ -762,6 +786,9 @@ def export_hf(
     else:
         model = model_or_dir
     hf, hf_state = hf_checkpoint(model, tokenizer)
+    if head is not None:
+        pad_id = tokenizer.eos_id if tokenizer is not None else None
+        hf, hf_state = hf_classifier_checkpoint(hf, hf_state, head[0], head[1], pad_id)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_tensors(hf_state, out / WEIGHTS_FILE, metadata={"format": "pt"})

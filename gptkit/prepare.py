@@ -31,6 +31,7 @@ from gptkit.atomic import atomic_write_text, replace_dir, staging_dir, sweep_sta
 from gptkit.chat import TOKENIZER_CONFIG, ChatTemplate, eos_text, load_chat_template
 from gptkit.data import EXAMPLE_FILES, META_FILE, SPLIT_FILES
 from gptkit.errors import GptkitError, InputError
+from gptkit.finetune.examples import KINDS as EXAMPLE_KIND
 from gptkit.finetune.examples import SUPERVISED, ExampleEncoder, fit, row_format
 from gptkit.inputs import READ_CHUNK, Piece, Reader, first_record, records, resolve_inputs, row_kind
 from gptkit.tokenizer import (
@@ -462,7 +463,8 @@ def _example_tokenizer(config: PrepareConfig, rows: Callable[[], Iterable[tuple[
 
     def texts() -> Iterator[str]:
         for record, fmt, where in rows():
-            yield plain.tokenizer.decode(plain.encode(record, fmt, where).ids.tolist()).replace(EOT, "")
+            for example in plain.encode_row(record, fmt, where)[0]:
+                yield plain.tokenizer.decode(example.ids.tolist()).replace(EOT, "")
 
     if name == "char":
         return CharTokenizer.train(texts(), [EOT]), template
@@ -486,31 +488,41 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
     if plain:
         raise InputError(f"{plain[0]} is plain text, the other inputs supervised examples; prepare them separately "
                          "(or give the text as {\"text\": ...} JSONL rows)")  # fmt: skip
+    kind = _data_kind(files, formats)
     tokenizer, template = _example_tokenizer(config, lambda: _rows(files, formats, config.errors), progress)
     encoder = ExampleEncoder(tokenizer, template, config.loss_on)  # type: ignore[arg-type]
     max_length = config.max_length or _context_of(config.tokenizer) or DEFAULT_MAX_LENGTH
     dtype = _token_dtype(tokenizer.vocab_size)
 
     temporaries = [stage / ".ids.tmp", stage / ".mask.tmp"]  # all examples, before the split
-    offsets, targets = [0], []
+    offsets, targets, labels = [0], [], []
     truncated = dropped = 0
     with open(temporaries[0], "wb") as ids_file, open(temporaries[1], "wb") as mask_file, \
             _progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:  # fmt: skip
         for record, fmt, where in _rows(files, formats, config.errors, bar.update):
-            example = encoder.encode(record, fmt, where)
-            fitted = fit(example, max_length, config.overlong)  # type: ignore[arg-type]
-            if fitted is None:
+            examples, label = encoder.encode_row(record, fmt, where)
+            fitted = [fit(e, max_length, config.overlong, kind != "labelled") for e in examples]  # type: ignore[arg-type]
+            if any(e is None for e in fitted):  # a pair is kept or dropped whole
                 dropped += 1
                 continue
-            truncated += fitted is not example
-            ids_file.write(fitted.ids.astype(dtype).tobytes())
-            mask_file.write(fitted.trained.astype(np.uint8).tobytes())
-            offsets.append(offsets[-1] + len(fitted.ids))
-            targets.append(fitted.targets)
+            truncated += any(f is not e for f, e in zip(fitted, examples))
+            for example in fitted:
+                ids_file.write(example.ids.astype(dtype).tobytes())
+                mask_file.write(example.trained.astype(np.uint8).tobytes())
+                offsets.append(offsets[-1] + len(example.ids))
+                targets.append(example.targets)
+            if label is not None:
+                labels.append(label)
     if len(offsets) == 1:
         raise InputError(f"no example fits --max-length {max_length} ({dropped} dropped); raise --max-length")
-    val = _val_examples(len(targets), config.val_fraction)
-    counts = _write_example_splits(temporaries, np.asarray(offsets, dtype=np.int64), val, stage, dtype)
+    label_names = sorted(set(labels))
+    if kind == "labelled" and len(label_names) < 2:
+        raise InputError(f"every labelled row has the label {label_names[0]!r}: a classifier needs at least two labels")
+    per_item = 2 if kind == "preferences" else 1
+    val_items = _val_examples(len(targets) // per_item, config.val_fraction)
+    val = (val_items[:, None] * per_item + np.arange(per_item)).reshape(-1)
+    label_ids = np.asarray([label_names.index(label) for label in labels], dtype=np.int64) if labels else None
+    counts = _write_example_splits(temporaries, np.asarray(offsets, dtype=np.int64), val, stage, dtype, label_ids)
     for path in temporaries:
         path.unlink()
     tokenizer.save(stage)
@@ -521,7 +533,7 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
     meta = {
         "format": META_FORMAT,
         "format_version": META_VERSION,
-        "kind": "examples",
+        "kind": kind,
         "vocab_size": tokenizer.vocab_size,
         "dtype": dtype,
         "train_tokens": counts["train"][0],
@@ -533,6 +545,7 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
         "tokenizer": tokenizer.kind,
         "eos_id": tokenizer.eos_id,
         "chat_template": template.source,
+        **({"labels": label_names} if kind == "labelled" else {}),
         "loss_on": config.loss_on,
         "max_length": max_length,
         "truncated": truncated,
@@ -544,6 +557,16 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
         "seconds": round(time.perf_counter() - started, 3),
     }
     return _write_meta(stage, meta)
+
+
+def _data_kind(files: list[Path], formats: dict[Path, str | None]) -> str:
+    """The kind of data set the row files make together (gptkit.data.EXAMPLE_KINDS); mixed kinds are an error."""
+    kinds = {path: EXAMPLE_KIND[fmt] for path, fmt in formats.items() if fmt is not None}
+    first = files[0]
+    for path, kind in kinds.items():
+        if kind != kinds[first]:
+            raise InputError(f"{path} holds {kind} rows, {first} {kinds[first]} rows; prepare them separately")
+    return kinds[first]
 
 
 def _val_examples(count: int, val_fraction: float) -> np.ndarray:
@@ -565,10 +588,10 @@ def _write_synced(path: Path, chunks: Iterable[bytes]) -> None:
         os.fsync(sink.fileno())
 
 
-def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.ndarray, stage: Path,
-                          dtype: str) -> dict[str, tuple[int, int]]:  # fmt: skip
-    """Copy each split's examples from the temporary files into its token, mask and offset files in stage (see
-    gptkit.data.EXAMPLE_FILES; fsynced before the swap); returns {split: (tokens, examples)}."""
+def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.ndarray, stage: Path, dtype: str,
+                          labels: np.ndarray | None) -> dict[str, tuple[int, int]]:  # fmt: skip
+    """Copy each split's examples from the temporary files into its token, mask and offset (and label) files in
+    stage (see gptkit.data.EXAMPLE_FILES; fsynced before the swap); returns {split: (tokens, examples)}."""
     ids = np.memmap(temporaries[0], dtype=dtype, mode="r") if offsets[-1] else np.zeros(0, dtype=dtype)
     mask = np.memmap(temporaries[1], dtype=np.uint8, mode="r") if offsets[-1] else np.zeros(0, dtype=np.uint8)
     is_val = np.zeros(len(offsets) - 1, dtype=bool)
@@ -580,5 +603,7 @@ def _write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.
         for source, name in ((ids, EXAMPLE_FILES[split]["ids"]), (mask, EXAMPLE_FILES[split]["mask"])):
             _write_synced(stage / name, (source[offsets[i] : offsets[i + 1]].tobytes() for i in chosen))
         _write_synced(stage / EXAMPLE_FILES[split]["offsets"], [split_offsets.tobytes()])
+        if labels is not None:
+            _write_synced(stage / EXAMPLE_FILES[split]["labels"], [labels[chosen].tobytes()])
         counts[split] = (int(split_offsets[-1]), len(chosen))
     return counts

@@ -36,6 +36,7 @@ from gptkit.checkpoint import (
     full_tensor,
     latest_checkpoint,
     load_checkpoint,
+    load_weights,
     read_latest,
     remove_stale_temporaries,
     rewind,
@@ -59,8 +60,10 @@ from gptkit.distributed import (
 )
 from gptkit.data import Batch, ExampleBatches, Examples, TrainBatches, is_examples, load_examples
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.evaluate import score_examples
-from gptkit.finetune.lora import add_lora, load_lora_state
+from gptkit.finetune.heads import SequenceClassifier, load_head_weights, save_head
+from gptkit.finetune.lora import adapters_disabled, add_lora, load_lora_state
+from gptkit.finetune.objectives import Classification, LanguageModeling, Objective, Preference
+from gptkit.finetune.objectives import evaluate as evaluate_objective
 from gptkit.finetune.lora_dir import WEIGHTS_FILE as LORA_WEIGHTS
 from gptkit.finetune.lora_dir import adapted_model, is_lora_dir, load_base, read_lora_config, with_precision, \
     write_lora_dir  # fmt: skip
@@ -151,10 +154,9 @@ class Batches:
         state = self.loader.state_dict()
         batch = self.loader.next_batch()
         if isinstance(batch, tuple):  # a text window (TrainBatches): every target trains
-            batch = Batch(*batch, targets=batch[0].numel(), tokens=batch[0].numel())
+            batch = Batch(*batch, units=batch[0].numel(), tokens=batch[0].numel())
         if self.device.type != "cpu":
-            batch = Batch(*(_to_device(t, self.device) for t in (batch.x, batch.y, batch.document_ids)),
-                          targets=batch.targets, step_targets=batch.step_targets, tokens=batch.tokens)  # fmt: skip
+            batch = batch.to(lambda tensor: _to_device(tensor, self.device))
         return state, batch
 
     def next(self) -> Batch:
@@ -168,9 +170,9 @@ class Batches:
         return self._pending[0]
 
 
-def _to_device(tensor: Tensor | None, device: torch.device) -> Tensor | None:
-    if tensor is None or device.type != "cuda":
-        return None if tensor is None else tensor.to(device)
+def _to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    if device.type != "cuda":
+        return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)  # pinned host memory: the copy overlaps the step
 
 
@@ -192,15 +194,6 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, train: TrainConfig, blo
         with autocast_for(device, dtype):
             total += model(xb, targets=yb).float() * len(xb)
     return (total / len(x)).item()
-
-
-def evaluate_split(model: torch.nn.Module, examples: Examples, train: TrainConfig, block_size: int,
-                   order: np.ndarray | None, device: torch.device, dtype: str) -> float:  # fmt: skip
-    """Mean loss over the trained tokens of the first eval_iters x batch_size examples of a split (in order)."""
-    with autocast_for(device, dtype):
-        nll, count = score_examples(model, examples, block_size, train.batch_size, train.eval_iters * train.batch_size,
-                                    order)  # fmt: skip
-    return nll / max(count, 1)
 
 
 def plot_losses(history: list[dict[str, Any]], path: Path) -> None:
@@ -467,10 +460,16 @@ class Trainer:
         else:
             check_tokens("train.bin", self.train_tokens, vocab_size, self.block_size)
             check_tokens("val.bin", self.val_tokens, vocab_size, self.block_size)
+        self.objective_name = config.finetune.objective
+        check_objective(self.objective_name, self.meta, str(t.data_dir))
+        self.gpt = model
+        if self.objective_name == "classify":  # the head wraps the model; the optimiser and checkpoints hold both
+            model = SequenceClassifier(model, self.meta["labels"])
 
         self.model = model.to(self.device)
-        model.check_inputs = False  # the data were checked above; the check would sync the device every step
+        self.gpt.check_inputs = False  # the data were checked above; the check would sync the device every step
         model.train()
+        self.objective = self.make_objective(config)
         if self.world.rank:  # the same initial weights on every rank (above), but each rank its own dropout
             torch.manual_seed(t.seed + 7919 * self.world.rank)
         # DDP keeps the parameters; FSDP turns them into shards (DTensors), so it wraps before the optimiser.
@@ -498,9 +497,7 @@ class Trainer:
                     logger.warning("continuing from %s: removed the later checkpoint(s) %s", checkpoint.name,
                                    ", ".join(p.name for p in dropped))  # fmt: skip
         if checkpoint is not None:
-            load_adapters = None if self.lora is None else \
-                (lambda module, path: load_lora_state(module, load_tensors(path / LORA_WEIGHTS, self.device), str(path)))
-            saved = load_checkpoint(checkpoint, model, self.optimizer, self.names, self.world.rank, load_adapters)
+            saved = load_checkpoint(checkpoint, model, self.optimizer, self.names, self.world.rank, self.read_model)
             self.step, self.elapsed_before = saved["step"], saved.get("elapsed_s", 0.0)
             self.skipped_before = saved.get("skipped_steps", 0)
             loader.load_state_dict(saved["loader"])
@@ -530,7 +527,30 @@ class Trainer:
         self.bad_run, self.bad_run_max, self.bad_count = zero.clone(), zero.clone(), zero.clone()
         self.skipped = self.skipped_before
         self.tokens_seen = 0  # input tokens since the last logged step, on this rank
+        self.step_stats: dict[str, Tensor] = {}  # the objective's statistics of the last step
         self.started = time.perf_counter()
+
+    def make_objective(self, config: RunConfig) -> Objective:
+        """The run's objective; DPO's reference is the starting model, frozen (with LoRA: adapters switched off)."""
+        finetune = config.finetune
+        if self.objective_name == "classify":
+            return Classification(finetune.lm_weight)
+        if self.objective_name == "lm":
+            return LanguageModeling()
+        if self.lora is not None:
+            gpt = self.gpt
+
+            def reference(ids: Tensor) -> Tensor:
+                with adapters_disabled(gpt), evaluation_mode(gpt):
+                    return gpt(ids)
+
+            return Preference(finetune.dpo_beta, reference)
+        frozen, _ = load(config.model.init_from)  # the model DPO started from, also when this run resumes
+        if frozen.config.vocab_size != self.gpt.config.vocab_size or frozen.config.n_embd != self.gpt.config.n_embd:
+            raise ConfigError(f"model.init_from {config.model.init_from} is not the model this run started from")
+        frozen = frozen.to(self.device).eval().requires_grad_(False)
+        frozen.check_inputs = False
+        return Preference(finetune.dpo_beta, frozen)
 
     def elapsed(self) -> float:
         """Training wall time of the whole run, across resumes."""
@@ -543,19 +563,25 @@ class Trainer:
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
+        step_stats: dict[str, Tensor] = {}
         for micro in range(t.grad_accum):
             batch = self.batches.next()
             self.tokens_seen += batch.tokens
-            # The update's loss is the mean over all its targets: micro-batches of examples hold different numbers
-            # of them, so each counts by its share (the all-reduce averages over ranks, hence world_size).
-            weight = 1 / t.grad_accum if batch.step_targets is None else \
-                batch.targets * self.world.world_size / batch.step_targets  # fmt: skip
+            # The update's loss is the mean over all its units (trained targets, pairs, texts): micro-batches of
+            # examples hold different numbers of them, so each counts by its share (the all-reduce averages over
+            # ranks, hence world_size).
+            weight = 1 / t.grad_accum if batch.step_units is None else \
+                batch.units * self.world.world_size / batch.step_units  # fmt: skip
             # Across ranks, gradients are all-reduced on the final micro-step only.
             with sync_context(self.wrapped, micro == t.grad_accum - 1):
                 with autocast_for(self.device, t.dtype):
-                    loss = self.forward(batch.x, targets=batch.y, document_ids=batch.document_ids) * weight
+                    loss, stats = self.objective.loss(self.forward, batch)
+                    loss = loss * weight
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             loss_sum += loss.detach()
+            for name, value in stats.items():
+                step_stats[name] = step_stats.get(name, 0) + value * weight
+        self.step_stats = step_stats
         if scaler is not None:
             scaler.unscale_(optimizer)
         clip = self.o.grad_clip if self.o.grad_clip > 0 else math.inf
@@ -583,6 +609,9 @@ class Trainer:
         loss_sum = all_mean(self.world, loss_sum)  # each rank's mean over its micro-batches -> the step's mean
         record = {"step": self.step, "loss": loss_sum.item(), "lr": lr, "grad_norm": grad_norm.item(),
                   "tokens_per_s": tokens_per_s, "elapsed_s": self.elapsed()}  # fmt: skip
+        if self.step_stats:  # the objective's statistics (DPO's rewards, a head's accuracy), in one read
+            values = all_mean(self.world, torch.stack([v.float() for v in self.step_stats.values()])).tolist()
+            record.update(zip(self.step_stats, values))
         if self.peak:  # per device: the peak is one device's (one process's)
             record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak * self.world.world_size)
         skipped = self.skipped_before + int(self.bad_count.item())
@@ -605,19 +634,29 @@ class Trainer:
         """Add train and validation loss, perplexity and bits per byte to record."""
         t = self.t
         self.forward.eval()
+        extra: dict[str, float] = {}
         if self.examples is not None:
             train_examples, val_examples = self.examples
-            order = np.random.default_rng(t.seed + 1).permutation(len(train_examples))  # the same ones every time
-            train_loss = evaluate_split(self.forward, train_examples, t, self.block_size, order, self.device, t.dtype)
-            val_loss = evaluate_split(self.forward, val_examples, t, self.block_size, None, self.device, t.dtype)
+            order = np.random.default_rng(t.seed + 1).permutation(train_examples.items())  # the same ones every time
+            limit = t.eval_iters * t.batch_size
+            with autocast_for(self.device, t.dtype):
+                train_m = evaluate_objective(self.objective, self.forward, train_examples, self.block_size,
+                                             t.batch_size, limit, order, self.device)  # fmt: skip
+                val_m = evaluate_objective(self.objective, self.forward, val_examples, self.block_size, t.batch_size,
+                                           limit, None, self.device)  # fmt: skip
+            train_loss, val_loss = train_m.pop("loss"), val_m.pop("loss")
+            extra = {f"val_{name}": value for name, value in val_m.items()}
         else:
             train_loss = evaluate(self.forward, self.train_tokens, t, self.block_size, t.seed + 1, self.device,
                                   t.dtype)  # fmt: skip
             val_loss = evaluate(self.forward, self.val_tokens, t, self.block_size, t.seed + 2, self.device, t.dtype)
         self.forward.train()
-        record.update(train_eval_loss=train_loss, train_eval_ppl=_exp(train_loss), val_loss=val_loss,
-                      val_ppl=_exp(val_loss))  # fmt: skip
+        record.update(train_eval_loss=train_loss, val_loss=val_loss, **extra)
+        if self.objective_name == "lm":
+            record.update(train_eval_ppl=_exp(train_loss), val_ppl=_exp(val_loss))
         line = f"step {self.step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}"
+        if "val_accuracy" in extra:
+            line += f", val accuracy {extra['val_accuracy']:.3f}"
         if self.val_bytes_per_token:
             record["val_bpb"] = val_loss / (math.log(2) * self.val_bytes_per_token)
             line += f", val bpb {record['val_bpb']:.4f}"
@@ -661,13 +700,27 @@ class Trainer:
         return CheckpointError(f"{what}{reason}; the last intact checkpoint is {intact or 'none (none was written)'}")
 
     def write_model(self, module: torch.nn.Module, directory: Path) -> None:
-        """A checkpoint's model files: a model directory, or a LoRA run's adapters; with the chat template."""
+        """A checkpoint's model files: a model directory, or a LoRA run's adapters; with the chat template, and
+        a classifier's head beside them."""
+        gpt = module.gpt if isinstance(module, SequenceClassifier) else module
         if self.lora is not None:
-            write_lora_dir(module, directory, self.lora, self.tokenizer_config)
-            return
-        save_model_dir(module, directory, tokenizer=self.tokenizer)
-        if self.tokenizer_config is not None:
-            atomic_write(directory / TOKENIZER_CONFIG, lambda tmp: tmp.write_bytes(self.tokenizer_config))
+            write_lora_dir(gpt, directory, self.lora, self.tokenizer_config)
+        else:
+            save_model_dir(gpt, directory, tokenizer=self.tokenizer)
+            if self.tokenizer_config is not None:
+                atomic_write(directory / TOKENIZER_CONFIG, lambda tmp: tmp.write_bytes(self.tokenizer_config))
+        if isinstance(module, SequenceClassifier):
+            save_head(module, directory)
+
+    def read_model(self, module: torch.nn.Module, directory: Path) -> None:
+        """Load what write_model wrote into the run's model, in place (the optimiser holds its parameters)."""
+        gpt = module.gpt if isinstance(module, SequenceClassifier) else module
+        if self.lora is not None:
+            load_lora_state(gpt, load_tensors(directory / LORA_WEIGHTS, self.device), str(directory))
+        else:
+            load_weights(gpt, directory)
+        if isinstance(module, SequenceClassifier):
+            load_head_weights(module, directory)
 
     def note(self, message: str) -> None:
         """A line above the progress bar (evaluations, skipped steps); silent without a bar."""
@@ -754,6 +807,33 @@ class Trainer:
             if self.bar is not None:
                 self.bar.close()
         return TrainResult(self.run_dir, self.step, self.last_good, val_loss, self.skipped, interrupted)
+
+
+# The data each objective trains on (gptkit.data.EXAMPLE_KINDS), and the rows prepare makes it from.
+OBJECTIVE_DATA = {"lm": ("examples", "text or supervised rows"), "dpo": ("preferences", '{"prompt", "chosen", '
+                  '"rejected"} rows'), "classify": ("labelled", '{"text", "label"} rows')}  # fmt: skip
+
+
+def check_objective(objective: str, meta: dict[str, Any], data_dir: str) -> None:
+    """A ConfigError unless the data set is what the objective trains on."""
+    kind = meta.get("kind", "text")
+    wanted, rows = OBJECTIVE_DATA[objective]
+    if kind == wanted or (objective == "lm" and not is_examples(meta)):
+        return
+    fits = next((name for name, (data, _) in OBJECTIVE_DATA.items() if data == kind), "lm")
+    raise ConfigError(f"finetune.objective {objective} trains on {wanted} (prepared from {rows}), but {data_dir} "
+                      f"holds {kind}: use finetune.objective {fits}, or prepare other data")  # fmt: skip
+
+
+@contextlib.contextmanager
+def evaluation_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Within the block, module is in eval mode (no dropout); its mode is restored after."""
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
 
 
 def open_tensorboard(log_dir: Path) -> Any:

@@ -26,6 +26,7 @@ Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Parallel = Literal["ddp", "fsdp"]
 Method = Literal["full", "lora"]
+Objective = Literal["lm", "dpo", "classify"]
 BasePrecision = Literal["float32", "bfloat16", "int8"]
 LoraTargets = Literal["attention", "mlp", "all"]
 
@@ -112,12 +113,17 @@ class FinetuneConfig:
     lora_targets: LoraTargets = "all"  # the block layers adapted: attention (q, k, v and output), mlp, or all
     base_precision: BasePrecision = "float32"  # lora: the frozen base's weights (bfloat16 or int8 save memory)
     packing: bool = False  # supervised examples: several whole examples per row (attention kept apart) vs padding
+    objective: Objective = "lm"  # lm: next-token loss; dpo: preference pairs; classify: a label head (GPT-1)
+    dpo_beta: float = 0.1  # dpo: how far the policy may move from the reference (TRL's default)
+    lm_weight: float = 0.5  # classify: weight of the language-modelling loss beside the label's (GPT-1: 0.5)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of its range."""
         _check_range("finetune.lora_rank", self.lora_rank, low=1)
         _check_range("finetune.lora_alpha", self.lora_alpha, low=0.0, low_open=True)
         _check_range("finetune.lora_dropout", self.lora_dropout, low=0.0, high=1.0, high_open=True)
+        _check_range("finetune.dpo_beta", self.dpo_beta, low=0.0, low_open=True)
+        _check_range("finetune.lm_weight", self.lm_weight, low=0.0)
         if self.method != "lora" and self.base_precision != "float32":
             raise ConfigError(f"finetune.base_precision {self.base_precision} needs finetune.method lora (a frozen "
                               "base); full fine-tuning trains every weight in float32")  # fmt: skip
@@ -166,6 +172,11 @@ class RunConfig:
             getattr(self, name).validate()
         if self.finetune.method == "lora" and self.model.init_from is None:
             raise ConfigError("finetune.method lora trains adapters over a base model: set model.init_from")
+        if self.finetune.objective == "dpo" and self.model.init_from is None:
+            raise ConfigError("finetune.objective dpo aligns an existing model (its frozen copy is the reference): "
+                              "set model.init_from")  # fmt: skip
+        if self.finetune.objective != "lm" and self.train.parallel == "fsdp":
+            raise ConfigError(f"finetune.objective {self.finetune.objective} trains under train.parallel ddp; use ddp")
 
 
 SECTIONS: dict[str, type] = {"optim": OptimConfig, "train": TrainConfig, "finetune": FinetuneConfig}

@@ -174,7 +174,7 @@ def test_prepare_examples_split_truncation_and_files(tmp_path, capsys):
     texts = {tokenizer.decode(train_split.ids[a:b].tolist()) for a, b in zip(train_split.offsets, train_split.offsets[1:])}
     assert "user: Reverse: apple\n\nassistant: elppa<|endoftext|>\n\n" in texts  # the template's whole text
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["gptkit_tokenizer.json", "meta.json", *(n for f in EXAMPLE_FILES.values() for n in f.values())])
+        ["gptkit_tokenizer.json", "meta.json", *(n for f in EXAMPLE_FILES.values() for k, n in f.items() if k != "labels")])
     again = tmp_path / "again"
     assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(again), "--max-length", "48",
                  "--overlong", "drop"]) == 0  # fmt: skip
@@ -194,7 +194,8 @@ def _examples(lengths: list[int], vocab: int = 50, seed: int = 0) -> Examples:
 
 @torch.no_grad()
 def _nll(model: GPT, examples: Examples, rows: list[list[int]], packed: bool) -> tuple[float, int]:
-    x, y, docs = _example_rows(examples, rows, model.config.block_size, packed)
+    batch = _example_rows(examples, rows, model.config.block_size, packed)
+    x, y, docs = batch.x, batch.y, batch.document_ids
     count = int((y != IGNORE_INDEX).sum())
     return float(model(x, targets=y, document_ids=docs)) * count, count
 
@@ -222,7 +223,8 @@ def test_document_ids_give_each_document_its_own_forward(variant_config):
 def test_the_loss_ignores_exactly_the_untrained_tokens():
     examples = _examples([6, 11, 4])
     model = GPT(ModelConfig(**VARIANTS["gpt2"])).eval()
-    x, y, _ = _example_rows(examples, [[0], [1], [2]], 16, packed=False)
+    batch = _example_rows(examples, [[0], [1], [2]], 16, packed=False)
+    x, y = batch.x, batch.y
     logprobs = model(x).log_softmax(-1)
     picked = [(-logprobs[r, t, y[r, t]]).item() for r in range(3) for t in range(x.size(1)) if y[r, t] != IGNORE_INDEX]
     assert len(picked) == int(examples.targets().sum())
@@ -233,11 +235,11 @@ def test_example_batches_cover_every_example_per_epoch_and_resume():
     examples = _examples([3, 5, 2, 7, 4, 6, 3, 8, 2, 5])
     for packed in (False, True):
         batches = ExampleBatches(examples, block_size=16, batch_size=2, seed=3, packed=packed, group=2)
-        rows = batches._rows_of(0)
+        rows = batches._items_of(0)
         assert sorted(i for row in rows for i in row) == list(range(10))
         assert all(sum(int(examples.lengths()[i]) - 1 for i in row) <= 16 for row in rows)
         first = [batches.next_batch() for _ in range(6)]
-        assert first[0].step_targets == first[0].targets + first[1].targets == first[1].step_targets
+        assert first[0].step_units == first[0].units + first[1].units == first[1].step_units
         again = ExampleBatches(examples, block_size=16, batch_size=2, seed=99, packed=packed, group=2)
         again.load_state_dict({"seed": 3, "step": 4})
         assert torch.equal(again.next_batch().x, first[4].x)

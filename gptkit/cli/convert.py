@@ -96,12 +96,17 @@ def _import(source: Path, out: Path, dtype: object) -> int:
 
 
 def _export(source: Path, out: Path, dtype: object) -> int:
+    from gptkit.finetune.heads import is_classifier_dir, load_head
     from gptkit.finetune.lora_dir import is_lora_dir, write_peft_dir
     from gptkit.hf import export_hf, read_tokenizer_config
     from gptkit.modeldir import load
 
     model, tokenizer = load(source, dtype=dtype)
-    export_hf(model, out, tokenizer=tokenizer, tokenizer_config=read_tokenizer_config(source))
+    head = None
+    if is_classifier_dir(source):  # a classifier: transformers' *ForSequenceClassification
+        classifier = load_head(model, source)
+        head = (classifier.labels, classifier.score.weight)
+    export_hf(model, out, tokenizer=tokenizer, tokenizer_config=read_tokenizer_config(source), head=head)
     if tokenizer is None:
         print(f"note: {source} has no tokenizer; the Hugging Face directory has none either", file=sys.stderr)
     if is_lora_dir(source):

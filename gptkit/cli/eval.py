@@ -10,7 +10,7 @@ from pathlib import Path
 from gptkit.cli.flags import add_dataclass_flags, dataclass_from_args
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
-HELP = "loss, perplexity and bits per byte of a text (sliding window over long texts)"
+HELP = "loss, perplexity and bits per byte of a text (sliding window over long texts); a classifier's accuracy"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.data import is_examples, load_examples, read_meta
     from gptkit.errors import InputError
     from gptkit.evaluate import EvalOptions, encode_text, evaluate_examples, evaluate_ids, sliding_windows
+    from gptkit.finetune.heads import is_classifier_dir
     from gptkit.modeldir import load
     from gptkit.devices import pick_device
 
@@ -94,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         lengths = data_tokenizer.token_byte_lengths() if data_tokenizer is not None else None
         source = str(Path(args.data) / "val.bin")
         meta = read_meta(args.data)
+        if meta.get("kind") == "labelled" and is_classifier_dir(args.model_dir):
+            return _classify_report(args, model, meta, options.batch_size)
         if is_examples(meta):  # supervised examples: each scored alone, on its trained tokens
             examples = load_examples(args.data, "val", meta)
             with tqdm(total=len(examples), unit="example", desc="eval", file=sys.stderr, disable=args.quiet) as bar:
@@ -117,4 +120,40 @@ def _report(args: argparse.Namespace, result, heading: str) -> int:
     bpb = f"{result.bits_per_byte:.4f}" if result.bits_per_byte is not None else "unknown (no tokenizer)"
     print(heading)
     print(f"loss {result.loss:.4f} nats/token  perplexity {result.perplexity:.3f}  bits per byte {bpb}")
+    return 0
+
+
+def _classify_report(args: argparse.Namespace, model, meta: dict, batch_size: int) -> int:
+    """A classifier on a labelled data set's validation texts: accuracy, macro-F1 and the confusion matrix."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from gptkit.data import load_examples
+    from gptkit.errors import InputError
+    from gptkit.evaluate import classification_scores
+    from gptkit.finetune.heads import load_head, predict
+
+    classifier = load_head(model, args.model_dir)
+    unknown = sorted(set(meta["labels"]) - set(classifier.labels))
+    if unknown:
+        raise InputError(f"{args.data} has label(s) {', '.join(map(repr, unknown))} that the classifier "
+                         f"{args.model_dir} does not know (it knows {', '.join(map(repr, classifier.labels))})")
+    examples = load_examples(args.data, "val", meta)
+    if len(examples) == 0:
+        raise InputError(f"{args.data} has no validation texts (prepared with --val-fraction 0)")
+    rows = [examples.ids[a:b].tolist() for a, b in zip(examples.offsets[:-1], examples.offsets[1:])]
+    with tqdm(total=len(rows), unit="text", desc="eval", file=sys.stderr, disable=args.quiet) as bar:
+        probabilities = predict(classifier, rows, batch_size, bar.update)
+    truth = np.asarray([classifier.labels.index(meta["labels"][i]) for i in examples.labels])
+    scores = classification_scores(truth, probabilities.argmax(1).numpy(), classifier.labels)
+    if args.json:
+        print(json.dumps(scores))
+        return 0
+    print(f"{Path(args.data) / 'val.bin'}: {scores['examples']:,} labelled texts")
+    print(f"accuracy {scores['accuracy']:.4f}  macro-F1 {scores['macro_f1']:.4f}")
+    width = max(8, *(len(label) + 2 for label in classifier.labels))
+    print("confusion (rows: true label, columns: predicted)")
+    print(" " * width + "".join(f"{label:>{width}}" for label in classifier.labels))
+    for label, row in zip(classifier.labels, scores["confusion"]):
+        print(f"{label:>{width}}" + "".join(f"{count:>{width}}" for count in row))
     return 0

@@ -93,6 +93,15 @@ class ExampleEncoder:
             raise InputError(f"{where} has no trained token: nothing follows its first token to learn")
         return example
 
+    def encode_row(self, record: Any, fmt: str, where: str) -> tuple[list[Example], str | None]:
+        """The examples one row in format fmt makes (a preference pair makes two) and its label (labelled only)."""
+        if fmt == "preference":
+            return list(self.encode_pair(record, where)), None
+        if fmt == "labelled":
+            example, label = self.encode_labelled(record, where)
+            return [example], label
+        return [self.encode(record, fmt, where)], None
+
     def encode_pair(self, record: Any, where: str) -> tuple[Example, Example]:
         """(chosen, rejected) of a preference row: the prompt with each completion."""
         if row_format(record) != "preference":
@@ -188,14 +197,16 @@ class ExampleEncoder:
         return [self.tokenizer.eos_id]
 
 
-def fit(example: Example, max_length: int, overlong: Literal["truncate", "drop"]) -> Example | None:
-    """The example cut to max_length tokens (truncate) or None (drop, or nothing trained left after the cut)."""
+def fit(example: Example, max_length: int, overlong: Literal["truncate", "drop"],
+        needs_targets: bool = True) -> Example | None:  # fmt: skip
+    """The example cut to max_length tokens (truncate) or None (drop, or, where it needs_targets, nothing trained
+    left after the cut: a labelled text is read for its label and needs none)."""
     if len(example.ids) <= max_length:
         return example
     if overlong == "drop":
         return None
     cut = Example(example.ids[:max_length], example.trained[:max_length])
-    return cut if cut.targets else None
+    return cut if cut.targets or not needs_targets else None
 
 
 def _keys_hint(fmt: str) -> str:

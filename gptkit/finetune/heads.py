@@ -14,7 +14,9 @@ A classifier saves beside its model's files: classifier.json ({"labels": [...]})
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -83,10 +85,35 @@ def load_head(gpt: nn.Module, path: str | Path) -> SequenceClassifier:
     if not isinstance(labels, list) or not all(isinstance(label, str) for label in labels):
         raise GptkitError(f"{path / HEAD_CONFIG}: \"labels\" must be a list of strings")
     classifier = SequenceClassifier(gpt, labels)
+    load_head_weights(classifier, path)
+    return classifier
+
+
+def load_head_weights(classifier: SequenceClassifier, path: str | Path) -> None:
+    """Copy the head saved in a model directory into classifier, in place."""
+    path = Path(path)
     weight = load_tensors(path / HEAD_WEIGHTS, classifier.score.weight.device).get("score.weight")
     if weight is None or tuple(weight.shape) != tuple(classifier.score.weight.shape):
         raise GptkitError(f"{path / HEAD_WEIGHTS} does not hold a score.weight of shape "
                           f"{tuple(classifier.score.weight.shape)}")  # fmt: skip
     with torch.no_grad():
         classifier.score.weight.copy_(weight)
-    return classifier
+
+
+@torch.no_grad()
+def predict(classifier: SequenceClassifier, rows: list[list[int]], batch_size: int = 16,
+            on_rows: Callable[[int], Any] = lambda n: None) -> Tensor:  # fmt: skip
+    """Label probabilities (len(rows), labels) of token-id rows, each read at its last token (right-padded
+    batches: causal attention keeps padding out of every real position)."""
+    device = classifier.score.weight.device
+    out = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        ids = torch.zeros((len(chunk), max(len(r) for r in chunk)), dtype=torch.long)
+        for i, row in enumerate(chunk):
+            ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+        last = torch.as_tensor([len(r) - 1 for r in chunk])
+        logits, _ = classifier(ids.to(device), last.to(device))
+        out.append(logits.float().softmax(-1).cpu())
+        on_rows(len(chunk))
+    return torch.cat(out) if out else torch.zeros((0, len(classifier.labels)))
