@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
@@ -198,6 +199,9 @@ class GPT(nn.Module):
         self.config = config
         # Checking ids costs a device sync; callers that feed validated data (the trainer) turn it off.
         self.check_inputs = True
+        # Recomputing each block's activations in the backward pass instead of keeping them: a training step
+        # holds one block's activations at a time, for about a third more compute (the trainer sets it).
+        self.checkpoint_blocks = False
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_emb = nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
         self.drop = nn.Dropout(config.dropout)
@@ -295,7 +299,10 @@ class GPT(nn.Module):
             trace.hidden_states.append(x)
         for index, block in enumerate(self.blocks):
             kv = cache.layer(index, start_pos) if cache is not None else None
-            x = block(x, rope, kv, mask, trace)
+            if self.checkpoint_blocks and self.training and torch.is_grad_enabled() and kv is None and trace is None:
+                x = checkpoint(block, x, rope, None, mask, None, use_reentrant=False)  # dropout's RNG replayed
+            else:
+                x = block(x, rope, kv, mask, trace)
             if trace is not None:
                 trace.hidden_states.append(x)
         if self.norm_f is not None:

@@ -468,6 +468,7 @@ class Trainer:
 
         self.model = model.to(self.device)
         self.gpt.check_inputs = False  # the data were checked above; the check would sync the device every step
+        self.gpt.checkpoint_blocks = t.activation_checkpointing
         model.train()
         self.objective = self.make_objective(config)
         if self.world.rank:  # the same initial weights on every rank (above), but each rank its own dropout

@@ -86,6 +86,7 @@ class TrainConfig:
     device: Device = "auto"  # auto picks cuda, then mps, then cpu
     dtype: Dtype = "float32"  # bfloat16 autocasts (CPU, CUDA); float16 autocasts with a gradient scaler (CUDA)
     compile: bool = False  # torch.compile the model
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 slower
     parallel: Parallel = "ddp"  # under torchrun: ddp replicates the model, fsdp shards it per block (FSDP2)
     max_bad_steps: int = 10  # stop after this many non-finite steps in a row
     peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None uses a known figure or shows none
