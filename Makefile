@@ -6,7 +6,7 @@ BIN = $(VENV)/bin
 TORCH = torch==2.13.0
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser compiler run test test-all clean
+.PHONY: install browser compiler llama-converter run test test-all clean
 
 $(BIN)/gptkit: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,11 +33,24 @@ run: install
 	$(BIN)/gptkit train --config configs/shakespeare-char-cpu.yaml $$(test -f $(RUN_DIR)/latest && echo --resume)
 	$(BIN)/gptkit generate $(RUN_DIR)/checkpoints/step-002000 --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --seed 1337
 
-test: install browser compiler
+# llama.cpp's own HF-to-GGUF converter, a reference the GGUF tests run: unpacked from the llama.cpp that the
+# llama-cpp-python source distribution on PyPI carries (nothing is built).
+LLAMA_CPP_PYTHON = llama-cpp-python==0.3.36
+CONVERTER = .cache/llama.cpp/convert_hf_to_gguf.py
+$(CONVERTER): | install
+	rm -rf .cache/llama.cpp && mkdir -p .cache/llama.cpp/sdist
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: $(LLAMA_CPP_PYTHON) -d .cache/llama.cpp/sdist
+	tar xzf .cache/llama.cpp/sdist/*.tar.gz -C .cache/llama.cpp --strip-components 3 --wildcards \
+		'*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+	rm -rf .cache/llama.cpp/sdist
+
+llama-converter: $(CONVERTER)
+
+test: install browser compiler llama-converter
 	$(BIN)/python -m pytest -q
 
-test-all: install browser compiler
+test-all: install browser compiler llama-converter
 	$(BIN)/python -m pytest -q -m ''
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .cache

@@ -24,6 +24,11 @@ from gptkit.errors import GptkitError
 TOKENIZER_CONFIG = "tokenizer_config.json"  # where Hugging Face tokenizers keep `chat_template`
 ROLES = ("system", "user", "assistant", "tool", "developer")
 DEFAULT_STOP = ("\n\nuser:",)
+# The default template written as Jinja, for files that carry a template to other programs (GGUF for llama.cpp):
+# it renders exactly what ChatTemplate.render does without a source.
+DEFAULT_JINJA = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+                 "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
 
 
 class ChatTemplateError(GptkitError):
@@ -37,6 +42,11 @@ class ChatTemplate:
     source: str | None = None
     bos_token: str = ""
     eos_token: str = ""
+
+    @property
+    def jinja(self) -> str:
+        """The template as Jinja source (the default's own equivalent when there is no source)."""
+        return self.source if self.source is not None else DEFAULT_JINJA
 
     @property
     def stop(self) -> tuple[str, ...]:

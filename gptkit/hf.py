@@ -441,6 +441,7 @@ def hf_config_from_gptkit(config: ModelConfig, eos_id: int | list[int] | None = 
         hf.update(activation_function=GPT2_ACTIVATION_NAMES[config.activation], resid_pdrop=config.dropout,
                   embd_pdrop=config.dropout, attn_pdrop=config.dropout)  # fmt: skip
         config = dataclasses.replace(config, attn_bias=True, mlp_bias=True, norm_bias=True)  # as zeros
+        hf["n_ctx"] = config.block_size  # GPT-2's original configs have it, and llama.cpp's converter reads it
     else:
         hf.update(hidden_act="silu", rope_theta=config.rope_theta, head_dim=config.head_dim, attention_dropout=0.0,
                   rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})  # fmt: skip

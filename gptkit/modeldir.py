@@ -189,6 +189,10 @@ def load(
     """
     path = Path(path)
     from gptkit.finetune.lora_dir import is_lora_dir, load_lora  # (moves to the format-detecting loader)
+    from gptkit.formats.gguf import is_gguf_file, load_gguf
+
+    if is_gguf_file(path):
+        return load_gguf(path, dtype=dtype, device=device)
 
     if is_lora_dir(path):
         return load_lora(path, dtype=dtype, device=device)

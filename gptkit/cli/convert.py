@@ -10,7 +10,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
-HELP = "convert between gptkit model directories and Hugging Face checkpoints (GPT-2, Llama); merge LoRA adapters"
+HELP = "convert between gptkit model directories, Hugging Face checkpoints (GPT-2, Llama) and GGUF files; merge LoRA"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "LoRA directory: merged, with its adapters in PEFT's format in OUT/adapter)")
     direction.add_argument("--merge", metavar="LORA_DIR", type=Path, help="LoRA directory (or checkpoint) to fold "
                            "into its base as a plain gptkit model directory")  # fmt: skip
-    parser.add_argument("--out", metavar="DIR", type=Path, required=True, help="directory to write")
+    direction.add_argument("--to-gguf", metavar="MODEL_DIR", type=Path, help="model directory to write as a GGUF "
+                           "file for llama.cpp (--out FILE.gguf; a LoRA directory is merged first)")  # fmt: skip
+    direction.add_argument("--from-gguf", metavar="FILE", type=Path, help="GGUF file (gpt2 or llama architecture) "
+                           "to import as a gptkit model directory")  # fmt: skip
+    parser.add_argument("--out", metavar="PATH", type=Path, required=True, help="directory to write (--to-gguf: the "
+                        ".gguf file)")  # fmt: skip
+    parser.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0"), default="f16", dest="gguf_type",
+                        help="--to-gguf: the matrices' type (vectors stay f32; default f16, as llama.cpp's converter)")
     parser.add_argument(
         "--dtype", choices=DTYPES, default=None, help="store the weights in this dtype (default: as they are)"
     )
@@ -42,8 +49,15 @@ def run(args: argparse.Namespace) -> int:
 
     from gptkit.errors import GptkitError
 
-    source: Path = next(p for p in (args.from_hf, args.to_hf, args.merge) if p is not None)
-    if not source.is_dir():
+    if args.to_gguf is not None:
+        return _to_gguf(args.to_gguf, args.out, args.gguf_type, args.force)
+    if args.gguf_type != "f16":
+        raise GptkitError("--type applies to --to-gguf only; --dtype sets the weights' dtype of a model directory")
+    source: Path = next(p for p in (args.from_hf, args.to_hf, args.merge, args.from_gguf) if p is not None)
+    if args.from_gguf is not None:
+        if not source.is_file():
+            raise GptkitError(f"--from-gguf {source} is not a file")
+    elif not source.is_dir():
         raise GptkitError(f"{source} is not a directory")
     if args.out.exists() and not args.out.is_dir():
         raise GptkitError(f"--out {args.out} exists and is not a directory")
@@ -52,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out.is_dir() and any(args.out.iterdir()) and not args.force:
         raise GptkitError(f"--out {args.out} is not empty; pick a new directory or pass --force")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    if args.from_hf is not None:
+    if args.from_hf is not None or args.from_gguf is not None:
         return _import(source, args.out, dtype)
     if args.merge is not None:
         return _merge(source, args.out, dtype)
@@ -77,10 +91,34 @@ def _merge(source: Path, out: Path, dtype: object) -> int:
     return 0
 
 
+def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
+    from gptkit.chat import eos_text, load_chat_template
+    from gptkit.errors import GptkitError
+    from gptkit.formats.gguf import export_gguf
+    from gptkit.modeldir import load
+
+    if not source.is_dir():
+        raise GptkitError(f"--to-gguf {source} is not a directory")
+    if out.is_dir():
+        raise GptkitError(f"--out {out} is a directory; give the .gguf file to write")
+    if out.exists() and not force:
+        raise GptkitError(f"--out {out} exists; pick a new file or pass --force")
+    model, tokenizer = load(source)
+    template = load_chat_template(source, eos_text(tokenizer) if tokenizer is not None else "")
+    export_gguf(model, out, tokenizer, file_type, chat_template=template.jinja, name=source.resolve().name)
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{source} -> {out}: GGUF {file_type}, {config.n_layer} layers, width {config.n_embd}, vocab "
+          f"{config.vocab_size}, {params:,} parameters, {out.stat().st_size / 2**20:.1f} MiB")  # fmt: skip
+    return 0
+
+
 def _import(source: Path, out: Path, dtype: object) -> int:
     from gptkit.hf import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_hf
     from gptkit.modeldir import atomic_write, save_model_dir
 
+    if source.is_file():  # --from-gguf
+        return _import_gguf(source, out, dtype)
     model, tokenizer = load_hf(source, dtype=dtype)
     save_model_dir(model, out, tokenizer=tokenizer)
     carried = source / TOKENIZER_CONFIG_FILE  # keeps chat templates and special-token names for a later export
@@ -91,6 +129,23 @@ def _import(source: Path, out: Path, dtype: object) -> int:
             source / "vocab.json"
         ).is_file() else ""
         print(f"note: {source} has no {TOKENIZER_FILE}; the model directory has no tokenizer{hint}", file=sys.stderr)
+    _summary(model, source, out)
+    return 0
+
+
+def _import_gguf(source: Path, out: Path, dtype: object) -> int:
+    import json
+
+    from gptkit.chat import DEFAULT_JINJA
+    from gptkit.formats.gguf import gguf_chat_template, load_gguf
+    from gptkit.modeldir import atomic_write_text, save_model_dir
+
+    model, tokenizer = load_gguf(source, dtype=dtype)
+    save_model_dir(model, out, tokenizer=tokenizer)
+    template = gguf_chat_template(source)
+    if template is not None and template != DEFAULT_JINJA:  # where serve and fine-tuning find a model's template, as Hugging Face keeps it
+        config = {"chat_template": template, "eos_token": tokenizer.decode([tokenizer.eos_id])}
+        atomic_write_text(out / "tokenizer_config.json", json.dumps(config, indent=1) + "\n")
     _summary(model, source, out)
     return 0
 

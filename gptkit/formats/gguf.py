@@ -1,0 +1,441 @@
+"""llama.cpp's GGUF file: a gptkit model written as one (`convert --to-gguf`) and read back from one.
+
+GGUF (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) holds key-value metadata (architecture,
+hyperparameters, tokenizer) and named tensors; the `gguf` package maintained with llama.cpp reads and writes
+it. Two of llama.cpp's architectures compute what a gptkit model computes, and only those are written:
+- gpt2: learned positions, LayerNorm, GELU (tanh approximation), pre-norm blocks, fused q/k/v, multi-head;
+- llama: RoPE (rotate-half pairs), RMSNorm, SwiGLU, pre-norm, grouped-query attention, no biases.
+llama.cpp's llama rotates interleaved pairs (x_{2i}, x_{2i+1}) where gptkit, like Hugging Face's Llama, rotates
+(x_i, x_{i+d/2}); the rows of the q and k weights are reordered per head so that both compute the same scores,
+as llama.cpp's own converter reorders Hugging Face's.
+
+The tokenizer goes in as llama.cpp's byte-level BPE ("gpt2" model): gptkit's byte tokenizer as the 256 byte
+symbols and no merges, a character tokenizer whose characters are all single bytes the same way, and a byte-level
+BPE whose pre-tokenizer llama.cpp knows by name. Reading accepts the gpt2 and llama architectures with any
+tensor type the `gguf` package can dequantise, and a byte-level BPE tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gptkit.atomic import atomic_write
+from gptkit.config import ModelConfig
+from gptkit.errors import GptkitError
+from gptkit.model import GPT
+from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS, EOT, BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer
+
+FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
+# The regex of a byte-level pre-tokenizer, by the name llama.cpp's vocabulary loader knows it as
+# (llama.cpp src/llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2 and _LLAMA3).
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+PRE_TOKENIZERS = {"gpt-2": GPT2_REGEX, "llama-bpe": LLAMA3_REGEX}
+TOKEN_NORMAL, TOKEN_CONTROL = 1, 3  # llama.cpp's token types
+
+
+class GGUFError(GptkitError):
+    """A model that GGUF (as llama.cpp computes it) cannot hold, or a GGUF file gptkit cannot read."""
+
+
+def _gguf() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise GGUFError("GGUF needs the gguf package: pip install 'gptkit[gguf]'") from None
+    return gguf
+
+
+# ----------------------------------------------------------------------------------------------- the layout
+
+
+def architecture(config: ModelConfig) -> str:
+    """The llama.cpp architecture computing exactly what config does, or a GGUFError saying why none does."""
+
+    def refuse(field: str, why: str) -> GGUFError:
+        return GGUFError(f"{field} {getattr(config, field)!r} cannot be written as GGUF: {why}")
+
+    if config.norm_position != "pre":
+        raise refuse("norm_position", "llama.cpp's gpt2 and llama normalise before attention and MLP (pre-norm)")
+    if config.lm_head_bias:
+        raise refuse("lm_head_bias", "llama.cpp's gpt2 and llama have no output bias")
+    if config.position == "learned":
+        if config.norm != "layernorm":
+            raise refuse("norm", "llama.cpp's gpt2 (learned positions) uses LayerNorm")
+        if config.activation != "gelu_tanh":
+            raise refuse("activation", "llama.cpp's gpt2 computes GELU's tanh approximation (gelu_tanh)")
+        if config.n_kv_head != config.n_head:
+            raise refuse("n_kv_head", "llama.cpp's gpt2 has no grouped-query attention")
+        return "gpt2"
+    if config.position == "rope":
+        for field, value, why in (("norm", "rmsnorm", "RMSNorm"), ("activation", "swiglu", "SwiGLU")):
+            if getattr(config, field) != value:
+                raise refuse(field, f"llama.cpp's llama (RoPE) uses {why}")
+        for field in ("attn_bias", "mlp_bias"):
+            if getattr(config, field):
+                raise refuse(field, "llama.cpp's llama has no biases in its projections")
+        return "llama"
+    raise refuse("position", "llama.cpp computes learned positions (gpt2) or RoPE (llama) only")
+
+
+def _tensor_names(config: ModelConfig, arch: str) -> dict[str, str]:
+    """gptkit's tensor name -> GGUF's, for the names that map one to one (q/k/v and gate/up are split)."""
+    names = {"tok_emb.weight": "token_embd.weight", "norm_f.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}  # fmt: skip
+    per_block = {"norm1": "attn_norm", "attn.proj": "attn_output", "norm2": "ffn_norm", "mlp.proj": "ffn_down"}
+    if arch == "gpt2":
+        names.update({"pos_emb.weight": "position_embd.weight", "norm_f.bias": "output_norm.bias"})
+        per_block.update({"attn.qkv": "attn_qkv", "mlp.fc": "ffn_up"})
+    for i in range(config.n_layer):
+        for ours, theirs in per_block.items():
+            for part in ("weight", "bias") if arch == "gpt2" else ("weight",):
+                names[f"blocks.{i}.{ours}.{part}"] = f"blk.{i}.{theirs}.{part}"
+    return names
+
+
+def _rope_rows(weight: torch.Tensor, heads: int, to_gguf: bool) -> torch.Tensor:
+    """A q or k weight's rows reordered within each head between rotate-half pairs (gptkit, Hugging Face) and
+    llama.cpp's interleaved pairs (to_gguf), or back."""
+    rows = weight.shape[0]
+    half = rows // heads // 2
+    if to_gguf:  # per head: [first halves; second halves] -> pairs side by side
+        return weight.reshape(heads, 2, half, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def gguf_tensors(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's weights under llama.cpp's names and layout (float32, on the CPU)."""
+    config = model.config
+    arch = architecture(config)
+    state = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
+    if config.tie_embeddings and arch == "llama":
+        state.pop("lm_head.weight")  # llama.cpp's llama reads the embedding as the output when output is absent
+    if arch == "gpt2":  # llama.cpp's gpt2 has every bias: absent ones are zeros
+        for name, t in list(state.items()):
+            if name.endswith(".weight") and name.replace(".weight", ".bias") not in state and t.dim() <= 2 \
+                    and not name.startswith(("tok_emb", "pos_emb", "lm_head")):  # fmt: skip
+                state[name.replace(".weight", ".bias")] = torch.zeros(t.shape[0])
+    names = _tensor_names(config, arch)
+    out = {}
+    for name, tensor in state.items():
+        if name in names:
+            out[names[name]] = tensor
+            continue
+        block, _, rest = name.partition(".")[2].partition(".")
+        if rest == "attn.qkv.weight":
+            hd = config.head_dim
+            q, k, v = tensor.split([config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd])
+            out[f"blk.{block}.attn_q.weight"] = _rope_rows(q, config.n_head, to_gguf=True)
+            out[f"blk.{block}.attn_k.weight"] = _rope_rows(k, config.n_kv_head, to_gguf=True)
+            out[f"blk.{block}.attn_v.weight"] = v
+        elif rest == "mlp.fc.weight":
+            gate, up = tensor.chunk(2)
+            out[f"blk.{block}.ffn_gate.weight"], out[f"blk.{block}.ffn_up.weight"] = gate, up
+        else:
+            raise GGUFError(f"tensor {name} has no place in a GGUF {arch} model")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+
+def _tokenizer_vocab(tokenizer: Tokenizer) -> tuple[list[str], list[int], list[str], str]:
+    """(tokens, token types, merges, pre-tokenizer name) of a tokenizer as llama.cpp's byte-level BPE."""
+    if isinstance(tokenizer, ByteTokenizer):
+        specials = sorted(tokenizer.special_tokens.items(), key=lambda kv: kv[1])
+        tokens = [BYTE_LEVEL_SYMBOLS[b] for b in range(256)] + [s for s, _ in specials]
+        return tokens, [TOKEN_NORMAL] * 256 + [TOKEN_CONTROL] * len(specials), [], "gpt-2"
+    if isinstance(tokenizer, CharTokenizer):
+        wide = [c for c in tokenizer.chars if len(c.encode("utf-8")) != 1]
+        if wide:
+            raise GGUFError(f"the char tokenizer's character {wide[0]!r} is several UTF-8 bytes: llama.cpp's "
+                            "byte-level tokenizer cannot give it one id; train a byte or bpe tokenizer instead")  # fmt: skip
+        tokens = [BYTE_LEVEL_SYMBOLS[ord(c)] for c in tokenizer.chars]
+        specials = list(tokenizer.special_tokens)
+        return tokens + specials, [TOKEN_NORMAL] * len(tokens) + [TOKEN_CONTROL] * len(specials), [], "gpt-2"
+    if isinstance(tokenizer, BPETokenizer):
+        return _bpe_vocab(tokenizer)
+    raise GGUFError(f"a {tokenizer.kind} tokenizer cannot be written as GGUF")
+
+
+def _bpe_vocab(tokenizer: BPETokenizer) -> tuple[list[str], list[int], list[str], str]:
+    spec = json.loads(tokenizer.hf.to_str())
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE" or spec.get("normalizer") is not None:
+        raise GGUFError("only a byte-level BPE tokenizer without a normaliser can be written as GGUF (this one: "
+                        f"{model.get('type')} model, normaliser {bool(spec.get('normalizer'))}); export with "
+                        "--to-hf and use llama.cpp's converter with the original tokenizer files")  # fmt: skip
+    name = _pre_tokenizer_name(pre)
+    size = tokenizer.vocab_size
+    vocab = tokenizer.hf.get_vocab(with_added_tokens=True)
+    tokens = [""] * size
+    for token, i in vocab.items():
+        tokens[i] = token
+    if any(t == "" for t in tokens):
+        raise GGUFError("the tokenizer's ids are not contiguous; GGUF needs one token per id")
+    types = [TOKEN_CONTROL if i in tokenizer.special_tokens.values() else TOKEN_NORMAL for i in range(size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return tokens, types, merges, name
+
+
+def _pre_tokenizer_name(pre: dict[str, Any]) -> str:
+    """llama.cpp's name for a byte-level pre-tokenizer (tokenizer.json's), or a GGUFError."""
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+        return "gpt-2"
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if len(parts) == 2 and parts[0].get("type") == "Split" and parts[1].get("type") == "ByteLevel" \
+            and not parts[1].get("use_regex", True):  # fmt: skip
+        regex = parts[0].get("pattern", {}).get("Regex")
+        for name, known in PRE_TOKENIZERS.items():
+            if regex == known:
+                return name
+    raise GGUFError(f"llama.cpp knows no pre-tokenizer like this tokenizer's ({json.dumps(pre)[:120]}); export "
+                    "with --to-hf instead")  # fmt: skip
+
+
+def export_gguf(model: GPT, path: str | Path, tokenizer: Tokenizer | None, file_type: str = "f32",
+                chat_template: str | None = None, name: str = "gptkit") -> Path:  # fmt: skip
+    """Write model (and its tokenizer, end-of-text id and chat template) as a GGUF file llama.cpp runs."""
+    gguf = _gguf()
+    if file_type not in FILE_TYPES:
+        raise GGUFError(f"--type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
+    if tokenizer is None:
+        raise GGUFError("the model has no tokenizer to embed; llama.cpp needs one in the file")
+    config = model.config
+    arch = architecture(config)
+    tensors = gguf_tensors(model)
+    tokens, types, merges, pre = _tokenizer_vocab(tokenizer)
+    if len(tokens) != config.vocab_size:
+        raise GGUFError(f"the tokenizer has {len(tokens)} tokens and the model {config.vocab_size} embeddings; "
+                        "llama.cpp needs one token per embedding")  # fmt: skip
+    path = Path(path)
+
+    def write(tmp: Path) -> None:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        writer.add_name(name)
+        writer.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}[file_type])  # llama.cpp's LLAMA_FTYPE_*
+        writer.add_context_length(config.block_size)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_block_count(config.n_layer)
+        writer.add_feed_forward_length(config.ffn_hidden)
+        writer.add_head_count(config.n_head)
+        if arch == "gpt2":
+            writer.add_layer_norm_eps(config.norm_eps)
+        else:
+            writer.add_head_count_kv(config.n_kv_head)
+            writer.add_layer_norm_rms_eps(config.norm_eps)
+            writer.add_rope_freq_base(config.rope_theta)
+            writer.add_rope_dimension_count(config.head_dim)
+            writer.add_vocab_size(config.vocab_size)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges or [_inert_merge(tokens, types)])
+        if tokenizer.eos_id is not None:
+            writer.add_eos_token_id(tokenizer.eos_id)
+        bos = _bos_id(tokenizer)
+        writer.add_add_bos_token(bos is not None)
+        if bos is not None:
+            writer.add_bos_token_id(bos)
+        if chat_template:
+            writer.add_chat_template(chat_template)
+        for tensor_name, tensor in tensors.items():
+            data, raw_type = _encoded(gguf, tensor.numpy(), file_type)
+            writer.add_tensor(tensor_name, data, raw_dtype=raw_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    atomic_write(path, write)
+    return path
+
+
+def _inert_merge(tokens: list[str], types: list[int]) -> str:
+    """A merge that never applies, for a vocabulary of single symbols: llama.cpp requires at least one merge, and
+    one of two special tokens never meets a pair of symbols (specials are split off before BPE runs)."""
+    specials = [t for t, kind in zip(tokens, types) if kind == TOKEN_CONTROL]
+    if not specials:
+        raise GGUFError("a tokenizer without merges needs a special token (such as <|endoftext|>) for GGUF")
+    return f"{specials[0]} {specials[0]}"
+
+
+def _bos_id(tokenizer: Tokenizer) -> int | None:
+    """The id the tokenizer puts before a prompt (Llama's <s>), or None."""
+    with_prompt, plain = tokenizer.encode_prompt("a"), tokenizer.encode("a")
+    return with_prompt[0] if len(with_prompt) > len(plain) else None
+
+
+def _encoded(gguf: Any, array: np.ndarray, file_type: str) -> tuple[np.ndarray, Any]:
+    """A tensor's data in the file's type: vectors stay float32 (as llama.cpp's converter keeps norms and biases),
+    matrices take the file type (q8_0 where rows are whole 32-value blocks, else float16)."""
+    kinds = gguf.GGMLQuantizationType
+    if array.ndim == 1 or file_type == "f32":
+        return array.astype(np.float32), kinds.F32
+    target = {"f16": kinds.F16, "bf16": kinds.BF16, "q8_0": kinds.Q8_0}[file_type]
+    if target == kinds.Q8_0 and array.shape[-1] % 32:
+        target = kinds.F16
+    if target == kinds.F16:
+        return array.astype(np.float16), kinds.F16
+    return gguf.quants.quantize(array.astype(np.float32), target), target
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether path is a file that starts with GGUF's magic bytes."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None) -> tuple[GPT, Tokenizer]:  # fmt: skip
+    """(model, tokenizer) of a GGUF file of llama.cpp's gpt2 or llama architecture, every tensor dequantised."""
+    gguf = _gguf()
+    path = Path(path)
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as err:
+        raise GGUFError(f"{path} is not a readable GGUF file: {err}") from None
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    arch = fields.get("general.architecture")
+    if arch not in ("gpt2", "llama"):
+        raise GGUFError(f"{path} holds a {arch!r} model; gptkit reads GGUF's gpt2 and llama architectures")
+    tensors = {}
+    for tensor in reader.tensors:
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        data = np.asarray(tensor.data)
+        if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
+            try:
+                data = gguf.quants.dequantize(data, tensor.tensor_type)
+            except NotImplementedError:
+                raise GGUFError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf "
+                                "package cannot dequantise") from None  # fmt: skip
+        tensors[tensor.name] = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))  # owned, not mapped
+    config = _config(fields, tensors, arch, path)
+    state = _gptkit_state(tensors, config, arch, path)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    model = model.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else model
+    return model.eval(), _tokenizer(fields, path)
+
+
+def gguf_chat_template(path: str | Path) -> str | None:
+    """The chat template a GGUF file carries (tokenizer.chat_template), or None."""
+    reader = _gguf().GGUFReader(str(path))
+    field = reader.fields.get("tokenizer.chat_template")
+    return None if field is None else field.contents()
+
+
+def _field(fields: dict[str, Any], key: str, path: Path, default: Any = None) -> Any:
+    value = fields.get(key, default)
+    if value is None:
+        raise GGUFError(f"{path} has no {key!r}")
+    return value
+
+
+def _decimal(value: Any) -> float:
+    """A float32 from the file as the shortest decimal that rounds to it (1e-05, not 9.9999997e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _config(fields: dict[str, Any], tensors: dict[str, torch.Tensor], arch: str, path: Path) -> ModelConfig:
+    """The ModelConfig a GGUF file's hyperparameters describe, refusing what gptkit cannot compute alike."""
+    get = lambda key, default=None: _field(fields, f"{arch}.{key}", path, default)  # noqa: E731
+    n_head = int(get("attention.head_count"))
+    common = dict(vocab_size=int(tensors["token_embd.weight"].shape[0]), block_size=int(get("context_length")),
+                  n_layer=int(get("block_count")), n_head=n_head, n_embd=int(get("embedding_length")),
+                  ffn_hidden=int(get("feed_forward_length")), norm_position="pre",
+                  tie_embeddings="output.weight" not in tensors)  # fmt: skip
+    if arch == "gpt2":
+        if "output.weight" in tensors and torch.equal(tensors["output.weight"], tensors["token_embd.weight"]):
+            common["tie_embeddings"] = True  # llama.cpp's converter writes GPT-2's tied head a second time
+        return ModelConfig(**common, activation="gelu_tanh", norm="layernorm", position="learned",
+                           norm_eps=_decimal(get("attention.layer_norm_epsilon")), lm_head_bias=False)  # fmt: skip
+    if fields.get("llama.rope.scaling.type") not in (None, "none") or fields.get("llama.expert_count"):
+        raise GGUFError(f"{path} uses RoPE scaling or experts, which gptkit does not compute")
+    n_kv = int(get("attention.head_count_kv", n_head))
+    head_dim = common["n_embd"] // n_head
+    if int(get("rope.dimension_count", head_dim)) != head_dim or "blk.0.attn_q.bias" in tensors:
+        raise GGUFError(f"{path} rotates part of each head or has attention biases, which gptkit's llama does not")
+    return ModelConfig(**common, n_kv_head=n_kv, activation="swiglu", norm="rmsnorm", position="rope",
+                       norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
+                       rope_theta=_decimal(get("rope.freq_base", 10000.0)),
+                       attn_bias=False, mlp_bias=False, norm_bias=False, lm_head_bias=False)  # fmt: skip
+
+
+def _gptkit_state(tensors: dict[str, torch.Tensor], config: ModelConfig, arch: str, path: Path) -> dict[str, torch.Tensor]:
+    """GGUF's tensors under gptkit's names and layout (q/k rows back to rotate-half pairs, q/k/v fused)."""
+    names = {theirs: ours for ours, theirs in _tensor_names(config, arch).items()}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name in names:
+            state[names[name]] = tensor
+    if config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    if arch == "llama":
+        for i in range(config.n_layer):
+            get = lambda part: tensors.get(f"blk.{i}.{part}.weight")  # noqa: E731
+            missing = [part for part in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up") if get(part) is None]
+            if missing:
+                raise GGUFError(f"{path} has no tensor blk.{i}.{missing[0]}.weight")
+            q, k = _rope_rows(get("attn_q"), config.n_head, False), _rope_rows(get("attn_k"), config.n_kv_head, False)
+            state[f"blocks.{i}.attn.qkv.weight"] = torch.cat([q, k, get("attn_v")])
+            state[f"blocks.{i}.mlp.fc.weight"] = torch.cat([get("ffn_gate"), get("ffn_up")])
+    with torch.device("meta"):  # the names only
+        expected = set(GPT(config).state_dict())
+    missing = sorted(expected - set(state))
+    if missing:
+        raise GGUFError(f"{path} lacks the tensor gptkit calls {missing[0]!r}")
+    return {name: state[name] for name in expected}
+
+
+def _tokenizer(fields: dict[str, Any], path: Path) -> Tokenizer:
+    """The GGUF file's tokenizer: gptkit's byte tokenizer when the file holds exactly its layout, else byte-level BPE."""
+    model = fields.get("tokenizer.ggml.model")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if model != "gpt2" or not tokens:
+        raise GGUFError(f"{path} has a {model!r} tokenizer; gptkit reads GGUF's byte-level BPE (\"gpt2\") tokenizers")
+    types = fields.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    eos_id = fields.get("tokenizer.ggml.eos_token_id")
+    specials = [t for t, kind in zip(tokens, types) if kind == TOKEN_CONTROL]
+    inert = {f"{a} {b}" for a in specials for b in specials}  # see _inert_merge
+    merges = [m for m in fields.get("tokenizer.ggml.merges") or [] if m not in inert]
+    if not merges and tokens[:256] == [BYTE_LEVEL_SYMBOLS[b] for b in range(256)] and len(specials) == len(tokens) - 256:
+        tokenizer: Tokenizer = ByteTokenizer(specials)
+        if eos_id is not None and tokenizer.eos_id != eos_id:
+            tokenizer.eos_id = int(eos_id)
+        return tokenizer
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Regex
+    from tokenizers import Tokenizer as HFTokenizer
+
+    pre = fields.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in PRE_TOKENIZERS and pre != "default":
+        raise GGUFError(f"{path}'s pre-tokenizer {pre!r} is not one gptkit knows ({', '.join(PRE_TOKENIZERS)})")
+    hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    if pre == "llama-bpe":
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])  # fmt: skip
+    else:
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    eos = tokens[int(eos_id)] if eos_id is not None else EOT
+    return BPETokenizer(hf, eos)

@@ -1,0 +1,192 @@
+"""GGUF: gptkit models written for llama.cpp and read back, checked against the gguf package, transformers' GGUF
+loader and llama.cpp's own converter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import VARIANTS
+
+from gptkit.cli import main
+from gptkit.config import ModelConfig
+from gptkit.formats.gguf import GGUFError, export_gguf, gguf_tensors, load_gguf
+from gptkit.model import GPT
+from gptkit.modeldir import load, save_model_dir
+from gptkit.tokenizer import BPETokenizer, ByteTokenizer, CharTokenizer
+
+gguf = pytest.importorskip("gguf")
+TEXT = "The quick brown fox jumps over the lazy dog. Colour of the sky? Blue. 12345 tokens! " * 30
+ARCHS = {"gpt2": "gpt2", "llama-gqa": "llama"}
+
+
+def tiny(variant: str, vocab_size: int = 257, **fields) -> GPT:
+    torch.manual_seed(0)
+    return GPT(ModelConfig(**{**VARIANTS[variant], "vocab_size": vocab_size, **fields})).eval()
+
+
+def bpe() -> BPETokenizer:
+    return BPETokenizer.train([TEXT], 300)
+
+
+@pytest.mark.parametrize("variant", ARCHS)
+def test_the_gguf_reader_sees_every_tensor_and_hyperparameter(variant, tmp_path):
+    model = tiny(variant)
+    path = export_gguf(model, tmp_path / "m.gguf", ByteTokenizer(), "f32")
+    reader = gguf.GGUFReader(str(path))
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    arch, config = ARCHS[variant], model.config
+    assert fields["general.architecture"] == arch
+    assert (fields[f"{arch}.block_count"], fields[f"{arch}.embedding_length"], fields[f"{arch}.context_length"],
+            fields[f"{arch}.attention.head_count"], fields[f"{arch}.feed_forward_length"]) == \
+        (config.n_layer, config.n_embd, config.block_size, config.n_head, config.ffn_hidden)  # fmt: skip
+    if arch == "llama":
+        assert fields["llama.attention.head_count_kv"] == config.n_kv_head
+        assert fields["llama.rope.freq_base"] == pytest.approx(config.rope_theta)
+    assert fields["tokenizer.ggml.eos_token_id"] == 256 and len(fields["tokenizer.ggml.tokens"]) == 257
+    written = {t.name: np.asarray(t.data).reshape(tuple(reversed([int(n) for n in t.shape]))) for t in reader.tensors}
+    want = gguf_tensors(model)
+    assert written.keys() == want.keys()
+    for name, tensor in want.items():
+        assert np.array_equal(written[name], tensor.numpy()), name
+
+
+@pytest.mark.parametrize("variant", ARCHS)
+def test_to_gguf_and_back_is_bit_exact_in_f32_and_decodes_alike_in_every_type(variant, tmp_path, capsys):
+    model = tiny(variant, vocab_size=300)
+    source = save_model_dir(model, tmp_path / "model", tokenizer=bpe())
+    assert main(["convert", "--to-gguf", str(source), "--out", str(tmp_path / "m.gguf"), "--type", "f32"]) == 0
+    assert main(["convert", "--from-gguf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "back")]) == 0
+    back, tokenizer = load(tmp_path / "back")
+    want = model.state_dict()
+    assert all(torch.equal(back.state_dict()[k], want[k]) for k in want)
+    assert tokenizer.encode(TEXT[:200]) == bpe().encode(TEXT[:200]) and tokenizer.eos_id == bpe().eos_id
+    prompt = "The quick brown"
+    for file_type in ("f32", "f16", "bf16", "q8_0"):
+        path = tmp_path / f"m-{file_type}.gguf"
+        assert main(["convert", "--to-gguf", str(source), "--out", str(path), "--type", file_type]) == 0
+        texts = []
+        for target in (str(path), str(source)):  # a .gguf file is taken wherever a model directory is
+            capsys.readouterr()
+            assert main(["generate", target, "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0"]) == 0
+            texts.append(capsys.readouterr().out)
+        from_gguf, from_dir = texts
+        if file_type in ("f32", "f16"):
+            assert from_gguf == from_dir, file_type
+
+
+def test_a_byte_tokenizer_comes_back_as_itself_and_a_gguf_file_fine_tunes(tmp_path):
+    path = export_gguf(tiny("gpt2"), tmp_path / "m.gguf", ByteTokenizer(), "f32")
+    model, tokenizer = load_gguf(path)
+    assert isinstance(tokenizer, ByteTokenizer) and tokenizer.eos_id == 256
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    assert main(["prepare", "--input", str(text), "--tokenizer", "byte", "--out", str(tmp_path / "data")]) == 0
+    assert main(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--model.init_from",
+                 str(path), "--train.max_steps", "2", "--train.batch_size", "2", "--train.eval_iters", "1",
+                 "--train.device", "cpu", "--quiet"]) == 0  # fmt: skip
+    assert main(["eval", str(path), "--input", str(text), "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("variant", ARCHS)
+def test_transformers_reads_our_gguf_with_the_same_logits(variant, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = tiny(variant, vocab_size=300)
+    export_gguf(model, tmp_path / "m.gguf", bpe(), "f32")
+    # transformers maps gpt2.context_length to n_ctx but not to n_positions (the learned positions' count)
+    extra = {"n_positions": model.config.block_size} if variant == "gpt2" else {}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32, **extra).eval()
+    ids = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-4, rtol=1e-4)
+
+
+def llama_cpp_converter() -> Path | None:
+    """llama.cpp's convert_hf_to_gguf.py: $GPTKIT_LLAMA_CPP_CONVERTER, or where `make test` unpacks it."""
+    for candidate in (os.environ.get("GPTKIT_LLAMA_CPP_CONVERTER"), ".cache/llama.cpp/convert_hf_to_gguf.py"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate).resolve()
+    return None
+
+
+# llama.cpp's converter recognises a BPE pre-tokenizer by hashing how it splits a test text, so no newly trained
+# tokenizer passes it (issue 20); a test runs it with that check (and Llama's SentencePiece attempt) bypassed,
+# as a user would by hand: the tensors and hyperparameters are what is checked.
+CONVERT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf as convert
+from conversion import base, llama
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+convert.main()
+"""
+
+
+@pytest.mark.parametrize("variant", ARCHS)
+def test_llama_cpps_converter_output_loads_with_transformers_logits(variant, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    converter = llama_cpp_converter()
+    if converter is None:
+        pytest.skip("llama.cpp's converter is not unpacked (make test does it: make llama-converter)")
+    from gptkit.hf import export_hf
+
+    hf_dir = export_hf(tiny(variant, vocab_size=300), tmp_path / "hf", tokenizer=bpe())
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    out = tmp_path / "converted.gguf"
+    done = subprocess.run([sys.executable, "-c", CONVERT, str(converter.parent), str(hf_dir), "--outfile", str(out),
+                           "--outtype", "f32"], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    model, tokenizer = load_gguf(out)
+    ids = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference(ids).logits, atol=1e-4, rtol=1e-4)
+    assert tokenizer.encode(TEXT[:100]) == bpe().encode(TEXT[:100])
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(norm_position="post"), "norm_position 'post' cannot be written as GGUF"),
+    (dict(position="sinusoidal"), "position 'sinusoidal'"),
+    (dict(activation="gelu"), "tanh approximation"),
+    (dict(lm_head_bias=True, tie_embeddings=False), "no output bias"),
+])  # fmt: skip
+def test_what_llama_cpp_cannot_compute_is_refused_in_one_line(fields, message, tmp_path, capsys):
+    source = save_model_dir(tiny("gpt2", **fields), tmp_path / "model", tokenizer=ByteTokenizer())
+    assert main(["convert", "--to-gguf", str(source), "--out", str(tmp_path / "m.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and not (tmp_path / "m.gguf").exists()
+
+
+def test_unwritable_tokenizers_and_unreadable_files_are_one_line_errors(tmp_path, capsys):
+    with pytest.raises(GGUFError, match="several UTF-8 bytes"):
+        export_gguf(tiny("gpt2", vocab_size=4), tmp_path / "c.gguf", CharTokenizer(["a", "é", "b"]), "f32")
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"GGUF" + b"\x00" * 10)
+    assert main(["convert", "--from-gguf", str(not_gguf), "--out", str(tmp_path / "o")]) == 2
+    assert "not a readable GGUF file" in capsys.readouterr().err
+    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["generate", str(tmp_path / "phi.gguf"), "--prompt", "a"]) == 2
+    err = capsys.readouterr().err
+    assert "'phi3' model" in err and err.count("\n") == 1
+
+
+def test_the_default_chat_template_written_as_jinja_renders_the_same_text():
+    from gptkit.chat import DEFAULT_JINJA, ChatTemplate
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Sky?"}]  # fmt: skip
+    default, jinja = ChatTemplate(eos_token="<|endoftext|>"), ChatTemplate(DEFAULT_JINJA, eos_token="<|endoftext|>")
+    for prompt in (True, False):
+        assert jinja.render(messages, prompt) == default.render(messages, prompt)
+    assert default.jinja == DEFAULT_JINJA and jinja.jinja == DEFAULT_JINJA
