@@ -25,9 +25,10 @@ TOKENIZER_CONFIG = "tokenizer_config.json"  # where Hugging Face tokenizers keep
 ROLES = ("system", "user", "assistant", "tool", "developer")
 DEFAULT_STOP = ("\n\nuser:",)
 # The default template written as Jinja, for files that carry a template to other programs (GGUF for llama.cpp):
-# it renders exactly what ChatTemplate.render does without a source.
+# it renders exactly what ChatTemplate.render does without a source (its newlines inside an expression, which
+# Hugging Face's trim_blocks rendering keeps).
 DEFAULT_JINJA = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
-                 "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n\n{% endfor %}"
+                 "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n\\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
 
 
