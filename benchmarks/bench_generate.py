@@ -1,7 +1,7 @@
 """gptkit's decoding against Hugging Face transformers' generate and llama.cpp, on the same weights, in one run.
 
 For a GPT-2-small-shaped model (124M, random weights) and a Llama-shaped one of similar size, built as transformers
-models and converted with gptkit.hf so both sides run identical weights, it prints per dtype:
+models and converted with gptkit.formats.hf so both sides run identical weights, it prints per dtype:
   - prefill tokens/s of one 512-token prompt (HF: a forward with use_cache and logits_to_keep=1, as its generate
     prefills; gptkit: generation.prefill),
   - decode tokens/s at batch 1 and 8 for 128 greedy new tokens (HF generate with its KV cache; gptkit complete(),
@@ -44,7 +44,7 @@ from gptkit.decoding.api import complete
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.speculative import SpeculativeStats
 from gptkit.decoding.step import inference, new_cache, prefill
-from gptkit.hf import gpt_from_hf_model
+from gptkit.formats.hf import gpt_from_hf_model
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
 from gptkit.quantization import Int8Linear, quantize

@@ -29,7 +29,7 @@ def build_model_dir(path: Path, n_layer: int, n_embd: int, block_size: int) -> P
 
     from gptkit.config import ModelConfig
     from gptkit.model import GPT
-    from gptkit.modeldir import save_model_dir
+    from gptkit.formats.modeldir import save_model_dir
     from gptkit.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer(specials=())  # no end-of-text token: every request generates max_tokens

@@ -38,7 +38,7 @@ from safetensors import SafetensorError
 
 from gptkit.atomic import atomic_write_text, fsync_dir
 from gptkit.errors import GptkitError
-from gptkit.modeldir import load_tensors, save_model_dir, save_tensors
+from gptkit.formats.modeldir import load_tensors, save_model_dir, save_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -457,7 +457,7 @@ def load_checkpoint(
 
 def load_weights(module: torch.nn.Module, path: Path) -> None:
     """Copy a checkpoint's full weights into the run's model, in place (the optimiser holds these parameters)."""
-    from gptkit.modeldir import WEIGHTS_FILE
+    from gptkit.formats.modeldir import WEIGHTS_FILE
 
     weights = _shard_like(module, load_tensors(path / WEIGHTS_FILE, next(module.parameters()).device))
     try:

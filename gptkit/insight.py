@@ -25,7 +25,7 @@ from gptkit.accounting import attention_params, mlp_params, norm_params, param_b
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.model import GPT, Trace
-from gptkit.modeldir import atomic_write, atomic_write_text
+from gptkit.formats.modeldir import atomic_write, atomic_write_text
 
 TEMPERATURES = (0.5, 1.0, 2.0)
 MAX_HEATMAP_TOKENS = 48  # beyond this, token labels become unreadable: heatmaps show the last positions only

@@ -32,6 +32,7 @@ from gptkit.chat import TOKENIZER_CONFIG, ChatTemplate, eos_text, load_chat_temp
 from gptkit.data import EXAMPLE_FILES, META_FILE, SPLIT_FILES
 from gptkit.errors import GptkitError, InputError
 from gptkit.finetune.examples import KINDS as EXAMPLE_KIND
+from gptkit.formats.gguf import gguf_tokenizer, is_gguf_file
 from gptkit.finetune.examples import SUPERVISED, ExampleEncoder, fit, row_format
 from gptkit.inputs import READ_CHUNK, Piece, Reader, first_record, records, resolve_inputs, row_kind
 from gptkit.tokenizer import (
@@ -226,7 +227,7 @@ def _train_pass(
         if not path.exists():
             raise InputError(f"--tokenizer must be char, byte, bpe or a directory holding a tokenizer; {name} does not exist")
         try:
-            return load_tokenizer(path)
+            return gguf_tokenizer(path) if is_gguf_file(path) else load_tokenizer(path)
         except TokenizerNotFound as err:
             raise InputError(f"--tokenizer {name}: {err}") from None
     with _progress_bar(total, f"training {name}", progress) as bar:
@@ -472,13 +473,10 @@ def _example_tokenizer(config: PrepareConfig, rows: Callable[[], Iterable[tuple[
 
 
 def _context_of(tokenizer_source: str) -> int | None:
-    """The context length of the model directory a tokenizer came from, when it is one gptkit can read."""
-    from gptkit.config import ModelConfig
+    """The context length of the model a tokenizer came from (any format gptkit reads), else None."""
+    from gptkit.loading import model_context  # every format's module: only an example set with a model's tokenizer
 
-    try:
-        return ModelConfig.load(tokenizer_source).block_size
-    except GptkitError:
-        return None
+    return model_context(tokenizer_source)
 
 
 def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], formats: dict[Path, str | None],

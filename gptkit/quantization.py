@@ -5,7 +5,7 @@ four, which is what bounds decoding on a CPU. The embedding table stays in float
 a tied LM head gets its own int8 copy.
 
 A quantised model saves as a gptkit model directory whose config.json carries "quantization": "int8" and whose
-model.safetensors holds int8 `*.weight` and float `*.scales` tensors; load_quantized_dir() builds it back directly.
+model.safetensors holds int8 `*.weight` and float `*.scales` tensors; gptkit.formats.quantized writes and reads such a directory.
 """
 
 from __future__ import annotations
@@ -182,13 +182,13 @@ def _check_method(method: str) -> None:
         raise ConfigError(f"unknown quantisation {method!r}; choose one of: {', '.join(METHODS)}")
 
 
-def _swap_linears(model: nn.Module, make: Any) -> None:
+def swap_linears(model: nn.Module, make: Any) -> None:
     """Replace every nn.Linear below model by make(linear)."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             setattr(model, name, make(child))
         else:
-            _swap_linears(child, make)
+            swap_linears(child, make)
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -206,67 +206,5 @@ def quantize(model: GPT, method: str = "int8", include_head: bool = True) -> GPT
     base = getattr(model, "_orig_mod", model)
     if is_quantized(base):
         raise ConfigError("this model is already quantised")
-    _swap_linears(base if include_head else base.blocks, Int8Linear.from_linear)
-    return model.eval()
-
-
-def save_quantized_dir(model: GPT, path: str | Path, tokenizer: Any | None = None) -> Path:
-    """Write a quantised model as a gptkit model directory that load_quantized_dir (and modeldir.load) read back."""
-    from gptkit.modeldir import WEIGHTS_FILE, save_tensors, write_config_and_tokenizer
-
-    base = getattr(model, "_orig_mod", model)
-    if not is_quantized(base):
-        raise ConfigError("the model is not quantised; call gptkit.quantize(model, 'int8') first")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_tensors(base.state_dict(), path / WEIGHTS_FILE, metadata={"format": "pt", "quantization": "int8"})
-    write_config_and_tokenizer(path, base.config, tokenizer, {"quantization": "int8"})
-    return path
-
-
-def quantization_of(path: str | Path) -> str | None:
-    """The quantisation a gptkit model directory was saved with ("int8"), or None for a float one."""
-    from gptkit.modeldir import read_config_json
-
-    method = read_config_json(path).get("quantization")
-    if method is not None:
-        _check_method(method)
-    return method
-
-
-def load_quantized_dir(
-    path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-) -> GPT:
-    """Build the quantised GPT saved by save_quantized_dir directly from its int8 tensors, in eval mode."""
-    from gptkit.modeldir import ModelDirError, load_tensors, read_model_config, weight_files
-
-    path = Path(path)
-    method = quantization_of(path)
-    if method is None:
-        raise ModelDirError(f"{path} holds a float model; load it with gptkit.load and quantise it")
-    config = read_model_config(path)
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    state: dict[str, Tensor] = {}
-    for file in weight_files(path):
-        state.update(load_tensors(file, device))
-    # Floats converted (or copied), int8 weights copied: out of the memory map into aligned, writable memory.
-    state = {name: t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
-             for name, t in state.items()}  # fmt: skip
-    with torch.device("meta"):
-        model = GPT(config)
-        _swap_linears(model, lambda lin: Int8Linear(lin.in_features, lin.out_features, lin.bias is not None))
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        name = (missing or unexpected)[0]
-        raise ModelDirError(f"{path}: tensor {name!r} is {'missing' if missing else 'unexpected'} for this config")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape) or (expected[name].dtype == torch.int8) != (
-            tensor.dtype == torch.int8
-        ):
-            raise ModelDirError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)} / dtype {tensor.dtype}, "
-                                f"the config needs {tuple(expected[name].shape)} / {expected[name].dtype}")  # fmt: skip
-    model.load_state_dict(state, strict=True, assign=True)
-    probe_kernels(device.type)
+    swap_linears(base if include_head else base.blocks, Int8Linear.from_linear)
     return model.eval()

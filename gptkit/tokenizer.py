@@ -502,6 +502,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     raise TokenizerNotFound(f"tokenizer path {path} does not exist")
 
 
+def tokenizer_or_none(path: str | Path) -> Tokenizer | None:
+    """The tokenizer saved in a directory, or None when it holds none (a damaged one is still an error)."""
+    try:
+        return load_tokenizer(path)
+    except TokenizerNotFound:
+        return None
+
+
 def _load_gptkit_file(path: Path) -> Tokenizer:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

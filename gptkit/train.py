@@ -61,14 +61,14 @@ from gptkit.distributed import (
 from gptkit.data import Batch, ExampleBatches, Examples, TrainBatches, is_examples, load_examples
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.finetune.heads import SequenceClassifier, load_head_weights, save_head
-from gptkit.finetune.lora import adapters_disabled, add_lora, load_lora_state
+from gptkit.finetune.lora import adapters_disabled, load_lora_state
 from gptkit.finetune.objectives import Classification, LanguageModeling, Objective, Preference
 from gptkit.finetune.objectives import evaluate as evaluate_objective
 from gptkit.finetune.lora_dir import WEIGHTS_FILE as LORA_WEIGHTS
-from gptkit.finetune.lora_dir import adapted_model, is_lora_dir, load_base, read_lora_config, with_precision, \
-    write_lora_dir  # fmt: skip
+from gptkit.finetune.lora_dir import adapt, is_lora_dir, read_lora_config, write_lora_dir
 from gptkit.model import GPT
-from gptkit.modeldir import load, load_model_tokenizer, load_tensors, read_model_config, save_model_dir
+from gptkit.formats.modeldir import load_model_tokenizer, load_tensors, read_model_config, save_model_dir
+from gptkit.loading import adapted_model, load, load_base
 from gptkit.optim import lr_at, make_optimizer
 from gptkit.tokenizer import check_same_tokenizer
 from gptkit.train_config import RunConfig, TrainConfig, resolve_model
@@ -258,18 +258,14 @@ def stop_on_signals() -> Iterator[threading.Event]:
 def load_data(data_dir: str | None) -> tuple[dict[str, Any], np.ndarray, np.ndarray, Any | None]:
     """(meta, train tokens, val tokens, tokenizer) of a prepared data directory; errors name what is missing."""
     from gptkit.data import SPLIT_FILES, load_tokens, read_meta
-    from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
+    from gptkit.tokenizer import tokenizer_or_none
 
     if data_dir is None:
         raise ConfigError("no data: pass --data DIR (a directory made by `gptkit prepare`) or set train.data_dir")
     meta = read_meta(data_dir)
     train_tokens = load_tokens(Path(data_dir) / SPLIT_FILES["train"], meta["dtype"])
     val_tokens = load_tokens(Path(data_dir) / SPLIT_FILES["val"], meta["dtype"])
-    try:
-        tokenizer = load_tokenizer(data_dir)
-    except TokenizerNotFound:
-        tokenizer = None
-    return meta, train_tokens, val_tokens, tokenizer
+    return meta, train_tokens, val_tokens, tokenizer_or_none(data_dir)
 
 
 # Splits up to this many tokens are checked whole; larger ones (made by `gptkit prepare`, which writes only ids
@@ -341,12 +337,10 @@ def build_model(config: RunConfig, vocab_size: int) -> RunModel:
         model.load_state_dict(pretrained.state_dict())
     if not lora:
         return RunModel(model, tokenizer, section.init_from)
-    model = with_precision(model, finetune.base_precision)
-    add_lora(model, finetune.lora_rank, finetune.lora_alpha, finetune.lora_dropout, finetune.lora_targets)
     settings = {"base": str(Path(section.init_from).resolve()), "base_fingerprint": fingerprint,
                 "rank": finetune.lora_rank, "alpha": finetune.lora_alpha, "dropout": finetune.lora_dropout,
                 "targets": finetune.lora_targets, "base_precision": finetune.base_precision}  # fmt: skip
-    return RunModel(model, tokenizer, section.init_from, settings)
+    return RunModel(adapt(model, settings), tokenizer, section.init_from, settings)
 
 
 def resume_model(checkpoint: Path) -> RunModel:

@@ -19,7 +19,8 @@ from gptkit.decoding.api import generate, generate_ids, sampling_params, stream
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
-from gptkit.modeldir import load, save_model_dir
+from gptkit.formats.modeldir import save_model_dir
+from gptkit.loading import load
 from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tokenizer import CharTokenizer
 

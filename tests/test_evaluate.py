@@ -15,7 +15,7 @@ from gptkit.errors import InputError
 from gptkit.evaluate import evaluate_ids, evaluate_text, metrics, score_tokens, sliding_windows
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
-from gptkit.modeldir import save_model_dir
+from gptkit.formats.modeldir import save_model_dir
 from gptkit.tokenizer import ByteTokenizer, CharTokenizer
 
 BLOCK = 16

@@ -22,7 +22,8 @@ from gptkit.finetune.lora import adapters, adapters_disabled, add_lora, fingerpr
 from gptkit.finetune.lora_dir import is_lora_dir, write_lora_dir, write_peft_dir
 from gptkit.loss import IGNORE_INDEX
 from gptkit.model import GPT
-from gptkit.modeldir import load, model_state, save_model_dir
+from gptkit.formats.modeldir import model_state, save_model_dir
+from gptkit.loading import load
 from gptkit.tokenizer import EOT, BPETokenizer, ByteTokenizer, load_tokenizer
 from gptkit.train import train
 from gptkit.train_config import from_sources
@@ -312,7 +313,7 @@ def test_peft_loads_the_exported_adapters_with_gptkits_logits(name, tmp_path):
     settings = {"base": str(base_dir.resolve()), "base_fingerprint": fingerprint(model_state(load(base_dir)[0])),
                 "rank": 3, "alpha": 5.0, "dropout": 0.0, "targets": "all", "base_precision": "float32"}  # fmt: skip
     lora_dir = write_lora_dir(model, tmp_path / "lora", settings)
-    write_peft_dir(lora_dir, tmp_path / "adapter")
+    write_peft_dir(lora_dir, tmp_path / "adapter", config)
     hf = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf"), tmp_path / "adapter")
     ids = torch.randint(0, 257, (2, 20))
     with torch.no_grad():

@@ -16,10 +16,10 @@ from gptkit.decoding.batch import BatchEngine
 from gptkit.decoding.beam import beam_search
 from gptkit.decoding.request import Request
 from gptkit.decoding.step import decode_one_token, prefill
-from gptkit.hf import gpt_from_hf_model
+from gptkit.formats.hf import gpt_from_hf_model
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
-from gptkit.modeldir import save_model_dir
+from gptkit.formats.modeldir import save_model_dir
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.tokenizer import EOT, ByteTokenizer, CharTokenizer
 

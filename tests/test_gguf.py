@@ -17,7 +17,8 @@ from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.formats.gguf import GGUFError, export_gguf, gguf_tensors, load_gguf
 from gptkit.model import GPT
-from gptkit.modeldir import load, save_model_dir
+from gptkit.formats.modeldir import save_model_dir
+from gptkit.loading import load
 from gptkit.tokenizer import BPETokenizer, ByteTokenizer, CharTokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -135,7 +136,7 @@ def test_llama_cpps_converter_output_loads_with_transformers_logits(variant, tmp
     converter = llama_cpp_converter()
     if converter is None:
         pytest.skip("llama.cpp's converter is not unpacked (make test does it: make llama-converter)")
-    from gptkit.hf import export_hf
+    from gptkit.formats.hf import export_hf
 
     hf_dir = export_hf(tiny(variant, vocab_size=300), tmp_path / "hf", tokenizer=bpe())
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

@@ -13,9 +13,10 @@ from conftest import VARIANTS
 from gptkit.cli import main as cli_main
 from gptkit.config import ModelConfig
 from gptkit.errors import GptkitError
-from gptkit.hf import export_hf, gpt_from_hf_model, hf_model_from_gpt, load_hf
+from gptkit.formats.hf import export_hf, gpt_from_hf_model, hf_model_from_gpt, load_hf
 from gptkit.model import GPT
-from gptkit.modeldir import ModelDirError, load, load_model_dir, model_state, save_model_dir
+from gptkit.formats.modeldir import ModelDirError, load_model_dir, model_state, save_model_dir
+from gptkit.loading import load
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

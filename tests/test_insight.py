@@ -27,7 +27,7 @@ from gptkit.insight import (
     write_report,
 )
 from gptkit.model import GPT
-from gptkit.modeldir import save_model_dir
+from gptkit.formats.modeldir import save_model_dir
 from gptkit.tokenizer import ByteTokenizer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

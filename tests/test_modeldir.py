@@ -5,7 +5,7 @@ import torch
 
 from gptkit.config import ModelConfig
 from gptkit.model import GPT
-from gptkit.modeldir import ModelDirError, load_model_dir, save_model_dir
+from gptkit.formats.modeldir import ModelDirError, load_model_dir, save_model_dir
 
 from conftest import TINY, VARIANTS
 

@@ -22,7 +22,7 @@ from gptkit.finetune.heads import SequenceClassifier, is_classifier_dir, load_he
 from gptkit.finetune.lora import adapters
 from gptkit.loss import IGNORE_INDEX
 from gptkit.model import GPT
-from gptkit.modeldir import load
+from gptkit.loading import load
 from gptkit.tokenizer import ByteTokenizer
 from gptkit.train import Trainer, train
 
@@ -217,7 +217,7 @@ def test_last_token_pooling_is_right_for_left_and_right_padded_batches():
 def test_an_exported_classifier_gives_transformers_the_same_logits(variant, tmp_path):
     transformers = pytest.importorskip("transformers")
     from gptkit.finetune.heads import save_head
-    from gptkit.modeldir import save_model_dir
+    from gptkit.formats.modeldir import save_model_dir
 
     torch.manual_seed(0)
     config = ModelConfig(**{**VARIANTS[variant], "vocab_size": 257})

@@ -369,7 +369,7 @@ def test_a_full_disk_while_preparing_is_one_line_and_keeps_the_old_data(tmp_path
 MEMORY_CHILD = textwrap.dedent(
     """
     import json, os, resource, sys
-    import gptkit.modeldir  # imported by prepare at the end; load it before measuring the baseline
+    import gptkit.formats.modeldir  # imported by prepare at the end; load it before measuring the baseline
     from gptkit.prepare import PrepareConfig, prepare
 
     tokenizer, budget, corpus, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import gptkit.formats.quantized as fq
 import gptkit.quantization as q
 from gptkit.cli import main
 from gptkit.config import ModelConfig
@@ -16,7 +17,8 @@ from gptkit.errors import ConfigError
 from gptkit.decoding.api import complete, generate_ids
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
-from gptkit.modeldir import ModelDirError, load, save_model_dir
+from gptkit.formats.modeldir import ModelDirError, save_model_dir
+from gptkit.loading import load
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.tokenizer import CharTokenizer
 
@@ -145,9 +147,9 @@ def test_compiled_int8_decode_matches_eager(trained, capfd):
 def test_saved_int8_directory_loads_and_generates(trained, tmp_path):
     model, tokenizer, held_out = trained
     quantised = q.quantize(_copy(model), "int8")
-    path = q.save_quantized_dir(quantised, tmp_path / "int8", tokenizer)
+    path = fq.save_quantized_dir(quantised, tmp_path / "int8", tokenizer)
     config = json.loads((path / "config.json").read_text())
-    assert config["quantization"] == "int8" and q.quantization_of(path) == "int8"
+    assert config["quantization"] == "int8" and fq.quantization_of(path) == "int8"
     loaded, loaded_tokenizer = load(path)
     assert q.is_quantized(loaded) and loaded.blocks[0].mlp.fc.weight.dtype == torch.int8
     assert all(b.data_ptr() % 64 == 0 for b in loaded.buffers() if b.dtype == torch.int8)  # the kernel needs it
@@ -162,15 +164,15 @@ def test_saved_int8_directory_loads_and_generates(trained, tmp_path):
     float_size = save_model_dir(_copy(model), tmp_path / "fp32").joinpath("model.safetensors").stat().st_size
     assert size < 0.6 * float_size
     with pytest.raises(ModelDirError, match="float model"):
-        q.load_quantized_dir(tmp_path / "fp32")
+        fq.load_quantized_dir(tmp_path / "fp32")
     with pytest.raises(ConfigError, match="not quantised"):
-        q.save_quantized_dir(_copy(model), tmp_path / "bad")
+        fq.save_quantized_dir(_copy(model), tmp_path / "bad")
 
 
 def test_cli_generate_quantize_int8(trained, tmp_path, capsys):
     model, tokenizer, _ = trained
     float_dir = save_model_dir(_copy(model), tmp_path / "fp32", tokenizer)
-    int8_dir = q.save_quantized_dir(q.quantize(_copy(model), "int8"), tmp_path / "int8", tokenizer)
+    int8_dir = fq.save_quantized_dir(q.quantize(_copy(model), "int8"), tmp_path / "int8", tokenizer)
     args = ["--prompt", "ROMEO:", "--max-new-tokens", "10", "--temperature", "0", "--json"]
     assert main(["generate", str(float_dir), "--quantize", "int8", *args]) == 0
     on_the_fly = json.loads(capsys.readouterr().out)

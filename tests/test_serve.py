@@ -17,7 +17,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from gptkit.modeldir import load
+from gptkit.loading import load
 from gptkit.chat import ChatTemplate, load_chat_template
 from gptkit.decoding.request import Request, visible_end
 from gptkit.decoding.sampling import SamplingParams

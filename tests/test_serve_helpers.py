@@ -15,7 +15,7 @@ import uvicorn
 
 from gptkit.config import ModelConfig
 from gptkit.model import GPT
-from gptkit.modeldir import save_model_dir
+from gptkit.formats.modeldir import save_model_dir
 from gptkit.tokenizer import EOT, CharTokenizer
 
 ALPHABET = string.ascii_letters + string.digits + " .,:!?'\n"

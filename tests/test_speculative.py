@@ -12,7 +12,7 @@ from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError
 from gptkit.decoding.api import complete, generate_ids
 from gptkit.model import GPT
-from gptkit.modeldir import save_model_dir
+from gptkit.formats.modeldir import save_model_dir
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.request import Request
 from gptkit.decoding.speculative import speculative_generate

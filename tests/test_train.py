@@ -19,7 +19,7 @@ import torch
 
 from gptkit.checkpoint import CHECKPOINTS, checkpoint_dirs, latest_checkpoint, read_latest, verify_checkpoint, write_manifest
 from gptkit.cli import main
-from gptkit.modeldir import load_model_dir, load_tensors
+from gptkit.formats.modeldir import load_model_dir, load_tensors
 from gptkit.tokenizer import load_tokenizer
 from gptkit.train import TrainingStopped, measured_cpu_matmul_flops, peak_flops, train
 from gptkit.train_config import from_sources

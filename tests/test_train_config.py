@@ -165,7 +165,7 @@ def test_cli_run_then_resume_and_guards(tmp_path, data_dir, capsys):
 
 
 def test_init_from_vocab_mismatch(tmp_path, data_dir, capsys):
-    from gptkit.modeldir import save_model_dir
+    from gptkit.formats.modeldir import save_model_dir
 
     model_dir = save_model_dir(GPT(ModelConfig(vocab_size=50, block_size=8, n_layer=1, n_head=2, n_embd=16)),
                                tmp_path / "m")  # fmt: skip

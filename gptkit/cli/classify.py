@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.devices import pick_device
     from gptkit.errors import InputError
     from gptkit.finetune.heads import is_classifier_dir, load_head, predict
-    from gptkit.modeldir import load
+    from gptkit.loading import load
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")

@@ -77,7 +77,8 @@ def _merge(source: Path, out: Path, dtype: object) -> int:
     from gptkit.chat import TOKENIZER_CONFIG
     from gptkit.errors import GptkitError
     from gptkit.finetune.lora_dir import is_lora_dir
-    from gptkit.modeldir import atomic_write, load, save_model_dir
+    from gptkit.formats.modeldir import atomic_write, save_model_dir
+    from gptkit.loading import load
 
     if not is_lora_dir(source):
         raise GptkitError(f"{source} is not a LoRA directory (no lora_config.json); --merge folds adapters into "
@@ -95,7 +96,7 @@ def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
     from gptkit.chat import eos_text, load_chat_template
     from gptkit.errors import GptkitError
     from gptkit.formats.gguf import export_gguf
-    from gptkit.modeldir import load
+    from gptkit.loading import load
 
     if not source.is_dir():
         raise GptkitError(f"--to-gguf {source} is not a directory")
@@ -114,8 +115,8 @@ def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
 
 
 def _import(source: Path, out: Path, dtype: object) -> int:
-    from gptkit.hf import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_hf
-    from gptkit.modeldir import atomic_write, save_model_dir
+    from gptkit.formats.hf import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_hf
+    from gptkit.formats.modeldir import atomic_write, save_model_dir
 
     if source.is_file():  # --from-gguf
         return _import_gguf(source, out, dtype)
@@ -138,7 +139,7 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
 
     from gptkit.chat import DEFAULT_JINJA
     from gptkit.formats.gguf import gguf_chat_template, load_gguf
-    from gptkit.modeldir import atomic_write_text, save_model_dir
+    from gptkit.formats.modeldir import atomic_write_text, save_model_dir
 
     model, tokenizer = load_gguf(source, dtype=dtype)
     save_model_dir(model, out, tokenizer=tokenizer)
@@ -153,8 +154,8 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
 def _export(source: Path, out: Path, dtype: object) -> int:
     from gptkit.finetune.heads import is_classifier_dir, load_head
     from gptkit.finetune.lora_dir import is_lora_dir, write_peft_dir
-    from gptkit.hf import export_hf, read_tokenizer_config
-    from gptkit.modeldir import load
+    from gptkit.formats.hf import export_hf, read_tokenizer_config
+    from gptkit.loading import load
 
     model, tokenizer = load(source, dtype=dtype)
     head = None
@@ -165,7 +166,7 @@ def _export(source: Path, out: Path, dtype: object) -> int:
     if tokenizer is None:
         print(f"note: {source} has no tokenizer; the Hugging Face directory has none either", file=sys.stderr)
     if is_lora_dir(source):
-        adapter = write_peft_dir(source, out / "adapter")
+        adapter = write_peft_dir(source, out / "adapter", model.config)
         print(f"note: the adapters alone, in PEFT's format, are in {adapter}: load them with "
               "peft.PeftModel.from_pretrained over the base exported by `gptkit convert --to-hf BASE`",
               file=sys.stderr)  # fmt: skip

@@ -53,14 +53,11 @@ def _read_text(path: str) -> str:
 def _val_tokens(data_dir: str, model_tokenizer, model_dir: str):  # -> (np.ndarray, tokenizer or None)
     """val.bin of a prepared directory and the tokenizer it was encoded with."""
     from gptkit.data import load_tokens, read_meta
-    from gptkit.tokenizer import TokenizerNotFound, check_same_tokenizer, load_tokenizer
+    from gptkit.tokenizer import check_same_tokenizer, tokenizer_or_none
 
     meta = read_meta(data_dir)
     tokens = load_tokens(Path(data_dir) / "val.bin", meta["dtype"])
-    try:
-        tokenizer = load_tokenizer(data_dir)
-    except TokenizerNotFound:
-        tokenizer = model_tokenizer
+    tokenizer = tokenizer_or_none(data_dir) or model_tokenizer
     if tokenizer is not None and model_tokenizer is not None:
         check_same_tokenizer(tokenizer, model_tokenizer, data_dir, model_dir)
     return tokens, tokenizer
@@ -75,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.errors import InputError
     from gptkit.evaluate import EvalOptions, encode_text, evaluate_examples, evaluate_ids, sliding_windows
     from gptkit.finetune.heads import is_classifier_dir
-    from gptkit.modeldir import load
+    from gptkit.loading import load
     from gptkit.devices import pick_device
 
     options = dataclass_from_args(EvalOptions, args)

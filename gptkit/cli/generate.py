@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
     from gptkit.decoding.api import encode_prompt, generate_text, stream_text
     from gptkit.decoding.speculative import check_draft
-    from gptkit.modeldir import load
+    from gptkit.loading import load
     from gptkit.quantization import is_quantized, quantize
 
     dtype, device = getattr(torch, args.dtype), pick_device(args.device)

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     """Write the pictures and print where index.html is."""
     from gptkit.errors import InputError
     from gptkit.insight import write_report
-    from gptkit.modeldir import load
+    from gptkit.loading import load
     from gptkit.devices import pick_device
 
     if not args.prompt:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from gptkit.atomic import atomic_write_text
 from gptkit.errors import GptkitError
 from gptkit.loss import linear_cross_entropy
-from gptkit.modeldir import load_tensors, save_tensors
+from gptkit.formats.modeldir import load_tensors, save_tensors
 
 HEAD_CONFIG = "classifier.json"
 HEAD_WEIGHTS = "classifier.safetensors"

@@ -22,7 +22,8 @@ from torch import nn
 from gptkit.atomic import atomic_write_text
 from gptkit.errors import GptkitError
 from gptkit.finetune.lora import TARGETS, add_lora, fingerprint, load_lora_state, lora_state, merge_lora, peft_adapter
-from gptkit.modeldir import load_tensors, model_state, save_tensors
+from gptkit.formats.hf import hf_block_modules
+from gptkit.formats.modeldir import load_tensors, save_tensors
 
 FORMAT = "gptkit-lora"
 FORMAT_VERSION = 1
@@ -71,22 +72,6 @@ def write_lora_dir(model: nn.Module, path: str | Path, settings: dict[str, Any],
     return path
 
 
-def load_base(base: str | Path, expected: str | None = None,
-              device: torch.device | str | None = None) -> tuple[nn.Module, Any, str]:  # fmt: skip
-    """(model, tokenizer, fingerprint) of a base model directory as stored; expected checks the fingerprint."""
-    from gptkit.modeldir import load
-
-    if not Path(base).exists():
-        raise GptkitError(f"the base model {base} of these adapters is missing; put it back (or convert a merged "
-                          "model with `gptkit convert --merge` while it exists)")  # fmt: skip
-    model, tokenizer = load(base, device=device)
-    found = fingerprint(model_state(model))
-    if expected is not None and found != expected:
-        raise GptkitError(f"the base model {base} has changed since the adapters were trained on it (its weights "
-                          f"hash to {found[:12]}, the adapters expect {expected[:12]})")  # fmt: skip
-    return model, tokenizer, found
-
-
 def with_precision(model: nn.Module, precision: str) -> nn.Module:
     """The frozen base in the precision its adapters train over: float32, or the blocks' linear weights stored in
     bfloat16 or int8 (weight-only) and multiplied in float32; embeddings, norms and the head stay float (the fused
@@ -105,23 +90,16 @@ def with_precision(model: nn.Module, precision: str) -> nn.Module:
     return model
 
 
-def adapted_model(settings: dict[str, Any], device: torch.device | str | None = None) -> tuple[nn.Module, Any]:
-    """(base in its training precision with fresh adapters, tokenizer) for these settings (a fingerprint-checked
-    base); load_lora_state then fills the adapters."""
-    model, tokenizer, _ = load_base(settings["base"], settings["base_fingerprint"], device)
+def adapt(model: nn.Module, settings: dict[str, Any]) -> nn.Module:
+    """The base in its training precision with fresh adapters as settings describe (load_lora_state fills them)."""
     model = with_precision(model, settings["base_precision"])
-    add_lora(model, settings["rank"], float(settings["alpha"]), float(settings["dropout"]), settings["targets"])
-    return model, tokenizer
+    return add_lora(model, settings["rank"], float(settings["alpha"]), float(settings["dropout"]), settings["targets"])
 
 
-def load_lora(path: str | Path, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None) -> tuple[nn.Module, Any]:  # fmt: skip
-    """(base with the adapters merged in, in eval mode, tokenizer): a LoRA directory used like a model directory.
-
-    The adapters fold into the base's float weights (an int8-trained run's too), then the model takes dtype.
-    """
+def merged(model: nn.Module, path: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
+    """The base model with a LoRA directory's adapters folded into its float weights, in eval mode: a LoRA
+    directory used like a model directory (an int8-trained run's adapters too, over the float base)."""
     settings = read_lora_config(path)
-    model, tokenizer, _ = load_base(settings["base"], settings["base_fingerprint"], device)
     add_lora(model, settings["rank"], float(settings["alpha"]), float(settings["dropout"]), settings["targets"])
     load_lora_state(model, load_tensors(Path(path) / WEIGHTS_FILE, next(model.parameters()).device), str(path))
     model = merge_lora(model)
@@ -129,21 +107,19 @@ def load_lora(path: str | Path, dtype: torch.dtype | None = None,
         param.requires_grad_(True)
     if dtype is not None:
         model = model.to(dtype)
-    return model.eval(), tokenizer
+    return model.eval()
 
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
-def write_peft_dir(path: str | Path, out: str | Path) -> Path:
-    """Write a LoRA directory's adapters in PEFT's format, for the base as `gptkit convert --to-hf` exports it:
-    peft.PeftModel.from_pretrained(that HF base, out) computes what the merged model does."""
-    from gptkit.hf import hf_block_modules
-
+def write_peft_dir(path: str | Path, out: str | Path, base_config: Any) -> Path:
+    """Write a LoRA directory's adapters in PEFT's format, for its base (of ModelConfig base_config) as `gptkit
+    convert --to-hf` exports it: peft.PeftModel.from_pretrained(that HF base, out) computes what the merged model
+    does."""
     settings = read_lora_config(path)
-    base, _, _ = load_base(settings["base"], settings["base_fingerprint"])
-    modules, transposed = hf_block_modules(base.config)
+    modules, transposed = hf_block_modules(base_config)
     config, tensors = peft_adapter(load_tensors(Path(path) / WEIGHTS_FILE), modules, settings, settings["base"],
                                    transposed)  # fmt: skip
     out = Path(out)

@@ -334,6 +334,15 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None,
     return model.eval(), _tokenizer(fields, path)
 
 
+def gguf_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer a GGUF file carries (its tensors are not read)."""
+    try:
+        reader = _gguf().GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as err:
+        raise GGUFError(f"{path} is not a readable GGUF file: {err}") from None
+    return _tokenizer({name: field.contents() for name, field in reader.fields.items()}, Path(path))
+
+
 def gguf_chat_template(path: str | Path) -> str | None:
     """The chat template a GGUF file carries (tokenizer.chat_template), or None."""
     reader = _gguf().GGUFReader(str(path))

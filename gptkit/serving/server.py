@@ -52,7 +52,7 @@ class ServeOptions:
 
 def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     """The app serving model_dir; its engine thread starts and stops with the app."""
-    from gptkit.modeldir import load
+    from gptkit.loading import load
     from gptkit.quantization import is_quantized, quantize
 
     if options.max_body_bytes < 1:

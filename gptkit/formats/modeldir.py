@@ -179,46 +179,12 @@ def load_model_dir(
     return load_state_into(model, state, str(path)).eval()
 
 
-def load(
-    path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
-) -> tuple[GPT, Any]:
-    """(model, tokenizer) from a gptkit model directory, a LoRA directory (adapters merged into their base) or a
-    Hugging Face directory (converted in memory).
-
-    The tokenizer is None when the directory holds no tokenizer files.
-    """
-    path = Path(path)
-    from gptkit.finetune.lora_dir import is_lora_dir, load_lora  # (moves to the format-detecting loader)
-    from gptkit.formats.gguf import is_gguf_file, load_gguf
-
-    if is_gguf_file(path):
-        return load_gguf(path, dtype=dtype, device=device)
-
-    if is_lora_dir(path):
-        return load_lora(path, dtype=dtype, device=device)
-    if not is_gptkit_dir(path):
-        data = read_config_json(path)  # raises for a missing directory or config
-        if "model_type" in data or "architectures" in data:
-            from gptkit.hf import load_hf
-
-            return load_hf(path, dtype=dtype, device=device)
-        raise ModelDirError(f"{path / CONFIG_FILE} is neither a gptkit nor a Hugging Face model config")
-    if read_config_json(path).get("quantization"):
-        from gptkit.quantization import load_quantized_dir
-
-        model = load_quantized_dir(path, device=device, dtype=dtype)
-    else:
-        model = load_model_dir(path, device=device, dtype=dtype)
-    return model, load_model_tokenizer(path)
-
-
 def load_model_tokenizer(path: str | Path) -> Any | None:
     """The tokenizer a gptkit model directory holds, with the model's own end ids; None when it holds none."""
-    from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
+    from gptkit.tokenizer import tokenizer_or_none
 
-    try:
-        tokenizer = load_tokenizer(path)
-    except TokenizerNotFound:
+    tokenizer = tokenizer_or_none(path)
+    if tokenizer is None:
         return None
     eos_ids = read_config_json(path).get("generation", {}).get("eos_ids")
     if eos_ids:

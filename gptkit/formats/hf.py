@@ -25,18 +25,21 @@ from torch import Tensor
 
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.model import GPT
-from gptkit.modeldir import (
+from gptkit.formats.modeldir import (
     CONFIG_FILE,
     INDEX_FILE,
     WEIGHTS_FILE,
     ModelDirError,
     atomic_write_text,
+    load_model_dir,
+    load_model_tokenizer,
     load_state_into,
     model_state,
     read_config_json,
     save_tensors,
 )
+from gptkit.model import GPT
+from gptkit.tokenizer import tokenizer_or_none
 
 log = logging.getLogger(__name__)
 
@@ -643,7 +646,7 @@ def load_hf(
     detect_layout(hf, str(path))  # refuse an unknown architecture before touching the weights
     with open_weights(path) as (loaders, source):
         model = model_from_hf_state(hf, loaders, source, dtype=dtype, device=device)
-    tokenizer = _load_tokenizer(path)
+    tokenizer = tokenizer_or_none(path)
     if tokenizer is not None:
         # An id past the tokenizer's vocabulary (a padded embedding's) could never be decoded anyway.
         tokenizer.add_eos_ids(i for i in hf_eos_ids(path, hf) if 0 <= i < tokenizer.vocab_size)
@@ -664,16 +667,6 @@ def hf_eos_ids(path: Path, hf: dict[str, Any]) -> list[int]:
     ids = source.get("eos_token_id")
     ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
     return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
-
-
-def _load_tokenizer(path: Path) -> Any:
-    """The tokenizer saved in path, or None when it holds none."""
-    from gptkit.tokenizer import TokenizerNotFound, load_tokenizer
-
-    try:
-        return load_tokenizer(path)
-    except TokenizerNotFound:
-        return None
 
 
 def gpt_from_hf_model(hf_model: Any) -> GPT:
@@ -774,15 +767,14 @@ def export_hf(
 ) -> Path:
     """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) equal to the model.
 
-    model_or_dir is a GPT or a model directory, whose tokenizer and tokenizer_config.json (chat template,
-    special-token names) come along unless given; dtype casts the weights of a directory's model. head (labels,
+    model_or_dir is a GPT or a gptkit model directory (other formats: gptkit.load them first), whose tokenizer and
+    tokenizer_config.json (chat template, special-token names) come along unless given; dtype casts the weights of
+    a directory's model. head (labels,
     score weight) writes a sequence classifier instead of a causal LM, padding with the end-of-text id.
     """
     if isinstance(model_or_dir, (str, Path)):
-        from gptkit.modeldir import load
-
-        model, loaded = load(model_or_dir, dtype=dtype)
-        tokenizer = tokenizer if tokenizer is not None else loaded
+        model = load_model_dir(model_or_dir, dtype=dtype)
+        tokenizer = tokenizer if tokenizer is not None else load_model_tokenizer(model_or_dir)
         tokenizer_config = tokenizer_config if tokenizer_config is not None else read_tokenizer_config(model_or_dir)
     else:
         model = model_or_dir

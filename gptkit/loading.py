@@ -1,0 +1,95 @@
+"""One loader above every format gptkit reads: a path in, (model, tokenizer) out.
+
+The format is told from the path itself: a GGUF file (its magic bytes), a LoRA directory (lora_config.json: its
+base loaded by this same function, then the adapters merged), a Hugging Face directory (config.json with
+model_type or architectures), a quantised gptkit directory, or a gptkit directory. Each format's module knows
+only its own format (gptkit.formats); fine-tuning's LoRA directory lives in gptkit.finetune.lora_dir.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gptkit.errors import GptkitError
+from gptkit.finetune import lora_dir
+from gptkit.finetune.lora import fingerprint
+from gptkit.formats import gguf, hf, modeldir, quantized
+from gptkit.model import GPT
+from gptkit.tokenizer import Tokenizer
+
+FORMATS = ("gguf", "lora", "hf", "quantized", "gptkit")
+
+
+def model_format(path: str | Path) -> str:
+    """Which of FORMATS path holds; a one-line error naming what is wrong when it holds none."""
+    path = Path(path)
+    if gguf.is_gguf_file(path):
+        return "gguf"
+    if path.is_file():
+        raise modeldir.ModelDirError(f"{path} is a file but not a GGUF file; give a model directory or a .gguf file")
+    if lora_dir.is_lora_dir(path):
+        return "lora"
+    data = modeldir.read_config_json(path)  # a one-line error for a missing directory or config
+    if modeldir.is_gptkit_dir(path):
+        return "quantized" if data.get("quantization") else "gptkit"
+    if "model_type" in data or "architectures" in data:
+        return "hf"
+    raise modeldir.ModelDirError(f"{path / modeldir.CONFIG_FILE} is neither a gptkit nor a Hugging Face model config")
+
+
+def load(path: str | Path, dtype: torch.dtype | None = None,
+         device: torch.device | str | None = None) -> tuple[GPT, Tokenizer | None]:  # fmt: skip
+    """(model in eval mode, tokenizer or None when the path holds none) from any format gptkit reads."""
+    path = Path(path)
+    kind = model_format(path)
+    if kind == "gguf":
+        return gguf.load_gguf(path, dtype=dtype, device=device)
+    if kind == "hf":
+        return hf.load_hf(path, dtype=dtype, device=device)
+    if kind == "lora":
+        settings = lora_dir.read_lora_config(path)
+        base, tokenizer, _ = load_base(settings["base"], settings["base_fingerprint"], device)
+        return lora_dir.merged(base, path, dtype), tokenizer
+    if kind == "quantized":
+        model = quantized.load_quantized_dir(path, device=device, dtype=dtype)
+    else:
+        model = modeldir.load_model_dir(path, device=device, dtype=dtype)
+    return model, modeldir.load_model_tokenizer(path)
+
+
+def load_base(base: str | Path, expected: str | None = None,
+              device: torch.device | str | None = None) -> tuple[GPT, Tokenizer | None, str]:  # fmt: skip
+    """(model, tokenizer, fingerprint) of the base model of LoRA adapters, as stored; expected checks the
+    fingerprint (a changed or missing base is a one-line error)."""
+    if not Path(base).exists():
+        raise GptkitError(f"the base model {base} of these adapters is missing; put it back (or convert a merged "
+                          "model with `gptkit convert --merge` while it exists)")  # fmt: skip
+    model, tokenizer = load(base, device=device)
+    found = fingerprint(modeldir.model_state(model))
+    if expected is not None and found != expected:
+        raise GptkitError(f"the base model {base} has changed since the adapters were trained on it (its weights "
+                          f"hash to {found[:12]}, the adapters expect {expected[:12]})")  # fmt: skip
+    return model, tokenizer, found
+
+
+def adapted_model(settings: dict[str, Any], device: torch.device | str | None = None) -> tuple[nn.Module, Any]:
+    """(the checked base in its training precision with fresh adapters, tokenizer) for a LoRA run's settings."""
+    model, tokenizer, _ = load_base(settings["base"], settings["base_fingerprint"], device)
+    return lora_dir.adapt(model, settings), tokenizer
+
+
+def model_context(path: str | Path) -> int | None:
+    """The context length (block_size) of the model at path, or None when path holds no model gptkit reads."""
+    try:
+        kind = model_format(path)
+        if kind in ("gptkit", "quantized"):
+            return modeldir.read_model_config(path).block_size
+        if kind == "lora":
+            return model_context(lora_dir.read_lora_config(path)["base"])
+        return load(path)[0].config.block_size
+    except GptkitError:
+        return None
