@@ -1,0 +1,126 @@
+"""Preference optimisation (DPO) that visibly moves a chat model's style, on a laptop CPU in minutes.
+
+1. Start from the supervised fine-tuning demonstration's word-reversal chat model (examples/finetune_demo.py,
+   run first if its output is missing): asked "Reverse: crown" it answers "nworc".
+2. Make preference pairs: for the same prompt, the reversed word ending with a full stop is chosen and the bare
+   one rejected. The words of the held-out pairs never appear in training.
+3. Train with `--finetune.objective dpo`, fully and with LoRA (the reference is the starting model, frozen).
+4. Report, on the held-out words: preference accuracy (the share of pairs whose implicit reward margin is
+   positive) and, in the text the model generates greedily (as `gptkit serve` answers a chat), the share of
+   replies ending with a full stop and the share still reversing the word correctly.
+
+Run: python examples/dpo_demo.py [--sft-out runs/finetune-demo] [--out runs/dpo-demo] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from finetune_demo import TASK, gptkit_cli, task_words
+
+import gptkit
+from gptkit.chat import eos_text, load_chat_template
+from gptkit.data import example_batches, load_examples, read_meta
+from gptkit.finetune.dpo import sequence_logprobs
+
+DPO = ["--finetune.objective", "dpo", "--finetune.dpo_beta", "0.1", "--train.batch_size", "16",
+       "--optim.warmup_steps", "10", "--optim.weight_decay", "0.0", "--train.eval_interval", "50",
+       "--train.eval_iters", "4", "--train.checkpoint_interval", "1000"]  # fmt: skip
+
+
+def pair(word: str) -> dict:
+    """The preference row for one word: the same answer, with and without the full stop."""
+    return {"prompt": [{"role": "user", "content": TASK.format(word=word)}],
+            "chosen": [{"role": "assistant", "content": word[::-1] + "."}],
+            "rejected": [{"role": "assistant", "content": word[::-1]}]}  # fmt: skip
+
+
+@torch.no_grad()
+def completion_logprobs(model_dir: Path, pairs_dir: Path) -> np.ndarray:
+    """Each held-out pair's (chosen, rejected) completion log-probabilities under a model."""
+    model, _ = gptkit.load(model_dir)
+    meta = read_meta(pairs_dir)
+    examples = load_examples(pairs_dir, "train", meta)
+    out = [sequence_logprobs(model.eval()(b.x), b.y) for b in example_batches(examples, model.config.block_size, 32)]
+    return torch.cat(out).view(-1, 2).numpy()
+
+
+@torch.no_grad()
+def replies(model_dir: Path, words: list[str]) -> list[str]:
+    """Greedy replies to each held-out prompt, rendered with the chat template as the server renders a chat."""
+    model, tokenizer = gptkit.load(model_dir)
+    template = load_chat_template(model_dir, eos_text(tokenizer))
+    prompts = [tokenizer.encode(template.render([{"role": "user", "content": TASK.format(word=w)}])) for w in words]
+    out = gptkit.generate_ids(model, prompts, max_new_tokens=14, temperature=0.0, stop=list(template.stop),
+                              eos_id=tokenizer.eos_ids, tokenizer=tokenizer)  # fmt: skip
+    return [tokenizer.decode(ids).split("\n\nuser:")[0].strip() for ids in out]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sft-out", type=Path, default=Path("runs/finetune-demo"),
+                        help="the supervised fine-tuning demonstration's --out (run first if missing)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("runs/dpo-demo"), help="where everything is written")
+    parser.add_argument("--quick", action="store_true", help="a fraction of the steps (a smoke run, not the result)")
+    args = parser.parse_args()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    scale = 10 if args.quick else 1
+    started = time.perf_counter()
+
+    if not (args.sft_out / "full" / "latest").is_file():
+        demo = Path(__file__).with_name("finetune_demo.py")
+        subprocess.run([sys.executable, str(demo), "--out", str(args.sft_out), *(["--quick"] if args.quick else [])],
+                       check=True)  # fmt: skip
+    sft = args.sft_out / "full" / (args.sft_out / "full" / "latest").read_text().strip()
+
+    train_words, held_out = task_words()
+    rng = np.random.default_rng(2)
+    rows = [pair(train_words[i]) for i in rng.integers(0, len(train_words), 2000)]
+    (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "held_out.jsonl").write_text("".join(json.dumps(pair(w)) + "\n" for w in held_out))
+    gptkit_cli("prepare", "--input", str(out / "pairs.jsonl"), "--tokenizer", str(sft), "--out", str(out / "pairs"))
+    gptkit_cli("prepare", "--input", str(out / "held_out.jsonl"), "--tokenizer", str(sft), "--out",
+               str(out / "held_out"), "--val-fraction", "0")  # fmt: skip
+    steps = str(max(200 // scale, 2))
+    runs = {
+        "DPO, full": ("full", ["--optim.lr", "1e-4", "--optim.min_lr", "1e-5"]),
+        "DPO, LoRA (rank 16)": ("lora", ["--finetune.method", "lora", "--finetune.lora_rank", "16",
+                                         "--finetune.lora_alpha", "32", "--optim.lr", "1e-3", "--optim.min_lr", "1e-4"]),
+    }  # fmt: skip
+    reference = completion_logprobs(sft, out / "held_out")
+    results = {}
+    for name, (run, flags) in [("SFT model (the reference)", (None, None)), *runs.items()]:
+        checkpoint = sft
+        if run is not None:
+            run_dir = out / run
+            if not (run_dir / "latest").is_file():
+                gptkit_cli("train", "--data", str(out / "pairs"), "--out", str(run_dir), "--model.init_from", str(sft),
+                           "--train.max_steps", steps, *DPO, *flags, "--quiet")  # fmt: skip
+            checkpoint = run_dir / (run_dir / "latest").read_text().strip()
+        policy = completion_logprobs(checkpoint, out / "held_out")
+        margins = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
+        said = replies(checkpoint, held_out)
+        results[name] = {"preference_accuracy": float(np.mean(margins > 0)),
+                         "ends_with_full_stop": float(np.mean([s.endswith(".") for s in said])),
+                         "reversed_correctly": float(np.mean([s.rstrip(".") == w[::-1] for s, w in zip(said, held_out)])),
+                         "example": f"Reverse: {held_out[0]} -> {said[0]!r}"}  # fmt: skip
+
+    print(f"\non {len(held_out)} held-out words ({time.perf_counter() - started:.0f} s in all):")
+    print(f"  {'model':28s} {'pref. acc.':>10s} {'ends with .':>12s} {'reversed ok':>12s}   example")
+    for name, r in results.items():
+        print(f"  {name:28s} {100 * r['preference_accuracy']:9.1f}% {100 * r['ends_with_full_stop']:11.1f}% "
+              f"{100 * r['reversed_correctly']:11.1f}%   {r['example']}")  # fmt: skip
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
