@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gptkit.chat import DEFAULT_JINJA, ChatTemplate, eos_text, load_chat_template
 from gptkit.errors import GptkitError
 from gptkit.finetune import lora_dir
 from gptkit.finetune.lora import fingerprint
@@ -80,6 +81,16 @@ def adapted_model(settings: dict[str, Any], device: torch.device | str | None = 
     """(the checked base in its training precision with fresh adapters, tokenizer) for a LoRA run's settings."""
     model, tokenizer, _ = load_base(settings["base"], settings["base_fingerprint"], device)
     return lora_dir.adapt(model, settings), tokenizer
+
+
+def chat_template(path: str | Path, tokenizer: Tokenizer | None) -> ChatTemplate:
+    """The chat template of the model at path: a GGUF file's own (tokenizer.chat_template), a directory's
+    tokenizer_config.json, or the default, ending replies with the tokenizer's end-of-text text."""
+    eos = eos_text(tokenizer) if tokenizer is not None else ""
+    if gguf.is_gguf_file(path):
+        source = gguf.gguf_chat_template(path)
+        return ChatTemplate(eos_token=eos) if source in (None, DEFAULT_JINJA) else ChatTemplate(source, "", eos)
+    return load_chat_template(path, eos)
 
 
 def model_context(path: str | Path) -> int | None:

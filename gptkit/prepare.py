@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from gptkit.atomic import atomic_write_text, replace_dir, staging_dir, sweep_staging
-from gptkit.chat import TOKENIZER_CONFIG, ChatTemplate, eos_text, load_chat_template
+from gptkit.chat import TOKENIZER_CONFIG, ChatTemplate
 from gptkit.data import EXAMPLE_FILES, META_FILE, SPLIT_FILES
 from gptkit.errors import GptkitError, InputError
 from gptkit.finetune.examples import KINDS as EXAMPLE_KIND
@@ -455,8 +455,10 @@ def _example_tokenizer(config: PrepareConfig, rows: Callable[[], Iterable[tuple[
     template (char and bpe are trained on the rendered examples)."""
     name = config.tokenizer
     if name not in KINDS:
+        from gptkit.loading import chat_template  # every format's module: only a model's tokenizer needs it
+
         tokenizer = _train_pass(name, config, Reader([], config.errors), progress, 0)
-        return tokenizer, load_chat_template(name, eos_text(tokenizer))
+        return tokenizer, chat_template(name, tokenizer)
     if name == "byte":
         return ByteTokenizer(), ChatTemplate(eos_token=EOT)
     template = ChatTemplate(eos_token=EOT)
@@ -527,6 +529,9 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
     carried = Path(config.tokenizer) / TOKENIZER_CONFIG  # the chat template: training carries it into checkpoints
     if config.tokenizer not in KINDS and carried.is_file():
         shutil.copyfile(carried, stage / TOKENIZER_CONFIG)
+    elif template.source is not None:  # a GGUF file's template, written where training looks for it
+        config_json = {"chat_template": template.source, "eos_token": template.eos_token}
+        _write_synced(stage / TOKENIZER_CONFIG, [(json.dumps(config_json, indent=1) + "\n").encode()])
     split_targets = {"train": int(np.delete(np.asarray(targets), val).sum()), "val": int(np.asarray(targets)[val].sum())}
     meta = {
         "format": META_FORMAT,

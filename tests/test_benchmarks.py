@@ -47,11 +47,11 @@ def test_bench_finetune_smoke_run_reports_every_configuration():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert set(report["results"]) == {"gptkit full", "gptkit lora", "gptkit lora bf16 base", "gptkit lora int8 base",
-                                      "hf+peft lora"}  # fmt: skip
+                                      "gptkit lora int8 ckpt", "hf+peft lora"}  # fmt: skip
     lora = report["results"]["gptkit lora"]
     assert lora["trainable_params"] == report["results"]["hf+peft lora"]["trainable_params"]  # the same adapters
     assert report["results"]["gptkit full"]["trainable_params"] > lora["trainable_params"] > 0
-    assert report["lora_speedup_over_peft"] > 0 and lora["peak_mb"] > 0
+    assert report["lora_speedup_over_peft"] > 0 and lora["peak_mb"] > 0 and report["int8_ckpt_lora_peak_vs_full"] > 0
 
 
 def test_bench_checkpoint_smoke_run_saves_both_ways_and_verifies():
@@ -61,3 +61,9 @@ def test_bench_checkpoint_smoke_run_saves_both_ways_and_verifies():
     report = json.loads(result.stdout)
     assert set(report["save_s"]) == {"manifest", "fsync only"} and all(len(v) == 1 for v in report["save_s"].values())
     assert report["checksum"] == "xxh3_64" and report["checkpoint_gb"] > 0 and report["verify_s"] >= 0
+
+
+def test_bench_gguf_says_where_llama_cpp_is_missing(tmp_path):
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_gguf.py"), "--llama-cpp", str(tmp_path)],
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode != 0 and "no llama-simple in" in result.stderr

@@ -15,7 +15,6 @@ from fastapi import FastAPI
 from gptkit.devices import pick_device
 from gptkit.errors import GptkitError
 from gptkit.serving.api import ServerState, create_app
-from gptkit.chat import eos_text, load_chat_template
 from gptkit.serving.engine import Engine
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -52,7 +51,7 @@ class ServeOptions:
 
 def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     """The app serving model_dir; its engine thread starts and stops with the app."""
-    from gptkit.loading import load
+    from gptkit.loading import chat_template, load
     from gptkit.quantization import is_quantized, quantize
 
     if options.max_body_bytes < 1:
@@ -73,7 +72,7 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
         engine=engine,
         tokenizer=tokenizer,
         model_name=options.model_name or Path(model_dir).resolve().name,
-        chat_template=load_chat_template(model_dir, eos_text(tokenizer)),
+        chat_template=chat_template(model_dir, tokenizer),
         api_key=options.api_key,
         max_body_bytes=options.max_body_bytes,
     )
