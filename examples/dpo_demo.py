@@ -1,7 +1,9 @@
 """Preference optimisation (DPO) that visibly moves a chat model's style, on a laptop CPU in minutes.
 
 1. Start from the supervised fine-tuning demonstration's word-reversal chat model (examples/finetune_demo.py,
-   run first if its output is missing): asked "Reverse: crown" it answers "nworc".
+   run first if its output is missing), and fine-tune it briefly on answers in two styles, half of them ending
+   with a full stop ("nworc.") and half without ("nworc"): a chat model that has both habits, as one trained
+   on mixed data has. This is the reference.
 2. Make preference pairs: for the same prompt, the reversed word ending with a full stop is chosen and the bare
    one rejected. The words of the held-out pairs never appear in training.
 3. Train with `--finetune.objective dpo`, fully and with LoRA (the reference is the starting model, frozen).
@@ -33,6 +35,12 @@ from gptkit.finetune.dpo import sequence_logprobs
 DPO = ["--finetune.objective", "dpo", "--finetune.dpo_beta", "0.1", "--train.batch_size", "16",
        "--optim.warmup_steps", "10", "--optim.weight_decay", "0.0", "--train.eval_interval", "50",
        "--train.eval_iters", "4", "--train.checkpoint_interval", "1000"]  # fmt: skip
+
+
+def mixed(word: str, full_stop: bool) -> dict:
+    """A supervised conversation in one of the two styles."""
+    return {"messages": [{"role": "user", "content": TASK.format(word=word)},
+                         {"role": "assistant", "content": word[::-1] + ("." if full_stop else "")}]}  # fmt: skip
 
 
 def pair(word: str) -> dict:
@@ -83,21 +91,30 @@ def main() -> int:
 
     train_words, held_out = task_words()
     rng = np.random.default_rng(2)
-    rows = [pair(train_words[i]) for i in rng.integers(0, len(train_words), 2000)]
+    rows = [mixed(train_words[i], bool(i % 2)) for i in rng.integers(0, len(train_words), 2000)]
+    (out / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gptkit_cli("prepare", "--input", str(out / "mixed.jsonl"), "--tokenizer", str(sft), "--out", str(out / "mixed"))
+    if not (out / "reference" / "latest").is_file():
+        gptkit_cli("train", "--data", str(out / "mixed"), "--out", str(out / "reference"), "--model.init_from",
+                   str(sft), "--train.max_steps", str(max(100 // scale, 2)), "--train.batch_size", "32",
+                   "--optim.lr", "5e-4", "--optim.min_lr", "5e-5", "--optim.warmup_steps", "10",
+                   "--train.eval_interval", "100", "--train.eval_iters", "4", "--quiet")  # fmt: skip
+    sft = out / "reference" / (out / "reference" / "latest").read_text().strip()
+    rows = [pair(train_words[i]) for i in rng.integers(0, len(train_words), 2000)]  # the same words, new draws
     (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out / "held_out.jsonl").write_text("".join(json.dumps(pair(w)) + "\n" for w in held_out))
     gptkit_cli("prepare", "--input", str(out / "pairs.jsonl"), "--tokenizer", str(sft), "--out", str(out / "pairs"))
     gptkit_cli("prepare", "--input", str(out / "held_out.jsonl"), "--tokenizer", str(sft), "--out",
                str(out / "held_out"), "--val-fraction", "0")  # fmt: skip
-    steps = str(max(200 // scale, 2))
+    steps = str(max(100 // scale, 2))
     runs = {
-        "DPO, full": ("full", ["--optim.lr", "1e-4", "--optim.min_lr", "1e-5"]),
+        "DPO, full": ("full", ["--optim.lr", "2e-5", "--optim.min_lr", "2e-6"]),
         "DPO, LoRA (rank 16)": ("lora", ["--finetune.method", "lora", "--finetune.lora_rank", "16",
-                                         "--finetune.lora_alpha", "32", "--optim.lr", "1e-3", "--optim.min_lr", "1e-4"]),
+                                         "--finetune.lora_alpha", "32", "--optim.lr", "2e-4", "--optim.min_lr", "2e-5"]),
     }  # fmt: skip
-    reference = completion_logprobs(sft, out / "held_out")
+    reference = completion_logprobs(sft, out / "held_out")  # log ref(y | x) of each held-out pair
     results = {}
-    for name, (run, flags) in [("SFT model (the reference)", (None, None)), *runs.items()]:
+    for name, (run, flags) in [("reference (both styles)", (None, None)), *runs.items()]:
         checkpoint = sft
         if run is not None:
             run_dir = out / run
@@ -116,7 +133,8 @@ def main() -> int:
     print(f"\non {len(held_out)} held-out words ({time.perf_counter() - started:.0f} s in all):")
     print(f"  {'model':28s} {'pref. acc.':>10s} {'ends with .':>12s} {'reversed ok':>12s}   example")
     for name, r in results.items():
-        print(f"  {name:28s} {100 * r['preference_accuracy']:9.1f}% {100 * r['ends_with_full_stop']:11.1f}% "
+        accuracy = "(margins 0)" if name.startswith("reference") else f"{100 * r['preference_accuracy']:9.1f}%"
+        print(f"  {name:28s} {accuracy:>10s} {100 * r['ends_with_full_stop']:11.1f}% "
               f"{100 * r['reversed_correctly']:11.1f}%   {r['example']}")  # fmt: skip
     print(json.dumps(results))
     return 0
