@@ -6,7 +6,8 @@
    on mixed data has. This is the reference.
 2. Make preference pairs: for the same prompt, the reversed word ending with a full stop is chosen and the bare
    one rejected. The words of the held-out pairs never appear in training.
-3. Train with `--finetune.objective dpo`, fully and with LoRA (the reference is the starting model, frozen).
+3. Train with `--finetune.objective dpo`, fully and with LoRA (the reference is the starting model, frozen),
+   with the chosen replies' next-token loss added (`--finetune.dpo_nll_weight 1`).
 4. Report, on the held-out words: preference accuracy (the share of pairs whose implicit reward margin is
    positive) and, in the text the model generates greedily (as `gptkit serve` answers a chat), the share of
    replies ending with a full stop and the share still reversing the word correctly.
@@ -32,7 +33,10 @@ from gptkit.chat import eos_text, load_chat_template
 from gptkit.data import example_batches, load_examples, read_meta
 from gptkit.finetune.dpo import sequence_logprobs
 
-DPO = ["--finetune.objective", "dpo", "--finetune.dpo_beta", "0.1", "--train.batch_size", "16",
+# The two replies share every token up to the full stop, so plain DPO can raise "." anywhere in a word (both
+# replies' likelihood falls); the chosen replies' NLL (TRL's rpo_alpha) keeps the words right.
+DPO = ["--finetune.objective", "dpo", "--finetune.dpo_beta", "0.1", "--finetune.dpo_nll_weight", "1.0",
+       "--train.batch_size", "16",
        "--optim.warmup_steps", "10", "--optim.weight_decay", "0.0", "--train.eval_interval", "50",
        "--train.eval_iters", "4", "--train.checkpoint_interval", "1000"]  # fmt: skip
 
@@ -109,6 +113,8 @@ def main() -> int:
     steps = str(max(100 // scale, 2))
     runs = {
         "DPO, full": ("full", ["--optim.lr", "2e-5", "--optim.min_lr", "2e-6"]),
+        "DPO, full, no NLL term": ("full-dpo-only", ["--optim.lr", "2e-5", "--optim.min_lr", "2e-6",
+                                                     "--finetune.dpo_nll_weight", "0"]),
         "DPO, LoRA (rank 16)": ("lora", ["--finetune.method", "lora", "--finetune.lora_rank", "16",
                                          "--finetune.lora_alpha", "32", "--optim.lr", "2e-4", "--optim.min_lr", "2e-5"]),
     }  # fmt: skip

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +91,20 @@ def init_process_group(world: World, device: torch.device) -> bool:
     dist.init_process_group(backend, rank=world.rank, world_size=world.world_size, timeout=TIMEOUT,
                             device_id=device if device.type == "cuda" else None)  # fmt: skip
     return True
+
+
+def leave_if_distributed(code: int) -> None:
+    """Under torchrun, end this rank's process now with code, its output flushed (a no-op in one process).
+
+    By then the run is written and the process group left; what remains is the interpreter's shutdown, during
+    which gloo's threads can abort the process ("terminate called without an active exception", signal 6) and
+    torchrun would report a finished run as failed."""
+    if not world_from_env().distributed:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def barrier(world: World) -> None:

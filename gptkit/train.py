@@ -8,6 +8,7 @@ fused AdamW kernel itself (its found_inf input) rather than by a Python `if`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -403,6 +404,7 @@ def train(config: RunConfig, resume: bool = False, progress: bool = True,
         return Trainer(config, resume, world, device, resume_from).run(progress and world.is_main)
     finally:
         if joined:
+            gc.collect()  # a DDP/FSDP wrapper caught in a reference cycle still holds the group: free it first
             torch.distributed.destroy_process_group()
 
 
@@ -539,13 +541,13 @@ class Trainer:
                 with adapters_disabled(gpt), evaluation_mode(gpt):
                     return gpt(ids)
 
-            return Preference(finetune.dpo_beta, reference)
+            return Preference(finetune.dpo_beta, reference, finetune.dpo_nll_weight)
         frozen, _ = load(config.model.init_from)  # the model DPO started from, also when this run resumes
         if frozen.config.vocab_size != self.gpt.config.vocab_size or frozen.config.n_embd != self.gpt.config.n_embd:
             raise ConfigError(f"model.init_from {config.model.init_from} is not the model this run started from")
         frozen = frozen.to(self.device).eval().requires_grad_(False)
         frozen.check_inputs = False
-        return Preference(finetune.dpo_beta, frozen)
+        return Preference(finetune.dpo_beta, frozen, finetune.dpo_nll_weight)
 
     def elapsed(self) -> float:
         """Training wall time of the whole run, across resumes."""

@@ -116,6 +116,7 @@ class FinetuneConfig:
     packing: bool = False  # supervised examples: several whole examples per row (attention kept apart) vs padding
     objective: Objective = "lm"  # lm: next-token loss; dpo: preference pairs; classify: a label head (GPT-1)
     dpo_beta: float = 0.1  # dpo: how far the policy may move from the reference (TRL's default)
+    dpo_nll_weight: float = 0.0  # dpo: weight of the chosen replies' per-token NLL added (TRL's rpo_alpha; 0: off)
     lm_weight: float = 0.5  # classify: weight of the language-modelling loss beside the label's (GPT-1: 0.5)
 
     def validate(self) -> None:
@@ -124,6 +125,7 @@ class FinetuneConfig:
         _check_range("finetune.lora_alpha", self.lora_alpha, low=0.0, low_open=True)
         _check_range("finetune.lora_dropout", self.lora_dropout, low=0.0, high=1.0, high_open=True)
         _check_range("finetune.dpo_beta", self.dpo_beta, low=0.0, low_open=True)
+        _check_range("finetune.dpo_nll_weight", self.dpo_nll_weight, low=0.0)
         _check_range("finetune.lm_weight", self.lm_weight, low=0.0)
         if self.method != "lora" and self.base_precision != "float32":
             raise ConfigError(f"finetune.base_precision {self.base_precision} needs finetune.method lora (a frozen "

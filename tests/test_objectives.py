@@ -20,6 +20,7 @@ from gptkit.evaluate import classification_scores
 from gptkit.finetune.dpo import dpo_loss, sequence_logprobs
 from gptkit.finetune.heads import SequenceClassifier, is_classifier_dir, load_head, predict
 from gptkit.finetune.lora import adapters
+from gptkit.finetune.objectives import Preference
 from gptkit.loss import IGNORE_INDEX
 from gptkit.model import GPT
 from gptkit.loading import load
@@ -174,6 +175,21 @@ def test_dpo_starts_at_log_2_with_zero_rewards_learns_and_resumes_exactly(method
     got, want = (load(c)[0].state_dict() for c in (resumed.checkpoint, whole.checkpoint))
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert main(["generate", str(whole.checkpoint), "--prompt", "user: Say apple", "--max-new-tokens", "3"]) == 0
+
+
+def test_the_chosen_nll_term_adds_the_chosen_replies_mean_token_loss(prepared):
+    base, pairs, _ = prepared
+    model, _ = load(base)
+    model.eval()
+    batch = next(iter(example_batches(load_examples(pairs, "train", read_meta(pairs)), model.config.block_size, 4)))
+    with torch.no_grad():
+        plain, _ = Preference(0.1, model).loss(model, batch)
+        weighted, stats = Preference(0.1, model, nll_weight=0.5).loss(model, batch)
+        chosen = batch.y[0::2]
+        nll = F.cross_entropy(model(batch.x[0::2]).flatten(0, 1), chosen.flatten(), ignore_index=IGNORE_INDEX)
+    assert float(plain) == pytest.approx(math.log(2), abs=1e-6)  # the policy is the reference
+    assert float(stats["chosen_nll"]) == pytest.approx(float(nll), rel=1e-5)
+    assert float(weighted) == pytest.approx(float(plain) + 0.5 * float(nll), rel=1e-5)
 
 
 def test_the_lora_reference_is_the_base_model(prepared, tmp_path):

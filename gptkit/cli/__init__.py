@@ -70,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     show_library_messages()
+    code = _run(args)
+    if args.command == "train":
+        from gptkit.distributed import leave_if_distributed
+
+        leave_if_distributed(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command's exit code; a user error, an interrupt or a closed pipe ends it with one line."""
     try:
         return args.run(args) or 0
     except GptkitError as err:

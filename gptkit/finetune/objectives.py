@@ -42,11 +42,13 @@ class Preference:
     """DPO over rows that alternate chosen and rejected completions of the same prompt.
 
     reference(x) gives the frozen reference model's logits (the starting model; with LoRA, the same base with
-    the adapters off)."""
+    the adapters off). nll_weight > 0 adds the chosen completions' mean next-token loss (TRL's rpo_alpha), which
+    keeps the tokens that chosen and rejected share from drifting while the margin grows."""
 
-    def __init__(self, beta: float, reference: Callable[[Tensor], Tensor]) -> None:
+    def __init__(self, beta: float, reference: Callable[[Tensor], Tensor], nll_weight: float = 0.0) -> None:
         self.beta = beta
         self.reference = reference
+        self.nll_weight = nll_weight
 
     def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
         """The mean DPO loss over the batch's pairs, with the implicit rewards, margin and preference accuracy."""
@@ -55,7 +57,12 @@ class Preference:
             reference = sequence_logprobs(self.reference(batch.x), batch.y)
         out = dpo_loss(policy[0::2], policy[1::2], reference[0::2], reference[1::2], self.beta)
         stats = {name: out[name].detach().mean() for name in ("chosen_reward", "rejected_reward", "margin", "accuracy")}
-        return out["loss"].mean(), stats
+        if not self.nll_weight:
+            return out["loss"].mean(), stats
+        chosen_tokens = (batch.y[0::2] != IGNORE_INDEX).sum().clamp(min=1)
+        nll = -policy[0::2].sum() / chosen_tokens
+        stats["chosen_nll"] = nll.detach()
+        return out["loss"].mean() + self.nll_weight * nll, stats
 
 
 class Classification:
