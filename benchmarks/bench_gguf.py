@@ -1,6 +1,6 @@
 """gptkit's models in llama.cpp: greedy tokens of llama.cpp on `gptkit convert --to-gguf` files against gptkit's.
 
-For each architecture (gpt2: learned positions, LayerNorm, GELU; llama: RoPE, RMSNorm, SwiGLU, grouped-query
+For each architecture (gpt2: learned positions, LayerNorm, tanh-approximated GELU; llama: RoPE, RMSNorm, SwiGLU, grouped-query
 attention) a small byte-level model is trained on the bundled corpus (a random model's near-uniform logits
 would make greedy decoding a coin toss), written as GGUF in each type, and decoded greedily from the same prompts
 by llama.cpp's `llama-simple` and by gptkit (from the model directory, in float32). The byte tokenizer makes
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
+from gptkit import cpu_kernels
+
 PROMPTS = ["ROMEO:\n", "First Citizen:\nWe are", "KING RICHARD II:\nNow", "To be, or not", "JULIET:\nO "]
 ARCHS = {
-    "gpt2": ["--model.preset", "shakespeare-char-cpu"],
+    "gpt2": ["--model.preset", "shakespeare-char-cpu", "--model.activation", "gelu_tanh"],  # llama.cpp computes no exact GELU
     "llama": ["--model.preset", "shakespeare-char-cpu", "--model.position", "rope", "--model.norm", "rmsnorm",
               "--model.activation", "swiglu", "--model.n_kv_head", "2", "--model.attn_bias", "false",
               "--model.mlp_bias", "false", "--model.norm_bias", "false", "--model.tie_embeddings", "false"],
@@ -93,10 +94,11 @@ def main() -> int:
             agreed = [agreement(llama_cpp_continuation(binary, path, p, args.new_tokens), reference[p]) for p in PROMPTS]
             rows.append({"arch": arch, "type": file_type, "prompts": len(PROMPTS), "new_tokens": args.new_tokens,
                          "identical": sum(a >= args.new_tokens for a in agreed), "tokens_agreed": agreed})  # fmt: skip
-    report = {"cpu": platform.processor() or platform.machine(), "rows": rows}
+    report = {"cpu": cpu_kernels.capability(), "rows": rows}
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
+    print(f"cpu: {report['cpu']}")
     print(f"greedy continuations, llama.cpp on the GGUF file vs gptkit on the model directory ({args.new_tokens} "
           f"new tokens from each of {len(PROMPTS)} prompts)")  # fmt: skip
     print(f"{'arch':6} {'type':5} {'identical':>9}  tokens agreed before the first difference")
