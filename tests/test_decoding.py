@@ -105,7 +105,7 @@ def test_eager_entry_points_give_the_uncached_greedy_tokens(kernels, variant, tm
     assert main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", "20", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == text
     app = build_app(path, ServeOptions(max_batch_size=2, max_context=64))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         r = client.post("/v1/completions", json={"model": variant, "prompt": PROMPT, "max_tokens": 20,
                                                  "temperature": 0})  # fmt: skip
     assert r.status_code == 200, r.text
@@ -128,7 +128,7 @@ def test_compiled_entry_points_give_the_uncached_greedy_tokens(monkeypatch, quic
                  "--compile"]) == 0  # fmt: skip
     assert capsys.readouterr().out == text
     app = build_app(path, ServeOptions(max_batch_size=1, compile=True, max_context=64))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         r = client.post("/v1/completions", json={"model": "model", "prompt": PROMPT, "max_tokens": 12,
                                                  "temperature": 0})  # fmt: skip
     assert r.json()["choices"][0]["text"] == text
@@ -173,7 +173,7 @@ def test_server_continues_a_rope_model_past_block_size(tmp_path):
     path = save_model_dir(model, tmp_path / "rope", tokenizer)
     want = uncached_greedy(model, tokenizer.encode(PROMPT), 40)  # 7 + 40 tokens: three times block_size
     app = build_app(path, ServeOptions(max_batch_size=2))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         assert client.get("/v1/models").json()["data"][0]["context_length"] == 4 * 16
         r = client.post("/v1/completions", json={"model": "rope", "prompt": PROMPT, "max_tokens": 40,
                                                  "temperature": 0})  # fmt: skip

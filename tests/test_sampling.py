@@ -135,7 +135,9 @@ def test_sampling_follows_the_softmax():
         (dict(temperature=-0.1), "temperature must be >= 0"),
         (dict(top_k=0), "top_k must be >= 1"),
         (dict(min_p=1.2), "min_p must be in \\[0, 1\\]"),
-        (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be in \\[0.01, 100\\]"),
+        (dict(repetition_penalty=1e-300), "repetition_penalty must be in"),
+        (dict(repetition_penalty=1e300), "repetition_penalty must be in"),
         (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
         (dict(num_samples=2.5), "num_samples must be an integer"),
         (dict(stop=["ok", ""]), "stop string"),
@@ -148,6 +150,26 @@ def test_sampling_follows_the_softmax():
 def test_bad_params_name_the_field(bad, message):
     with pytest.raises(ConfigError, match=message):
         SamplingParams(**bad)
+
+
+EXTREME_TEMPERATURES = [5e-324, 1e-300, 1e-45, 9.9e-6, 1e-5, 1e-3, 1.0, 1e6, 1e300, 1.7e308]
+
+
+@pytest.mark.parametrize("temperature", EXTREME_TEMPERATURES)
+@pytest.mark.parametrize("penalty", [None, 0.01, 100.0])
+def test_no_accepted_value_makes_a_nan(temperature, penalty):
+    # Logits as large as a model's can get in fp32 (and a row that is all one value).
+    logits = torch.cat([torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 1e4,
+                        torch.full((1, 50), -3e4)])  # fmt: skip
+    seen = torch.zeros(4, 50, dtype=torch.bool)
+    seen[:, :25] = True
+    for filters in ({}, {"top_k": 3}, {"top_p": 1e-9}, {"min_p": 1.0}):
+        params = SamplingParams(temperature=temperature, repetition_penalty=penalty, **filters)
+        processed = process_logits(logits, params, seen)
+        assert not processed.isnan().any() and (processed.amax(dim=-1) > float("-inf")).all()
+        tokens = sample(logits, torch.Generator().manual_seed(1), params, seen)
+        assert ((tokens >= 0) & (tokens < 50)).all()
+    assert SamplingParams(temperature=temperature).greedy == (temperature < 1e-5)
 
 
 def test_params_defaults_declared_once_and_stop_normalised():

@@ -308,6 +308,20 @@ BAD_REQUESTS = [
      400, "messages.0"),
     ("chat unknown model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "a"}]},
      404, "model"),
+    ("tiny repetition_penalty", "/v1/completions", {"model": MODEL, "prompt": "a", "repetition_penalty": 1e-300}, 400,
+     "repetition_penalty"),
+    ("logit_bias", "/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ("frequency_penalty", "/v1/completions", {"model": MODEL, "prompt": "a", "frequency_penalty": 0.5}, 400,
+     "frequency_penalty"),
+    ("garbage presence_penalty", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                                          "presence_penalty": "garbage"}, 400, "presence_penalty"),
+    ("best_of above n", "/v1/completions", {"model": MODEL, "prompt": "a", "best_of": 3}, 400, "best_of"),
+    ("suffix", "/v1/completions", {"model": MODEL, "prompt": "a", "suffix": "end"}, 400, "suffix"),
+    ("json mode", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                           "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("tools", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("unknown field", "/v1/completions", {"model": MODEL, "prompt": "a", "ignore_eos": True}, 400, "ignore_eos"),
     ("oversized body", "/v1/completions", {"model": MODEL, "prompt": "a" * 70_000}, 413, None),
     ("unknown route", "/v1/engines", {}, 404, None),
 ]  # fmt: skip
@@ -358,7 +372,8 @@ def test_full_queue_answers_503_with_retry_after(model_dir):
     engine = app.state.gptkit.engine  # not started (no lifespan): nothing leaves the queue
     params = SamplingParams(max_new_tokens=1)
     engine.submit([(Request([1], params), lambda chunk: None), (Request([1], params), lambda chunk: None)])
-    r = TestClient(app).post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+    r = TestClient(app, base_url="http://localhost").post("/v1/completions",
+                                                          json={"model": MODEL, "prompt": "a", "max_tokens": 1})
     assert r.status_code == 503
     assert r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "server_busy"
@@ -433,7 +448,7 @@ def test_chat_uses_the_model_dirs_own_template(model_dir, reference, tmp_path):
     templated = Path(shutil.copytree(model_dir, tmp_path / MODEL))
     template = "{% for m in messages %}{{ m.role[0] | upper }}: {{ m.content }}\n{% endfor %}A:"
     (templated / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    with TestClient(build_app(templated, ServeOptions())) as test_client:
+    with TestClient(build_app(templated, ServeOptions()), base_url="http://localhost") as test_client:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
         r = test_client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
@@ -454,3 +469,31 @@ def test_a_failing_model_call_fails_that_request_only(server, http, monkeypatch)
     monkeypatch.undo()
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_foreign_host_is_refused_while_the_server_binds_loopback(server, model_dir):
+    url = server[0]
+    refused = httpx.get(url + "/v1/models", headers={"Host": "attacker.example:8000"})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "host_not_allowed"
+    assert "--allowed-host attacker.example" in refused.json()["error"]["message"]
+    assert httpx.get(url + "/", headers={"Host": "attacker.example"}).status_code == 403  # the playground too
+    for host in ("localhost:8000", "127.0.0.1", "127.0.0.2:80", "[::1]:8000", "app.localhost"):
+        assert httpx.get(url + "/v1/models", headers={"Host": host}).status_code == 200, host
+    with TestClient(build_app(model_dir, ServeOptions(allowed_host=("box.lan",))), base_url="http://box.lan") as c:
+        assert c.get("/v1/models").status_code == 200
+    # Bound to every interface, the server is meant to be reached by other names (guard it with --api-key).
+    with TestClient(build_app(model_dir, ServeOptions(host="0.0.0.0")), base_url="http://attacker.example") as c:
+        assert c.get("/v1/models").status_code == 200
+
+
+def test_fields_that_change_nothing_are_accepted(http):
+    plain = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0}
+    want = http.post("/v1/completions", json=plain).json()["choices"][0]["text"]
+    unused = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "frequency_penalty": 0,
+              "presence_penalty": 0.0, "logit_bias": {}, "best_of": 1, "suffix": None, "response_format": None}
+    r = http.post("/v1/completions", json={**plain, **unused})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "tools": [],
+            "tool_choice": "none", "response_format": {"type": "text"}, "parallel_tool_calls": True}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200

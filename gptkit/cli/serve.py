@@ -33,12 +33,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Start the server and block until Ctrl-C."""
+    from gptkit.serving.api import is_loopback
     from gptkit.serving.server import ServeOptions, serve
 
     options = dataclass_from_args(ServeOptions, args)
     if options.api_key is None and os.environ.get(API_KEY_ENV):
         options.api_key = os.environ[API_KEY_ENV]  # keeps the key out of the process list
-    if options.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
+    if not is_loopback(options.host) and not options.api_key:
         print(f"gptkit serve: warning: binding {options.host} without --api-key lets anyone who can reach this "
               "machine use the model", file=sys.stderr)  # fmt: skip
     print(f"gptkit serve: loading {args.model_dir}; the playground will be at http://{options.host}:<port>/",

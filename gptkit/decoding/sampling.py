@@ -18,6 +18,10 @@ from gptkit.errors import ConfigError
 EarlyStopping = Literal[True, False, "never"]
 SEED_LIMIT = 2**64  # torch.Generator seeds are unsigned 64-bit; the seeds derived for rows wrap around here
 _EARLY_STOPPING: dict[str, EarlyStopping] = {"true": True, "false": False, "never": "never"}
+# Below this temperature decoding is greedy (vLLM's _SAMPLING_EPS): dividing logits by less overflows to inf.
+GREEDY_BELOW = 1e-5
+# Penalties outside this range overflow a logit or already make every seen token certain or impossible.
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 
 
 def parse_early_stopping(text: str) -> EarlyStopping:
@@ -33,7 +37,9 @@ class SamplingParams:
     """Every decoding parameter of one request; the defaults here are the only ones (CLI and server read them)."""
 
     max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate at most"})
-    temperature: float = field(default=1.0, metadata={"help": "softmax temperature; 0 means greedy (argmax)"})
+    temperature: float = field(
+        default=1.0, metadata={"help": f"softmax temperature; 0 (or below {GREEDY_BELOW:g}) means greedy (argmax)"}
+    )
     top_k: int | None = field(default=None, metadata={"help": "sample only from the k most likely tokens"})
     top_p: float | None = field(
         default=None, metadata={"help": "nucleus sampling: smallest set of tokens whose mass reaches p, in (0, 1]"}
@@ -72,8 +78,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Whether the next token is the argmax (temperature 0) rather than a draw."""
-        return self.temperature == 0
+        """Whether the next token is the argmax (temperature 0, or too small to divide by) rather than a draw."""
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         """Raise ConfigError naming the first parameter whose value is invalid and what is allowed."""
@@ -95,8 +101,10 @@ class SamplingParams:
                 raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty is not None:
             _check_number("repetition_penalty", self.repetition_penalty)
-            if not self.repetition_penalty > 0:
-                raise ConfigError(f"repetition_penalty must be > 0 (1 means none), got {self.repetition_penalty}")
+            low, high = REPETITION_PENALTY_RANGE
+            if not low <= self.repetition_penalty <= high:
+                raise ConfigError(f"repetition_penalty must be in [{low:g}, {high:g}] (1 means none), "
+                                  f"got {self.repetition_penalty}")  # fmt: skip
         _check_number("length_penalty", self.length_penalty)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0)
@@ -142,7 +150,7 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
 
 
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
-    """Logits scaled by 1 / temperature (temperature > 0)."""
+    """Logits scaled by 1 / temperature (temperature >= GREEDY_BELOW)."""
     return logits / temperature
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import ipaddress
 import json
 import time
 import uuid
@@ -25,7 +26,8 @@ from gptkit.chat import ChatTemplate
 from gptkit.decoding.request import Request as DecodeRequest
 from gptkit.decoding.sampling import SamplingParams, row_seed
 from gptkit.serving.engine import Chunk, Engine, QueueFull, TokenInfo
-from gptkit.serving.schemas import AttentionRequest, ChatRequest, CompletionRequest, _Sampling, error_body
+from gptkit.serving.schemas import (AttentionRequest, ChatRequest, CompletionRequest, _Sampling, error_body,
+                                    refused_field)
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
@@ -54,6 +56,7 @@ class ServerState:
     chat_template: ChatTemplate
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    allowed_hosts: tuple[str, ...] | None = None  # the Host names served (None: any)
 
     @property
     def context_length(self) -> int:
@@ -106,6 +109,50 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address or Host name means this machine only (localhost, 127.0.0.0/8, ::1)."""
+    host = host.lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class HostGuard:
+    """ASGI middleware: a request whose Host header names none of the allowed hosts gets 403.
+
+    A server on a loopback address is reachable from the user's browser; a web page whose DNS name the attacker
+    rebinds to 127.0.0.1 sends its own name as Host, and is refused here (Jupyter's guard)."""
+
+    def __init__(self, app: ASGIApp, allowed: tuple[str, ...]) -> None:
+        self.app, self.allowed = app, {name.lower() for name in allowed}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        header = dict(scope.get("headers", [])).get(b"host")
+        if scope["type"] in ("http", "websocket") and header is not None:
+            name = _host_name(header.decode("latin-1"))
+            if not (is_loopback(name) or name in self.allowed):
+                message = (f"Host {name!r} is not served: this server answers loopback names only; start it with "
+                           f"--allowed-host {name} to serve that name")  # fmt: skip
+                response = JSONResponse(error_body(message, code="host_not_allowed"), status_code=403)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """The name part of a Host header: without its port, an IPv6 address without its brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI application serving state's engine."""
     app = FastAPI(title="gptkit", docs_url=None, redoc_url=None, openapi_url=None)
@@ -115,6 +162,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     if state.api_key:
         app.add_middleware(BearerAuth, key=state.api_key)
+    if state.allowed_hosts is not None:
+        app.add_middleware(HostGuard, allowed=state.allowed_hosts)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -280,6 +329,13 @@ def _sampling_params(body: _Sampling, max_tokens: int, extra_stop: tuple[str, ..
         raise APIError(400, message, param=_REQUEST_NAMES.get(param, param)) from None
 
 
+def _check_fields(body: _Sampling) -> None:
+    """A 400 naming the first field that gptkit cannot honour (OpenAI's answer to an argument it does not know)."""
+    refused = refused_field(body)
+    if refused is not None:
+        raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
+
+
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """The params of choice `index` of n: its own seed (seed + index), one sample."""
     return dataclasses.replace(params, seed=row_seed(params.seed, index), num_samples=1)
@@ -411,6 +467,7 @@ def _completion_logprobs(tokens: list[TokenInfo], offset: int) -> dict[str, Any]
 
 
 async def _completions(state: ServerState, body: CompletionRequest, request: Request) -> Any:
+    _check_fields(body)
     _check_model(state, body.model)
     prompts = _prompts(state, body.prompt)
     longest = max(len(p) for p in prompts)
@@ -498,6 +555,7 @@ def _chat_logprobs(tokens: list[TokenInfo]) -> list[dict[str, Any]]:
 
 
 async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
+    _check_fields(body)
     _check_model(state, body.model)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI API as gptkit serves them, and its error object.
 
 Fields that gptkit has a SamplingParams default for are None here when absent, so that SamplingParams alone
-declares the defaults. Unknown fields are accepted and ignored, as OpenAI clients send some (e.g. `user`).
+declares the defaults. Other fields of OpenAI's API are accepted only where they cannot change the output
+(refused_field says which and why); a field the API does not have is refused.
 """
 
 from __future__ import annotations
@@ -14,8 +15,20 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 NullableFlag = Annotated[bool, BeforeValidator(lambda value: False if value is None else value)]
 
 
+# Fields of OpenAI's API that never change the output: accepted and ignored.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                            "safety_identifier"})  # fmt: skip
+# Fields of OpenAI's API that gptkit does not implement, accepted only when null or at a value that means "unused".
+UNUSED_VALUES: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "response_format": ({"type": "text"},),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "suffix": ("",),
+    "modalities": (["text"],), "prediction": (), "audio": (), "reasoning_effort": (), "web_search_options": (),
+    "verbosity": (),
+}  # fmt: skip
+
+
 class _Request(BaseModel):
-    # strict: "5" is not an integer and 1 is not a string; extra: clients send fields gptkit ignores.
+    # strict: "5" is not an integer and 1 is not a string; extra: kept, for refused_field to judge.
     model_config = ConfigDict(strict=True, extra="allow")
 
 
@@ -38,6 +51,23 @@ class _Sampling(_Request):
     seed: int | None = None
     stream: NullableFlag = False
     stream_options: StreamOptions | None = None
+
+
+def refused_field(body: _Sampling) -> tuple[str, str] | None:
+    """The first field of a request that gptkit would have to ignore while it changes the output, and why."""
+    for name, value in (body.model_extra or {}).items():
+        if name in IGNORED_FIELDS:
+            continue
+        if name == "best_of":
+            if value is None or value == (body.n or 1):
+                continue
+            return name, f"best_of {value!r} is not supported: gptkit returns every sample it draws (best_of = n)"
+        if name in UNUSED_VALUES:
+            if value is None or value in UNUSED_VALUES[name]:
+                continue
+            return name, f"{name} is not supported by gptkit; leave it out"
+        return name, f"unknown field {name!r}: it is not part of OpenAI's API for this endpoint"
+    return None
 
 
 class CompletionRequest(_Sampling):

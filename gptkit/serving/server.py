@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from gptkit.devices import pick_device
 from gptkit.errors import GptkitError
-from gptkit.serving.api import ServerState, create_app
+from gptkit.serving.api import LOOPBACK_NAMES, ServerState, create_app, is_loopback
 from gptkit.serving.engine import Engine
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -43,6 +43,10 @@ class ServeOptions:
     dtype: str = field(default="float32", metadata={"help": "weight precision", "choices": DTYPES})
     compile: bool = field(default=False, metadata={"help": "compile the decode step (every batch shape, before the "
                                                             "server reports ready)"})
+    allowed_host: tuple[str, ...] = field(default=(), metadata={
+        "help": "a host name requests may address besides loopback ones (while the server binds a loopback address, "
+                "any other Host header is refused: a web page that rebinds its name to 127.0.0.1 cannot reach it); "
+                "repeatable", "repeatable": True, "metavar": "NAME"})  # fmt: skip
     max_context: int | None = field(default=None, metadata={
         "help": "most tokens (prompt + completion) one request may reach (default: 4 x the model's block_size; "
                 "models with learned positions slide a window of block_size past it, others continue, as "
@@ -75,6 +79,7 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
         chat_template=chat_template(model_dir, tokenizer),
         api_key=options.api_key,
         max_body_bytes=options.max_body_bytes,
+        allowed_hosts=(*LOOPBACK_NAMES, *options.allowed_host) if is_loopback(options.host) else None,
     )
     app = create_app(state)
 
