@@ -22,6 +22,7 @@ from typing import Any
 from gptkit.errors import GptkitError
 
 TOKENIZER_CONFIG = "tokenizer_config.json"  # where Hugging Face tokenizers keep `chat_template`
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers (4.50 on) saves it instead
 ROLES = ("system", "user", "assistant", "tool", "developer")
 DEFAULT_STOP = ("\n\nuser:",)
 # The default template written as Jinja, for files that carry a template to other programs (GGUF for llama.cpp):
@@ -87,17 +88,28 @@ class ChatTemplate:
         return text, spans
 
 
-def load_chat_template(model_dir: str | Path, eos_token: str = "") -> ChatTemplate:
-    """The chat template shipped in model_dir's tokenizer_config.json, or the default (ending replies with
-    eos_token, the tokenizer's end-of-text text) if there is none."""
-    path = Path(model_dir) / TOKENIZER_CONFIG
-    if not path.is_file():
-        return ChatTemplate(eos_token=eos_token)
+def read_tokenizer_config(model_dir: str | Path) -> dict[str, Any] | None:
+    """model_dir's tokenizer_config.json (None without one), its `chat_template` taken from chat_template.jinja
+    where that file is present (transformers then leaves it out of the JSON, and prefers the file)."""
+    path, jinja = Path(model_dir) / TOKENIZER_CONFIG, Path(model_dir) / CHAT_TEMPLATE_FILE
+    data: Any = None
     try:
-        data = json.loads(path.read_text())
+        if path.is_file():
+            data = json.loads(path.read_text(encoding="utf-8"))
+        if jinja.is_file():
+            data = {**(data if isinstance(data, dict) else {}), "chat_template": jinja.read_text(encoding="utf-8")}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ChatTemplateError(f"cannot read {path}: {err}") from None
-    source = data.get("chat_template") if isinstance(data, dict) else None
+        raise ChatTemplateError(f"cannot read {getattr(err, 'filename', None) or path}: {err}") from None
+    return data if isinstance(data, dict) else None
+
+
+def load_chat_template(model_dir: str | Path, eos_token: str = "") -> ChatTemplate:
+    """The chat template shipped with model_dir (chat_template.jinja or tokenizer_config.json), or the default
+    (ending replies with eos_token, the tokenizer's end-of-text text) if there is none."""
+    data = read_tokenizer_config(model_dir)
+    if data is None:
+        return ChatTemplate(eos_token=eos_token)
+    source = data.get("chat_template")
     if isinstance(source, list):  # some tokenizers ship several named templates; "default" is the chat one
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")

@@ -234,6 +234,27 @@ def test_chat_uses_the_default_template(client, reference):
     assert "".join(streamed_tokens).startswith(expected)
 
 
+def test_a_chat_template_saved_by_transformers_comes_through_convert(tmp_path):
+    from test_finetune import chatml_dir
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from gptkit.cli import main
+
+    hf_dir, out = tmp_path / "hf", tmp_path / "imported"
+    tokenizer = AutoTokenizer.from_pretrained(chatml_dir(tmp_path / "tokenizer"))
+    tokenizer.save_pretrained(hf_dir)  # transformers 5 writes the template to chat_template.jinja
+    assert (hf_dir / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((hf_dir / "tokenizer_config.json").read_text())
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=1, n_head=2,
+                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(hf_dir)
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(out)]) == 0
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    want = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for directory in (hf_dir, out):  # served from the Hugging Face directory or from the import
+        assert load_chat_template(directory).render(messages) == want
+
+
 def test_chat_template_from_tokenizer_config(tmp_path):
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}" \
                "{% if add_generation_prompt %}<assistant>{% endif %}"  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -115,16 +116,19 @@ def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
 
 
 def _import(source: Path, out: Path, dtype: object) -> int:
+    from gptkit.chat import read_tokenizer_config
     from gptkit.formats.hf import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_hf
-    from gptkit.formats.modeldir import atomic_write, save_model_dir
+    from gptkit.atomic import atomic_write_text
+    from gptkit.formats.modeldir import save_model_dir
 
     if source.is_file():  # --from-gguf
         return _import_gguf(source, out, dtype)
     model, tokenizer = load_hf(source, dtype=dtype)
     save_model_dir(model, out, tokenizer=tokenizer)
-    carried = source / TOKENIZER_CONFIG_FILE  # keeps chat templates and special-token names for a later export
-    if tokenizer is not None and carried.is_file():
-        atomic_write(out / TOKENIZER_CONFIG_FILE, lambda tmp: tmp.write_bytes(carried.read_bytes()))
+    # Chat templates (from chat_template.jinja too) and special-token names, for serving and a later export.
+    carried = read_tokenizer_config(source)
+    if tokenizer is not None and carried is not None:
+        atomic_write_text(out / TOKENIZER_CONFIG_FILE, json.dumps(carried, indent=2, ensure_ascii=False) + "\n")
     if tokenizer is None:
         hint = " (it has vocab.json/merges.txt only; re-save it with a fast tokenizer)" if (
             source / "vocab.json"
@@ -139,7 +143,8 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
 
     from gptkit.chat import DEFAULT_JINJA
     from gptkit.formats.gguf import gguf_chat_template, load_gguf
-    from gptkit.formats.modeldir import atomic_write_text, save_model_dir
+    from gptkit.atomic import atomic_write_text
+    from gptkit.formats.modeldir import save_model_dir
 
     model, tokenizer = load_gguf(source, dtype=dtype)
     save_model_dir(model, out, tokenizer=tokenizer)
@@ -154,7 +159,8 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
 def _export(source: Path, out: Path, dtype: object) -> int:
     from gptkit.finetune.heads import is_classifier_dir, load_head
     from gptkit.finetune.lora_dir import is_lora_dir, write_peft_dir
-    from gptkit.formats.hf import export_hf, read_tokenizer_config
+    from gptkit.chat import read_tokenizer_config
+    from gptkit.formats.hf import export_hf
     from gptkit.loading import load
 
     model, tokenizer = load(source, dtype=dtype)

@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from gptkit.chat import read_tokenizer_config
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.formats.modeldir import (
@@ -789,18 +790,6 @@ def export_hf(
         write_hf_tokenizer(tokenizer, out, tokenizer_config)
     atomic_write_text(out / CONFIG_FILE, json.dumps(hf, indent=2) + "\n")
     return out
-
-
-def read_tokenizer_config(path: str | Path) -> dict[str, Any] | None:
-    """The tokenizer_config.json a directory carries (from an import), or None."""
-    file = Path(path) / TOKENIZER_CONFIG_FILE
-    if not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ModelDirError(f"cannot read {file}: {err}") from None
-    return data if isinstance(data, dict) else None
 
 
 # ---------------------------------------------------------------------------------------------------------

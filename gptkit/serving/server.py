@@ -72,11 +72,16 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     if options.compile:
         log.info("compiling the decode step for batches of %s rows", engine.batch.row_buckets())
         log.info("compiled in %.1f s", engine.warm_up())
+    template = chat_template(model_dir, tokenizer)
+    if template.source is None:
+        log.info("chat template: gptkit's default ('role: content' turns); the model ships none")
+    else:
+        log.info("chat template: the model's own (%d characters of Jinja)", len(template.source))
     state = ServerState(
         engine=engine,
         tokenizer=tokenizer,
         model_name=options.model_name or Path(model_dir).resolve().name,
-        chat_template=chat_template(model_dir, tokenizer),
+        chat_template=template,
         api_key=options.api_key,
         max_body_bytes=options.max_body_bytes,
         allowed_hosts=(*LOOPBACK_NAMES, *options.allowed_host) if is_loopback(options.host) else None,
