@@ -429,3 +429,14 @@ def test_cli_bad_input_is_one_line_exit_2(model_dir, capsys, args, message):
 def test_cli_missing_model_dir_is_one_line_exit_2(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "nope"), "--prompt", "a"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_says_when_a_learned_position_model_reads_only_the_prompts_end(tmp_path, capsys):
+    path = save_model_dir(tiny("gpt2"), tmp_path / "model", char_tokenizer(eot=False))
+    block = gptkit.load(path)[0].config.block_size
+    assert main(["generate", str(path), "--prompt", "to be " * block, "--max-new-tokens", "2"]) == 0
+    assert f"the prompt has {6 * block} tokens; this model (learned positions) reads only its last {block}" in (
+        capsys.readouterr().err
+    )
+    assert main(["generate", str(path), "--prompt", "to be", "--max-new-tokens", "2"]) == 0
+    assert "reads only" not in capsys.readouterr().err

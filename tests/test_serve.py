@@ -360,6 +360,12 @@ def test_bad_request_gets_4xx_error_object_and_server_stays_up(http, client, nam
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_an_empty_body_is_named(http):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = http.post(path, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "no body" in r.json()["error"]["message"], r.text
+
+
 def test_chunked_oversized_body_is_refused(server):
     def chunks():
         for _ in range(100):

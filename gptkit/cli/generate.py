@@ -98,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
             quantize(draft, args.quantize)
         check_draft(model, draft, params, args.draft_k)
     fast = dict(compile=args.compile, draft=draft, draft_k=args.draft_k)
-    encode_prompt(tokenizer, prompt)  # a bad prompt fails before anything is printed
+    prompt_length = len(encode_prompt(tokenizer, prompt))  # a bad prompt fails before anything is printed
+    if model.config.position == "learned" and prompt_length > model.config.block_size:
+        print(f"gptkit generate: note: the prompt has {prompt_length} tokens; this model (learned positions) reads "
+              f"only its last {model.config.block_size}", file=sys.stderr)  # fmt: skip
     if args.json:
         with torch.no_grad():  # warm up (allocator, kernels) so that the timing measures steady work
             model(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))

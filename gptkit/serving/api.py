@@ -237,7 +237,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         param = ".".join(loc) or None
         message = f"{param}: {first['msg']}" if param else str(first["msg"])
         if first.get("type") == "missing":
-            message = f"{param} is required"
+            # No loc past "body": the body itself is missing (an empty POST).
+            message = f"{param} is required" if param else "the request has no body; send a JSON object"
         return JSONResponse(error_body(message, param=param, code="invalid_value"), 400)
 
     @app.exception_handler(StarletteHTTPException)
