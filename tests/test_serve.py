@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import socket
 import time
 from pathlib import Path
 
@@ -524,3 +525,31 @@ def test_fields_that_change_nothing_are_accepted(http):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "tools": [],
             "tool_choice": "none", "response_format": {"type": "text"}, "parallel_tool_calls": True}
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_a_half_sent_request_is_closed_after_the_head_timeout(model_dir):
+    app = build_app(model_dir, ServeOptions(head_timeout=1.0, max_connections=4))
+    with live_server(app, ServeOptions(head_timeout=1.0, max_connections=4)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        stalled[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head never ends
+        for s in stalled:
+            s.settimeout(10)
+        started = time.monotonic()
+        assert [s.recv(1024) for s in stalled] == [b"", b""]  # closed by the server, with nothing sent
+        assert 0.5 < time.monotonic() - started < 8
+        for s in stalled:
+            s.close()
+        # A whole request is unaffected, also on a kept-alive connection after the deadline has passed.
+        with httpx.Client(base_url=url) as http:
+            body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+            assert http.post("/v1/completions", json=body).status_code == 200
+            time.sleep(1.5)
+            assert http.post("/v1/completions", json=body).status_code == 200
+        # Beyond max_connections open connections a request is answered 503.
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        try:
+            assert httpx.post(url + "/v1/completions", json=body).status_code == 503
+        finally:
+            for s in held:
+                s.close()

@@ -16,6 +16,7 @@ import uvicorn
 from gptkit.config import ModelConfig
 from gptkit.model import GPT
 from gptkit.formats.modeldir import save_model_dir
+from gptkit.serving.server import ServeOptions, uvicorn_config
 from gptkit.tokenizer import EOT, CharTokenizer
 
 ALPHABET = string.ascii_letters + string.digits + " .,:!?'\n"
@@ -34,13 +35,14 @@ def make_model_dir(path: Path, block_size: int = 96) -> Path:
 
 
 @contextmanager
-def live_server(app) -> Iterator[str]:
-    """Run app on uvicorn in a thread, bound to 127.0.0.1 on a free port; yield its base URL."""
+def live_server(app, options: ServeOptions | None = None) -> Iterator[str]:
+    """Run app on uvicorn as `gptkit serve` configures it (options: its defaults), in a thread, bound to
+    127.0.0.1 on a free port; yield its base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, options or ServeOptions(), log_level="warning"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model runs fastest on one thread, and a busy machine hurts OpenMP's barriers
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

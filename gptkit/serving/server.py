@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import torch
 from fastapi import FastAPI
@@ -47,6 +48,9 @@ class ServeOptions:
         "help": "a host name requests may address besides loopback ones (while the server binds a loopback address, "
                 "any other Host header is refused: a web page that rebinds its name to 127.0.0.1 cannot reach it); "
                 "repeatable", "repeatable": True, "metavar": "NAME"})  # fmt: skip
+    head_timeout: float = field(default=10.0, metadata={"help": "seconds a connection has to send a whole request "
+                                                                 "head (headers); closed beyond"})  # fmt: skip
+    max_connections: int = field(default=512, metadata={"help": "open connections at most; requests beyond get 503"})
     max_context: int | None = field(default=None, metadata={
         "help": "most tokens (prompt + completion) one request may reach (default: 4 x the model's block_size; "
                 "models with learned positions slide a window of block_size past it, others continue, as "
@@ -112,5 +116,62 @@ def serve(model_dir: str | Path, options: ServeOptions) -> None:
     # oversubscribe the CPU (measured on 2 cores: 422 tokens/s at 8 clients against 1,067 with one thread).
     threads = options.threads or max(1, (os.cpu_count() or 1) - 1)
     torch.set_num_threads(threads)  # process-wide, so only here and not in build_app
+    if not options.head_timeout > 0:
+        raise GptkitError(f"--head-timeout must be > 0 seconds, got {options.head_timeout}")
+    if options.max_connections < 1:
+        raise GptkitError(f"--max-connections must be >= 1, got {options.max_connections}")
     app = build_app(model_dir, options)
-    uvicorn.run(app, host=options.host, port=options.port, log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.Server(uvicorn_config(app, options)).run()
+
+
+def uvicorn_config(app: FastAPI, options: ServeOptions, log_level: str = "info") -> Any:
+    """uvicorn's settings for the app: HTTP/1.1 with a deadline on each request head, a cap on connections."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level, timeout_graceful_shutdown=5,
+                          http=head_deadline_protocol(options.head_timeout), limit_concurrency=options.max_connections)  # fmt: skip
+
+
+def head_deadline_protocol(seconds: float) -> type:
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within `seconds` of
+    connecting or of its last response (uvicorn itself holds a half-sent request forever)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadDeadline(H11Protocol):
+        deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._watch()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._watch()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_watching()
+            super().connection_lost(exc)
+
+        def _watch(self) -> None:
+            """Run the deadline while the peer owes a request head (h11's IDLE), stop it once the head is in."""
+            if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+                self._stop_watching()
+            elif self.deadline is None:
+                self.deadline = self.loop.call_later(seconds, self._expire)
+
+        def _stop_watching(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+        def _expire(self) -> None:
+            self.deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadDeadline
