@@ -15,6 +15,7 @@ ends at the end-of-text token; the stop string `\n\nuser:` also ends one where a
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,15 +56,21 @@ class ChatTemplate:
         """Stop strings that end an assistant reply under this template."""
         return DEFAULT_STOP if self.source is None else ()
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The text of these messages; with add_generation_prompt it ends where the assistant's reply begins."""
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+               max_chars: int | None = None, max_seconds: float | None = None) -> str:  # fmt: skip
+        """The text of these messages; with add_generation_prompt it ends where the assistant's reply begins.
+
+        A Jinja template producing more than max_chars characters, or still producing after max_seconds, is
+        stopped with a ChatTemplateError (templates come with downloaded models)."""
         if self.source is None:
             turns = "".join(
                 f"{m['role']}: {m['content']}{self.eos_token if m['role'] == 'assistant' else ''}\n\n"
                 for m in messages
             )
             return turns + ("assistant:" if add_generation_prompt else "")
-        return _render_jinja(self.source, messages, add_generation_prompt, self.bos_token, self.eos_token)
+        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                         eos_token=self.eos_token)  # fmt: skip
+        return _render_jinja(self.source, variables, max_chars, max_seconds)
 
     def reply_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
         """(the whole conversation's text, the character span of each assistant reply in it).
@@ -146,11 +153,10 @@ def _generation_tag() -> type:
     return Generation
 
 
-def _render_jinja(source: str, messages: list[dict[str, str]], add_generation_prompt: bool, bos: str,
-                  eos: str) -> str:  # fmt: skip
-    """Render a Hugging Face chat template in a sandbox (templates come with downloaded models)."""
+def _render_jinja(source: str, variables: dict[str, Any], max_chars: int | None, max_seconds: float | None) -> str:
+    """Render a Hugging Face chat template in a sandbox, piece by piece, within the limits."""
     try:
-        from jinja2 import TemplateError
+        from jinja2 import BaseLoader, TemplateError, TemplateNotFound
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ChatTemplateError("this model's chat template needs jinja2: pip install jinja2") from None
@@ -158,11 +164,23 @@ def _render_jinja(source: str, messages: list[dict[str, str]], add_generation_pr
     def raise_exception(message: str) -> None:
         raise ChatTemplateError(f"chat template refused the messages: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_generation_tag()])
+    class NoFiles(BaseLoader):  # {% include %}, {% import %}, {% extends %}: a template reads no other file
+        def get_source(self, environment: Any, template: str) -> Any:
+            raise TemplateNotFound(f"{template} (a chat template must be self-contained: it cannot load files)")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_generation_tag()],
+                                        loader=NoFiles())  # fmt: skip
     env.globals["raise_exception"] = raise_exception
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    pieces, size = [], 0
     try:
-        template = env.from_string(source)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
-                               eos_token=eos)  # fmt: skip
+        for piece in env.from_string(source).generate(**variables):
+            pieces.append(piece)
+            size += len(piece)
+            if max_chars is not None and size > max_chars:
+                raise ChatTemplateError(f"the chat template rendered more than {max_chars:,} characters; stopped")
+            if deadline is not None and time.monotonic() > deadline:
+                raise ChatTemplateError(f"the chat template took more than {max_seconds:g} s to render; stopped")
     except TemplateError as err:
         raise ChatTemplateError(f"cannot render the chat template: {err}") from None
+    return "".join(pieces)

@@ -19,7 +19,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from gptkit.loading import load
-from gptkit.chat import ChatTemplate, load_chat_template
+from gptkit.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from gptkit.decoding.request import Request, visible_end
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.serving.server import ServeOptions, build_app
@@ -254,6 +254,18 @@ def test_a_chat_template_saved_by_transformers_comes_through_convert(tmp_path):
     want = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     for directory in (hf_dir, out):  # served from the Hugging Face directory or from the import
         assert load_chat_template(directory).render(messages) == want
+
+
+def test_a_template_rendering_too_long_or_too_much_is_stopped():
+    slow = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{{ j % 2 }}{% endfor %}{% endfor %}")
+    messages = [{"role": "user", "content": "Hi"}]
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="took more than 0.2 s to render"):
+        slow.render(messages, max_seconds=0.2)
+    assert time.monotonic() - started < 30  # stopped, not run to its 10 billion steps
+    with pytest.raises(ChatTemplateError, match="more than 1,000 characters"):
+        slow.render(messages, max_chars=1000)
+    assert ChatTemplate("{{ messages[0].content }}").render(messages, max_chars=2, max_seconds=1.0) == "Hi"
 
 
 def test_chat_template_from_tokenizer_config(tmp_path):
@@ -553,3 +565,40 @@ def test_a_half_sent_request_is_closed_after_the_head_timeout(model_dir):
         finally:
             for s in held:
                 s.close()
+
+
+def test_a_pathological_template_stops_with_an_error_and_others_are_answered(model_dir, tmp_path):
+    import shutil
+    import threading
+
+    templated = Path(shutil.copytree(model_dir, tmp_path / MODEL))
+    template = ("{% if messages[0].content == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                "{{ j % 2 }}{% endfor %}{% endfor %}"
+                "{% elif messages[0].content == 'huge' %}{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"
+                "{% elif messages[0].content == 'include' %}{% include 'other.jinja' %}"
+                "{% else %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:{% endif %}")  # fmt: skip
+    (templated / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+
+    def chat(content: str) -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+        return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+    with live_server(build_app(templated, ServeOptions())) as url:
+        looping: list[httpx.Response] = []
+
+        def run_loop() -> None:
+            looping.append(chat("loop"))
+
+        thread = threading.Thread(target=run_loop)
+        thread.start()
+        time.sleep(0.5)
+        other = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=60)
+        thread.join()
+        assert other.status_code == 200  # answered, not stalled behind the loop
+        assert looping[0].status_code == 400 and looping[0].json()["error"]["param"] == "messages"
+        assert "chat template" in looping[0].json()["error"]["message"]
+        huge = chat("huge")
+        assert huge.status_code == 400 and "more than 4,194,304 characters" in huge.json()["error"]["message"]
+        include = chat("include")
+        assert include.status_code == 400 and "cannot load files" in include.json()["error"]["message"]
+        assert chat("hello").status_code == 200

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import ipaddress
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +35,8 @@ STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
 RETRY_AFTER_SECONDS = 1
 POLL_SECONDS = 0.5  # how often a non-streaming request checks whether its client is still there
-_REQUEST_NAMES = {"num_samples": "n"}  # SamplingParams field -> OpenAI request field
+_REQUEST_NAMES = {"num_samples": "n"}
+RENDER_SECONDS = 5.0  # a chat template rendering longer is stopped (templates come with downloaded models)  # SamplingParams field -> OpenAI request field
 
 
 class APIError(Exception):
@@ -330,6 +333,33 @@ def _sampling_params(body: _Sampling, max_tokens: int, extra_stop: tuple[str, ..
         raise APIError(400, message, param=_REQUEST_NAMES.get(param, param)) from None
 
 
+async def _off_loop(work: Callable[[], Any], timeout: float) -> Any:
+    """work() run in a thread of its own, so that the event loop (every other client, and SIGTERM) goes on; its
+    result, or asyncio.TimeoutError after timeout seconds. The thread is a daemon: one that never ends (a template
+    looping without output) cannot hold the process at exit."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():  # the caller gave up already
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = work(), None
+        except Exception as err:  # handed to the awaiting request, which answers it
+            result, error = None, err
+        with contextlib.suppress(RuntimeError):  # the server stopped (its loop closed) meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="gptkit-render", daemon=True).start()
+    return await asyncio.wait_for(done, timeout)
+
+
 def _check_fields(body: _Sampling) -> None:
     """A 400 naming the first field that gptkit cannot honour (OpenAI's answer to an argument it does not know)."""
     refused = refused_field(body)
@@ -559,11 +589,18 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
     _check_fields(body)
     _check_model(state, body.model)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+
+    def render() -> list[int]:
+        text = state.chat_template.render(messages, max_chars=4 * state.max_body_bytes, max_seconds=RENDER_SECONDS)
+        return state.tokenizer.encode(text)
+
     try:
-        prompt_text = state.chat_template.render(messages)
-        prompt = _check_prompt(state, state.tokenizer.encode(prompt_text))
+        prompt = _check_prompt(state, await _off_loop(render, 2 * RENDER_SECONDS))
     except GptkitError as err:
         raise APIError(400, str(err), param="messages") from None
+    except asyncio.TimeoutError:
+        raise APIError(400, f"the chat template did not render within {2 * RENDER_SECONDS:g} s",
+                       param="messages") from None  # fmt: skip
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _sampling_params(body, _max_tokens(state, requested, len(prompt)), state.chat_template.stop)
     top = (body.top_logprobs or 0) if body.logprobs else None
