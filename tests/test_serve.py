@@ -198,6 +198,12 @@ def test_logprobs_match_the_model(client, reference):
         assert len(lp.top_logprobs[i]) == 3
         assert max(lp.top_logprobs[i].values()) == pytest.approx(float(expected[position].max()), abs=1e-4)
     assert lp.text_offset[0] == len("Hello")
+    # A sampled token outside the top ones is listed beside them, as OpenAI lists it.
+    sampled = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=3.0, seed=1,
+                                        logprobs=1).choices[0].logprobs  # fmt: skip
+    assert all(t in top and top[t] == lp_t for t, lp_t, top in zip(sampled.tokens, sampled.token_logprobs,
+                                                                    sampled.top_logprobs))  # fmt: skip
+    assert {len(top) for top in sampled.top_logprobs} == {1, 2}  # some tokens were not the most likely
 
 
 def test_echo_with_zero_max_tokens_scores_the_prompt(client, reference):

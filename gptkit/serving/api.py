@@ -492,7 +492,9 @@ def _completion_logprobs(tokens: list[TokenInfo], offset: int) -> dict[str, Any]
     return {
         "tokens": [t.text for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{a.text: a.logprob for a in t.top} if t.logprob is not None else None for t in tokens],
+        # OpenAI: "the logprob of the sampled token" is always among them (so up to logprobs + 1 entries).
+        "top_logprobs": [{**{a.text: a.logprob for a in t.top}, t.text: t.logprob} if t.logprob is not None else None
+                         for t in tokens],  # fmt: skip
         "text_offset": offsets,
     }
 
