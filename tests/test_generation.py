@@ -440,3 +440,32 @@ def test_cli_says_when_a_learned_position_model_reads_only_the_prompts_end(tmp_p
     )
     assert main(["generate", str(path), "--prompt", "to be", "--max-new-tokens", "2"]) == 0
     assert "reads only" not in capsys.readouterr().err
+
+
+def test_penalties_and_logit_bias_decode_as_their_formula_says():
+    model = tiny("llama-gqa")
+    prompt, steps = [3, 7, 7, 1], 12
+    rules = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={5: 2.0, 9: -100})
+    got = gptkit.generate_ids(model, prompt, max_new_tokens=steps, temperature=0, **rules)
+    ids, counts = list(prompt), torch.zeros(model.config.vocab_size)
+    with torch.no_grad():
+        for _ in range(steps):  # the whole sequence each step, and OpenAI's formula written out
+            logits = model(torch.tensor([ids]))[0, -1].float() - counts * 1.5 - (counts > 0).float() * 0.5
+            logits[5] += 2.0
+            logits[9] -= 100
+            token = int(logits.argmax())
+            ids.append(token)
+            counts[token] += 1
+    assert got == ids[len(prompt):]
+    assert 9 not in got and len(set(got)) > 1  # the penalties move it off a repeated token
+
+
+def test_cli_takes_logit_bias_and_penalties(model_dir, capsys):
+    _, tokenizer = gptkit.load(model_dir)
+    z = tokenizer.encode("z")[0]
+    assert main(["generate", str(model_dir), "--prompt", "to be", "--max-new-tokens", "5", "--seed", "1",
+                 "--logit-bias", f"{z}=100", "--frequency-penalty", "0.5", "--presence-penalty", "0.1"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == "zzzzz"
+    with pytest.raises(SystemExit) as usage:
+        main(["generate", str(model_dir), "--prompt", "to be", "--logit-bias", "z=1"])
+    assert usage.value.code == 2 and "TOKEN_ID=BIAS" in capsys.readouterr().err

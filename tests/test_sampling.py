@@ -180,3 +180,25 @@ def test_params_defaults_declared_once_and_stop_normalised():
         "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "stop", "seed",
         "num_samples", "num_beams", "length_penalty", "early_stopping",
     }  # fmt: skip
+
+
+def test_openai_penalties_and_logit_bias_follow_their_formulas():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 10)
+    counts = torch.tensor([[0, 1, 3, 0, 0, 0, 0, 0, 0, 2], [0] * 9 + [1]], dtype=torch.float)
+    params = SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=-1.5, logit_bias={3: 7.0, 0: -100})
+    got = process_logits(logits, params, counts=counts)
+    want = logits.clone()
+    for b in range(2):
+        for v in range(10):  # OpenAI: mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence
+            want[b, v] -= counts[b, v] * 0.5 + float(counts[b, v] > 0) * -1.5
+        want[b, 3] += 7.0
+        want[b, 0] -= 100
+    torch.testing.assert_close(got, want)
+    assert SamplingParams(logit_bias=[(3, 7.0)]).logit_bias == ((3, 7),)
+    with pytest.raises(ConfigError, match="frequency_penalty must be in \\[-2, 2\\]"):
+        SamplingParams(frequency_penalty=2.5)
+    with pytest.raises(ConfigError, match="logit_bias values must be in \\[-100, 100\\]"):
+        SamplingParams(logit_bias={1: 101})
+    with pytest.raises(ConfigError, match="beam search does not apply"):
+        SamplingParams(num_beams=2, presence_penalty=1.0)

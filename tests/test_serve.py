@@ -350,8 +350,13 @@ BAD_REQUESTS = [
      404, "model"),
     ("tiny repetition_penalty", "/v1/completions", {"model": MODEL, "prompt": "a", "repetition_penalty": 1e-300}, 400,
      "repetition_penalty"),
-    ("logit_bias", "/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"5": 100}}, 400, "logit_bias"),
-    ("frequency_penalty", "/v1/completions", {"model": MODEL, "prompt": "a", "frequency_penalty": 0.5}, 400,
+    ("logit_bias key not an id", "/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"a": 1}}, 400,
+     "logit_bias"),
+    ("logit_bias id outside vocabulary", "/v1/completions", {"model": MODEL, "prompt": "a",
+                                                             "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("logit_bias above 100", "/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"5": 101}}, 400,
+     "logit_bias"),
+    ("frequency_penalty above 2", "/v1/completions", {"model": MODEL, "prompt": "a", "frequency_penalty": 2.5}, 400,
      "frequency_penalty"),
     ("garbage presence_penalty", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                                                           "presence_penalty": "garbage"}, 400, "presence_penalty"),
@@ -608,3 +613,18 @@ def test_a_pathological_template_stops_with_an_error_and_others_are_answered(mod
         include = chat("include")
         assert include.status_code == 400 and "cannot load files" in include.json()["error"]["message"]
         assert chat("hello").status_code == 200
+
+
+def test_logit_bias_forces_and_bans_tokens(http, reference):
+    _, tokenizer = reference
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 6}
+    z = tokenizer.encode("z")[0]
+    forced = http.post("/v1/completions", json={**body, "logit_bias": {str(z): 100}, "seed": 3}).json()
+    assert forced["choices"][0]["text"] == "z" * 6
+    greedy = http.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    first = tokenizer.encode(greedy[0])[0]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0}
+    banned = http.post("/v1/completions", json={**body, "temperature": 0, "logit_bias": {str(first): -100}}).json()
+    assert greedy[0] not in banned["choices"][0]["text"]
+    chat_forced = http.post("/v1/chat/completions", json={**chat, "logit_bias": {str(z): 100}}).json()
+    assert chat_forced["choices"][0]["message"]["content"] == "z" * 6

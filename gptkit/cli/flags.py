@@ -66,6 +66,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, keep_unset: 
             options = {"dest": f.name, "action": argparse.BooleanOptionalAction}
         elif "parse" in meta:
             options["type"] = _with_clear_errors(meta["parse"])
+            if meta.get("repeatable"):
+                options.update(action="extend", nargs="+")
         elif meta.get("repeatable"):
             options.update(action="extend", nargs="+", type=str)
         else:

@@ -104,6 +104,10 @@ class BatchEngine:
             raise InputError(f"{len(requests)} requests do not fit: only {self.free_rows} of {self.batch_size} "
                              "batch rows are free")  # fmt: skip
         check_prompts(self.model, [r.prompt for r in requests])
+        for request in requests:
+            outside = [token for token, _ in request.params.logit_bias if token >= self.vocab_size]
+            if outside:
+                raise InputError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {self.vocab_size})")
         seqs: list[list[int]] = []
         sources: list[int] = []
         for request in requests:
@@ -122,6 +126,11 @@ class BatchEngine:
             if request.params.repetition_penalty not in (None, 1.0):
                 request.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
                 request.seen[torch.tensor(request.tokens, device=self.device)] = True
+            if request.params.frequency_penalty or request.params.presence_penalty:
+                request.counts = torch.zeros(self.vocab_size, device=self.device)
+                if request.generated:  # a request handed over mid-way keeps what it generated
+                    request.counts.index_add_(0, torch.tensor(request.generated, device=self.device),
+                                              torch.ones(len(request.generated), device=self.device))  # fmt: skip
             self.rows.append(request)
         self._choose(list(requests), logits[torch.tensor(sources, device=self.device)])
         return self._retire()
@@ -213,7 +222,8 @@ class BatchEngine:
             for processor in request.processors:
                 row = processor(row, request)
             seen = None if request.seen is None else request.seen[None]
-            chosen.append(sample(row[None], request.generator, request.params, seen))
+            counts = None if request.counts is None else request.counts[None]
+            chosen.append(sample(row[None], request.generator, request.params, seen, counts))
         tokens = torch.cat(chosen).tolist()
         wanted = [i for i, r in enumerate(requests) if r.top_logprobs is not None]
         infos: dict[int, TokenLogprob] = {}

@@ -101,6 +101,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per sampled token (the end token's included)
     generator: torch.Generator | None = None
     seen: Tensor | None = None  # (V,) tokens of prompt and output, kept only for a repetition penalty
+    counts: Tensor | None = None  # (V,) how often each token was generated, kept only for OpenAI's penalties
     position: int = 0  # cache position the next fed token (tokens[-1]) is written at
     _text: str = ""  # the decoded output, cut before a stop string (valid for _text_len tokens)
     _text_len: int = -1
@@ -131,7 +132,7 @@ class Request:
     def plain_greedy(self) -> bool:
         """Whether its next token is the bare argmax of the logits (no penalty, rule or log-probabilities)."""
         return (self.params.greedy and not self.processors and self.top_logprobs is None
-                and self.params.repetition_penalty in (None, 1.0))  # fmt: skip
+                and self.params.repetition_penalty in (None, 1.0) and not self.params.reshapes_logits)  # fmt: skip
 
     def accept(self, token: int, logprob: TokenLogprob | None = None) -> None:
         """Record the next token: end at an end-of-text token, a stop string or max_new_tokens."""
@@ -143,6 +144,8 @@ class Request:
         self.generated.append(token)
         if self.seen is not None:
             self.seen[token] = True
+        if self.counts is not None:
+            self.counts[token] += 1
         if self.params.stop and self._stopped():
             self.finish_reason = "stop"
         elif len(self.generated) >= self.params.max_new_tokens:

@@ -22,6 +22,19 @@ _EARLY_STOPPING: dict[str, EarlyStopping] = {"true": True, "false": False, "neve
 GREEDY_BELOW = 1e-5
 # Penalties outside this range overflow a logit or already make every seen token certain or impossible.
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+PRESENCE_FREQUENCY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence_penalty and frequency_penalty
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 makes it all but certain
+
+
+def parse_logit_bias(text: str) -> tuple[int, float]:
+    """A (token id, bias) pair as a flag spells it: ID=BIAS."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise ValueError(f"logit bias must be TOKEN_ID=BIAS (e.g. 50256=-100), got {text!r}") from None
 
 
 def parse_early_stopping(text: str) -> EarlyStopping:
@@ -51,6 +64,19 @@ class SamplingParams:
         default=None, metadata={"help": "divide (or multiply, if negative) the logits of seen tokens by this; > 1 "
                                         "discourages repeats"}
     )  # fmt: skip
+    frequency_penalty: float = field(
+        default=0.0, metadata={"help": "subtract this times the number of times a token was generated so far from "
+                                       "its logit (OpenAI's; -2 to 2)"}
+    )  # fmt: skip
+    presence_penalty: float = field(
+        default=0.0, metadata={"help": "subtract this from the logit of every token generated so far (OpenAI's; "
+                                       "-2 to 2)"}
+    )  # fmt: skip
+    logit_bias: tuple[tuple[int, float], ...] = field(
+        default=(), metadata={"help": "add BIAS to token ID's logit before sampling (-100 bans it, 100 forces it); "
+                                      "repeatable", "repeatable": True, "parse": parse_logit_bias,
+                              "metavar": "ID=BIAS"}
+    )  # fmt: skip
     stop: tuple[str, ...] = field(
         default=(), metadata={"help": "stop when the output contains this string (not returned); repeatable",
                               "repeatable": True, "metavar": "S"}
@@ -74,12 +100,19 @@ class SamplingParams:
             object.__setattr__(self, "stop", ())
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in bias))
         self.validate()
 
     @property
     def greedy(self) -> bool:
         """Whether the next token is the argmax (temperature 0, or too small to divide by) rather than a draw."""
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """Whether OpenAI's penalties or a logit bias change the logits (beyond repetition_penalty)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first parameter whose value is invalid and what is allowed."""
@@ -105,6 +138,17 @@ class SamplingParams:
             if not low <= self.repetition_penalty <= high:
                 raise ConfigError(f"repetition_penalty must be in [{low:g}, {high:g}] (1 means none), "
                                   f"got {self.repetition_penalty}")  # fmt: skip
+        for name in ("frequency_penalty", "presence_penalty"):
+            _check_number(name, getattr(self, name))
+            if not PRESENCE_FREQUENCY_RANGE[0] <= getattr(self, name) <= PRESENCE_FREQUENCY_RANGE[1]:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for pair in self.logit_bias:
+            if len(pair) != 2:
+                raise ConfigError(f"logit_bias takes (token id, bias) pairs, got {pair!r}")
+            _check_int("logit_bias token id", pair[0], low=0)
+            _check_number("logit_bias", pair[1])
+            if not LOGIT_BIAS_RANGE[0] <= pair[1] <= LOGIT_BIAS_RANGE[1]:
+                raise ConfigError(f"logit_bias values must be in [-100, 100], got {pair[1]} for token {pair[0]}")
         _check_number("length_penalty", self.length_penalty)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0)
@@ -119,6 +163,9 @@ class SamplingParams:
             for name in ("top_k", "top_p", "min_p"):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"beam search is deterministic: drop {name} or use num_beams=1")
+            if self.reshapes_logits:
+                raise ConfigError("beam search does not apply frequency_penalty, presence_penalty or logit_bias; "
+                                  "drop them or use num_beams=1")  # fmt: skip
             if self.num_samples > self.num_beams:
                 raise ConfigError(
                     f"beam search returns at most num_beams ({self.num_beams}) sequences; got num_samples "
@@ -179,8 +226,28 @@ def min_p_filter(logits: Tensor, min_p: float) -> Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def process_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
-    """Apply params' rules to fp32 logits (B, V) in Hugging Face's order; greedy skips the sampling filters."""
+def apply_logit_bias(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:
+    """Logits with each (token id, value) pair's value added to that token's logit (OpenAI's logit_bias)."""
+    ids = torch.tensor([token for token, _ in bias], device=logits.device)
+    values = torch.tensor([value for _, value in bias], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(-1, ids, values.expand(*logits.shape[:-1], -1))
+
+
+def apply_presence_frequency(logits: Tensor, counts: Tensor, frequency: float, presence: float) -> Tensor:
+    """OpenAI's penalties: logit - count * frequency - (count > 0) * presence, counts (B, V) over generated tokens."""
+    return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
+
+
+def process_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None = None,
+                   counts: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Apply params' rules to fp32 logits (B, V): OpenAI's logit bias and penalties, then Hugging Face's order;
+    greedy skips the sampling filters. counts (B, V) are the generated tokens' counts (for OpenAI's penalties)."""
+    if params.logit_bias:
+        logits = apply_logit_bias(logits, params.logit_bias)
+    if params.frequency_penalty or params.presence_penalty:
+        if counts is None:
+            raise ValueError("frequency_penalty and presence_penalty need the counts of generated tokens")
+        logits = apply_presence_frequency(logits, counts, params.frequency_penalty, params.presence_penalty)
     if params.repetition_penalty is not None and params.repetition_penalty != 1.0:
         if seen is None:
             raise ValueError("repetition_penalty needs the mask of seen tokens")
@@ -199,10 +266,11 @@ def process_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None =
 
 
 def sample(
-    logits: Tensor, generator: torch.Generator | None, params: SamplingParams, seen: Tensor | None = None
+    logits: Tensor, generator: torch.Generator | None, params: SamplingParams, seen: Tensor | None = None,
+    counts: Tensor | None = None,
 ) -> Tensor:
     """The next token (B,) for logits (B, V): the argmax when greedy, else a draw from the filtered softmax."""
-    logits = process_logits(logits.float(), params, seen)
+    logits = process_logits(logits.float(), params, seen, counts)
     if params.greedy:
         return logits.argmax(dim=-1)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)

@@ -316,10 +316,14 @@ def _max_tokens(state: ServerState, requested: int | None, prompt_len: int, allo
     return requested
 
 
-def _sampling_params(body: _Sampling, max_tokens: int, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+def _sampling_params(state: ServerState, body: _Sampling, max_tokens: int,
+                     extra_stop: tuple[str, ...] = ()) -> SamplingParams:  # fmt: skip
     """SamplingParams from the request's fields; fields the request leaves out keep SamplingParams' defaults."""
     given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                                      "seed") if getattr(body, name) is not None}  # fmt: skip
+                                                      "frequency_penalty", "presence_penalty", "seed")
+             if getattr(body, name) is not None}  # fmt: skip
+    if body.logit_bias:
+        given["logit_bias"] = _logit_bias(body.logit_bias, state.tokenizer.vocab_size)
     if body.n is not None:
         given["num_samples"] = body.n
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -365,6 +369,17 @@ def _check_fields(body: _Sampling) -> None:
     refused = refused_field(body)
     if refused is not None:
         raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
+
+
+def _logit_bias(bias: dict[str, float], vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) as (id, bias) pairs, each id checked against the vocabulary."""
+    pairs = []
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise APIError(400, f"logit_bias keys are token ids in [0, {vocab}) written as strings, got {key!r}",
+                           param="logit_bias")  # fmt: skip
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -506,7 +521,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     longest = max(len(p) for p in prompts)
     scoring_only = body.echo and body.max_tokens == 0
     max_tokens = _max_tokens(state, body.max_tokens, longest, allow_zero=body.echo)
-    params = _sampling_params(body, max_tokens)
+    params = _sampling_params(state, body, max_tokens)
     n = params.num_samples
     created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     texts = [state.tokenizer.decode(p) for p in prompts]
@@ -604,7 +619,7 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
         raise APIError(400, f"the chat template did not render within {2 * RENDER_SECONDS:g} s",
                        param="messages") from None  # fmt: skip
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = _sampling_params(body, _max_tokens(state, requested, len(prompt)), state.chat_template.stop)
+    params = _sampling_params(state, body, _max_tokens(state, requested, len(prompt)), state.chat_template.stop)
     top = (body.top_logprobs or 0) if body.logprobs else None
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     collector = Collector()

@@ -20,8 +20,7 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parall
                             "safety_identifier"})  # fmt: skip
 # Fields of OpenAI's API that gptkit does not implement, accepted only when null or at a value that means "unused".
 UNUSED_VALUES: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "response_format": ({"type": "text"},),
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "suffix": ("",),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "suffix": ("",),
     "modalities": (["text"],), "prediction": (), "audio": (), "reasoning_effort": (), "web_search_options": (),
     "verbosity": (),
 }  # fmt: skip
@@ -46,6 +45,9 @@ class _Sampling(_Request):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
