@@ -24,7 +24,8 @@ from gptkit import cpu_kernels
 
 PROMPTS = ["ROMEO:\n", "First Citizen:\nWe are", "KING RICHARD II:\nNow", "To be, or not", "JULIET:\nO "]
 ARCHS = {
-    "gpt2": ["--model.preset", "shakespeare-char-cpu", "--model.activation", "gelu_tanh"],  # llama.cpp computes no exact GELU
+    # llama.cpp's gpt2 computes GELU's tanh approximation only
+    "gpt2": ["--model.preset", "shakespeare-char-cpu", "--model.activation", "gelu_tanh"],
     "llama": ["--model.preset", "shakespeare-char-cpu", "--model.position", "rope", "--model.norm", "rmsnorm",
               "--model.activation", "swiglu", "--model.n_kv_head", "2", "--model.attn_bias", "false",
               "--model.mlp_bias", "false", "--model.norm_bias", "false", "--model.tie_embeddings", "false"],

@@ -464,7 +464,8 @@ def test_cli_takes_logit_bias_and_penalties(model_dir, capsys):
     _, tokenizer = gptkit.load(model_dir)
     z = tokenizer.encode("z")[0]
     assert main(["generate", str(model_dir), "--prompt", "to be", "--max-new-tokens", "5", "--seed", "1",
-                 "--logit-bias", f"{z}=100", "--frequency-penalty", "0.5", "--presence-penalty", "0.1"]) == 0  # fmt: skip
+                 "--logit-bias", f"{z}=100", "--frequency-penalty", "0.5",
+                 "--presence-penalty", "0.1"]) == 0  # fmt: skip
     assert capsys.readouterr().out == "zzzzz"
     with pytest.raises(SystemExit) as usage:
         main(["generate", str(model_dir), "--prompt", "to be", "--logit-bias", "z=1"])

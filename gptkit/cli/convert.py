@@ -149,7 +149,8 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
     model, tokenizer = load_gguf(source, dtype=dtype)
     save_model_dir(model, out, tokenizer=tokenizer)
     template = gguf_chat_template(source)
-    if template is not None and template != DEFAULT_JINJA:  # where serve and fine-tuning find a model's template, as Hugging Face keeps it
+    # Kept where serve and fine-tuning find a model's template, as Hugging Face keeps it.
+    if template is not None and template != DEFAULT_JINJA:
         config = {"chat_template": template, "eos_token": tokenizer.decode([tokenizer.eos_id])}
         atomic_write_text(out / "tokenizer_config.json", json.dumps(config, indent=1) + "\n")
     _summary(model, source, out)

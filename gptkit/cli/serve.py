@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(options.host) and not options.api_key:
         print(f"gptkit serve: warning: binding {options.host} without --api-key lets anyone who can reach this "
               "machine use the model", file=sys.stderr)  # fmt: skip
-    print(f"gptkit serve: loading {args.model_dir}; the playground will be at http://{options.host}:<port>/",
-          file=sys.stderr, flush=True)  # fmt: skip
+    host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address goes in brackets
+    where = f"http://{host}:{options.port}/" if options.port else "the address uvicorn prints (port 0: a free one)"
+    print(f"gptkit serve: loading {args.model_dir}; the playground will be at {where}", file=sys.stderr, flush=True)
     serve(args.model_dir, options)
     return 0

@@ -101,7 +101,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
-        object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in bias))
+        pairs = tuple(tuple(pair) if isinstance(pair, (tuple, list)) else (pair,) for pair in bias)
+        object.__setattr__(self, "logit_bias", pairs)
         self.validate()
 
     @property

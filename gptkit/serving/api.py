@@ -35,8 +35,8 @@ STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
 RETRY_AFTER_SECONDS = 1
 POLL_SECONDS = 0.5  # how often a non-streaming request checks whether its client is still there
-_REQUEST_NAMES = {"num_samples": "n"}
-RENDER_SECONDS = 5.0  # a chat template rendering longer is stopped (templates come with downloaded models)  # SamplingParams field -> OpenAI request field
+_REQUEST_NAMES = {"num_samples": "n"}  # SamplingParams field -> OpenAI request field
+RENDER_SECONDS = 5.0  # a chat template rendering longer is stopped (templates come with downloaded models)
 
 
 class APIError(Exception):
@@ -375,7 +375,7 @@ def _logit_bias(bias: dict[str, float], vocab: int) -> tuple[tuple[int, float], 
     """OpenAI's logit_bias ({"token id": bias}) as (id, bias) pairs, each id checked against the vocabulary."""
     pairs = []
     for key, value in bias.items():
-        if not key.isdigit() or int(key) >= vocab:
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab:
             raise APIError(400, f"logit_bias keys are token ids in [0, {vocab}) written as strings, got {key!r}",
                            param="logit_bias")  # fmt: skip
         pairs.append((int(key), value))

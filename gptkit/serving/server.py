@@ -128,8 +128,9 @@ def uvicorn_config(app: FastAPI, options: ServeOptions, log_level: str = "info")
     """uvicorn's settings for the app: HTTP/1.1 with a deadline on each request head, a cap on connections."""
     import uvicorn
 
-    return uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level, timeout_graceful_shutdown=5,
-                          http=head_deadline_protocol(options.head_timeout), limit_concurrency=options.max_connections)  # fmt: skip
+    return uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level,
+                          timeout_graceful_shutdown=5, http=head_deadline_protocol(options.head_timeout),
+                          limit_concurrency=options.max_connections)  # fmt: skip
 
 
 def head_deadline_protocol(seconds: float) -> type:

@@ -28,6 +28,8 @@ async function loadModel() {
   const card = (await response.json()).data[0];
   state.model = card.id;
   $("model-name").textContent = card.id + " · context " + card.context_length + " tokens";
+  const maxTokens = $("max_tokens");  // the default must leave room for a prompt in a short context
+  if (parseInt(maxTokens.value, 10) >= card.context_length) maxTokens.value = Math.max(1, Math.floor(card.context_length / 2));
 }
 
 function numberField(body, id, integer) {
