@@ -21,8 +21,8 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parall
 # Fields of OpenAI's API that gptkit does not implement, accepted only when null or at a value that means "unused".
 UNUSED_VALUES: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "suffix": ("",), "modalities": (["text"],), "prediction": (), "audio": (), "reasoning_effort": (), "web_search_options": (),
-    "verbosity": (),
+    "function_call": ("none",), "suffix": ("",), "modalities": (["text"],), "prediction": (), "audio": (),
+    "reasoning_effort": (), "web_search_options": (), "verbosity": (),
 }  # fmt: skip
 
 
