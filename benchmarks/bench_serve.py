@@ -6,6 +6,10 @@ speed-up over one client. Only loopback is ever contacted.
 
     .venv/bin/python benchmarks/bench_serve.py                       # default: 4 layers x 256 wide, 4 req/client
     .venv/bin/python benchmarks/bench_serve.py --requests 2 --max-tokens 16 --n-layer 2 --n-embd 64   # smoke run
+    .venv/bin/python benchmarks/bench_serve.py --adversarial   # latency under half-open sockets and a bad template
+
+--adversarial: the median latency of sequential completions, alone and again while 300 connections hold
+half-sent request heads and a chat request whose template (the model's own, written here) loops is in flight.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ import argparse
 import json
 import concurrent.futures
 import re
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -60,6 +67,54 @@ def start_server(model_dir: Path, max_batch_size: int, threads: int | None,
     raise SystemExit("bench_serve: the server did not start")
 
 
+# A chat template that renders normally, except for the message "loop", where it writes without end (the server
+# stops it at its size or time limit).
+LOOPING_TEMPLATE = ("{% if messages[-1]['content'] == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                    "{{ j % 2 }}{% endfor %}{% endfor %}{% else %}{% for m in messages %}{{ m['role'] }}: "
+                    "{{ m['content'] }}\n{% endfor %}assistant:{% endif %}")  # fmt: skip
+
+
+def latencies(url: str, model: str, count: int, max_tokens: int) -> list[float]:
+    """Seconds each of count sequential greedy completions takes."""
+    out = []
+    with httpx.Client(base_url=url, timeout=300) as http:
+        for i in range(count):
+            started = time.perf_counter()
+            body = {"model": model, "prompt": f"Latency probe {i}", "max_tokens": max_tokens, "temperature": 0}
+            http.post("/v1/completions", json=body).raise_for_status()
+            out.append(time.perf_counter() - started)
+    return out
+
+
+def adversarial(url: str, model: str, max_tokens: int, half_open: int = 300, probes: int = 8) -> dict[str, float]:
+    """Median probe latency alone, then under half-open connections and a looping template in flight."""
+    alone = statistics.median(latencies(url, model, probes, max_tokens))
+    host, port = url.removeprefix("http://").split(":")
+    sockets = []
+    for _ in range(half_open):
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head never ends
+        sockets.append(s)
+    stop = threading.Event()
+
+    def loop_requests() -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": "loop"}], "max_tokens": 1}
+        while not stop.is_set():
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=60)  # answered 400 when the limit stops it
+
+    looping = threading.Thread(target=loop_requests, daemon=True)
+    looping.start()
+    time.sleep(0.5)
+    try:
+        loaded = statistics.median(latencies(url, model, probes, max_tokens))
+    finally:
+        stop.set()
+        for s in sockets:
+            s.close()
+    looping.join(timeout=30)
+    return {"alone_s": alone, "loaded_s": loaded, "ratio": loaded / alone, "half_open": half_open}
+
+
 def run_clients(url: str, model: str, clients: int, requests: int, max_tokens: int) -> tuple[float, int, int]:
     """clients threads x requests sequential completions each; returns (seconds, requests, tokens)."""
 
@@ -92,15 +147,29 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="the server's --threads (default: the server's)")
     parser.add_argument("--compile", action="store_true", help="serve with --compile (compiled decode step)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--adversarial", action="store_true",
+                        help="latency alone vs under 300 half-open connections and a looping chat template")  # fmt: skip
     args = parser.parse_args()
     show = (lambda *a, **k: None) if args.json else print  # noqa: E731
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or build_model_dir(Path(tmp), args.n_layer, args.n_embd, args.block_size)
+        if args.adversarial:
+            if args.model_dir is not None:
+                raise SystemExit("bench_serve: --adversarial writes its own template; leave out --model-dir")
+            (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": LOOPING_TEMPLATE}))
         proc, url = start_server(model_dir, max(args.concurrency), args.threads, args.compile)
         try:
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             run_clients(url, model, 1, 1, 4)  # warm-up
+            if args.adversarial:
+                result = adversarial(url, model, args.max_tokens)
+                show(f"median latency of a {args.max_tokens}-token completion: alone {result['alone_s']:.3f} s; with "
+                     f"{result['half_open']} half-open connections and a looping template in flight "
+                     f"{result['loaded_s']:.3f} s ({result['ratio']:.2f}x; target <= 2x)")  # fmt: skip
+                if args.json:
+                    print(json.dumps({"model": model, "adversarial": result}, indent=2))
+                return
             show(f"model {model}; {args.requests} requests per client, {args.max_tokens} max tokens each, "
                   f"server threads: {args.threads or 'server default'}")
             show(f"{'clients':>8} {'requests/s':>11} {'tokens/s':>10} {'speed-up':>9}")

@@ -181,6 +181,8 @@ def _render_jinja(source: str, variables: dict[str, Any], max_chars: int | None,
                 raise ChatTemplateError(f"the chat template rendered more than {max_chars:,} characters; stopped")
             if deadline is not None and time.monotonic() > deadline:
                 raise ChatTemplateError(f"the chat template took more than {max_seconds:g} s to render; stopped")
+            if deadline is not None and len(pieces) % 256 == 0:  # a long render leaves the GIL to the server's
+                time.sleep(0.005)  # other threads most of the time (an ordinary template renders few pieces)
     except TemplateError as err:
         raise ChatTemplateError(f"cannot render the chat template: {err}") from None
     return "".join(pieces)
