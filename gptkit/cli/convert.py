@@ -7,6 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+from gptkit.atomic import atomic_write_text
+from gptkit.chat import DEFAULT_JINJA, TOKENIZER_CONFIG, eos_text, load_chat_template, read_tokenizer_config
+from gptkit.errors import GptkitError
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -48,8 +52,6 @@ def run(args: argparse.Namespace) -> int:
     """Convert in the direction asked and print what was written."""
     import torch
 
-    from gptkit.errors import GptkitError
-
     if args.to_gguf is not None:
         return _to_gguf(args.to_gguf, args.out, args.gguf_type, args.force)
     if args.gguf_type != "f16":
@@ -75,10 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _merge(source: Path, out: Path, dtype: object) -> int:
-    from gptkit.chat import TOKENIZER_CONFIG
-    from gptkit.errors import GptkitError
     from gptkit.finetune.lora_dir import is_lora_dir
-    from gptkit.formats.modeldir import atomic_write, save_model_dir
+    from gptkit.formats.modeldir import save_model_dir
     from gptkit.loading import load
 
     if not is_lora_dir(source):
@@ -86,16 +86,12 @@ def _merge(source: Path, out: Path, dtype: object) -> int:
                           "their base")  # fmt: skip
     model, tokenizer = load(source, dtype=dtype)
     save_model_dir(model, out, tokenizer=tokenizer)
-    carried = source / TOKENIZER_CONFIG  # the chat template the model was fine-tuned with
-    if carried.is_file():
-        atomic_write(out / TOKENIZER_CONFIG, lambda tmp: tmp.write_bytes(carried.read_bytes()))
+    _carry_tokenizer_config(source, out)  # the chat template the model was fine-tuned with
     _summary(model, source, out)
     return 0
 
 
 def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
-    from gptkit.chat import eos_text, load_chat_template
-    from gptkit.errors import GptkitError
     from gptkit.formats.gguf import export_gguf
     from gptkit.loading import load
 
@@ -116,19 +112,15 @@ def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
 
 
 def _import(source: Path, out: Path, dtype: object) -> int:
-    from gptkit.chat import read_tokenizer_config
-    from gptkit.formats.hf import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_hf
-    from gptkit.atomic import atomic_write_text
+    from gptkit.formats.hf import TOKENIZER_FILE, load_hf
     from gptkit.formats.modeldir import save_model_dir
 
     if source.is_file():  # --from-gguf
         return _import_gguf(source, out, dtype)
     model, tokenizer = load_hf(source, dtype=dtype)
     save_model_dir(model, out, tokenizer=tokenizer)
-    # Chat templates (from chat_template.jinja too) and special-token names, for serving and a later export.
-    carried = read_tokenizer_config(source)
-    if tokenizer is not None and carried is not None:
-        atomic_write_text(out / TOKENIZER_CONFIG_FILE, json.dumps(carried, indent=2, ensure_ascii=False) + "\n")
+    if tokenizer is not None:  # chat templates and special-token names, for serving and a later export
+        _carry_tokenizer_config(source, out)
     if tokenizer is None:
         hint = " (it has vocab.json/merges.txt only; re-save it with a fast tokenizer)" if (
             source / "vocab.json"
@@ -139,11 +131,7 @@ def _import(source: Path, out: Path, dtype: object) -> int:
 
 
 def _import_gguf(source: Path, out: Path, dtype: object) -> int:
-    import json
-
-    from gptkit.chat import DEFAULT_JINJA
     from gptkit.formats.gguf import gguf_chat_template, load_gguf
-    from gptkit.atomic import atomic_write_text
     from gptkit.formats.modeldir import save_model_dir
 
     model, tokenizer = load_gguf(source, dtype=dtype)
@@ -152,7 +140,7 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
     # Kept where serve and fine-tuning find a model's template, as Hugging Face keeps it.
     if template is not None and template != DEFAULT_JINJA:
         config = {"chat_template": template, "eos_token": tokenizer.decode([tokenizer.eos_id])}
-        atomic_write_text(out / "tokenizer_config.json", json.dumps(config, indent=1) + "\n")
+        atomic_write_text(out / TOKENIZER_CONFIG, json.dumps(config, indent=1) + "\n")
     _summary(model, source, out)
     return 0
 
@@ -160,7 +148,6 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
 def _export(source: Path, out: Path, dtype: object) -> int:
     from gptkit.finetune.heads import is_classifier_dir, load_head
     from gptkit.finetune.lora_dir import is_lora_dir, write_peft_dir
-    from gptkit.chat import read_tokenizer_config
     from gptkit.formats.hf import export_hf
     from gptkit.loading import load
 
@@ -189,3 +176,10 @@ def _summary(model: object, source: Path, out: Path) -> None:
         f"{source} -> {out}: {config.n_layer} layers, width {config.n_embd}, {config.n_head} heads "
         f"({config.n_kv_head} kv), vocab {config.vocab_size}, {params:,} parameters, {dtype}"
     )
+
+
+def _carry_tokenizer_config(source: Path, out: Path) -> None:
+    """Write source's tokenizer_config.json (with the template of a chat_template.jinja beside it) into out."""
+    carried = read_tokenizer_config(source)
+    if carried is not None:
+        atomic_write_text(out / TOKENIZER_CONFIG, json.dumps(carried, indent=2, ensure_ascii=False) + "\n")

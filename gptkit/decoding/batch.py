@@ -127,10 +127,7 @@ class BatchEngine:
                 request.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
                 request.seen[torch.tensor(request.tokens, device=self.device)] = True
             if request.params.frequency_penalty or request.params.presence_penalty:
-                request.counts = torch.zeros(self.vocab_size, device=self.device)
-                if request.generated:  # a request handed over mid-way keeps what it generated
-                    request.counts.index_add_(0, torch.tensor(request.generated, device=self.device),
-                                              torch.ones(len(request.generated), device=self.device))  # fmt: skip
+                request.counts = torch.zeros(self.vocab_size, device=self.device)  # filled by accept()
             self.rows.append(request)
         self._choose(list(requests), logits[torch.tensor(sources, device=self.device)])
         return self._retire()

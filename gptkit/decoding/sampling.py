@@ -101,7 +101,7 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
-        pairs = tuple(tuple(pair) if isinstance(pair, (tuple, list)) else (pair,) for pair in bias)
+        pairs = tuple(tuple(pair) if isinstance(pair, list) else pair for pair in bias)
         object.__setattr__(self, "logit_bias", pairs)
         self.validate()
 
@@ -144,7 +144,7 @@ class SamplingParams:
             if not PRESENCE_FREQUENCY_RANGE[0] <= getattr(self, name) <= PRESENCE_FREQUENCY_RANGE[1]:
                 raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         for pair in self.logit_bias:
-            if len(pair) != 2:
+            if not isinstance(pair, tuple) or len(pair) != 2:
                 raise ConfigError(f"logit_bias takes (token id, bias) pairs, got {pair!r}")
             _check_int("logit_bias token id", pair[0], low=0)
             _check_number("logit_bias", pair[1])

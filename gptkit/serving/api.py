@@ -59,7 +59,7 @@ class ServerState:
     chat_template: ChatTemplate
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
-    allowed_hosts: tuple[str, ...] | None = None  # the Host names served (None: any)
+    allowed_hosts: tuple[str, ...] | None = None  # Host names served besides loopback ones (None: any name)
 
     @property
     def context_length(self) -> int:
@@ -112,9 +112,6 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
 def is_loopback(host: str) -> bool:
     """Whether a bind address or Host name means this machine only (localhost, 127.0.0.0/8, ::1)."""
     host = host.lower().rstrip(".")
@@ -127,7 +124,7 @@ def is_loopback(host: str) -> bool:
 
 
 class HostGuard:
-    """ASGI middleware: a request whose Host header names none of the allowed hosts gets 403.
+    """ASGI middleware: a request whose Host header names neither a loopback name nor an allowed host gets 403.
 
     A server on a loopback address is reachable from the user's browser; a web page whose DNS name the attacker
     rebinds to 127.0.0.1 sends its own name as Host, and is refused here (Jupyter's guard)."""

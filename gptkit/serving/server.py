@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from gptkit.devices import pick_device
 from gptkit.errors import GptkitError
-from gptkit.serving.api import LOOPBACK_NAMES, ServerState, create_app, is_loopback
+from gptkit.serving.api import ServerState, create_app, is_loopback
 from gptkit.serving.engine import Engine
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -88,7 +88,7 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
         chat_template=template,
         api_key=options.api_key,
         max_body_bytes=options.max_body_bytes,
-        allowed_hosts=(*LOOPBACK_NAMES, *options.allowed_host) if is_loopback(options.host) else None,
+        allowed_hosts=options.allowed_host if is_loopback(options.host) else None,
     )
     app = create_app(state)
 
