@@ -10,12 +10,18 @@ The default template (used when the model directory has no `chat_template`) is, 
 with an assistant's content followed by the end-of-text token's text, and `assistant:` at the end to cue the
 reply, e.g. `system: Be brief.\n\nuser: Hi\n\nassistant: Hello<|endoftext|>\n\nuser: Bye\n\nassistant:`. A reply
 ends at the end-of-text token; the stop string `\n\nuser:` also ends one where a model writes the user's next turn.
+Tools offered to the model come first, as `tools: <their JSON>\n\n`, and an assistant turn that called tools shows
+each call as `{"name": ..., "arguments": {...}}` (the form a required tool call is constrained to).
+
+Messages are dicts as Hugging Face's apply_chat_template takes them: role, content, and for tool use an assistant's
+tool_calls (each {"type": "function", "function": {"name", "arguments" (a dict)}}) and a tool's tool_call_id.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +35,12 @@ DEFAULT_STOP = ("\n\nuser:",)
 # The default template written as Jinja, for files that carry a template to other programs (GGUF for llama.cpp):
 # it renders exactly what ChatTemplate.render does without a source (its newlines inside an expression, which
 # Hugging Face's trim_blocks rendering keeps).
-DEFAULT_JINJA = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+DEFAULT_JINJA = ("{% if tools %}tools: {{ tools | tojson }}{{ '\\n\\n' }}{% endif %}"
+                 "{% for message in messages %}{{ message['role'] }}: "
+                 "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+                 "{% if not loop.first %}{{ '\\n' }}{% endif %}{\"name\": {{ call['function']['name'] | tojson }}, "
+                 "\"arguments\": {{ call['function']['arguments'] | tojson }}}{% endfor %}"
+                 "{% else %}{{ message['content'] }}{% endif %}"
                  "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n\\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
 
@@ -56,13 +67,15 @@ class ChatTemplate:
         """Stop strings that end an assistant reply under this template."""
         return DEFAULT_STOP if self.source is None else ()
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-               max_chars: int | None = None, max_seconds: float | None = None) -> str:  # fmt: skip
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               max_chars: int | None = None, max_seconds: float | None = None,
+               tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
         """The text of these messages; with add_generation_prompt it ends where the assistant's reply begins.
 
-        A Jinja template producing more than max_chars characters, or still producing after max_seconds, is
-        stopped with a ChatTemplateError (templates come with downloaded models)."""
-        if self.source is None:
+        tools: the functions offered to the model (the template's `tools` variable, in OpenAI's form). A Jinja
+        template producing more than max_chars characters, or still producing after max_seconds, is stopped with a
+        ChatTemplateError (templates come with downloaded models)."""
+        if self.source is None and not tools and not any(m.get("tool_calls") for m in messages):
             turns = "".join(
                 f"{m['role']}: {m['content']}{self.eos_token if m['role'] == 'assistant' else ''}\n\n"
                 for m in messages
@@ -70,7 +83,9 @@ class ChatTemplate:
             return turns + ("assistant:" if add_generation_prompt else "")
         variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
                          eos_token=self.eos_token)  # fmt: skip
-        return _render_jinja(self.source, variables, max_chars, max_seconds)
+        if tools:  # left undefined otherwise, as transformers does (templates test `tools is defined`)
+            variables["tools"] = tools
+        return _render_jinja(self.jinja, variables, max_chars, max_seconds)
 
     def reply_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
         """(the whole conversation's text, the character span of each assistant reply in it).
@@ -153,6 +168,11 @@ def _generation_tag() -> type:
     return Generation
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _render_jinja(source: str, variables: dict[str, Any], max_chars: int | None, max_seconds: float | None) -> str:
     """Render a Hugging Face chat template in a sandbox, piece by piece, within the limits."""
     try:
@@ -171,6 +191,10 @@ def _render_jinja(source: str, variables: dict[str, Any], max_chars: int | None,
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_generation_tag()],
                                         loader=NoFiles())  # fmt: skip
     env.globals["raise_exception"] = raise_exception
+    # What transformers gives templates besides Jinja's own: tojson keeping keys in order and text unescaped
+    # (Jinja's sorts keys and escapes HTML), and strftime_now for templates that print today's date.
+    env.filters["tojson"] = _tojson
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     pieces, size = [], 0
     try:

@@ -67,3 +67,19 @@ def test_bench_gguf_says_where_llama_cpp_is_missing(tmp_path):
     result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_gguf.py"), "--llama-cpp", str(tmp_path)],
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode != 0 and "no llama-simple in" in result.stderr
+
+
+def test_bench_structured_smoke_run_compares_and_validates():
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_structured.py"), "--part", "cost", "--shape", "llama-tiny",
+                             "--vocab-size", "300", "--steps", "3", "--repeats", "1", "--json"],
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    cost = json.loads(result.stdout)["cost"]
+    assert cost["free_ms"] > 0 and cost["constrained_ms"] > 0 and cost["vocab_size"] == 300
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_structured.py"), "--part", "validity",
+                             "--samples", "1", "--max-tokens", "40", "--train-steps", "1", "--json"],
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    validity = json.loads(result.stdout)["validity"]
+    assert len(validity) == 2 and all(row["replies"] == row["schemas"] >= 20 for row in validity.values())
+    assert all(sum(row["finish_reasons"].values()) == row["replies"] for row in validity.values())

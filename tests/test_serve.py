@@ -362,10 +362,12 @@ BAD_REQUESTS = [
                                                           "presence_penalty": "garbage"}, 400, "presence_penalty"),
     ("best_of above n", "/v1/completions", {"model": MODEL, "prompt": "a", "best_of": 3}, 400, "best_of"),
     ("suffix", "/v1/completions", {"model": MODEL, "prompt": "a", "suffix": "end"}, 400, "suffix"),
-    ("json mode", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                                           "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("tools", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("json mode, a tokenizer without '{'", "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
+     400, "response_format"),
+    ("tools with tool_choice auto", "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "a"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("unknown field", "/v1/completions", {"model": MODEL, "prompt": "a", "ignore_eos": True}, 400, "ignore_eos"),
     ("oversized body", "/v1/completions", {"model": MODEL, "prompt": "a" * 70_000}, 413, None),
     ("unknown route", "/v1/engines", {}, 404, None),

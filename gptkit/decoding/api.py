@@ -17,10 +17,11 @@ from typing import Any
 
 from gptkit.decoding.batch import BatchEngine, requests_for
 from gptkit.decoding.beam import beam_search
+from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.request import Decode, EosIds, FinishReason, Request, end_ids, first_stop
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.speculative import DRAFT_K, SpeculativeStats, check_draft, fits, speculate
-from gptkit.decoding.step import cache_len, check_prompts, device_dtype, sync
+from gptkit.decoding.step import base, cache_len, check_prompts, device_dtype, sync
 from gptkit.errors import ConfigError, InputError
 from gptkit.model import GPT
 
@@ -81,6 +82,15 @@ class Result:
     timing: Timing = field(default_factory=Timing)
 
 
+def grammar_for(model: GPT, tokenizer: Any | None, params: SamplingParams) -> Grammar | None:
+    """params.json_schema compiled for the tokenizer and model (None without a schema)."""
+    if params.json_schema is None:
+        return None
+    if tokenizer is None:
+        raise ConfigError("json_schema needs the tokenizer (tokenizer=...) to map the schema onto token ids")
+    return Grammar(tokenizer, params.json_schema, base(model).config.vocab_size)
+
+
 def _fits_draft(model: GPT, draft: GPT | None, prompts: Sequence[Sequence[int]], params: SamplingParams,
                 draft_k: int) -> bool:  # fmt: skip
     """Whether to speculate: a draft given, checked, and room for it (else a warning, and plain decoding)."""
@@ -104,16 +114,21 @@ def complete(
     compile: bool = False,
     draft: GPT | None = None,
     draft_k: int = DRAFT_K,
+    grammar: Grammar | None = None,
 ) -> Result:
     """Generate for a batch of token-id prompts under params; the engine behind generate_ids and generate.
 
     compile: decode with a compiled step (its one-off cost is timing.compile_seconds). draft: a smaller model of
     the same tokenizer proposing draft_k tokens per target pass (speculative decoding, one request at a time).
+    grammar: params.json_schema compiled by grammar_for (required with a schema).
     """
     check_prompts(model, prompts)
+    if (params.json_schema is None) != (grammar is None):
+        raise ConfigError("give a grammar (grammar_for(model, tokenizer, params)) exactly when params has a "
+                          "json_schema")  # fmt: skip
     device, _ = device_dtype(model)
     timing = Timing(prefill_tokens=sum(len(p) for p in prompts))
-    requests = requests_for(prompts, params, end_ids(eos_id), decode)
+    requests = requests_for(prompts, params, end_ids(eos_id), decode, grammar)
     if _fits_draft(model, draft, prompts, params, draft_k):
         timing.speculative = SpeculativeStats()
         start = time.perf_counter()
@@ -180,7 +195,8 @@ def generate_ids(
     batched = bool(prompt_ids) and not isinstance(prompt_ids[0], numbers.Integral)
     prompts = [list(p) for p in prompt_ids] if batched else [list(prompt_ids)]
     decode = tokenizer.decode if tokenizer is not None else None
-    result = complete(model, prompts, params, eos_id, decode, compile=compile, draft=draft, draft_k=draft_k)
+    result = complete(model, prompts, params, eos_id, decode, compile=compile, draft=draft, draft_k=draft_k,
+                      grammar=grammar_for(model, tokenizer, params))  # fmt: skip
     return _shape([[c.ids for c in row] for row in result.completions], batched, params.num_samples)
 
 
@@ -221,7 +237,7 @@ def generate_text(
         raise InputError("no prompts given")
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     result = complete(model, ids, params, tokenizer.eos_ids, tokenizer.decode, compile=compile, draft=draft,
-                      draft_k=draft_k)  # fmt: skip
+                      draft_k=draft_k, grammar=grammar_for(model, tokenizer, params))  # fmt: skip
     texts = [[completion_text(tokenizer, c, params.stop) for c in row] for row in result.completions]
     return texts, result
 
@@ -262,7 +278,7 @@ def stream_text(
     if params.num_beams > 1 or params.num_samples > 1:
         raise ConfigError("streaming produces one sequence: use num_beams=1 and num_samples=1")
     ids = encode_prompt(tokenizer, prompt)
-    [request] = requests_for([ids], params, tokenizer.eos_ids, tokenizer.decode)
+    [request] = requests_for([ids], params, tokenizer.eos_ids, tokenizer.decode, grammar_for(model, tokenizer, params))
     if _fits_draft(model, draft, [ids], params, draft_k):
         steps = speculate(model, draft, request, SpeculativeStats(), draft_k, compile)
     else:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
 from gptkit.decoding.step import (
@@ -216,8 +217,8 @@ class BatchEngine:
         chosen = []
         for i, request in enumerate(requests):
             row = logits[i]
-            for processor in request.processors:
-                row = processor(row, request)
+            if request.constraint is not None:
+                row = request.constraint.mask(row)
             seen = None if request.seen is None else request.seen[None]
             counts = None if request.counts is None else request.counts[None]
             chosen.append(sample(row[None], request.generator, request.params, seen, counts))
@@ -243,8 +244,10 @@ def _token_logprob(logprobs: Tensor, token: int, top: int) -> TokenLogprob:
 
 def requests_for(
     prompts: Sequence[Sequence[int]], params: SamplingParams, eos_ids: tuple[int, ...] = (),
-    decode: Decode | None = None,
+    decode: Decode | None = None, grammar: Grammar | None = None,
 ) -> list[Request]:
-    """params.num_samples requests per prompt, prompt-major; request r of the call draws with params.seed + r."""
-    return [Request(list(p), params, eos_ids, decode, seed=row_seed(params.seed, i * params.num_samples + j))
+    """params.num_samples requests per prompt, prompt-major; request r of the call draws with params.seed + r;
+    each follows its own start of grammar when one is given."""
+    return [Request(list(p), params, eos_ids, decode, seed=row_seed(params.seed, i * params.num_samples + j),
+                    constraint=grammar.start() if grammar is not None else None)
             for i, p in enumerate(prompts) for j in range(params.num_samples)]  # fmt: skip

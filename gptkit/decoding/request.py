@@ -10,6 +10,7 @@ string are kept, and the text is cut before the stop string.
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,15 +19,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from gptkit.decoding.grammar import Constraint
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import ConfigError, InputError
+
+log = logging.getLogger("gptkit.decoding")
 
 FinishReason = Literal["eos", "stop", "length"]
 Decode = Callable[[Sequence[int]], str]
 EosIds = int | Sequence[int] | None  # the token(s) that end a sequence: one id, several, or none
-# A rule applied to one request's fp32 logits (V,) before its sampling filters, given the request (its tokens so
-# far): a grammar's token mask, biases, penalties over the tokens generated. Returns the new logits.
-LogitsProcessor = Callable[[Tensor, "Request"], Tensor]
 
 
 def end_ids(eos_id: EosIds) -> tuple[int, ...]:
@@ -95,7 +96,7 @@ class Request:
     decode: Decode | None = None  # needed for stop strings and for take()
     seed: int | None = None
     top_logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
-    processors: tuple[LogitsProcessor, ...] = ()
+    constraint: Constraint | None = None  # a grammar the output must follow (structured outputs)
     generated: list[int] = field(default_factory=list)  # the new tokens (never the end-of-text token)
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per sampled token (the end token's included)
@@ -130,12 +131,13 @@ class Request:
 
     @property
     def plain_greedy(self) -> bool:
-        """Whether its next token is the bare argmax of the logits (no penalty, rule or log-probabilities)."""
-        return (self.params.greedy and not self.processors and self.top_logprobs is None
+        """Whether its next token is the bare argmax of the logits (no penalty, grammar or log-probabilities)."""
+        return (self.params.greedy and self.constraint is None and self.top_logprobs is None
                 and self.params.repetition_penalty in (None, 1.0) and not self.params.reshapes_logits)  # fmt: skip
 
     def accept(self, token: int, logprob: TokenLogprob | None = None) -> None:
-        """Record the next token: end at an end-of-text token, a stop string or max_new_tokens."""
+        """Record the next token: end at an end-of-text token, a stop string, a complete structured output or
+        max_new_tokens."""
         if logprob is not None:
             self.logprobs.append(logprob)
         if token in self.eos_ids:
@@ -146,8 +148,15 @@ class Request:
             self.seen[token] = True
         if self.counts is not None:
             self.counts[token] += 1
+        if self.constraint is not None:
+            self.constraint.advance(token)
         if self.params.stop and self._stopped():
             self.finish_reason = "stop"
+        elif self.constraint is not None and self.constraint.complete:
+            self.finish_reason = "eos"  # the JSON is whole: nothing but the end-of-text token may follow
+        elif self.constraint is not None and not self.constraint.can_continue:
+            log.warning("structured output cut short: no token of this tokenizer can continue it validly")
+            self.finish_reason = "length"  # unfinished, as when max_new_tokens runs out
         elif len(self.generated) >= self.params.max_new_tokens:
             self.finish_reason = "length"
 

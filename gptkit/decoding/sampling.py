@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from gptkit.decoding.grammar import SchemaError, read_schema_file, schema_text
 from gptkit.errors import ConfigError
 
 EarlyStopping = Literal[True, False, "never"]
@@ -81,6 +82,11 @@ class SamplingParams:
         default=(), metadata={"help": "stop when the output contains this string (not returned); repeatable",
                               "repeatable": True, "metavar": "S"}
     )  # fmt: skip
+    json_schema: str | None = field(
+        default=None, metadata={"help": "the output is JSON valid against the JSON schema in FILE (structured "
+                                        "output); '{\"type\": \"object\"}' asks for any object",
+                                "parse": read_schema_file, "metavar": "FILE"}
+    )  # fmt: skip
     seed: int | None = field(default=None, metadata={"help": "random seed; row i of a call uses seed + i"})
     num_samples: int = field(default=1, metadata={"help": "samples per prompt, sharing one prefill"})
     num_beams: int = field(default=1, metadata={"help": "beam search with this many beams (deterministic)"})
@@ -103,6 +109,11 @@ class SamplingParams:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
         pairs = tuple(tuple(pair) if isinstance(pair, list) else pair for pair in bias)
         object.__setattr__(self, "logit_bias", pairs)
+        if self.json_schema is not None:
+            try:
+                object.__setattr__(self, "json_schema", schema_text(self.json_schema))
+            except SchemaError as err:
+                raise ConfigError(f"json_schema: {err}") from None
         self.validate()
 
     @property
@@ -164,9 +175,9 @@ class SamplingParams:
             for name in ("top_k", "top_p", "min_p"):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"beam search is deterministic: drop {name} or use num_beams=1")
-            if self.reshapes_logits:
-                raise ConfigError("beam search does not apply frequency_penalty, presence_penalty or logit_bias; "
-                                  "drop them or use num_beams=1")  # fmt: skip
+            if self.reshapes_logits or self.json_schema is not None:
+                raise ConfigError("beam search does not apply frequency_penalty, presence_penalty, logit_bias or "
+                                  "json_schema; drop them or use num_beams=1")  # fmt: skip
             if self.num_samples > self.num_beams:
                 raise ConfigError(
                     f"beam search returns at most num_beams ({self.num_beams}) sequences; got num_samples "

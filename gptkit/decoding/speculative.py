@@ -66,9 +66,9 @@ def check_draft(target: GPT, draft: GPT, params: SamplingParams, k: int) -> None
                           "must share the target's tokenizer")  # fmt: skip
     if params.num_beams > 1:
         raise ConfigError("speculative decoding does not combine with beam search; use num_beams=1 or no draft")
-    if params.repetition_penalty not in (None, 1.0) or params.reshapes_logits:
+    if params.repetition_penalty not in (None, 1.0) or params.reshapes_logits or params.json_schema is not None:
         raise ConfigError("speculative decoding does not support repetition_penalty, frequency_penalty, "
-                          "presence_penalty or logit_bias; drop them or the draft")  # fmt: skip
+                          "presence_penalty, logit_bias or json_schema; drop them or the draft")  # fmt: skip
 
 
 def fits(target: GPT, draft: GPT, total_len: int) -> bool:

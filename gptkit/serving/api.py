@@ -25,9 +25,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gptkit.errors import GptkitError
 from gptkit.chat import ChatTemplate
+from gptkit.decoding.grammar import ANY_OBJECT, Grammar
 from gptkit.decoding.request import Request as DecodeRequest
 from gptkit.decoding.sampling import SamplingParams, row_seed
 from gptkit.serving.engine import Chunk, Engine, QueueFull, TokenInfo
+from gptkit.serving.tools import ToolChoiceError, new_call_id, template_message, template_tools, tool_plan
 from gptkit.serving.schemas import (AttentionRequest, ChatRequest, CompletionRequest, _Sampling, error_body,
                                     refused_field)
 
@@ -37,6 +39,7 @@ RETRY_AFTER_SECONDS = 1
 POLL_SECONDS = 0.5  # how often a non-streaming request checks whether its client is still there
 _REQUEST_NAMES = {"num_samples": "n"}  # SamplingParams field -> OpenAI request field
 RENDER_SECONDS = 5.0  # a chat template rendering longer is stopped (templates come with downloaded models)
+COMPILE_SECONDS = 10.0  # a JSON schema (from a request) compiling longer is refused
 
 
 class APIError(Exception):
@@ -313,12 +316,13 @@ def _max_tokens(state: ServerState, requested: int | None, prompt_len: int, allo
     return requested
 
 
-def _sampling_params(state: ServerState, body: _Sampling, max_tokens: int,
-                     extra_stop: tuple[str, ...] = ()) -> SamplingParams:  # fmt: skip
+def _sampling_params(state: ServerState, body: _Sampling, max_tokens: int, extra_stop: tuple[str, ...] = (),
+                     json_schema: str | None = None) -> SamplingParams:  # fmt: skip
     """SamplingParams from the request's fields; fields the request leaves out keep SamplingParams' defaults."""
-    given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    given: dict[str, Any] = {"json_schema": json_schema} if json_schema is not None else {}
+    given |= {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                                       "frequency_penalty", "presence_penalty", "seed")
-             if getattr(body, name) is not None}  # fmt: skip
+              if getattr(body, name) is not None}  # fmt: skip
     if body.logit_bias:
         given["logit_bias"] = _logit_bias(body.logit_bias, state.tokenizer.vocab_size)
     if body.n is not None:
@@ -359,6 +363,29 @@ async def _off_loop(work: Callable[[], Any], timeout: float) -> Any:
 
     threading.Thread(target=run, name="gptkit-render", daemon=True).start()
     return await asyncio.wait_for(done, timeout)
+
+
+def _response_schema(body: _Sampling) -> str | None:
+    """The JSON schema response_format asks the reply to follow (None: free text)."""
+    spec = body.response_format
+    if spec is None or spec.type == "text":
+        return None
+    if spec.type == "json_object":
+        return ANY_OBJECT
+    return json.dumps(spec.json_schema.schema_)
+
+
+async def _grammar(state: ServerState, schema: str | None, param: str) -> Grammar | None:
+    """The schema compiled for the served tokenizer, off the event loop; a schema that fails is a 400 on param."""
+    if schema is None:
+        return None
+    vocab = state.engine.model.config.vocab_size
+    try:
+        return await _off_loop(lambda: Grammar(state.tokenizer, schema, vocab), COMPILE_SECONDS)
+    except GptkitError as err:
+        raise APIError(400, str(err), param=param) from None
+    except asyncio.TimeoutError:
+        raise APIError(400, f"the JSON schema did not compile within {COMPILE_SECONDS:g} s", param=param) from None
 
 
 def _check_fields(body: _Sampling) -> None:
@@ -404,7 +431,7 @@ class Collector:
 
 
 def _submit(state: ServerState, prompts: list[list[int]], params: SamplingParams, top: int | None,
-            collector: Collector) -> list[DecodeRequest]:  # fmt: skip
+            collector: Collector, grammar: Grammar | None = None) -> list[DecodeRequest]:  # fmt: skip
     count, capacity = len(prompts) * params.num_samples, state.engine.max_batch_size + state.engine.max_queue
     if count > capacity:
         raise APIError(400, f"n x prompts = {count} sequences exceed the {capacity} this server can hold "
@@ -414,7 +441,7 @@ def _submit(state: ServerState, prompts: list[list[int]], params: SamplingParams
         for i in range(params.num_samples):
             choice = _choice_params(params, i)
             request = DecodeRequest(prompt, choice, state.tokenizer.eos_ids, state.tokenizer.decode, seed=choice.seed,
-                                    top_logprobs=top)  # fmt: skip
+                                    top_logprobs=top, constraint=grammar.start() if grammar else None)  # fmt: skip
             sequences.append((request, collector.sink(p * params.num_samples + i)))
     try:
         state.engine.submit(sequences)
@@ -518,7 +545,9 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     longest = max(len(p) for p in prompts)
     scoring_only = body.echo and body.max_tokens == 0
     max_tokens = _max_tokens(state, body.max_tokens, longest, allow_zero=body.echo)
-    params = _sampling_params(state, body, max_tokens)
+    schema = _response_schema(body)
+    params = _sampling_params(state, body, max_tokens, json_schema=schema)
+    grammar = await _grammar(state, schema, "response_format")
     n = params.num_samples
     created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     texts = [state.tokenizer.decode(p) for p in prompts]
@@ -552,7 +581,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
         return result
 
     collector = Collector()
-    sequences = _submit(state, prompts, params, body.logprobs, collector)
+    sequences = _submit(state, prompts, params, body.logprobs, collector, grammar)
     if body.stream:
         completion_tokens = [0] * len(sequences)
         offsets = [len(texts[i // n]) for i in range(len(sequences))]  # where each choice's next text starts
@@ -602,10 +631,16 @@ def _chat_logprobs(tokens: list[TokenInfo]) -> list[dict[str, Any]]:
 async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
     _check_fields(body)
     _check_model(state, body.model)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        plan = tool_plan(body)
+        messages = [template_message(m, i) for i, m in enumerate(body.messages)]
+    except ToolChoiceError as err:
+        raise APIError(400, str(err), param=err.param) from None
+    tools = template_tools(body)
 
     def render() -> list[int]:
-        text = state.chat_template.render(messages, max_chars=4 * state.max_body_bytes, max_seconds=RENDER_SECONDS)
+        text = state.chat_template.render(messages, max_chars=4 * state.max_body_bytes, max_seconds=RENDER_SECONDS,
+                                          tools=tools)  # fmt: skip
         return state.tokenizer.encode(text)
 
     try:
@@ -615,12 +650,15 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
     except asyncio.TimeoutError:
         raise APIError(400, f"the chat template did not render within {2 * RENDER_SECONDS:g} s",
                        param="messages") from None  # fmt: skip
+    schema = plan.schema if plan is not None else _response_schema(body)
+    grammar = await _grammar(state, schema, "tools" if plan is not None else "response_format")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = _sampling_params(state, body, _max_tokens(state, requested, len(prompt)), state.chat_template.stop)
+    params = _sampling_params(state, body, _max_tokens(state, requested, len(prompt)), state.chat_template.stop,
+                              schema)  # fmt: skip
     top = (body.top_logprobs or 0) if body.logprobs else None
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     collector = Collector()
-    sequences = _submit(state, [prompt], params, top, collector)
+    sequences = _submit(state, [prompt], params, top, collector, grammar)
     prompt_tokens = len(prompt)
 
     def envelope(kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
@@ -629,38 +667,66 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
             out["usage"] = usage
         return out
 
+    def reply(text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A finished choice's message and finish reason: a tool call when the plan's call is complete."""
+        call = plan.call(text) if plan is not None and reason == "stop" else None
+        if call is None:
+            return {"role": "assistant", "content": text}, _finish(reason)
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+
     if body.stream:
         completion_tokens = [0] * len(sequences)
+        texts = [""] * len(sequences)  # a required call's text, held until it is whole
+        named_ids = [new_call_id() for _ in sequences]
 
-        def render(index: int, chunk: Chunk) -> dict[str, Any] | None:
+        def render_chunk(index: int, chunk: Chunk) -> dict[str, Any] | None:
             completion_tokens[index] = chunk.completion_tokens
             if not chunk.text and chunk.finish_reason is None:
                 return None
-            delta = {"content": chunk.text} if chunk.text else {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": _finish(chunk.finish_reason)}
+            reason, delta = _finish(chunk.finish_reason), {}
+            if plan is None:
+                delta = {"content": chunk.text} if chunk.text else {}
+            elif plan.name is not None:  # the reply is the named function's arguments: stream them as they come
+                if chunk.text:
+                    delta = {"tool_calls": [{"index": 0, "function": {"arguments": chunk.text}}]}
+                reason = "tool_calls" if reason == "stop" else reason
+            else:
+                texts[index] += chunk.text
+                if chunk.finish_reason is None and not (top is not None and chunk.tokens):
+                    return None  # nothing to show until the call is whole
+                if chunk.finish_reason is not None:
+                    message, reason = reply(texts[index], chunk.finish_reason)
+                    delta = {"tool_calls": [{"index": 0, **call} for call in message["tool_calls"]]} \
+                        if reason == "tool_calls" else {"content": message["content"]}  # fmt: skip
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             if top is not None and chunk.tokens:
                 choice["logprobs"] = {"content": _chat_logprobs(chunk.tokens)}
             return envelope("chat.completion.chunk", [choice])
 
-        preamble = [envelope("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                        "logprobs": None, "finish_reason": None}])
-                    for i in range(len(sequences))]  # fmt: skip
+        def opening(index: int) -> dict[str, Any]:
+            delta: dict[str, Any] = {"role": "assistant", "content": "" if plan is None else None}
+            if plan is not None and plan.name is not None:
+                delta["tool_calls"] = [{"index": 0, "id": named_ids[index], "type": "function",
+                                        "function": {"name": plan.name, "arguments": ""}}]  # fmt: skip
+            return envelope("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": None,
+                                                       "finish_reason": None}])  # fmt: skip
+
         want_usage = body.stream_options is not None and body.stream_options.include_usage
         usage = None
         if want_usage:
             usage = lambda: envelope("chat.completion.chunk", [], _usage(prompt_tokens,
                                                                          sum(completion_tokens)))  # noqa: E731
-        return _sse_response(_stream_events(state, sequences, collector, render, usage, preamble))
+        preamble = [opening(i) for i in range(len(sequences))]
+        return _sse_response(_stream_events(state, sequences, collector, render_chunk, usage, preamble))
     chunks = await _collect(state, sequences, collector, request)
     choices = []
     for index, per_choice in enumerate(chunks):
         tokens = [t for c in per_choice for t in c.tokens]
-        choices.append({
-            "index": index,
-            "message": {"role": "assistant", "content": "".join(c.text for c in per_choice)},
-            "logprobs": {"content": _chat_logprobs(tokens)} if top is not None else None,
-            "finish_reason": _finish(per_choice[-1].finish_reason if per_choice else "length"),
-        })  # fmt: skip
+        message, reason = reply("".join(c.text for c in per_choice), per_choice[-1].finish_reason if per_choice
+                                else "length")  # fmt: skip
+        choices.append({"index": index, "message": message,
+                        "logprobs": {"content": _chat_logprobs(tokens)} if top is not None else None,
+                        "finish_reason": reason})  # fmt: skip
     completion_tokens = sum(c[-1].completion_tokens for c in chunks if c)
     return envelope("chat.completion", choices, _usage(prompt_tokens, completion_tokens))
 

@@ -20,9 +20,8 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parall
                             "safety_identifier"})  # fmt: skip
 # Fields of OpenAI's API that gptkit does not implement, accepted only when null or at a value that means "unused".
 UNUSED_VALUES: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "suffix": ("",), "modalities": (["text"],), "prediction": (), "audio": (),
-    "reasoning_effort": (), "web_search_options": (), "verbosity": (),
+    "functions": ([],), "function_call": ("none",), "suffix": ("",), "modalities": (["text"],), "prediction": (),
+    "audio": (), "reasoning_effort": (), "web_search_options": (), "verbosity": (),
 }  # fmt: skip
 
 
@@ -33,6 +32,24 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # OpenAI: absent means any JSON
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given exactly when type is 'json_schema'")
+        return self
 
 
 class _Sampling(_Request):
@@ -53,6 +70,7 @@ class _Sampling(_Request):
     seed: int | None = None
     stream: NullableFlag = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
 
 def refused_field(body: _Sampling) -> tuple[str, str] | None:
@@ -85,15 +103,33 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
         # Only an assistant turn may come without content (OpenAI's: one that made tool calls).
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
 
     def text(self) -> str:
@@ -103,10 +139,33 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: a function without arguments
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_completion_tokens: int | None = None
     logprobs: NullableFlag = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
