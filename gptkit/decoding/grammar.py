@@ -71,6 +71,7 @@ class _TokenTable:
 
 _TOKENIZERS: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id(tokenizer), vocab) -> (tokenizer, LLTokenizer)
 _TOKENIZERS_LOCK = threading.Lock()
+_TOKENIZERS_KEPT = 4
 
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> tuple[Any, int]:
@@ -89,6 +90,8 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> tuple[Any, int]:
             wrapper = llguidance.TokenizerWrapper(_TokenTable(tokenizer, size, eos))
             cached = (tokenizer, llguidance.LLTokenizer(wrapper, n_vocab=size, eos_token=list(eos_ids) or eos))
             _TOKENIZERS[key] = cached
+            while len(_TOKENIZERS) > _TOKENIZERS_KEPT:  # the oldest first: a server has one tokenizer
+                _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
     return cached[1], eos
 
 
