@@ -74,9 +74,9 @@ _TOKENIZERS_LOCK = threading.Lock()
 _TOKENIZERS_KEPT = 4
 
 
-def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> tuple[Any, int]:
-    """llguidance's view of tokenizer over a model vocabulary of vocab_size ids (built once, ~0.3 s for 50k ids),
-    and the end id it allows once the JSON is complete: the tokenizer's own, or an id past the vocabulary."""
+def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of tokenizer over a model vocabulary of vocab_size ids (built once, ~0.3 s for 50k ids);
+    its end id, allowed once the JSON is complete, is the tokenizer's own or an id past the vocabulary."""
     import llguidance
 
     eos_ids = tuple(tokenizer.eos_ids)
@@ -92,7 +92,7 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> tuple[Any, int]:
             _TOKENIZERS[key] = cached
             while len(_TOKENIZERS) > _TOKENIZERS_KEPT:  # the oldest first: a server has one tokenizer
                 _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
-    return cached[1], eos
+    return cached[1]
 
 
 class Grammar:
@@ -106,7 +106,7 @@ class Grammar:
         if tokenizer.vocab_size > vocab_size:
             raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids, more than the model's {vocab_size}")
         self.vocab_size = vocab_size
-        self.tokenizer, self.eos = _ll_tokenizer(tokenizer, vocab_size)
+        self.tokenizer = _ll_tokenizer(tokenizer, vocab_size)
         try:
             # Whitespace between JSON items only where the schema's own options ask for it: a model free to
             # write spaces and newlines may write nothing else until max_tokens runs out.
@@ -125,14 +125,14 @@ class Grammar:
         matcher = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
         if matcher.is_error():
             raise SchemaError(f"cannot compile the JSON schema: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab_size, self.eos)
+        return Constraint(matcher, self.vocab_size)
 
 
 class Constraint:
     """One request's place in the grammar: the mask of tokens allowed next, advanced by each accepted token."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos: int) -> None:
-        self.matcher, self.vocab_size, self.eos = matcher, vocab_size, eos
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
         self._allowed = self._compute()
 
     def _compute(self) -> np.ndarray:

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gptkit.errors import GptkitError
 from gptkit.chat import ChatTemplate
+from gptkit.decoding.api import grammar_for
 from gptkit.decoding.grammar import ANY_OBJECT, Grammar
 from gptkit.decoding.request import Request as DecodeRequest
 from gptkit.decoding.sampling import SamplingParams, row_seed
@@ -375,13 +376,12 @@ def _response_schema(body: _Sampling) -> str | None:
     return json.dumps(spec.json_schema.schema_)
 
 
-async def _grammar(state: ServerState, schema: str | None, param: str) -> Grammar | None:
-    """The schema compiled for the served tokenizer, off the event loop; a schema that fails is a 400 on param."""
-    if schema is None:
+async def _grammar(state: ServerState, params: SamplingParams, param: str) -> Grammar | None:
+    """params.json_schema compiled for the served model, off the event loop; one that fails is a 400 on param."""
+    if params.json_schema is None:
         return None
-    vocab = state.engine.model.config.vocab_size
     try:
-        return await _off_loop(lambda: Grammar(state.tokenizer, schema, vocab), COMPILE_SECONDS)
+        return await _off_loop(lambda: grammar_for(state.engine.model, state.tokenizer, params), COMPILE_SECONDS)
     except GptkitError as err:
         raise APIError(400, str(err), param=param) from None
     except asyncio.TimeoutError:
@@ -545,9 +545,8 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     longest = max(len(p) for p in prompts)
     scoring_only = body.echo and body.max_tokens == 0
     max_tokens = _max_tokens(state, body.max_tokens, longest, allow_zero=body.echo)
-    schema = _response_schema(body)
-    params = _sampling_params(state, body, max_tokens, json_schema=schema)
-    grammar = await _grammar(state, schema, "response_format")
+    params = _sampling_params(state, body, max_tokens, json_schema=_response_schema(body))
+    grammar = await _grammar(state, params, "response_format")
     n = params.num_samples
     created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     texts = [state.tokenizer.decode(p) for p in prompts]
@@ -651,10 +650,10 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
         raise APIError(400, f"the chat template did not render within {2 * RENDER_SECONDS:g} s",
                        param="messages") from None  # fmt: skip
     schema = plan.schema if plan is not None else _response_schema(body)
-    grammar = await _grammar(state, schema, "tools" if plan is not None else "response_format")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _sampling_params(state, body, _max_tokens(state, requested, len(prompt)), state.chat_template.stop,
                               schema)  # fmt: skip
+    grammar = await _grammar(state, params, "tools" if plan is not None else "response_format")
     top = (body.top_logprobs or 0) if body.logprobs else None
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     collector = Collector()
