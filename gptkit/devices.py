@@ -27,3 +27,29 @@ def pick_device(name: str, option: str = "--device") -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"{option} {name} was asked for but MPS is not available; use auto or cpu")
     return device
+
+
+# Dense (no structured sparsity) peak FLOP/s of GPUs by the name CUDA reports, from NVIDIA's datasheets: (16-bit
+# tensor-core rate for bfloat16 and float16, float32 rate without TF32, which PyTorch leaves off for matmuls).
+GPU_PEAK_FLOPS: dict[str, tuple[float, float]] = {
+    "NVIDIA H100 80GB HBM3": (989.4e12, 66.9e12),  # H100 SXM5
+    "NVIDIA H100 PCIe": (756.0e12, 51.2e12),
+    "NVIDIA H100 NVL": (835.0e12, 60.0e12),
+    "NVIDIA H200": (989.4e12, 66.9e12),  # H200 SXM: the H100 SXM's chip and clocks
+    "NVIDIA A100-SXM4-80GB": (312.0e12, 19.5e12),
+    "NVIDIA A100-SXM4-40GB": (312.0e12, 19.5e12),
+    "NVIDIA A100 80GB PCIe": (312.0e12, 19.5e12),
+    "NVIDIA A100-PCIE-40GB": (312.0e12, 19.5e12),
+    "NVIDIA L40S": (362.05e12, 91.6e12),
+    "NVIDIA L4": (121.0e12, 30.3e12),
+}
+
+
+def gpu_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """A known GPU's dense peak FLOP/s for matmuls in dtype (the datasheet's), or None for any other device."""
+    if device.type != "cuda":
+        return None
+    rates = GPU_PEAK_FLOPS.get(torch.cuda.get_device_name(device))
+    if rates is None:
+        return None
+    return rates[1] if dtype == torch.float32 else rates[0]

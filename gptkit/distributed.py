@@ -77,6 +77,8 @@ def device_for(world: World, device: torch.device) -> torch.device:
             )
         device = torch.device("cuda", world.local_rank)
     if device.type == "cuda":
+        if device.index is None:  # set_device needs an index: "cuda" is the current GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     return device
 

@@ -14,6 +14,10 @@ IGNORE_INDEX = -100  # targets equal to this count in neither the loss nor its g
 # 668 2.46 / 3.25, one slice 2.25 / 2.85; F.linear + F.cross_entropy 2.86 / 2.89. A whole GPT-2-small step on
 # 2 x 1024 tokens took 8.9-9.8 s against 11.5-12.1 with F.cross_entropy (interleaved).
 SLICE_LOGITS = 2**25
+# On a GPU the slices are far larger (4 GB of fp32 logits): a GPU has the memory, and the plain path is two library
+# kernels that torch.compile fuses, where each slice costs a dozen small launches (benchmarks/bench_gpu.py --parts
+# loss times both).
+GPU_SLICE_LOGITS = 2**30
 
 
 def next_token_loss(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
@@ -21,6 +25,11 @@ def next_token_loss(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=ignore_index
     )
+
+
+def slice_logits(device: torch.device) -> int:
+    """How many logits linear_cross_entropy computes at once on device."""
+    return SLICE_LOGITS if device.type == "cpu" else GPU_SLICE_LOGITS
 
 
 def linear_cross_entropy(
@@ -34,7 +43,7 @@ def linear_cross_entropy(
     the sliced one made a CPU training step 5-9% slower (its extra small operations).
     """
     rows = hidden.reshape(-1, hidden.size(-1))
-    if rows.size(0) * weight.size(0) <= SLICE_LOGITS:  # logits this small cost no memory worth saving
+    if rows.size(0) * weight.size(0) <= slice_logits(hidden.device):  # logits this small cost no memory worth saving
         return next_token_loss(F.linear(rows, weight, bias), targets)  # and PyTorch's kernels take fewer steps
     # Under no_grad the function's needs_input_grad still says True: it is told here instead.
     grads = torch.is_grad_enabled()
@@ -68,7 +77,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count = valid.sum()
         safe_targets = targets.masked_fill(~valid, 0)  # any column: those rows are zeroed below
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        step = max(1, SLICE_LOGITS // weight.size(0))
+        step = max(1, slice_logits(hidden.device) // weight.size(0))
         for start in range(0, hidden.size(0), step):
             h, t, keep = hidden[start : start + step], safe_targets[start : start + step], valid[start : start + step]
             logits = F.linear(h, weight, bias)  # bf16 under autocast: the gradient products then are too

@@ -45,7 +45,7 @@ from gptkit.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from gptkit.devices import pick_device
+from gptkit.devices import gpu_peak_flops, pick_device
 from gptkit.distributed import (
     RankBatches,
     World,
@@ -83,8 +83,9 @@ PLOT_FILE = "loss.png"
 
 # On CPU, MFU is measured against this CPU's own matmul (CPUs differ too much for one table of peaks): the best of
 # a few square products of this size, about 0.1 s at start. The 2-core reference machine gives fp32 260 GFLOP/s and
-# bf16 135 (PyTorch 2.13 without AMX); a fixed 146 / 349 used before overstated fp32 MFU about twice. Other devices
-# show MFU only when train.peak_flops is set.
+# bf16 135 (PyTorch 2.13 without AMX); a fixed 146 / 349 used before overstated fp32 MFU about twice. A GPU of
+# gptkit.devices.GPU_PEAK_FLOPS is measured against its datasheet; other devices show MFU only when train.peak_flops
+# is set.
 PEAK_MATMUL_SIZE = 1024
 
 
@@ -112,10 +113,13 @@ def autocast_for(device: torch.device, dtype: str) -> contextlib.AbstractContext
 
 
 def peak_flops(device: torch.device, dtype: str, override: float | None) -> float | None:
-    """Peak FLOP/s for MFU: the override, else a CPU's measured matmul rate, else unknown (None)."""
+    """Peak FLOP/s for MFU: the override, else a CPU's measured matmul rate or a known GPU's datasheet rate, else
+    unknown (None)."""
     if override is not None:
         return override
-    return measured_cpu_matmul_flops(getattr(torch, dtype)) if device.type == "cpu" else None
+    if device.type == "cpu":
+        return measured_cpu_matmul_flops(getattr(torch, dtype))
+    return gpu_peak_flops(device, getattr(torch, dtype))
 
 
 def measured_cpu_matmul_flops(dtype: torch.dtype, repeats: int = 10) -> float:
@@ -601,11 +605,16 @@ class Trainer:
         self.step += 1
         return loss_sum, grad_norm, lr
 
-    def log_record(self, loss_sum: Tensor, grad_norm: Tensor, lr: float, tokens_per_s: float) -> dict[str, Any]:
-        """Read the step's numbers from the device (the one sync of a logged step) and check the fault counters."""
+    def log_record(self, loss_sum: Tensor, grad_norm: Tensor, lr: float, tokens: int, since: float) -> dict[str, Any]:
+        """Read the step's numbers from the device (the one sync of a logged step) and check the fault counters.
+
+        tokens were trained since the time `since`; the rate is taken after the sync, so that it counts the device's
+        work and not only the host's (which runs ahead of a GPU by several steps).
+        """
         loss_sum = all_mean(self.world, loss_sum)  # each rank's mean over its micro-batches -> the step's mean
-        record = {"step": self.step, "loss": loss_sum.item(), "lr": lr, "grad_norm": grad_norm.item(),
-                  "tokens_per_s": tokens_per_s, "elapsed_s": self.elapsed()}  # fmt: skip
+        record = {"step": self.step, "loss": loss_sum.item(), "lr": lr, "grad_norm": grad_norm.item()}
+        tokens_per_s = tokens / max(time.perf_counter() - since, 1e-9)
+        record.update(tokens_per_s=tokens_per_s, elapsed_s=self.elapsed())
         if self.step_stats:  # the objective's statistics (DPO's rewards, a head's accuracy), in one read
             values = all_mean(self.world, torch.stack([v.float() for v in self.step_stats.values()])).tolist()
             record.update(zip(self.step_stats, values))
@@ -775,12 +784,11 @@ class Trainer:
                         continue
                     # Input positions that are not padding, on every rank (each reads as many, near enough).
                     seen = self.tokens_seen * self.world.world_size
-                    tokens_per_s = seen / max(time.perf_counter() - window_start, 1e-9)
-                    record = self.log_record(loss_sum, grad_norm, lr, tokens_per_s)
+                    record = self.log_record(loss_sum, grad_norm, lr, seen, window_start)
                     if self.bar is not None:
                         mfu = f" MFU {100 * record['mfu']:.0f}%" if "mfu" in record else ""
                         self.bar.set_postfix_str(f"loss {record['loss']:.4f} lr {lr:.2e} "
-                                                 f"{_si(tokens_per_s)}tok/s{mfu}", refresh=False)  # fmt: skip
+                                                 f"{_si(record['tokens_per_s'])}tok/s{mfu}", refresh=False)  # fmt: skip
                     if is_eval:
                         self.evaluate_into(record)
                         val_loss = record["val_loss"]

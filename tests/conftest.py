@@ -34,6 +34,41 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="cpu", help="where the tests that take a `device` run: cpu (default), "
+                     "cuda, cuda:N or mps; `pytest -m device --device cuda` runs only those, on a GPU")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    name = config.getoption("--device")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise pytest.UsageError(f"--device {name!r} is not a device; use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {name}: no CUDA device is available here")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise pytest.UsageError(f"--device {name}: MPS is not available here")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.device)
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """The device of --device: the CPU by default, so that CI runs every such test; a GPU when asked for."""
+    return torch.device(request.config.getoption("--device"))
+
+
+def same_run(device: torch.device) -> dict[str, float]:
+    """assert_close tolerances for two runs of one computation: bit for bit on the CPU; on a GPU, whose attention
+    backward adds its partial sums in no fixed order, within float32 rounding."""
+    return dict(atol=0.0, rtol=0.0) if device.type == "cpu" else dict(atol=1e-6, rtol=1e-5)
+
+
 @pytest.fixture(params=list(VARIANTS), ids=list(VARIANTS))
 def variant_config(request) -> ModelConfig:
     return ModelConfig(**VARIANTS[request.param])

@@ -83,3 +83,25 @@ def test_bench_structured_smoke_run_compares_and_validates():
     validity = json.loads(result.stdout)["validity"]
     assert len(validity) == 2 and all(row["replies"] == row["schemas"] >= 20 for row in validity.values())
     assert all(sum(row["finish_reasons"].values()) == row["replies"] for row in validity.values())
+
+
+def test_bench_gpu_smoke_run_on_the_cpu_reports_every_part(tmp_path):
+    """The GPU benchmark's code paths, on the CPU with a tiny model (its figures are only meaningful on a GPU)."""
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_gpu.py"), "--device", "cpu", "--preset", "tiny",
+                             "--block", "32", "--batch", "2", "--steps", "2", "--warmup", "1", "--log-every", "1",
+                             "--rounds", "1", "--no-compile", "--dtype", "float32", "--decode-dtype", "float32",
+                             "--new-tokens", "4", "--prompt-len", "8", "--batch-sizes", "1,2", "--lora-rank", "2",
+                             "--out", str(tmp_path), "--json"], capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report == json.loads((tmp_path / "bench_gpu.json").read_text()) and not report["errors"]
+    assert report["env"]["matmul_flops"] > 0 and report["loss"]["gpu_slices_ms"] > 0
+    train = report["train"]
+    assert set(train["loops"]) == {"gptkit eager", "hf eager"} and train["gptkit_over_hf_eager"] > 0
+    assert train["gptkit train"]["tokens_per_s"] > 0 and 0 < train["loops"]["gptkit eager"]["mfu"] < 1
+    for batch in ("1", "2"):
+        row = report["decode"]["batches"][batch]
+        assert row["hf generate"] > 0 and row["gptkit eager over hf"] > 0
+    lora = report["lora"]["loops"]
+    assert lora["gptkit lora"]["trainable_params"] == lora["hf+peft lora"]["trainable_params"] > 0
+    assert "| gptkit eager |" in (tmp_path / "bench_gpu.md").read_text()

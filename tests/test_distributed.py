@@ -16,13 +16,13 @@ import torch
 
 from gptkit.checkpoint import LATEST, latest_checkpoint
 from gptkit.data import TrainBatches
-from gptkit.distributed import RankBatches, World, world_from_env
+from gptkit.distributed import RankBatches, World, device_for, world_from_env
 from gptkit.errors import ConfigError
 from gptkit.formats.modeldir import load_model_dir, load_tensors
 from gptkit.train import train
 from gptkit.train_config import from_sources
 
-from conftest import write_char_data_dir
+from conftest import same_run, write_char_data_dir
 
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "dropout": 0.0, "activation": "gelu"}
 OPTIM = {"warmup_steps": 2, "decay_steps": 6, "lr": 3e-3}
@@ -93,6 +93,17 @@ def test_rank_batches_split_one_stream():
     assert torch.equal(resumed.next_batch()[0], stream[5])
     with pytest.raises(Exception, match="multiple of the 2 processes"):
         resumed.load_state_dict({"seed": 5, "step": 3})
+
+
+def test_a_plain_cuda_device_becomes_the_current_gpu(monkeypatch):
+    """torch.cuda.set_device refuses a device without an index: `--train.device cuda` names the current GPU."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert device_for(World(), torch.device("cuda")) == torch.device("cuda", 0)
+    assert device_for(World(rank=1, world_size=2, local_rank=1), torch.device("cuda:1")) == torch.device("cuda", 1)
+    assert chosen == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert device_for(World(), torch.device("cpu")) == torch.device("cpu") and len(chosen) == 2
 
 
 def test_world_from_env():
@@ -194,3 +205,25 @@ def test_two_processes_fine_tune_on_examples_as_one(method, parallel, tmp_path):
     weights = "adapters.safetensors" if method == "lora" else "model.safetensors"
     a, b = (load_tensors(latest_checkpoint(tmp_path / run) / weights) for run in ("one", "two"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_a_one_process_group_trains_as_one_process(data_dir, tmp_path, device, monkeypatch):
+    """DDP over a process group of one (NCCL on CUDA, gloo on the CPU): the wrapper and every collective of the loop
+    run as across processes, and the run equals a plain one."""
+    import gptkit.train
+
+    plain = train(from_sources(None, settings(data_dir, tmp_path / "plain", device=device.type)), progress=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(World, "distributed", property(lambda world: True))  # one rank, taken as many
+    wrappers = []
+    real_wrap = gptkit.train.wrap
+    monkeypatch.setattr(gptkit.train, "wrap", lambda *a: wrappers.append(real_wrap(*a)) or wrappers[-1])
+    grouped = train(from_sources(None, settings(data_dir, tmp_path / "grouped", device=device.type)), progress=False)
+    assert [type(w).__name__ for w in wrappers] == ["DistributedDataParallel"]
+    assert not torch.distributed.is_initialized()  # the run left the group it joined
+    torch.testing.assert_close(losses(grouped.run_dir), losses(plain.run_dir), **same_run(device))

@@ -15,19 +15,20 @@ from gptkit.decoding.sampling import SamplingParams
 from conftest import TINY, VARIANTS
 
 
-def sharpened(config: ModelConfig, scale: float = 20.0) -> GPT:
+def sharpened(config: ModelConfig, scale: float = 20.0, device: torch.device | str = "cpu") -> GPT:
     """A random pre-norm model with logits scaled up, so that greedy choices are mostly far from ties."""
-    model = GPT(config).eval()
+    model = GPT(config).eval().to(device)
     with torch.no_grad():
         model.norm_f.weight.mul_(scale)
     return model
 
 
-def test_compiled_decode_matches_eager_and_is_reused():
+def test_compiled_decode_matches_eager_and_is_reused(device):
+    """On CUDA the compiled step runs as a CUDA graph (mode reduce-overhead)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    model = sharpened(ModelConfig(**dict(VARIANTS["llama-gqa"], n_layer=1, block_size=512)))
+    model = sharpened(ModelConfig(**dict(VARIANTS["llama-gqa"], n_layer=1, block_size=512)), device=device)
     prompts = [[5, 6, 7], [9, 1]]
     params = SamplingParams(max_new_tokens=8, temperature=0)
     eager = complete(model, prompts, params)
@@ -63,16 +64,17 @@ def test_compiled_decode_matches_eager_more_variants(variant):
 def _agreeing_prefix(model: GPT, prompt: list[int], tokens: list[int], margin: float) -> int:
     """How many leading greedy tokens have an fp32 top-1 logit ahead of the runner-up by at least margin."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens]))[0, len(prompt) - 1 :].float()
+        logits = model(torch.tensor([prompt + tokens], device=model.lm_head.weight.device))[0, len(prompt) - 1 :]
+    logits = logits.float()
     top2 = logits.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1] >= margin).tolist()
     return next((i for i, ok in enumerate(clear[: len(tokens)]) if not ok), len(tokens))
 
 
 @pytest.mark.parametrize("variant", ["untied-head-bias", "llama-gqa"])  # a tied random model just repeats
-def test_bf16_greedy_tokens_match_fp32_where_clear(variant):
+def test_bf16_greedy_tokens_match_fp32_where_clear(variant, device):
     config = ModelConfig(**dict(VARIANTS[variant], block_size=64, n_embd=64))
-    model = sharpened(config)
+    model = sharpened(config, device=device)
     prompt = [3, 14, 15, 9, 26]
     fp32 = generate_ids(model, prompt, max_new_tokens=16, temperature=0)
     clear = _agreeing_prefix(model, prompt, fp32, margin=0.2)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import VARIANTS
+from conftest import VARIANTS, same_run
 
 from gptkit.chat import ChatTemplate, eos_text, load_chat_template
 from gptkit.cli import main
@@ -252,10 +252,10 @@ def test_example_batches_cover_every_example_per_epoch_and_resume():
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
-def test_lora_starts_as_the_base_and_merges_exactly(name):
+def test_lora_starts_as_the_base_and_merges_exactly(name, device):
     config = ModelConfig(**VARIANTS[name])
-    model = GPT(config).eval()
-    ids = torch.randint(0, 50, (2, 12))
+    model = GPT(config).eval().to(device)
+    ids = torch.randint(0, 50, (2, 12), device=device)
     base = model(ids)
     add_lora(model, rank=4, alpha=8.0, dropout=0.0, targets="all")
     assert torch.equal(model(ids), base)  # B starts at zero
@@ -275,14 +275,14 @@ def test_lora_starts_as_the_base_and_merges_exactly(name):
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])
-def test_adapters_train_over_a_bfloat16_or_int8_base(precision, tmp_path):
+def test_adapters_train_over_a_bfloat16_or_int8_base(precision, device):
     from gptkit.finetune.lora_dir import with_precision
 
-    model = with_precision(GPT(ModelConfig(**VARIANTS["gpt2"])), precision)
+    model = with_precision(GPT(ModelConfig(**VARIANTS["gpt2"])).to(device), precision)
     add_lora(model, rank=4, alpha=8.0, dropout=0.0, targets="all")
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(0, 50, (4, 16))
+    ids = torch.randint(0, 50, (4, 16), device=device)
     first = None
     for _ in range(15):
         loss = model(ids[:, :-1], targets=ids[:, 1:])
@@ -362,18 +362,20 @@ def test_grad_accumulation_weighs_micro_batches_by_their_trained_tokens(sft, tmp
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(packing, sft, tmp_path):
+def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(packing, sft, tmp_path, device):
     base, data = sft
-    lora = dict(method="lora", lora_rank=4, lora_dropout=0.1, packing=packing)  # dropout: the RNG must resume too
+    lora = dict(method="lora", lora_rank=4, lora_dropout=0.1, packing=packing,  # dropout: the RNG must resume too
+                train={"device": device.type})  # fmt: skip
     whole = train(_run_config(data, tmp_path / "whole", base, **lora), progress=False)
     checkpoint = whole.checkpoint
     assert is_lora_dir(checkpoint) and not (checkpoint / "model.safetensors").exists()
     assert (checkpoint / "adapters.safetensors").stat().st_size < 20_000
-    part = train(_run_config(data, tmp_path / "part", base, **lora, train={"max_steps": 3}), progress=False)
+    three = {**lora, "train": {"max_steps": 3, "device": device.type}}
+    part = train(_run_config(data, tmp_path / "part", base, **three), progress=False)
     resumed = train(_run_config(data, part.run_dir, base, **lora), resume=True, progress=False)
-    assert _losses(resumed.run_dir) == _losses(whole.run_dir)
+    torch.testing.assert_close(_losses(resumed.run_dir), _losses(whole.run_dir), **same_run(device))
     got, want = (load(c)[0].state_dict() for c in (resumed.checkpoint, checkpoint))
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    torch.testing.assert_close(got, want, **same_run(device))
     assert _losses(whole.run_dir)[6] < _losses(whole.run_dir)[1]
 
 

@@ -31,7 +31,7 @@ def uncached_greedy(model: GPT, prompt: list[int], steps: int) -> list[int]:
     ids, out = list(prompt), []
     for _ in range(steps):
         context = ids[-model.config.block_size :] if model.config.position == "learned" else ids
-        token = int(model(torch.tensor([context]))[0, -1].argmax())
+        token = int(model(torch.tensor([context], device=model.lm_head.weight.device))[0, -1].argmax())
         ids.append(token)
         out.append(token)
     return out
@@ -43,24 +43,24 @@ def char_tokenizer(eot: bool = True) -> CharTokenizer:
     return CharTokenizer(list(chars), specials=[EOT] if eot else [])
 
 
-def tiny(name: str = "gpt2") -> GPT:
-    return GPT(ModelConfig(**VARIANTS[name])).eval()
+def tiny(name: str = "gpt2", device: torch.device | str = "cpu") -> GPT:
+    return GPT(ModelConfig(**VARIANTS[name])).eval().to(device)
 
 
 # ----- the cache and the two model calls -----
 
 
-def test_cached_logits_equal_full_forward_every_step(variant_config):
-    model = GPT(variant_config).eval()
+def test_cached_logits_equal_full_forward_every_step(variant_config, device):
+    model = GPT(variant_config).eval().to(device)
     prompts = [torch.randint(0, 50, (6,)).tolist(), torch.randint(0, 50, (3,)).tolist()]
-    cache = KVCache(variant_config, batch_size=2, max_len=16)
+    cache = KVCache(variant_config, batch_size=2, max_len=16, device=device)
     ids = torch.zeros(2, 6, dtype=torch.long)
     ids[0], ids[1, :3] = torch.tensor(prompts[0]), torch.tensor(prompts[1])
-    logits = prefill(model, ids, cache, torch.tensor([6, 3]))
-    positions = torch.tensor([6, 3])
+    logits = prefill(model, ids.to(device), cache, torch.tensor([6, 3], device=device))
+    positions = torch.tensor([6, 3], device=device)
     for step in range(10):  # row 0 fills all 16 positions
         for row, seq in enumerate(prompts):
-            full = model(torch.tensor([seq]))[0, -1]
+            full = model(torch.tensor([seq], device=device))[0, -1]
             torch.testing.assert_close(logits[row], full, atol=1e-5, rtol=1e-5, msg=f"step {step} row {row}")
         if step == 9:
             break
@@ -79,8 +79,8 @@ def test_greedy_equals_uncached_argmax_rollout(variant_config):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
-def test_batched_equals_one_by_one(name):
-    model = tiny(name)
+def test_batched_equals_one_by_one(name, device):
+    model = tiny(name, device)
     prompts = [torch.randint(0, 50, (n,)).tolist() for n in (1, 7, 14, 3)]
     batched = generate_ids(model, prompts, max_new_tokens=12, temperature=0)
     assert batched == [generate_ids(model, p, max_new_tokens=12, temperature=0) for p in prompts]
@@ -107,8 +107,8 @@ def test_training_mode_model_generates_without_dropout():
 # ----- sampling -----
 
 
-def test_seeded_sampling_is_reproducible_and_samples_share_one_prefill():
-    model = tiny("llama-gqa")
+def test_seeded_sampling_is_reproducible_and_samples_share_one_prefill(device):
+    model = tiny("llama-gqa", device)
     prompt = [3, 1, 4, 1, 5]
     rules = dict(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.95, seed=11)
     assert generate_ids(model, prompt, **rules) == generate_ids(model, prompt, **rules)
@@ -141,7 +141,8 @@ def hf_llama(seed: int = 0) -> LlamaForCausalLM:
 
 def hf_new_tokens(hf, prompt: list[int], eos: int | None = None, **rules) -> list[list[int]]:
     """Hugging Face's generate, new tokens only, without the end-of-text token and its padding."""
-    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    ids, mask = torch.tensor([prompt], device=hf.device), torch.ones(1, len(prompt), dtype=torch.long, device=hf.device)
+    out = hf.generate(ids, attention_mask=mask,
                       eos_token_id=eos, pad_token_id=0 if eos is None else eos, **rules)  # fmt: skip
     rows = out[:, len(prompt) :].tolist()
     if eos is not None:
@@ -165,8 +166,8 @@ def test_seeded_sampling_draws_hf_tokens(rules):
         assert generate_ids(model, prompt, max_new_tokens=12, seed=seed, **rules) == expected
 
 
-def test_greedy_with_repetition_penalty_equals_hf():
-    hf = hf_gpt2(1)
+def test_greedy_with_repetition_penalty_equals_hf(device):
+    hf = hf_gpt2(1).to(device)
     model = gpt_from_hf_model(hf)
     prompt = [5, 7, 9, 11]
     [expected] = hf_new_tokens(hf, prompt, do_sample=False, max_new_tokens=15, repetition_penalty=1.5)
@@ -288,8 +289,8 @@ def test_stop_string_and_eos_on_a_real_model():
 # ----- the step-level engine (what a continuous-batching server drives) -----
 
 
-def test_engine_rows_join_and_leave_between_steps():
-    model = tiny("llama-gqa")
+def test_engine_rows_join_and_leave_between_steps(device):
+    model = tiny("llama-gqa", device)
     greedy = SamplingParams(max_new_tokens=8, temperature=0)
     a, b, c = Request([1, 2, 3, 4, 5, 6], greedy), Request([9, 8], greedy), Request([7, 7, 7, 1], greedy)
     engine = BatchEngine(model, batch_size=2, max_len=24)
@@ -338,19 +339,19 @@ def test_empty_prompt_starts_from_end_of_text_token():
 # ----- precision -----
 
 
-def test_bf16_generation_runs_with_a_bf16_cache():
-    model = tiny("llama-gqa").to(torch.bfloat16)
+def test_bf16_generation_runs_with_a_bf16_cache(device):
+    model = tiny("llama-gqa", device).to(torch.bfloat16)
     prompt = [4, 8, 15, 16, 23]
     engine = BatchEngine(model, batch_size=1, max_len=20)
     assert engine.cache.keys[0].dtype == torch.bfloat16
     out = generate_ids(model, prompt, max_new_tokens=10, temperature=0)
     assert len(out) == 10 and all(0 <= t < 50 for t in out)
     # cached and uncached bf16 logits agree to bf16 precision
-    cache = KVCache(model.config, 1, 16, dtype=torch.bfloat16)
-    ids = torch.tensor([prompt + out[:5]])
-    logits = prefill(model, ids[:, :5], cache, torch.tensor([5]))
+    cache = KVCache(model.config, 1, 16, dtype=torch.bfloat16, device=device)
+    ids = torch.tensor([prompt + out[:5]], device=device)
+    logits = prefill(model, ids[:, :5], cache, torch.tensor([5], device=device))
     for t in range(5, 10):
-        logits = decode_one_token(model, ids[:, t : t + 1], cache, torch.tensor([t]))
+        logits = decode_one_token(model, ids[:, t : t + 1], cache, torch.tensor([t], device=device))
         full = model(ids[:, : t + 1])[0, -1]
         torch.testing.assert_close(logits[0].float(), full.float(), atol=3e-2 * full.abs().max().item(), rtol=0)
     sampled = generate_ids(model, prompt, max_new_tokens=6, seed=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -61,8 +62,8 @@ def random_ids(vocab: int, shape=(2, 19), seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def assert_same_logits(hf_model, model: GPT, vocab: int) -> None:
-    ids = random_ids(vocab, (2, min(19, model.config.block_size)))
+def assert_same_logits(hf_model, model: GPT, vocab: int, device: torch.device | str = "cpu") -> None:
+    ids = random_ids(vocab, (2, min(19, model.config.block_size))).to(device)
     with torch.no_grad():
         expected, got = hf_model(ids).logits, model(ids)
     assert got.shape == expected.shape
@@ -70,8 +71,8 @@ def assert_same_logits(hf_model, model: GPT, vocab: int) -> None:
 
 
 def greedy_hf(hf_model, prompt: list[int], n: int) -> list[int]:
-    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)  # fmt: skip
+    out = hf_model.generate(torch.tensor([prompt], device=hf_model.device), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
     return out[0, len(prompt) :].tolist()
 
 
@@ -89,12 +90,13 @@ def hf_dir(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
     return request.param, hf_model, path
 
 
-def test_import_directory_gives_hf_logits_and_greedy_tokens(hf_dir) -> None:
+def test_import_directory_gives_hf_logits_and_greedy_tokens(hf_dir, device) -> None:
     name, hf_model, path = hf_dir
-    model, tokenizer = load_hf(path)
+    model, tokenizer = load_hf(path, device=device)
     assert tokenizer is None
+    hf_model = copy.deepcopy(hf_model).to(device)  # the fixture's own model stays on the CPU for the other tests
     vocab = hf_model.config.vocab_size
-    assert_same_logits(hf_model, model, vocab)
+    assert_same_logits(hf_model, model, vocab, device)
     prompt = random_ids(vocab, (1, 8), seed=3)[0].tolist()
     assert greedy_gptkit(model, prompt, 32) == greedy_hf(hf_model, prompt, 32)
 

@@ -14,21 +14,27 @@ from gptkit.model import GPT
 from conftest import VARIANTS
 
 
-def _inputs(bias: bool):
+def _inputs(bias: bool, device: torch.device | str = "cpu"):
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(3, 5, 8, generator=gen, requires_grad=True)
-    weight = torch.randn(13, 8, generator=gen, requires_grad=True)
-    b = torch.randn(13, generator=gen, requires_grad=True) if bias else None
+    hidden = torch.randn(3, 5, 8, generator=gen).to(device).requires_grad_()
+    weight = torch.randn(13, 8, generator=gen).to(device).requires_grad_()
+    b = torch.randn(13, generator=gen).to(device).requires_grad_() if bias else None
     targets = torch.randint(0, 13, (3, 5), generator=gen)
     targets[1, 2:4] = IGNORE_INDEX
-    return hidden, weight, b, targets
+    return hidden, weight, b, targets.to(device)
+
+
+def _slice(monkeypatch, logits: int) -> None:
+    """Slices of this many logits on every device."""
+    monkeypatch.setattr(loss_module, "SLICE_LOGITS", logits)
+    monkeypatch.setattr(loss_module, "GPU_SLICE_LOGITS", logits)
 
 
 @pytest.mark.parametrize("slice_logits", [2**25, 13 * 4, 1])  # plain path, slices of 4 rows, one row at a time
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_loss_and_gradients_equal_the_plain_ones(monkeypatch, slice_logits, bias):
-    monkeypatch.setattr(loss_module, "SLICE_LOGITS", slice_logits)
-    hidden, weight, b, targets = _inputs(bias)
+def test_fused_loss_and_gradients_equal_the_plain_ones(monkeypatch, slice_logits, bias, device):
+    _slice(monkeypatch, slice_logits)
+    hidden, weight, b, targets = _inputs(bias, device)
     inputs = [t for t in (hidden, weight, b) if t is not None]
     fused = linear_cross_entropy(hidden, weight, b, targets)
     plain = next_token_loss(F.linear(hidden, weight, b), targets)
@@ -39,7 +45,7 @@ def test_fused_loss_and_gradients_equal_the_plain_ones(monkeypatch, slice_logits
 
 @pytest.mark.parametrize("slice_logits", [2**25, 13 * 4])
 def test_fused_loss_without_autograd_and_with_every_target_ignored(monkeypatch, slice_logits):
-    monkeypatch.setattr(loss_module, "SLICE_LOGITS", slice_logits)
+    _slice(monkeypatch, slice_logits)
     hidden, weight, _, targets = _inputs(False)
     with torch.no_grad():
         value = linear_cross_entropy(hidden, weight, None, targets)
@@ -49,12 +55,12 @@ def test_fused_loss_without_autograd_and_with_every_target_ignored(monkeypatch, 
     assert torch.isnan(linear_cross_entropy(hidden, weight, None, ignored))
 
 
-def test_model_with_targets_returns_the_loss_of_its_logits(variant_config, monkeypatch):
-    monkeypatch.setattr(loss_module, "SLICE_LOGITS", 5 * variant_config.vocab_size)  # slices of 5 rows
+def test_model_with_targets_returns_the_loss_of_its_logits(variant_config, monkeypatch, device):
+    _slice(monkeypatch, 5 * variant_config.vocab_size)  # slices of 5 rows
     torch.manual_seed(0)
-    model = GPT(variant_config)
-    ids = torch.randint(0, variant_config.vocab_size, (2, 9))
-    targets = torch.randint(0, variant_config.vocab_size, (2, 9))
+    model = GPT(variant_config).to(device)
+    ids = torch.randint(0, variant_config.vocab_size, (2, 9), device=device)
+    targets = torch.randint(0, variant_config.vocab_size, (2, 9), device=device)
     targets[0, :3] = IGNORE_INDEX
     params = [p for p in model.parameters()]
     fused = model(ids, targets=targets)

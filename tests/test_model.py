@@ -13,9 +13,9 @@ from gptkit.model import GPT, Trace, apply_rope, rope_cos_sin, sinusoidal_embedd
 from conftest import TINY, VARIANTS
 
 
-def test_forward_backward_shapes(variant_config):
-    model = GPT(variant_config)
-    ids = torch.randint(0, variant_config.vocab_size, (3, 11))
+def test_forward_backward_shapes(variant_config, device):
+    model = GPT(variant_config).to(device)
+    ids = torch.randint(0, variant_config.vocab_size, (3, 11), device=device)
     logits = model(ids)
     assert logits.shape == (3, 11, variant_config.vocab_size)
     loss = next_token_loss(logits[:, :-1], ids[:, 1:])
@@ -37,16 +37,16 @@ def test_causal_future_tokens_never_change_past_logits(variant_config):
         assert not torch.allclose(model(changed)[:, t + 1 :], base[:, t + 1 :])  # the future did see the change
 
 
-def test_fast_and_plain_attention_agree(variant_config):
-    model = GPT(variant_config).eval()
-    ids = torch.randint(0, variant_config.vocab_size, (2, variant_config.block_size))
+def test_fast_and_plain_attention_agree(variant_config, device):
+    model = GPT(variant_config).eval().to(device)
+    ids = torch.randint(0, variant_config.vocab_size, (2, variant_config.block_size), device=device)
     trace = Trace()
     plain = model(ids, trace=trace)
     torch.testing.assert_close(model(ids), plain, atol=1e-5, rtol=1e-5)
     assert len(trace.attentions) == variant_config.n_layer
     for weights in trace.attentions:
         assert weights.shape == (2, variant_config.n_head, 16, 16)
-        torch.testing.assert_close(weights.sum(-1), torch.ones(2, variant_config.n_head, 16))
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, variant_config.n_head, 16, device=device))
         assert (weights.triu(1) == 0).all()
     extra_final_norm = 1 if variant_config.norm_position == "pre" else 0
     assert len(trace.hidden_states) == 1 + variant_config.n_layer + extra_final_norm
@@ -143,12 +143,12 @@ def test_gpt2_initialisation_scales_residual_projections():
     assert (model.blocks[0].norm1.weight == 1).all()
 
 
-def test_cached_decode_equals_uncached_forward(variant_config):
-    model = GPT(variant_config).eval()
+def test_cached_decode_equals_uncached_forward(variant_config, device):
+    model = GPT(variant_config).eval().to(device)
     T = variant_config.block_size
-    ids = torch.randint(0, variant_config.vocab_size, (2, T))
+    ids = torch.randint(0, variant_config.vocab_size, (2, T), device=device)
     full = model(ids)
-    cache = KVCache(variant_config, batch_size=2, max_len=T)
+    cache = KVCache(variant_config, batch_size=2, max_len=T, device=device)
     prefill = 5
     steps = [model(ids[:, :prefill], cache=cache, start_pos=0)]
     steps.append(model(ids[:, prefill : prefill + 3], cache=cache, start_pos=prefill))  # a chunk of 3
@@ -157,22 +157,23 @@ def test_cached_decode_equals_uncached_forward(variant_config):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
-def test_cached_decode_with_per_row_positions():
+def test_cached_decode_with_per_row_positions(device):
     config = ModelConfig(**VARIANTS["llama-gqa"])
-    model = GPT(config).eval()
-    a = torch.randint(0, 50, (1, 12))
-    b = torch.randint(0, 50, (1, 7))
-    cache = KVCache(config, batch_size=2, max_len=16)
+    model = GPT(config).eval().to(device)
+    a = torch.randint(0, 50, (1, 12), device=device)
+    b = torch.randint(0, 50, (1, 7), device=device)
+    cache = KVCache(config, batch_size=2, max_len=16, device=device)
     # Prefill both rows together, right-padded; row b's pad slots get overwritten before they are attended.
-    batch = torch.cat([a[:, :6], torch.cat([b[:, :4], torch.zeros(1, 2, dtype=torch.long)], 1)])
+    batch = torch.cat([a[:, :6], torch.cat([b[:, :4], torch.zeros(1, 2, dtype=torch.long, device=device)], 1)])
     out = model(batch, cache=cache, start_pos=0)
     torch.testing.assert_close(out[0], model(a[:, :6])[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1, :4], model(b[:, :4])[0], atol=1e-5, rtol=1e-5)
     # Logits at each row's last real token only, as a prefill asks for them.
-    last = model(batch, cache=KVCache(config, 2, 16), start_pos=0, logits_at=torch.tensor([5, 3]))
+    last = model(batch, cache=KVCache(config, 2, 16, device=device), start_pos=0,
+                 logits_at=torch.tensor([5, 3], device=device))
     assert last.shape == (2, 1, 50)
     torch.testing.assert_close(last[:, 0], out[[0, 1], [5, 3]], atol=1e-6, rtol=1e-6)
-    pos = torch.tensor([6, 4])
+    pos = torch.tensor([6, 4], device=device)
     for step in range(3):
         step_ids = torch.stack([a[0, 6 + step], b[0, 4 + step]])[:, None]
         logits = model(step_ids, cache=cache, start_pos=pos + step)
@@ -232,14 +233,14 @@ def test_rope_rotates_pairs_by_position_angle():
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "llama-gqa"])
-def test_checkpointed_blocks_give_the_same_loss_and_gradients(variant):
+def test_checkpointed_blocks_give_the_same_loss_and_gradients(variant, device):
     """Activation checkpointing recomputes each block in backward, dropout's random draws included."""
     config = ModelConfig(**{**VARIANTS[variant], "dropout": 0.2})
-    ids = torch.randint(0, config.vocab_size, (2, 16))
+    ids = torch.randint(0, config.vocab_size, (2, 16), device=device)
     runs = []
     for checkpointed in (False, True):
         torch.manual_seed(0)
-        model = GPT(config).train()
+        model = GPT(config).train().to(device)
         model.checkpoint_blocks = checkpointed
         torch.manual_seed(1)
         loss = model(ids[:, :-1], targets=ids[:, 1:])

@@ -52,6 +52,7 @@ def trained() -> tuple[GPT, CharTokenizer, torch.Tensor]:
 def held_out_loss(model: GPT, ids: torch.Tensor) -> float:
     """Mean next-token loss over consecutive 64-token windows of ids."""
     n = (len(ids) - 1) // 64
+    ids = ids.to(model.lm_head.weight.device)
     x = ids[: n * 64].view(n, 64)
     y = ids[1 : n * 64 + 1].view(n, 64)
     with torch.no_grad():
@@ -70,10 +71,10 @@ def test_quantize_weight_is_per_channel_and_close():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [48, 40, 200])  # 40 and 200 are not multiples of the kernel's 16: the fallback
 @pytest.mark.parametrize("rows", [3, 40])  # 40 rows: past KERNEL_MAX_ROWS, the dequantised GEMM
-def test_int8_linear_matches_dequantised_product(dtype, width, rows):
-    linear = torch.nn.Linear(width, 20).to(dtype)
+def test_int8_linear_matches_dequantised_product(dtype, width, rows, device):
+    linear = torch.nn.Linear(width, 20).to(device, dtype)
     module = q.Int8Linear.from_linear(linear)
-    x = torch.randn(1, rows, width).to(dtype)
+    x = torch.randn(1, rows, width, device=device).to(dtype)
     qw, scales = q.quantize_weight(linear.weight)
     want = x.float() @ (qw.float() * scales[:, None]).t() + linear.bias.float()
     got = module(x)
@@ -92,11 +93,12 @@ def test_kernel_and_fallback_agree(monkeypatch):
     torch.testing.assert_close(without, with_kernel, rtol=2e-2, atol=2e-2)  # the CPU kernel runs in bf16
 
 
-def test_held_out_loss_within_one_percent(trained):
+def test_held_out_loss_within_one_percent(trained, device):
     model, _, held_out = trained
+    model = _copy(model).to(device)
     fp32 = held_out_loss(model, held_out)
     assert fp32 < 0.8 * math.log(model.config.vocab_size)  # the model learned something: a meaningful check
-    quantised = q.quantize(GPT(model.config).eval(), "int8")
+    quantised = q.quantize(GPT(model.config).eval().to(device), "int8")
     quantised.load_state_dict(q.quantize(_copy(model), "int8").state_dict())
     int8 = held_out_loss(quantised, held_out)
     assert abs(int8 - fp32) / fp32 < 0.01
@@ -128,10 +130,10 @@ def test_bf16_quantised_model_generates():
     assert len(out) == 6 and all(0 <= t < 50 for t in out)
 
 
-def test_compiled_int8_decode_matches_eager(trained, capfd):
+def test_compiled_int8_decode_matches_eager(trained, device, capfd):
     # On CPU the compiled step lets inductor autotune its own int8 GEMM template against torch's kernel.
     model, _, held_out = trained
-    quantised = q.quantize(_copy(model), "int8")
+    quantised = q.quantize(_copy(model).to(device), "int8")
     prompt = held_out[:20].tolist()
     eager = complete(quantised, [prompt], SamplingParams(max_new_tokens=12, temperature=0))
     compiled = complete(quantised, [prompt], SamplingParams(max_new_tokens=12, temperature=0), compile=True)

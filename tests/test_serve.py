@@ -82,6 +82,23 @@ def test_completion_matches_uncached_greedy(client, reference):
         assert response.object == "text_completion" and response.model == MODEL
 
 
+def test_a_server_on_the_device_answers_each_request_as_the_model_does(model_dir, reference, device):
+    """Requests decoded together on --device (a GPU where the tests are asked to use one) get their own greedy text."""
+    app = build_app(model_dir, ServeOptions(device=device.type, max_batch_size=4))
+    assert app.state.gptkit.engine.batch.device.type == device.type
+    with live_server(app) as url:
+        own = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(prompt: str) -> str:
+            return own.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(ask, PROMPTS))
+        assert texts == [greedy_reference(reference, prompt, 10)[0] for prompt in PROMPTS]
+        chunks = own.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=10, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in chunks) == texts[3]
+
+
 def test_streaming_equals_non_streaming_and_ends_with_done(server, client):
     full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0)
     pieces = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0, stream=True))

@@ -44,16 +44,16 @@ def always_wrong_draft(config: ModelConfig, token: int) -> GPT:
 
 
 @pytest.mark.parametrize(("variant", "k"), [("gpt2", 1), ("gpt2", 4), ("llama-gqa", 2), ("llama-gqa", 5)])
-def test_greedy_output_equals_target_greedy(variant, k):
+def test_greedy_output_equals_target_greedy(variant, k, device):
     config = ModelConfig(**dict(VARIANTS[variant], block_size=64))
-    target = sharpened(config)
+    target = sharpened(config).to(device)
     prompt = [3, 1, 4, 1, 5]
     want = generate_ids(target, prompt, max_new_tokens=24, temperature=0)
     unused = next(t for t in range(config.vocab_size) if t not in want)
     drafts = {
-        "random": sharpened(ModelConfig(**dict(VARIANTS[variant], block_size=64, n_layer=1))),
+        "random": sharpened(ModelConfig(**dict(VARIANTS[variant], block_size=64, n_layer=1))).to(device),
         "target itself": target,
-        "always wrong": always_wrong_draft(config, unused),
+        "always wrong": always_wrong_draft(config, unused).to(device),
     }
     for name, draft in drafts.items():
         request = Request(prompt, GREEDY)

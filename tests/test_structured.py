@@ -65,9 +65,9 @@ def complete_text(model: GPT, tokenizer, schema: str) -> list:
                     grammar=grammar).completions[0]
 
 
-def byte_model(block_size: int = 512) -> GPT:
+def byte_model(block_size: int = 512, device: torch.device | str = "cpu") -> GPT:
     torch.manual_seed(0)
-    return GPT(ModelConfig(vocab_size=257, block_size=block_size, n_layer=2, n_head=4, n_embd=32)).eval()
+    return GPT(ModelConfig(vocab_size=257, block_size=block_size, n_layer=2, n_head=4, n_embd=32)).eval().to(device)
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +76,15 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))
-def test_every_reply_is_valid_against_its_schema(index):
-    model, tokenizer, schema = byte_model(), ByteTokenizer(), SCHEMAS[index]
+def test_every_reply_is_valid_against_its_schema(index, device):
+    model, tokenizer, schema = byte_model(device=device), ByteTokenizer(), SCHEMAS[index]
     texts = generate(model, tokenizer, "x", json_schema=schema, max_new_tokens=400, num_samples=4, seed=index)
     for text in texts:
         jsonschema.validate(json.loads(text), schema)
 
 
-def test_json_mode_gives_an_object_and_greedy_decoding_follows_the_mask():
-    model, tokenizer = byte_model(), ByteTokenizer()
+def test_json_mode_gives_an_object_and_greedy_decoding_follows_the_mask(device):
+    model, tokenizer = byte_model(device=device), ByteTokenizer()
     free = generate(model, tokenizer, "x", max_new_tokens=20, temperature=0)
     assert not free.startswith("{")  # unconstrained, this model writes no JSON
     greedy = generate(model, tokenizer, "x", json_schema='{"type": "object"}', max_new_tokens=20, temperature=0)
@@ -126,8 +126,8 @@ def test_a_tokenizer_that_cannot_write_the_json_is_refused_or_cut_short():
     assert completion.finish_reason == "length" and no_q.decode(completion.ids).endswith(",")
 
 
-def test_constrained_and_free_requests_share_a_batch():
-    model, tokenizer = byte_model(), ByteTokenizer()
+def test_constrained_and_free_requests_share_a_batch(device):
+    model, tokenizer = byte_model(device=device), ByteTokenizer()
     schema = json.dumps(SCHEMAS[4])
     alone = generate_ids(model, [120, 121], max_new_tokens=12, temperature=0)
     engine = BatchEngine(model, 2, 512)

@@ -19,12 +19,14 @@ import torch
 
 from gptkit.checkpoint import CHECKPOINTS, checkpoint_dirs, latest_checkpoint, read_latest, verify_checkpoint, write_manifest
 from gptkit.cli import main
+from gptkit.errors import ConfigError
 from gptkit.formats.modeldir import load_model_dir, load_tensors
+from gptkit.loading import load
 from gptkit.tokenizer import load_tokenizer
 from gptkit.train import TrainingStopped, measured_cpu_matmul_flops, peak_flops, train
 from gptkit.train_config import from_sources
 
-from conftest import write_char_data_dir
+from conftest import same_run, write_char_data_dir
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1, "activation": "gelu"}
 
@@ -510,8 +512,9 @@ def test_fine_tune_from_model_dir(data_dir, reference, tmp_path):
     assert not all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_bfloat16_autocast_with_gradient_accumulation(data_dir, tmp_path):
-    result = train(tiny(data_dir, tmp_path / "run", max_steps=4, dtype="bfloat16", grad_accum=2), progress=False)
+def test_bfloat16_autocast_with_gradient_accumulation(data_dir, tmp_path, device):
+    config = tiny(data_dir, tmp_path / "run", max_steps=4, dtype="bfloat16", grad_accum=2, device=device.type)
+    result = train(config, progress=False)
     records = losses(tmp_path / "run")
     assert result.step == 4 and result.skipped_steps == 0
     assert all(np.isfinite(loss) for loss, _, _ in records.values())
@@ -536,3 +539,57 @@ def test_mfu_peak_is_measured_on_cpu_and_overridable():
     assert 1e8 < fp32 < 1e14  # a real CPU's matmul, not a constant: from 0.1 GFLOP/s to 100 TFLOP/s
     assert peak_flops(torch.device("cpu"), "float32", 5e12) == 5e12
     assert peak_flops(torch.device("meta"), "float32", None) is None  # unknown devices show no MFU
+
+
+def test_mfu_peak_of_a_known_gpu_is_its_datasheet_rate(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(torch.device("cuda"), "bfloat16", None) == 989.4e12  # dense, without sparsity
+    assert peak_flops(torch.device("cuda"), "float16", None) == 989.4e12
+    assert peak_flops(torch.device("cuda"), "float32", None) == 66.9e12  # no TF32: PyTorch leaves it off
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert peak_flops(torch.device("cuda"), "bfloat16", None) is None
+
+
+def test_float16_trains_with_a_gradient_scaler_on_cuda(data_dir, tmp_path, device):
+    config = tiny(data_dir, tmp_path / "run", max_steps=4, dtype="float16", device=device.type)
+    if device.type != "cuda":
+        with pytest.raises(ConfigError, match="float16 needs CUDA"):
+            train(config, progress=False)
+        return
+    result = train(config, progress=False)
+    assert result.step == 4 and all(np.isfinite(loss) for loss, _, _ in losses(result.run_dir).values())
+    scaler = json.loads((result.checkpoint / "trainer.json").read_text())["scaler"]
+    assert scaler["scale"] > 0  # the scaler's state travels with the checkpoint
+    resumed = train(tiny(data_dir, result.run_dir, max_steps=6, dtype="float16", device="cuda"), resume=True,
+                    progress=False)  # fmt: skip
+    assert resumed.step == 6 and len(losses(result.run_dir)) == 6
+
+
+def test_a_device_run_resumes_on_the_cpu_and_back(data_dir, tmp_path, device):
+    """A checkpoint written on the device loads on the CPU (weights, AdamW moments) and back, and the run goes on."""
+    def run(max_steps: int, on: str, resume: bool, out: Path):
+        config = tiny(data_dir, out, max_steps=max_steps, device=on)
+        config.model.fields["dropout"] = 0.0  # the CPU's and a GPU's dropout draw differently
+        return train(config, resume=resume, progress=False)
+
+    whole = run(8, device.type, False, tmp_path / "whole")
+    run(3, device.type, False, tmp_path / "moved")
+    run(5, "cpu", True, tmp_path / "moved")
+    moved = run(8, device.type, True, tmp_path / "moved")
+    got, want = losses(moved.run_dir), losses(whole.run_dir)
+    assert got.keys() == want.keys() == set(range(1, 9))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)  # the CPU's kernels round differently
+    on_cpu, _ = load(moved.checkpoint)
+    on_device, _ = load(moved.checkpoint, device=device)
+    ids = torch.randint(0, on_cpu.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(on_device(ids.to(device)).cpu(), on_cpu(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_training_follows_eager(data_dir, tmp_path, device):
+    runs = {}
+    for compile in (False, True):
+        config = tiny(data_dir, tmp_path / f"compile-{compile}", max_steps=3, device=device.type, compile=compile)
+        config.model.fields["dropout"] = 0.0  # compiled dropout draws its masks differently
+        runs[compile] = losses(train(config, progress=False).run_dir)
+    torch.testing.assert_close(runs[True], runs[False], atol=1e-5, rtol=1e-4)
