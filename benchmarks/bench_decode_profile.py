@@ -1,9 +1,10 @@
-"""Where one batch-1 decode step's time goes: gptkit's default (eager) path under torch.profiler.
+"""Where one batch-1 decode step's time goes: gptkit's default path under torch.profiler.
 
-A random model of the chosen shape decodes greedily from a short prompt; the profiler's self time per operator is
-divided by the steps. "outside operators" is the wall time the operators do not account for (Python, the engine's
-bookkeeping). The matrix-vector products read every weight once a step, so their time against the machine's
-memory bandwidth says how far the step is from its floor.
+A random model of the chosen shape decodes greedily from a short prompt (the prefill counted in); the profiler's
+self time per operator is divided by the steps. On a CPU where the fused step runs, a whole decode step is one entry,
+gptkit::fused_step; GPTKIT_CPU_KERNELS=0 profiles the eager step, operator by operator. "outside operators" is the
+wall time the operators do not account for (Python, the engine's bookkeeping). The products read every weight once
+a step, so their time against the machine's memory bandwidth says how far the step is from its floor.
 
     python benchmarks/bench_decode_profile.py [--shape gpt2] [--steps 64] [--top 12] [--json]
 """

@@ -1,27 +1,32 @@
 """gptkit's decoding against Hugging Face transformers' generate and llama.cpp, on the same weights, in one run.
 
 For a GPT-2-small-shaped model (124M, random weights) and a Llama-shaped one of similar size, built as transformers
-models and converted with gptkit.formats.hf so both sides run identical weights, it prints per dtype:
-  - prefill tokens/s of one 512-token prompt (HF: a forward with use_cache and logits_to_keep=1, as its generate
-    prefills; gptkit: generation.prefill),
-  - decode tokens/s at batch 1 and 8 for 128 greedy new tokens (HF generate with its KV cache; gptkit complete(),
-    eager and compiled), with the ratio gptkit / HF and whether the batch-1 greedy tokens are identical,
-  - the memory-bandwidth bound: bytes of weights (+ KV cache) read per decode step against a measured read rate,
-and int8 weight-only for gptkit. The two sides run interleaved (HF, gptkit, HF, gptkit, ...) and each keeps its best
-round, so that load from other processes shifts both alike. With --llama-cpp DIR (a directory holding llama.cpp's
-llama-bench), the same weights are written as GGUF by gptkit's own writer (f32, bf16, and q8_0 beside gptkit's
-int8) and `llama-bench -p PROMPT_LEN -n NEW_TOKENS` gives llama.cpp's prefill and batch-1 decode rates. The first
-line printed names the CPU, its vector extensions and what gptkit's kernels chose on it. A speculative-decoding section trains a draft briefly on
-tiny shakespeare (characters), grows it into a target ten times as deep, fine-tunes that on the same text, and
-reports the draft's acceptance rate and the speed-up over plain greedy decoding.
+models and converted with gptkit.formats.hf so every side runs identical weights, it prints per weight format
+(fp32, bf16, and gptkit's int8 and int4 over fp32 activations):
+  - prefill tokens/s of one --prompt-len prompt (HF: a forward with use_cache and logits_to_keep=1, as its generate
+    prefills; gptkit: decoding.step.prefill),
+  - decode tokens/s at each --batch-sizes for --new-tokens greedy tokens after a --decode-prompt-len prompt: HF's
+    generate and gptkit's complete() (the default path, and --compile's), both timed from outside as the time for
+    every new token less the time for the first (so that the prefill is not counted), with whether row 0's greedy
+    tokens are identical to HF's; with --hf-compile also HF's generate over a static cache with torch.compile,
+  - the bound: steps/s if the weights a decode step multiplies were read once at the bandwidth the machine streams
+    (a probe with every thread pinned to its own CPU, over a buffer many times the last-level cache, best of 5).
+With --llama-cpp DIR (a directory holding llama.cpp's llama-bench) the same weights are written as GGUF by gptkit's
+own writer (f32, bf16, q8_0 beside gptkit's int8, q4_0, the very bits of gptkit's int4) and `llama-bench -p
+PROMPT_LEN -n NEW_TOKENS -r 1` gives llama.cpp's prefill and batch-1 decode rates (its tg test decodes from an empty
+context). Every side runs once per round, the rounds interleaved (HF, gptkit's variants, llama.cpp, HF, ...), and
+every side is scored by its best round, so that load from other processes shifts all alike. The first line printed
+names the CPU, its vector extensions and what gptkit's kernels chose on it. A speculative-decoding section trains a
+draft briefly on tiny shakespeare (characters), grows it into a target ten times as deep, fine-tunes that on the
+same text, and reports the draft's acceptance rate and the speed-up over plain greedy decoding.
 
     .venv/bin/python benchmarks/bench_generate.py                      # the full run (tens of minutes on 2 cores)
     .venv/bin/python benchmarks/bench_generate.py --json > bench.json
     .venv/bin/python benchmarks/bench_generate.py --n-layer 2 --n-embd 128 --vocab-size 1000 --prompt-len 32 \\
         --new-tokens 8 --rounds 1 --no-compile --spec-steps 5    # smoke run
     GPTKIT_CPU_KERNELS=0 .venv/bin/python benchmarks/bench_generate.py --shapes gpt2   # without gptkit's CPU kernels
-    .venv/bin/python benchmarks/bench_generate.py --shapes gpt2 --batch-sizes 1,8 --spec-steps 0 \
-        --llama-cpp /work/tools/llama.cpp/build/bin                   # the README's table
+    .venv/bin/python benchmarks/bench_generate.py --shapes gpt2 --batch-sizes 1,8 --spec-steps 0 \\
+        --llama-cpp LLAMA_CPP/build/bin                               # the README's table
 """
 
 from __future__ import annotations
@@ -47,39 +52,39 @@ from gptkit.decoding.step import inference, new_cache, prefill
 from gptkit.formats.hf import gpt_from_hf_model
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
-from gptkit.quantization import Int8Linear, quantize
+from gptkit.quantization import Int4Linear, Int8Linear, quantize
 
 CORPUS = Path(__file__).resolve().parents[1] / "gptkit" / "corpora" / "tinyshakespeare.txt"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GGUF_TYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # gptkit's format -> llama.cpp's
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def best_of(rounds: int, run: Callable[[], float]) -> float:
-    """The highest rate of `rounds` runs (the least disturbed by other processes)."""
-    return max(run() for _ in range(rounds))
-
-
-def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes/s a multi-threaded sum streams from memory (a buffer far larger than the caches)."""
+def read_bandwidth(megabytes: int = 1024, rounds: int = 5) -> float:
+    """Bytes/s every thread together streams from memory: gptkit's probe (threads pinned, the buffer on 2 MiB pages as
+    the fused step's weights are, best of `rounds`) where its kernels are built, else a multi-threaded sum."""
     x = torch.ones(megabytes * (1 << 20) // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
+    if cpu_kernels.load():
+        torch.ops.gptkit.huge_pages([x])
+        return torch.ops.gptkit.read_bandwidth(x, rounds)
+    best = float("inf")
+    for _ in range(rounds + 1):
         start = time.perf_counter()
         x.sum()
-        times.append(time.perf_counter() - start)
-    return x.numel() * 4 / min(times)
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
 
 
 def weight_bytes_per_token(model: GPT) -> int:
     """Bytes of matmul weights a decode step reads (every Linear, the LM head included; not the embedding rows)."""
     total = 0
     for module in model.modules():
-        if isinstance(module, Int8Linear):
-            total += module.weight.numel() + module.scales.numel() * module.scales.element_size()
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            total += module.weight.numel() * module.weight.element_size()
+            total += module.scales.numel() * module.scales.element_size()
         elif isinstance(module, torch.nn.Linear):
             total += module.weight.numel() * module.weight.element_size()
     return total
@@ -111,7 +116,18 @@ def hf_models(args: argparse.Namespace) -> dict[str, Any]:
     return models
 
 
-# ----- timed runs -----
+def variants(hf: Any, args: argparse.Namespace) -> dict[str, GPT]:
+    """gptkit's models of the same weights: fp32 and bf16, and int8 and int4 over fp32 activations."""
+    fp32 = gpt_from_hf_model(hf).eval()
+    models = {"fp32": fp32} if "fp32" in args.dtypes else {}
+    if "bf16" in args.dtypes:
+        models["bf16"] = gpt_from_hf_model(copy.deepcopy(hf).to(torch.bfloat16)).eval()
+    for method in args.quantized:
+        models[method] = quantize(gpt_from_hf_model(hf).eval(), method)
+    return models
+
+
+# ----- one timed run of each side -----
 
 
 @torch.no_grad()
@@ -130,125 +146,157 @@ def gptkit_prefill_rate(model: GPT, ids: torch.Tensor) -> float:
         return ids.numel() / (time.perf_counter() - start)
 
 
-@torch.no_grad()
-def hf_decode(hf: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[int]]:
-    """Decode tokens/s of generate (its time for new_tokens minus its time for 1) and row 0's new tokens."""
-    mask = torch.ones_like(ids)
+def decode_rate(generate: Callable[[int], list[int]], rows: int, new_tokens: int,
+                warm_both: bool = False) -> tuple[float, list[int]]:  # fmt: skip
+    """Decode tokens/s of a generate(n) call: its time for new_tokens less its time for one (the prefill and the
+    first token), over every row; and row 0's new tokens. An untimed call first takes any one-off cost (a compile);
+    warm_both also runs new_tokens untimed first (HF's static cache is sized by the length: one compile each)."""
+    generate(1)
+    if warm_both:
+        generate(new_tokens)
     start = time.perf_counter()
-    hf.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+    generate(1)
     one = time.perf_counter() - start
     start = time.perf_counter()
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    tokens = generate(new_tokens)
     full = time.perf_counter() - start
-    return ids.size(0) * (new_tokens - 1) / max(full - one, 1e-9), out[0, ids.size(1) :].tolist()
+    return rows * (new_tokens - 1) / max(full - one, 1e-9), tokens
 
 
-def gptkit_decode(model: GPT, ids: torch.Tensor, new_tokens: int, compile: bool) -> tuple[float, list[int], float]:
-    """Decode tokens/s of complete(), row 0's new tokens, and the compile seconds (0 for eager)."""
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0)
-    result = complete(model, ids.tolist(), params, compile=compile)
-    timing = result.timing
-    return timing.decode_tokens / timing.decode_seconds, result.completions[0][0].ids, timing.compile_seconds or 0.0
+@torch.no_grad()
+def hf_generate(hf: Any, ids: torch.Tensor) -> Callable[[int], list[int]]:
+    mask = torch.ones_like(ids)
+    return lambda n: hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)[0, ids.size(1) :].tolist()
 
 
-# ----- the comparison -----
-
-
-def compare_shape(name: str, hf_fp32: Any, args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any]]:
-    """Rows of the table for one model shape: each dtype, each measurement, gptkit against HF."""
-    rows = []
-    gen = torch.Generator().manual_seed(1)
-    vocab = hf_fp32.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=gen)
-    for dtype_name in args.dtypes:
-        dtype = DTYPES[dtype_name]
-        hf = copy.deepcopy(hf_fp32).to(dtype)
-        ours = gpt_from_hf_model(hf).eval()
-        variants = {dtype_name: ours}
-        if args.int8 and dtype_name in args.int8_dtypes:
-            variants[f"int8 ({dtype_name} act.)"] = quantize(gpt_from_hf_model(hf).eval(), "int8")
-        log(f"[{name} {dtype_name}] prefill {args.prompt_len} tokens")
-        hf_rate = best_of(args.rounds, lambda: hf_prefill_rate(hf, prompt))
-        for label, model in variants.items():
-            rate = best_of(args.rounds, lambda: gptkit_prefill_rate(model, prompt))
-            rows.append(dict(shape=name, dtype=label, measure=f"prefill {args.prompt_len}", hf=hf_rate,
-                             gptkit=rate, ratio=rate / hf_rate))  # fmt: skip
-        for batch in args.batch_sizes:
-            ids = torch.randint(0, vocab, (batch, args.decode_prompt_len), generator=gen)
-            log(f"[{name} {dtype_name}] decode batch {batch}, {args.new_tokens} new tokens")
-            hf_best, hf_tokens = 0.0, []
-            best: dict[str, float] = {}
-            tokens: dict[str, list[int]] = {}
-            compile_s: dict[str, float] = {}
-            modes = [(label, model, False) for label, model in variants.items()]
-            if args.compile:
-                modes += [(label + " compiled", model, True) for label, model in variants.items()]
-            for _ in range(args.rounds):  # interleaved rounds: HF, then each gptkit mode
-                rate, hf_tokens = hf_decode(hf, ids, args.new_tokens)
-                hf_best = max(hf_best, rate)
-                for label, model, compiled in modes:
-                    rate, toks, secs = gptkit_decode(model, ids, args.new_tokens, compiled)
-                    best[label] = max(best.get(label, 0.0), rate)
-                    tokens[label] = toks
-                    compile_s[label] = max(compile_s.get(label, 0.0), secs)
-            for label, model, compiled in modes:
-                bytes_per_step = weight_bytes_per_token(model)
-                row = dict(shape=name, dtype=label, measure=f"decode b{batch}", hf=hf_best, gptkit=best[label],
-                           ratio=best[label] / hf_best, bound_steps_per_s=bandwidth / bytes_per_step,
-                           weight_mb=bytes_per_step / 1e6)  # fmt: skip
-                if compiled:
-                    row["compile_seconds"] = compile_s[label]
-                if not label.startswith("int8"):
-                    row["same_tokens_as_hf"] = tokens[label] == hf_tokens
-                rows.append(row)
-        del hf, ours, variants
-    return rows
+def gptkit_generate(model: GPT, ids: torch.Tensor, compile: bool) -> Callable[[int], list[int]]:
+    prompts = ids.tolist()
+    return lambda n: complete(model, prompts, SamplingParams(max_new_tokens=n, temperature=0),
+                              compile=compile).completions[0][0].ids  # fmt: skip
 
 
 # ----- llama.cpp -----
 
-GGUF_TYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}  # gptkit's rows -> the GGUF type llama.cpp runs
+
+def vocabulary_of(size: int) -> Any:
+    """A byte-level BPE tokenizer of exactly `size` tokens (the 256 bytes, merges of byte pairs, <|endoftext|> last):
+    GGUF needs one token per embedding, and the random models here have GPT-2's or Llama's vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS, EOT, BPETokenizer
+
+    symbols = [BYTE_LEVEL_SYMBOLS[b] for b in range(256)]
+    merges = [(a, b) for a in symbols for b in symbols][: size - 257]
+    vocab = {s: i for i, s in enumerate(symbols + [a + b for a, b in merges])}
+    hf = Tokenizer(models.BPE(vocab, merges))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([EOT])
+    return BPETokenizer(hf)
 
 
 def write_gguf(model: GPT, path: Path, kind: str) -> Path:
     """model's weights as a GGUF file of tensor type kind, by gptkit's own writer (`gptkit convert --to-gguf`)."""
     from gptkit.formats.gguf import export_gguf
-    from gptkit.tokenizer import ByteTokenizer
 
-    return export_gguf(model, path, ByteTokenizer(), file_type=kind)
-
-
-def llama_cpp_rates(hf_fp32: Any, args: argparse.Namespace) -> dict[tuple[str, str], float]:
-    """llama-bench's tokens/s on the same weights as GGUF: {(gguf type, "prefill" or "decode"): rate}."""
-    binary = Path(args.llama_cpp) / "llama-bench"
-    if not binary.is_file():
-        raise SystemExit(f"bench_generate: no llama-bench in {args.llama_cpp}; see README's 'Building llama.cpp'")
-    model = gpt_from_hf_model(hf_fp32).eval()
-    wanted = sorted({GGUF_TYPES[d] for d in args.dtypes} | ({"q8_0"} if args.int8 else set()))
-    rates = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for kind in wanted:
-            path = write_gguf(model, Path(tmp) / f"model-{kind}.gguf", kind)
-            log(f"[llama.cpp {kind}] llama-bench -p {args.prompt_len} -n {args.new_tokens}")
-            command = [str(binary), "-m", str(path), "-p", str(args.prompt_len), "-n", str(args.new_tokens),
-                       "-t", str(torch.get_num_threads()), "-r", str(args.rounds), "-o", "json"]  # fmt: skip
-            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            for record in json.loads(out):
-                phase = "prefill" if record["n_prompt"] else "decode"
-                rates[kind, phase] = float(record["avg_ts"])
-    return rates
+    return export_gguf(model, path, vocabulary_of(model.config.vocab_size), file_type=kind)
 
 
-def add_llama_cpp(rows: list[dict[str, Any]], rates: dict[tuple[str, str], float], shape: str) -> None:
-    """llama.cpp's rate beside each row it has a counterpart for (prefill, and decode at batch 1)."""
+def llama_bench(binary: Path, gguf: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One llama-bench repetition (after its own warm-up): {"prefill": tokens/s, "decode": tokens/s}."""
+    command = [str(binary), "-m", str(gguf), "-p", str(args.prompt_len), "-n", str(args.new_tokens),
+               "-t", str(torch.get_num_threads()), "-r", "1", "-o", "json"]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return {"prefill" if record["n_prompt"] else "decode": max(record["samples_ts"]) for record in json.loads(out)}
+
+
+# ----- the comparison -----
+
+
+def compare_shape(name: str, hf_fp32: Any, args: argparse.Namespace, bandwidth: float,
+                  tmp: Path) -> list[dict[str, Any]]:  # fmt: skip
+    """Rows of the table for one model shape: every weight format and measure, each side's best round."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = hf_fp32.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=gen)
+    decode_ids = {b: torch.randint(0, vocab, (b, args.decode_prompt_len), generator=gen) for b in args.batch_sizes}
+    hfs = {"fp32": hf_fp32} | ({"bf16": copy.deepcopy(hf_fp32).to(torch.bfloat16)} if "bf16" in args.dtypes else {})
+    ours = variants(hf_fp32, args)
+    ggufs = {}
+    if args.llama_cpp:
+        for label, model in ours.items():
+            ggufs[label] = write_gguf(model, tmp / f"{name}-{label}.gguf", GGUF_TYPES[label])
+    compiled_hf = {}
+    if args.hf_compile:
+        # Every (batch, length) pair is a static cache of its own shape: a compile each, more than dynamo's
+        # default limit of 8, past which it would quietly run HF eagerly.
+        torch._dynamo.config.recompile_limit = 64
+        for label, hf in hfs.items():
+            compiled_hf[label] = copy.deepcopy(hf)
+            compiled_hf[label].generation_config.cache_implementation = "static"
+            compiled_hf[label].forward = torch.compile(compiled_hf[label].forward)
+    best: dict[tuple[str, str], float] = {}
+    tokens: dict[tuple[str, str], list[int]] = {}
+
+    def record(key: tuple[str, str], rate: float, toks: list[int] | None = None) -> None:
+        best[key] = max(best.get(key, 0.0), rate)
+        if toks is not None:
+            tokens[key] = toks
+
+    for round_index in range(args.rounds):
+        log(f"[{name}] round {round_index + 1} of {args.rounds}")
+        bandwidth = max(bandwidth, read_bandwidth())  # the machine's rate moves: its best moment is the ceiling
+        for label, hf in hfs.items():  # Hugging Face in each of its dtypes (its rows for int8/int4 are fp32's)
+            record(("hf " + label, "prefill"), hf_prefill_rate(hf, prompt))
+            for b in args.batch_sizes:
+                rate, toks = decode_rate(hf_generate(hf, decode_ids[b]), b, args.new_tokens)
+                record(("hf " + label, f"decode b{b}"), rate, toks)
+                if label in compiled_hf:
+                    rate, toks = decode_rate(hf_generate(compiled_hf[label], decode_ids[b]), b, args.new_tokens, True)
+                    record(("hf compiled " + label, f"decode b{b}"), rate, toks)
+        for label, model in ours.items():
+            record((label, "prefill"), gptkit_prefill_rate(model, prompt))
+            for b in args.batch_sizes:
+                for compile in (False, True) if args.compile else (False,):
+                    side = label + (" compiled" if compile else "")
+                    rate, toks = decode_rate(gptkit_generate(model, decode_ids[b], compile), b, args.new_tokens)
+                    record((side, f"decode b{b}"), rate, toks)
+        for label, gguf in ggufs.items():
+            for phase, rate in llama_bench(Path(args.llama_cpp) / "llama-bench", gguf, args).items():
+                record(("llama.cpp " + label, "prefill" if phase == "prefill" else "decode b1"), rate)
+    rows = table_rows(name, ours, hfs, best, tokens, args, bandwidth)
     for row in rows:
-        if row["shape"] != shape:
-            continue
-        kind = GGUF_TYPES["int8" if row["dtype"].startswith("int8") else row["dtype"].split()[0]]
-        phase = "prefill" if row["measure"].startswith("prefill") else "decode" if row["measure"] == "decode b1" else None
-        if phase and (kind, phase) in rates:
-            row["llama_cpp"] = rates[kind, phase]
-            row["vs_llama_cpp"] = row["gptkit"] / rates[kind, phase]
+        row["read_bandwidth_gb_s"] = bandwidth / 1e9
+    return rows
+
+
+def table_rows(name: str, ours: dict[str, GPT], hfs: dict[str, Any], best: dict[tuple[str, str], float],
+               tokens: dict[tuple[str, str], list[int]], args: argparse.Namespace,
+               bandwidth: float) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per gptkit format and measure, with every other side's best beside it."""
+    rows = []
+    measures = ["prefill"] + [f"decode b{b}" for b in args.batch_sizes]
+    for label, model in ours.items():
+        hf_label = label if label in hfs else "fp32"
+        for measure in measures:
+            row: dict[str, Any] = dict(shape=name, format=label, measure=measure, hf=best[("hf " + hf_label, measure)],
+                                       gptkit=best[(label, measure)])  # fmt: skip
+            row["vs_hf"] = row["gptkit"] / row["hf"]
+            if measure != "prefill":
+                batch = int(measure.split("b")[1])
+                row["bound_tokens_per_s"] = batch * bandwidth / weight_bytes_per_token(model)
+                if (label + " compiled", measure) in best:
+                    row["gptkit_compiled"] = best[(label + " compiled", measure)]
+                if ("hf compiled " + hf_label, measure) in best:
+                    row["hf_compiled"] = best[("hf compiled " + hf_label, measure)]
+                if label in ("fp32", "bf16"):
+                    row["same_tokens_as_hf"] = tokens[(label, measure)] == tokens[("hf " + hf_label, measure)]
+            llama = best.get(("llama.cpp " + label, measure))
+            if llama is not None:
+                row["llama_cpp"] = llama
+                row["vs_llama_cpp"] = row["gptkit"] / llama
+            rows.append(row)
+    return rows
 
 
 # ----- speculative decoding -----
@@ -327,17 +375,20 @@ def speculative_section(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def print_table(rows: list[dict[str, Any]], spec_rows: list[dict[str, Any]], bandwidth: float) -> None:
     print(f"cpu: {cpu_kernels.capability()}")
-    print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s; threads: {torch.get_num_threads()}")
-    print(f"{'shape':6} {'dtype':24} {'measure':12} {'HF tok/s':>9} {'gptkit':>9} {'/HF':>6} {'llama.cpp':>9} "
-          f"{'/llama':>6} {'bound':>7} {'compile s':>9} same")  # fmt: skip
+    bandwidth = max([bandwidth] + [r["read_bandwidth_gb_s"] * 1e9 for r in rows])
+    print(f"measured read bandwidth (best of every round's probe): {bandwidth / 1e9:.1f} GB/s; threads: "
+          f"{torch.get_num_threads()}")  # fmt: skip
+    print(f"{'shape':6} {'format':6} {'measure':11} {'HF':>8} {'HF comp':>8} {'gptkit':>8} {'/HF':>6} "
+          f"{'compiled':>8} {'llama.cpp':>9} {'/llama':>6} {'bound':>7} same")  # fmt: skip
     for r in rows:
-        bound = f"{r['bound_steps_per_s']:7.1f}" if "bound_steps_per_s" in r else " " * 7
-        comp = f"{r['compile_seconds']:9.1f}" if "compile_seconds" in r else " " * 9
+        cell = lambda key, width=8: f"{r[key]:{width}.1f}" if key in r else " " * width  # noqa: E731
+        ratio = f"{r['vs_llama_cpp']:6.2f}" if "vs_llama_cpp" in r else " " * 6
         same = {True: "yes", False: "NO"}.get(r.get("same_tokens_as_hf"), "")
-        llama = f"{r['llama_cpp']:9.1f} {r['vs_llama_cpp']:6.2f}" if "llama_cpp" in r else " " * 16
-        print(f"{r['shape']:6} {r['dtype']:24} {r['measure']:12} {r['hf']:9.1f} {r['gptkit']:9.1f} "
-              f"{r['ratio']:6.2f} {llama} {bound} {comp} {same}")  # fmt: skip
-    print("bound: steps/s if every weight byte is read once per step at the measured bandwidth (x batch = tok/s)")
+        print(f"{r['shape']:6} {r['format']:6} {r['measure']:11} {cell('hf')} {cell('hf_compiled')} {cell('gptkit')} "
+              f"{r['vs_hf']:6.2f} {cell('gptkit_compiled')} {cell('llama_cpp', 9)} {ratio} "
+              f"{cell('bound_tokens_per_s', 7)} {same}")  # fmt: skip
+    print("tokens/s; bound: if every weight byte a decode step multiplies were read once per step at the measured "
+          "bandwidth")  # fmt: skip
     for r in spec_rows:
         print(f"speculative k={r['k']}: target {r['target_params'] / 1e6:.1f}M, draft {r['draft_params'] / 1e6:.1f}M, "
               f"acceptance {r['acceptance_rate'] or 0:.2f}, {r['plain_tokens_per_s']:.1f} -> "
@@ -349,10 +400,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     csv = lambda kind: lambda s: [kind(x) for x in s.split(",")]  # noqa: E731
     p.add_argument("--shapes", type=csv(str), default=["gpt2", "llama"], help="gpt2,llama (default: both)")
     p.add_argument("--dtypes", type=csv(str), default=["fp32", "bf16"], help="fp32,bf16 (default: both)")
-    p.add_argument("--no-int8", dest="int8", action="store_false", help="skip gptkit's int8 rows")
-    p.add_argument("--int8-dtypes", type=csv(str), default=["fp32", "bf16"],
-                   help="activation dtypes of the int8 rows (default: fp32,bf16)")
+    p.add_argument("--quantized", type=csv(str), default=["int8", "int4"],
+                   help="gptkit's quantised formats, over fp32 activations (default: int8,int4; none: '')")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip gptkit's compiled rows")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="also Hugging Face's generate over a static cache with torch.compile (minutes of compiling)")
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--vocab-size", type=int, default=None, help="default: 50257 (gpt2) / 32000 (llama)")
@@ -360,7 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-prompt-len", type=int, default=16, help="prompt length before decoding (default: 16)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", type=csv(int), default=[1, 8])
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best of each side counts")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each side counts")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--spec-steps", type=int, default=300, help="training steps of the speculative draft (0: skip)")
     p.add_argument("--spec-tune-steps", type=int, default=20, help="training steps of the target grown from it")
@@ -368,20 +420,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-cpp", default=None, metavar="DIR",
                    help="a directory holding llama.cpp's llama-bench: adds llama.cpp's rates on the same weights")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.quantized = [m for m in args.quantized if m]
+    if args.llama_cpp and not (Path(args.llama_cpp) / "llama-bench").is_file():
+        p.error(f"no llama-bench in {args.llama_cpp}; see the README's 'Building llama.cpp'")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    cpu_kernels.prepare()  # built and measured before anything is timed
     bandwidth = read_bandwidth()
     log(f"cpu: {cpu_kernels.capability()}")
     rows = []
-    for name, hf in hf_models(args).items():
-        rows += compare_shape(name, hf, args, bandwidth)
-        if args.llama_cpp:
-            add_llama_cpp(rows, llama_cpp_rates(hf, args), name)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, hf in hf_models(args).items():
+            rows += compare_shape(name, hf, args, bandwidth, Path(tmp))
     spec_rows = speculative_section(args) if args.spec_steps > 0 else []
     if args.json:
         print(json.dumps({"cpu": cpu_kernels.capability(), "read_bandwidth_gb_s": bandwidth / 1e9,

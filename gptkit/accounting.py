@@ -85,9 +85,13 @@ def training_flops_per_token(config: ModelConfig, context: int | None = None) ->
     return 3 * forward_flops_per_token(config, context)
 
 
+# An int8 KV cache keeps one fp32 scale beside each head's vector of head_dim values (gptkit.kv_cache).
+KV_SCALE_BYTES = {"int8": 4}
+
+
 def kv_cache_bytes(config: ModelConfig, batch_size: int, context: int, dtype: str = "float16") -> int:
-    """2 (keys and values) x L x B x T x n_kv_head x head_dim x bytes per element."""
+    """2 (keys and values) x L x B x T x n_kv_head x (head_dim x bytes per element + a scale's bytes for int8)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}; got {dtype!r}")
-    per_element = DTYPE_BYTES[dtype]
-    return 2 * config.n_layer * batch_size * context * config.n_kv_head * config.head_dim * per_element
+    vectors = 2 * config.n_layer * batch_size * context * config.n_kv_head
+    return vectors * (config.head_dim * DTYPE_BYTES[dtype] + KV_SCALE_BYTES.get(dtype, 0))

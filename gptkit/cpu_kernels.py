@@ -1,23 +1,27 @@
-"""gptkit's own CPU kernels: fp32, bf16 and int8 matrix-vector products that stream weights at memory speed.
+"""gptkit's own CPU kernels: few-row products that stream weights at memory speed, and the fused decode step.
 
 Decoding reads every weight once per token, so its speed on a CPU is how fast the matmuls stream the weights; an
 int8 model should decode about four times as fast as an fp32 one. PyTorch 2.13's few-row kernels fall short of
 the memory's rate (measured over GPT-2-small matrices at batch 1: on a 2-core AVX-512 machine, fp32 F.linear 19-20
 GB/s of ~30, bf16 9, torch._weight_int8pack_mm 7; on a 2-core AVX2 EPYC, fp32 5.3 GB/s of ~11, bf16 2.9).
-csrc/gemv.cpp holds products for 1 to GEMV_MAX_ROWS rows in AVX2 and AVX-512 variants (the library picks the
-variant the CPU has when it loads). Whether each one (fp32, bf16, int8 weights) is used is decided by timing it
-against PyTorch's product on this machine, once, and kept in a small JSON file beside the built library: a CPU
-flag says what can run, never what is faster. The same measurement decides whether bf16 inference over many rows
-(prefill, eval) runs in fp32, which is faster where bf16 matmul has no hardware behind it.
+csrc/ holds products for 1 to GEMV_MAX_ROWS rows of fp32, bf16, int8 and q4 weights (gemv.cpp, over kernels.h) and
+the whole decode step in one call (step.cpp, driven by gptkit.decoding.fused). The library is compiled for the
+widest instruction set of ISA_LEVELS this CPU has. Whether each product (fp32, bf16, int8 weights) and the fused
+step are used is decided by timing them against PyTorch on this machine, once, and kept in a small JSON file beside
+the built library: a CPU flag says what can run, never what is faster. The same measurement decides whether bf16
+inference over many rows (prefill, eval) runs in fp32, which is faster where bf16 matmul has no hardware behind it.
 
 Delete choices.json to measure again (a measurement on a busy machine may choose wrong).
 Overrides: GPTKIT_CPU_KERNELS=0 keeps PyTorch's products (the kernels are not even built), =1 uses the kernels
 without measuring; GPTKIT_BF16_UPCAST=1 or 0 forces the many-row bf16 choice. Everything runs on CPU inference
 only (autograd off); training, CUDA and MPS keep PyTorch's products.
 
-The C++ source is compiled once per machine on first use (about 20 s, cached by torch.utils.cpp_extension under
-$TORCH_EXTENSIONS_DIR or torch's default root, ~/.cache/torch_extensions); if that fails, gptkit logs why once and
-keeps PyTorch's kernels. A build killed midway leaves nothing that blocks the next one.
+The C++ sources are compiled once per machine (about a minute on 2 cores, cached by torch.utils.cpp_extension
+under $TORCH_EXTENSIONS_DIR or torch's default root, ~/.cache/torch_extensions, in a directory named after the
+instruction set and the sources' hash). Decoding never waits for that: the first process that needs the library
+builds it in a background thread and decodes with PyTorch's products meanwhile; later processes load the built
+library at once. prepare() waits for it instead (benchmarks, tests, a compiled step). If the build fails, gptkit
+logs why once and keeps PyTorch's kernels. A build killed midway leaves nothing that blocks the next one.
 """
 
 from __future__ import annotations
@@ -40,14 +44,27 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gptkit.atomic import atomic_write_text
+from gptkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
-BUILD_FLAGS = ["-O3", "-fopenmp"]  # each variant sets its own instruction set (function target attributes)
-BUILD_CPU_FLAGS = ({"avx2", "fma"}, {"avx512f", "avx512bw", "avx512vl"})  # either set, as /proc/cpuinfo names them
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCES = ("gemv.cpp", "step.cpp")  # and the kernels.h both include
+BUILD_FLAGS = ["-O3", "-fopenmp"]
+# The instruction sets the library is built for, widest first: (name, what /proc/cpuinfo must list, compiler flags).
+# torch.ops.gptkit.isa() numbers them from the narrowest (1) up.
+_AVX2 = ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])
+_AVX512 = ({"avx512f", "avx512bw", "avx512vl", "avx512dq"}, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"])
+ISA_LEVELS = (
+    ("avx512_bf16", _AVX2[0] | _AVX512[0] | {"avx512_vnni", "avx512_bf16"},
+     _AVX2[1] + _AVX512[1] + ["-mavx512vnni", "-mavx512bf16"]),
+    ("avx512_vnni", _AVX2[0] | _AVX512[0] | {"avx512_vnni"}, _AVX2[1] + _AVX512[1] + ["-mavx512vnni"]),
+    ("avx512", _AVX2[0] | _AVX512[0], _AVX2[1] + _AVX512[1]),
+    ("avx2", _AVX2[0], _AVX2[1]),
+)  # fmt: skip
 DISABLE_VARIABLE = "GPTKIT_CPU_KERNELS"  # 0: PyTorch's products only; 1: the kernels without measuring
 UPCAST_VARIABLE = "GPTKIT_BF16_UPCAST"  # 1 or 0: many-row bf16 products in fp32 or not, without measuring
+ISA_VARIABLE = "GPTKIT_CPU_ISA"  # one of ISA_LEVELS' names: build that variant (the CPU must run it)
 GEMV_MAX_ROWS = 8  # above this many rows a product is no longer bound by reading the weights
 # From this many rows on, a bf16 product may run faster in fp32 (weights converted on the fly) where bf16 matmul
 # has no hardware support: whether it does is measured (choices()["bf16_upcast"]).
@@ -57,13 +74,14 @@ BF16_UPCAST_MIN_ROWS = 128
 # small, compiled, fp32 activations, tokens/s template vs kernel: batch 1 72 vs 58, 2 131 vs 109, 4 195 vs 180,
 # 6 156 vs 242, 8 185 vs 233.
 COMPILED_INT8_MIN_ROWS = 5
-ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512", 3: "avx512_vnni", 4: "avx512_bf16"}
 CHOICES_FILE = "choices.json"
 
 # State decided in eager code only (a compiled graph reads the answers): "library" (bool), "choices" (dict).
 _STATE: dict[str, object] = {}
 _UNDECIDED: dict[str, bool] = {}  # what a compiled graph reads if nothing was decided in eager code before it
 _BUILDING = threading.RLock()  # a server's first requests may arrive together
+_STARTING = threading.Lock()  # starts the background build once
 
 
 @functools.cache
@@ -86,15 +104,53 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def load() -> bool:
-    """Whether the kernels' library is loaded, building it on the first call (eager code only)."""
+def isa_level() -> tuple[str, list[str]] | None:
+    """(name, compiler flags) of the widest of ISA_LEVELS this CPU runs, or None (no AVX2: no kernels); $GPTKIT_CPU_ISA
+    names a narrower one (to try another variant's code on a wider CPU)."""
+    flags, wanted = _cpu_flags(), os.environ.get(ISA_VARIABLE)
+    runs = [(name, build) for name, needed, build in ISA_LEVELS if needed <= flags]
+    if wanted and wanted not in [name for name, _, _ in ISA_LEVELS]:
+        raise ConfigError(f"{ISA_VARIABLE}={wanted} is not one of {', '.join(name for name, _, _ in ISA_LEVELS)}")
+    if wanted:
+        runs = [(name, build) for name, build in runs if name == wanted]
+    return runs[0] if runs else None
+
+
+def load(wait: bool = True) -> bool:
+    """Whether the kernels' library is loaded (eager code only). It is loaded at once where it was built before;
+    else the first call builds it, or with wait=False starts the build in a background thread and returns False
+    until it is done."""
     if "library" not in _STATE and not torch.compiler.is_compiling():
+        if not wait and not _built():
+            _build_in_background()
+            return False
         with _BUILDING:
             if "library" not in _STATE:
                 wanted = os.environ.get(DISABLE_VARIABLE) != "0"
-                runs = any(needed <= _cpu_flags() for needed in BUILD_CPU_FLAGS)
-                _STATE["library"] = wanted and runs and _build()
+                _STATE["library"] = wanted and isa_level() is not None and _build()
     return bool(_STATE.get("library", False))
+
+
+def _built() -> bool:
+    """Whether this machine's library is on disk already (loading it then takes a fraction of a second)."""
+    if os.environ.get(DISABLE_VARIABLE) == "0" or isa_level() is None:
+        return True  # nothing to build: load() decides at once
+    directory = build_directory()
+    return (directory / f"{directory.name}.so").is_file()
+
+
+def _build_in_background() -> None:
+    """Build, load and measure in a daemon thread, once per process (the build holds _BUILDING: not taken here)."""
+    with _STARTING:
+        if "background" in _STATE:
+            return
+        _STATE["background"] = True
+    threading.Thread(target=prepare, name="gptkit-kernels-build", daemon=True).start()
+
+
+def building() -> bool:
+    """Whether the library is being built in the background now (decoding takes PyTorch's products meanwhile)."""
+    return "library" not in _STATE and "background" in _STATE
 
 
 def isa() -> str:
@@ -115,7 +171,7 @@ def _build() -> bool:
 
     from torch.utils import cpp_extension
 
-    log.info("building gptkit's CPU kernels (once per machine, about 20 s)")
+    log.info("building gptkit's CPU kernels for %s (once per machine, about a minute)", isa_level()[0])
     build_dir = build_directory()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -127,9 +183,9 @@ def _build() -> bool:
             if (build_dir / "lock").exists():
                 log.warning("removing the lock file of an earlier build that did not finish")
                 (build_dir / "lock").unlink()
-            cpp_extension.load(name=build_dir.name, sources=[str(SOURCE)], extra_cflags=BUILD_FLAGS,
-                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                               is_python_module=False)  # fmt: skip
+            cpp_extension.load(name=build_dir.name, sources=[str(SOURCE_DIR / name) for name in SOURCES],
+                               extra_cflags=BUILD_FLAGS + isa_level()[1], extra_ldflags=["-fopenmp"],
+                               build_directory=str(build_dir), is_python_module=False)  # fmt: skip
     except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
         log.warning("gptkit's CPU kernels did not build, so decoding uses PyTorch's slower products: %s", err)
         return False
@@ -138,12 +194,24 @@ def _build() -> bool:
 
 
 def build_directory() -> Path:
-    """Where the kernels' library is built and cached: one directory per torch version (a library built against
-    another libtorch may not load), under $TORCH_EXTENSIONS_DIR or torch's default root."""
+    """Where the kernels' library is built and cached, under $TORCH_EXTENSIONS_DIR or torch's default root: one
+    directory per instruction set, version of the sources (torch rebuilds only for a changed .cpp, not a header)
+    and torch version (a library built against another libtorch may not load)."""
     from torch.utils import cpp_extension
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return Path(root) / ("gptkit_gemv_torch_" + re.sub(r"\W", "_", torch.__version__))
+    level = isa_level()
+    name = f"gptkit_kernels_{level[0] if level else 'none'}_{_source_hash()}_torch_{torch.__version__}"
+    return Path(root) / re.sub(r"\W", "_", name)
+
+
+@functools.cache
+def _source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 @functools.cache
@@ -151,6 +219,9 @@ def _register_shape_functions() -> None:
     """Tell torch.compile the ops' output shapes (once per process; a second registration is an error)."""
     torch.library.register_fake("gptkit::gemv")(lambda x, w, bias: x.new_empty(x.size(0), w.size(0)))
     torch.library.register_fake("gptkit::gemv_int8")(lambda x, q, scales, bias: x.new_empty(x.size(0), q.size(0)))
+    torch.library.register_fake("gptkit::gemv_q4")(lambda x, q, scales, bias, rows: x.new_empty(x.size(0), rows))
+    torch.library.register_fake("gptkit::dequantize_q4")(
+        lambda q, scales, rows, dtype: q.new_empty(rows, q.size(1) * 32, dtype=dtype))
 
 
 # ----- the measured choices -----
@@ -158,8 +229,10 @@ def _register_shape_functions() -> None:
 
 def choices() -> dict[str, bool]:
     """Which products this machine runs faster: {"fp32", "bf16", "int8": the kernel beats PyTorch at one row;
-    "bf16_upcast": many-row bf16 products run faster in fp32}. Measured once per machine (eager code only)."""
-    if "choices" not in _STATE and not torch.compiler.is_compiling():
+    "bf16_upcast": many-row bf16 products run faster in fp32}. Measured once per machine (eager code only); while
+    the library is still being built, nothing is chosen yet."""
+    if "choices" not in _STATE and not torch.compiler.is_compiling() and (_STATE.get("library") is not None
+                                                                          or load(wait=False) or _built()):
         with _BUILDING:
             if "choices" not in _STATE:
                 _STATE["choices"] = _decide()
@@ -168,7 +241,44 @@ def choices() -> dict[str, bool]:
 
 def prepare() -> None:
     """Build, load and measure now, in eager code, before a compiled graph needs the answers."""
+    load()
     choices()
+
+
+def measured(name: str, measure: Callable[[], bool]) -> bool:
+    """A choice of another module (the fused decode step) by the same rules: measure() says whether it beats
+    PyTorch, timed once per machine and kept in choices.json beside the kernels' own; False while the library is
+    not loaded."""
+    current = choices()
+    if name in current:
+        return current[name]
+    if not _STATE.get("library") or torch.compiler.is_compiling():
+        return False
+    forced = os.environ.get(DISABLE_VARIABLE)
+    with _BUILDING:
+        chosen = dict(_STATE["choices"])
+        if name not in chosen:
+            chosen[name] = forced == "1" or (forced != "0" and _record(name, measure))
+            _STATE["choices"] = chosen
+    return chosen[name]
+
+
+def _record(name: str, measure: Callable[[], bool]) -> bool:
+    """Run measure() and keep its answer in choices.json under this machine's key."""
+    path = build_directory() / CHOICES_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    entry = saved.setdefault(_machine_key(), {})
+    if name not in entry:
+        log.info("timing gptkit's %s against PyTorch on this machine (once)", name.replace("_", " "))
+        entry[name] = bool(measure())
+        try:
+            atomic_write_text(path, json.dumps(saved, indent=1))
+        except OSError as err:
+            log.warning("could not keep the kernel choices in %s: %s", path, err)
+    return entry[name]
 
 
 def _decide() -> dict[str, bool]:
@@ -199,11 +309,10 @@ def _decide() -> dict[str, bool]:
 
 def _machine_key() -> str:
     """What a measurement depends on: the CPU, its core count, torch, the kernels' source and the thread count."""
-    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return f"{_cpu_name()}|{os.cpu_count()}|{torch.__version__}|{source}|{torch.get_num_threads()}"
+    return f"{_cpu_name()}|{os.cpu_count()}|{torch.__version__}|{_source_hash()}|{torch.get_num_threads()}"
 
 
-def _faster(ours: Callable[[], object], theirs: Callable[[], object], rounds: int = 5) -> bool:
+def faster(ours: Callable[[], object], theirs: Callable[[], object], rounds: int = 5) -> bool:
     """Whether ours runs faster than theirs: the best of a few rounds each, interleaved so that load from other
     processes falls on both alike."""
     best = [float("inf"), float("inf")]
@@ -230,12 +339,12 @@ def _measure() -> dict[str, bool]:
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         ws = _weights(dtype)
         x = torch.randn(1, 768).to(dtype)
-        chosen[name] = _faster(lambda: [torch.ops.gptkit.gemv(x, w, None) for w in ws],
+        chosen[name] = faster(lambda: [torch.ops.gptkit.gemv(x, w, None) for w in ws],
                                lambda: [F.linear(x, w) for w in ws])  # fmt: skip
     qs = [w.to(torch.int8) for w in _weights(torch.int8)]
     scales = torch.ones(2304)
     x = torch.randn(1, 768)
-    chosen["int8"] = _faster(lambda: [torch.ops.gptkit.gemv_int8(x, q, scales, None) for q in qs],
+    chosen["int8"] = faster(lambda: [torch.ops.gptkit.gemv_int8(x, q, scales, None) for q in qs],
                              lambda: [_torch_int8(x, q, scales) for q in qs])  # fmt: skip
     chosen["bf16_upcast"] = _faster_in_fp32()
     return chosen
@@ -256,7 +365,7 @@ def _faster_in_fp32() -> bool:
         return os.environ[UPCAST_VARIABLE] == "1"
     x = torch.randn(BF16_UPCAST_MIN_ROWS, 768).bfloat16()
     w = torch.randn(3072, 768).bfloat16()
-    return _faster(lambda: F.linear(x.float(), w.float()).bfloat16(), lambda: F.linear(x, w), rounds=3)
+    return faster(lambda: F.linear(x.float(), w.float()).bfloat16(), lambda: F.linear(x, w), rounds=3)
 
 
 # ----- the products -----
@@ -301,3 +410,34 @@ def int8_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None
     x2 = x.reshape(rows, x.size(-1)).float().contiguous()
     y = torch.ops.gptkit.gemv_int8(x2, q, scales.float().contiguous(), bias)
     return y.to(x.dtype).view(*x.shape[:-1], q.size(0))
+
+
+def q4_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None, out_features: int) -> Tensor | None:
+    """The q4 product (csrc/kernels.h: q and scales in groups of 8 rows, activations rounded to int8 per block of
+    32) in x's dtype, or None where it does not apply (autograd, another device, more than GEMV_MAX_ROWS rows, the
+    library not loaded): there is no PyTorch product to measure it against, so it runs wherever it can."""
+    rows = _cpu_inference_rows(x)
+    if not 1 <= rows <= GEMV_MAX_ROWS or not (_STATE.get("library") or load(wait=False)):
+        return None
+    x2 = x.reshape(rows, x.size(-1)).float().contiguous()
+    y = torch.ops.gptkit.gemv_q4(x2, q, scales, bias, out_features)
+    return y.to(x.dtype).view(*x.shape[:-1], out_features)
+
+
+def dequantize_q4(q: Tensor, scales: Tensor, rows: int, dtype: torch.dtype) -> Tensor | None:
+    """Grouped q4 blocks (q4_linear's q and scales) as the float (rows, K) weight in dtype (fp32 or bf16) in one
+    native pass, the values PyTorch's ops give; None where the library is not loaded or q is not on a CPU."""
+    if q.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not (_STATE.get("library") or load(wait=False)):
+        return None
+    return torch.ops.gptkit.dequantize_q4(q, scales, rows, dtype)
+
+
+def back_with_huge_pages(tensors: list[Tensor]) -> None:
+    """Ask Linux to back the tensors' memory with 2 MiB pages (csrc/gemv.cpp's huge_pages says why: weights stream
+    about 15% faster), in a daemon thread: moving a model's pages takes about a second per GB, and decoding goes
+    on meanwhile (the call releases the GIL). A no-op without the library, or where the system refuses."""
+    if _STATE.get("library"):
+        threading.Thread(target=torch.ops.gptkit.huge_pages, args=(tensors,), name="gptkit-huge-pages",
+                         daemon=True).start()  # fmt: skip

@@ -5,6 +5,9 @@ s+1 .. s+block_size and scores only those no earlier window scored, so every tok
 exactly once, each with as much context as its window gives (at least block_size - S tokens once the first
 window is past). With S = block_size the windows do not overlap.
 
+With a quantised KV cache (kv_cache="int8") each window runs through the cache in chunks of KV_CHUNK tokens, so
+that every token attends to keys and values read back from the cache's elements, as decoding reads them.
+
 Bits per byte (SPEC section 3) = loss * tokens / (bytes * ln 2), where bytes are the UTF-8 bytes of the text
 that the scored tokens stand for: the sum of the tokenizer's token_byte_lengths() over every token but the
 first (special tokens count zero bytes). For text encoded by a byte-level tokenizer this is the UTF-8 length
@@ -24,11 +27,13 @@ import torch.nn.functional as F
 
 from gptkit.data import Examples, example_batches
 from gptkit.errors import InputError
+from gptkit.kv_cache import KV_DTYPES, KVCache, kv_dtype_of
 from gptkit.loss import IGNORE_INDEX
 from gptkit.model import GPT
-
+from gptkit.quantization import METHODS
 
 EVAL_DTYPES = ("float32", "bfloat16", "float16")
+KV_CHUNK = 64  # tokens a window feeds through a quantised cache at a time
 
 
 @dataclass
@@ -41,6 +46,11 @@ class EvalOptions:
     batch_size: int = field(default=8, metadata={"help": "windows per forward pass"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, mps or auto"})
     dtype: str = field(default="float32", metadata={"help": "weights' dtype", "choices": EVAL_DTYPES})
+    quantize: str | None = field(default=None, metadata={"help": "weight-only quantisation of a float model after "
+                                                                  "loading: int8 or int4", "choices": METHODS})
+    kv_cache: str | None = field(default=None, metadata={"help": "int8: score through an int8 KV cache, as "
+                                                                  "decoding with one reads it (default: none)",
+                                                          "choices": tuple(KV_DTYPES)})
 
 
 @dataclass(frozen=True)
@@ -111,11 +121,14 @@ def score_tokens(
     batch_size: int = 8,
     context: int | None = None,
     on_windows: Callable[[int], None] = lambda n: None,
+    kv_cache: str | None = None,
 ) -> tuple[float, int]:
     """(summed nats, scored tokens) of ids (1-D) under model with sliding windows of `context` tokens.
 
-    context defaults to the model's block_size; on_windows(n) is called after each batch of n windows.
+    context defaults to the model's block_size; on_windows(n) is called after each batch of n windows. kv_cache:
+    the windows run through a KV cache of that element type (module docstring).
     """
+    kv_dtype = kv_dtype_of(kv_cache)
     if batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {batch_size}")
     config = model.config
@@ -137,7 +150,8 @@ def score_tokens(
         for first in range(0, len(windows), batch_size):
             batch = windows[first : first + batch_size]
             inputs, targets = _batch(tokens, batch, context)
-            logits = model(inputs.to(device))
+            inputs = inputs.to(device)
+            logits = model(inputs) if kv_dtype is None else _through_cache(model, inputs, kv_dtype)
             nll = F.cross_entropy(
                 logits.float().flatten(0, 1), targets.to(device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
@@ -147,6 +161,16 @@ def score_tokens(
     finally:
         model.train(was_training)
     return nll_sum, scored
+
+
+def _through_cache(model: GPT, inputs: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """The logits of inputs (B, T) computed KV_CHUNK tokens at a time through a fresh cache storing kv_dtype."""
+    weight = model.tok_emb.weight
+    cache = KVCache(model.config, inputs.size(0), inputs.size(1), device=weight.device, dtype=weight.dtype,
+                    kv_dtype=kv_dtype)  # fmt: skip
+    parts = [model(inputs[:, start : start + KV_CHUNK], cache=cache, start_pos=start)
+             for start in range(0, inputs.size(1), KV_CHUNK)]  # fmt: skip
+    return torch.cat(parts, dim=1)
 
 
 def _batch(tokens: np.ndarray, windows: list[Window], context: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,9 +197,10 @@ def evaluate_ids(
     stride: int | None = None,
     batch_size: int = 8,
     on_windows: Callable[[int], None] = lambda n: None,
+    kv_cache: str | None = None,
 ) -> EvalResult:
     """Metrics of a token sequence; bytes come from the tokenizer's per-token byte lengths (0 if unknown)."""
-    nll_sum, tokens = score_tokens(model, ids, stride, batch_size, on_windows=on_windows)
+    nll_sum, tokens = score_tokens(model, ids, stride, batch_size, on_windows=on_windows, kv_cache=kv_cache)
     n_bytes = scored_bytes(ids, token_byte_lengths) if token_byte_lengths is not None else 0
     return metrics(nll_sum, tokens, n_bytes)
 

@@ -72,6 +72,9 @@ class PlanSettings:
         default=None, metadata={"metavar": "T", "help": "inference context for the KV cache (default: the training T)"}
     )
     kv_batch: int = field(default=1, metadata={"metavar": "B", "help": "inference batch for the KV cache"})
+    kv_cache: str | None = field(default=None, metadata={
+        "help": "the KV cache's elements: int8 (a scale per token and head), or by default the training dtype",
+        "choices": ("int8",)})  # fmt: skip
 
     def validate(self, config: ModelConfig) -> None:
         """Raise ConfigError naming the first setting this model cannot take."""
@@ -233,7 +236,8 @@ def make_plan(config: ModelConfig, settings: PlanSettings) -> Plan:
     memory = training_memory(config, settings.batch_size, block_size, settings.dtype)
     limit = settings.device_memory * GIB if settings.device_memory is not None else None
     kv_context = settings.kv_context or block_size
-    kv_dtype = settings.dtype  # inference usually runs in the training precision's compute dtype
+    # Inference usually runs in the training precision's compute dtype, unless the cache is quantised.
+    kv_dtype = settings.kv_cache or settings.dtype
     kv = {
         "context": kv_context,
         "batch": settings.kv_batch,

@@ -1,11 +1,20 @@
-"""Int8 weight-only quantisation: every Linear's weight as int8 with one scale per output channel.
+"""Weight-only quantisation of every Linear: int8 with one scale per output channel, or int4 as llama.cpp's Q4_0.
 
-Activations stay in the model's float dtype (fp32 or bf16); each matmul reads one byte per weight instead of two or
-four, which is what bounds decoding on a CPU. The embedding table stays in float (a lookup reads a few rows only);
-a tied LM head gets its own int8 copy.
+Each matmul reads one byte per weight (int8) or 18 bytes per 32 (int4: 4-bit values and one fp16 scale per block
+of 32) instead of two or four, which is what bounds decoding on a CPU. Activations stay in the model's float dtype
+(fp32 or bf16) between the products. The embedding table stays in float (a lookup reads a few rows only); a tied
+LM head gets its own quantised copy.
 
-A quantised model saves as a gptkit model directory whose config.json carries "quantization": "int8" and whose
-model.safetensors holds int8 `*.weight` and float `*.scales` tensors; gptkit.formats.quantized writes and reads such a directory.
+int4 is Q4_0 exactly (llama.cpp's ggml-quants.c, quantize_row_q4_0_ref): per block of 32 weights the one of largest
+magnitude m sets d = m / -8, each weight becomes q = min(15, floor(w / d + 8.5)) in 0..15, and w ~ d (q - 8); so
+`gptkit convert --to-gguf --type q4_0` repacks these bits without rounding again. A layer whose input width is not a
+multiple of 32 (no whole blocks) is quantised to int8 instead. The few-row int4 product (decoding) rounds its
+activations to int8 per block of 32 as llama.cpp does (cpu_kernels.q4_linear); many rows run as a float GEMM over
+the dequantised weight.
+
+A quantised model saves as a gptkit model directory whose config.json carries "quantization": "int8" or "int4" and
+whose model.safetensors holds int8 (or packed uint8) `*.weight` and their `*.scales` tensors;
+gptkit.formats.quantized writes and reads such a directory.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from gptkit import cpu_kernels
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
 
-METHODS = ("int8",)
+METHODS = ("int8", "int4")
 QUANT_MAX = 127  # symmetric int8: -127..127, so that negating a weight never overflows
 # Above this many rows (tokens) a matmul is compute-bound: dequantising the weight once and running the float GEMM
 # is faster there than PyTorch's int8 kernel, which is built for the few rows of decoding.
@@ -82,6 +91,15 @@ def _compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype | None:
     if device_type == "cpu" and dtype == torch.float32 and _kernel_works(device_type, torch.bfloat16):
         return torch.bfloat16
     return dtype if _kernel_works(device_type, dtype) else None
+
+
+def gemm_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a quantised layer's many-row product runs in: x's, or bf16 for fp32 inference on a CPU whose bf16
+    GEMM the kernels' measurement found the faster (cpu_kernels: bf16_upcast False; 2.6x fp32's on a 2-core AVX512-BF16
+    EPYC). The weights are the quantised ones either way; the activations round to bf16 for the product, about
+    what the few-row kernels' int8 rounding costs."""
+    fast = x.device.type == "cpu" and not torch.is_grad_enabled() and not cpu_kernels.choices().get("bf16_upcast", True)
+    return torch.bfloat16 if x.dtype == torch.float32 and fast else x.dtype
 
 
 def _dequantized(weight: Tensor, scales: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -166,7 +184,8 @@ class Int8Linear(nn.Module):
         """(x2 @ q^T) * scales by PyTorch's int8 kernel where it runs, else by dequantising."""
         dtype = x2.dtype
         if x2.size(0) > KERNEL_MAX_ROWS:  # prefill: compute-bound, where a float GEMM beats the int8 kernel
-            return cpu_kernels.linear(x2, self.weight.to(dtype) * self.scales.to(dtype)[:, None])
+            gemm = gemm_dtype(x2)  # int8 values are exact in bf16: the scales apply after the product
+            return F.linear(x2.to(gemm), self.weight.to(gemm)).to(dtype) * self.scales.to(dtype)
         compute = _compute_dtype(x2.device.type, dtype) if self.in_features % KERNEL_K_MULTIPLE == 0 else None
         if compute is not None:
             y = torch._weight_int8pack_mm(x2.to(compute).contiguous(), self.weight, self.scales.to(compute))
@@ -175,6 +194,137 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+Q4_BLOCK = 32  # weights per Q4_0 block (llama.cpp's QK4_0)
+Q4_GROUP = 8  # rows Int4Linear interleaves in memory (csrc/kernels.h's kQ4Group)
+
+
+def quantize_q4(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """llama.cpp's Q4_0 of a (N, K) weight, K a multiple of 32: (packed uint8 (N, K / 2), fp16 scales (N, K / 32)).
+
+    Byte j of a block's 16 holds element j in its low nibble and element j + 16 in its high one, as in GGUF.
+    """
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // Q4_BLOCK, Q4_BLOCK)  # (N, blocks, 32)
+    largest = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))  # the first of largest magnitude, with its sign
+    d = largest / -8.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = (w * inverse + 8.5).floor().clamp(0, 15).to(torch.uint8)  # (N, blocks, 32)
+    packed = q[..., :16] | (q[..., 16:] << 4)  # (N, blocks, 16)
+    return packed.reshape(n, k // 2), d[..., 0].to(torch.float16)
+
+
+def dequantize_q4(packed: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The (N, K) weight d (q - 8) that quantize_q4's output stands for."""
+    n = packed.size(0)
+    blocks = packed.reshape(n, -1, Q4_BLOCK // 2)  # (N, blocks, 16)
+    q = torch.cat([blocks & 15, blocks >> 4], dim=-1).to(torch.float32) - 8.0  # (N, blocks, 32)
+    return (q * scales.float()[..., None]).reshape(n, -1).to(dtype)
+
+
+def group_q4(packed: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """quantize_q4's (N, K / 2) and (N, K / 32) in groups of 8 rows, the q4 kernel's layout (csrc/kernels.h): bytes
+    (ceil(N / 8), K / 32, 128) and scales (ceil(N / 8), K / 32, 8), rows past N zero."""
+    n, half = packed.shape
+    pad, blocks = -n % Q4_GROUP, half // (Q4_BLOCK // 2)
+    packed = torch.cat([packed, packed.new_zeros(pad, half)])
+    scales = torch.cat([scales, scales.new_zeros(pad, blocks)])
+    groups = (n + pad) // Q4_GROUP
+    grouped = packed.view(groups, Q4_GROUP, blocks, 2, 8).permute(0, 2, 3, 1, 4)  # (G, blocks, half, row, byte)
+    grouped_scales = scales.view(groups, Q4_GROUP, blocks).transpose(1, 2)  # (G, blocks, row)
+    return grouped.reshape(groups, blocks, -1).contiguous(), grouped_scales.contiguous()
+
+
+def ungroup_q4(grouped: Tensor, grouped_scales: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """group_q4 undone: the first rows rows as (rows, K / 2) bytes and (rows, K / 32) scales."""
+    groups, blocks, _ = grouped.shape
+    packed = grouped.view(groups, blocks, 2, Q4_GROUP, 8).permute(0, 3, 1, 2, 4)  # (G, row, blocks, half, byte)
+    scales = grouped_scales.transpose(1, 2)  # (G, row, blocks)
+    return packed.reshape(-1, blocks * 16)[:rows].contiguous(), scales.reshape(-1, blocks)[:rows].contiguous()
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T + bias with W held as Q4_0 blocks (quantize_q4); the q4 kernel for few rows on a CPU.
+
+    In memory the blocks sit in groups of 8 rows (group_q4), so that the kernel reads 8 rows' bytes in one stream;
+    state dicts hold them as plain rows (quantize_q4's layout), which saved quantised models and GGUF files share.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if in_features % Q4_BLOCK:
+            raise ConfigError(f"int4 needs an input width that is a multiple of {Q4_BLOCK}, got {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        groups, blocks = -(-out_features // Q4_GROUP), in_features // Q4_BLOCK
+        self.register_buffer("weight", torch.zeros(groups, blocks, Q4_GROUP * Q4_BLOCK // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(groups, blocks, Q4_GROUP, dtype=torch.float16))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int4Linear:
+        """The Q4_0 copy of a float Linear (same device; bias in its dtype)."""
+        return cls.from_q4(*quantize_q4(linear.weight), linear.bias)
+
+    @classmethod
+    def from_q4(cls, packed: Tensor, scales: Tensor, bias: Tensor | None) -> Int4Linear:
+        """A layer over existing Q4_0 data (quantize_q4's, or a GGUF file's): packed (N, K / 2) uint8, fp16 scales
+        (N, K / 32); on packed's device, bias in its own dtype."""
+        dtype = torch.float32 if bias is None else bias.dtype
+        module = cls(packed.size(1) * 2, packed.size(0), bias is not None, dtype).to(packed.device)
+        module.weight, module.scales = group_q4(packed, scales.to(torch.float16))
+        if bias is not None:
+            module.bias.copy_(bias.detach())
+        return module
+
+    def plain(self) -> tuple[Tensor, Tensor]:
+        """The blocks as rows: packed (N, K / 2) uint8 and fp16 scales (N, K / 32), quantize_q4's layout."""
+        return ungroup_q4(self.weight, self.scales, self.out_features)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The (N, K) float weight the blocks stand for (on a CPU by the kernels' one-pass op where built)."""
+        native = cpu_kernels.dequantize_q4(self.weight, self.scales, self.out_features, dtype)
+        return native if native is not None else dequantize_q4(*self.plain(), dtype)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"], destination[prefix + "scales"] = self.plain()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        weight, scales = state_dict.get(prefix + "weight"), state_dict.get(prefix + "scales")
+        plain = (self.out_features, self.in_features // 2), (self.out_features, self.in_features // Q4_BLOCK)
+        if weight is not None and scales is not None and (tuple(weight.shape), tuple(scales.shape)) == plain:
+            state_dict[prefix + "weight"], state_dict[prefix + "scales"] = group_q4(weight, scales.to(torch.float16))
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Int4Linear:
+        """Moved and cast as any module is, except that the fp16 block scales move as their bits: a cast to the
+        model's dtype (bf16) would round them, and Q4_0 defines them in fp16."""
+        scales = self.scales
+        super()._apply(fn, recurse)
+        self.scales = fn(scales.view(torch.int16)).view(torch.float16)
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        y = None
+        if not torch.is_grad_enabled():
+            y = cpu_kernels.q4_linear(x2, self.weight, self.scales, self.bias, self.out_features)
+        if y is None:  # many rows, autograd or another device: a float product over the dequantised weight
+            gemm = gemm_dtype(x2)
+            y = F.linear(x2.to(gemm), self.dequantized(gemm)).to(x.dtype)
+            y = y if self.bias is None else y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 (Q4_0 blocks of 32)"
+
+
+def int4_or_int8(linear: nn.Linear) -> nn.Module:
+    """Int4Linear where the input width holds whole blocks of 32, else Int8Linear."""
+    if linear.in_features % Q4_BLOCK:
+        return Int8Linear.from_linear(linear)
+    return Int4Linear.from_linear(linear)
 
 
 def _check_method(method: str) -> None:
@@ -191,14 +341,35 @@ def swap_linears(model: nn.Module, make: Any) -> None:
             swap_linears(child, make)
 
 
+def dequantized_state(model: nn.Module) -> dict[str, Tensor]:
+    """model's state dict with every quantised layer's weight as the float weight it stands for (no scales)."""
+    model = getattr(model, "_orig_mod", model)
+    state = dict(model.state_dict())
+    for name, module in model.named_modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            del state[f"{name}.scales"]
+            state[f"{name}.weight"] = (_dequantized(module.weight, module.scales, torch.float32)
+                                       if isinstance(module, Int8Linear) else module.dequantized())  # fmt: skip
+    return state
+
+
 def is_quantized(model: nn.Module) -> bool:
-    """Whether model holds any Int8Linear."""
-    return any(isinstance(m, Int8Linear) for m in getattr(model, "_orig_mod", model).modules())
+    """Whether model holds any Int8Linear or Int4Linear."""
+    return any(isinstance(m, (Int8Linear, Int4Linear)) for m in getattr(model, "_orig_mod", model).modules())
+
+
+def quantization_method(model: nn.Module) -> str | None:
+    """"int4" where any layer is Int4Linear, "int8" where any is Int8Linear, else None."""
+    modules = list(getattr(model, "_orig_mod", model).modules())
+    if any(isinstance(m, Int4Linear) for m in modules):
+        return "int4"
+    return "int8" if any(isinstance(m, Int8Linear) for m in modules) else None
 
 
 @torch.no_grad()
 def quantize(model: GPT, method: str = "int8", include_head: bool = True) -> GPT:
-    """Quantise model's Linear weights in place (int8, per output channel) and return it, in eval mode.
+    """Quantise model's Linear weights in place (int8 per output channel, or int4 Q4_0 blocks) and return it, in
+    eval mode.
 
     include_head=False keeps the LM head in float (LoRA training over an int8 base: the fused loss reads it).
     """
@@ -206,5 +377,5 @@ def quantize(model: GPT, method: str = "int8", include_head: bool = True) -> GPT
     base = getattr(model, "_orig_mod", model)
     if is_quantized(base):
         raise ConfigError("this model is already quantised")
-    swap_linears(base if include_head else base.blocks, Int8Linear.from_linear)
+    swap_linears(base if include_head else base.blocks, Int8Linear.from_linear if method == "int8" else int4_or_int8)
     return model.eval()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 
 TINY = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -32,6 +33,9 @@ VARIANTS: dict[str, dict] = {
 # tests start inherit the setting through the environment.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+# A first decode builds gptkit's CPU kernels in the background and takes them once built: the tests take them built
+# (or ruled out) from the start, so that no test sees the switch between two of its calls.
+cpu_kernels.prepare()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -105,3 +105,38 @@ def test_bench_gpu_smoke_run_on_the_cpu_reports_every_part(tmp_path):
     lora = report["lora"]["loops"]
     assert lora["gptkit lora"]["trainable_params"] == lora["hf+peft lora"]["trainable_params"] > 0
     assert "| gptkit eager |" in (tmp_path / "bench_gpu.md").read_text()
+
+
+def test_bench_kernels_smoke_run_times_every_format_on_both_sides():
+    from gptkit import cpu_kernels
+
+    if not cpu_kernels.load():
+        pytest.skip("gptkit's CPU kernels are not built on this machine")
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_kernels.py"), "--rows", "1", "--rounds", "1",
+                             "--calls", "1", "--json"], capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [r["format"] for r in report["results"]] == ["fp32", "bf16", "int8", "int4"]
+    assert all(r["torch"]["us"] > 0 and r["gptkit"]["gb_s"] > 0 for r in report["results"])
+
+
+def test_bench_quantization_smoke_run_scores_every_setting(tmp_path):
+    import torch
+
+    from gptkit.config import ModelConfig
+    from gptkit.formats.modeldir import save_model_dir
+    from gptkit.model import GPT
+    from gptkit.tokenizer import ByteTokenizer
+
+    torch.manual_seed(0)
+    model_dir = save_model_dir(GPT(ModelConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64)),
+                               tmp_path / "model", ByteTokenizer())  # fmt: skip
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question. " * 10)
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_quantization.py"), str(model_dir), "--input",
+                             str(text), "--json"], capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["models"][str(model_dir)]["rows"]
+    assert list(rows) == ["fp32", "int8", "int4", "kv int8", "int4 + kv int8"]
+    assert rows["fp32"]["perplexity_change"] == 0 and rows["int4"]["loss"] != rows["fp32"]["loss"]
+    assert all(row["tokens"] == rows["fp32"]["tokens"] for row in rows.values())

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import generate_ids
+from gptkit.errors import ConfigError
 from gptkit.model import GPT
 from gptkit.quantization import Int8Linear, quantize_weight
 
@@ -56,18 +60,69 @@ def test_gemv_equals_f_linear_at_every_row_count(rows, k, dtype):
     torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2)
 
 
+def rounded_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's q8_0 of each row of x (rows, K): integer values (rows, K) and per-block scales (rows, K / 32)."""
+    blocks = x.reshape(x.size(0), -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    return q.reshape(x.shape), (amax / 127.0)[..., 0]
+
+
+def blockwise_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum over blocks of d_x * (x_q . w) in float64: the int8 and q4 kernels' math (w: integers or q4's q - 8)."""
+    q, d = rounded_rows(x)
+    per_block = torch.einsum("mbj,nbj->mnb", q.double().reshape(*d.shape, 32), w.double().reshape(w.size(0), -1, 32))
+    return (per_block * d.double()[:, None, :]).sum(-1)
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows", range(1, cpu_kernels.GEMV_MAX_ROWS + 1))
 @pytest.mark.parametrize("k", [17, 64, 100])
-def test_int8_gemv_is_the_exact_product_in_fp32(rows, k):
+def test_int8_gemv_is_its_exact_product(rows, k):
+    """Whole blocks of 32 (k = 64): activations rounded to int8 per block (llama.cpp's q8_0), integer sums; else the
+    fp32 product over the widened weights."""
     g = torch.Generator().manual_seed(rows * 1000 + k)
     x = torch.randn(rows, k, generator=g)
     q, scales = quantize_weight(torch.randn(37, k, generator=g))
     bias = torch.randn(37, generator=g)
     got = torch.ops.gptkit.gemv_int8(x, q, scales, bias)
-    want = (x.double() @ q.double().t()) * scales.double() + bias.double()
+    product = blockwise_product(x, q) if k % 32 == 0 else x.double() @ q.double().t()
+    want = product * scales.double() + bias.double()
     assert got.dtype == torch.float32 and got.shape == (rows, 37)
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    exact = (x.double() @ q.double().t()) * scales.double() + bias.double()  # the rounding costs under 1%
+    assert (got.double() - exact).abs().max() <= 1e-2 * exact.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", range(1, cpu_kernels.GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("k", [32, 96])
+def test_q4_gemv_is_llama_cpps_q4_0_by_q8_0_product(rows, k):
+    from gptkit.quantization import Q4_BLOCK, group_q4, quantize_q4
+
+    g = torch.Generator().manual_seed(rows * 100 + k)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(37, k, generator=g)
+    packed, scales = quantize_q4(w)
+    bias = torch.randn(37, generator=g)
+    got = torch.ops.gptkit.gemv_q4(x, *group_q4(packed, scales), bias, 37)  # 37 rows: a group with 3 of padding
+    nibbles = packed.reshape(37, -1, Q4_BLOCK // 2)
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(37, k).double() - 8  # (N, K), block by block
+    rows_q, d_x = rounded_rows(x)
+    per_block = torch.einsum("mbj,nbj->mnb", rows_q.double().reshape(rows, -1, 32), q.reshape(37, -1, 32))
+    want = (per_block * d_x.double()[:, None, :] * scales.double()[None]).sum(-1) + bias.double()
+    assert got.dtype == torch.float32 and got.shape == (rows, 37)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_q4_dequantisation_gives_pytorchs_values(dtype):
+    from gptkit.quantization import dequantize_q4, group_q4, quantize_q4
+
+    packed, scales = quantize_q4(torch.randn(37, 96, generator=torch.Generator().manual_seed(1)))
+    got = torch.ops.gptkit.dequantize_q4(*group_q4(packed, scales), 37, dtype)
+    assert got.dtype == dtype and torch.equal(got, dequantize_q4(packed, scales, dtype))
 
 
 @needs_kernels
@@ -147,13 +202,15 @@ def test_a_failed_build_logs_once_and_falls_back(monkeypatch, caplog):
         raise RuntimeError("Error building extension 'gptkit_gemv'")
 
     monkeypatch.setattr(cpu_kernels, "_STATE", {})
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.delenv(cpu_kernels.ISA_VARIABLE, raising=False)
     monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
     monkeypatch.setenv(cpu_kernels.UPCAST_VARIABLE, "0")
     monkeypatch.setattr(cpp_extension, "load", broken_build)
     x, w, b = _inputs(1, 64, 16, torch.float32, True)
     with caplog.at_level(logging.WARNING, logger="gptkit.cpu_kernels"), torch.no_grad():
-        y1 = cpu_kernels.linear(x, w, b)
+        y1 = cpu_kernels.linear(x, w, b)  # the first product does not wait for the build: PyTorch's product
+        cpu_kernels.prepare()  # (waits for the background build)
         y2 = cpu_kernels.linear(x, w, b)
     assert torch.equal(y1, F.linear(x, w, b)) and torch.equal(y2, y1)
     assert [r.getMessage() for r in caplog.records if "did not build" in r.getMessage()] != []
@@ -167,6 +224,7 @@ def test_cpus_without_avx2_or_avx512_never_build(monkeypatch, flags):
 
     monkeypatch.setattr(cpu_kernels, "_STATE", {})
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
+    monkeypatch.delenv(cpu_kernels.ISA_VARIABLE, raising=False)
     monkeypatch.setenv(cpu_kernels.UPCAST_VARIABLE, "0")
     monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("built on a CPU that cannot run the kernels"))
     assert cpu_kernels.load() is False and cpu_kernels.isa() == "none"
@@ -218,3 +276,26 @@ def test_compiled_bf16_decode_with_the_kernel_matches_eager(chosen):
     prompt = [3, 14, 15, 9, 26]
     eager = generate_ids(model, prompt, max_new_tokens=12, temperature=0)
     assert generate_ids(model, prompt, max_new_tokens=12, temperature=0, compile=True) == eager
+
+
+WIDER_THAN_AVX2 = cpu_kernels.isa_level() is not None and cpu_kernels.isa_level()[0] != "avx2"
+
+
+@pytest.mark.skipif(not WIDER_THAN_AVX2, reason="the AVX2 variant is what this CPU builds anyway")
+def test_the_avx2_variant_computes_the_same_on_a_wider_cpu():
+    """An AVX-512 machine builds and runs the AVX2 variant too ($GPTKIT_CPU_ISA): the code an AVX2-only CPU runs
+    (8-lane vectors, vpmaddubsw in place of VNNI, widened bf16) passes the same product and fused-step tests."""
+    tests = Path(__file__).parent
+    env = {**os.environ, cpu_kernels.ISA_VARIABLE: "avx2"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(tests / "test_cpu_kernels.py"), str(tests / "test_fused.py"),
+                           "-k", "gemv or fused_step_gives or every_weight_and_cache"],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+
+
+def test_an_unknown_instruction_set_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ISA_VARIABLE, "avx1024")
+    with pytest.raises(ConfigError, match="GPTKIT_CPU_ISA=avx1024 is not one of avx512_bf16, avx512_vnni"):
+        cpu_kernels.isa_level()

@@ -191,3 +191,46 @@ def test_the_default_chat_template_written_as_jinja_renders_the_same_text():
     for prompt in (True, False):
         assert jinja.render(messages, prompt) == default.render(messages, prompt)
     assert default.jinja == DEFAULT_JINJA and jinja.jinja == DEFAULT_JINJA
+
+
+@pytest.mark.parametrize("variant", ARCHS)
+def test_an_int4_model_goes_to_q4_0_as_its_own_bits_and_comes_back_alike(variant, tmp_path, capsys):
+    from gptkit.formats.quantized import save_quantized_dir
+    from gptkit.quantization import Int4Linear, quantize
+
+    model = quantize(tiny(variant, vocab_size=300), "int4")
+    source = save_quantized_dir(model, tmp_path / "int4", tokenizer=bpe())
+    path = tmp_path / "m.gguf"
+    assert main(["convert", "--to-gguf", str(source), "--out", str(path), "--type", "q4_0"]) == 0
+    reader = gguf.GGUFReader(str(path))
+    kinds = {t.name: t.tensor_type for t in reader.tensors}
+    assert kinds["token_embd.weight"] == gguf.GGMLQuantizationType.F32  # looked up, as gptkit keeps it
+    assert kinds["output.weight"] == gguf.GGMLQuantizationType.Q4_0  # gptkit's own int4 head
+    written = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+    layer = model.blocks[1].mlp.proj
+    values = gguf.quants.dequantize(np.asarray(written.data), written.tensor_type).reshape(layer.out_features, -1)
+    assert np.array_equal(values, layer.dequantized().numpy())  # the same blocks, repacked
+    back, _ = load(path)
+    assert isinstance(back.blocks[1].mlp.proj, Int4Linear) and isinstance(back.lm_head, Int4Linear)
+    assert torch.equal(back.blocks[1].attn.qkv.weight, model.blocks[1].attn.qkv.weight)  # q/k rows put back
+    ids = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(back(ids), model(ids))
+    assert main(["convert", "--from-gguf", str(path), "--out", str(tmp_path / "back")]) == 0
+    assert isinstance(load(tmp_path / "back")[0].blocks[0].mlp.fc, Int4Linear)  # kept as int4 on disk too
+
+
+def test_gptkits_q4_0_is_llama_cpps_reference_quantisation():
+    from gptkit.formats.gguf import q4_0_blocks
+    from gptkit.quantization import quantize_q4
+
+    w = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    w[3, :32] = 0.0  # a block of zeros: d = 0
+    ours = q4_0_blocks(*quantize_q4(torch.from_numpy(w)))
+    theirs = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
+    # gguf's numpy port rounds w / d + 8.5 in float64 where ggml's C rounds in float32: a code on the boundary may
+    # differ by one; the scales are the same.
+    assert ours.shape == theirs.shape
+    blocks = lambda a: a.reshape(64, -1, 18)  # noqa: E731
+    assert np.array_equal(blocks(ours)[..., :2], blocks(theirs)[..., :2])
+    assert (blocks(ours)[..., 2:] != blocks(theirs)[..., 2:]).mean() < 1e-3

@@ -111,16 +111,46 @@ def _copy(model: GPT) -> GPT:
     return clone.eval()
 
 
+@pytest.mark.parametrize("method, layer", [("int8", q.Int8Linear), ("int4", q.Int4Linear)])
 @pytest.mark.parametrize("variant", ["gpt2", "llama-gqa"])
-def test_quantize_replaces_every_linear(variant):
-    model = q.quantize(GPT(ModelConfig(**VARIANTS[variant])), "int8")
+def test_quantize_replaces_every_linear(variant, method, layer):
+    model = q.quantize(GPT(ModelConfig(**VARIANTS[variant])), method)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert not linears and q.is_quantized(model)
+    assert not linears and q.is_quantized(model) and q.quantization_method(model) == method
+    assert {type(m) for m in model.modules() if isinstance(m, (q.Int8Linear, q.Int4Linear))} == {layer}
     assert model.tok_emb.weight.dtype == torch.float32  # the embedding table stays in float
     with pytest.raises(ConfigError, match="already quantised"):
         q.quantize(model, "int8")
-    with pytest.raises(ConfigError, match="int4"):
-        q.quantize(GPT(ModelConfig(**VARIANTS[variant])), "int4")
+    with pytest.raises(ConfigError, match="int3"):
+        q.quantize(GPT(ModelConfig(**VARIANTS[variant])), "int3")
+
+
+def test_int4_layers_need_whole_blocks_of_32_else_take_int8():
+    model = q.quantize(GPT(ModelConfig(**dict(VARIANTS["gpt2"], ffn_hidden=40))), "int4")  # mlp.proj reads 40
+    assert isinstance(model.blocks[0].mlp.fc, q.Int4Linear) and isinstance(model.blocks[0].mlp.proj, q.Int8Linear)
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        q.Int4Linear(40, 8, bias=False)
+
+
+def test_int4_holds_groups_of_8_rows_in_memory_and_plain_rows_in_its_state_dict():
+    linear = torch.nn.Linear(64, 13)  # 13 rows: a second group with 3 real rows and 5 of padding
+    packed, scales = q.quantize_q4(linear.weight)
+    layer = q.Int4Linear.from_linear(linear)
+    assert layer.weight.shape == (2, 2, 128) and layer.scales.shape == (2, 2, 8)
+    assert torch.equal(layer.weight[0, 1, 8:16], packed[1, 16:24])  # group 0, block 1: row 1's bytes 0-7
+    assert torch.equal(layer.weight[1, 0, 64 + 16:64 + 24], packed[10, 8:16])  # group 1, block 0: row 10's bytes 8-15
+    assert torch.equal(layer.scales[1, 1, :5], torch.tensor([scales[8, 1], scales[9, 1], scales[10, 1],
+                                                             scales[11, 1], scales[12, 1]]))  # fmt: skip
+    state = layer.state_dict()
+    assert torch.equal(state["weight"], packed) and torch.equal(state["scales"], scales)
+    back = q.Int4Linear(64, 13, bias=True)
+    back.load_state_dict(state)
+    assert torch.equal(back.weight, layer.weight) and torch.equal(back.scales, layer.scales)
+    x = torch.randn(20, 64)  # more rows than the kernel takes: the float product over the dequantised blocks
+    with torch.no_grad():
+        gemm = q.gemm_dtype(x)  # bf16 where this CPU's bf16 GEMM is the faster
+        want = torch.nn.functional.linear(x.to(gemm), q.dequantize_q4(packed, scales, gemm)).float() + linear.bias
+        assert torch.allclose(back(x), want, atol=1e-6)
 
 
 def test_bf16_quantised_model_generates():
@@ -182,4 +212,41 @@ def test_cli_generate_quantize_int8(trained, tmp_path, capsys):
     from_dir = json.loads(capsys.readouterr().out)
     assert on_the_fly["ids"] == from_dir["ids"] and len(from_dir["ids"]) == 10
     with pytest.raises(SystemExit):  # argparse refuses an unknown method before loading anything
-        main(["generate", str(float_dir), "--quantize", "int4", *args])
+        main(["generate", str(float_dir), "--quantize", "int3", *args])
+
+
+def test_int4_weights_and_an_int8_cache_through_generate_and_eval(trained, tmp_path, capsys):
+    from gptkit.decoding.api import generate
+
+    model, tokenizer, held_out = trained
+    float_dir = save_model_dir(_copy(model), tmp_path / "fp32", tokenizer)
+    int4_dir = fq.save_quantized_dir(q.quantize(_copy(model), "int4"), tmp_path / "int4", tokenizer)
+    assert fq.quantization_of(int4_dir) == "int4"
+    args = ["--prompt", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0", "--json", "--kv-cache", "int8"]
+    assert main(["generate", str(float_dir), "--quantize", "int4", *args]) == 0
+    on_the_fly = json.loads(capsys.readouterr().out)
+    assert main(["generate", str(int4_dir), *args]) == 0
+    from_dir = json.loads(capsys.readouterr().out)
+    in_python = generate(q.quantize(_copy(model), "int4"), tokenizer, "ROMEO:", max_new_tokens=12, temperature=0,
+                         kv_cache="int8")  # fmt: skip
+    assert on_the_fly["text"] == from_dir["text"] == in_python and len(from_dir["ids"]) == 12
+    text = tmp_path / "held_out.txt"
+    text.write_text(tokenizer.decode(held_out[:3000].tolist()))
+    losses = {}
+    for name, extra in {"fp32": [], "int4": ["--quantize", "int4"], "kv int8": ["--kv-cache", "int8"]}.items():
+        assert main(["eval", str(float_dir), "--input", str(text), "--json", "--quiet", *extra]) == 0
+        losses[name] = json.loads(capsys.readouterr().out)["loss"]
+    assert losses["int4"] != losses["fp32"] and losses["kv int8"] != losses["fp32"]  # each really ran quantised
+    assert abs(losses["int4"] - losses["fp32"]) / losses["fp32"] < 0.05
+    assert abs(losses["kv int8"] - losses["fp32"]) / losses["fp32"] < 0.01
+
+
+def test_bad_quantisation_and_cache_settings_are_one_line_errors(trained, tmp_path, capsys):
+    model, tokenizer, _ = trained
+    float_dir = save_model_dir(_copy(model), tmp_path / "fp32", tokenizer)
+    for flags in (["--kv-cache", "fp8"], ["--quantize", "int3"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", str(float_dir), "--prompt", "x", *flags])
+        assert exit_info.value.code == 2 and flags[1] in capsys.readouterr().err
+    code = main(["generate", str(float_dir), "--prompt", "x", "--kv-cache", "int8", "--num-beams", "2"])
+    assert code == 2 and "kv_cache int8 works with greedy and sampled decoding" in capsys.readouterr().err

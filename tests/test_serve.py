@@ -99,6 +99,26 @@ def test_a_server_on_the_device_answers_each_request_as_the_model_does(model_dir
         assert "".join(chunk.choices[0].text for chunk in chunks) == texts[3]
 
 
+def test_a_server_with_int4_weights_and_an_int8_cache_answers_as_the_python_api_does(model_dir):
+    from gptkit.decoding.api import generate
+    from gptkit.quantization import quantization_method, quantize
+
+    app = build_app(model_dir, ServeOptions(quantize="int4", kv_cache="int8", max_batch_size=2))
+    engine = app.state.gptkit.engine
+    assert engine.batch.cache.kv_dtype == torch.int8 and quantization_method(engine.model) == "int4"
+    model, tokenizer = load(model_dir)
+    model = quantize(model, "int4")
+    with live_server(app) as url:
+        own = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for prompt in PROMPTS[:3]:
+            text = own.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+            assert text == generate(model, tokenizer, prompt, max_new_tokens=8, temperature=0, kv_cache="int8")
+    with pytest.raises(Exception, match="kv_cache must be one of int8"):
+        build_app(model_dir, ServeOptions(kv_cache="fp8"))
+    with pytest.raises(Exception, match="--quantize must be one of int8, int4"):
+        build_app(model_dir, ServeOptions(quantize="int3"))
+
+
 def test_streaming_equals_non_streaming_and_ends_with_done(server, client):
     full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0)
     pieces = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0, stream=True))

@@ -39,8 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "to import as a gptkit model directory")  # fmt: skip
     parser.add_argument("--out", metavar="PATH", type=Path, required=True, help="directory to write (--to-gguf: the "
                         ".gguf file)")  # fmt: skip
-    parser.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0"), default="f16", dest="gguf_type",
-                        help="--to-gguf: the matrices' type (vectors stay f32; default f16, as llama.cpp's converter)")
+    parser.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0", "q4_0"), default="f16", dest="gguf_type",
+                        help="--to-gguf: the matrices' type (vectors stay f32; default f16, as llama.cpp's converter; "
+                        "q4_0 repacks an int4 model's own bits)")  # fmt: skip
     parser.add_argument(
         "--dtype", choices=DTYPES, default=None, help="store the weights in this dtype (default: as they are)"
     )
@@ -133,9 +134,14 @@ def _import(source: Path, out: Path, dtype: object) -> int:
 def _import_gguf(source: Path, out: Path, dtype: object) -> int:
     from gptkit.formats.gguf import gguf_chat_template, load_gguf
     from gptkit.formats.modeldir import save_model_dir
+    from gptkit.formats.quantized import save_quantized_dir
+    from gptkit.quantization import is_quantized
 
     model, tokenizer = load_gguf(source, dtype=dtype)
-    save_model_dir(model, out, tokenizer=tokenizer)
+    if is_quantized(model):  # Q4_0 layers stay int4
+        save_quantized_dir(model, out, tokenizer=tokenizer)
+    else:
+        save_model_dir(model, out, tokenizer=tokenizer)
     template = gguf_chat_template(source)
     # Kept where serve and fine-tuning find a model's template, as Hugging Face keeps it.
     if template is not None and template != DEFAULT_JINJA:

@@ -74,12 +74,15 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.finetune.heads import is_classifier_dir
     from gptkit.loading import load
     from gptkit.devices import pick_device
+    from gptkit.quantization import is_quantized, quantize
 
     options = dataclass_from_args(EvalOptions, args)
     text = _read_text(args.input) if args.input is not None else None
     if text == "":
         raise InputError(f"--input {args.input} is empty; there is nothing to score")
     model, tokenizer = load(args.model_dir, dtype=getattr(torch, options.dtype), device=pick_device(options.device))
+    if options.quantize is not None and not is_quantized(model):
+        quantize(model, options.quantize)
     context = model.config.block_size
     if text is not None:
         if tokenizer is None:
@@ -92,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
         lengths = data_tokenizer.token_byte_lengths() if data_tokenizer is not None else None
         source = str(Path(args.data) / "val.bin")
         meta = read_meta(args.data)
+        if options.kv_cache is not None and is_examples(meta):
+            raise InputError("--kv-cache scores a text (--input, or a data directory of text); examples are scored "
+                             "without a cache")  # fmt: skip
         if meta.get("kind") == "labelled" and is_classifier_dir(args.model_dir):
             return _classify_report(args, model, meta, options.batch_size)
         if is_examples(meta):  # supervised examples: each scored alone, on its trained tokens
@@ -104,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"{source} holds {len(ids)} token(s); at least 2 are needed to score a prediction")
     total = len(sliding_windows(len(ids), context, options.stride))  # also checks --stride before the model runs
     with tqdm(total=total, unit="window", desc="eval", file=sys.stderr, disable=args.quiet) as bar:
-        result = evaluate_ids(model, ids, lengths, options.stride, options.batch_size, bar.update)
+        result = evaluate_ids(model, ids, lengths, options.stride, options.batch_size, bar.update, options.kv_cache)
     return _report(args, result, f"{source}: {result.tokens:,} tokens scored ({result.bytes:,} bytes), context "
                                  f"{context}, stride {options.stride or max(1, context // 2)}")  # fmt: skip
 

@@ -21,6 +21,7 @@ HELP = "generate text from a model directory (streamed, or --json with ids and t
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate` sub-command."""
     from gptkit.decoding.speculative import DRAFT_K
+    from gptkit.kv_cache import KV_DTYPES
     from gptkit.quantization import METHODS
     from gptkit.decoding.sampling import SamplingParams
 
@@ -40,7 +41,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=DEVICES, default="auto", help="where to run (default: auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, timing")
     parser.add_argument("--quantize", choices=METHODS, default=None,
-                        help="int8: int8 weight-only quantisation of a float model after loading (default: none)")
+                        help="weight-only quantisation of a float model after loading: int8 (a byte a weight) or "
+                        "int4 (llama.cpp's Q4_0: 4.5 bits a weight) (default: none)")
+    parser.add_argument("--kv-cache", choices=list(KV_DTYPES), default=None,
+                        help="int8: keep the keys and values as int8 with a scale per token and head, a quarter of "
+                        "fp32's memory (default: the model's dtype)")
     parser.add_argument("--compile", action="store_true",
                         help="compile the decode step with torch.compile: a one-off cost (reported in --json "
                         "timing) that pays back over long generations (default: eager)")
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         if args.quantize and not is_quantized(draft):
             quantize(draft, args.quantize)
         check_draft(model, draft, params, args.draft_k)
-    fast = dict(compile=args.compile, draft=draft, draft_k=args.draft_k)
+    fast = dict(compile=args.compile, draft=draft, draft_k=args.draft_k, kv_cache=args.kv_cache)
     prompt_length = len(encode_prompt(tokenizer, prompt))  # a bad prompt fails before anything is printed
     if model.config.position == "learned" and prompt_length > model.config.block_size:
         print(f"gptkit generate: note: the prompt has {prompt_length} tokens; this model (learned positions) reads "

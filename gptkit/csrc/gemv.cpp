@@ -1,317 +1,293 @@
-// Few-row matrix products that stream the weights at memory speed, for decoding on a CPU:
-//   gemv(x, w, bias):          y = x @ w^T (+ bias) for fp32 or bf16 w (N, K), x (M, K) in w's dtype, y in x's dtype;
-//   gemv_int8(x, q, scales):   y = (x @ q^T) * scales, fp32 x (M, K), int8 q (N, K), fp32 scales (N,), fp32 y.
-// Decoding one token is a matrix-vector product per weight matrix: its speed is how fast the weights stream from
-// memory, which PyTorch 2.13's few-row kernels do not reach on a CPU (measurements in gptkit/cpu_kernels.py).
-// Every product accumulates in fp32. M is 1 to 8: each weight is loaded once for all M rows of x.
-//
-// One library holds three variants, each compiled for its instruction set with a function attribute, and the
-// best one the CPU has is picked when the library loads (whether to use the kernels at all is decided by
-// cpu_kernels.py from a measurement):
-//   - AVX-512 BF16: bf16 weights and x through vdpbf16ps (fp32 += pairs of bf16 products);
-//   - AVX-512 F/BW/VL: 16 fp32 lanes; bf16 and int8 weights widened to fp32;
-//   - AVX2 + FMA: 8 fp32 lanes, the same widening; the last K % 8 columns in scalar code.
+// Few-row matrix products that stream the weights at memory speed, for decoding on a CPU (kernels.h has the math):
+//   gemv(x, w, bias):             y = x @ w^T (+ bias), fp32 or bf16 w (N, K), x (M, K) in w's dtype, y in x's dtype;
+//   gemv_int8(x, q, scales, bias) y = (x @ q^T) * scales (+ bias): fp32 x, int8 q (N, K), fp32 scales (N,), fp32 y
+//                                 (x rounded to int8 per block of 32 first where K is a multiple of 32: kernels.h);
+//   gemv_q4(x, q, scales, bias, rows)  the Q4_0 product of kernels.h over rows (N) in groups of 8: fp32 x (M, K),
+//                                 uint8 q (ceil(N / 8), K / 32, 128), fp16 scales (ceil(N / 8), K / 32, 8), fp32 y;
+//   dequantize_q4(q, scales, rows, dtype)  gemv_q4's weight as a float (rows, K) matrix, fp32 or bf16;
+//   isa()                         the instruction set the library was built for;
+//   read_bandwidth(buffer, rounds) bytes/s that all threads stream from the buffer, each pinned to its own CPU for
+//                                 the probe, the best of the rounds (a benchmark's ceiling for weight-bound decoding);
+//   huge_pages(tensors)           asks Linux to back the tensors' memory with 2 MiB pages (bytes now so backed).
+// M is 1 to 8: each weight row is read once for all M rows of x. Each thread takes one contiguous range of rows,
+// so that it streams one run of memory.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <immintrin.h>
+#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/mman.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <chrono>
 #include <optional>
-#include <type_traits>
 #include <vector>
+
+#include "kernels.h"
 
 namespace {
 
-using bf16 = c10::BFloat16;
-constexpr int64_t kPrefetchBytes = 512;  // software prefetch ahead of each weight row stream
-
-#define AVX2 __attribute__((target("avx2,fma")))
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
-// Where the pieces of one product are: x as fp32 (M, K), weights (N, K), and per output row an optional scale
-// (int8) and bias (fp32); y (M, N) in Out.
-template <typename W, typename Out>
-struct Product {
-  const float* x;
-  const W* w;
-  const float* scales;
-  const float* bias;
-  Out* y;
-  int64_t K, N;
-
-  void store(int m, int64_t n, float v) const {
-    if (scales) v *= scales[n];
-    if (bias) v += bias[n];
-    y[m * N + n] = Out(v);
-  }
-};
-
-// ----- AVX2 + FMA: 8 lanes -----
-
-AVX2 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
-AVX2 inline __m256 widen8(const bf16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));  // bf16 is fp32's top half
-}
-AVX2 inline __m256 widen8(const int8_t* p) {
-  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-}
-AVX2 inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Rows [n, n + RR) of y. (Separate functions rather than lambdas: a lambda does not inherit the target.)
-template <int M, int RR, typename W, typename Out>
-AVX2 void avx2_block(const Product<W, Out>& p, int64_t n) {
-  const int64_t K = p.K, k_full = K - K % 8;
-  __m256 acc[RR][M];
-  for (int r = 0; r < RR; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-  const W* rows = p.w + n * K;
-  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line: one prefetch per line and row
-  for (int64_t k = 0; k < k_full; k += 8) {
-    __m256 wv[RR];
-    if (k % kLine == 0) {
-#pragma GCC unroll 8
-      for (int r = 0; r < RR; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < RR; ++r) wv[r] = widen8(rows + r * K + k);
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m256 xv = _mm256_loadu_ps(p.x + m * K + k);
-#pragma GCC unroll 8
-      for (int r = 0; r < RR; ++r) acc[r][m] = _mm256_fmadd_ps(xv, wv[r], acc[r][m]);
-    }
-  }
-  for (int r = 0; r < RR; ++r)
-    for (int m = 0; m < M; ++m) {
-      float v = hsum8(acc[r][m]);
-      for (int64_t k = k_full; k < K; ++k) v += p.x[m * K + k] * float(rows[r * K + k]);
-      p.store(m, n + r, v);
-    }
-}
-
-// Rows [n0, n1) of y, R weight rows at a time.
-template <int M, int R, typename W, typename Out>
-AVX2 void avx2_rows(const Product<W, Out>& p, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) avx2_block<M, R>(p, n);
-  for (; n < n1; ++n) avx2_block<M, 1>(p, n);
-}
-
-// ----- AVX-512 F/BW/VL: 16 lanes, masked tails -----
-
-AVX512 inline __m512 widen16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-AVX512 inline __m512 widen16(const bf16* p, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-AVX512 inline __m512 widen16(const int8_t* p, __mmask16 mask) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
-}
-
-template <int M, int RR, typename W, typename Out>
-AVX512 void avx512_block(const Product<W, Out>& p, int64_t n) {
-  const int64_t K = p.K, k_full = K - K % 16;
-  const __mmask16 all = ~__mmask16(0);
-  const __mmask16 tail = K % 16 ? __mmask16((1u << (K % 16)) - 1) : all;
-  __m512 acc[RR][M];
-  for (int r = 0; r < RR; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  const W* rows = p.w + n * K;
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 mask = k < k_full ? all : tail;
-    __m512 wv[RR];
-#pragma GCC unroll 8
-    for (int r = 0; r < RR; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
-      wv[r] = widen16(rows + r * K + k, mask);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, p.x + m * K + k);
-#pragma GCC unroll 8
-      for (int r = 0; r < RR; ++r) acc[r][m] = _mm512_fmadd_ps(xv, wv[r], acc[r][m]);
-    }
-  }
-  for (int r = 0; r < RR; ++r)
-    for (int m = 0; m < M; ++m) p.store(m, n + r, _mm512_reduce_add_ps(acc[r][m]));
-}
-
-template <int M, int R, typename W, typename Out>
-AVX512 void avx512_rows(const Product<W, Out>& p, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) avx512_block<M, R>(p, n);
-  for (; n < n1; ++n) avx512_block<M, 1>(p, n);
-}
-
-// ----- AVX-512 BF16: x stays bf16, pairs of products per lane -----
-
-AVX512BF16 inline __m512bh load_bh(const bf16* p, __mmask32 mask) {
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
-}
-
-template <int M, int RR>
-AVX512BF16 void dpbf16_block(const bf16* x, const Product<bf16, bf16>& p, int64_t n) {
-  const int64_t K = p.K, k_full = K - K % 32;
-  const __mmask32 all = ~__mmask32(0);
-  const __mmask32 tail = K % 32 ? __mmask32((1u << (K % 32)) - 1) : all;
-  __m512 acc[RR][M];
-  for (int r = 0; r < RR; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  const bf16* rows = p.w + n * K;
-  for (int64_t k = 0; k < K; k += 32) {
-    const __mmask32 mask = k < k_full ? all : tail;
-    __m512bh wv[RR];
-#pragma GCC unroll 8
-    for (int r = 0; r < RR; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
-      wv[r] = load_bh(rows + r * K + k, mask);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xv = load_bh(x + m * K + k, mask);
-#pragma GCC unroll 8
-      for (int r = 0; r < RR; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], xv, wv[r]);
-    }
-  }
-  for (int r = 0; r < RR; ++r)
-    for (int m = 0; m < M; ++m) p.store(m, n + r, _mm512_reduce_add_ps(acc[r][m]));
-}
-
-template <int M, int R>
-AVX512BF16 void dpbf16_rows(const bf16* x, const Product<bf16, bf16>& p, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) dpbf16_block<M, R>(x, p, n);
-  for (; n < n1; ++n) dpbf16_block<M, 1>(x, p, n);
-}
-
-// ----- choosing the variant -----
-
-enum Isa { kNone = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
-
-Isa detect() {
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl");
-  if (avx512 && __builtin_cpu_supports("avx512bf16")) return kAvx512Bf16;
-  if (avx512) return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-  return kNone;
-}
-
-const Isa kIsa = detect();
-
-// Weight rows per pass, measured on a 2-core AVX-512 machine (50 GPT-2-small matrices): more rows share each x
-// load but add streams and registers; 4 is best at M = 1-2, 2 at M = 3-4, 1 above.
-template <int M>
-constexpr int rows_per_pass() {
-  return M <= 2 ? 4 : (M <= 4 ? 2 : 1);
-}
-
-// Calls fn with M (1 to 8) as a compile-time constant, so that each row count gets its own unrolled loops.
-template <typename Fn>
-void with_rows(int64_t M, Fn&& fn) {
-  switch (M) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
-  }
-}
-
-template <typename W, typename Out>
-void run_widened(int64_t M, const Product<W, Out>& p) {
-  with_rows(M, [&](auto rows) {
-    constexpr int m = decltype(rows)::value, r = rows_per_pass<m>();
-    at::parallel_for(0, p.N, 16, [&](int64_t n0, int64_t n1) {
-      if (kIsa >= kAvx512)
-        avx512_rows<m, r>(p, n0, n1);
-      else
-        avx2_rows<m, r>(p, n0, n1);
-    });
-  });
-}
-
-void check_x(const at::Tensor& x, const at::Tensor& w, const char* name) {
-  TORCH_CHECK(kIsa != kNone, name, ": this CPU has neither AVX2 nor AVX-512");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x (M, K) and w (N, K) expected");
+void check_x(const at::Tensor& x, const at::Tensor& w, int64_t k_per_row, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) * k_per_row, name,
+              ": x (M, K) and w (N, K) expected");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), name, ": contiguous tensors expected");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, name, ": 1 to 8 rows of x expected, got ", x.size(0));
 }
 
-const float* float_data(const std::optional<at::Tensor>& t, int64_t n, at::Tensor& keep, const char* what) {
-  if (!t.has_value()) return nullptr;
-  TORCH_CHECK(t->numel() == n, what, ": one value per output row expected");
-  keep = t->to(at::kFloat).contiguous();
+const float* bias_data(const std::optional<at::Tensor>& bias, int64_t n, at::Tensor& keep) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->numel() == n, "gemv: one bias value per output row expected");
+  keep = bias->to(at::kFloat).contiguous();
   return keep.data_ptr<float>();
 }
 
+// M rows of fp32 activations rounded to int8 per block of 32 (kernels.h's to_q8), for the int8 and q4 products.
+struct Rounded {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<float> dsum;
+  const float* x;
+
+  Rounded(const float* x, int64_t M, int64_t K) : q(M * K), d(M * (K / gk::kQ4Block)), dsum(d.size()), x(x) {
+    const int64_t blocks = K / gk::kQ4Block;
+    for (int64_t m = 0; m < M; ++m) gk::to_q8(x + m * K, &q[m * K], &d[m * blocks], &dsum[m * blocks], K);
+  }
+
+  gk::Input input() const {
+    gk::Input in;
+    in.x = x;
+    in.q8 = {q.data(), d.data(), dsum.data()};
+    return in;
+  }
+};
+
+// y (M, N) fp32 = the product, each thread over its own rows
+at::Tensor run(const gk::Weight& w, const gk::Input& in, int64_t M, const at::TensorOptions& options) {
+  at::Tensor y = at::empty({M, w.N}, options.dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const int T = at::get_num_threads();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t lo, hi;
+      gk::split(w.N, int(t), T, 16, &lo, &hi);
+      gk::product_range(w, in, M, yp, w.N, lo, hi);
+    }
+  });
+  return y;
+}
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  check_x(x, w, "gemv");
+  check_x(x, w, 1, "gemv");
   TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "gemv: fp32 or bf16 x and w of one dtype expected");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options()), b, x32;
-  const float* bp = float_data(bias, N, b, "gemv bias");
+  at::Tensor b, x32;
+  gk::Weight weight;
+  weight.N = N;
+  weight.K = K;
+  weight.bias = bias_data(bias, N, b);
+  gk::Input in;
   if (w.scalar_type() == at::kFloat) {
-    run_widened(M, Product<float, float>{x.data_ptr<float>(), w.data_ptr<float>(), nullptr, bp, y.data_ptr<float>(),
-                                          K, N});
-    return y;
+    weight.format = gk::kF32;
+    weight.data = w.data_ptr<float>();
+    in.x = x.data_ptr<float>();
+    return run(weight, in, M, x.options());
   }
-  Product<bf16, bf16> p{nullptr, w.data_ptr<bf16>(), nullptr, bp, y.data_ptr<bf16>(), K, N};
-  if (kIsa == kAvx512Bf16) {
-    const bf16* xp = x.data_ptr<bf16>();
-    with_rows(M, [&](auto rows) {
-      constexpr int m = decltype(rows)::value, r = rows_per_pass<m>();
-      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { dpbf16_rows<m, r>(xp, p, n0, n1); });
-    });
-    return y;
-  }
+  weight.format = gk::kBF16;
+  weight.data = w.data_ptr();
   x32 = x.to(at::kFloat);
-  p.x = x32.data_ptr<float>();
-  run_widened(M, p);
-  return y;
+  in.x = x32.data_ptr<float>();
+  in.xb = static_cast<const gk::bf16*>(x.data_ptr());
+  return run(weight, in, M, x.options()).to(at::kBFloat16);
 }
 
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                      const std::optional<at::Tensor>& bias) {
-  check_x(x, q, "gemv_int8");
+  check_x(x, q, 1, "gemv_int8");
   TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat,
               "gemv_int8: fp32 x, int8 q and fp32 scales expected");
   TORCH_CHECK(scales.is_contiguous() && scales.numel() == q.size(0), "gemv_int8: one scale per row of q expected");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  at::Tensor y = at::empty({M, N}, x.options()), b;
-  const float* bp = float_data(bias, N, b, "gemv_int8 bias");
-  run_widened(M, Product<int8_t, float>{x.data_ptr<float>(), q.data_ptr<int8_t>(), scales.data_ptr<float>(), bp,
-                                        y.data_ptr<float>(), K, N});
-  return y;
+  at::Tensor b;
+  gk::Weight weight;
+  weight.format = gk::kI8;
+  weight.N = q.size(0);
+  weight.K = q.size(1);
+  weight.data = q.data_ptr<int8_t>();
+  weight.scales = scales.data_ptr<float>();
+  weight.bias = bias_data(bias, weight.N, b);
+  if (gk::rounds_activations(weight)) {
+    Rounded rounded(x.data_ptr<float>(), x.size(0), weight.K);
+    return run(weight, rounded.input(), x.size(0), x.options());
+  }
+  gk::Input in;
+  in.x = x.data_ptr<float>();
+  return run(weight, in, x.size(0), x.options());
 }
 
-int64_t isa() { return kIsa; }
+at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& bias, int64_t rows) {
+  const int64_t M = x.size(0), K = x.size(1), N = rows, blocks = K / gk::kQ4Block;
+  const int64_t groups = (N + gk::kQ4Group - 1) / gk::kQ4Group;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && M >= 1 && M <= 8, "gemv_q4: 1 to 8 contiguous rows of x");
+  TORCH_CHECK(K % gk::kQ4Block == 0, "gemv_q4: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf,
+              "gemv_q4: fp32 x, uint8 q and fp16 scales expected");
+  TORCH_CHECK(q.is_contiguous() && q.dim() == 3 && q.size(0) == groups && q.size(1) == blocks &&
+                  q.size(2) == gk::kQ4GroupBytes,
+              "gemv_q4: q (ceil(rows / 8), K / 32, 128) expected");
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == groups && scales.size(1) == blocks &&
+                  scales.size(2) == gk::kQ4Group,
+              "gemv_q4: scales (ceil(rows / 8), K / 32, 8) expected");
+  Rounded rounded(x.data_ptr<float>(), M, K);
+  at::Tensor b;
+  gk::Weight weight;
+  weight.format = gk::kQ4;
+  weight.N = N;
+  weight.K = K;
+  weight.data = q.data_ptr<uint8_t>();
+  weight.scales = scales.data_ptr();
+  weight.bias = bias_data(bias, N, b);
+  return run(weight, rounded.input(), M, x.options());
+}
+
+// The float weight (rows, K) of gemv_q4's grouped blocks, d (q - 8), in fp32 or bf16 (rounded to nearest even, as
+// a cast in PyTorch rounds): what a many-row product multiplies. One pass, every thread over its own groups, where
+// the same in PyTorch ops made five passes over an fp32 copy.
+at::Tensor dequantize_q4(const at::Tensor& q, const at::Tensor& scales, int64_t rows, at::ScalarType dtype) {
+  TORCH_CHECK(q.is_contiguous() && q.dim() == 3 && q.size(2) == gk::kQ4GroupBytes && q.scalar_type() == at::kByte,
+              "dequantize_q4: uint8 q (ceil(rows / 8), K / 32, 128) expected");
+  const int64_t groups = q.size(0), blocks = q.size(1), K = blocks * gk::kQ4Block;
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf && scales.dim() == 3 &&
+                  scales.size(0) == groups && scales.size(1) == blocks && scales.size(2) == gk::kQ4Group,
+              "dequantize_q4: fp16 scales (ceil(rows / 8), K / 32, 8) expected");
+  TORCH_CHECK(rows > (groups - 1) * gk::kQ4Group && rows <= groups * gk::kQ4Group, "dequantize_q4: ", rows,
+              " rows do not fill ", groups, " groups of 8");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize_q4: fp32 or bf16 out");
+  at::Tensor out = at::empty({rows, K}, q.options().dtype(dtype));
+  const uint8_t* data = q.data_ptr<uint8_t>();
+  const uint16_t* d16 = static_cast<const uint16_t*>(scales.data_ptr());
+  float* out32 = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+  gk::bf16* out16 = dtype == at::kBFloat16 ? static_cast<gk::bf16*>(out.data_ptr()) : nullptr;
+#pragma omp parallel for num_threads(at::get_num_threads()) schedule(static)
+  for (int64_t g = 0; g < groups; ++g) {
+    float row[gk::kQ4Block];
+    for (int64_t r = 0; r < gk::kQ4Group && g * gk::kQ4Group + r < rows; ++r) {
+      const int64_t n = g * gk::kQ4Group + r;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = data + (g * blocks + b) * gk::kQ4GroupBytes;
+        const float d = gk::half_to_float(d16[(g * blocks + b) * gk::kQ4Group + r]);
+        for (int64_t j = 0; j < 16; ++j) {
+          const uint8_t byte = block[(j / 8) * 64 + r * 8 + j % 8];  // bytes 0-7 of every row, then bytes 8-15
+          row[j] = d * float((byte & 15) - 8);
+          row[j + 16] = d * float((byte >> 4) - 8);
+        }
+        if (out32)
+          std::memcpy(out32 + n * K + b * gk::kQ4Block, row, sizeof(row));
+        else
+          gk::to_bf16(row, out16 + n * K + b * gk::kQ4Block, gk::kQ4Block);
+      }
+    }
+  }
+  return out;
+}
+
+// Each thread sums its contiguous part of the buffer with four independent accumulators, on a CPU of its own
+// (its affinity restored after).
+double read_bandwidth(const at::Tensor& buffer, int64_t rounds) {
+  TORCH_CHECK(buffer.scalar_type() == at::kFloat && buffer.is_contiguous(), "read_bandwidth: a contiguous fp32 buffer");
+  const float* data = buffer.data_ptr<float>();
+  const int64_t n = buffer.numel() / (4 * gk::kLanes) * (4 * gk::kLanes);
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  sched_getaffinity(0, sizeof(allowed), &allowed);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  const int T = at::get_num_threads();
+  double best = 0.0;
+  float sink = 0.0f;
+  for (int64_t r = 0; r < rounds; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(T) reduction(+ : sink)
+    {
+      const int t = omp_get_thread_num();
+      cpu_set_t own, before;
+      pthread_getaffinity_np(pthread_self(), sizeof(before), &before);
+      CPU_ZERO(&own);
+      CPU_SET(cpus[t % cpus.size()], &own);
+      pthread_setaffinity_np(pthread_self(), sizeof(own), &own);
+      int64_t lo, hi;
+      gk::split(n, t, omp_get_num_threads(), 4 * gk::kLanes, &lo, &hi);
+      gk::V a = gk::vzero(), b = gk::vzero(), c = gk::vzero(), d = gk::vzero();
+      for (int64_t i = lo; i < hi; i += 4 * gk::kLanes) {
+        a = gk::vadd(a, gk::vload(data + i));
+        b = gk::vadd(b, gk::vload(data + i + gk::kLanes));
+        c = gk::vadd(c, gk::vload(data + i + 2 * gk::kLanes));
+        d = gk::vadd(d, gk::vload(data + i + 3 * gk::kLanes));
+      }
+      sink += gk::vsum(gk::vadd(gk::vadd(a, b), gk::vadd(c, d)));
+      pthread_setaffinity_np(pthread_self(), sizeof(before), &before);
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, double(n) * 4.0 / seconds);
+  }
+  return sink == -1.0f ? 0.0 : best;  // (the sum is used, so that the reads are not optimised away)
+}
+
+// Streaming hundreds of megabytes of weights a step through 4 KiB pages costs a page-table walk every 4 KiB: on a
+// 2-core AMD EPYC a GPT-2-small decode step read its fp32 weights at 31 GB/s through 4 KiB pages and 36 GB/s through
+// 2 MiB ones (the same matrices, interleaved runs). MADV_HUGEPAGE marks each tensor's whole 2 MiB spans and
+// MADV_COLLAPSE (Linux 6.1) moves their present pages into huge ones in place: same addresses, same values. On an
+// older kernel, or where the system turned transparent huge pages off, the calls fail and nothing changes.
+int64_t huge_pages(const std::vector<at::Tensor>& tensors) {
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+#ifndef MADV_COLLAPSE
+  constexpr int MADV_COLLAPSE = 25;
+#endif
+  int64_t collapsed = 0;
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined() || t.device().type() != at::kCPU) continue;
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const uintptr_t first = (begin + kHuge - 1) / kHuge * kHuge;
+    const uintptr_t last = (begin + uintptr_t(t.nbytes())) / kHuge * kHuge;
+    if (last <= first) continue;  // no whole 2 MiB span inside the tensor
+    void* span = reinterpret_cast<void*>(first);
+    if (madvise(span, last - first, MADV_HUGEPAGE) == 0 && madvise(span, last - first, MADV_COLLAPSE) == 0)
+      collapsed += int64_t(last - first);
+  }
+  return collapsed;
+}
+
+// The instruction set the library was compiled for (cpu_kernels.ISA_LEVELS, in that order).
+int64_t isa() {
+#if defined(__AVX512BF16__)
+  return 4;
+#elif defined(__AVX512VNNI__)
+  return 3;
+#elif defined(__AVX512F__)
+  return 2;
+#else
+  return 1;
+#endif
+}
 
 }  // namespace
 
 TORCH_LIBRARY(gptkit, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("gemv_int8(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor");
-  m.def("isa() -> int", isa);  // 0 none, 1 AVX2, 2 AVX-512, 3 AVX-512 BF16: the variant this CPU runs
+  m.def("gemv_q4(Tensor x, Tensor q, Tensor scales, Tensor? bias, int rows) -> Tensor");
+  m.def("dequantize_q4(Tensor q, Tensor scales, int rows, ScalarType dtype) -> Tensor");
+  m.def("isa() -> int", isa);
+  m.def("read_bandwidth(Tensor buffer, int rounds) -> float", read_bandwidth);
+  m.def("huge_pages(Tensor[] tensors) -> int", huge_pages);
 }
 TORCH_LIBRARY_IMPL(gptkit, CPU, m) {
   m.impl("gemv", TORCH_FN(gemv));
   m.impl("gemv_int8", TORCH_FN(gemv_int8));
+  m.impl("gemv_q4", TORCH_FN(gemv_q4));
+  m.impl("dequantize_q4", TORCH_FN(dequantize_q4));
 }

@@ -1,8 +1,9 @@
 """The public decoding API: generate_ids, generate and stream, and complete(), which all of them call.
 
-Each takes a SamplingParams (params=) and/or its fields as keywords (overrides of params, or of the defaults), and
-the same fast paths: compile (a compiled decode step) and draft (speculative decoding with a smaller model). Every
-path decodes through the batch engine, beam search or speculative decoding, on the same Request.
+Each takes a SamplingParams (params=) and/or its fields as keywords (overrides of params, or of the defaults), the
+same fast paths: compile (a compiled decode step) and draft (speculative decoding with a smaller model), and the
+KV cache's element type (kv_cache="int8": gptkit.kv_cache). Every path decodes through the batch engine, beam
+search or speculative decoding, on the same Request.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from gptkit.decoding.batch import BatchEngine, requests_for
 from gptkit.decoding.beam import beam_search
 from gptkit.decoding.grammar import Grammar
@@ -23,6 +26,7 @@ from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.speculative import DRAFT_K, SpeculativeStats, check_draft, fits, speculate
 from gptkit.decoding.step import base, cache_len, check_prompts, device_dtype, sync
 from gptkit.errors import ConfigError, InputError
+from gptkit.kv_cache import kv_dtype_of
 from gptkit.model import GPT
 
 log = logging.getLogger("gptkit.decoding")
@@ -115,17 +119,20 @@ def complete(
     draft: GPT | None = None,
     draft_k: int = DRAFT_K,
     grammar: Grammar | None = None,
+    kv_cache: str | None = None,
 ) -> Result:
     """Generate for a batch of token-id prompts under params; the engine behind generate_ids and generate.
 
     compile: decode with a compiled step (its one-off cost is timing.compile_seconds). draft: a smaller model of
     the same tokenizer proposing draft_k tokens per target pass (speculative decoding, one request at a time).
-    grammar: params.json_schema compiled by grammar_for (required with a schema).
+    grammar: params.json_schema compiled by grammar_for (required with a schema). kv_cache: "int8" stores the
+    keys and values as int8 (gptkit.kv_cache), else they are kept in the model's dtype.
     """
     check_prompts(model, prompts)
     if (params.json_schema is None) != (grammar is None):
         raise ConfigError("give a grammar (grammar_for(model, tokenizer, params)) exactly when params has a "
                           "json_schema")  # fmt: skip
+    kv_dtype = _kv_dtype(kv_cache, params, draft)
     device, _ = device_dtype(model)
     timing = Timing(prefill_tokens=sum(len(p) for p in prompts))
     requests = requests_for(prompts, params, end_ids(eos_id), decode, grammar)
@@ -147,7 +154,7 @@ def complete(
         return Result(completions, timing)
     else:
         need = max(len(p) for p in prompts) + params.max_new_tokens
-        engine = BatchEngine(model, len(requests), cache_len(model, need, compile), compile)
+        engine = BatchEngine(model, len(requests), cache_len(model, need, compile), compile, kv_dtype=kv_dtype)
         if compile:
             timing.compile_seconds = engine.warm_up()
         start = time.perf_counter()
@@ -166,6 +173,15 @@ def complete(
     return Result(completions, timing)
 
 
+def _kv_dtype(kv_cache: str | None, params: SamplingParams, draft: GPT | None) -> torch.dtype | None:
+    """The cache's element type for kv_cache; a ConfigError where the decoding path keeps its own cache."""
+    kv_dtype = kv_dtype_of(kv_cache)
+    if kv_dtype is not None and (params.num_beams > 1 or draft is not None):
+        raise ConfigError(f"kv_cache {kv_cache} works with greedy and sampled decoding; beam search and a draft "
+                          "model keep their caches in the model's dtype")  # fmt: skip
+    return kv_dtype
+
+
 def _shape(per_prompt: list[list[Any]], batched: bool, num_samples: int) -> Any:
     """Unwrap the result to the caller's shape: one item, or a list, per prompt and per sample."""
     items = [row if num_samples > 1 else row[0] for row in per_prompt]
@@ -182,6 +198,7 @@ def generate_ids(
     compile: bool = False,
     draft: GPT | None = None,
     draft_k: int = DRAFT_K,
+    kv_cache: str | None = None,
     **overrides: Any,
 ) -> list[int] | list[list[int]] | list[list[list[int]]]:
     """The new token ids for one prompt (a list of ids) or a batch (a list of such lists).
@@ -189,14 +206,14 @@ def generate_ids(
     params and keyword overrides (SamplingParams' fields: max_new_tokens, temperature, top_k, ...) set the rules.
     With num_samples > 1 each prompt gives a list of samples. Generation stops at eos_id (an id or several; not
     returned) and at stop strings (found by decoding with tokenizer; the ids up to the one completing the string
-    are returned). compile, draft and draft_k choose the fast paths of complete().
+    are returned). compile, draft and draft_k choose the fast paths of complete(); kv_cache its cache's elements.
     """
     params = sampling_params(params, overrides)
     batched = bool(prompt_ids) and not isinstance(prompt_ids[0], numbers.Integral)
     prompts = [list(p) for p in prompt_ids] if batched else [list(prompt_ids)]
     decode = tokenizer.decode if tokenizer is not None else None
     result = complete(model, prompts, params, eos_id, decode, compile=compile, draft=draft, draft_k=draft_k,
-                      grammar=grammar_for(model, tokenizer, params))  # fmt: skip
+                      grammar=grammar_for(model, tokenizer, params), kv_cache=kv_cache)  # fmt: skip
     return _shape([[c.ids for c in row] for row in result.completions], batched, params.num_samples)
 
 
@@ -231,13 +248,14 @@ def generate_text(
     compile: bool = False,
     draft: GPT | None = None,
     draft_k: int = DRAFT_K,
+    kv_cache: str | None = None,
 ) -> tuple[list[list[str]], Result]:
     """Texts per prompt (num_samples each) and the full result (ids, finish reasons, timing)."""
     if not prompts:
         raise InputError("no prompts given")
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     result = complete(model, ids, params, tokenizer.eos_ids, tokenizer.decode, compile=compile, draft=draft,
-                      draft_k=draft_k, grammar=grammar_for(model, tokenizer, params))  # fmt: skip
+                      draft_k=draft_k, grammar=grammar_for(model, tokenizer, params), kv_cache=kv_cache)  # fmt: skip
     texts = [[completion_text(tokenizer, c, params.stop) for c in row] for row in result.completions]
     return texts, result
 
@@ -251,17 +269,20 @@ def generate(
     compile: bool = False,
     draft: GPT | None = None,
     draft_k: int = DRAFT_K,
+    kv_cache: str | None = None,
     **overrides: Any,
 ) -> str | list[str] | list[list[str]]:
     """The generated text (without the prompt) for a prompt, or a list for a list of prompts.
 
     params and keyword overrides (SamplingParams' fields) set the rules. With num_samples > 1 each prompt gives a
     list of samples. Neither the end-of-text token nor a stop string is part of the text. compile: a compiled
-    decode step; draft: a small model for speculative decoding (draft_k tokens proposed per pass).
+    decode step; draft: a small model for speculative decoding (draft_k tokens proposed per pass); kv_cache:
+    "int8" keeps the keys and values in int8 (gptkit.kv_cache).
     """
     params = sampling_params(params, overrides)
     batched = not isinstance(prompt, str)
-    texts, _ = generate_text(model, tokenizer, list(prompt) if batched else [prompt], params, compile, draft, draft_k)
+    texts, _ = generate_text(model, tokenizer, list(prompt) if batched else [prompt], params, compile, draft, draft_k,
+                             kv_cache)  # fmt: skip
     return _shape(texts, batched, params.num_samples)
 
 
@@ -273,26 +294,28 @@ def stream_text(
     compile: bool = False,
     draft: GPT | None = None,
     draft_k: int = DRAFT_K,
+    kv_cache: str | None = None,
 ) -> Iterator[str]:
     """Text pieces as tokens decode (single prompt, one sample, no beams); they join to generate()'s text."""
     if params.num_beams > 1 or params.num_samples > 1:
         raise ConfigError("streaming produces one sequence: use num_beams=1 and num_samples=1")
+    kv_dtype = _kv_dtype(kv_cache, params, draft)
     ids = encode_prompt(tokenizer, prompt)
     [request] = requests_for([ids], params, tokenizer.eos_ids, tokenizer.decode, grammar_for(model, tokenizer, params))
     if _fits_draft(model, draft, [ids], params, draft_k):
         steps = speculate(model, draft, request, SpeculativeStats(), draft_k, compile)
     else:
-        steps = _engine_steps(model, request, compile)
+        steps = _engine_steps(model, request, compile, kv_dtype)
     for _ in steps:
         text = request.take().text
         if text:
             yield text
 
 
-def _engine_steps(model: GPT, request: Request, compile: bool) -> Iterator[None]:
+def _engine_steps(model: GPT, request: Request, compile: bool, kv_dtype: torch.dtype | None) -> Iterator[None]:
     """Decode one request on a batch engine of one row, pausing after the prefill and after each step."""
     need = len(request.prompt) + request.params.max_new_tokens
-    engine = BatchEngine(model, 1, cache_len(model, need, compile), compile)
+    engine = BatchEngine(model, 1, cache_len(model, need, compile), compile, kv_dtype=kv_dtype)
     engine.add([request])
     yield
     while engine.rows:
@@ -309,10 +332,12 @@ def stream(
     compile: bool = False,
     draft: GPT | None = None,
     draft_k: int = DRAFT_K,
+    kv_cache: str | None = None,
     **overrides: Any,
 ) -> Iterator[str]:
     """Yield the generated text in pieces as it decodes, never splitting a character or showing a stop string.
 
     Takes what generate() takes (for one prompt and one sample), and yields pieces that join to its text.
     """
-    return stream_text(model, tokenizer, prompt, sampling_params(params, overrides), compile, draft, draft_k)
+    params = sampling_params(params, overrides)
+    return stream_text(model, tokenizer, prompt, params, compile, draft, draft_k, kv_cache)

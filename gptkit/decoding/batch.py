@@ -5,7 +5,9 @@ first tokens; step() decodes one token for every request in one forward pass; a 
 row at once. Rows in use are always 0..k-1: when a row frees up, the last row's keys and values move into it, so
 an eager step runs the model on exactly k rows and attends over only the positions in use. A compiled step runs
 a fixed shape instead (rows rounded up to a power of two, the whole cache length), so that it compiles once per
-row bucket: the rows past k ride along with a dummy token written where nothing reads it.
+row bucket: the rows past k ride along with a dummy token written where nothing reads it. On a CPU, up to
+fused.MAX_ROWS rows decode through the fused step (gptkit.decoding.fused) where it covers the model, one native call
+a step; the first engine after a background build of gptkit's kernels switches to it at its next step.
 
 Context: a model with learned positions sees at most its last block_size tokens (once a row is full, each further
 token re-prefills that row's last block_size tokens, exactly as an uncached model cropped to block_size would see
@@ -20,6 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from gptkit import cpu_kernels
+from gptkit.decoding import fused
 from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
@@ -35,8 +39,9 @@ class BatchEngine:
 
     def __init__(
         self, model: GPT, batch_size: int, max_len: int, compile: bool = False, max_context: int | None = None,
-        buckets: bool = False,
+        buckets: bool = False, kv_dtype: torch.dtype | None = None,
     ) -> None:  # fmt: skip
+        """kv_dtype: what the cache stores, the model's dtype (None) or torch.int8 (gptkit.kv_cache)."""
         if batch_size < 1:
             raise InputError(f"a batch needs at least one row, got {batch_size}")
         self.model = model
@@ -46,10 +51,12 @@ class BatchEngine:
         if self.window is not None:
             max_len = min(max_len, self.window)
         self.max_context = max(max_context or max_len, max_len)  # positions a row's cache may grow to
-        self.cache = new_cache(model, batch_size, max_len)
+        self.cache = new_cache(model, batch_size, max_len, kv_dtype)
         self.compile = compile
         self.buckets = buckets  # compiled: run the fewest rows of a power of two (else always batch_size rows)
         self.decode_step = compiled(model) if compile else decode_one_token
+        self.fused = None if compile else fused.step_for(model)
+        self.fused_later = self.fused is None and not compile and cpu_kernels.building()
         self.rows: list[Request] = []  # cache row i belongs to rows[i]
         self.steps = 0  # decode steps run
         self.max_rows_seen = 0  # the most rows one decode step ran
@@ -201,7 +208,11 @@ class BatchEngine:
             ids = torch.tensor(tokens + [0] * pad, device=self.device)[:, None]
             where = torch.tensor(positions + [self.max_len - 1] * pad, device=self.device)
             return self.decode_step(self.model, ids, self.cache.view(rows, self.max_len), where)[:k]
+        if self.fused_later and not cpu_kernels.building():  # the kernels' background build has ended
+            self.fused, self.fused_later = fused.step_for(self.model), False
         ids = torch.tensor(tokens, device=self.device)[:, None]
+        if self.fused is not None and k <= fused.MAX_ROWS:
+            return self.fused(self.model, ids, self.cache.view(k, self.max_len), torch.tensor(positions))
         view = self.cache.view(k, max(positions) + 1)
         if len(set(positions)) == 1:  # an int position: attention reads the filled positions without a mask
             return decode_one_token(self.model, ids, view, positions[0])

@@ -100,10 +100,10 @@ def cache_len(model: GPT, need: int, compile: bool = False) -> int:
     return min(need, limit) if limit else need
 
 
-def new_cache(model: GPT, batch_size: int, max_len: int) -> KVCache:
-    """A zeroed KV cache for model, on its device and in its dtype."""
+def new_cache(model: GPT, batch_size: int, max_len: int, kv_dtype: torch.dtype | None = None) -> KVCache:
+    """A zeroed KV cache for model, on its device and in its dtype (or storing kv_dtype: torch.int8)."""
     device, dtype = device_dtype(model)
-    return KVCache(base(model).config, batch_size, max_len, device=device, dtype=dtype)
+    return KVCache(base(model).config, batch_size, max_len, device=device, dtype=dtype, kv_dtype=kv_dtype)
 
 
 # ----- the model calls -----
@@ -138,7 +138,7 @@ def prefill_rows(
     ids = torch.zeros(len(seqs), T, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    scratch = new_cache(model, len(seqs), T)
+    scratch = new_cache(model, len(seqs), T, cache.kv_dtype)
     logits = prefill(model, ids.to(device), scratch, torch.tensor(lengths, device=device))
     index = lambda values: torch.tensor(list(values), device=device)  # noqa: E731
     cache.copy_rows(index(rows), scratch, index(sources), T)
@@ -179,7 +179,7 @@ def compiled(model: GPT, step: Step = decode_one_token) -> Step:
                         max_autotune_report_choices_stats=False)  # fmt: skip
         with torch._inductor.config.patch(inductor), torch._dynamo.config.patch(recompile_limit=COMPILED_VERSIONS):
             if cuda:
-                for t in cache.keys + cache.values:
+                for t in cache.tensors:
                     torch._dynamo.mark_static_address(t)
                 torch.compiler.cudagraph_mark_step_begin()
                 return graph(model, tokens, cache, positions).clone()

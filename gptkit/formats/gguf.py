@@ -13,6 +13,11 @@ The tokenizer goes in as llama.cpp's byte-level BPE ("gpt2" model): gptkit's byt
 symbols and no merges, a character tokenizer whose characters are all single bytes the same way, and a byte-level
 BPE whose pre-tokenizer llama.cpp knows by name. Reading accepts the gpt2 and llama architectures with any
 tensor type the `gguf` package can dequantise, and a byte-level BPE tokenizer.
+
+Q4_0 is gptkit's int4 (gptkit.quantization.Int4Linear holds the same blocks): writing an int4 model as q4_0 repacks
+its bits, and reading a Q4_0 file keeps every layer whose weights are all Q4_0 as an Int4Linear (decoded by
+gptkit's int4 kernels); other tensors are dequantised. A quantised model keeps its own LM head (output.weight) and
+writes its embedding tables in f32, as gptkit holds them, so that llama.cpp computes what gptkit computes.
 """
 
 from __future__ import annotations
@@ -28,9 +33,12 @@ from gptkit.atomic import atomic_write
 from gptkit.config import ModelConfig
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
+from gptkit.quantization import Int4Linear, dequantized_state, is_quantized, quantize_q4
 from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS, EOT, BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer
 
-FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
+FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+LLAMA_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+EMBEDDINGS = ("token_embd.weight", "position_embd.weight")
 # The regex of a byte-level pre-tokenizer, by the name llama.cpp's vocabulary loader knows it as
 # (llama.cpp src/llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2 and _LLAMA3).
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -110,11 +118,11 @@ def _rope_rows(weight: torch.Tensor, heads: int, to_gguf: bool) -> torch.Tensor:
 
 
 def gguf_tensors(model: GPT) -> dict[str, torch.Tensor]:
-    """The model's weights under llama.cpp's names and layout (float32, on the CPU)."""
+    """The model's weights under llama.cpp's names and layout (float32, on the CPU; quantised layers dequantised)."""
     config = model.config
     arch = architecture(config)
-    state = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
-    if config.tie_embeddings and arch == "llama":
+    state = {name: t.detach().float().cpu() for name, t in dequantized_state(model).items()}
+    if config.tie_embeddings and arch == "llama" and not is_quantized(model):
         state.pop("lm_head.weight")  # llama.cpp's llama reads the embedding as the output when output is absent
     if arch == "gpt2":  # llama.cpp's gpt2 has every bias: absent ones are zeros
         for name, t in list(state.items()):
@@ -219,7 +227,7 @@ def export_gguf(model: GPT, path: str | Path, tokenizer: Tokenizer | None, file_
     def write(tmp: Path) -> None:
         writer = gguf.GGUFWriter(str(tmp), arch)
         writer.add_name(name)
-        writer.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}[file_type])  # llama.cpp's LLAMA_FTYPE_*
+        writer.add_file_type(LLAMA_FILE_TYPES[file_type])
         writer.add_context_length(config.block_size)
         writer.add_embedding_length(config.n_embd)
         writer.add_block_count(config.n_layer)
@@ -246,8 +254,10 @@ def export_gguf(model: GPT, path: str | Path, tokenizer: Tokenizer | None, file_
             writer.add_bos_token_id(bos)
         if chat_template:
             writer.add_chat_template(chat_template)
+        quantized = is_quantized(model)
         for tensor_name, tensor in tensors.items():
-            data, raw_type = _encoded(gguf, tensor.numpy(), file_type)
+            kind = "f32" if quantized and tensor_name in EMBEDDINGS else file_type  # looked up, never multiplied
+            data, raw_type = _encoded(gguf, tensor.numpy(), kind)
             writer.add_tensor(tensor_name, data, raw_dtype=raw_type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -275,16 +285,36 @@ def _bos_id(tokenizer: Tokenizer) -> int | None:
 
 def _encoded(gguf: Any, array: np.ndarray, file_type: str) -> tuple[np.ndarray, Any]:
     """A tensor's data in the file's type: vectors stay float32 (as llama.cpp's converter keeps norms and biases),
-    matrices take the file type (q8_0 where rows are whole 32-value blocks, else float16)."""
+    matrices take the file type (q8_0 and q4_0 where rows are whole 32-value blocks, else float16)."""
     kinds = gguf.GGMLQuantizationType
     if array.ndim == 1 or file_type == "f32":
         return array.astype(np.float32), kinds.F32
-    target = {"f16": kinds.F16, "bf16": kinds.BF16, "q8_0": kinds.Q8_0}[file_type]
-    if target == kinds.Q8_0 and array.shape[-1] % 32:
+    target = {"f16": kinds.F16, "bf16": kinds.BF16, "q8_0": kinds.Q8_0, "q4_0": kinds.Q4_0}[file_type]
+    if target in (kinds.Q8_0, kinds.Q4_0) and array.shape[-1] % 32:
         target = kinds.F16
     if target == kinds.F16:
         return array.astype(np.float16), kinds.F16
+    if target == kinds.Q4_0:  # gptkit's own Q4_0 (what an int4 model holds), in GGUF's blocks
+        return q4_0_blocks(*quantize_q4(torch.from_numpy(array))), target
     return gguf.quants.quantize(array.astype(np.float32), target), target
+
+
+def q4_0_blocks(packed: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """Int4Linear's (packed (N, K / 2), fp16 scales (N, K / 32)) as GGUF's Q4_0 rows: per block of 32, the fp16
+    scale's two bytes, then the 16 bytes of nibbles (N, K / 32 * 18)."""
+    n, blocks = scales.shape
+    d = scales.numpy().astype("<f2").view(np.uint8).reshape(n, blocks, 2)
+    qs = packed.numpy().reshape(n, blocks, 16)
+    return np.concatenate([d, qs], axis=-1).reshape(n, blocks * 18)
+
+
+def q4_0_parts(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q4_0 rows (N, K / 32 * 18) back as Int4Linear's packed nibbles and fp16 scales."""
+    n = blocks.shape[0]
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, -1, 18)
+    scales = np.ascontiguousarray(raw[..., :2]).view("<f2").reshape(n, -1)
+    packed = np.ascontiguousarray(raw[..., 2:]).reshape(n, -1)
+    return torch.from_numpy(packed.copy()), torch.from_numpy(scales.astype(np.float16))
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -301,7 +331,8 @@ def is_gguf_file(path: str | Path) -> bool:
 
 def load_gguf(path: str | Path, dtype: torch.dtype | None = None,
               device: torch.device | str | None = None) -> tuple[GPT, Tokenizer]:  # fmt: skip
-    """(model, tokenizer) of a GGUF file of llama.cpp's gpt2 or llama architecture, every tensor dequantised."""
+    """(model, tokenizer) of a GGUF file of llama.cpp's gpt2 or llama architecture: layers whose weights are Q4_0 as
+    Int4Linear, every other tensor dequantised."""
     gguf = _gguf()
     path = Path(path)
     try:
@@ -312,10 +343,12 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None,
     arch = fields.get("general.architecture")
     if arch not in ("gpt2", "llama"):
         raise GGUFError(f"{path} holds a {arch!r} model; gptkit reads GGUF's gpt2 and llama architectures")
-    tensors = {}
+    tensors, q4 = {}, {}
     for tensor in reader.tensors:
         shape = tuple(int(n) for n in reversed(tensor.shape))
         data = np.asarray(tensor.data)
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0 and len(shape) == 2:
+            q4[tensor.name] = q4_0_parts(data.reshape(shape[0], -1))
         if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
             try:
                 data = gguf.quants.dequantize(data, tensor.tensor_type)
@@ -331,7 +364,36 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None,
     if config.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight
     model = model.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else model
+    _int4_layers(model, q4, arch)
     return model.eval(), _tokenizer(fields, path)
+
+
+def _int4_layers(model: GPT, q4: dict[str, tuple[torch.Tensor, torch.Tensor]], arch: str) -> None:
+    """Replace each linear layer whose GGUF tensors are all Q4_0 by an Int4Linear over those bits, its rows arranged
+    as _gptkit_state arranges the float weights."""
+    config = model.config
+    names = {ours: theirs for ours, theirs in _tensor_names(config, arch).items()}
+    head = "output.weight" if not config.tie_embeddings else "token_embd.weight"
+    parts: dict[str, list[tuple[str, int]]] = {"lm_head": [(head, 0)]}  # layer -> (GGUF tensor, heads to reorder)
+    for i in range(config.n_layer):
+        for layer in ("attn.proj", "mlp.proj") + (("attn.qkv", "mlp.fc") if arch == "gpt2" else ()):
+            parts[f"blocks.{i}.{layer}"] = [(names[f"blocks.{i}.{layer}.weight"], 0)]
+        if arch == "llama":
+            parts[f"blocks.{i}.attn.qkv"] = [(f"blk.{i}.attn_q.weight", config.n_head),
+                                             (f"blk.{i}.attn_k.weight", config.n_kv_head),
+                                             (f"blk.{i}.attn_v.weight", 0)]
+            parts[f"blocks.{i}.mlp.fc"] = [(f"blk.{i}.ffn_gate.weight", 0), (f"blk.{i}.ffn_up.weight", 0)]
+    for layer, pieces in parts.items():
+        if not all(name in q4 for name, _ in pieces):
+            continue
+        arranged = [tuple(_rope_rows(t, heads, to_gguf=False) if heads else t for t in q4[name])
+                    for name, heads in pieces]  # fmt: skip
+        packed, scales = (torch.cat(column) for column in zip(*arranged))
+        parent_name, _, child = layer.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        new = Int4Linear.from_q4(packed, scales, old.bias).to(old.weight.device)
+        setattr(parent, child, new)
 
 
 def gguf_tokenizer(path: str | Path) -> Tokenizer:

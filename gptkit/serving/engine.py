@@ -60,7 +60,8 @@ class Engine:
     """Owns the model and its batch engine; a background thread admits queued requests and steps the batch."""
 
     def __init__(self, model: GPT, tokenizer: Any, max_batch_size: int = 8, max_queue: int = 64,
-                 compile: bool = False, max_context: int | None = None) -> None:  # fmt: skip
+                 compile: bool = False, max_context: int | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
         if max_batch_size < 1:
             raise GptkitError(f"--max-batch-size must be >= 1, got {max_batch_size}")
         if max_queue < 0:
@@ -74,7 +75,7 @@ class Engine:
         # Compiled: the whole context up front, so that the shapes compiled at start-up are the only ones.
         length = self.max_context if compile else min(block_size, self.max_context)
         self.batch = BatchEngine(self.model, max_batch_size, length, compile=compile, max_context=self.max_context,
-                                 buckets=True)  # fmt: skip
+                                 buckets=True, kv_dtype=kv_dtype)  # fmt: skip
         self.emits: dict[Request, Emit] = {}
         self.waiting: deque[Request] = deque()
         self.to_cancel: set[Request] = set()

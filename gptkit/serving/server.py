@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from gptkit.devices import pick_device
 from gptkit.errors import GptkitError
+from gptkit.kv_cache import kv_dtype_of
 from gptkit.serving.api import ServerState, create_app, is_loopback
 from gptkit.serving.engine import Engine
 
@@ -39,8 +40,11 @@ class ServeOptions:
     device: str = field(default="auto", metadata={"help": "cpu, cuda, mps or auto"})
     threads: int | None = field(default=None, metadata={"help": "CPU threads for the model (default: all cores "
                                                                  "but one, left to the HTTP side)"})
-    quantize: str | None = field(default=None, metadata={"help": "int8: int8 weight-only quantisation of the "
-                                                                  "loaded float model"})
+    quantize: str | None = field(default=None, metadata={"help": "weight-only quantisation of the loaded float "
+                                                                  "model: int8 or int4 (llama.cpp's Q4_0)"})
+    kv_cache: str | None = field(default=None, metadata={"help": "int8: keep the keys and values as int8 with a "
+                                                                  "scale per token and head (default: the model's "
+                                                                  "dtype)"})
     dtype: str = field(default="float32", metadata={"help": "weight precision", "choices": DTYPES})
     compile: bool = field(default=False, metadata={"help": "compile the decode step (every batch shape, before the "
                                                             "server reports ready)"})
@@ -60,19 +64,23 @@ class ServeOptions:
 def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     """The app serving model_dir; its engine thread starts and stops with the app."""
     from gptkit.loading import chat_template, load
-    from gptkit.quantization import is_quantized, quantize
+    from gptkit.quantization import METHODS, is_quantized, quantize
 
     if options.max_body_bytes < 1:
         raise GptkitError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
     if options.dtype not in DTYPES:
         raise GptkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+    if options.quantize is not None and options.quantize not in METHODS:
+        raise GptkitError(f"--quantize must be one of {', '.join(METHODS)}, got {options.quantize!r}")
+    kv_dtype = kv_dtype_of(options.kv_cache)  # checked before the (slow) model load
     dtype = getattr(torch, options.dtype)
     model, tokenizer = load(model_dir, device=pick_device(options.device), dtype=dtype)  # float or saved-quantised
     if options.quantize is not None and not is_quantized(model):
         model = quantize(model, options.quantize)
     if tokenizer is None:
         raise GptkitError(f"{model_dir} has no tokenizer files; the server needs one to read and write text")
-    engine = Engine(model, tokenizer, options.max_batch_size, options.max_queue, options.compile, options.max_context)
+    engine = Engine(model, tokenizer, options.max_batch_size, options.max_queue, options.compile, options.max_context,
+                    kv_dtype)  # fmt: skip
     if options.compile:
         log.info("compiling the decode step for batches of %s rows", engine.batch.row_buckets())
         log.info("compiled in %.1f s", engine.warm_up())

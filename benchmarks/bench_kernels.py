@@ -1,0 +1,147 @@
+"""gptkit's few-row products against PyTorch's own, per weight format, on GPT-2 small's matrices, in one run.
+
+A decode step is bound by its matrix products; this times them alone, for 1 and 8 rows of activations, over the
+five matrix shapes of GPT-2 small (q/k/v 2304 x 768, attention output 768 x 768, MLP 3072 x 768 and 768 x 3072, the
+LM head 50257 x 768), each product run back to back over all five:
+  fp32   F.linear                                  vs gptkit gemv
+  bf16   F.linear in bf16                          vs gptkit gemv (bf16 weights)
+  int8   torch._weight_int8pack_mm (bf16 act.)     vs gptkit gemv_int8 (a scale per row)
+  int4   torch._weight_int4pack_mm_for_cpu (bf16 act., groups of 32, torchao's int4 CPU path) vs gptkit gemv_q4
+         (llama.cpp's Q4_0: groups of 32, an fp16 scale, activations rounded to int8 per block)
+Rounds are interleaved (every side once per round) and each side is scored by its best round. Figures are the
+microseconds for the five products and the weight bytes they read per second. It is the measurement behind writing
+the int4 kernel rather than using PyTorch's: the ratio column is PyTorch's time over gptkit's.
+
+    .venv/bin/python benchmarks/bench_kernels.py
+    .venv/bin/python benchmarks/bench_kernels.py --rows 1 --rounds 3 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from gptkit import cpu_kernels
+from gptkit.quantization import group_q4, quantize_q4
+
+SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072), (50257, 768)]  # (out, in): GPT-2 small's matrices
+Product = Callable[[], object]
+
+
+def _int4_for_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """w as torch's int4 CPU op takes it: packed uint4 codes, (K / 32, N, 2) bf16 scales and zero points; rows
+    padded to a multiple of 16, which the op needs (the LM head's 50257)."""
+    w = torch.cat([w, w.new_zeros(-w.size(0) % 16, w.size(1))])
+    n, k = w.shape
+    groups = w.reshape(n, k // 32, 32)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-6)
+    codes = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = low + 8 * scale  # torch's form: w = (code - 8) * scale + zero
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scales_zeros = torch.stack([scale[..., 0], zero[..., 0]], dim=-1).transpose(0, 1).contiguous()  # (K/32, N, 2)
+    return packed, scales_zeros.to(torch.bfloat16), 32
+
+
+def _int8_for_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w as int8 codes with one scale per row (what both int8 products take)."""
+    scale = w.abs().amax(1) / 127
+    return (w / scale[:, None]).round().to(torch.int8), scale
+
+
+def products(rows: int) -> dict[str, dict[str, tuple[list[Product], int]]]:
+    """{format: {side: (the five products, weight bytes they read)}}."""
+    torch.manual_seed(0)
+    ops, bf16 = torch.ops.gptkit, torch.bfloat16
+    table: dict[str, dict[str, tuple[list[Product], int]]] = {}
+
+    def add(fmt: str, side: str, product: Product, nbytes: int) -> None:
+        runs, total = table.setdefault(fmt, {}).get(side, ([], 0))
+        table[fmt][side] = (runs + [product], total + nbytes)
+
+    for n, k in SHAPES:
+        w, a = torch.randn(n, k) * 0.02, torch.randn(rows, k)
+        ab, wb = a.to(bf16), w.to(bf16)
+        add("fp32", "torch", partial(F.linear, a, w), n * k * 4)
+        add("fp32", "gptkit", partial(ops.gemv, a, w, None), n * k * 4)
+        add("bf16", "torch", partial(F.linear, ab, wb), n * k * 2)
+        add("bf16", "gptkit", partial(ops.gemv, ab, wb, None), n * k * 2)
+        q, scale = _int8_for_torch(w)
+        add("int8", "torch", partial(torch._weight_int8pack_mm, ab, q, scale.to(bf16)), n * k + n * 2)
+        add("int8", "gptkit", partial(ops.gemv_int8, a, q, scale, None), n * k + n * 4)
+        packed, scales_zeros, group = _int4_for_torch(w)
+        add("int4", "torch", partial(torch._weight_int4pack_mm_for_cpu, ab, packed, group, scales_zeros),
+            n * k // 2 + n * k // 32 * 4)  # fmt: skip
+        grouped, grouped_scales = group_q4(*quantize_q4(w))
+        add("int4", "gptkit", partial(ops.gemv_q4, a, grouped, grouped_scales, None, n), n * k // 2 + n * k // 32 * 2)
+    return table
+
+
+def best_time(run: list[Product], calls: int) -> float:
+    """Seconds for one pass over the products, the mean of `calls` passes."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        for product in run:
+            product()
+    return (time.perf_counter() - start) / calls
+
+
+def measure(rows_list: list[int], rounds: int, calls: int) -> list[dict]:
+    results = []
+    for rows in rows_list:
+        table = products(rows)
+        best: dict[tuple[str, str], float] = {}
+        for fmt, sides in table.items():  # warm-up: first calls pay for packing caches and page faults
+            for run, _ in sides.values():
+                best_time(run, 2)
+        for _ in range(rounds):
+            for fmt, sides in table.items():
+                for side_name, (run, _) in sides.items():
+                    key = (fmt, side_name)
+                    best[key] = min(best.get(key, float("inf")), best_time(run, calls))
+        for fmt, sides in table.items():
+            entry = {"rows": rows, "format": fmt}
+            for side_name, (_, nbytes) in sides.items():
+                seconds = best[(fmt, side_name)]
+                entry[side_name] = {"us": seconds * 1e6, "gb_s": nbytes / seconds / 1e9}
+            entry["ratio"] = entry["torch"]["us"] / entry["gptkit"]["us"]
+            results.append(entry)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,8", help="comma-separated activation row counts (1 to 8)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; each side scored by its best")
+    p.add_argument("--calls", type=int, default=20, help="passes over the five products per round")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = p.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    if not all(1 <= r <= cpu_kernels.GEMV_MAX_ROWS for r in rows) or args.rounds < 1 or args.calls < 1:
+        print(f"bench_kernels: --rows must lie in 1..{cpu_kernels.GEMV_MAX_ROWS}; --rounds and --calls >= 1",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if not cpu_kernels.load():
+        print("bench_kernels: gptkit's CPU kernels are not built on this machine (see cpu_kernels.py)", file=sys.stderr)
+        return 1
+    results = measure(rows, args.rounds, args.calls)
+    if args.json:
+        print(json.dumps({"cpu": cpu_kernels.capability(), "threads": torch.get_num_threads(), "results": results}))
+        return 0
+    print(f"cpu: {cpu_kernels.capability()}; threads: {torch.get_num_threads()}")
+    print(f"{'rows':>4} {'format':6} {'torch us':>9} {'GB/s':>6} {'gptkit us':>9} {'GB/s':>6} {'torch/gptkit':>12}")
+    for r in results:
+        print(f"{r['rows']:4d} {r['format']:6} {r['torch']['us']:9.0f} {r['torch']['gb_s']:6.1f} "
+              f"{r['gptkit']['us']:9.0f} {r['gptkit']['gb_s']:6.1f} {r['ratio']:11.2f}x")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,646 @@
+// The pieces gptkit's CPU products and its fused decode step are made of, compiled for one instruction set.
+//
+// The library is built once per machine for the widest set its CPU runs (cpu_kernels.ISA_LEVELS passes -mavx2 ...
+// -mavx512bf16 as the CPU allows), so each kernel is written once against the vector width the compiler targets:
+// 16 fp32 lanes under AVX-512, 8 under AVX2 + FMA. AVX-512 BF16 adds bf16 dot products (vdpbf16ps) and AVX-512
+// VNNI byte dot products (vpdpbusd); without them the same sums take the widening or vpmaddubsw route.
+//
+// Weight formats (one row of a (N, K) matrix each; every product accumulates in fp32):
+//   fp32, bf16     plain rows;
+//   int8           int8 rows times one fp32 scale per row (gptkit.quantization.Int8Linear): where K holds whole
+//                  blocks of 32, the activations are rounded to int8 per block first (below) and a row's product is
+//                  scale * sum over blocks of d_x * sum(w * x_q) in integers; else fp32 activations times the
+//                  widened weights;
+//   q4             llama.cpp's Q4_0 math: blocks of 32 weights, w = d * (q - 8) with q in 0..15 (two per byte: byte j
+//                  of a block holds element j in its low nibble and element j + 16 in its high one) and one fp16 d
+//                  per block; a block's product is d * d_x * sum((q - 8) * x_q) with rounded activations.
+// Rounded activations are llama.cpp's q8_0: per block of 32 values, d_x = max|x| / 127 and x_q = round(x / d_x). The
+// integer sums run on vpdpbusd (unsigned by signed bytes: the int8 weights offset by 128, the offset taken back
+// with the block's sum of x_q) or, without AVX-512 VNNI, on vpmaddubsw (|w| by x_q with w's sign).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace gk {
+
+using bf16 = uint16_t;  // the raw bits of a bfloat16 (c10::BFloat16 has this layout)
+
+constexpr int64_t kQ4Block = 32;
+
+inline float bf16_to_float(bf16 v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline bf16 float_to_bf16(float f) {  // round to nearest even, as c10::BFloat16 does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (std::isnan(f)) return 0x7fc0;
+  return bf16((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// ----- vectors of fp32 lanes -----
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset(float x) { return _mm512_set1_ps(x); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline float vsum(V v) { return _mm512_reduce_add_ps(v); }
+inline float vmaxall(V v) { return _mm512_reduce_max_ps(v); }
+inline V vload_bf16(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline V vload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline V vabs(V v) { return _mm512_abs_ps(v); }
+// 2^n for integral n held in fp32 lanes
+inline V vpow2i(V n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+inline V vround(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+#else
+constexpr int kLanes = 8;
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset(float x) { return _mm256_set1_ps(x); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+inline float vsum(V v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vmaxall(V v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline V vload_bf16(const bf16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline V vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline V vabs(V v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+inline V vpow2i(V n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline V vround(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
+#endif
+
+// exp(x) to about 1 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial in r, times 2^n).
+inline V vexp(V x) {
+  x = vmax(x, vset(-87.3f));  // below, e^x is under float's smallest normal: flush to ~0 rather than wrap
+#if defined(__AVX512F__)
+  x = _mm512_min_ps(x, vset(88.3f));
+#else
+  x = _mm256_min_ps(x, vset(88.3f));
+#endif
+  const V n = vround(vmul(x, vset(1.44269504088896341f)));
+  V r = vfma(n, vset(-0.693359375f), x);
+  r = vfma(n, vset(2.12194440e-4f), r);
+  V p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vfma(vmul(p, r), r, vadd(r, vset(1.0f)));
+  return vmul(p, vpow2i(n));
+}
+
+// tanh(z) = sign(z) (1 - 2 / (e^{2|z|} + 1)): absolute error about 1e-7, which is what GELU needs.
+inline V vtanh(V z) {
+  const V a = vabs(z);
+  const V t = vsub(vset(1.0f), vdiv(vset(2.0f), vadd(vexp(vadd(a, a)), vset(1.0f))));
+#if defined(__AVX512F__)
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t),
+                                             _mm512_and_si512(_mm512_castps_si512(z), _mm512_set1_epi32(INT32_MIN))));
+#else
+  return _mm256_or_ps(t, _mm256_and_ps(z, _mm256_set1_ps(-0.0f)));
+#endif
+}
+
+// erf by Abramowitz and Stegun 7.1.26 (absolute error under 1.5e-7)
+inline V verf(V x) {
+  const V a = vabs(x);
+  const V t = vdiv(vset(1.0f), vfma(vset(0.3275911f), a, vset(1.0f)));
+  V p = vset(1.061405429f);
+  p = vfma(p, t, vset(-1.453152027f));
+  p = vfma(p, t, vset(1.421413741f));
+  p = vfma(p, t, vset(-0.284496736f));
+  p = vfma(p, t, vset(0.254829592f));
+  const V y = vsub(vset(1.0f), vmul(vmul(p, t), vexp(vsub(vzero(), vmul(a, a)))));
+#if defined(__AVX512F__)
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(y),
+                                             _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
+#else
+  return _mm256_or_ps(y, _mm256_and_ps(x, _mm256_set1_ps(-0.0f)));
+#endif
+}
+
+// ----- activations, in place over n values -----
+
+enum Activation : int64_t { kGeluTanh = 0, kGelu = 1, kRelu = 2, kSwiglu = 3 };
+
+inline float scalar_act(float x, int64_t act) {
+  if (act == kGeluTanh) return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+  if (act == kGelu) return 0.5f * x * (1.0f + std::erf(x * 0.7071067811865476f));
+  return x > 0.0f ? x : 0.0f;
+}
+
+inline void activate(float* x, int64_t n, int64_t act) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const V v = vload(x + i);
+    V y;
+    if (act == kGeluTanh) {
+      const V inner = vmul(vset(0.7978845608028654f), vfma(vmul(vset(0.044715f), vmul(v, v)), v, v));
+      y = vmul(vmul(vset(0.5f), v), vadd(vset(1.0f), vtanh(inner)));
+    } else if (act == kGelu) {
+      y = vmul(vmul(vset(0.5f), v), vadd(vset(1.0f), verf(vmul(v, vset(0.7071067811865476f)))));
+    } else {
+      y = vmax(v, vzero());
+    }
+    vstore(x + i, y);
+  }
+  for (; i < n; ++i) x[i] = scalar_act(x[i], act);
+}
+
+// out[i] = silu(gate[i]) * up[i] = gate / (1 + e^-gate) * up
+inline void swiglu(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const V g = vload(gate + i);
+    const V s = vdiv(g, vadd(vset(1.0f), vexp(vsub(vzero(), g))));
+    vstore(out + i, vmul(s, vload(up + i)));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+// ----- small vector helpers -----
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  V acc = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a x
+  const V av = vset(a);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(y + i, vfma(av, vload(x + i), vload(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// ----- activations rounded for the products that take them so -----
+
+// x (K fp32 values) rounded to bf16, for vdpbf16ps.
+inline void to_bf16(const float* x, bf16* out, int64_t K) {
+  for (int64_t k = 0; k < K; ++k) out[k] = float_to_bf16(x[k]);
+}
+
+// x (K fp32 values, K a multiple of 32) as llama.cpp's q8_0 rounds it: per block of 32, d = max|x| / 127 and
+// q = round(x / d); dsum[b] is d times the sum of block b's q (for the offset terms of the unsigned-by-signed
+// products: sum_j (u_j - o) q_j = sum_j u_j q_j - o sum_j q_j).
+inline void to_q8(const float* x, int8_t* q, float* d, float* dsum, int64_t K) {
+  constexpr int kVectors = kQ4Block / kLanes;
+  for (int64_t b = 0; b < K / kQ4Block; ++b) {
+    const float* xb = x + b * kQ4Block;
+    V v[kVectors];
+    V top = vzero();
+    for (int i = 0; i < kVectors; ++i) {
+      v[i] = vload(xb + i * kLanes);
+      top = vmax(top, vabs(v[i]));
+    }
+    const float amax = vmaxall(top);
+    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    alignas(64) int32_t rounded[kQ4Block];
+    for (int i = 0; i < kVectors; ++i) {  // round to nearest, ties to even, as std::nearbyint and torch.round
+#if defined(__AVX512F__)
+      _mm512_store_si512(rounded + i * kLanes, _mm512_cvtps_epi32(vmul(v[i], vset(inv))));
+#else
+      _mm256_store_si256(reinterpret_cast<__m256i*>(rounded + i * kLanes), _mm256_cvtps_epi32(vmul(v[i], vset(inv))));
+#endif
+    }
+    int32_t total = 0;
+    for (int j = 0; j < kQ4Block; ++j) {
+      q[b * kQ4Block + j] = int8_t(rounded[j]);
+      total += rounded[j];
+    }
+    d[b] = scale;
+    dsum[b] = scale * float(total);
+  }
+}
+
+// ----- one weight row against M activation rows (out[m] = row . x[m]) -----
+
+// Independent sums a row keeps per activation row: with one activation row, a single chain of FMAs would wait on
+// each one's latency (two chains streamed GPT-2 small's fp32 rows 12% faster on a 2-core AVX-512 EPYC).
+template <int M>
+constexpr int chains() {
+  return M == 1 ? 2 : 1;
+}
+
+template <int M>
+inline void row_f32(const float* w, const float* x, int64_t K, float* out) {
+  constexpr int C = chains<M>();
+  V acc[C][M];
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < M; ++m) acc[c][m] = vzero();
+  int64_t k = 0;
+  for (; k + C * kLanes <= K; k += C * kLanes)
+    for (int c = 0; c < C; ++c) {
+      const V wv = vload(w + k + c * kLanes);
+      for (int m = 0; m < M; ++m) acc[c][m] = vfma(wv, vload(x + m * K + k + c * kLanes), acc[c][m]);
+    }
+  for (; k + kLanes <= K; k += kLanes) {
+    const V wv = vload(w + k);
+    for (int m = 0; m < M; ++m) acc[0][m] = vfma(wv, vload(x + m * K + k), acc[0][m]);
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int c = 1; c < C; ++c) acc[0][m] = vadd(acc[0][m], acc[c][m]);
+    float s = vsum(acc[0][m]);
+    for (int64_t j = k; j < K; ++j) s += w[j] * x[m * K + j];
+    out[m] = s;
+  }
+}
+
+// bf16 weights: with AVX-512 BF16 against bf16 activations xb (pairs multiplied exactly, summed in fp32); else
+// widened to fp32 against the fp32 activations x.
+template <int M>
+inline void row_bf16(const bf16* w, const float* x, const bf16* xb, int64_t K, float* out) {
+#if defined(__AVX512BF16__)
+  constexpr int C = chains<M>();
+  __m512 acc[C][M];
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < M; ++m) acc[c][m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 * C <= K; k += 32 * C)
+    for (int c = 0; c < C; ++c) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * c);
+      for (int m = 0; m < M; ++m)
+        acc[c][m] = _mm512_dpbf16_ps(acc[c][m], (__m512bh)_mm512_loadu_si512(xb + m * K + k + 32 * c), wv);
+    }
+  for (; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1ull << (K - k)) - 1);
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
+    for (int m = 0; m < M; ++m)
+      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)_mm512_maskz_loadu_epi16(mask, xb + m * K + k), wv);
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int c = 1; c < C; ++c) acc[0][m] = _mm512_add_ps(acc[0][m], acc[c][m]);
+    out[m] = _mm512_reduce_add_ps(acc[0][m]);
+  }
+  (void)x;
+#else
+  V acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = vzero();
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    const V wv = vload_bf16(w + k);
+    for (int m = 0; m < M; ++m) acc[m] = vfma(wv, vload(x + m * K + k), acc[m]);
+  }
+  for (int m = 0; m < M; ++m) {
+    float s = vsum(acc[m]);
+    for (int64_t j = k; j < K; ++j) s += bf16_to_float(w[j]) * x[m * K + j];
+    out[m] = s;
+  }
+  (void)xb;
+#endif
+}
+
+template <int M>
+inline void row_i8(const int8_t* w, const float* x, int64_t K, float* out) {
+  V acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = vzero();
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    const V wv = vload_i8(w + k);
+    for (int m = 0; m < M; ++m) acc[m] = vfma(wv, vload(x + m * K + k), acc[m]);
+  }
+  for (int m = 0; m < M; ++m) {
+    float s = vsum(acc[m]);
+    for (int64_t j = k; j < K; ++j) s += float(w[j]) * x[m * K + j];
+    out[m] = s;
+  }
+}
+
+// Activations of M rows rounded for the int8 and q4 products (to_q8): values, scales and scaled block sums, row
+// after row.
+struct Q8Rows {
+  const int8_t* q;
+  const float* d;
+  const float* dsum;
+};
+
+// One block of 32 as 8 int32 lanes whose total is sum_j u_j * x_j: u unsigned bytes (q4's nibbles, or int8 weights
+// plus 128).
+inline __m256i block_dot_unsigned(__m256i u, const int8_t* xq) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+#if defined(__AVX512VNNI__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv);
+#else  // q4 only (u <= 15): |15 * 127 * 2| fits vpmaddubsw's int16 pairs
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1));
+#endif
+}
+
+#if !defined(__AVX512VNNI__)
+// One block of 32 int8 weights against 32 rounded activations, as 8 int32 lanes summing to sum_j w_j * x_j (the
+// VNNI route offsets w instead: block_dot_unsigned).
+inline __m256i block_dot_signed(__m256i w, const int8_t* xq) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));  // |127 * 127 * 2| fits
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+#endif
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+#if defined(__AVX512VNNI__)
+// Lanes 0-7 a, lanes 8-15 b: one scale for each of two blocks' lanes.
+inline __m512 two_scales(float a, float b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a)), _mm256_set1_ps(b), 1);
+}
+#endif
+
+// q4 in groups of 8 rows (gptkit.quantization.Int4Linear's layout in memory, as llama.cpp repacks Q4_0 for its CPU
+// kernels): for group g and block b, 128 bytes: bytes 0-7 of each of the 8 rows' 16 packed bytes, row after row, then
+// bytes 8-15 likewise; and the 8 rows' fp16 scales. Byte j of a row holds its element j (low nibble) and j + 16
+// (high nibble), so 8 bytes of a row meet activations j..j+7 and j+16..j+23: one broadcast of 8 activation bytes
+// serves all 8 rows, whose 4-byte pieces sit in their own 32-bit lanes of one vpdpbusd (or vpmaddubsw). Per block
+// the 8 rows then share one conversion and one FMA, where a row at a time paid them for each row.
+constexpr int64_t kQ4Group = 8;
+constexpr int64_t kQ4GroupBytes = kQ4Group * kQ4Block / 2;  // 128 bytes of nibbles per group and block
+
+#if defined(__AVX512F__)
+// Sums of 32-bit lanes 2r and 2r+1 into lane r (r = 0..7): both halves of one row's 8 bytes.
+inline __m256i row_pairs(__m512i v) { return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32))); }
+#else
+inline __m256i row_pairs(__m256i rows03, __m256i rows47) {  // (each: lanes 2r, 2r+1 for 4 rows)
+  const __m256i a = _mm256_add_epi32(rows03, _mm256_srli_epi64(rows03, 32));
+  const __m256i b = _mm256_add_epi32(rows47, _mm256_srli_epi64(rows47, 32));
+  const __m256 picked = _mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), 0x88);  // a0 a2 b0 b2 | ..
+  return _mm256_permute4x64_epi64(_mm256_castps_si256(picked), 0xD8);  // a0 a2 a4 a6 b0 b2 b4 b6
+}
+
+// sum over pairs of u (unsigned, < 16) times x (signed), 4 bytes a lane
+inline __m256i unsigned_dot4(__m256i u, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+#endif
+
+// One block of a group: 8 int32 lanes, lane r = sum over the block's 32 elements of q (0..15) times x_q for row r.
+inline __m256i q4_group_block(const uint8_t* w, const int8_t* xq) {
+  int64_t x_lo0, x_lo1, x_hi0, x_hi1;  // activations 0-7, 8-15, 16-23, 24-31
+  std::memcpy(&x_lo0, xq, 8);
+  std::memcpy(&x_lo1, xq + 8, 8);
+  std::memcpy(&x_hi0, xq + 16, 8);
+  std::memcpy(&x_hi1, xq + 24, 8);
+#if defined(__AVX512F__)
+  const __m512i low = _mm512_set1_epi8(15);
+  const __m512i first = _mm512_loadu_si512(w), second = _mm512_loadu_si512(w + 64);  // bytes 0-7, 8-15 of 8 rows
+#if defined(__AVX512VNNI__)
+  __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(first, low), _mm512_set1_epi64(x_lo0));
+  sums = _mm512_dpbusd_epi32(sums, _mm512_and_si512(_mm512_srli_epi16(first, 4), low), _mm512_set1_epi64(x_hi0));
+  sums = _mm512_dpbusd_epi32(sums, _mm512_and_si512(second, low), _mm512_set1_epi64(x_lo1));
+  sums = _mm512_dpbusd_epi32(sums, _mm512_and_si512(_mm512_srli_epi16(second, 4), low), _mm512_set1_epi64(x_hi1));
+#else
+  const __m512i ones = _mm512_set1_epi16(1);
+  auto dot4 = [&](__m512i u, int64_t x) {
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, _mm512_set1_epi64(x)), ones);
+  };
+  __m512i sums = _mm512_add_epi32(dot4(_mm512_and_si512(first, low), x_lo0),
+                                  dot4(_mm512_and_si512(_mm512_srli_epi16(first, 4), low), x_hi0));
+  sums = _mm512_add_epi32(sums, _mm512_add_epi32(dot4(_mm512_and_si512(second, low), x_lo1),
+                                                 dot4(_mm512_and_si512(_mm512_srli_epi16(second, 4), low), x_hi1)));
+#endif
+  return row_pairs(sums);
+#else
+  const __m256i low = _mm256_set1_epi8(15);
+  __m256i halves[2];  // rows 0-3, rows 4-7
+  for (int h = 0; h < 2; ++h) {
+    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));  // bytes 0-7, 4 rows
+    const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 + 32 * h));
+    __m256i sums = _mm256_add_epi32(unsigned_dot4(_mm256_and_si256(first, low), _mm256_set1_epi64x(x_lo0)),
+                                    unsigned_dot4(_mm256_and_si256(_mm256_srli_epi16(first, 4), low),
+                                                  _mm256_set1_epi64x(x_hi0)));  // fmt: skip
+    sums = _mm256_add_epi32(sums, unsigned_dot4(_mm256_and_si256(second, low), _mm256_set1_epi64x(x_lo1)));
+    halves[h] = _mm256_add_epi32(sums, unsigned_dot4(_mm256_and_si256(_mm256_srli_epi16(second, 4), low),
+                                                     _mm256_set1_epi64x(x_hi1)));  // fmt: skip
+  }
+  return row_pairs(halves[0], halves[1]);
+#endif
+}
+
+// The 8 rows of a q4 group against M rounded activation rows: out[m][r], before any bias.
+// Per block: rows' d * (d_x * sum(q x_q) - 8 * d_x * sum(x_q)), 8 rows in one vector.
+template <int M>
+inline void group_q4(const uint8_t* w, const uint16_t* scales, const Q8Rows& x, int64_t K, float (*out)[kQ4Group]) {
+  const int64_t blocks = K / kQ4Block;
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * kQ4GroupBytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kQ4Group)));
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = m * blocks + b;
+      const __m256 sums = _mm256_cvtepi32_ps(q4_group_block(block, x.q + m * K + b * kQ4Block));
+      const __m256 t = _mm256_fmsub_ps(sums, _mm256_set1_ps(x.d[i]), _mm256_set1_ps(8.0f * x.dsum[i]));
+      acc[m] = _mm256_fmadd_ps(t, d, acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+// int8 weights against rounded activations (K a multiple of 32), before the row's scale; offsets[m] is the sum over
+// blocks of row m's dsum (the VNNI route's 128, taken back at the end). Two blocks a step, as row_q4.
+template <int M>
+inline void row_i8q(const int8_t* w, const Q8Rows& x, const float* offsets, int64_t K, float* out) {
+  const int64_t blocks = K / kQ4Block;
+  __m256 acc[2][M];
+  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  int64_t b = 0;
+#if defined(__AVX512VNNI__)
+  __m512 wide[M];
+  for (int m = 0; m < M; ++m) wide[m] = _mm512_setzero_ps();
+  for (; b + 2 <= blocks; b += 2) {
+    const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(w + b * kQ4Block), _mm512_set1_epi8(char(0x80)));  // w + 128
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_loadu_si512(x.q + m * K + b * kQ4Block);
+      const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv);
+      wide[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), two_scales(x.d[m * blocks + b], x.d[m * blocks + b + 1]),
+                                wide[m]);
+    }
+  }
+#endif
+  for (; b < blocks; ++b) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kQ4Block));
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = x.q + m * K + b * kQ4Block;
+#if defined(__AVX512VNNI__)
+      const __m256i sums = block_dot_unsigned(_mm256_xor_si256(wv, _mm256_set1_epi8(char(0x80))), xq);
+#else
+      const __m256i sums = block_dot_signed(wv, xq);
+#endif
+      acc[b & 1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.d[m * blocks + b]), acc[b & 1][m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float total = hsum256(_mm256_add_ps(acc[0][m], acc[1][m]));
+#if defined(__AVX512VNNI__)
+    total += _mm512_reduce_add_ps(wide[m]) - 128.0f * offsets[m];
+#else
+    (void)offsets;
+#endif
+    out[m] = total;
+  }
+}
+
+// ----- a weight matrix of any format, and its product over a range of output rows -----
+
+enum Format : int64_t { kF32 = 0, kBF16 = 1, kI8 = 2, kQ4 = 3 };
+
+struct Weight {
+  int64_t format = kF32;
+  int64_t N = 0, K = 0;
+  const void* data = nullptr;
+  const void* scales = nullptr;  // int8: fp32 per row; q4: fp16 per block
+  const float* bias = nullptr;   // fp32, or none
+};
+
+// Whether a weight's product reads activations rounded to int8 (to_q8) rather than fp32.
+inline bool rounds_activations(const Weight& w) { return w.format == kQ4 || (w.format == kI8 && w.K % kQ4Block == 0); }
+
+// The activations of M rows in every form a product may take (filled by the caller's preparation).
+struct Input {
+  const float* x = nullptr;  // (M, K) fp32
+  const bf16* xb = nullptr;  // (M, K) bf16 (bf16 weights under AVX-512 BF16)
+  Q8Rows q8{};               // q4 weights
+};
+
+// The q4 rows [n0, n1) by their groups of 8; a group's rows outside [n0, n1) (another range's, or padding past N)
+// are computed but not stored.
+template <int M>
+inline void product_q4(const Weight& w, const Input& in, float* y, int64_t ldy, int64_t n0, int64_t n1,
+                       bool accumulate) {
+  const int64_t K = w.K, blocks = K / kQ4Block;
+  float out[M][kQ4Group];
+  for (int64_t g = n0 / kQ4Group; g * kQ4Group < n1; ++g) {
+    group_q4<M>(static_cast<const uint8_t*>(w.data) + g * blocks * kQ4GroupBytes,
+                static_cast<const uint16_t*>(w.scales) + g * blocks * kQ4Group, in.q8, K, out);
+    for (int64_t r = 0; r < kQ4Group; ++r) {
+      const int64_t n = g * kQ4Group + r;
+      if (n < n0 || n >= n1) continue;
+      const float b = w.bias ? w.bias[n] : 0.0f;
+      for (int m = 0; m < M; ++m) y[m * ldy + n] = (accumulate ? y[m * ldy + n] : 0.0f) + (out[m][r] + b);
+    }
+  }
+}
+
+// y[m * ldy + n] = w[n] . x[m] (+ bias[n]) for n in [n0, n1); with accumulate, added to what y holds
+template <int M>
+inline void product_rows(const Weight& w, const Input& in, float* y, int64_t ldy, int64_t n0, int64_t n1,
+                         bool accumulate) {
+  if (w.format == kQ4) {
+    product_q4<M>(w, in, y, ldy, n0, n1, accumulate);
+    return;
+  }
+  float out[M], offsets[M] = {};
+  const int64_t K = w.K;
+  if (w.format == kI8 && K % kQ4Block == 0)
+    for (int m = 0; m < M; ++m)
+      for (int64_t b = 0; b < K / kQ4Block; ++b) offsets[m] += in.q8.dsum[m * (K / kQ4Block) + b];
+  for (int64_t n = n0; n < n1; ++n) {
+    switch (w.format) {
+      case kF32:
+        row_f32<M>(static_cast<const float*>(w.data) + n * K, in.x, K, out);
+        break;
+      case kBF16:
+        row_bf16<M>(static_cast<const bf16*>(w.data) + n * K, in.x, in.xb, K, out);
+        break;
+      case kI8: {
+        if (K % kQ4Block == 0)
+          row_i8q<M>(static_cast<const int8_t*>(w.data) + n * K, in.q8, offsets, K, out);
+        else
+          row_i8<M>(static_cast<const int8_t*>(w.data) + n * K, in.x, K, out);
+        const float s = static_cast<const float*>(w.scales)[n];
+        for (int m = 0; m < M; ++m) out[m] *= s;
+        break;
+      }
+      default:
+        break;  // (q4: product_q4)
+    }
+    const float b = w.bias ? w.bias[n] : 0.0f;
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = (accumulate ? y[m * ldy + n] : 0.0f) + (out[m] + b);
+  }
+}
+
+// Calls fn with M (1 to 8) as a compile-time constant, so that each row count gets its own unrolled loops.
+template <typename Fn>
+inline void with_rows(int64_t M, Fn&& fn) {
+  switch (M) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+inline void product_range(const Weight& w, const Input& in, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1,
+                          bool accumulate = false) {
+  with_rows(M, [&](auto rows) { product_rows<decltype(rows)::value>(w, in, y, ldy, n0, n1, accumulate); });
+}
+
+// [lo, hi) of n items for part t of T, in whole multiples of `align` (the last part takes the rest)
+inline void split(int64_t n, int t, int T, int64_t align, int64_t* lo, int64_t* hi) {
+  const int64_t units = (n + align - 1) / align;
+  const int64_t per = units / T, extra = units % T;
+  const int64_t first = t * per + (t < extra ? t : extra);
+  const int64_t count = per + (t < extra ? 1 : 0);
+  *lo = first * align < n ? first * align : n;
+  *hi = (first + count) * align < n ? (first + count) * align : n;
+}
+
+}  // namespace gk
