@@ -1,8 +1,11 @@
 """Atomic file writes (a temporary file beside the target, fsync, rename) and atomic replacement of a directory's
-contents (built beside it, then swapped in). Torch-free, so cheap to import."""
+contents (built beside it, then swapped in), and the one way a command reports a write the storage refused (a full
+disk, a read-only directory, ...): one line naming the path and what was kept. Torch-free, so cheap to import."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import json
 import os
@@ -10,8 +13,15 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from gptkit.errors import GptkitError, WriteError
+
+# Errors that come from the storage, not from gptkit: a full disk or quota, a read-only or unwritable place, a
+# failing device, a file over the size limit, a path through a file. A write meeting one is reported in one line.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
+                            errno.EFBIG, errno.ENOTDIR, errno.ENAMETOOLONG})  # fmt: skip
 
 
 def _umask() -> int:
@@ -39,22 +49,69 @@ def default_file_mode() -> int:
     return 0o666 & ~_umask()
 
 
+def make_parents(path: Path) -> list[Path]:
+    """Create the missing directories above path; returns those it created, outermost first."""
+    missing = [p for p in Path(path).parents if not p.exists()][::-1]
+    try:
+        for directory in missing:
+            directory.mkdir(exist_ok=True)
+    except BaseException:
+        remove_empty(missing)
+        raise
+    return missing
+
+
+def remove_empty(directories: list[Path]) -> None:
+    """Remove these directories, innermost first, while they are empty (what a failed write made and left bare)."""
+    for directory in reversed(directories):
+        try:
+            directory.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:  # not empty: someone else's files are there, and so in the directories above
+            return
+
+
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Call write(tmp_path) on a temporary file beside path, fsync it, then rename it over path."""
+    """Call write(tmp_path) on a temporary file beside path, fsync it, then rename it over path.
+
+    On any failure the temporary file, and the directories made for it, are removed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    made = make_parents(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except BaseException:
+        remove_empty(made)
+        raise
     os.close(fd)
     try:
-        write(Path(tmp))
+        try:
+            write(Path(tmp))
+        except OSError as err:
+            raise _with_reason(err, Path(tmp)) from None
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        remove_empty(made)
         raise
     fsync_dir(path.parent)
+
+
+def _with_reason(err: OSError, tmp: Path) -> OSError:
+    """err, or for a short write reported without the storage's reason (numpy's tofile says only "N requested and M
+    written", on a full disk or past a size limit) the error that writing on past the file's end meets."""
+    if err.errno is not None:
+        return err
+    try:
+        with open(tmp, "ab") as f:
+            f.write(bytes(1 << 16))
+            f.flush()
+    except OSError as reason:
+        return reason
+    return err
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -212,3 +269,79 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ---------------------------------------------------------------- one line for a write the storage refused
+
+
+def storage_error(err: OSError, path: str | Path, kept: str) -> WriteError | None:
+    """The one-line WriteError for a write to path the storage refused (STORAGE_ERRNOS); None for another OSError."""
+    if err.errno not in STORAGE_ERRNOS:
+        return None
+    return WriteError(f"cannot write {path}: {err.strerror or os.strerror(err.errno)} ({kept})")
+
+
+def _what_is_kept(path: Path, what: str) -> str:
+    return f"the existing {what} is unchanged" if os.path.lexists(path) else "nothing was written"
+
+
+@contextlib.contextmanager
+def reported(path: str | Path, note: str = "", what: str = "file") -> Iterator[None]:
+    """Within the block, an OSError of the storage becomes a WriteError naming path and what was kept.
+
+    What was kept is "nothing was written" for a new path, else "the existing <what> is unchanged" (the block
+    writes atomically); note adds what else is unchanged, e.g. "the source is unchanged".
+    """
+    kept = "; ".join(filter(None, (_what_is_kept(Path(path), what), note)))
+    try:
+        yield
+    except OSError as err:
+        error = storage_error(err, path, kept)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _disowned(name: str) -> bool:
+    return False
+
+
+@contextlib.contextmanager
+def building_dir(target: str | Path, marker: str, owned: Callable[[str], bool] = _disowned, note: str = "",
+                 what: str = "directory") -> Iterator[Path]:  # fmt: skip
+    """Yield an empty hidden directory beside target to write target's new contents in; when the block ends they
+    replace target's at once (replace_dir; `marker` is the file that makes target complete, and target's entries
+    that owned() disowns stay). When the block fails they are deleted, with any directory made for them, so nothing
+    half-written remains; an OSError of the storage becomes one WriteError line (see reported).
+    """
+    shown = Path(target)
+    target = shown.resolve()  # a symlinked directory is replaced where it lives
+    if target.exists() and not target.is_dir():
+        raise GptkitError(f"{shown} exists and is not a directory; give a directory to write")
+    existed = target.exists()
+    with reported(shown, note, what):
+        sweep_staging(target)  # what killed runs left
+        made = make_parents(target) + ([] if existed else [target])  # (staging_dir may have to make target)
+        try:
+            stage = staging_dir(target)
+        except BaseException:
+            remove_empty(made)
+            raise
+        try:
+            yield stage
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            remove_empty(made)
+            raise
+        _put_in_place(stage, target, owned, marker, shown, existed)
+
+
+def _put_in_place(stage: Path, target: Path, owned: Callable[[str], bool], marker: str, shown: Path,
+                  existed: bool) -> None:  # fmt: skip
+    """building_dir's last step: replace_dir, whose failure over an existing target may leave it part-moved."""
+    try:
+        replace_dir(stage, target, owned, marker)
+    except OSError as err:
+        shutil.rmtree(stage, ignore_errors=True)
+        kept = "it may be incomplete: run the command again" if existed else "nothing was written"
+        raise storage_error(err, shown, kept) or err from None

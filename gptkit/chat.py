@@ -20,6 +20,7 @@ tool_calls (each {"type": "function", "function": {"name", "arguments" (a dict)}
 from __future__ import annotations
 
 import json
+import sys
 import time
 from datetime import datetime
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"  # where Hugging Face tokenizers keep
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers (4.50 on) saves it instead
 ROLES = ("system", "user", "assistant", "tool", "developer")
 DEFAULT_STOP = ("\n\nuser:",)
+WORKER_MEMORY_BYTES = 1 << 30  # address space a template worker may take ({{ 'x' * 10**10 }} fails, not the machine)
 # The default template written as Jinja, for files that carry a template to other programs (GGUF for llama.cpp):
 # it renders exactly what ChatTemplate.render does without a source (its newlines inside an expression, which
 # Hugging Face's trim_blocks rendering keeps).
@@ -209,4 +211,36 @@ def _render_jinja(source: str, variables: dict[str, Any], max_chars: int | None,
                 time.sleep(0.005)  # other threads most of the time (an ordinary template renders few pieces)
     except TemplateError as err:
         raise ChatTemplateError(f"cannot render the chat template: {err}") from None
+    except RecursionError:  # a macro calling itself without end
+        raise ChatTemplateError("the chat template recursed without end (a macro calling itself?); stopped") from None
     return "".join(pieces)
+
+
+def render_worker() -> None:
+    """Render requests read as JSON lines from stdin, one JSON answer line each on stdout ({"text"} or {"error"}):
+    the loop of a server's template worker process (gptkit.serving.templates starts and kills it)."""
+    _limit_memory(WORKER_MEMORY_BYTES)
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        template = ChatTemplate(request["source"], request["bos_token"], request["eos_token"])
+        try:
+            answer = {"text": template.render(request["messages"], request["add_generation_prompt"],
+                                              max_chars=request["max_chars"], tools=request["tools"])}  # fmt: skip
+        except ChatTemplateError as err:
+            answer = {"error": str(err)}
+        except MemoryError:
+            answer = {"error": f"the chat template needed more than {WORKER_MEMORY_BYTES >> 20} MiB; stopped"}
+        sys.stdout.buffer.write(json.dumps(answer).encode() + b"\n")
+        sys.stdout.buffer.flush()
+
+
+def _limit_memory(limit: int) -> None:
+    """Cap this process's address space (where the platform allows), so a template cannot exhaust the machine."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard == resource.RLIM_INFINITY or hard > limit:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (ImportError, ValueError, OSError):  # Windows has no resource module; some systems refuse RLIMIT_AS
+        pass

@@ -20,7 +20,6 @@ Under torchrun every rank calls save_checkpoint (sharded FSDP tensors are gather
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import mmap
@@ -34,9 +33,8 @@ from typing import Any
 
 import torch
 import xxhash
-from safetensors import SafetensorError
 
-from gptkit.atomic import atomic_write_text, fsync_dir
+from gptkit.atomic import atomic_write_text, fsync_dir, make_parents, remove_empty
 from gptkit.errors import GptkitError
 from gptkit.formats.modeldir import load_tensors, save_model_dir, save_tensors
 
@@ -83,23 +81,42 @@ def _complete(path: Path) -> bool:
 def latest_checkpoint(run_dir: str | Path, verify: bool = False, skipped: list[str] | None = None) -> Path | None:
     """The run's newest complete checkpoint, or None when it has none.
 
-    With verify, the newest that verify_checkpoint accepts; why each newer one was passed over is appended to
-    skipped. `latest` is not consulted: a kill between a checkpoint's rename and `latest`'s update, or garbage in
-    `latest`, must not hide a complete checkpoint.
+    With verify, the newest that verify_checkpoint accepts against its manifest; where none does, the newest
+    without a manifest that is otherwise whole (its files cannot be checked). Why each newer one was passed over
+    is appended to skipped. `latest` is not consulted: a kill between a checkpoint's rename and `latest`'s update,
+    or garbage in `latest`, must not hide a complete checkpoint.
     """
+    if not verify:
+        return next((path for path in checkpoint_dirs(run_dir) if _complete(path)), None)
+    reasons: list[str] = []
+    unverified: Path | None = None
+    passed_over = 0  # the reasons that concern checkpoints newer than `unverified`, and itself
     for path in checkpoint_dirs(run_dir):
-        if not verify:
-            if _complete(path):
-                return path
-            continue
         try:
-            verify_checkpoint(path)
+            verified = verify_checkpoint(path)
         except CheckpointError as err:
-            if skipped is not None:
-                skipped.append(str(err))
+            reasons.append(str(err))
             continue
-        return path
-    return None
+        if verified:
+            if skipped is not None:
+                skipped.extend(reasons)
+            return path
+        reasons.append(unverifiable(path))
+        if unverified is None:
+            unverified, passed_over = path, len(reasons)
+    if skipped is not None:
+        skipped.extend(reasons[:passed_over] if unverified is not None else reasons)
+    return unverified
+
+
+def unverifiable(path: Path) -> str:
+    """Why a checkpoint without a manifest cannot be trusted blindly (one clause of a warning)."""
+    return f"{path} has no {MANIFEST_FILE}, so its files cannot be verified (a damaged byte would go unnoticed)"
+
+
+def has_manifest(path: Path) -> bool:
+    """Whether a checkpoint directory holds a manifest to verify its files against."""
+    return (path / MANIFEST_FILE).is_file()
 
 
 def read_latest(run_dir: str | Path) -> Path | None:
@@ -170,9 +187,11 @@ def write_manifest(directory: Path, checksums: Checksums | None = None) -> None:
         fsync_dir(Path(root))
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Raise CheckpointError naming the first thing wrong with a checkpoint: a manifest that is missing or does not
-    match the files (missing, truncated, changed), or a trainer.json without what a resume needs."""
+def verify_checkpoint(path: Path) -> bool:
+    """Raise CheckpointError naming the first thing wrong with a checkpoint: a manifest that does not match the
+    files (missing, truncated, changed), no manifest and no trainer.json (incomplete), or a trainer.json without
+    what a resume needs. Returns whether the files were checked: False for a checkpoint without a manifest (an older
+    gptkit's, or one whose manifest was deleted), of which only trainer.json could be."""
     manifest = path / MANIFEST_FILE
     if manifest.is_file():
         try:
@@ -200,6 +219,7 @@ def verify_checkpoint(path: Path) -> None:
     elif not (path / TRAINER_FILE).is_file():
         raise CheckpointError(f"{path} is incomplete (no {MANIFEST_FILE})")
     read_trainer_state(path)
+    return manifest.is_file()
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -356,24 +376,19 @@ def save_checkpoint(
     if not write:
         return final
     folder = run_dir / CHECKPOINTS
-    folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
+    made = make_parents(tmp)  # removed again if this first checkpoint fails: no empty checkpoints/ stays
     shutil.rmtree(tmp, ignore_errors=True)
     checksums = Checksums(tmp)
     try:
-        try:
-            if save_model is not None:
-                save_model(module, tmp)
-            else:
-                save_model_dir(module, tmp, tokenizer=tokenizer)
-            checksums.update()  # the model's files are checksummed while the optimiser state is written
-            save_tensors(opt_tensors, tmp / OPTIMIZER_FILE)
-            checksums.update()
-            save_tensors(rng if rng is not None else rng_state(), tmp / RNG_FILE)
-        except SafetensorError as err:  # how safetensors reports a failed write (a full disk, say)
-            code = re.search(r"os error (\d+)", str(err))
-            raise OSError(int(code.group(1)) if code else errno.EIO, os.strerror(int(code.group(1))) if code else
-                          str(err)) from None  # fmt: skip
+        if save_model is not None:
+            save_model(module, tmp)
+        else:
+            save_model_dir(module, tmp, tokenizer=tokenizer)
+        checksums.update()  # the model's files are checksummed while the optimiser state is written
+        save_tensors(opt_tensors, tmp / OPTIMIZER_FILE)
+        checksums.update()
+        save_tensors(rng if rng is not None else rng_state(), tmp / RNG_FILE)
         record = {"step": step, "optimizer": structure, **trainer}
         atomic_write_text(tmp / TRAINER_FILE, json.dumps(record, indent=1) + "\n")
         write_manifest(tmp, checksums)
@@ -386,6 +401,7 @@ def save_checkpoint(
     except BaseException:
         checksums.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        remove_empty(made)
         raise
     checksums.close()
     try:

@@ -26,6 +26,7 @@ logs why once and keeps PyTorch's kernels. A build killed midway leaves nothing 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
@@ -145,7 +146,7 @@ def _build_in_background() -> None:
         if "background" in _STATE:
             return
         _STATE["background"] = True
-    threading.Thread(target=prepare, name="gptkit-kernels-build", daemon=True).start()
+    _start_native_thread(prepare, "gptkit-kernels-build")
 
 
 def building() -> bool:
@@ -171,7 +172,8 @@ def _build() -> bool:
 
     from torch.utils import cpp_extension
 
-    log.info("building gptkit's CPU kernels for %s (once per machine, about a minute)", isa_level()[0])
+    if not _built():  # said only when it compiles: a library built before loads in a fraction of a second
+        log.info("building gptkit's CPU kernels for %s (once per machine, about a minute)", isa_level()[0])
     build_dir = build_directory()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -439,5 +441,12 @@ def back_with_huge_pages(tensors: list[Tensor]) -> None:
     about 15% faster), in a daemon thread: moving a model's pages takes about a second per GB, and decoding goes
     on meanwhile (the call releases the GIL). A no-op without the library, or where the system refuses."""
     if _STATE.get("library"):
-        threading.Thread(target=torch.ops.gptkit.huge_pages, args=(tensors,), name="gptkit-huge-pages",
-                         daemon=True).start()  # fmt: skip
+        _start_native_thread(lambda: torch.ops.gptkit.huge_pages(tensors), "gptkit-huge-pages")
+
+
+def _start_native_thread(work: Callable[[], object], name: str) -> None:
+    """Run work in a daemon thread that the process waits for at exit: native code still running while the
+    interpreter tears down aborts the process ("terminate called without an active exception")."""
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
+    atexit.register(thread.join)

@@ -11,3 +11,8 @@ class ConfigError(GptkitError, ValueError):
 
 class InputError(GptkitError, ValueError):
     """Input the model or a command cannot take (token ids out of range, a too-long sequence, ...)."""
+
+
+class WriteError(GptkitError):
+    """A write the storage refused (a full disk, a read-only or unwritable place, an I/O error, a file too large);
+    the message names the path and what was kept."""

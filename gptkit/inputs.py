@@ -24,8 +24,10 @@ import json
 import logging
 import lzma
 import os
+import queue
 import re
 import sys
+import threading
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -33,11 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from gptkit.errors import InputError
+from gptkit.errors import GptkitError, InputError
 
 logger = logging.getLogger(__name__)
 
 READ_CHUNK = 1 << 20  # bytes read from a file at a time
+# zstd input decompressed in one call: its output is whole, so this bounds it (64 KiB of text inflates to ~1 MiB).
+ZSTD_FEED = 1 << 16
+READ_AHEAD = 4  # decompressed chunks a compressed file's reader thread may hold ready
 SNIFF_BYTES = 8192  # bytes inspected to tell a file's format from its content
 # Above this share of invalid bytes around the first bad one, a file is not "text with a few bad bytes" and
 # --errors replace would train on noise.
@@ -154,25 +159,102 @@ def _decompressed(raw: IO[bytes], compression: str) -> IO[bytes]:
     if compression == "bzip2":
         return bz2.BZ2File(raw)
     zstandard = _optional("zstandard", "zstd", "zstd-compressed input")
-    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw), READ_CHUNK)
+    return io.BufferedReader(_ZstdFrames(raw, zstandard.ZstdDecompressor()), READ_CHUNK)
+
+
+class _ZstdFrames(io.RawIOBase):
+    """zstd-compressed bytes decompressed frame after frame (`cat a.zst b.zst` makes a file of two); input that ends
+    inside a frame is an EOFError, as gzip's is (zstandard's stream_reader ends there quietly: a cut file would be
+    read as if it were whole)."""
+
+    def __init__(self, raw: IO[bytes], decompressor: Any) -> None:
+        self.raw = raw
+        self.decompressor = decompressor
+        self.frame: Any = None  # the frame being decoded; None between frames
+        self.out = memoryview(b"")  # decompressed bytes not read yet
+        self.unfed = b""  # input past the end of the last frame
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self.out:
+            if not self._decode():
+                return 0
+        n = min(len(buffer), len(self.out))
+        buffer[:n] = self.out[:n]
+        self.out = self.out[n:]
+        return n
+
+    def _decode(self) -> bool:
+        """Decompress the next piece of input into self.out; False at the end of the input."""
+        data, self.unfed = self.unfed or self.raw.read(ZSTD_FEED), b""
+        if not data:
+            if self.frame is not None:
+                raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+            return False
+        if self.frame is None:
+            self.frame = self.decompressor.decompressobj()
+        self.out = memoryview(self.frame.decompress(data))
+        if self.frame.eof:
+            self.frame, self.unfed = None, self.frame.unused_data
+        return True
+
+
+def _damage_types() -> tuple[type[Exception], ...]:
+    """What the decompressors raise for damaged or cut-short data (bzip2 and gzip's header checks: an OSError
+    without an errno; zstandard's ZstdError once the module is loaded)."""
+    zstandard = sys.modules.get("zstandard")
+    return (EOFError, lzma.LZMAError, zlib.error) + ((zstandard.ZstdError,) if zstandard else ())
+
+
+def _read_error(path: Path, err: Exception, compression: str | None, offset: int | None) -> InputError | None:
+    """The one-line error for a failed read of an input: damaged compressed data (with the byte of the file it is
+    at or before, when known) or an error of the storage; None for any other exception."""
+    if isinstance(err, GptkitError):  # a reader's own error (invalid UTF-8, say) says what it needs to
+        return None
+    at = f" at or before byte {offset:,} of the file" if offset is not None else ""
+    errno_less = isinstance(err, OSError) and err.errno is None  # (bzip2's "Invalid data stream", BadGzipFile)
+    if compression is not None and (isinstance(err, _damage_types()) or errno_less):
+        return InputError(f"{path}: damaged or truncated compressed file ({compression} data{at}: {err}); check it "
+                          f"with `{compression} -t {path}` and re-create or re-download it")  # fmt: skip
+    if isinstance(err, OSError):
+        where = f" at byte {offset:,}" if offset is not None else ""
+        return InputError(f"cannot read input {path}{where}: {err.strerror or err}")
+    return None
 
 
 def _head(path: Path) -> tuple[bytes, bytes, str | None]:
     """(first bytes of the file, first bytes of its content after decompression, compression name or None)."""
-    with open(path, "rb") as f:
-        head = f.read(SNIFF_BYTES)
-        found = _compression(head)
-        if found is None:
-            return head, head, None
-        name, extra = found
-        if extra is not None and importlib.util.find_spec("zstandard") is None:
-            return head, b"", name  # cannot look inside; reading it gives the error naming the extra
-        f.seek(0)
+    try:
+        f = open(path, "rb")
+    except OSError as err:
+        raise _read_error(path, err, None, None) or err from None
+    name = None
+    with f:
         try:
-            inner = _decompressed(f, name).read(SNIFF_BYTES)
-        except (OSError, EOFError, lzma.LZMAError, ValueError) as err:
-            raise InputError(f"{path} is not a readable {name} file: {err}") from None
-        return head, inner, name
+            head = f.read(SNIFF_BYTES)
+            found = _compression(head)
+            if found is None:
+                return head, head, None
+            name, extra = found
+            if extra is not None and importlib.util.find_spec("zstandard") is None:
+                return head, b"", name  # cannot look inside; reading it gives the error naming the extra
+            f.seek(0)
+            return head, _decompressed(f, name).read(SNIFF_BYTES), name
+        except Exception as err:
+            error = _read_error(path, err, name, _tell(f))
+            if error is None:
+                raise
+            raise error from None
+
+
+def _tell(f: IO[bytes]) -> int | None:
+    """Where a file stands (the bytes read from it), or None when even that cannot be asked."""
+    try:
+        return f.tell()
+    except OSError:
+        return None
 
 
 def unreadable(path: Path) -> tuple[str, str] | None:
@@ -415,24 +497,95 @@ class _Counted(io.RawIOBase):
         return n or 0
 
 
+class _ReadAhead(io.RawIOBase):
+    """A stream read READ_CHUNK at a time by a background thread, up to READ_AHEAD chunks ahead of its reader, so
+    that decompressing (zlib, lzma, bz2 and zstd let go of the GIL) runs beside tokenizing instead of before it.
+    The thread starts at the second chunk (a reader of the first row only reads no further); an error of the
+    thread's is raised to the reader where the data would have come."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.stream = stream
+        self.chunks: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=READ_AHEAD)
+        self.stopping = threading.Event()
+        self.current = memoryview(b"")
+        self.ended = False
+        self.thread: threading.Thread | None = None
+
+    def _fill(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                chunk = self.stream.read(READ_CHUNK)
+                self._put(chunk)
+                if not chunk:
+                    return
+        except BaseException as err:  # whatever it is, the reader raises it where its data would have come
+            self._put(err)
+
+    def _put(self, item: bytes | BaseException) -> None:
+        while not self.stopping.is_set():  # a reader that stops early (close) must not leave the thread waiting
+            try:
+                self.chunks.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self.current:
+            if self.ended:
+                return 0
+            if self.thread is None:  # the first chunk: read here
+                item: bytes | BaseException = self.stream.read(READ_CHUNK)
+                self.thread = threading.Thread(target=self._fill, name="gptkit-read-ahead", daemon=True)
+                self.thread.start()
+            else:
+                item = self.chunks.get()
+            if isinstance(item, BaseException):
+                self.ended = True
+                raise item
+            if not item:
+                self.ended = True
+                return 0
+            self.current = memoryview(item)
+        n = min(len(buffer), len(self.current))
+        buffer[:n] = self.current[:n]
+        self.current = self.current[n:]
+        return n
+
+    def close(self) -> None:
+        self.stopping.set()
+        if self.thread is not None:
+            with contextlib.suppress(queue.Empty):  # a put the thread is waiting on goes through at once
+                while True:
+                    self.chunks.get_nowait()
+            self.thread.join()
+        super().close()
+
+
 @contextlib.contextmanager
 def _opened(path: Path, errors: str, on_bytes: Callable[[int], None]) -> Iterator[tuple[Source, _Counted]]:
-    """A Source for the file (decompressed if it is compressed), and the counter of its bytes."""
+    """A Source for the file (decompressed if it is compressed), and the counter of its bytes; a failed read or
+    damaged compressed data is one InputError line naming the file and the byte."""
+    compression, counted = None, None
     try:
         with open(path, "rb", buffering=0) as f:
             counted = _Counted(f, on_bytes)
             stream: IO[bytes] = io.BufferedReader(counted, READ_CHUNK)
-            compression = _compression(stream.peek(8)[:8]) if _format(path) != "parquet" else None
-            if compression is not None:
-                stream = _decompressed(stream, compression[0])
-            yield Source(path, stream, errors, on_bytes, compression is not None), counted
-    except OSError as err:  # (gzip's BadGzipFile among them)
-        raise InputError(f"cannot read input {path}: {err.strerror or err}") from None
+            found = _compression(stream.peek(8)[:8]) if _format(path) != "parquet" else None
+            if found is not None:
+                compression = found[0]
+                stream = io.BufferedReader(_ReadAhead(_decompressed(stream, compression)), READ_CHUNK)
+            try:
+                yield Source(path, stream, errors, on_bytes, compression is not None), counted
+            finally:
+                stream.close()  # (stops a read-ahead thread before its file closes)
     except Exception as err:
-        zstandard = sys.modules.get("zstandard")
-        if isinstance(err, (EOFError, lzma.LZMAError, zlib.error)) or (zstandard and isinstance(err, zstandard.ZstdError)):
-            raise InputError(f"{path}: damaged or truncated compressed file ({err})") from None  # cut short, say
-        raise
+        error = _read_error(path, err, compression, counted.size if counted is not None else None)
+        if error is None:
+            raise
+        raise error from None
 
 
 def records(path: Path, errors: str, columns: list[str] | None = None,

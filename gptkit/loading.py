@@ -52,6 +52,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None,
     if kind == "hf":
         return hf.load_hf(path, dtype=dtype, device=device)
     if kind == "lora":
+        lora_dir.base_chain(path)  # a cycle of bases is one line, not a RecursionError
         settings = lora_dir.read_lora_config(path)
         base, tokenizer, _ = load_base(settings["base"], settings["base_fingerprint"], device)
         return lora_dir.merged(base, path, dtype), tokenizer
@@ -100,7 +101,7 @@ def model_context(path: str | Path) -> int | None:
         if kind in ("gptkit", "quantized"):
             return modeldir.read_model_config(path).block_size
         if kind == "lora":
-            return model_context(lora_dir.read_lora_config(path)["base"])
+            return model_context(lora_dir.base_chain(path)[-1])
         return load(path)[0].config.block_size
     except GptkitError:
         return None

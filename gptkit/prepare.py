@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from gptkit.atomic import atomic_write_text, replace_dir, staging_dir, sweep_staging
+from gptkit.atomic import atomic_write_text, building_dir, sweep_staging
 from gptkit.chat import TOKENIZER_CONFIG, ChatTemplate
 from gptkit.data import EXAMPLE_FILES, META_FILE, SPLIT_FILES
-from gptkit.errors import GptkitError, InputError
+from gptkit.errors import InputError
 from gptkit.finetune.examples import KINDS as EXAMPLE_KIND
 from gptkit.formats.gguf import gguf_tokenizer, is_gguf_file
 from gptkit.finetune.examples import SUPERVISED, ExampleEncoder, fit, row_format
@@ -337,25 +337,11 @@ def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
 
 
 def _publish(out: Path, name: str, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
-    """Have write() build a data set in a staging directory (meta.json last), then swap it in for out's."""
-    try:
-        stage = staging_dir(out)
-    except OSError as err:
-        raise GptkitError(f"cannot create the data directory {name}: {err.strerror or err}") from None
-    try:
-        meta = write(stage)
-    except OSError as err:  # a full disk, say: the previous data set was never touched
-        raise GptkitError(f"cannot write the new data set beside {name}: {err.strerror or err}; "
-                          "the previous data set there is unchanged") from None  # fmt: skip
-    finally:
-        if not (stage / META_FILE).is_file():
-            shutil.rmtree(stage, ignore_errors=True)
-    try:
-        replace_dir(stage, out, _owned(out), META_FILE)
-    except OSError as err:
-        raise GptkitError(f"cannot put the new data set in place in {name}: {err.strerror or err}; "
-                          "run gptkit prepare again") from None  # fmt: skip
-    return meta
+    """Have write() build a data set in a staging directory (meta.json last), then swap it in for out's.
+
+    A failed write (a full disk, say) leaves the previous data set untouched and is one line naming `name`."""
+    with building_dir(name, META_FILE, _owned(out), what="data set") as stage:  # (name resolves to out)
+        return write(stage)
 
 
 def _write_meta(stage: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -496,7 +482,8 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
 
     temporaries = [stage / ".ids.tmp", stage / ".mask.tmp"]  # all examples, before the split
     offsets, targets, labels = [0], [], []
-    truncated = dropped = 0
+    truncated = dropped = identical = 0
+    first_identical = ""  # where the first preference pair with the same reply twice is
     with open(temporaries[0], "wb") as ids_file, open(temporaries[1], "wb") as mask_file, \
             _progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:  # fmt: skip
         for record, fmt, where in _rows(files, formats, config.errors, bar.update):
@@ -506,6 +493,9 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
                 dropped += 1
                 continue
             truncated += any(f is not e for f, e in zip(fitted, examples))
+            if fmt == "preference" and np.array_equal(examples[0].ids, examples[1].ids):
+                identical += 1
+                first_identical = first_identical or where
             for example in fitted:
                 ids_file.write(example.ids.astype(dtype).tobytes())
                 mask_file.write(example.trained.astype(np.uint8).tobytes())
@@ -515,6 +505,9 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
                 labels.append(label)
     if len(offsets) == 1:
         raise InputError(f"no example fits --max-length {max_length} ({dropped} dropped); raise --max-length")
+    if identical:  # kept (DPO's loss stays at log 2 on them), but most likely a mistake in the data
+        logger.warning("%d preference pair(s) have the same chosen and rejected reply, from which DPO learns nothing "
+                       "(the first at %s); fix or drop them", identical, first_identical)  # fmt: skip
     label_names = sorted(set(labels))
     if kind == "labelled" and len(label_names) < 2:
         raise InputError(f"every labelled row has the label {label_names[0]!r}: a classifier needs at least two labels")

@@ -34,7 +34,9 @@ from gptkit.checkpoint import (
     LATEST,
     STEP_DIR,
     CheckpointError,
+    checkpoint_dirs,
     full_tensor,
+    has_manifest,
     latest_checkpoint,
     load_checkpoint,
     load_weights,
@@ -43,6 +45,7 @@ from gptkit.checkpoint import (
     rewind,
     rng_state,
     save_checkpoint,
+    unverifiable,
     verify_checkpoint,
 )
 from gptkit.devices import gpu_peak_flops, pick_device
@@ -361,8 +364,9 @@ def resume_model(checkpoint: Path) -> RunModel:
 def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = None) -> Path | None:
     """The checkpoint a run continues from: None for a new run; resume_from, verified; or the newest that verifies.
 
-    Passing over a damaged or incomplete checkpoint is said in one warning line; with resume_from, damage is an
-    error naming it.
+    Passing over a damaged, incomplete or unverifiable (manifest-less) checkpoint is said in one warning line, and
+    so is a `latest` file that names no checkpoint here; with resume_from, damage is an error naming it, and a
+    checkpoint without a manifest is taken with a warning.
     """
     if resume_from is not None:
         path = Path(resume_from)
@@ -371,7 +375,8 @@ def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = N
                               f"(a directory {run_dir / CHECKPOINTS}/step-N)")  # fmt: skip
         if not path.is_dir():
             raise CheckpointError(f"--resume-from {path} does not exist")
-        verify_checkpoint(path)
+        if not verify_checkpoint(path):
+            logger.warning("%s; continuing from it all the same, as --resume-from names it", unverifiable(path))
         return run_dir / CHECKPOINTS / path.name
     if not resume:
         if latest_checkpoint(run_dir) is not None:
@@ -384,13 +389,31 @@ def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = N
             raise CheckpointError(f"no checkpoint of {run_dir} can be resumed from: {'; '.join(skipped)}")
         raise CheckpointError(f"{run_dir} has no checkpoint to resume from (a run stopped before its first "
                               "checkpoint starts again without --resume)")  # fmt: skip
-    if skipped:
-        logger.warning("%s; resuming from %s, the newest checkpoint that verifies (the newer ones are removed)",
-                       "; ".join(skipped), checkpoint)  # fmt: skip
-    elif (run_dir / LATEST).exists() and read_latest(run_dir) is None:
-        logger.warning("%s does not name a checkpoint inside %s (ignored); resuming from %s", run_dir / LATEST,
-                       CHECKPOINTS, checkpoint)  # fmt: skip
+    newer = " (the newer ones are removed)" if checkpoint_dirs(run_dir)[0] != checkpoint else ""
+    if not has_manifest(checkpoint):  # (skipped ends with why it cannot be verified)
+        logger.warning("%s; resuming from %s all the same, as no checkpoint of the run verifies%s",
+                       "; ".join(skipped), checkpoint, newer)  # fmt: skip
+    elif skipped:
+        logger.warning("%s; resuming from %s, the newest checkpoint that verifies%s", "; ".join(skipped), checkpoint,
+                       newer)  # fmt: skip
+    warn_about_latest(run_dir, checkpoint)
     return checkpoint
+
+
+def warn_about_latest(run_dir: Path, checkpoint: Path) -> None:
+    """Warn when the run's `latest` file names no checkpoint of it, saying which one the run continues from.
+
+    (`latest` naming an older checkpoint than the newest complete one is a kill before it was updated: not warned.)
+    """
+    latest = run_dir / LATEST
+    if not latest.exists():
+        return
+    named = read_latest(run_dir)
+    if named is None:
+        logger.warning("%s does not name a checkpoint inside %s (ignored); resuming from %s", latest, CHECKPOINTS,
+                       checkpoint)  # fmt: skip
+    elif not named.is_dir():
+        logger.warning("%s names %s, which does not exist (ignored); resuming from %s", latest, named, checkpoint)
 
 
 def train(config: RunConfig, resume: bool = False, progress: bool = True,
@@ -490,13 +513,13 @@ class Trainer:
         self.step, self.elapsed_before, self.skipped_before = 0, 0.0, 0
         self.last_good = checkpoint
         if self.world.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            remove_stale_temporaries(self.run_dir)
-            if checkpoint is not None:
-                dropped = rewind(self.run_dir, checkpoint)
-                if dropped and resume_from is not None:  # (damaged ones passed over were named already)
-                    logger.warning("continuing from %s: removed the later checkpoint(s) %s", checkpoint.name,
-                                   ", ".join(p.name for p in dropped))  # fmt: skip
+            with self.writing(f"could not write the run directory {self.run_dir}"):
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                remove_stale_temporaries(self.run_dir)
+                dropped = rewind(self.run_dir, checkpoint) if checkpoint is not None else []
+            if dropped and resume_from is not None:  # (damaged ones passed over were named already)
+                logger.warning("continuing from %s: removed the later checkpoint(s) %s", checkpoint.name,
+                               ", ".join(p.name for p in dropped))  # fmt: skip
         if checkpoint is not None:
             saved = load_checkpoint(checkpoint, model, self.optimizer, self.names, self.world.rank, self.read_model)
             self.step, self.elapsed_before = saved["step"], saved.get("elapsed_s", 0.0)
@@ -514,8 +537,9 @@ class Trainer:
         self.history = read_history(self.run_dir / METRICS_FILE, self.step) if checkpoint is not None else []
         self.tensorboard: Any = None  # a SummaryWriter while run() goes, with train.tensorboard
         if self.world.is_main:
-            atomic_write_text(self.run_dir / CONFIG_FILE, header + yaml.safe_dump(resolved, sort_keys=False))
-            atomic_write_text(self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.history))
+            with self.writing(f"could not write {CONFIG_FILE} and {METRICS_FILE} in {self.run_dir}"):
+                atomic_write_text(self.run_dir / CONFIG_FILE, header + yaml.safe_dump(resolved, sort_keys=False))
+                atomic_write_text(self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.history))
         barrier(self.world)  # no rank starts before rank 0 has made the run directory
 
         self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
@@ -669,7 +693,8 @@ class Trainer:
         self.note(line)
         self.write(record)
         if t.plot and self.world.is_main:
-            plot_losses(self.history, self.run_dir / PLOT_FILE)
+            with self.writing(f"could not write {self.run_dir / PLOT_FILE}"):
+                plot_losses(self.history, self.run_dir / PLOT_FILE)
 
     def save(self) -> Path:
         """Checkpoint the current step, unless the weights went bad (then the last good one stays the latest)."""
@@ -696,12 +721,21 @@ class Trainer:
         barrier(self.world)  # no rank goes on (or exits) while rank 0 is still writing
         return self.last_good
 
+    @contextlib.contextmanager
+    def writing(self, what: str) -> Iterator[None]:
+        """Within the block, a failed write (a full disk, a read-only directory) stops the run with io_error's line."""
+        try:
+            yield
+        except OSError as err:
+            raise self.io_error(what, err) from None
+
     def io_error(self, what: str, err: OSError | None) -> CheckpointError:
         """The one-line error for a failed write: what failed, why, and the run's last intact checkpoint."""
         if err is None:  # this rank writes nothing: rank 0 failed
             reason = " (rank 0 failed to write it)"
         else:
-            reason = f": {err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
+            named = err.filename and str(err.filename) not in what
+            reason = f": {err.strerror or err}" + (f" ({err.filename})" if named else "")
         intact = latest_checkpoint(self.run_dir, verify=True) if self.world.is_main else self.last_good
         return CheckpointError(f"{what}{reason}; the last intact checkpoint is {intact or 'none (none was written)'}")
 
@@ -758,11 +792,12 @@ class Trainer:
         from tqdm import tqdm
 
         t = self.t
+        with self.writing(f"could not open {self.run_dir / METRICS_FILE} or {TENSORBOARD_DIR}/ for writing"):
+            self.metrics = open(self.run_dir / METRICS_FILE, "a") if self.world.is_main else None
+            if t.tensorboard and self.world.is_main:
+                self.tensorboard = open_tensorboard(self.run_dir / TENSORBOARD_DIR)
         self.bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", file=sys.stderr,
                         dynamic_ncols=True, smoothing=0.1) if progress else None  # fmt: skip
-        self.metrics = open(self.run_dir / METRICS_FILE, "a") if self.world.is_main else None
-        if t.tensorboard and self.world.is_main:
-            self.tensorboard = open_tensorboard(self.run_dir / TENSORBOARD_DIR)
         interrupted, val_loss = False, None
         try:
             with stop_on_signals() as stop:

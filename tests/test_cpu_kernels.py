@@ -218,6 +218,29 @@ def test_a_failed_build_logs_once_and_falls_back(monkeypatch, caplog):
     assert cpu_kernels.choices() == {"fp32": False, "bf16": False, "int8": False, "bf16_upcast": False}
 
 
+def test_the_build_is_announced_only_when_it_compiles(monkeypatch, tmp_path, caplog):
+    """The first process compiles and says it takes a while; a later one loads the built library without a word."""
+    from torch.utils import cpp_extension
+
+    def fake_build(name: str, build_directory: str, **_) -> None:  # leaves the library where torch's build does
+        compiled.append(name)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    compiled: list[str] = []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.delenv(cpu_kernels.ISA_VARIABLE, raising=False)
+    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setattr(cpp_extension, "load", fake_build)
+    monkeypatch.setattr(cpu_kernels, "_register_shape_functions", lambda: None)  # no real library was loaded
+    with caplog.at_level(logging.INFO, logger="gptkit.cpu_kernels"):
+        for _ in range(2):  # two processes, one after the other
+            monkeypatch.setattr(cpu_kernels, "_STATE", {})
+            assert cpu_kernels.load() is True
+    announced = [r.getMessage() for r in caplog.records if "building gptkit's CPU kernels" in r.getMessage()]
+    assert len(compiled) == 2 and len(announced) == 1, announced
+
+
 @pytest.mark.parametrize("flags", [set(), {"avx", "sse4_2"}, {"avx512f", "avx2"}])
 def test_cpus_without_avx2_or_avx512_never_build(monkeypatch, flags):
     from torch.utils import cpp_extension

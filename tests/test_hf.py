@@ -16,7 +16,8 @@ from gptkit.config import ModelConfig
 from gptkit.errors import GptkitError
 from gptkit.formats.hf import export_hf, gpt_from_hf_model, hf_model_from_gpt, load_hf
 from gptkit.model import GPT
-from gptkit.formats.modeldir import ModelDirError, load_model_dir, model_state, save_model_dir
+from gptkit.formats.modeldir import load_model_dir, model_state, save_model_dir
+from gptkit.weights import WeightsError
 from gptkit.loading import load
 
 transformers = pytest.importorskip("transformers")
@@ -336,7 +337,7 @@ def test_integer_tensor_is_a_one_line_error(tmp_path) -> None:
     # The same in a gptkit directory.
     save_model_dir(random_gpt(ModelConfig(**VARIANTS["llama-gqa"])), tmp_path / "gptkit")
     rewrite_weights(tmp_path / "gptkit", lambda s: s.update({"norm_f.weight": torch.ones(32, dtype=torch.int32)}))
-    with pytest.raises(ModelDirError, match="'norm_f.weight' has dtype torch.int32, the model needs floating") as err:
+    with pytest.raises(WeightsError, match="'norm_f.weight' has dtype torch.int32, the model needs floating") as err:
         load_model_dir(tmp_path / "gptkit")
     assert "\n" not in str(err.value)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -26,6 +27,7 @@ from gptkit.insight import (
     token_probabilities,
     write_report,
 )
+from gptkit.loading import load
 from gptkit.model import GPT
 from gptkit.formats.modeldir import save_model_dir
 from gptkit.tokenizer import ByteTokenizer
@@ -139,6 +141,34 @@ def test_report_pictures_are_valid_pngs_referenced_by_index(gelu_dir, tmp_path, 
     assert sorted(re.findall(r'<img src="([^"]+)"', page)) == pngs  # relative links, one per picture
     assert "&lt;b&gt;To be&lt;/b&gt; &amp; $not$ to be" in page and "<b>To be" not in page
     assert "http://" not in page and "https://" not in page  # nothing fetched from elsewhere
+
+
+def test_the_attention_drawn_is_the_models_own_softmax_of_queries_and_keys(gelu_dir, tmp_path, monkeypatch):
+    """The numbers attention_layer1.png is drawn from, against layer 1's attention computed directly from the
+    weights: softmax(q k^T / sqrt(d_k)) under the causal mask, q and k from the normed embeddings (no trace)."""
+    import gptkit.insight
+
+    drawn = {}
+    real = gptkit.insight.draw_attention
+
+    def recording(weights: torch.Tensor, labels: list[str], layer: int):
+        drawn[layer] = weights.clone()
+        return real(weights, labels, layer)
+
+    monkeypatch.setattr(gptkit.insight, "draw_attention", recording)
+    prompt = "To be, or not to be: that is the question"
+    assert main(["inspect", str(gelu_dir), "--prompt", prompt, "--out", str(tmp_path), "--max-tokens", "8"]) == 0
+    model, tokenizer = load(gelu_dir)
+    ids = torch.tensor(tokenizer.encode(prompt))
+    T, H, C = len(ids), model.config.n_head, model.config.n_embd
+    with torch.no_grad():
+        x = model.blocks[0].norm1(model.tok_emb(ids) + model.pos_emb(torch.arange(T)))  # pre-norm, learned positions
+        q, k, _ = (x @ model.blocks[0].attn.qkv.weight.T + model.blocks[0].attn.qkv.bias).split(C, dim=-1)
+        q, k = (t.view(T, H, C // H).transpose(0, 1) for t in (q, k))  # (H, T, d_k)
+        scores = (q @ k.transpose(1, 2) / math.sqrt(C // H)).masked_fill(~torch.ones(T, T).bool().tril(), -math.inf)
+    want = scores.softmax(dim=-1)[:, -8:, -8:]  # the last 8 positions are drawn
+    assert drawn.keys() == {1, 2} and drawn[1].shape == (H, 8, 8)
+    torch.testing.assert_close(drawn[1], want, atol=1e-6, rtol=0)
 
 
 def test_long_prompt_is_capped_and_captioned(tmp_path):

@@ -113,6 +113,18 @@ def test_malformed_rows_are_one_line_errors_naming_file_and_line(row, message, t
     assert last.startswith("gptkit prepare: error: ") and message in last and str(path) in last
 
 
+def test_pairs_with_the_same_reply_twice_are_counted_in_one_warning(tmp_path, capsys):
+    same = [{"prompt": "Say pear", "chosen": "pear.", "rejected": "pear."},
+            {"prompt": [{"role": "user", "content": "Say fig"}], "chosen": [{"role": "assistant", "content": "fig"}],
+             "rejected": [{"role": "assistant", "content": "fig"}]}]  # fmt: skip
+    path = write_jsonl(tmp_path / "pairs.jsonl", [*preference_rows(3), same[0], *preference_rows(2, seed=1), same[1]])
+    assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(tmp_path / "out")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gptkit: ")]
+    assert warnings == [f"gptkit: 2 preference pair(s) have the same chosen and rejected reply, from which DPO learns "
+                        f"nothing (the first at {path} line 4); fix or drop them"]  # fmt: skip
+    assert read_meta(tmp_path / "out")["train_examples"] + read_meta(tmp_path / "out")["val_examples"] == 2 * 7
+
+
 def test_one_label_mixed_kinds_and_the_wrong_objective_are_refused(prepared, tmp_path, capsys):
     base, pairs, texts = prepared
     one = write_jsonl(tmp_path / "one.jsonl", [{"text": "a", "label": "x"}, {"text": "b", "label": "x"}])

@@ -162,8 +162,10 @@ def test_planned_memory_matches_measured_peak(case):
     config = ModelConfig(**fields)
     planned = training_memory(config, batch, T, dtype).total
     measured = measured_peak_bytes(config, batch, T, dtype=dtype)
-    assert planned == pytest.approx(measured, rel=0.25)  # the bar; these cases agree within 8%
-    assert planned >= 0.95 * measured  # the plan is meant as an upper bound
+    # The plan sums every part as if all were alive at once, so it is an upper bound; what it adds is what never
+    # coexists (measured here: 3.3%, 2.9%, 5.2% and, for the weights-dominated case, whose AdamW temporaries are
+    # planned as one fp32 per parameter, 7.3%).
+    assert measured <= planned <= 1.08 * measured, planned / measured
 
 
 def test_settings_are_validated():

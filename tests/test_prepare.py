@@ -255,7 +255,7 @@ KILL_CHILD = textwrap.dedent(
         prep._encode_batch = encode
         prep.BATCH_CHARS = 50_000
     elif stage == "staged":  # before the swap: the new data set is complete beside the old one
-        prep.replace_dir = die
+        atomic.replace_dir = die
     elif stage == "exchanged":  # during the swap: exchanged, the user's files not yet carried over
         real_finish = atomic.finish_replace
         def finish(target):  # (the sweep at the start calls it too, with no journal to act on)
@@ -354,8 +354,8 @@ def test_a_full_disk_while_preparing_is_one_line_and_keeps_the_old_data(tmp_path
     monkeypatch.setattr(prep, "_split_tail", full)
     assert main(["prepare", "--tokenizer", "char", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == (f"gptkit prepare: error: cannot write the new data set beside {out}: No space left on device; "
-                   "the previous data set there is unchanged")  # fmt: skip
+    assert err == (f"gptkit prepare: error: cannot write {out}: No space left on device (the existing data set is "
+                   "unchanged)")  # fmt: skip
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 

@@ -259,6 +259,48 @@ def test_echo_with_zero_max_tokens_scores_the_prompt(client, reference):
     assert response.usage.completion_tokens == 0
 
 
+def test_scoring_past_a_learned_position_models_context_is_a_400_naming_the_prompt(http, reference):
+    """lm-eval scores (context + continuation) with echo and logprobs: it must learn the window to respect, and a
+    prompt past it must be a client error it can see, not a 500 it retries."""
+    block = reference[0].config.block_size
+    card = http.get(f"/v1/models/{MODEL}").json()
+    assert card["context_length"] == block and card["max_context"] == 4 * block
+    text = "abcdefghij" * (block // 10 + 2)  # block + 20 characters: scorable by nobody, generatable
+    score = {"model": MODEL, "echo": True, "logprobs": 0, "max_tokens": 0}
+    too_long = http.post("/v1/completions", json={**score, "prompt": text})
+    assert too_long.status_code == 400, too_long.text
+    assert too_long.json()["error"]["param"] == "prompt"
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert f"at most {block + 1}" in too_long.json()["error"]["message"]
+    # block + 1 tokens score whole: the last one's prediction is never needed (lm-eval's hf backend scores so)
+    fits = http.post("/v1/completions", json={**score, "prompt": text[-block - 1:], "logprobs": 0})
+    assert fits.status_code == 200
+    scored = fits.json()["choices"][0]["logprobs"]["token_logprobs"]
+    model, tokenizer = reference
+    ids = tokenizer.encode(text[-block - 1:])
+    with torch.no_grad():
+        logprobs = model(torch.tensor([ids[:-1]]))[0].log_softmax(-1)
+    assert len(scored) == block + 1 and scored[0] is None
+    assert scored[1:] == pytest.approx([float(logprobs[t - 1, ids[t]]) for t in range(1, len(ids))], abs=1e-4)
+    generated = http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 3})
+    assert generated.status_code == 200  # a generation slides its window past block_size
+
+
+def test_the_tokenizer_endpoints_speak_vllms_form(http, reference):
+    """lm-evaluation-harness's remote tokenizer (local-completions' default when these answer) reads them."""
+    _, tokenizer = reference
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == tokenizer.decode([tokenizer.eos_id]) and info["model_max_length"] == 96
+    ids = http.post("/tokenize", json={"prompt": "The cat", "add_special_tokens": False}).json()["tokens"]
+    assert ids == tokenizer.encode("The cat")
+    assert http.post("/tokenize", json={"prompt": info["eos_token"]}).json()["tokens"] == [tokenizer.eos_id]
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "The cat"
+    bad = http.post("/detokenize", json={"tokens": [tokenizer.vocab_size]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    unknown = http.post("/tokenize", json={"prompt": "\u4e2d"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "prompt"
+
+
 def test_chat_uses_the_default_template(client, reference):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     prompt = ChatTemplate().render(messages)
@@ -576,6 +618,20 @@ def test_a_foreign_host_is_refused_while_the_server_binds_loopback(server, model
         assert c.get("/v1/models").status_code == 200
 
 
+@pytest.mark.parametrize("name", ["", " "])
+def test_an_empty_allowed_host_is_refused_in_one_line(name, tmp_path, capsys):
+    """An empty name would serve requests whose Host header is empty, which the guard exists to refuse."""
+    from gptkit.cli import main
+    from gptkit.errors import GptkitError
+
+    assert main(["serve", str(tmp_path), "--allowed-host", "box.lan", name]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"gptkit serve: error: --allowed-host {name!r} names no host: give a host name such as mybox.lan (loopback "
+        "names need no flag)"]  # fmt: skip
+    with pytest.raises(GptkitError, match="names no host"):
+        ServeOptions(allowed_host=(name,))
+
+
 def test_fields_that_change_nothing_are_accepted(http):
     plain = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0}
     want = http.post("/v1/completions", json=plain).json()["choices"][0]["text"]
@@ -593,15 +649,30 @@ def test_a_half_sent_request_is_closed_after_the_head_timeout(model_dir):
     app = build_app(model_dir, ServeOptions(head_timeout=1.0, max_connections=4))
     with live_server(app, ServeOptions(head_timeout=1.0, max_connections=4)) as url:
         port = int(url.rsplit(":", 1)[1])
-        stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
         stalled[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head never ends
+        stalled[2].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100\r\n\r\n{\"model\": ")  # the body never ends
         for s in stalled:
             s.settimeout(10)
         started = time.monotonic()
-        assert [s.recv(1024) for s in stalled] == [b"", b""]  # closed by the server, with nothing sent
+        assert [s.recv(1024) for s in stalled] == [b"", b"", b""]  # closed by the server, with nothing sent
         assert 0.5 < time.monotonic() - started < 8
         for s in stalled:
             s.close()
+        # A kept-alive connection that sends nothing after its response is closed after the same deadline.
+        idle = socket.create_connection(("127.0.0.1", port))
+        idle.settimeout(10)
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        response = b""
+        while b"\r\n\r\n" not in response or len(response.partition(b"\r\n\r\n")[2]) < int(
+                re.search(rb"content-length: (\d+)", response.lower()).group(1)):  # fmt: skip
+            response += idle.recv(4096)
+        assert response.startswith(b"HTTP/1.1 200")
+        answered = time.monotonic()
+        assert idle.recv(1024) == b""
+        assert 0.5 < time.monotonic() - answered < 8
+        idle.close()
         # A whole request is unaffected, also on a kept-alive connection after the deadline has passed.
         with httpx.Client(base_url=url) as http:
             body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
@@ -626,6 +697,7 @@ def test_a_pathological_template_stops_with_an_error_and_others_are_answered(mod
                 "{{ j % 2 }}{% endfor %}{% endfor %}"
                 "{% elif messages[0].content == 'huge' %}{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"
                 "{% elif messages[0].content == 'include' %}{% include 'other.jinja' %}"
+                "{% elif messages[0].content == 'recurse' %}{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(1) }}"
                 "{% else %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:{% endif %}")  # fmt: skip
     (templated / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
 
@@ -633,20 +705,42 @@ def test_a_pathological_template_stops_with_an_error_and_others_are_answered(mod
         body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
         return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
 
-    with live_server(build_app(templated, ServeOptions())) as url:
+    def complete() -> float:
+        started = time.monotonic()
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 20}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        return time.monotonic() - started
+
+    app = build_app(templated, ServeOptions())
+    with live_server(app) as url:
+        assert chat("hello").status_code == 200
+        alone = min(complete() for _ in range(3))
         looping: list[httpx.Response] = []
 
         def run_loop() -> None:
+            started = time.monotonic()
             looping.append(chat("loop"))
+            looping[-1].elapsed_s = time.monotonic() - started  # type: ignore[attr-defined]
 
-        thread = threading.Thread(target=run_loop)
-        thread.start()
+        threads = [threading.Thread(target=run_loop) for _ in range(3)]  # more loops than worker processes
+        for thread in threads:
+            thread.start()
         time.sleep(0.5)
         other = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=60)
-        thread.join()
-        assert other.status_code == 200  # answered, not stalled behind the loop
-        assert looping[0].status_code == 400 and looping[0].json()["error"]["param"] == "messages"
-        assert "chat template" in looping[0].json()["error"]["message"]
+        for thread in threads:
+            thread.join()
+        assert other.status_code == 200  # answered, not stalled behind the loops
+        for answer in looping:
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+            assert "chat template" in answer.json()["error"]["message"]
+        assert min(a.elapsed_s for a in looping) < 9  # the documented 5 s deadline, not twice it
+        # The looping renders were stopped for real: no worker is left busy, and completions are back to speed
+        # (a loop left spinning in the server's process slowed a 20-token completion 50-fold).
+        workers = app.state.gptkit.templates
+        assert workers.started == workers.idle.qsize() <= 2
+        assert min(complete() for _ in range(3)) < 5 * alone + 0.2
+        recurse = chat("recurse")
+        assert recurse.status_code == 400 and "recursed" in recurse.json()["error"]["message"]
         huge = chat("huge")
         assert huge.status_code == 400 and "more than 4,194,304 characters" in huge.json()["error"]["message"]
         include = chat("include")

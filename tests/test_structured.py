@@ -177,6 +177,31 @@ def test_cli_generate_with_a_json_schema_file(model_dir, tmp_path, capsys):
     assert "cannot read the JSON schema file" in capsys.readouterr().err
 
 
+def nested_schema_text(levels: int) -> str:
+    """A schema of objects nested `levels` deep (2 * levels JSON levels), written as text: too deep for json.dumps."""
+    return '{"type":"object","properties":{"a":' * levels + '{"type":"integer"}' + '},"required":["a"]}' * levels
+
+
+@pytest.mark.parametrize("levels", [60, 2000])  # past the limit; past Python's recursion limit too
+def test_a_schema_nested_too_deep_is_refused_in_one_line_by_the_cli_and_the_api(levels, model_dir, tmp_path, capsys):
+    schema_file = tmp_path / "deep.json"
+    schema_file.write_text(nested_schema_text(levels))
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", str(model_dir), "--prompt", "x", "--json-schema", str(schema_file)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "more than 100 levels deep" in err, err
+    with pytest.raises(ConfigError, match="more than 100 levels deep"):
+        SamplingParams(json_schema=nested_schema_text(levels))
+    deep: dict = {"type": "integer"}
+    for _ in range(levels):  # a dict, as Python callers give it
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(ConfigError, match="more than 100 levels deep"):
+        generate(byte_model(), ByteTokenizer(), "x", json_schema=deep, max_new_tokens=2)
+    with pytest.raises(SchemaError, match="more than 100 levels deep"):
+        Grammar(ByteTokenizer(), nested_schema_text(levels), 257)
+    assert SamplingParams(json_schema=nested_schema_text(49)).json_schema  # 99 levels: taken
+
+
 # ---------------------------------------------------------------- the chat template's tools
 
 
@@ -293,6 +318,14 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, param):
     assert reply.json()["error"]["param"] == param
 
 
+def test_the_server_refuses_a_schema_nested_too_deep_with_the_same_check(server):
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+            '"json_schema", "json_schema": {"name": "deep", "schema": %s}}}') % (MODEL, nested_schema_text(60))
+    reply = httpx.post(f"{server}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and "more than 100 levels deep" in reply.json()["error"]["message"], reply.text
+    assert reply.json()["error"]["param"] == "response_format"  # the request's field, not SamplingParams'
+
+
 def _arguments_valid(call) -> dict:
     schema = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}[call.function.name]
     arguments = json.loads(call.function.arguments)
@@ -330,3 +363,57 @@ def test_a_streamed_tool_call_equals_the_whole_one(client, choice):
     if choice != "required":  # a named function's arguments stream as they decode
         assert len(deltas) > 2
     _arguments_valid(whole)
+
+
+class Place(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # no free extra keys: a random model ends them by chance
+    city: str = pydantic.Field(max_length=8)
+    unit: typing.Literal["c", "f"]
+
+
+class Trip(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    start: Place
+    end: Place
+
+
+NESTED_TOOLS = [{"type": "function", "function": {"name": "plan_trip", "parameters": Trip.model_json_schema()}},
+                TOOLS[0]]  # pydantic writes the nested model under $defs, referred to by "#/$defs/Place"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "plan_trip"}}])
+def test_a_tool_whose_parameters_have_defs_is_called_with_valid_arguments(client, choice):
+    assert "$defs" in NESTED_TOOLS[0]["function"]["parameters"]
+    for seed in range(3):
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
+                                               tools=NESTED_TOOLS, tool_choice=choice, max_tokens=300, seed=seed)
+        choice_ = reply.choices[0]
+        assert choice_.finish_reason == "tool_calls", choice_
+        [call] = choice_.message.tool_calls
+        schema = {t["function"]["name"]: t["function"]["parameters"] for t in NESTED_TOOLS}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+        if call.function.name == "plan_trip":
+            Trip.model_validate_json(call.function.arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_tool_call_cut_short_by_max_tokens_comes_back_as_a_call(client, stream):
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS[:1],
+                   tool_choice="required", seed=4)  # fmt: skip
+    reply = client.chat.completions.create(**request, max_tokens=200)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    cut = reply.usage.completion_tokens - 6  # a byte model: 6 bytes short of the end is inside the arguments
+    if stream:
+        events = list(client.chat.completions.create(**request, max_tokens=cut, stream=True))
+        deltas = [d for e in events if e.choices for d in (e.choices[0].delta.tool_calls or [])]
+        assert events[-1].choices[0].finish_reason == "length"
+        name, arguments = deltas[0].function.name, "".join(d.function.arguments or "" for d in deltas)
+    else:
+        choice = client.chat.completions.create(**request, max_tokens=cut).choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        name, arguments = call.function.name, call.function.arguments
+    assert name == "get_weather"
+    assert arguments.lstrip().startswith("{")  # the arguments as far as written: an unfinished JSON object
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)

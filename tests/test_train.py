@@ -275,6 +275,9 @@ FALLBACK_DAMAGE = {
     "trainer.json without keys": (_empty_trainer_json, r"trainer.json has no int 'step'"),
     "garbage manifest": (lambda c: (c / "manifest.json").write_bytes(b"\xff\xfe\x00garbage"), r"manifest.json is unreadable"),
     "incomplete": (lambda c: [(c / f).unlink() for f in ("manifest.json", "trainer.json")], r"is incomplete"),
+    # Unverifiable: without its manifest the flipped byte cannot be seen, so the older verified checkpoint is taken.
+    "deleted manifest, flipped byte": (lambda c: [(c / "manifest.json").unlink(), _flip_byte(c / "model.safetensors")],
+                                       r"step-000006 has no manifest.json, so its files cannot be verified"),
 }  # fmt: skip
 
 
@@ -311,6 +314,56 @@ def test_garbage_or_an_escape_in_latest_is_ignored(data_dir, reference, six_step
         f"gptkit: {run / 'latest'} does not name a checkpoint inside checkpoints (ignored); resuming from "
         f"{run / CHECKPOINTS / 'step-000006'}"]  # fmt: skip
     assert losses(run) == losses(reference) and (run / "latest").read_text() == "checkpoints/step-000008\n"
+
+
+def test_latest_naming_a_missing_checkpoint_is_warned_about(data_dir, reference, six_steps, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)
+    (run / "latest").write_text("checkpoints/step-000009\n")  # a checkpoint deleted by hand, say
+    code, err = _resume(run, capsys, "--resume")
+    assert code == 0, err
+    assert [line for line in err if line.startswith("gptkit: ")] == [
+        f"gptkit: {run / 'latest'} names {run / CHECKPOINTS / 'step-000009'}, which does not exist (ignored); "
+        f"resuming from {run / CHECKPOINTS / 'step-000006'}"]  # fmt: skip
+    assert losses(run) == losses(reference) and (run / "latest").read_text() == "checkpoints/step-000008\n"
+
+
+def test_a_checkpoint_without_manifest_is_taken_when_named_or_when_none_verifies(data_dir, reference, six_steps,
+                                                                                 tmp_path, capsys):  # fmt: skip
+    run = tmp_path / "named"
+    shutil.copytree(six_steps, run)
+    newest = run / CHECKPOINTS / "step-000006"
+    (newest / "manifest.json").unlink()
+    code, err = _resume(run, capsys, "--resume-from", str(newest))
+    assert code == 0, err
+    assert [line for line in err if line.startswith("gptkit: ")] == [
+        f"gptkit: {newest} has no manifest.json, so its files cannot be verified (a damaged byte would go "
+        "unnoticed); continuing from it all the same, as --resume-from names it"]  # fmt: skip
+    assert losses(run) == losses(reference)  # it was whole, so the run goes on from step 6 exactly
+    run = tmp_path / "none"  # an older gptkit's run: no checkpoint has a manifest
+    shutil.copytree(six_steps, run)
+    for checkpoint in checkpoint_dirs(run):
+        (checkpoint / "manifest.json").unlink()
+    code, err = _resume(run, capsys, "--resume")
+    assert code == 0, err
+    newest = run / CHECKPOINTS / "step-000006"
+    assert [line for line in err if line.startswith("gptkit: ")] == [
+        f"gptkit: {newest} has no manifest.json, so its files cannot be verified (a damaged byte would go "
+        f"unnoticed); resuming from {newest} all the same, as no checkpoint of the run verifies"]  # fmt: skip
+    assert losses(run) == losses(reference)
+
+
+def test_a_resume_drops_the_metrics_lines_after_its_checkpoint(data_dir, reference, six_steps, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)
+    with open(run / "metrics.jsonl", "a") as f:  # a run killed after logging steps 7 and 8, before their checkpoint
+        f.write('{"step": 7, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}\n{"step": 8, "loss": 99.0, "lr": 0.0, '
+                '"grad_norm": 0.0}\n')  # fmt: skip
+    code, err = _resume(run, capsys, "--resume")
+    assert code == 0, err
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(9))  # each step once: the stray lines were dropped, not kept beside the redone ones
+    assert losses(run) == losses(reference)
 
 
 def test_a_checkpoint_renamed_into_place_counts_before_latest_names_it(data_dir, reference, six_steps, tmp_path,
@@ -513,12 +566,22 @@ def test_fine_tune_from_model_dir(data_dir, reference, tmp_path):
 
 
 def test_bfloat16_autocast_with_gradient_accumulation(data_dir, tmp_path, device):
-    config = tiny(data_dir, tmp_path / "run", max_steps=4, dtype="bfloat16", grad_accum=2, device=device.type)
-    result = train(config, progress=False)
-    records = losses(tmp_path / "run")
-    assert result.step == 4 and result.skipped_steps == 0
-    assert all(np.isfinite(loss) for loss, _, _ in records.values())
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        config = tiny(data_dir, tmp_path / dtype, max_steps=4, dtype=dtype, grad_accum=2, device=device.type)
+        config.model.fields["dropout"] = 0.0  # the same masks in both runs
+        result = train(config, progress=False)
+        assert result.step == 4 and result.skipped_steps == 0
+        runs[dtype] = losses(result.run_dir)
     assert weights(result.checkpoint)["tok_emb.weight"].dtype == torch.float32  # autocast keeps fp32 master weights
+    # bf16 keeps 8 significant bits: one rounding moves a number by up to 2^-8 of it. The losses, and the first
+    # step's gradient norm (of both micro-batches, averaged: a lost or unscaled micro-batch shows here), agree with
+    # fp32's within that (measured on CPU: losses within 1.2e-5, the gradient norm within 1.5e-4).
+    fp32, bf16 = runs["float32"], runs["bfloat16"]
+    assert fp32.keys() == bf16.keys() == {1, 2, 3, 4}
+    for step in fp32:
+        assert bf16[step][0] == pytest.approx(fp32[step][0], rel=2**-8), step
+    assert bf16[1][1] == pytest.approx(fp32[1][1], rel=2**-8)
 
 
 def test_tensorboard_logs_the_same_metrics(data_dir, tmp_path):

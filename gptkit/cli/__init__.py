@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """The command's exit code; a user error, an interrupt or a closed pipe ends it with one line."""
+    """The command's exit code; a user error, an interrupt, a closed pipe or a storage error ends it in one line."""
     try:
         return args.run(args) or 0
     except GptkitError as err:
@@ -92,3 +92,11 @@ def _run(args: argparse.Namespace) -> int:
         # Point stdout at /dev/null so that the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as err:  # a full disk, a read-only directory, a failing device: one line, as for a user error
+        from gptkit.atomic import STORAGE_ERRNOS
+
+        if err.errno not in STORAGE_ERRNOS:
+            raise
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"gptkit {args.command}: error: {where}{err.strerror}", file=sys.stderr)
+        return 2

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 
-from gptkit.atomic import atomic_write_text
+from gptkit.atomic import atomic_write_text, building_dir, reported
 from gptkit.chat import DEFAULT_JINJA, TOKENIZER_CONFIG, eos_text, load_chat_template, read_tokenizer_config
 from gptkit.errors import GptkitError
 
 DTYPES = ("float32", "bfloat16", "float16")
+SOURCE_KEPT = "the source is unchanged"  # said with every failed write: convert never writes to its source
+MARKER = "config.json"  # the file that makes a model directory (gptkit's or Hugging Face's) complete
 
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
@@ -86,8 +89,9 @@ def _merge(source: Path, out: Path, dtype: object) -> int:
         raise GptkitError(f"{source} is not a LoRA directory (no lora_config.json); --merge folds adapters into "
                           "their base")  # fmt: skip
     model, tokenizer = load(source, dtype=dtype)
-    save_model_dir(model, out, tokenizer=tokenizer)
-    _carry_tokenizer_config(source, out)  # the chat template the model was fine-tuned with
+    with _building(out) as stage:
+        save_model_dir(model, stage, tokenizer=tokenizer)
+        _carry_tokenizer_config(source, stage)  # the chat template the model was fine-tuned with
     _summary(model, source, out)
     return 0
 
@@ -104,7 +108,8 @@ def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
         raise GptkitError(f"--out {out} exists; pick a new file or pass --force")
     model, tokenizer = load(source)
     template = load_chat_template(source, eos_text(tokenizer) if tokenizer is not None else "")
-    export_gguf(model, out, tokenizer, file_type, chat_template=template.jinja, name=source.resolve().name)
+    with reported(out, SOURCE_KEPT):  # one file, written beside out and renamed over it (atomic_write)
+        export_gguf(model, out, tokenizer, file_type, chat_template=template.jinja, name=source.resolve().name)
     config = model.config
     params = sum(p.numel() for p in model.parameters())
     print(f"{source} -> {out}: GGUF {file_type}, {config.n_layer} layers, width {config.n_embd}, vocab "
@@ -119,9 +124,10 @@ def _import(source: Path, out: Path, dtype: object) -> int:
     if source.is_file():  # --from-gguf
         return _import_gguf(source, out, dtype)
     model, tokenizer = load_hf(source, dtype=dtype)
-    save_model_dir(model, out, tokenizer=tokenizer)
-    if tokenizer is not None:  # chat templates and special-token names, for serving and a later export
-        _carry_tokenizer_config(source, out)
+    with _building(out) as stage:
+        save_model_dir(model, stage, tokenizer=tokenizer)
+        if tokenizer is not None:  # chat templates and special-token names, for serving and a later export
+            _carry_tokenizer_config(source, stage)
     if tokenizer is None:
         hint = " (it has vocab.json/merges.txt only; re-save it with a fast tokenizer)" if (
             source / "vocab.json"
@@ -138,15 +144,16 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
     from gptkit.quantization import is_quantized
 
     model, tokenizer = load_gguf(source, dtype=dtype)
-    if is_quantized(model):  # Q4_0 layers stay int4
-        save_quantized_dir(model, out, tokenizer=tokenizer)
-    else:
-        save_model_dir(model, out, tokenizer=tokenizer)
     template = gguf_chat_template(source)
-    # Kept where serve and fine-tuning find a model's template, as Hugging Face keeps it.
-    if template is not None and template != DEFAULT_JINJA:
-        config = {"chat_template": template, "eos_token": tokenizer.decode([tokenizer.eos_id])}
-        atomic_write_text(out / TOKENIZER_CONFIG, json.dumps(config, indent=1) + "\n")
+    with _building(out) as stage:
+        if is_quantized(model):  # Q4_0 layers stay int4
+            save_quantized_dir(model, stage, tokenizer=tokenizer)
+        else:
+            save_model_dir(model, stage, tokenizer=tokenizer)
+        # Kept where serve and fine-tuning find a model's template, as Hugging Face keeps it.
+        if template is not None and template != DEFAULT_JINJA:
+            config = {"chat_template": template, "eos_token": tokenizer.decode([tokenizer.eos_id])}
+            atomic_write_text(stage / TOKENIZER_CONFIG, json.dumps(config, indent=1) + "\n")
     _summary(model, source, out)
     return 0
 
@@ -162,16 +169,24 @@ def _export(source: Path, out: Path, dtype: object) -> int:
     if is_classifier_dir(source):  # a classifier: transformers' *ForSequenceClassification
         classifier = load_head(model, source)
         head = (classifier.labels, classifier.score.weight)
-    export_hf(model, out, tokenizer=tokenizer, tokenizer_config=read_tokenizer_config(source), head=head)
+    with _building(out) as stage:
+        export_hf(model, stage, tokenizer=tokenizer, tokenizer_config=read_tokenizer_config(source), head=head)
+        if is_lora_dir(source):
+            write_peft_dir(source, stage / "adapter", model.config)
     if tokenizer is None:
         print(f"note: {source} has no tokenizer; the Hugging Face directory has none either", file=sys.stderr)
     if is_lora_dir(source):
-        adapter = write_peft_dir(source, out / "adapter", model.config)
-        print(f"note: the adapters alone, in PEFT's format, are in {adapter}: load them with "
+        print(f"note: the adapters alone, in PEFT's format, are in {out / 'adapter'}: load them with "
               "peft.PeftModel.from_pretrained over the base exported by `gptkit convert --to-hf BASE`",
               file=sys.stderr)  # fmt: skip
     _summary(model, source, out)
     return 0
+
+
+def _building(out: Path) -> contextlib.AbstractContextManager[Path]:
+    """A hidden directory beside out to write the conversion in, put in out's place only when it is complete
+    (files already in an existing out stay unless replaced); a failed write removes it and says so in one line."""
+    return building_dir(out, MARKER, note=SOURCE_KEPT)
 
 
 def _summary(model: object, source: Path, out: Path) -> None:

@@ -34,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the pictures and print where index.html is."""
+    from gptkit.atomic import building_dir
     from gptkit.errors import InputError
     from gptkit.insight import write_report
     from gptkit.loading import load
@@ -44,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load(args.model_dir, device=pick_device(args.device))
     if tokenizer is None:
         raise InputError(f"{args.model_dir} has no tokenizer files; inspect needs one to encode the prompt")
-    pictures = write_report(model, tokenizer, args.prompt, args.out, title=Path(args.model_dir).name,
-                            max_tokens=args.max_tokens)  # fmt: skip
+    # Drawn beside --out and put in its place whole: a full disk or a read-only directory leaves no half report.
+    with building_dir(args.out, "index.html") as stage:
+        pictures = write_report(model, tokenizer, args.prompt, stage, title=Path(args.model_dir).name,
+                                max_tokens=args.max_tokens)  # fmt: skip
     print(f"wrote {len(pictures)} pictures and {Path(args.out) / 'index.html'}")
     return 0

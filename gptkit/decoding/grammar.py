@@ -20,6 +20,10 @@ from torch import Tensor
 from gptkit.errors import ConfigError, InputError
 
 ANY_OBJECT = '{"type": "object"}'  # OpenAI's JSON mode ("json_object"): any JSON object
+# The deepest nesting of objects and arrays a schema may have. Hand-written and generated schemas stay far below it
+# (repeated parts nest through "$defs"); Python's JSON parser and encoder recurse once per level (a schema 2,000
+# levels deep exhausts the stack), and llguidance's own JSON parser stops at 128 levels.
+MAX_SCHEMA_DEPTH = 100
 
 
 class SchemaError(InputError):
@@ -27,15 +31,39 @@ class SchemaError(InputError):
 
 
 def schema_text(schema: str | dict[str, Any]) -> str:
-    """A JSON schema given as a dict or as JSON text, as compact JSON text (a SchemaError if it is not an object)."""
+    """A JSON schema given as a dict or as JSON text, as compact JSON text; a SchemaError if it is not an object or
+    nests deeper than MAX_SCHEMA_DEPTH. The one check every schema passes (CLI, Python API, server)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as err:
             raise SchemaError(f"the JSON schema is not valid JSON: {err}") from None
+        except RecursionError:  # the parser recurses per level: this one is thousands deep
+            raise SchemaError(_too_deep()) from None
     if not isinstance(schema, dict):
         raise SchemaError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+    if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise SchemaError(_too_deep())
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def _too_deep() -> str:
+    return (f"the JSON schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep; flatten it (a part "
+            "that repeats can be named once under \"$defs\" and referred to with \"$ref\")")  # fmt: skip
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deep objects and arrays nest in value, counted without recursion and only up to limit + 1 (a dict that
+    contains itself ends there too)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > limit:
+                return depth
+            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def read_schema_file(path: str) -> str:
@@ -105,6 +133,7 @@ class Grammar:
             raise ConfigError("structured outputs need llguidance: pip install llguidance") from None
         if tokenizer.vocab_size > vocab_size:
             raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids, more than the model's {vocab_size}")
+        schema = schema_text(schema)  # checked here too for callers that build a Grammar without SamplingParams
         self.vocab_size = vocab_size
         self.tokenizer = _ll_tokenizer(tokenizer, vocab_size)
         try:

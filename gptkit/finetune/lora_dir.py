@@ -23,7 +23,7 @@ from gptkit.atomic import atomic_write_text
 from gptkit.errors import GptkitError
 from gptkit.finetune.lora import TARGETS, add_lora, fingerprint, load_lora_state, lora_state, merge_lora, peft_adapter
 from gptkit.formats.hf import hf_block_modules
-from gptkit.formats.modeldir import load_tensors, save_tensors
+from gptkit.formats.modeldir import check_finite, load_tensors, save_tensors
 
 FORMAT = "gptkit-lora"
 FORMAT_VERSION = 1
@@ -57,6 +57,22 @@ def read_lora_config(path: str | Path) -> dict[str, Any]:
     if data["base_precision"] not in PRECISIONS:
         raise GptkitError(f"{file}: base_precision must be one of {', '.join(PRECISIONS)}")
     return data
+
+
+def base_chain(path: str | Path) -> list[Path]:
+    """path, then each base down to the first that is not a LoRA directory (adapters may sit on merged adapters);
+    a base that leads back into the chain is a GptkitError naming the chain, before anything loads."""
+    chain = [Path(path)]
+    seen = {chain[0].resolve()}
+    while is_lora_dir(chain[-1]):
+        base = Path(read_lora_config(chain[-1])["base"])
+        if base.resolve() in seen:  # followed blindly, the bases load one another until Python's stack runs out
+            loop = " -> ".join(str(p) for p in [*chain, base])
+            raise GptkitError(f"the LoRA bases form a cycle ({loop}); set \"base\" in {chain[-1] / CONFIG_FILE} to "
+                              "the model the adapters were trained on")  # fmt: skip
+        seen.add(base.resolve())
+        chain.append(base)
+    return chain
 
 
 def write_lora_dir(model: nn.Module, path: str | Path, settings: dict[str, Any],
@@ -101,7 +117,9 @@ def merged(model: nn.Module, path: str | Path, dtype: torch.dtype | None = None)
     directory used like a model directory (an int8-trained run's adapters too, over the float base)."""
     settings = read_lora_config(path)
     add_lora(model, settings["rank"], float(settings["alpha"]), float(settings["dropout"]), settings["targets"])
-    load_lora_state(model, load_tensors(Path(path) / WEIGHTS_FILE, next(model.parameters()).device), str(path))
+    state = load_tensors(Path(path) / WEIGHTS_FILE, next(model.parameters()).device)
+    check_finite(state, str(Path(path) / WEIGHTS_FILE))  # a NaN adapter would make the merged weights NaN
+    load_lora_state(model, state, str(path))
     model = merge_lora(model)
     for param in model.parameters():
         param.requires_grad_(True)

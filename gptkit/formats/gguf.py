@@ -23,6 +23,7 @@ writes its embedding tables in f32, as gptkit holds them, so that llama.cpp comp
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ import torch
 
 from gptkit.atomic import atomic_write
 from gptkit.config import ModelConfig
-from gptkit.errors import GptkitError
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.weights import load_state_into
 from gptkit.model import GPT
 from gptkit.quantization import Int4Linear, dequantized_state, is_quantized, quantize_q4
 from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS, EOT, BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer
@@ -329,17 +331,102 @@ def is_gguf_file(path: str | Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+def open_gguf(path: str | Path) -> Any:
+    """A gguf.GGUFReader over path, its header and the layout of its tensors checked first: the reader maps bytes
+    as the header says, so a truncated file otherwise fails in numpy ("cannot reshape array of size ...") and a
+    wrong type field reads as garbage weights. Any problem is a one-line GGUFError naming the file (and tensor)."""
+    gguf = _gguf()
+    path = Path(path)
+
+    class CheckedReader(gguf.GGUFReader):  # hooks into two internal steps, alike in gguf 0.10 (our oldest) to 0.19
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > len(self.data):  # numpy would hand back a short slice, which fails later with its own words
+                raise GGUFError(f"{path} is truncated or its header is corrupt: the header runs to byte {end:,} of a "
+                                f"{len(self.data):,}-byte file; download or convert it again")  # fmt: skip
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            tensors = [_tensor_entry(gguf, path, field) for field in fields]
+            _check_layout(path, tensors, int(start_offs), len(self.data), int(self.alignment))
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return CheckedReader(str(path))
+    except UnicodeDecodeError:
+        raise GGUFError(f"{path} is not a readable GGUF file: its header holds a name that is not UTF-8 text (a "
+                        "damaged file?)") from None  # fmt: skip
+    except (ValueError, OSError, IndexError, KeyError) as err:  # the gguf package's own checks (magic, version, ...)
+        raise GGUFError(f"{path} is not a readable GGUF file: {err}") from None
+
+
+def _tensor_entry(gguf: Any, path: Path, field: Any) -> tuple[str, str, tuple[int, ...], int, int]:
+    """(name, type name, shape as gptkit orders it, data offset, data bytes) of a tensor's entry in the header."""
+    _, name_bytes, _, dims, raw_type, offset = field.parts
+    name = bytes(name_bytes).decode("utf-8", errors="replace")
+    shape = tuple(int(n) for n in reversed(dims.tolist()))
+    try:
+        kind = gguf.GGMLQuantizationType(int(raw_type[0]))
+        block, type_size = gguf.GGML_QUANT_SIZES[kind]
+    except (ValueError, KeyError):
+        raise GGUFError(f"{path}: tensor {name} has type {int(raw_type[0])}, which the gguf package does not know "
+                        "(a corrupt header, or a newer type: upgrade gguf)") from None  # fmt: skip
+    if shape and shape[-1] % block:
+        raise GGUFError(f"{path}: tensor {name} ({kind.name.lower()}, shape {list(shape)}) has rows that are not whole "
+                        f"{block}-value blocks; its type or shape field is wrong")  # fmt: skip
+    return name, kind.name.lower(), shape, int(offset[0]), math.prod(shape) // block * type_size
+
+
+def _check_layout(path: Path, tensors: list[tuple[str, str, tuple[int, ...], int, int]], start: int, size: int,
+                  alignment: int) -> None:  # fmt: skip
+    """Refuse, naming the tensor, data that do not fill the bytes the header gives them. GGUF (and llama.cpp's
+    loader) packs tensors in header order, each padded to the alignment: a type or shape field that claims fewer or
+    more bytes than the data hold shows as the next tensor starting elsewhere, and a truncated file as a tensor
+    running past its end."""
+    expected = 0
+    for i, (name, kind, shape, offset, length) in enumerate(tensors):
+        described = f"{path}: tensor {name} ({kind}, shape {list(shape)}) needs {length:,} bytes"
+        if offset != expected:
+            if i == 0:
+                raise GGUFError(f"{path}: tensor {name} starts at data offset {offset:,}, not 0: the header is corrupt")
+            previous, kind_before, shape_before, offset_before, length_before = tensors[i - 1]
+            raise GGUFError(f"{path}: tensor {previous} ({kind_before}, shape {list(shape_before)}) needs "
+                            f"{length_before:,} bytes but the next tensor starts {offset - offset_before:,} bytes "
+                            "after it: its type or shape field does not match its data")  # fmt: skip
+        if start + offset + length > size:
+            raise GGUFError(f"{described} but the file ends {max(size - start - offset, 0):,} bytes into it: the file "
+                            "is truncated; download or convert it again")  # fmt: skip
+        expected = offset + -(-length // alignment) * alignment
+    if tensors and size - (start + tensors[-1][3] + tensors[-1][4]) >= alignment:
+        name, kind, shape, offset, length = tensors[-1]
+        raise GGUFError(f"{path}: tensor {name} ({kind}, shape {list(shape)}) needs {length:,} bytes but "
+                        f"{size - start - offset:,} bytes follow it to the end of the file: its type or shape field "
+                        "does not match its data (or something was appended to the file)")  # fmt: skip
+
+
+def _fields(reader: Any, path: Path, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The file's metadata (or those of keys it holds) as Python values; a value that does not decode is a
+    GGUFError naming its key."""
+    fields = {}
+    for name, field in reader.fields.items():
+        if keys is not None and name not in keys:
+            continue
+        try:
+            fields[name] = field.contents()
+        except (ValueError, IndexError) as err:  # UnicodeDecodeError is a ValueError
+            raise GGUFError(f"{path}: metadata {name!r} is corrupt ({type(err).__name__}); the file is "
+                            "damaged") from None
+    return fields
+
+
 def load_gguf(path: str | Path, dtype: torch.dtype | None = None,
               device: torch.device | str | None = None) -> tuple[GPT, Tokenizer]:  # fmt: skip
     """(model, tokenizer) of a GGUF file of llama.cpp's gpt2 or llama architecture: layers whose weights are Q4_0 as
     Int4Linear, every other tensor dequantised."""
     gguf = _gguf()
     path = Path(path)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as err:
-        raise GGUFError(f"{path} is not a readable GGUF file: {err}") from None
-    fields = {name: field.contents() for name, field in reader.fields.items()}
+    reader = open_gguf(path)
+    fields = _fields(reader, path)
     arch = fields.get("general.architecture")
     if arch not in ("gpt2", "llama"):
         raise GGUFError(f"{path} holds a {arch!r} model; gptkit reads GGUF's gpt2 and llama architectures")
@@ -356,13 +443,16 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None,
                 raise GGUFError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf "
                                 "package cannot dequantise") from None  # fmt: skip
         tensors[tensor.name] = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))  # owned, not mapped
-    config = _config(fields, tensors, arch, path)
+    try:
+        config = _config(fields, tensors, arch, path)
+    except ConfigError as err:  # hyperparameters no model can have: say which file holds them
+        raise GGUFError(f"{path}: {err}") from None
     state = _gptkit_state(tensors, config, arch, path)
+    if config.tie_embeddings:
+        state.pop("lm_head.weight")  # load_state_into ties the head to the embedding
     with torch.device("meta"):
         model = GPT(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
+    model = load_state_into(model, state, str(path))  # shapes, and NaN or infinite weights, refused by name
     model = model.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else model
     _int4_layers(model, q4, arch)
     return model.eval(), _tokenizer(fields, path)
@@ -398,18 +488,13 @@ def _int4_layers(model: GPT, q4: dict[str, tuple[torch.Tensor, torch.Tensor]], a
 
 def gguf_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer a GGUF file carries (its tensors are not read)."""
-    try:
-        reader = _gguf().GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as err:
-        raise GGUFError(f"{path} is not a readable GGUF file: {err}") from None
-    return _tokenizer({name: field.contents() for name, field in reader.fields.items()}, Path(path))
+    return _tokenizer(_fields(open_gguf(path), Path(path)), Path(path))
 
 
 def gguf_chat_template(path: str | Path) -> str | None:
     """The chat template a GGUF file carries (tokenizer.chat_template), or None."""
-    reader = _gguf().GGUFReader(str(path))
-    field = reader.fields.get("tokenizer.chat_template")
-    return None if field is None else field.contents()
+    key = "tokenizer.chat_template"
+    return _fields(open_gguf(path), Path(path), (key,)).get(key)
 
 
 def _field(fields: dict[str, Any], key: str, path: Path, default: Any = None) -> Any:
@@ -427,6 +512,8 @@ def _decimal(value: Any) -> float:
 def _config(fields: dict[str, Any], tensors: dict[str, torch.Tensor], arch: str, path: Path) -> ModelConfig:
     """The ModelConfig a GGUF file's hyperparameters describe, refusing what gptkit cannot compute alike."""
     get = lambda key, default=None: _field(fields, f"{arch}.{key}", path, default)  # noqa: E731
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{path} has no tensor token_embd.weight (the token embedding)")
     n_head = int(get("attention.head_count"))
     common = dict(vocab_size=int(tensors["token_embd.weight"].shape[0]), block_size=int(get("context_length")),
                   n_layer=int(get("block_count")), n_head=n_head, n_embd=int(get("embedding_length")),
@@ -499,7 +586,15 @@ def _tokenizer(fields: dict[str, Any], path: Path) -> Tokenizer:
     pre = fields.get("tokenizer.ggml.pre", "gpt-2")
     if pre not in PRE_TOKENIZERS and pre != "default":
         raise GGUFError(f"{path}'s pre-tokenizer {pre!r} is not one gptkit knows ({', '.join(PRE_TOKENIZERS)})")
-    hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    # What the tokenizers library requires of a merge, checked here: it reports a damaged one as a Rust panic
+    broken = next((m for m, pair in zip(merges, pairs)
+                   if len(pair) != 2 or not {*pair, "".join(pair)} <= vocab.keys()), None)  # fmt: skip
+    if len(vocab) != len(tokens) or broken is not None:
+        what = f"merge {broken!r} joins tokens outside the vocabulary" if broken else "the vocabulary repeats a token"
+        raise GGUFError(f"{path}: the tokenizer is damaged ({what}); download or convert the file again")
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs))
     if pre == "llama-bpe":
         hf.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"),

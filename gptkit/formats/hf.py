@@ -34,12 +34,12 @@ from gptkit.formats.modeldir import (
     atomic_write_text,
     load_model_dir,
     load_model_tokenizer,
-    load_state_into,
     model_state,
     read_config_json,
     save_tensors,
 )
 from gptkit.model import GPT
+from gptkit.weights import load_state_into
 from gptkit.tokenizer import tokenizer_or_none
 
 log = logging.getLogger(__name__)

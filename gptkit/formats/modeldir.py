@@ -10,7 +10,10 @@ A tied LM head is stored once, as tok_emb.weight.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from gptkit.atomic import atomic_write, atomic_write_text, fsync_dir  # noqa: F4
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.model import GPT
+from gptkit.weights import WeightsError, check_finite, load_state_into  # noqa: F401 (re-exported)
 
 FORMAT = "gptkit"
 FORMAT_VERSION = 1
@@ -30,14 +34,28 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class ModelDirError(GptkitError):
+class ModelDirError(WeightsError):
     """A model directory that is missing, incomplete or corrupt; the message names the file or tensor."""
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write tensors as one safetensors file, atomically."""
+    """Write tensors as one safetensors file, atomically; a failed write (a full disk, say) is an OSError."""
     contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-    atomic_write(path, lambda tmp: save_file(contiguous, str(tmp), metadata=metadata))
+
+    def write(tmp: Path) -> None:
+        try:
+            save_file(contiguous, str(tmp), metadata=metadata)
+        except SafetensorError as err:  # how safetensors reports any failed write: back to the OSError it was
+            raise _os_error(err, path) from None
+
+    atomic_write(path, write)
+
+
+def _os_error(err: SafetensorError, path: Path) -> OSError:
+    """The OSError inside safetensors' error text ("... (os error 28)" or "... code: 28, ..."), else EIO."""
+    found = re.search(r"os error (\d+)|code: (\d+)", str(err))
+    code = int(found.group(1) or found.group(2)) if found else errno.EIO
+    return OSError(code, os.strerror(code) if found else str(err), str(path))
 
 
 def load_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -135,31 +153,6 @@ def weight_files(path: Path) -> list[Path]:
             raise ModelDirError(f"cannot read {path / INDEX_FILE}: {err}") from None
         return [path / name for name in sorted(set(weight_map.values()))]
     raise ModelDirError(f"{path} has no {WEIGHTS_FILE} (or {INDEX_FILE})")
-
-
-def load_state_into(model: GPT, state: dict[str, torch.Tensor], source: str) -> GPT:
-    """Assign state to a (possibly meta-device) model, naming any missing, extra or misshapen tensor."""
-    expected = {name: p for name, p in model.state_dict().items()}
-    if model.config.tie_embeddings:
-        expected.pop("lm_head.weight")
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ModelDirError(f"{source} lacks tensor {missing[0]!r} ({len(missing)} missing in all)")
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise ModelDirError(f"{source} has unexpected tensor {unexpected[0]!r} for this config")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ModelDirError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config needs {tuple(expected[name].shape)}"
-            )
-        if tensor.is_floating_point() != expected[name].is_floating_point():
-            raise ModelDirError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, the model needs "
-                                f"{'floating-point' if expected[name].is_floating_point() else 'integer'} values")  # fmt: skip
-    model.load_state_dict(state, strict=False, assign=True)
-    if model.config.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
-    return model
 
 
 def load_model_dir(

@@ -14,6 +14,7 @@ from gptkit.errors import ConfigError
 from gptkit.formats.modeldir import (
     WEIGHTS_FILE,
     ModelDirError,
+    check_finite,
     load_tensors,
     read_config_json,
     read_model_config,
@@ -80,6 +81,7 @@ def load_quantized_dir(
         if tuple(tensor.shape) != tuple(want.shape) or wrong_dtype:
             raise ModelDirError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)} / dtype {tensor.dtype}, "
                                 f"the config needs {tuple(expected[name].shape)} / {expected[name].dtype}")  # fmt: skip
+    check_finite(state, str(path))  # the int4 blocks' fp16 scales too
     model.load_state_dict(state, strict=True, assign=True)
     probe_kernels(device.type)
     return model.eval()

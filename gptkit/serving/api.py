@@ -30,9 +30,10 @@ from gptkit.decoding.grammar import ANY_OBJECT, Grammar
 from gptkit.decoding.request import Request as DecodeRequest
 from gptkit.decoding.sampling import SamplingParams, row_seed
 from gptkit.serving.engine import Chunk, Engine, QueueFull, TokenInfo
+from gptkit.serving.templates import TemplateWorkers
 from gptkit.serving.tools import ToolChoiceError, new_call_id, template_message, template_tools, tool_plan
-from gptkit.serving.schemas import (AttentionRequest, ChatRequest, CompletionRequest, _Sampling, error_body,
-                                    refused_field)
+from gptkit.serving.schemas import (AttentionRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeRequest, _Sampling, error_body, refused_field)
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
@@ -64,6 +65,11 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     allowed_hosts: tuple[str, ...] | None = None  # Host names served besides loopback ones (None: any name)
+    templates: TemplateWorkers | None = None  # where a model's own (Jinja) template renders; set from chat_template
+
+    def __post_init__(self) -> None:
+        if self.chat_template.source is not None and self.templates is None:
+            self.templates = TemplateWorkers(self.chat_template, RENDER_SECONDS)
 
     @property
     def context_length(self) -> int:
@@ -190,6 +196,29 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatRequest, request: Request) -> Any:
         return await _chat(state, body, request)
 
+    # The tokenizer over HTTP, as vLLM offers it: lm-evaluation-harness's local-completions finds these and uses the
+    # served model's own tokenizer (nothing to export, nothing to download).
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return _tokenizer_info(state)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        encode = state.tokenizer.encode_prompt if body.add_special_tokens else state.tokenizer.encode
+        try:
+            tokens = encode(body.prompt)
+        except GptkitError as err:
+            raise APIError(400, f"cannot tokenize the prompt: {err}", param="prompt") from None
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.scoring_context}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
     @app.post("/playground/attention")
     async def attention(body: AttentionRequest) -> Any:
         return await _attention(state, body)
@@ -205,7 +234,7 @@ def create_app(state: ServerState) -> FastAPI:
 class BearerAuth:
     """ASGI middleware: API and playground routes answer 401 unless the request carries the bearer key."""
 
-    GUARDED = ("/v1/", "/playground/")
+    GUARDED = ("/v1/", "/playground/", "/tokenize", "/detokenize", "/tokenizer_info")
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app, self.key = app, key.encode()
@@ -252,8 +281,18 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
+    """The model as /v1/models lists it: context_length is the window a client must size its prompts to (what
+    echo with logprobs can score); max_context the most tokens one request may reach, prompt and completion."""
     return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "gptkit",
-            "context_length": state.context_length}  # fmt: skip
+            "context_length": state.engine.scoring_context, "max_context": state.context_length}  # fmt: skip
+
+
+def _tokenizer_info(state: ServerState) -> dict[str, Any]:
+    """The tokenizer's special tokens, context and chat template, as vLLM's /tokenizer_info gives them."""
+    eos = state.tokenizer.decode([state.tokenizer.eos_id]) if state.tokenizer.eos_id is not None else None
+    return {"tokenizer_class": type(state.tokenizer).__name__, "eos_token": eos, "bos_token": None,
+            "pad_token": None, "model_max_length": state.engine.scoring_context,
+            "chat_template": state.chat_template.jinja}  # fmt: skip
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -318,8 +357,9 @@ def _max_tokens(state: ServerState, requested: int | None, prompt_len: int, allo
 
 
 def _sampling_params(state: ServerState, body: _Sampling, max_tokens: int, extra_stop: tuple[str, ...] = (),
-                     json_schema: str | None = None) -> SamplingParams:  # fmt: skip
-    """SamplingParams from the request's fields; fields the request leaves out keep SamplingParams' defaults."""
+                     json_schema: str | None = None, schema_field: str = "response_format") -> SamplingParams:  # fmt: skip
+    """SamplingParams from the request's fields; fields the request leaves out keep SamplingParams' defaults.
+    schema_field: the request field json_schema came from (a refused schema is a 400 naming it)."""
     given: dict[str, Any] = {"json_schema": json_schema} if json_schema is not None else {}
     given |= {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                                       "frequency_penalty", "presence_penalty", "seed")
@@ -336,7 +376,8 @@ def _sampling_params(state: ServerState, body: _Sampling, max_tokens: int, extra
     except (GptkitError, ValueError) as err:
         message = str(err).replace("num_samples", "n")  # the request's names, not SamplingParams'
         param = next((name for name in [*given, "stop"] if name in str(err)), None)
-        raise APIError(400, message, param=_REQUEST_NAMES.get(param, param)) from None
+        names = {**_REQUEST_NAMES, "json_schema": schema_field}
+        raise APIError(400, message, param=names.get(param, param)) from None
 
 
 async def _off_loop(work: Callable[[], Any], timeout: float) -> Any:
@@ -552,8 +593,16 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     texts = [state.tokenizer.decode(p) for p in prompts]
     echoed: list[list[TokenInfo]] = [[] for _ in prompts]
     if body.echo and body.logprobs is not None:
+        window = state.engine.scoring_context + 1  # the last token's own prediction is not needed
+        if longest > window:
+            raise APIError(400, f"the prompt is {longest} tokens; echo with logprobs scores at most {window} "
+                           "(this model's context): send a shorter prompt, e.g. its last tokens", param="prompt",
+                           code="context_length_exceeded")  # fmt: skip
         futures = [state.engine.call(lambda p=p: state.engine.score(p, body.logprobs)) for p in prompts]
-        echoed = [await asyncio.wrap_future(f) for f in futures]
+        try:
+            echoed = [await asyncio.wrap_future(f) for f in futures]
+        except GptkitError as err:
+            raise APIError(400, f"cannot score the prompt: {err}", param="prompt") from None
 
     def choice(index: int, text: str, tokens: list[TokenInfo], reason: str | None, echo: bool) -> dict[str, Any]:
         p = index // n
@@ -638,8 +687,10 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
     tools = template_tools(body)
 
     def render() -> list[int]:
-        text = state.chat_template.render(messages, max_chars=4 * state.max_body_bytes, max_seconds=RENDER_SECONDS,
-                                          tools=tools)  # fmt: skip
+        if state.templates is not None:  # a model's own template: in a process that can be stopped
+            text = state.templates.render(messages, tools, max_chars=4 * state.max_body_bytes)
+        else:  # gptkit's default, which always ends
+            text = state.chat_template.render(messages, max_chars=4 * state.max_body_bytes, tools=tools)
         return state.tokenizer.encode(text)
 
     try:
@@ -652,7 +703,7 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
     schema = plan.schema if plan is not None else _response_schema(body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _sampling_params(state, body, _max_tokens(state, requested, len(prompt)), state.chat_template.stop,
-                              schema)  # fmt: skip
+                              schema, "tools" if plan is not None else "response_format")  # fmt: skip
     grammar = await _grammar(state, params, "tools" if plan is not None else "response_format")
     top = (body.top_logprobs or 0) if body.logprobs else None
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
@@ -667,11 +718,14 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
         return out
 
     def reply(text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """A finished choice's message and finish reason: a tool call when the plan's call is complete."""
+        """A finished choice's message and finish reason: a tool call when the plan's call is complete, the call as
+        far as written when it was cut short (finish reason "length", as OpenAI answers)."""
         call = plan.call(text) if plan is not None and reason == "stop" else None
-        if call is None:
-            return {"role": "assistant", "content": text}, _finish(reason)
-        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+        if call is not None:
+            return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+        if plan is not None and _finish(reason) == "length":
+            return {"role": "assistant", "content": None, "tool_calls": [plan.cut_short(text)]}, "length"
+        return {"role": "assistant", "content": text}, _finish(reason)
 
     if body.stream:
         completion_tokens = [0] * len(sequences)
@@ -696,7 +750,7 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
                 if chunk.finish_reason is not None:
                     message, reason = reply(texts[index], chunk.finish_reason)
                     delta = {"tool_calls": [{"index": 0, **call} for call in message["tool_calls"]]} \
-                        if reason == "tool_calls" else {"content": message["content"]}  # fmt: skip
+                        if message.get("tool_calls") else {"content": message["content"]}  # fmt: skip
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             if top is not None and chunk.tokens:
                 choice["logprobs"] = {"content": _chat_logprobs(chunk.tokens)}

@@ -250,13 +250,27 @@ class Engine:
     def _info(self, token: int, logprob: float | None, top: list[TokenInfo] | None = None) -> TokenInfo:
         return TokenInfo(token, self.tokenizer.decode([token]), self.tokenizer.token_bytes(token), logprob, top or [])
 
+    @property
+    def scoring_context(self) -> int:
+        """The model's context as clients must respect it: block_size for learned positions (a generation slides
+        its window past it, a score cannot: score() takes one token more, whose prediction it never needs),
+        else the request limit."""
+        if self.model.config.position == "learned":
+            return min(self.model.config.block_size, self.max_context)
+        return self.max_context
+
     # ----- jobs run through call() -----
 
     def score(self, prompt: list[int], top: int) -> list[TokenInfo]:
-        """Each prompt token with its log-probability given the tokens before it (None for the first)."""
-        ids = torch.tensor([prompt], device=self.batch.device)
-        logprobs = self.model(ids)[0].float().log_softmax(dim=-1)  # (T, V): row t predicts token t+1
+        """Each prompt token with its log-probability given the tokens before it (None for the first).
+
+        The last token is scored but never read, so a prompt one token longer than the model's context scores
+        whole (as Hugging Face models score a window: lm-evaluation-harness's `hf` backend)."""
         infos = [self._info(prompt[0], None)]
+        if len(prompt) < 2:
+            return infos
+        ids = torch.tensor([prompt[:-1]], device=self.batch.device)
+        logprobs = self.model(ids)[0].float().log_softmax(dim=-1)  # (T - 1, V): row t predicts token t+1
         for t in range(1, len(prompt)):
             values, alternatives = logprobs[t - 1].topk(min(top, logprobs.size(-1))) if top > 0 else ([], [])
             top_infos = [self._info(int(i), float(v)) for v, i in zip(values, alternatives)]

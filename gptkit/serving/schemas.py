@@ -179,6 +179,19 @@ class AttentionRequest(_Request):
     head: int | None = Field(default=None, ge=0)
 
 
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's form, which lm-evaluation-harness's remote tokenizer speaks): a text's token ids."""
+
+    prompt: str
+    add_special_tokens: bool = True  # the tokens the tokenizer puts around every input (a Llama tokenizer's <s>)
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize: the text of token ids."""
+
+    tokens: list[int]
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:  # fmt: skip
     """OpenAI's error object."""

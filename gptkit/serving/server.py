@@ -53,12 +53,20 @@ class ServeOptions:
                 "any other Host header is refused: a web page that rebinds its name to 127.0.0.1 cannot reach it); "
                 "repeatable", "repeatable": True, "metavar": "NAME"})  # fmt: skip
     head_timeout: float = field(default=10.0, metadata={"help": "seconds a connection has to send a whole request "
-                                                                 "head (headers); closed beyond"})  # fmt: skip
+                                                                 "(headers and body), counted from its opening or "
+                                                                 "its last response; closed beyond"})  # fmt: skip
     max_connections: int = field(default=512, metadata={"help": "open connections at most; requests beyond get 503"})
     max_context: int | None = field(default=None, metadata={
         "help": "most tokens (prompt + completion) one request may reach (default: 4 x the model's block_size; "
                 "models with learned positions slide a window of block_size past it, others continue, as "
                 "`gptkit generate` does)"})  # fmt: skip
+
+    def __post_init__(self) -> None:
+        # An empty name would let through a request whose Host header is empty, which the guard exists to refuse.
+        blank = next((name for name in self.allowed_host if not name.strip()), None)
+        if blank is not None:
+            raise GptkitError(f"--allowed-host {blank!r} names no host: give a host name such as mybox.lan (loopback "
+                              "names need no flag)")  # fmt: skip
 
 
 def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
@@ -103,10 +111,14 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if state.templates is not None:
+            state.templates.warm()
         try:
             yield
         finally:
             engine.stop()
+            if state.templates is not None:
+                state.templates.close()
 
     app.router.lifespan_context = lifespan
     return app
@@ -138,14 +150,17 @@ def uvicorn_config(app: FastAPI, options: ServeOptions, log_level: str = "info")
 
     return uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level,
                           timeout_graceful_shutdown=5, http=head_deadline_protocol(options.head_timeout),
+                          timeout_keep_alive=options.head_timeout,  # an idle connection: the same deadline
                           limit_concurrency=options.max_connections)  # fmt: skip
 
 
 def head_deadline_protocol(seconds: float) -> type:
-    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within `seconds` of
-    connecting or of its last response (uvicorn itself holds a half-sent request forever)."""
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request (head and body) within
+    `seconds` of connecting or of its last response (uvicorn itself holds a half-sent request forever)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    OWING = (h11.IDLE, h11.SEND_BODY)  # the peer's states while its request is not yet whole
 
     class HeadDeadline(H11Protocol):
         deadline: asyncio.TimerHandle | None = None
@@ -167,8 +182,9 @@ def head_deadline_protocol(seconds: float) -> type:
             super().connection_lost(exc)
 
         def _watch(self) -> None:
-            """Run the deadline while the peer owes a request head (h11's IDLE), stop it once the head is in."""
-            if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            """Run the deadline while the peer owes a request (h11's IDLE, then SEND_BODY), stop it once the request
+            is whole."""
+            if self.conn.their_state not in OWING or self.transport.is_closing():
                 self._stop_watching()
             elif self.deadline is None:
                 self.deadline = self.loop.call_later(seconds, self._expire)
@@ -180,7 +196,7 @@ def head_deadline_protocol(seconds: float) -> type:
 
         def _expire(self) -> None:
             self.deadline = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self.conn.their_state in OWING and not self.transport.is_closing():
                 self.transport.close()
 
     return HeadDeadline

@@ -10,6 +10,7 @@ rendered into the prompt); "auto", which would need the model's own format, is r
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,22 @@ class ToolPlan:
         return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+    def cut_short(self, text: str) -> dict[str, Any]:
+        """A call whose reply was cut short (max_tokens): its name as far as known and its arguments' text as far
+        as written, as OpenAI returns a call that ran out of tokens (with finish_reason "length")."""
+        if self.name is not None:
+            name, arguments = self.name, text
+        else:  # the reply so far: {"name": "<name>", "arguments": <partial JSON>
+            head = _CALL_HEAD.match(text)
+            name = json.loads(head.group(1)) if head else ""
+            arguments = text[head.end():] if head else ""
+        return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# The start of a required call as the constraint writes it: the name (complete), then the arguments' key.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
 def new_call_id() -> str:
     """An id for a tool call, in OpenAI's form."""
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -78,15 +95,37 @@ def tool_plan(body: ChatRequest) -> ToolPlan | None:
                               "response_format")  # fmt: skip
     parameters = {tool.function.name: tool.function.parameters or NO_ARGUMENTS for tool in tools}
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+        # Each function's parameters go under $defs of the one schema, and the references inside them ("#/$defs/X",
+        # as pydantic writes nested models) are moved along, so that they still point where they pointed.
+        defs = {f"tool{i}": _rebased(schema, f"#/$defs/tool{i}") for i, schema in enumerate(parameters.values())}
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
                   "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, schema in parameters.items()]  # fmt: skip
-        return ToolPlan(json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls}))
+                 for i, name in enumerate(parameters)]  # fmt: skip
+        return ToolPlan(json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "$defs": defs}))
     name = choice.function.name
     if name not in parameters:
         raise ToolChoiceError(f"tool_choice names function {name!r}, which is not among the tools "
                               f"({', '.join(names)})", "tool_choice")  # fmt: skip
     return ToolPlan(json.dumps(parameters[name]), name)
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """schema with each local reference ("#", "#/...") made relative to base, where the schema will sit."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
+            # maps of names to schemas: a property may itself be called "$ref"
+            out[key] = {name: _rebased(sub, base) for name, sub in value.items()} if isinstance(value, dict) \
+                else value  # fmt: skip
+        else:
+            out[key] = _rebased(value, base)
+    return out
 
 
 def template_tools(body: ChatRequest) -> list[dict[str, Any]] | None:

@@ -1,0 +1,147 @@
+"""Chat templates rendered in worker processes, so that a template that never ends can be stopped for real.
+
+A Jinja template comes with a downloaded model and may loop for hours without writing a character. In a thread
+nothing can stop such a loop: it keeps a core and the interpreter's lock busy for good, and every later request
+slows. A worker process can be killed: past the deadline it is, a fresh one takes its place, and the server's
+latency is back to normal. Requests and answers travel as JSON lines over the worker's pipes (nothing pickled).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from gptkit.chat import ChatTemplate, ChatTemplateError
+
+WORKERS = 2  # processes at most; each busy one holds a core, and rendering an ordinary template takes milliseconds
+WORKER_COMMAND = (sys.executable, "-c", "from gptkit.chat import render_worker; render_worker()")
+
+log = logging.getLogger("gptkit.serve")
+
+
+class _Worker:
+    """One rendering process and the unread bytes of its answer pipe."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(WORKER_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, bufsize=0)  # fmt: skip
+        self.requests, self.answers = self.process.stdin, self.process.stdout
+
+    def ask(self, request: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """Send one request and wait for its answer until deadline (time.monotonic()); TimeoutError past it,
+        EOFError if the process died."""
+        self.requests.write(json.dumps(request).encode() + b"\n")
+        fd, answer = self.answers.fileno(), bytearray()
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while not answer.endswith(b"\n"):
+                if not selector.select(max(deadline - time.monotonic(), 0)):
+                    raise TimeoutError
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise EOFError
+                answer += chunk
+        return json.loads(answer)
+
+    def kill(self) -> None:
+        """End the process now (it may be deep in a loop that would never read another request)."""
+        self.process.kill()
+        self.process.wait()
+        self.requests.close()
+        self.answers.close()
+
+
+class TemplateWorkers:
+    """Renders one chat template in up to `size` worker processes, each render stopped after `seconds`."""
+
+    def __init__(self, template: ChatTemplate, seconds: float, size: int = WORKERS) -> None:
+        self.template, self.seconds, self.size = template, seconds, size
+        self.idle: queue.LifoQueue[_Worker] = queue.LifoQueue()
+        self.started = 0  # processes alive, idle or rendering
+        self.lock = threading.Lock()
+
+    def warm(self) -> None:
+        """Start one worker ahead of the first request (a start costs a fraction of a second)."""
+        with self.lock:
+            start = self.started == 0
+            self.started += start
+        if start:
+            self.idle.put(self._start())
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, max_chars: int) -> str:
+        """The messages rendered with the generation prompt; ChatTemplateError if the template fails, renders more
+        than max_chars characters or is still rendering after the deadline (then its process is killed)."""
+        deadline = time.monotonic() + self.seconds
+        worker = self._take(deadline)
+        request = {"source": self.template.source, "bos_token": self.template.bos_token,
+                   "eos_token": self.template.eos_token, "messages": messages, "tools": tools,
+                   "add_generation_prompt": True, "max_chars": max_chars}  # fmt: skip
+        try:
+            answer = worker.ask(request, deadline)
+        except TimeoutError:
+            self._retire(worker)
+            log.warning("a chat template still rendering after %g s was stopped (its process ended)", self.seconds)
+            raise ChatTemplateError(f"the chat template took more than {self.seconds:g} s to render; "
+                                    "stopped") from None  # fmt: skip
+        except (EOFError, OSError, ValueError) as err:  # the process died (its memory cap) or wrote garbage
+            self._retire(worker)
+            log.warning("a chat template's rendering process failed: %s", type(err).__name__)
+            raise ChatTemplateError(f"the chat template's rendering process failed ({type(err).__name__}); "
+                                    "stopped") from None  # fmt: skip
+        self.idle.put(worker)
+        if "error" in answer:
+            raise ChatTemplateError(answer["error"])
+        return answer["text"]
+
+    def close(self) -> None:
+        """Kill every idle worker (a busy one is killed by its own deadline)."""
+        while True:
+            try:
+                worker = self.idle.get_nowait()
+            except queue.Empty:
+                return
+            self._retire(worker)
+
+    def _take(self, deadline: float) -> _Worker:
+        """An idle worker, a new one while fewer than size run, else the first to come free (or to be replaced)
+        before deadline."""
+        while True:
+            try:
+                return self.idle.get_nowait()
+            except queue.Empty:
+                pass
+            with self.lock:
+                start = self.started < self.size
+                self.started += start
+            if start:
+                return self._start()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ChatTemplateError(f"no chat template renderer came free within {self.seconds:g} s (the "
+                                        "others are busy with slow templates); try again")  # fmt: skip
+            try:
+                return self.idle.get(timeout=min(remaining, 0.05))  # short: a killed worker frees a place too
+            except queue.Empty:
+                continue
+
+    def _start(self) -> _Worker:
+        """A new worker process (its place already counted in started)."""
+        try:
+            return _Worker()
+        except OSError as err:
+            with self.lock:
+                self.started -= 1
+            raise ChatTemplateError(f"cannot start a process to render the chat template: {err}") from None
+
+    def _retire(self, worker: _Worker) -> None:
+        worker.kill()
+        with self.lock:
+            self.started -= 1

@@ -1,0 +1,51 @@
+"""Weights put into a model: every loader (model directories, Hugging Face, GGUF) hands its tensors to
+load_state_into, which checks their names, shapes, kinds and finiteness once, naming the tensor at fault."""
+
+from __future__ import annotations
+
+import torch
+
+from gptkit.errors import GptkitError
+from gptkit.model import GPT
+
+
+class WeightsError(GptkitError):
+    """Weights that do not fit the model or hold non-finite values; the message names the tensor."""
+
+
+def load_state_into(model: GPT, state: dict[str, torch.Tensor], source: str) -> GPT:
+    """Assign state to a (possibly meta-device) model, naming any missing, extra or misshapen tensor."""
+    expected = {name: p for name, p in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise WeightsError(f"{source} lacks tensor {missing[0]!r} ({len(missing)} missing in all)")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise WeightsError(f"{source} has unexpected tensor {unexpected[0]!r} for this config")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise WeightsError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config needs {tuple(expected[name].shape)}"
+            )
+        if tensor.is_floating_point() != expected[name].is_floating_point():
+            raise WeightsError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, the model needs "
+                                f"{'floating-point' if expected[name].is_floating_point() else 'integer'} values")  # fmt: skip
+    check_finite(state, source)
+    model.load_state_dict(state, strict=False, assign=True)
+    if model.config.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    return model
+
+
+def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
+    """Raise a WeightsError naming the first floating-point tensor of state that holds a NaN or an infinity."""
+    # Every loader passes its weights through here once: a NaN weight otherwise surfaces only later, as a NaN
+    # probability in the middle of sampling. One isfinite pass per tensor costs little next to reading it.
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise WeightsError(f"{source}: tensor {name!r} holds {bad} NaN or infinite value(s) of "
+                                f"{tensor.numel()} (a diverged run or a damaged file); load an earlier checkpoint "
+                                "or an intact copy")  # fmt: skip
