@@ -35,6 +35,13 @@ _EXPORTS = {
     "export_hf": "gptkit.formats.hf",
     "gpt_from_hf_model": "gptkit.formats.hf",
     "hf_model_from_gpt": "gptkit.formats.hf",
+    "icl_score": "gptkit.observe.measures",
+    "position_losses": "gptkit.observe.measures",
+    "induction_scores": "gptkit.observe.measures",
+    "induction_test": "gptkit.observe.measures",
+    "chance_induction_score": "gptkit.observe.measures",
+    "logit_lens": "gptkit.observe.measures",
+    "head_contributions": "gptkit.observe.measures",
 }
 
 __all__ = ["__version__", *_EXPORTS]

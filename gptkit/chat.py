@@ -221,15 +221,17 @@ def render_worker() -> None:
     the loop of a server's template worker process (gptkit.serving.templates starts and kills it)."""
     _limit_memory(WORKER_MEMORY_BYTES)
     for line in sys.stdin.buffer:
-        request = json.loads(line)
-        template = ChatTemplate(request["source"], request["bos_token"], request["eos_token"])
         try:
+            request = json.loads(line)
+            template = ChatTemplate(request["source"], request["bos_token"], request["eos_token"])
             answer = {"text": template.render(request["messages"], request["add_generation_prompt"],
                                               max_chars=request["max_chars"], tools=request["tools"])}  # fmt: skip
         except ChatTemplateError as err:
             answer = {"error": str(err)}
         except MemoryError:
             answer = {"error": f"the chat template needed more than {WORKER_MEMORY_BYTES >> 20} MiB; stopped"}
+        except Exception as err:  # the template's own runtime error (1 + 'a', a range too big): its request's answer
+            answer = {"error": f"cannot render the chat template: {type(err).__name__}: {err}"}
         sys.stdout.buffer.write(json.dumps(answer).encode() + b"\n")
         sys.stdout.buffer.flush()
 

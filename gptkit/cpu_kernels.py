@@ -81,6 +81,10 @@ CHOICES_FILE = "choices.json"
 # State decided in eager code only (a compiled graph reads the answers): "library" (bool), "choices" (dict).
 _STATE: dict[str, object] = {}
 _UNDECIDED: dict[str, bool] = {}  # what a compiled graph reads if nothing was decided in eager code before it
+# How long a process ending waits for its background work: a build is mostly the compiler (a child process,
+# safe to leave) and then a few seconds of loading and measuring; moving huge pages is about a second per GB.
+BUILD_EXIT_WAIT_S = 10.0
+HUGE_PAGES_EXIT_WAIT_S = 30.0
 _BUILDING = threading.RLock()  # a server's first requests may arrive together
 _STARTING = threading.Lock()  # starts the background build once
 
@@ -146,7 +150,7 @@ def _build_in_background() -> None:
         if "background" in _STATE:
             return
         _STATE["background"] = True
-    _start_native_thread(prepare, "gptkit-kernels-build")
+    _start_native_thread(prepare, "gptkit-kernels-build", BUILD_EXIT_WAIT_S)
 
 
 def building() -> bool:
@@ -441,12 +445,13 @@ def back_with_huge_pages(tensors: list[Tensor]) -> None:
     about 15% faster), in a daemon thread: moving a model's pages takes about a second per GB, and decoding goes
     on meanwhile (the call releases the GIL). A no-op without the library, or where the system refuses."""
     if _STATE.get("library"):
-        _start_native_thread(lambda: torch.ops.gptkit.huge_pages(tensors), "gptkit-huge-pages")
+        _start_native_thread(lambda: torch.ops.gptkit.huge_pages(tensors), "gptkit-huge-pages", HUGE_PAGES_EXIT_WAIT_S)
 
 
-def _start_native_thread(work: Callable[[], object], name: str) -> None:
-    """Run work in a daemon thread that the process waits for at exit: native code still running while the
-    interpreter tears down aborts the process ("terminate called without an active exception")."""
+def _start_native_thread(work: Callable[[], object], name: str, exit_wait_s: float) -> None:
+    """Run work in a daemon thread that the process waits for at exit, up to exit_wait_s: native code still
+    running while the interpreter tears down can abort the process ("terminate called without an active
+    exception"); the bound keeps a stuck build (a lock held by a suspended process) from holding the exit."""
     thread = threading.Thread(target=work, name=name, daemon=True)
     thread.start()
-    atexit.register(thread.join)
+    atexit.register(thread.join, exit_wait_s)

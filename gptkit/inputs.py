@@ -40,8 +40,11 @@ from gptkit.errors import GptkitError, InputError
 logger = logging.getLogger(__name__)
 
 READ_CHUNK = 1 << 20  # bytes read from a file at a time
-# zstd input decompressed in one call: its output is whole, so this bounds it (64 KiB of text inflates to ~1 MiB).
-ZSTD_FEED = 1 << 16
+# zstd input is decompressed in pieces of ZSTD_FEED bytes, whose output arrives whole (zstandard's decompressobj
+# takes no output limit): a piece of 1 KiB inflates to at most ~32 MB (runs of one byte), text to a few KiB.
+# Pieces are decompressed until ZSTD_OUT bytes are ready, so that calls stay few.
+ZSTD_FEED = 1 << 10
+ZSTD_OUT = 1 << 18
 READ_AHEAD = 4  # decompressed chunks a compressed file's reader thread may hold ready
 SNIFF_BYTES = 8192  # bytes inspected to tell a file's format from its content
 # Above this share of invalid bytes around the first bad one, a file is not "text with a few bad bytes" and
@@ -187,18 +190,24 @@ class _ZstdFrames(io.RawIOBase):
         return n
 
     def _decode(self) -> bool:
-        """Decompress the next piece of input into self.out; False at the end of the input."""
-        data, self.unfed = self.unfed or self.raw.read(ZSTD_FEED), b""
-        if not data:
-            if self.frame is not None:
-                raise EOFError("Compressed file ended before the end-of-stream marker was reached")
-            return False
-        if self.frame is None:
-            self.frame = self.decompressor.decompressobj()
-        self.out = memoryview(self.frame.decompress(data))
-        if self.frame.eof:
-            self.frame, self.unfed = None, self.frame.unused_data
-        return True
+        """Decompress the next pieces of input into self.out (about ZSTD_OUT bytes); False at the end of the
+        input."""
+        pieces, size, fed = [], 0, False
+        while size < ZSTD_OUT:
+            data, self.unfed = self.unfed or self.raw.read(ZSTD_FEED), b""
+            if not data:
+                if self.frame is not None:
+                    raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+                break
+            fed = True
+            if self.frame is None:
+                self.frame = self.decompressor.decompressobj()
+            pieces.append(self.frame.decompress(data))
+            size += len(pieces[-1])
+            if self.frame.eof:
+                self.frame, self.unfed = None, self.frame.unused_data
+        self.out = memoryview(b"".join(pieces))
+        return fed
 
 
 def _damage_types() -> tuple[type[Exception], ...]:

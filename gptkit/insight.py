@@ -9,6 +9,7 @@ Figures; write_report saves the PNGs and an index.html that shows them with capt
 from __future__ import annotations
 
 import html
+import json
 import math
 import warnings
 from collections.abc import Sequence
@@ -26,12 +27,15 @@ from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.model import GPT, Trace
 from gptkit.formats.modeldir import atomic_write, atomic_write_text
+from gptkit.observe import measures
 
 TEMPERATURES = (0.5, 1.0, 2.0)
 MAX_HEATMAP_TOKENS = 48  # beyond this, token labels become unreadable: heatmaps show the last positions only
 TOP_TOKENS = 10
 DEFAULT_PROMPT = "First Citizen:\nBefore we proceed any further, hear me speak."
 DPI = 100
+ICL_DEMONSTRATIONS = 4  # word pairs before the query in the default few-shot prompt
+MAX_ANNOTATED_CELLS = 700  # heatmaps write each cell's token in it up to this many cells
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Picture:
     file: str
     title: str
     caption: str
+    data: str | None = None  # a JSON file beside the PNG holding the numbers drawn
 
 
 # --- data ---------------------------------------------------------------------------------------------------
@@ -166,6 +171,36 @@ def token_labels(tokenizer: Any, ids: Sequence[int]) -> list[str]:
             text = "".join(f"<{b:02X}>" for b in data)  # bytes of an incomplete character
         labels.append(token_label(text))
     return labels
+
+
+def _encodes(tokenizer: Any, text: str) -> bool:
+    """Whether tokenizer encodes text and decodes it back unchanged (a char vocabulary may lack a character)."""
+    try:
+        return tokenizer.decode(tokenizer.encode(text)) == text
+    except InputError:
+        return False
+
+
+def default_icl_prompt(prompt: str, tokenizer: Any) -> tuple[str, str]:
+    """A few-shot copying prompt built from the prompt's own words, and its expected answer: demonstrations
+    "w1 w1", "w2 w2", ... one a line, then the query "wq " whose answer is wq. Only the prompt's characters and
+    separators the tokenizer round-trips are used, so it works for char, byte and BPE tokenizers alike."""
+    words = list(dict.fromkeys(prompt.split()))  # distinct words, in order
+    if len(words) < 2:
+        chars = list(dict.fromkeys(ch for ch in prompt if not ch.isspace()))  # one word: its characters
+        words = chars if len(chars) >= 2 else words
+    if not words:
+        raise InputError("the prompt is only white space; give --icl-prompt for the few-shot picture")
+    pair = next((sep for sep in (" ", ":", "") if not sep or _encodes(tokenizer, sep)), "")
+    line = next((sep for sep in ("\n", " ", ";", "") if not sep or (sep != pair and _encodes(tokenizer, sep))), "")
+    count = min(ICL_DEMONSTRATIONS, max(1, len(words) - 1))
+    demos, query = words[:count], words[count % len(words)]  # a single word is its own query
+    return "".join(f"{w}{pair}{w}{line}" for w in demos) + f"{query}{pair}", query
+
+
+def lens_rows(config: ModelConfig) -> list[str]:
+    """Names of the logit lens's rows: the residual stream after the embedding and after each block."""
+    return ["embedding"] + [f"block {i + 1}" for i in range(config.n_layer)]
 
 
 # --- drawing ------------------------------------------------------------------------------------------------
@@ -314,6 +349,95 @@ def draw_activation(activation: str) -> Figure:
     return fig
 
 
+def draw_logit_lens(final_prob: Tensor, top_labels: Sequence[Sequence[str]], rows: Sequence[str],
+                    labels: Sequence[str]) -> Figure:  # fmt: skip
+    """Heatmap of the logit lens: per stage (row) and position (column) the probability of the model's eventual
+    prediction, each cell labelled with that stage's own top token."""
+    S, T = final_prob.shape
+    fig = _figure(max(6, 0.42 * T + 3), max(3, 0.4 * S + 2.5))
+    ax = fig.add_subplot()
+    image = ax.imshow(final_prob.numpy(), aspect="auto", cmap="Blues", vmin=0, vmax=1, origin="lower")
+    if S * T <= MAX_ANNOTATED_CELLS:
+        for i in range(S):
+            for j in range(T):
+                colour = "white" if final_prob[i, j] > 0.6 else "black"
+                text = top_labels[i][j] if len(top_labels[i][j]) <= 5 else top_labels[i][j][:4] + "\u2026"
+                ax.text(j, i, text, ha="center", va="center", fontsize=6.5, color=colour)
+    _tick_labels(ax, labels, y=False)
+    ax.set_yticks(range(S), rows, fontsize=8)
+    ax.set_xlabel("input position (token)")
+    fig.colorbar(image, ax=ax, label="probability of the final prediction")
+    ax.set_title("logit lens: each stage's top next token (text) and its probability of the final prediction")
+    return fig
+
+
+def draw_head_contributions(contributions: Tensor, token: str) -> Figure:
+    """Layer x head heatmap of each head's direct contribution to one logit, centred on zero."""
+    L, H = contributions.shape
+    fig = _figure(max(6, 0.6 * H + 3), max(3.5, 0.45 * L + 2))
+    ax = fig.add_subplot()
+    bound = max(float(contributions.abs().max()), 1e-6)
+    image = ax.imshow(contributions.numpy(), cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
+    _layer_head_axes(ax, L, H)
+    if L * H <= 200:
+        for i in range(L):
+            for j in range(H):
+                colour = "white" if abs(float(contributions[i, j])) > 0.6 * bound else "black"
+                ax.text(j, i, f"{contributions[i, j]:+.3g}", ha="center", va="center", fontsize=7, color=colour)
+    fig.colorbar(image, ax=ax, label="direct contribution to the logit")
+    ax.set_title(f"each head's direct push on the logit of {token}\n(the prediction at the last position)", fontsize=10)
+    return fig
+
+
+def _layer_head_axes(ax: Any, n_layer: int, n_head: int) -> None:
+    step_h, step_l = max(1, n_head // 16), max(1, n_layer // 24)
+    ax.set_xticks(range(0, n_head, step_h), [str(h + 1) for h in range(0, n_head, step_h)], fontsize=8)
+    ax.set_yticks(range(0, n_layer, step_l), [str(i + 1) for i in range(0, n_layer, step_l)], fontsize=8)
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+
+
+def draw_induction(scores: Tensor, chance: float) -> Figure:
+    """Layer x head heatmap of induction scores on a 0..1 scale, each cell annotated when there are few."""
+    L, H = scores.shape
+    fig = _figure(max(6, 0.6 * H + 3), max(3.5, 0.45 * L + 2))
+    ax = fig.add_subplot()
+    image = ax.imshow(scores.numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    _layer_head_axes(ax, L, H)
+    if L * H <= 200:
+        for i in range(L):
+            for j in range(H):
+                colour = "black" if scores[i, j] > 0.6 else "white"
+                ax.text(j, i, f"{scores[i, j]:.2f}", ha="center", va="center", fontsize=7, color=colour)
+    fig.colorbar(image, ax=ax, label="induction score")
+    ax.set_title(f"induction score per head\n(uniform attention: {chance:.3f}, perfect induction head: 1)", fontsize=10)
+    return fig
+
+
+def draw_icl(attention: Tensor, labels: Sequence[str], losses: Tensor, loss_source: str) -> Figure:
+    """Two panels: per layer, how the answer (last) position of a few-shot prompt spreads its attention over the
+    earlier tokens (mean over heads); and the next-token loss at each position along the context."""
+    L, T = attention.shape
+    fig = _figure(max(7, 0.22 * T + 3), 3 + 0.35 * L + 3.2)
+    top, bottom = fig.subplots(2, 1, height_ratios=[1 + 0.35 * L, 3.2])
+    image = top.imshow(attention.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=float(attention.max()))
+    _tick_labels(top, labels, y=False)
+    top.set_yticks(range(L), [f"layer {i + 1}" for i in range(L)], fontsize=8)
+    top.set_title("attention from the answer position (last token) to the few-shot prompt, mean over heads")
+    fig.colorbar(image, ax=top, label="attention weight")
+    positions = np.arange(1, len(losses) + 1)
+    bottom.plot(positions, losses.numpy(), color="#c44e52", linewidth=1)
+    if len(losses) >= 20:  # a running mean shows the trend through the per-token noise
+        width = max(3, len(losses) // 20)
+        smooth = np.convolve(losses.numpy(), np.ones(width) / width, mode="valid")
+        bottom.plot(positions[width - 1 :], smooth, color="black", linewidth=1.5, label=f"mean of {width}")
+        bottom.legend(fontsize=8)
+    bottom.set_xlabel("tokens of context seen (position + 1)")
+    bottom.set_ylabel("next-token loss (nats)")
+    bottom.set_title(f"loss along the context ({loss_source})", fontsize=9)
+    return fig
+
+
 def save_png(fig: Figure, path: Path) -> None:
     """Render a figure to a PNG file atomically (Agg, no global backend)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -334,10 +458,14 @@ def write_report(
     out_dir: str | Path,
     title: str = "model",
     max_tokens: int = MAX_HEATMAP_TOKENS,
+    icl_prompt: str | None = None,
+    data_tokens: np.ndarray | None = None,
 ) -> list[Picture]:
     """Write every picture of the prompt's pass through model into out_dir, then index.html showing them.
 
-    Heatmaps over positions draw at most the last max_tokens positions (the captions say so).
+    Heatmaps over positions draw at most the last max_tokens positions (the captions say so). icl_prompt is the
+    few-shot prompt of the ICL picture (default: one built from prompt); data_tokens, running text such as a
+    val.bin, gives its loss-along-the-context curve (default: the few-shot prompt's own losses).
     """
     if max_tokens < 1:
         raise InputError(f"--max-tokens must be >= 1, got {max_tokens}")
@@ -360,9 +488,13 @@ def write_report(
     rows_note = " The weights on earlier keys are left out, so a drawn row can sum to less than 1." if cut else ""
     pictures: list[Picture] = []
 
-    def add(fig: Figure, file: str, heading: str, caption: str) -> None:
+    def add(fig: Figure, file: str, heading: str, caption: str, data: dict | None = None) -> None:
         save_png(fig, out / file)
-        pictures.append(Picture(file, heading, caption))
+        data_file = None
+        if data is not None:
+            data_file = Path(file).with_suffix(".json").name
+            atomic_write_text(out / data_file, json.dumps(data))
+        pictures.append(Picture(file, heading, caption, data_file))
 
     total = param_breakdown(config).total
     add(draw_parameters(config), "parameters.png", "Parameter breakdown",
@@ -395,8 +527,125 @@ def write_report(
     if config.activation != "relu":
         add(draw_activation(config.activation), "activation.png", "Activation function",
             f"This model's MLP uses {config.activation}; ReLU (the original Transformer's) for comparison.")
+    add(*_lens_picture(model, tokenizer, insight.ids, cut, labels, shown_note + context_note))
+    if config.norm_position == "pre":
+        add(*_contributions_picture(model, tokenizer, insight.ids))
+    add(*_icl_picture(model, tokenizer, prompt, icl_prompt, data_tokens, max_tokens))
+    add(*_induction_picture(model))
     atomic_write_text(out / "index.html", render_index(pictures, title, prompt, config))
     return pictures
+
+
+def _texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each token's own text, for the JSON files (the pictures use token_labels)."""
+    return [tokenizer.decode([i]) for i in ids]
+
+
+def _lens_picture(model: GPT, tokenizer: Any, ids: list[int], cut: int, labels: list[str],
+                  notes: str) -> tuple[Figure, str, str, str, dict]:  # fmt: skip
+    """The logit lens over the prompt: each stage's top token and its probability of the final prediction."""
+    config = model.config
+    top, top_prob, final_prob = measures.lens_predictions(measures.logit_lens(model, ids, first=cut))
+    rows = lens_rows(config)
+    top_labels = [token_labels(tokenizer, row.tolist()) for row in top]
+    norm = ("the final norm and " if config.norm_position == "pre" else "") + "the LM head"
+    skipped = "" if config.norm_position == "pre" else (
+        " Head contributions are not drawn: in a post-norm model every block ends in a norm, so a head's output "
+        "reaches the logits only through the norms after it and no head has a direct path of its own.")
+    data = {"rows": rows, "positions": list(range(cut, len(ids))), "tokens": _texts(tokenizer, ids[cut:]),
+            "top_token_ids": top.tolist(), "top_tokens": [_texts(tokenizer, row.tolist()) for row in top],
+            "top_probability": top_prob.tolist(), "final_prediction_probability": final_prob.tolist()}  # fmt: skip
+    caption = (
+        f"The residual stream after the embedding and after each block, read out through {norm} as if the model "
+        "ended there. Each cell's text is the token that stage would predict next at that position; its colour is "
+        "the probability that stage gives the model's eventual prediction (the top row), so a column darkens "
+        "upward from where the model settles on its answer. The numbers are in logit_lens.json." + notes + skipped)
+    return draw_logit_lens(final_prob, top_labels, rows, labels), "logit_lens.png", "Logit lens", caption, data
+
+
+def _contributions_picture(model: GPT, tokenizer: Any, ids: list[int]) -> tuple[Figure, str, str, str, dict]:
+    """Each head's direct contribution to the logit of the model's prediction after the prompt."""
+    contributions = measures.head_contributions(model, ids)
+    with torch.no_grad():
+        token = int(model(torch.tensor([ids], device=next(model.parameters()).device))[0, -1].argmax())
+    label = token_labels(tokenizer, [token])[0]
+    data = {"token_id": token, "token": tokenizer.decode([token]), "position": len(ids) - 1,
+            "contributions": contributions.tolist()}  # fmt: skip
+    caption = (
+        f"Direct logit attribution: how much each head's output at the last position, passed through the output "
+        f"projection, the final norm (its scale at that position held fixed) and the LM head, adds to the logit of "
+        f"the predicted next token {label}. Red heads push the prediction up, blue ones down; the embeddings, MLPs "
+        "and biases make up the rest of the logit. The numbers are in head_contributions.json.")
+    return draw_head_contributions(contributions, label), "head_contributions.png", "Head contributions", \
+        caption, data
+
+
+def _icl_picture(model: GPT, tokenizer: Any, prompt: str, icl_prompt: str | None, data_tokens: np.ndarray | None,
+                 max_tokens: int) -> tuple[Figure, str, str, str, dict]:  # fmt: skip
+    """Attention from a few-shot prompt's answer position, per layer, and the loss along the context."""
+    config = model.config
+    answer = None
+    if icl_prompt is None:
+        icl_prompt, answer = default_icl_prompt(prompt, tokenizer)
+    elif not icl_prompt:
+        raise InputError("--icl-prompt is empty; give a few-shot prompt (demonstrations, then a query)")
+    ids = tokenizer.encode(icl_prompt)[-config.block_size :]
+    if not ids:
+        raise InputError("--icl-prompt encodes to no tokens; give a few-shot prompt")
+    attention = measures.attention_from(model, ids)
+    shown = min(len(ids), max(max_tokens, 128))  # the whole few-shot prompt where it fits: its demonstrations matter
+    data: dict[str, Any] = {"prompt": icl_prompt, "expected_answer": answer, "tokens": _texts(tokenizer, ids),
+                            "attention_from_last": attention.tolist()}  # fmt: skip
+    if data_tokens is not None:
+        losses = measures.position_losses(model, data_tokens)
+        early, late = measures.early_late_losses(losses)
+        data.update(losses_over="data", icl_score=late - early, early_loss=early, late_loss=late)
+        source = f"mean over {measures.ICL_WINDOWS} windows of the data"
+        loss_note = (f" The loss curve is the mean over {measures.ICL_WINDOWS} {config.block_size}-token windows "
+                     f"of the data: ICL score {late - early:+.3f} (late loss {late:.3f} minus early loss "
+                     f"{early:.3f}; negative when the model uses its context).")  # fmt: skip
+    else:
+        losses = measures.sequence_losses(model, ids) if len(ids) > 1 else torch.zeros(0)
+        data["losses_over"] = "prompt"
+        source = "the few-shot prompt itself"
+        loss_note = (" The loss curve is over the few-shot prompt itself (give --data for the mean over windows of "
+                     "real text and the ICL score): a model that learns in context predicts later demonstrations "
+                     "better than the first.")  # fmt: skip
+    data["position_losses"] = losses.tolist()
+    with torch.no_grad():
+        last = model(torch.tensor([ids], device=next(model.parameters()).device))[0, -1].float().softmax(-1)
+    predicted = int(last.argmax())
+    data["predicted"] = {"token_id": predicted, "token": tokenizer.decode([predicted]),
+                         "probability": float(last[predicted])}  # fmt: skip
+    expected = f" (the expected answer is {answer!r})" if answer is not None else ""
+    caption = (
+        f"In-context learning. Top: for the few-shot prompt {icl_prompt!r}, how the last position, where the "
+        f"answer is predicted, spreads its attention over the earlier tokens in each layer (mean over heads): "
+        f"bright columns are the demonstration tokens it copies from. The model predicts "
+        f"{tokenizer.decode([predicted])!r} with probability {float(last[predicted]):.2f}{expected}."
+        + (f" Only the last {shown} of its {len(ids)} tokens are drawn." if shown < len(ids) else "")
+        + loss_note + " The numbers are in icl.json.")
+    labels = token_labels(tokenizer, ids)[len(ids) - shown :]
+    return draw_icl(attention[:, len(ids) - shown :], labels, losses, source), "icl.png", "In-context learning", \
+        caption, data
+
+
+def _induction_picture(model: GPT) -> tuple[Figure, str, str, str, dict]:
+    """The induction test: each head's score on a random sequence repeated twice."""
+    test = measures.induction_test(model)
+    chance = measures.chance_induction_score(test.length)
+    strongest = ", ".join(f"layer {l} head {h} ({v:.2f})" for l, h, v in measures.top_heads(test.scores, 3))
+    data = {"length": test.length, "chance": chance, "first_half_loss": test.first_half_loss,
+            "repeated_half_loss": test.repeated_half_loss, "scores": test.scores.tolist()}  # fmt: skip
+    caption = (
+        f"Induction heads. {measures.INDUCTION_BATCH} random sequences of {test.length} tokens, each repeated "
+        "twice: a head's score is the attention it pays from each token of the second copy to the token that "
+        "followed the same token in the first copy. 1 is a perfect induction head; uniform attention scores "
+        f"{chance:.3f} (the chance level), about 1 / position. Strongest: {strongest}. The loss is "
+        f"{test.first_half_loss:.3f} on the first copy and {test.repeated_half_loss:.3f} on the repeat, which "
+        "falls well below the first once induction heads copy from the context. The numbers are in "
+        "induction.json.")
+    return draw_induction(test.scores, chance), "induction.png", "Induction heads", caption, data
 
 
 def render_index(pictures: Sequence[Picture], title: str, prompt: str, config: ModelConfig) -> str:
@@ -410,7 +659,9 @@ def render_index(pictures: Sequence[Picture], title: str, prompt: str, config: M
     toc = "\n".join(f'<li><a href="#{esc(Path(p.file).stem)}">{esc(p.title)}</a></li>' for p in pictures)
     figures = "\n".join(
         f'<figure id="{esc(Path(p.file).stem)}"><h2>{esc(p.title)}</h2>'
-        f'<img src="{esc(p.file)}" alt="{esc(p.title)}"><figcaption>{esc(p.caption)}</figcaption></figure>'
+        f'<img src="{esc(p.file)}" alt="{esc(p.title)}"><figcaption>{esc(p.caption)}'
+        + (f' <a href="{esc(p.data)}">{esc(p.data)}</a>' if p.data else "")
+        + "</figcaption></figure>"
         for p in pictures
     )
     return f"""<!doctype html>

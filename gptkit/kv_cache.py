@@ -118,11 +118,13 @@ class KVCache:
     @classmethod
     def of(cls, keys: list[Tensor], values: list[Tensor], key_scales: list[Tensor] | None = None,
            value_scales: list[Tensor] | None = None, dtype: torch.dtype | None = None) -> KVCache:  # fmt: skip
-        """A cache over the given per-layer tensors (shared, not copied)."""
+        """A cache over the given per-layer tensors (shared, not copied); dtype: what attention reads (default: the
+        tensors' own, float32 for int8 ones)."""
         cache = cls.__new__(cls)
         cache.keys, cache.values = keys, values
         cache.key_scales, cache.value_scales = key_scales or [], value_scales or []
-        cache.dtype = dtype if dtype is not None else keys[0].dtype
+        stored = keys[0].dtype
+        cache.dtype = dtype if dtype is not None else (torch.float32 if stored == torch.int8 else stored)
         return cache
 
     @property

@@ -71,6 +71,7 @@ from gptkit.finetune.objectives import evaluate as evaluate_objective
 from gptkit.finetune.lora_dir import WEIGHTS_FILE as LORA_WEIGHTS
 from gptkit.finetune.lora_dir import adapt, is_lora_dir, read_lora_config, write_lora_dir
 from gptkit.model import GPT
+from gptkit.observe.training import Observer, plot_run
 from gptkit.formats.modeldir import load_model_tokenizer, load_tensors, read_model_config, save_model_dir
 from gptkit.loading import adapted_model, load, load_base
 from gptkit.optim import lr_at, make_optimizer
@@ -202,28 +203,6 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, train: TrainConfig, blo
         with autocast_for(device, dtype):
             total += model(xb, targets=yb).float() * len(xb)
     return (total / len(x)).item()
-
-
-def plot_losses(history: list[dict[str, Any]], path: Path) -> None:
-    """Write the train and validation loss curves as a PNG (matplotlib's Agg canvas, no display needed)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    series = [("loss", "train (logged steps)", 0.5), ("train_eval_loss", "train (eval)", 1.0),
-              ("val_loss", "validation", 1.0)]  # fmt: skip
-    for key, label, alpha in series:
-        points = [(r["step"], r[key]) for r in history if r.get(key) is not None and math.isfinite(r[key])]
-        if points:
-            axes.plot(*zip(*points), label=label, alpha=alpha, marker="o" if key != "loss" else None, markersize=3)
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss (nats)")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    atomic_write(path, lambda tmp: figure.savefig(tmp, format="png"))
 
 
 def read_history(path: Path, up_to: int) -> list[dict[str, Any]]:
@@ -486,6 +465,9 @@ class Trainer:
         self.objective_name = config.finetune.objective
         check_objective(self.objective_name, self.meta, str(t.data_dir))
         self.gpt = model
+        sharded = t.parallel == "fsdp" and self.world.distributed
+        self.observer = Observer(t, self.run_dir, model, self.tokenizer, self.val_tokens, self.examples,
+                                 self.objective_name, self.world.is_main, sharded)  # fmt: skip
         if self.objective_name == "classify":  # the head wraps the model; the optimiser and checkpoints hold both
             model = SequenceClassifier(model, self.meta["labels"])
 
@@ -540,6 +522,7 @@ class Trainer:
             with self.writing(f"could not write {CONFIG_FILE} and {METRICS_FILE} in {self.run_dir}"):
                 atomic_write_text(self.run_dir / CONFIG_FILE, header + yaml.safe_dump(resolved, sort_keys=False))
                 atomic_write_text(self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.history))
+                self.observer.keep_samples(self.step if checkpoint is not None else None)
         barrier(self.world)  # no rank starts before rank 0 has made the run directory
 
         self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
@@ -690,11 +673,20 @@ class Trainer:
         if self.val_bytes_per_token:
             record["val_bpb"] = val_loss / (math.log(2) * self.val_bytes_per_token)
             line += f", val bpb {record['val_bpb']:.4f}"
-        self.note(line)
+        observing = time.perf_counter()
+        line += self.observer.measure_into(record)
+        samples = []
+        if self.observer.due(self.step):
+            with self.writing(f"could not append to {self.observer.path}"):
+                samples = self.observer.sample(self.step)
+        if samples or self.observer.measures:
+            record["observe_s"] = time.perf_counter() - observing  # what watching the run costs it
+        for text in [line, *samples]:
+            self.note(text)
         self.write(record)
         if t.plot and self.world.is_main:
             with self.writing(f"could not write {self.run_dir / PLOT_FILE}"):
-                plot_losses(self.history, self.run_dir / PLOT_FILE)
+                plot_run(self.history, self.run_dir / PLOT_FILE)
 
     def save(self) -> Path:
         """Checkpoint the current step, unless the weights went bad (then the last good one stays the latest)."""

@@ -92,6 +92,11 @@ class TrainConfig:
     peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None uses a known figure or shows none
     plot: bool = True  # refresh RUN_DIR/loss.png at each evaluation
     tensorboard: bool = False  # also log every metric to RUN_DIR/tensorboard (needs the tensorboard package)
+    observe: bool = True  # log icl_score, induction_score and induction_loss at evaluations (text LM runs)
+    sample_every: int = 1  # samples at every Nth evaluation (steps that are multiples of N x eval_interval) and at
+    #                        the end, into RUN_DIR/samples.jsonl; 0: no samples
+    sample_tokens: int = 48  # tokens each sample generates
+    sample_prompts: list[str] | None = None  # prompts to complete; None: the first tokens of 2 validation windows
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of its range."""
@@ -101,6 +106,13 @@ class TrainConfig:
         _check_range("train.seed", self.seed, low=0)
         if self.peak_flops is not None:
             _check_range("train.peak_flops", self.peak_flops, low=0.0, low_open=True)
+        _check_range("train.sample_every", self.sample_every, low=0, why=">= 0 (0 takes no samples)")
+        _check_range("train.sample_tokens", self.sample_tokens, low=1)
+        if self.sample_prompts is not None and not all(isinstance(p, str) and p for p in self.sample_prompts):
+            raise ConfigError(f"train.sample_prompts must be a list of non-empty strings, got {self.sample_prompts!r}")
+        if self.sample_prompts == []:
+            raise ConfigError("train.sample_prompts is empty: give at least one prompt, or null for validation "
+                              "prompts (train.sample_every 0 turns samples off)")  # fmt: skip
 
 
 @dataclass
@@ -201,6 +213,8 @@ def _describe(kind: Any) -> str:
         return _describe(inner[0]) + " or null"
     if get_origin(kind) is Literal:
         return "one of " + ", ".join(map(str, args))
+    if get_origin(kind) is list:
+        return "a list of strings"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, str(kind))
 
 
@@ -232,6 +246,8 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
         ok = isinstance(value, str)
     elif get_origin(kind) is Literal:
         ok = value in args
+    elif get_origin(kind) is list:  # list[str], the only list a section holds
+        ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
     if not ok:
         raise ConfigError(f"{key} must be {_describe(kind)}, got {value!r}")
     return value
@@ -323,7 +339,9 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             value = text
         kind = section_types(section).get(key) if section in ("model", *SECTIONS) else None
         wants_text = kind is str or str in get_args(kind)  # a path named 2024 or yes stays a string
-        if value is not None and (wants_text or not isinstance(value, (bool, int, float))):
+        if any(get_origin(k) is list for k in (kind, *get_args(kind))):
+            value = value if isinstance(value, list) or value is None else [text]  # one flag value: one item
+        elif value is not None and (wants_text or not isinstance(value, (bool, int, float))):
             value = text  # keep strings (and anything structured) exactly as typed
         overrides.setdefault(section, {})[key] = value
     return overrides

@@ -1,5 +1,6 @@
 """The benchmark scripts still start: their imports and flags follow the library (timings are never asserted)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -140,3 +141,16 @@ def test_bench_quantization_smoke_run_scores_every_setting(tmp_path):
     assert list(rows) == ["fp32", "int8", "int4", "kv int8", "int4 + kv int8"]
     assert rows["fp32"]["perplexity_change"] == 0 and rows["int4"]["loss"] != rows["fp32"]["loss"]
     assert all(row["tokens"] == rows["fp32"]["tokens"] for row in rows.values())
+
+
+@pytest.mark.slow
+def test_bench_lm_eval_scores_alike_through_the_server_and_the_hf_backend():
+    if importlib.util.find_spec("lm_eval") is None:
+        pytest.skip('lm-eval is not installed (pip install "lm-eval[api]==0.4.13")')
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_lm_eval.py"), "--docs", "4", "--json"],
+                            capture_output=True, text=True, cwd=BENCH_DIR)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {(r["task"], r["metric"]): r for r in json.loads(result.stdout)["rows"]}
+    assert rows[("gptkit_passages", "bits_per_byte")]["difference"] < 1e-6
+    assert rows[("gptkit_choice", "acc")]["difference"] == 0
+    assert rows[("gptkit_continue", "generations differing")]["served"] == 0

@@ -224,6 +224,16 @@ def test_an_int4_model_goes_to_q4_0_as_its_own_bits_and_comes_back_alike(variant
     from gptkit.quantization import Int4Linear, quantize
 
     model = quantize(tiny(variant, vocab_size=300), "int4")
+    # Blocks with fitted scales, as llama-quantize writes them with an importance matrix (no value at q = 0):
+    # quantising their values again would change them, a repacking keeps them.
+    generator = torch.Generator().manual_seed(0)
+    for block, name in ((model.blocks[1].attn, "qkv"), (model.blocks[1].mlp, "proj")):
+        layer = getattr(block, name)
+        n, k = layer.out_features, layer.in_features
+        q = torch.randint(3, 14, (n, k // 32, 32), dtype=torch.uint8, generator=generator)
+        packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)
+        scales = torch.full((n, k // 32), 0.01, dtype=torch.float16)
+        setattr(block, name, Int4Linear.from_q4(packed, scales, layer.bias))
     source = save_quantized_dir(model, tmp_path / "int4", tokenizer=bpe())
     path = tmp_path / "m.gguf"
     assert main(["convert", "--to-gguf", str(source), "--out", str(path), "--type", "q4_0"]) == 0

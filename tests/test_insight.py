@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
+
+import numpy as np
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from matplotlib.image import imread
 from gptkit.accounting import param_breakdown
 from gptkit.cli import main
 from gptkit.config import ModelConfig
+from gptkit.errors import InputError
 from gptkit.insight import (
     attention_maps,
     causal_mask,
@@ -133,7 +137,8 @@ def test_report_pictures_are_valid_pngs_referenced_by_index(gelu_dir, tmp_path, 
     assert "index.html" in capsys.readouterr().out
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
     expected = {"parameters.png", "attention_layer1.png", "attention_layer2.png", "hidden_norms.png",
-                "layer_similarity.png", "next_token.png", "causal_mask.png", "activation.png"}  # fmt: skip
+                "layer_similarity.png", "next_token.png", "causal_mask.png", "activation.png", "logit_lens.png",
+                "head_contributions.png", "icl.png", "induction.png"}  # fmt: skip
     assert set(pngs) == expected
     for name in pngs:
         check_png(tmp_path / "out" / name)
@@ -179,7 +184,8 @@ def test_long_prompt_is_capped_and_captioned(tmp_path):
     assert "last 6 of the 16 positions" in attention.caption
     assert "first 14 tokens were dropped" in attention.caption
     assert "activation.png" not in {p.file for p in pictures}  # a ReLU model gets no activation picture
-    assert len(pictures) == 6
+    assert len(pictures) == 10  # parameters, attention, norms, similarity, next token, mask and the four below
+    assert [p.file for p in pictures][-4:] == ["logit_lens.png", "head_contributions.png", "icl.png", "induction.png"]
     check_png(tmp_path / "attention_layer1.png")
 
 
@@ -188,3 +194,97 @@ def test_cli_errors_are_one_line(gelu_dir, tmp_path, capsys):
     assert main(["inspect", str(gelu_dir), "--prompt", "", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "does not exist" in err and "empty" in err
+
+
+def test_report_writes_the_logit_lens_contributions_icl_and_induction_numbers(gelu_dir, tmp_path):
+    """Each new picture has its JSON beside it, with the shapes drawn and the numbers of gptkit.observe.measures."""
+    from gptkit.observe.measures import chance_induction_score, head_contributions, induction_scores, logit_lens
+
+    model, tokenizer = load(gelu_dir)
+    prompt = "To be, or not to be: that is the question"
+    pictures = write_report(model, tokenizer, prompt, tmp_path, max_tokens=8)
+    by_file = {p.file: p for p in pictures}
+    for name in ["logit_lens", "head_contributions", "icl", "induction"]:
+        check_png(tmp_path / f"{name}.png")
+        assert by_file[f"{name}.png"].data == f"{name}.json"
+    page = (tmp_path / "index.html").read_text()
+    assert '<a href="logit_lens.json">' in page and '<a href="induction.json">' in page
+    ids = tokenizer.encode(prompt)
+    L, H = model.config.n_layer, model.config.n_head
+
+    lens = json.loads((tmp_path / "logit_lens.json").read_text())
+    assert lens["rows"] == ["embedding", "block 1", "block 2"]
+    assert lens["positions"] == list(range(len(ids) - 8, len(ids)))
+    final_prob = np.asarray(lens["final_prediction_probability"])
+    assert np.asarray(lens["top_token_ids"]).shape == final_prob.shape == (L + 1, 8)
+    want = logit_lens(model, ids)[:, -8:].exp()  # (L + 1, 8, V)
+    final = want[-1].argmax(-1)
+    assert lens["top_token_ids"] == want.argmax(-1).tolist()
+    np.testing.assert_allclose(final_prob, want.gather(-1, final.expand(L + 1, -1)[..., None])[..., 0], atol=1e-6)
+    np.testing.assert_allclose(lens["final_prediction_probability"][-1], lens["top_probability"][-1], atol=1e-7)
+    assert "final norm" in by_file["logit_lens.png"].caption
+
+    contributions = json.loads((tmp_path / "head_contributions.json").read_text())
+    assert np.asarray(contributions["contributions"]).shape == (L, H)
+    np.testing.assert_allclose(contributions["contributions"], head_contributions(model, ids), atol=1e-6)
+    assert contributions["token_id"] == int(final[-1]) and contributions["position"] == len(ids) - 1
+
+    icl = json.loads((tmp_path / "icl.json").read_text())
+    assert icl["prompt"] == "To To\nbe, be,\nor or\nnot not\nto " and icl["expected_answer"] == "to"
+    T = len(tokenizer.encode(icl["prompt"]))
+    assert np.asarray(icl["attention_from_last"]).shape == (L, T) and len(icl["tokens"]) == T
+    np.testing.assert_allclose(np.asarray(icl["attention_from_last"]).sum(-1), np.ones(L), atol=1e-5)
+    assert icl["losses_over"] == "prompt" and len(icl["position_losses"]) == T - 1
+    assert "the expected answer is 'to'" in by_file["icl.png"].caption
+
+    induction = json.loads((tmp_path / "induction.json").read_text())
+    assert np.asarray(induction["scores"]).shape == (L, H) and induction["length"] == 32
+    np.testing.assert_allclose(induction["scores"], induction_scores(model), atol=1e-6)
+    assert induction["chance"] == pytest.approx(chance_induction_score(32))
+    assert f"{chance_induction_score(32):.3f} (the chance level)" in by_file["induction.png"].caption
+
+
+def test_post_norm_report_skips_head_contributions_with_a_note(tmp_path):
+    config = ModelConfig(**dict(VARIANTS["original-decoder"], vocab_size=257))
+    pictures = write_report(GPT(config), ByteTokenizer(), "hello there world", tmp_path, icl_prompt="a b\nc d\na")
+    files = [p.file for p in pictures]
+    assert "head_contributions.png" not in files and not (tmp_path / "head_contributions.json").exists()
+    assert {"logit_lens.png", "icl.png", "induction.png"} <= set(files)
+    lens = next(p for p in pictures if p.file == "logit_lens.png")
+    assert "Head contributions are not drawn" in lens.caption and "post-norm" in lens.caption
+    icl = json.loads((tmp_path / "icl.json").read_text())
+    assert icl["prompt"] == "a b\nc d\na" and icl["expected_answer"] is None
+
+
+def test_default_icl_prompt_uses_what_the_tokenizer_encodes():
+    from gptkit.insight import default_icl_prompt
+    from gptkit.tokenizer import CharTokenizer
+
+    assert default_icl_prompt("one two", ByteTokenizer()) == ("one one\ntwo ", "two")
+    assert default_icl_prompt("a b c d e f g", ByteTokenizer())[0] == "a a\nb b\nc c\nd d\ne "  # 4 demonstrations
+    # a char vocabulary without spaces or newlines: the prompt's characters, no separators it cannot encode
+    chars = CharTokenizer.train(["abc"])
+    text, answer = default_icl_prompt("abc", chars)
+    assert (text, answer) == ("aabbc", "c") and chars.encode(text)
+    assert default_icl_prompt("aaa", ByteTokenizer()) == ("aaa aaa\naaa ", "aaa")  # one word copies itself
+    with pytest.raises(InputError, match="--icl-prompt"):
+        default_icl_prompt(" \n ", ByteTokenizer())
+
+
+def test_inspect_cli_takes_a_few_shot_prompt_and_data_for_the_loss_curve(tmp_path, capsys):
+    from conftest import write_char_data_dir
+    from gptkit.tokenizer import load_tokenizer
+
+    data = write_char_data_dir(tmp_path, 6000)
+    tokenizer = load_tokenizer(data)
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=16)
+    model_dir = save_model_dir(GPT(config), tmp_path / "model", tokenizer=tokenizer)
+    out = tmp_path / "out"
+    assert main(["inspect", str(model_dir), "--out", str(out), "--data", str(data), "--icl-prompt",
+                 "ab ab\ncd cd\nef"]) == 0  # fmt: skip
+    icl = json.loads((out / "icl.json").read_text())
+    assert icl["losses_over"] == "data" and len(icl["position_losses"]) == 32
+    assert icl["icl_score"] == pytest.approx(icl["late_loss"] - icl["early_loss"])
+    assert icl["prompt"] == "ab ab\ncd cd\nef"
+    assert main(["inspect", str(model_dir), "--out", str(out), "--icl-prompt", "\u00e9"]) == 2  # not in the vocabulary
+    assert capsys.readouterr().err.count("\n") == 1

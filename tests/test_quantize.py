@@ -272,3 +272,15 @@ def test_bad_quantisation_and_cache_settings_are_one_line_errors(trained, tmp_pa
         assert exit_info.value.code == 2 and flags[1] in capsys.readouterr().err
     code = main(["generate", str(float_dir), "--prompt", "x", "--kv-cache", "int8", "--num-beams", "2"])
     assert code == 2 and "kv_cache int8 works with greedy and sampled decoding" in capsys.readouterr().err
+
+
+def test_a_cache_over_int8_tensors_reads_float_by_default():
+    from gptkit.kv_cache import KVCache
+
+    config = ModelConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    full = KVCache(config, 1, 16, torch.device("cpu"), torch.float32, kv_dtype=torch.int8)
+    view = KVCache.of(full.keys, full.values, full.key_scales, full.value_scales)
+    assert view.dtype == torch.float32  # what attention reads: int8 keys would not meet float queries
+    model = GPT(config).eval()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), cache=view)  # runs

@@ -645,6 +645,18 @@ def test_fields_that_change_nothing_are_accepted(http):
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
 
 
+def whole_response(sock: socket.socket) -> bytes:
+    """One HTTP response read off a socket: its head, then as many body bytes as its Content-Length says."""
+    response = b""
+    while b"\r\n\r\n" not in response or len(response.partition(b"\r\n\r\n")[2]) < int(
+            re.search(rb"content-length: (\d+)", response.lower()).group(1)):  # fmt: skip
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ConnectionError(f"closed after {response!r}")
+        response += chunk
+    return response
+
+
 def test_a_half_sent_request_is_closed_after_the_head_timeout(model_dir):
     app = build_app(model_dir, ServeOptions(head_timeout=1.0, max_connections=4))
     with live_server(app, ServeOptions(head_timeout=1.0, max_connections=4)) as url:
@@ -664,15 +676,29 @@ def test_a_half_sent_request_is_closed_after_the_head_timeout(model_dir):
         idle = socket.create_connection(("127.0.0.1", port))
         idle.settimeout(10)
         idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        response = b""
-        while b"\r\n\r\n" not in response or len(response.partition(b"\r\n\r\n")[2]) < int(
-                re.search(rb"content-length: (\d+)", response.lower()).group(1)):  # fmt: skip
-            response += idle.recv(4096)
-        assert response.startswith(b"HTTP/1.1 200")
+        assert whole_response(idle).startswith(b"HTTP/1.1 200")
         answered = time.monotonic()
         assert idle.recv(1024) == b""
         assert 0.5 < time.monotonic() - answered < 8
         idle.close()
+        # A body that keeps moving is not cut, however long it takes; a request begun late in a kept-alive
+        # connection's idle time gets its own window.
+        body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 1}).encode().ljust(60)
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.settimeout(10)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        for start in range(0, len(body), 10):  # 6 pieces 0.4 s apart: 2.4 s in all, against a 1 s deadline
+            time.sleep(0.4)
+            slow.sendall(body[start : start + 10])
+        assert whole_response(slow).startswith(b"HTTP/1.1 200")
+        time.sleep(0.8)  # most of the idle window gone
+        head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        slow.sendall(head[:10])
+        time.sleep(0.5)  # the head completes 1.3 s after the last response: inside its own window
+        slow.sendall(head[10:])
+        assert whole_response(slow).startswith(b"HTTP/1.1 200")
+        slow.close()
         # A whole request is unaffected, also on a kept-alive connection after the deadline has passed.
         with httpx.Client(base_url=url) as http:
             body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
@@ -761,3 +787,22 @@ def test_logit_bias_forces_and_bans_tokens(http, reference):
     assert greedy[0] not in banned["choices"][0]["text"]
     chat_forced = http.post("/v1/chat/completions", json={**chat, "logit_bias": {str(z): 100}}).json()
     assert chat_forced["choices"][0]["message"]["content"] == "z" * 6
+
+
+def test_template_workers_answer_a_templates_runtime_error_and_keep_their_places():
+    from gptkit.serving.templates import TemplateWorkers
+
+    workers = TemplateWorkers(ChatTemplate("{% if messages[0].content == 'bad' %}{{ 1 + 'a' }}{% endif %}ok"), 5.0)
+    try:
+        for _ in range(3):  # more than the pool's processes: a failing render must not cost a place
+            with pytest.raises(ChatTemplateError, match="TypeError"):  # the template's own error, not a dead worker
+                workers.render([{"role": "user", "content": "bad"}], None, 1000)
+        with pytest.raises(TypeError):  # a request that cannot even be sent: the worker is retired, not lost
+            workers.render([{"role": "user", "content": object()}], None, 1000)
+        assert workers.render([{"role": "user", "content": "fine"}], None, 1000) == "ok"
+        assert workers.started == workers.idle.qsize() == 1  # one process served all of it
+    finally:
+        workers.close()
+    assert workers.started == 0
+    with pytest.raises(ChatTemplateError, match="shutting down"):
+        workers.render([{"role": "user", "content": "fine"}], None, 1000)

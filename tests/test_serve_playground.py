@@ -1,15 +1,21 @@
-"""The playground page in real headless Chromium: type a prompt, press Generate, see the streamed text."""
+"""The playground: its inspection routes over HTTP, and the page in real headless Chromium (type a prompt, press
+Generate, see the streamed text, the attention, the logit lens and the induction heads)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import httpx
 import pytest
+import torch
 
+from gptkit.observe.measures import chance_induction_score, induction_scores, logit_lens
 from gptkit.serving.server import ServeOptions, build_app
 from test_serve_helpers import live_server, make_model_dir
+
+TEXT = "Hello there, general Kenobi"
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package; the test set-up installs it, never a downloaded browser
 # Root in a container needs --no-sandbox; the rest keep Chromium off the (closed) network.
@@ -101,5 +107,163 @@ def test_playground_chat_tab_keeps_the_conversation(tmp_path):
                 assert [m.text_content() for m in page.locator("#chat-log .msg.user").all()] == ["Hi there", "And then?"]
                 page.click("#chat-new")
                 assert page.locator("#chat-log .msg").count() == 0
+            finally:
+                browser.close()
+
+
+# ----- the inspection routes over HTTP -----
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A live server of the tiny model: (base URL, the served model, its tokenizer)."""
+    app = build_app(make_model_dir(tmp_path_factory.mktemp("playground") / "tiny-served"), ServeOptions())
+    with live_server(app) as url:
+        yield url, app.state.gptkit.engine.model, app.state.gptkit.tokenizer
+
+
+def _lens(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/playground/lens", json=body, timeout=60)
+
+
+def test_the_lens_ends_at_the_models_greedy_token_and_reads_every_layer(served):
+    url, model, tokenizer = served
+    r = _lens(url, text=TEXT, top=3)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    ids = tokenizer.encode(TEXT)
+    with torch.no_grad():
+        greedy = model(torch.tensor([ids]))[0].argmax(-1).tolist()
+    lens = logit_lens(model, ids).exp()  # (n_layer + 1, T, vocab): the measure the route must show
+    assert data["labels"] == ["embedding", "block 1", "block 2"]
+    assert [row["position"] for row in data["positions"]] == list(range(len(ids)))
+    for t, row in enumerate(data["positions"]):
+        assert row["token"] == tokenizer.decode([ids[t]])
+        assert len(row["layers"]) == model.config.n_layer + 1
+        last = row["layers"][-1]
+        assert last["top"][0][0] == row["prediction"] == tokenizer.decode([greedy[t]])
+        assert last["prediction_p"] == last["top"][0][1]
+        tops = [layer["top"][0][0] for layer in row["layers"]]
+        assert row["decided_at"] == tops.index(row["prediction"])
+        for k, layer in enumerate(row["layers"]):
+            probs = [p for _, p in layer["top"]]
+            assert len(probs) == 3 and probs == sorted(probs, reverse=True)
+            assert all(0 <= p <= 1 for p in [*probs, layer["prediction_p"]])
+            assert abs(probs[0] - float(lens[k, t].max())) < 1e-4
+            assert layer["top"][0][0] == tokenizer.decode([int(lens[k, t].argmax())])
+            assert abs(layer["prediction_p"] - float(lens[k, t, greedy[t]])) < 1e-4
+    assert any(row["decided_at"] < model.config.n_layer for row in data["positions"])  # not always the last
+
+
+def test_the_lens_at_one_position_and_past_the_block(served):
+    url, model, tokenizer = served
+    whole = _lens(url, text=TEXT).json()["positions"]
+    one = _lens(url, text=TEXT, position=4).json()["positions"]
+    assert one == [whole[4]]  # causal: the tokens after a position change nothing there
+    long = "ab, " * 50  # 200 tokens: past the 96-token block, so the lens reads the last 96
+    rows = _lens(url, text=long).json()["positions"]
+    ids = tokenizer.encode(long)
+    assert [row["position"] for row in rows] == list(range(len(ids) - 96, len(ids)))
+    with torch.no_grad():
+        greedy = int(model(torch.tensor([ids[-96:]]))[0, -1].argmax())
+    assert rows[-1]["prediction"] == tokenizer.decode([greedy])
+    early = _lens(url, text=long, position=10).json()["positions"]
+    assert [row["position"] for row in early] == [10]
+
+
+BAD_LENS = [
+    ("empty text", {"text": ""}, "text"),
+    ("text missing", {}, "text"),
+    ("text beyond the context", {"text": "a" * (4 * 96 + 1)}, "text"),
+    ("character outside the vocabulary", {"text": "caf\u00e9"}, "text"),
+    ("position past the text", {"text": "abc", "position": 3}, "position"),
+    ("negative position", {"text": "abc", "position": -1}, "position"),
+    ("position a string", {"text": "abc", "position": "1"}, "position"),
+    ("top 0", {"text": "abc", "top": 0}, "top"),
+    ("top 4", {"text": "abc", "top": 4}, "top"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body, param", [c[1:] for c in BAD_LENS], ids=[c[0] for c in BAD_LENS])
+def test_a_bad_lens_request_is_a_400_naming_the_field(served, body, param):
+    r = _lens(served[0], **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+def test_the_induction_route_gives_the_measures_scores_once_per_server(tmp_path, monkeypatch):
+    import gptkit.serving.inspection as inspection
+
+    runs = []
+    real = inspection.induction_test
+    monkeypatch.setattr(inspection, "induction_test", lambda model: runs.append(1) or real(model))
+    app = build_app(make_model_dir(tmp_path / "tiny-served"), ServeOptions())
+    model = app.state.gptkit.engine.model
+    with live_server(app) as url:
+        first = httpx.get(url + "/playground/induction", timeout=60)
+        assert first.status_code == 200, first.text
+        assert httpx.get(url + "/playground/induction", timeout=60).json() == first.json()
+    data = first.json()
+    assert runs == [1]  # the second request was answered from the cache
+    config = model.config
+    assert (data["layers"], data["heads"]) == (config.n_layer, config.n_head)
+    assert len(data["scores"]) == config.n_layer and all(len(row) == config.n_head for row in data["scores"])
+    expected = induction_scores(model)
+    assert torch.allclose(torch.tensor(data["scores"]), expected, atol=1e-4)
+    assert data["length"] == config.block_size // 2
+    assert data["chance"] == pytest.approx(chance_induction_score(data["length"]), abs=1e-4)
+    best = data["strongest"]
+    assert expected[best["layer"], best["head"]] == expected.max()
+    assert data["repeated_half_loss"] > 0 and data["first_half_loss"] > 0
+
+
+def test_the_inspection_routes_need_the_api_key(tmp_path):
+    app = build_app(make_model_dir(tmp_path / "tiny-served"), ServeOptions(api_key="sekrit"))
+    with live_server(app) as url:
+        key = {"Authorization": "Bearer sekrit"}
+        for method, path, body in (("POST", "/playground/lens", {"text": "abc"}),
+                                   ("GET", "/playground/induction", None)):
+            assert httpx.request(method, url + path, json=body, timeout=60).status_code == 401
+            assert httpx.request(method, url + path, json=body, headers=key, timeout=60).status_code == 200
+
+
+def test_playground_shows_the_logit_lens_and_the_induction_heads(tmp_path):
+    sync_playwright = _need_browser()
+    app = build_app(make_model_dir(tmp_path / "tiny-served"), ServeOptions())
+    with live_server(app) as url:
+        lens = httpx.post(url + "/playground/lens", json={"text": TEXT}, timeout=60).json()
+        induction = httpx.get(url + "/playground/induction", timeout=60).json()
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+            try:
+                page = browser.new_page()
+                page.goto(url + "/")
+                page.wait_for_function("document.getElementById('model-name').textContent.includes('tiny-served')")
+                page.fill("#prompt", TEXT)
+                page.click("#tab-attention")
+                page.wait_for_function("document.querySelectorAll('#lens-tokens .lens-tok').length > 0")
+                tokens = page.locator("#lens-tokens .lens-tok")
+                assert tokens.count() == len(lens["positions"]) == len(TEXT)
+                for position in (3, 7):
+                    row = lens["positions"][position]
+                    tokens.nth(position).hover()
+                    assert page.locator("#lens-table tr.layer").count() == 3  # embedding, block 1, block 2
+                    decided = page.locator("#lens-table tr.decided")
+                    assert decided.count() == 1
+                    label = lens["labels"][row["decided_at"]]
+                    assert decided.locator("td").first.inner_text() == label
+                    assert page.inner_text("#lens-decided") == f"decided at {label}"
+                    assert f"predicts {json.dumps(row['prediction'])}" in page.inner_text("#lens-info")
+                page.wait_for_function("document.querySelectorAll('#induction td.score').length > 0")
+                cells = page.locator("#induction td.score")
+                assert cells.count() == 2 * 4  # n_layer x n_head
+                assert [float(c) for c in cells.all_inner_texts()] == pytest.approx(
+                    [s for row in induction["scores"] for s in row], abs=1e-3)
+                best = induction["strongest"]
+                assert f"layer {best['layer']} head {best['head']}" in page.inner_text("#induction-strongest")
+                assert page.locator("#induction td.strongest").get_attribute("data-head") == str(best["head"])
+                page.click('#induction td.score[data-layer="1"][data-head="3"]')  # shows that head's attention
+                page.wait_for_function("document.getElementById('head').value === '3'")
+                assert page.eval_on_selector("#layer", "el => el.value") == "1"
             finally:
                 browser.close()

@@ -417,3 +417,13 @@ def test_a_required_tool_call_cut_short_by_max_tokens_comes_back_as_a_call(clien
     assert arguments.lstrip().startswith("{")  # the arguments as far as written: an unfinished JSON object
     with pytest.raises(json.JSONDecodeError):
         json.loads(arguments)
+
+
+def test_references_are_rebased_and_data_values_kept_as_written():
+    from gptkit.serving.tools import _rebased
+
+    schema = {"type": "object", "properties": {"$ref": {"$ref": "#/$defs/A"}, "a": {"$ref": "#"}},
+              "const": {"$ref": "#/x"}, "enum": [{"$ref": "#/y"}], "default": {"$ref": "#/z"}}  # fmt: skip
+    out = _rebased(schema, "#/$defs/tool0")
+    assert out["properties"] == {"$ref": {"$ref": "#/$defs/tool0/$defs/A"}, "a": {"$ref": "#/$defs/tool0"}}
+    assert (out["const"], out["enum"], out["default"]) == (schema["const"], schema["enum"], schema["default"])

@@ -30,6 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--input", metavar="FILE", help="a UTF-8 text file, encoded as the tokenizer encodes it")
     source.add_argument("--data", metavar="DATA_DIR", help="a directory made by `gptkit prepare`: scores its val.bin")
     add_dataclass_flags(parser, EvalOptions)
+    parser.add_argument("--icl", action="store_true", help="instead of the loss: the in-context learning score "
+                        "(late minus early loss in the context) and the induction-head test")  # fmt: skip
+    parser.add_argument("--icl-windows", type=int, default=None, metavar="N", help="context windows the ICL score "
+                        "averages over (default: 64)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -95,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         lengths = data_tokenizer.token_byte_lengths() if data_tokenizer is not None else None
         source = str(Path(args.data) / "val.bin")
         meta = read_meta(args.data)
+        if args.icl and is_examples(meta):
+            raise InputError(f"--icl reads running text; {args.data} holds separate examples")
         if options.kv_cache is not None and is_examples(meta):
             raise InputError("--kv-cache scores a text (--input, or a data directory of text); examples are scored "
                              "without a cache")  # fmt: skip
@@ -106,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
                 result = evaluate_examples(model, examples, lengths, options.batch_size, bar.update)
             return _report(args, result, f"{source}: {len(examples):,} examples, {result.tokens:,} trained tokens "
                                          f"scored ({result.bytes:,} bytes)")  # fmt: skip
+    if args.icl:
+        return _icl_report(args, model, ids, source, options.kv_cache)
     if len(ids) < 2:
         raise InputError(f"{source} holds {len(ids)} token(s); at least 2 are needed to score a prediction")
     total = len(sliding_windows(len(ids), context, options.stride))  # also checks --stride before the model runs
@@ -123,6 +131,37 @@ def _report(args: argparse.Namespace, result, heading: str) -> int:
     bpb = f"{result.bits_per_byte:.4f}" if result.bits_per_byte is not None else "unknown (no tokenizer)"
     print(heading)
     print(f"loss {result.loss:.4f} nats/token  perplexity {result.perplexity:.3f}  bits per byte {bpb}")
+    return 0
+
+
+def _icl_report(args: argparse.Namespace, model, ids, source: str, kv_cache: str | None) -> int:
+    """The ICL score over windows of ids and the induction test: one JSON object, or a few lines."""
+    from gptkit.errors import InputError
+    from gptkit.observe.measures import ICL_WINDOWS, icl_summary
+
+    windows = args.icl_windows if args.icl_windows is not None else ICL_WINDOWS
+    if windows < 1:
+        raise InputError(f"--icl-windows must be >= 1, got {windows}")
+    if kv_cache is not None:
+        raise InputError("--icl reads attention weights from the plain forward pass; drop --kv-cache")
+    context = model.config.block_size
+    if len(ids) < context + 1:
+        raise InputError(f"{source} holds {len(ids):,} tokens; --icl needs at least block_size + 1 = "
+                         f"{context + 1:,} for a full context window")  # fmt: skip
+    summary = icl_summary(model, ids, windows)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    induction = summary["induction"]
+    print(f"{source}: {summary['windows']} windows of {context} tokens")
+    stderr = f" +- {summary['icl_stderr']:.4f}" if summary["icl_stderr"] is not None else ""
+    print(f"ICL score {summary['icl_score']:+.4f}{stderr} nats (late loss {summary['late_loss']:.4f}, last tenth of "
+          f"the context, minus early loss {summary['early_loss']:.4f}, 5-10% in; negative: the context helps)")
+    print(f"induction test ({induction['length']} random tokens repeated): loss {induction['first_half_loss']:.4f} "
+          f"on the first half, {induction['repeated_half_loss']:.4f} on the repeat")
+    heads = ", ".join(f"L{h['layer']}H{h['head']} {h['score']:.3f}" for h in induction["top_heads"])
+    print(f"strongest induction heads (layer, head, score): {heads}; uniform attention scores "
+          f"{induction['chance']:.3f}, a perfect induction head 1")
     return 0
 
 

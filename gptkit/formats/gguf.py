@@ -119,11 +119,20 @@ def _rope_rows(weight: torch.Tensor, heads: int, to_gguf: bool) -> torch.Tensor:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def gguf_tensors(model: GPT) -> dict[str, torch.Tensor]:
-    """The model's weights under llama.cpp's names and layout (float32, on the CPU; quantised layers dequantised)."""
+def gguf_tensors(model: GPT, q4_blocks: bool = False) -> dict[str, torch.Tensor]:
+    """The model's weights under llama.cpp's names and layout (float32, on the CPU; quantised layers dequantised).
+
+    q4_blocks: int4 layers come as their own Q4_0 blocks instead (uint8, a row of bytes per weight row), so that
+    writing them is a repacking: quantising their dequantised values again would change weights whose scales
+    were fitted (llama-quantize with an importance matrix) rather than taken from each block's largest value."""
     config = model.config
     arch = architecture(config)
     state = {name: t.detach().float().cpu() for name, t in dequantized_state(model).items()}
+    if q4_blocks:
+        for module_name, module in model.named_modules():
+            if isinstance(module, Int4Linear):
+                packed, scales = module.plain()
+                state[f"{module_name}.weight"] = torch.from_numpy(q4_0_blocks(packed.cpu(), scales.cpu()))
     if config.tie_embeddings and arch == "llama" and not is_quantized(model):
         state.pop("lm_head.weight")  # llama.cpp's llama reads the embedding as the output when output is absent
     if arch == "gpt2":  # llama.cpp's gpt2 has every bias: absent ones are zeros
@@ -219,7 +228,7 @@ def export_gguf(model: GPT, path: str | Path, tokenizer: Tokenizer | None, file_
         raise GGUFError("the model has no tokenizer to embed; llama.cpp needs one in the file")
     config = model.config
     arch = architecture(config)
-    tensors = gguf_tensors(model)
+    tensors = gguf_tensors(model, q4_blocks=file_type == "q4_0")
     tokens, types, merges, pre = _tokenizer_vocab(tokenizer)
     if len(tokens) != config.vocab_size:
         raise GGUFError(f"the tokenizer has {len(tokens)} tokens and the model {config.vocab_size} embeddings; "
@@ -289,6 +298,8 @@ def _encoded(gguf: Any, array: np.ndarray, file_type: str) -> tuple[np.ndarray, 
     """A tensor's data in the file's type: vectors stay float32 (as llama.cpp's converter keeps norms and biases),
     matrices take the file type (q8_0 and q4_0 where rows are whole 32-value blocks, else float16)."""
     kinds = gguf.GGMLQuantizationType
+    if array.dtype == np.uint8:  # an int4 layer's own Q4_0 blocks (gguf_tensors' q4_blocks)
+        return array, kinds.Q4_0
     if array.ndim == 1 or file_type == "f32":
         return array.astype(np.float32), kinds.F32
     target = {"f16": kinds.F16, "bf16": kinds.BF16, "q8_0": kinds.Q8_0, "q4_0": kinds.Q4_0}[file_type]

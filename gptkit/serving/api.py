@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import hmac
@@ -14,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,7 +34,10 @@ from gptkit.serving.engine import Chunk, Engine, QueueFull, TokenInfo
 from gptkit.serving.templates import TemplateWorkers
 from gptkit.serving.tools import ToolChoiceError, new_call_id, template_message, template_tools, tool_plan
 from gptkit.serving.schemas import (AttentionRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                    TokenizeRequest, _Sampling, error_body, refused_field)
+                                    LensRequest, TokenizeRequest, _Sampling, error_body, refused_field)
+
+if TYPE_CHECKING:
+    from gptkit.serving.inspection import LensPosition
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
@@ -66,6 +70,7 @@ class ServerState:
     max_body_bytes: int = 1 << 20
     allowed_hosts: tuple[str, ...] | None = None  # Host names served besides loopback ones (None: any name)
     templates: TemplateWorkers | None = None  # where a model's own (Jinja) template renders; set from chat_template
+    induction: concurrent.futures.Future | None = None  # the induction test, run once on the first request for it
 
     def __post_init__(self) -> None:
         if self.chat_template.source is not None and self.templates is None:
@@ -206,7 +211,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         encode = state.tokenizer.encode_prompt if body.add_special_tokens else state.tokenizer.encode
         try:
-            tokens = encode(body.prompt)
+            tokens = await asyncio.to_thread(encode, body.prompt)  # a megabyte of text: not on the event loop
         except GptkitError as err:
             raise APIError(400, f"cannot tokenize the prompt: {err}", param="prompt") from None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.scoring_context}
@@ -222,6 +227,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/playground/attention")
     async def attention(body: AttentionRequest) -> Any:
         return await _attention(state, body)
+
+    @app.post("/playground/lens")
+    async def lens(body: LensRequest) -> Any:
+        return await _lens(state, body)
+
+    @app.get("/playground/induction")
+    async def induction() -> Any:
+        return await _induction(state)
 
     @app.get("/", include_in_schema=False)
     async def playground() -> FileResponse:
@@ -289,8 +302,11 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 def _tokenizer_info(state: ServerState) -> dict[str, Any]:
     """The tokenizer's special tokens, context and chat template, as vLLM's /tokenizer_info gives them."""
-    eos = state.tokenizer.decode([state.tokenizer.eos_id]) if state.tokenizer.eos_id is not None else None
-    return {"tokenizer_class": type(state.tokenizer).__name__, "eos_token": eos, "bos_token": None,
+    tokenizer = state.tokenizer
+    eos = tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else None
+    with_prompt, plain = tokenizer.encode_prompt("a"), tokenizer.encode("a")  # a Llama tokenizer's <s> comes first
+    bos = tokenizer.decode(with_prompt[:1]) if len(with_prompt) > len(plain) else None
+    return {"tokenizer_class": type(tokenizer).__name__, "eos_token": eos, "bos_token": bos,
             "pad_token": None, "model_max_length": state.engine.scoring_context,
             "chat_template": state.chat_template.jinja}  # fmt: skip
 
@@ -787,13 +803,21 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
 # ----- the playground's inspection -----
 
 
+def _text_ids(state: ServerState, text: str) -> list[int]:
+    """A playground text's token ids, checked as a prompt is; an error names the field `text`."""
+    try:
+        return _check_prompt(state, state.tokenizer.encode(text))
+    except GptkitError as err:
+        raise APIError(400, f"cannot tokenize the text: {err}", param="text") from None
+    except APIError as err:
+        raise APIError(err.status, err.message.replace("the prompt", "the text"), param="text",
+                       code=err.code) from None  # fmt: skip
+
+
 async def _attention(state: ServerState, body: AttentionRequest) -> dict[str, Any]:
     from gptkit.serving.inspection import attention_map
 
-    try:
-        ids = _check_prompt(state, state.tokenizer.encode(body.text))
-    except GptkitError as err:
-        raise APIError(400, f"cannot tokenize the text: {err}", param="text") from None
+    ids = _text_ids(state, body.text)
     config = state.engine.model.config
     if body.layer >= config.n_layer:
         raise APIError(400, f"layer must be < {config.n_layer}, got {body.layer}", param="layer")
@@ -810,3 +834,43 @@ async def _attention(state: ServerState, body: AttentionRequest) -> dict[str, An
         "attention": [[round(w, 4) for w in row] for row in weights],
         "probs": [None if p is None else round(p, 5) for p in probs],
     }
+
+
+async def _lens(state: ServerState, body: LensRequest) -> dict[str, Any]:
+    from gptkit.serving.inspection import lens_labels, lens_positions
+
+    ids = _text_ids(state, body.text)
+    if body.position is not None and body.position >= len(ids):
+        raise APIError(400, f"position must be < {len(ids)} (the text's tokens), got {body.position}",
+                       param="position")  # fmt: skip
+    model = state.engine.model
+    rows = await asyncio.wrap_future(state.engine.call(lambda: lens_positions(model, ids, body.position, body.top)))
+    return {"labels": lens_labels(model), "positions": [_lens_row(state, row) for row in rows]}
+
+
+def _lens_row(state: ServerState, row: LensPosition) -> dict[str, Any]:
+    """One position's lens as JSON: token texts, and per layer its top [text, p] pairs and p(prediction)."""
+    from gptkit.serving.inspection import DIGITS
+
+    def text(token: int) -> str:
+        return state.tokenizer.decode([token])
+
+    layers = [{"top": [[text(t), round(p, DIGITS)] for t, p in top], "prediction_p": round(q, DIGITS)}
+              for top, q in zip(row.top, row.prediction_probs)]  # fmt: skip
+    return {"position": row.position, "token": text(row.token), "prediction": text(row.prediction),
+            "decided_at": row.decided_at, "layers": layers}  # fmt: skip
+
+
+async def _induction(state: ServerState) -> dict[str, Any]:
+    from gptkit.serving.inspection import induction_summary
+
+    # The test reads random sequences, not the request: run it once per server, on the engine thread.
+    if state.induction is None:
+        state.induction = state.engine.call(lambda: induction_summary(state.engine.model))
+    try:
+        return await asyncio.wrap_future(state.induction)
+    except GptkitError as err:  # a context too short for the test (block_size < 4)
+        raise APIError(400, f"cannot run the induction test on this model: {err}") from None
+    except Exception:
+        state.induction = None  # a passing failure (out of memory, say): the next request runs it again
+        raise

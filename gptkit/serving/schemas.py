@@ -179,6 +179,14 @@ class AttentionRequest(_Request):
     head: int | None = Field(default=None, ge=0)
 
 
+class LensRequest(_Request):
+    """POST /playground/lens: the logit lens at each position of a text (or at one position)."""
+
+    text: str
+    position: int | None = Field(default=None, ge=0)  # a token index of the text; absent: every position
+    top: int = Field(default=1, ge=1, le=3)  # top tokens per layer (few: the answer has one row per layer)
+
+
 class TokenizeRequest(_Request):
     """POST /tokenize (vLLM's form, which lm-evaluation-harness's remote tokenizer speaks): a text's token ids."""
 

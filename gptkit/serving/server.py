@@ -52,9 +52,9 @@ class ServeOptions:
         "help": "a host name requests may address besides loopback ones (while the server binds a loopback address, "
                 "any other Host header is refused: a web page that rebinds its name to 127.0.0.1 cannot reach it); "
                 "repeatable", "repeatable": True, "metavar": "NAME"})  # fmt: skip
-    head_timeout: float = field(default=10.0, metadata={"help": "seconds a connection has to send a whole request "
-                                                                 "(headers and body), counted from its opening or "
-                                                                 "its last response; closed beyond"})  # fmt: skip
+    head_timeout: float = field(default=10.0, metadata={"help": "seconds a connection may stay silent while it owes a "
+                                                                 "request (or a body), and may take to send a "
+                                                                 "request head once begun; closed beyond"})  # fmt: skip
     max_connections: int = field(default=512, metadata={"help": "open connections at most; requests beyond get 503"})
     max_context: int | None = field(default=None, metadata={
         "help": "most tokens (prompt + completion) one request may reach (default: 4 x the model's block_size; "
@@ -155,39 +155,50 @@ def uvicorn_config(app: FastAPI, options: ServeOptions, log_level: str = "info")
 
 
 def head_deadline_protocol(seconds: float) -> type:
-    """uvicorn's h11 protocol, closing a connection that has not sent a whole request (head and body) within
-    `seconds` of connecting or of its last response (uvicorn itself holds a half-sent request forever)."""
+    """uvicorn's h11 protocol with deadlines on what a peer owes (uvicorn itself holds a half-sent request for
+    ever): a connection is closed when it sends nothing for `seconds` after connecting or after its last response,
+    when a request head, once begun, is not whole within `seconds`, or when a body stalls (no byte for `seconds`;
+    each piece of body buys `seconds` more, so a slow upload that keeps moving is not cut)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    OWING = (h11.IDLE, h11.SEND_BODY)  # the peer's states while its request is not yet whole
-
     class HeadDeadline(H11Protocol):
         deadline: asyncio.TimerHandle | None = None
+        owes = "request"  # "request": nothing of the next one yet; "head": it has begun; "body": its body is due
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._watch()
+            self._watch(arrived=False)
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            self._watch()
+            self._watch(arrived=True)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._watch()
+            self.owes = "request"
+            self._watch(arrived=False)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_watching()
             super().connection_lost(exc)
 
-        def _watch(self) -> None:
-            """Run the deadline while the peer owes a request (h11's IDLE, then SEND_BODY), stop it once the request
-            is whole."""
-            if self.conn.their_state not in OWING or self.transport.is_closing():
-                self._stop_watching()
+        def _watch(self, arrived: bool) -> None:
+            """Start, restart or stop the deadline for what the peer owes now."""
+            state = self.conn.their_state
+            if self.transport.is_closing() or state not in (h11.IDLE, h11.SEND_BODY):
+                self._stop_watching()  # the request is whole: the app answers it, however long that takes
+            elif state is h11.SEND_BODY and (arrived or self.owes != "body"):
+                self._restart("body")
+            elif state is h11.IDLE and arrived and self.owes == "request":
+                self._restart("head")  # a fresh window for the head, once, when its first bytes arrive
             elif self.deadline is None:
-                self.deadline = self.loop.call_later(seconds, self._expire)
+                self._restart(self.owes)
+
+        def _restart(self, owes: str) -> None:
+            self._stop_watching()
+            self.owes = owes
+            self.deadline = self.loop.call_later(seconds, self._expire)
 
         def _stop_watching(self) -> None:
             if self.deadline is not None:
@@ -196,7 +207,7 @@ def head_deadline_protocol(seconds: float) -> type:
 
         def _expire(self) -> None:
             self.deadline = None
-            if self.conn.their_state in OWING and not self.transport.is_closing():
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
                 self.transport.close()
 
     return HeadDeadline

@@ -17,12 +17,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from gptkit.chat import ChatTemplate, ChatTemplateError
 
 WORKERS = 2  # processes at most; each busy one holds a core, and rendering an ordinary template takes milliseconds
 WORKER_COMMAND = (sys.executable, "-c", "from gptkit.chat import render_worker; render_worker()")
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the gptkit package
 
 log = logging.getLogger("gptkit.serve")
 
@@ -31,14 +33,18 @@ class _Worker:
     """One rendering process and the unread bytes of its answer pipe."""
 
     def __init__(self) -> None:
+        # Started where gptkit itself lies: `python -c` puts its working directory first on the path, and the
+        # server's own (a directory holding, say, a json.py) must not shadow what the worker imports.
         self.process = subprocess.Popen(WORKER_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, bufsize=0)  # fmt: skip
+                                        stderr=subprocess.DEVNULL, bufsize=0, cwd=PACKAGE_ROOT)  # fmt: skip
         self.requests, self.answers = self.process.stdin, self.process.stdout
 
     def ask(self, request: dict[str, Any], deadline: float) -> dict[str, Any]:
         """Send one request and wait for its answer until deadline (time.monotonic()); TimeoutError past it,
         EOFError if the process died."""
-        self.requests.write(json.dumps(request).encode() + b"\n")
+        pending = memoryview(json.dumps(request).encode() + b"\n")
+        while pending:  # an unbuffered pipe may take a large request in parts
+            pending = pending[self.requests.write(pending) or 0 :]
         fd, answer = self.answers.fileno(), bytearray()
         with selectors.DefaultSelector() as selector:
             selector.register(fd, selectors.EVENT_READ)
@@ -66,6 +72,7 @@ class TemplateWorkers:
         self.template, self.seconds, self.size = template, seconds, size
         self.idle: queue.LifoQueue[_Worker] = queue.LifoQueue()
         self.started = 0  # processes alive, idle or rendering
+        self.closed = False
         self.lock = threading.Lock()
 
     def warm(self) -> None:
@@ -79,6 +86,8 @@ class TemplateWorkers:
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, max_chars: int) -> str:
         """The messages rendered with the generation prompt; ChatTemplateError if the template fails, renders more
         than max_chars characters or is still rendering after the deadline (then its process is killed)."""
+        if self.closed:
+            raise ChatTemplateError("the server is shutting down; the chat template was not rendered")
         deadline = time.monotonic() + self.seconds
         worker = self._take(deadline)
         request = {"source": self.template.source, "bos_token": self.template.bos_token,
@@ -96,13 +105,20 @@ class TemplateWorkers:
             log.warning("a chat template's rendering process failed: %s", type(err).__name__)
             raise ChatTemplateError(f"the chat template's rendering process failed ({type(err).__name__}); "
                                     "stopped") from None  # fmt: skip
-        self.idle.put(worker)
+        except BaseException:  # (a request that cannot be sent, an interrupt): the worker's state is unknown
+            self._retire(worker)
+            raise
+        if self.closed:
+            self._retire(worker)
+        else:
+            self.idle.put(worker)
         if "error" in answer:
             raise ChatTemplateError(answer["error"])
         return answer["text"]
 
     def close(self) -> None:
-        """Kill every idle worker (a busy one is killed by its own deadline)."""
+        """Kill every idle worker; a busy one ends when its render does, and no new one starts."""
+        self.closed = True
         while True:
             try:
                 worker = self.idle.get_nowait()

@@ -60,12 +60,12 @@ class ToolPlan:
         else:  # the reply so far: {"name": "<name>", "arguments": <partial JSON>
             head = _CALL_HEAD.match(text)
             name = json.loads(head.group(1)) if head else ""
-            arguments = text[head.end():] if head else ""
+            arguments = text[head.end():] if head and head.group(2) else ""
         return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 # The start of a required call as the constraint writes it: the name (complete), then the arguments' key.
-_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(\s*,\s*"arguments"\s*:\s*)?')
 
 
 def new_call_id() -> str:
@@ -119,6 +119,8 @@ def _rebased(schema: Any, base: str) -> Any:
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = base + value[1:]
+        elif key in ("const", "enum", "default", "examples"):  # JSON data, not schemas: kept as written
+            out[key] = value
         elif key in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
             # maps of names to schemas: a property may itself be called "$ref"
             out[key] = {name: _rebased(sub, base) for name, sub in value.items()} if isinstance(value, dict) \

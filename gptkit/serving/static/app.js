@@ -1,10 +1,13 @@
 // The gptkit playground: streams /v1/completions into the page, shades each generated token by its
-// probability, draws one layer's attention over the text from /playground/attention, and chats through
-// /v1/chat/completions. No dependencies.
+// probability, draws one layer's attention over the text from /playground/attention beside the logit lens
+// (/playground/lens) and the induction heads (/playground/induction), and chats through /v1/chat/completions.
+// No dependencies.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { model: null, abort: null, tokens: [], attention: null, chat: [] };
+const state = {
+  model: null, abort: null, tokens: [], attention: null, lens: null, lensText: null, induction: null, chat: [],
+};
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -201,6 +204,81 @@ async function showAttention() {
   fillSelect($("head"), data.heads, data.head, "head ", true);
   state.attention = data;
   drawHeatmap();
+  await showLens(text);
+  await showInduction();
+}
+
+async function showLens(text) {  // the lens of every position at once: hovering then needs no request
+  if (state.lensText === text) return;
+  const body = JSON.stringify({ text: text });
+  const response = await fetch("/playground/lens", { method: "POST", headers: headers(), body: body });
+  if (!response.ok) { $("lens-info").textContent = await errorMessage(response); return; }
+  state.lens = await response.json();
+  state.lensText = text;
+  const strip = $("lens-tokens");
+  strip.textContent = "";
+  state.lens.positions.forEach((row, i) => {
+    const span = document.createElement("span");
+    span.className = "lens-tok";
+    span.textContent = row.token;
+    span.dataset.pos = i;
+    strip.appendChild(span);
+  });
+  $("lens-info").textContent = "No token selected.";
+}
+
+function showLensAt(i) {
+  const row = state.lens && state.lens.positions[i];
+  if (!row) return;
+  $("lens-tokens").querySelectorAll(".selected").forEach((el) => el.classList.remove("selected"));
+  $("lens-tokens").children[i].classList.add("selected");
+  const labels = state.lens.labels;
+  const rows = row.layers.map((layer, k) => {
+    const [text, p] = layer.top[0];
+    const decided = k === row.decided_at;
+    return '<tr class="layer' + (decided ? " decided" : "") + '"><td>' + escapeHtml(labels[k]) + "</td><td>" +
+      escapeHtml(JSON.stringify(text)) + "</td><td>" + p.toFixed(3) + '</td><td><span class="bar" style="width: ' +
+      Math.round(60 * layer.prediction_p) + 'px"></span> ' + layer.prediction_p.toFixed(3) +
+      (decided ? " ← decided" : "") + "</td></tr>";
+  }).join("");
+  $("lens-info").innerHTML = "After token " + row.position + " " + escapeHtml(JSON.stringify(row.token)) +
+    " the model predicts " + escapeHtml(JSON.stringify(row.prediction)) + ', <span id="lens-decided">decided at ' +
+    escapeHtml(labels[row.decided_at]) + '</span>.<table id="lens-table"><tr><th>layer</th><th>top</th><th>p</th>' +
+    "<th>p(" + escapeHtml(JSON.stringify(row.prediction)) + ")</th></tr>" + rows + "</table>";
+}
+
+async function showInduction() {  // the same for every text: fetched once
+  if (state.induction) return;
+  const response = await fetch("/playground/induction", { headers: headers() });
+  if (!response.ok) { $("induction").textContent = await errorMessage(response); return; }
+  const data = state.induction = await response.json();
+  const best = data.strongest;
+  let html = "<table><tr><th></th>";
+  for (let h = 0; h < data.heads; h++) html += "<th>head " + h + "</th>";
+  html += "</tr>";
+  data.scores.forEach((row, l) => {
+    html += "<tr><th>layer " + l + "</th>";
+    row.forEach((score, h) => {
+      const strongest = l === best.layer && h === best.head ? " strongest" : "";
+      html += '<td class="score' + strongest + '" data-layer="' + l + '" data-head="' + h + '" style="background: ' +
+        "rgba(47, 111, 237, " + Math.sqrt(Math.max(0, score)).toFixed(3) + ')">' + score.toFixed(3) + "</td>";
+    });
+    html += "</tr>";
+  });
+  $("induction").innerHTML = '<span id="induction-strongest">Strongest: layer ' + best.layer + " head " + best.head +
+    " (" + best.score.toFixed(3) + ")</span>; chance (uniform attention) " + data.chance.toFixed(3) + "." + html +
+    "</table>Loss on the first copy " + data.first_half_loss.toFixed(2) + ", on the repeat " +
+    data.repeated_half_loss.toFixed(2) + " (" + data.length + " random tokens, then the same again).";
+}
+
+function selectHead(event) {  // a heatmap cell of the induction table: show that head's attention
+  const cell = event.target.closest("td.score");
+  if (!cell || !state.induction) return;
+  fillSelect($("layer"), state.induction.layers, null, "layer ");
+  fillSelect($("head"), state.induction.heads, null, "head ", true);
+  $("layer").value = cell.dataset.layer;
+  $("head").value = cell.dataset.head;
+  showAttention();
 }
 
 function fillSelect(select, count, chosen, label, withMean) {
@@ -238,6 +316,7 @@ function heatmapHover(event) {
   const cell = Math.max(1, Math.floor(canvas.width / n)) * rect.width / canvas.width;
   const i = Math.floor((event.clientY - rect.top) / cell), j = Math.floor((event.clientX - rect.left) / cell);
   if (i < 0 || j < 0 || i >= n || j >= n) return;
+  showLensAt(i);
   const p = data.probs[i];
   $("heatmap-info").textContent = "query " + i + " " + JSON.stringify(data.tokens[i]) + " → key " + j + " " +
     JSON.stringify(data.tokens[j]) + ": weight " + data.attention[i][j].toFixed(4) +
@@ -267,6 +346,10 @@ $("refresh-attention").addEventListener("click", showAttention);
 $("layer").addEventListener("change", showAttention);
 $("head").addEventListener("change", showAttention);
 $("heatmap").addEventListener("mousemove", heatmapHover);
+const lensTokenEvent = (e) => { if (e.target.dataset.pos) showLensAt(parseInt(e.target.dataset.pos, 10)); };
+$("lens-tokens").addEventListener("click", lensTokenEvent);
+$("lens-tokens").addEventListener("mouseover", lensTokenEvent);
+$("induction").addEventListener("click", selectHead);
 $("api_key").value = localStorage.getItem("gptkit-api-key") || "";
 $("api_key").addEventListener("change", () => { localStorage.setItem("gptkit-api-key", $("api_key").value); loadModel(); });
 loadModel();

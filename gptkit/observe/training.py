@@ -1,0 +1,158 @@
+"""What a training run shows of its model at evaluations: the in-context learning score, the strongest induction
+head's score and the loss on a repeated random sequence (train.observe), and samples (train.sample_every); and
+loss.png with a panel for each.
+
+The Trainer makes one Observer and calls it at each evaluation; everything here reads the model in eval mode, under
+no_grad, with private generators, so that training (and its exact resume) is unchanged by it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptkit.atomic import atomic_write
+from gptkit.model import GPT
+from gptkit.observe.measures import chance_induction_score, icl_score, induction_test
+from gptkit.train_config import TrainConfig
+from gptkit.observe.samples import (
+    SAMPLES_FILE,
+    append_samples,
+    configured_prompts,
+    example_prompts,
+    keep_samples,
+    note_line,
+    take_samples,
+    validation_prompts,
+)
+
+logger = logging.getLogger(__name__)
+
+MEASURES = ("icl_score", "induction_score", "induction_loss", "induction_chance")
+ICL_TOKENS = 1 << 20  # the ICL windows come from the validation split's first tokens (not all of a large split)
+
+
+class Observer:
+    """The measures and samples one run takes at its evaluations (rank 0 only; nothing under FSDP)."""
+
+    def __init__(self, train: TrainConfig, run_dir: Path, model: GPT, tokenizer: Any | None, val_tokens: np.ndarray,
+                 examples: Any | None, objective: str, is_main: bool, sharded: bool) -> None:  # fmt: skip
+        self.t, self.model, self.tokenizer, self.val_tokens = train, model, tokenizer, val_tokens
+        self.path = run_dir / SAMPLES_FILE
+        self.measures = False
+        self.prompts: list[list[int]] = []
+        if not is_main:
+            return
+        if sharded and (train.observe or train.sample_every):
+            logger.info("no samples or ICL/induction measures under train.parallel fsdp (the weights are sharded)")
+            return
+        block = model.config.block_size
+        self.measures = train.observe and examples is None and objective == "lm" and block >= 4
+        if train.sample_every:
+            self.prompts = self._prompts(examples, objective, block)
+
+    def keep_samples(self, resumed_at: int | None) -> None:
+        """Start samples.jsonl: empty for a new run; a resumed one keeps the lines up to its checkpoint's step."""
+        if self.prompts:
+            keep_samples(self.path, resumed_at)
+
+    def _prompts(self, examples: Any | None, objective: str, block: int) -> list[list[int]]:
+        """The token ids of the prompts to sample from, or none (with one log line saying why)."""
+        t = self.t
+        if self.tokenizer is None:
+            logger.info("no samples during training: the run's data has no tokenizer")
+            return []
+        if t.sample_prompts is not None:
+            return configured_prompts(t.sample_prompts, self.tokenizer, block)
+        if examples is None:
+            prompts = validation_prompts(self.val_tokens, self.tokenizer, block)
+        elif objective == "lm" and examples[1].kind == "examples":
+            prompts = example_prompts(examples[1], block)
+        else:
+            logger.info("no samples during training: set train.sample_prompts to sample this %s run", objective)
+            return []
+        if not prompts:
+            logger.info("no samples during training: no validation prompt fits; set train.sample_prompts")
+        return prompts
+
+    def measure_into(self, record: dict[str, Any]) -> str:
+        """Add icl_score, induction_score (the strongest head's), induction_loss and the chance score to record;
+        returns the text the evaluation's line adds ('' when not measured)."""
+        if not self.measures:
+            return ""
+        induction = induction_test(self.model)
+        icl = icl_score(self.model, self.val_tokens[:ICL_TOKENS])
+        record.update(icl_score=icl, induction_score=float(induction.scores.max()),
+                      induction_loss=induction.repeated_half_loss,
+                      induction_chance=chance_induction_score(induction.length))  # fmt: skip
+        return f", ICL {record['icl_score']:+.3f}, induction {record['induction_score']:.2f}"
+
+    def due(self, step: int) -> bool:
+        """Whether step takes samples: every sample_every-th evaluation (steps that are multiples of
+        sample_every x eval_interval, step 0 included) and the last step."""
+        t = self.t
+        return bool(self.prompts) and (step % (t.sample_every * t.eval_interval) == 0 or step == t.max_steps)
+
+    def sample(self, step: int) -> list[str]:
+        """Take the step's samples into samples.jsonl; returns their lines for above the progress bar."""
+        samples = take_samples(self.model, self.tokenizer, self.prompts, self.t.sample_tokens, self.t.seed, step)
+        append_samples(self.path, samples)
+        return [note_line(s) for s in samples]
+
+
+def _points(history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in history if r.get(key) is not None and math.isfinite(r[key])]
+
+
+def _draw_losses(axes: Any, history: list[dict[str, Any]]) -> None:
+    series = [("loss", "train (logged steps)", 0.5), ("train_eval_loss", "train (eval)", 1.0),
+              ("val_loss", "validation", 1.0), ("induction_loss", "repeated random half", 1.0)]  # fmt: skip
+    for key, label, alpha in series:
+        points = _points(history, key)
+        if points:
+            axes.plot(*zip(*points), label=label, alpha=alpha, marker="o" if key != "loss" else None, markersize=3)
+    axes.set_ylabel("loss (nats)")
+    axes.legend()
+
+
+def draw_icl(axes: Any, history: list[dict[str, Any]]) -> None:
+    """The in-context learning score over steps, with zero (no use of the context) drawn."""
+    axes.plot(*zip(*_points(history, "icl_score")), marker="o", markersize=3, color="tab:purple")
+    axes.axhline(0.0, color="grey", linewidth=0.8)
+    axes.set_ylabel("ICL score (nats)\nlate - early loss")
+
+
+def draw_induction(axes: Any, history: list[dict[str, Any]]) -> None:
+    """The strongest induction head's score over steps, with what uniform attention scores drawn."""
+    axes.plot(*zip(*_points(history, "induction_score")), marker="o", markersize=3, color="tab:red",
+              label="strongest head")  # fmt: skip
+    chance = _points(history, "induction_chance")
+    if chance:
+        axes.axhline(chance[-1][1], color="grey", linestyle="--", linewidth=0.8, label="uniform attention")
+    axes.set_ylim(0, 1)
+    axes.set_ylabel("induction score")
+    axes.legend()
+
+
+def plot_run(history: list[dict[str, Any]], path: Path) -> None:
+    """Write loss.png: the loss curves, and below them the ICL and induction scores when the run logged them."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    observed = bool(_points(history, "icl_score"))
+    figure = Figure(figsize=(7, 8.5 if observed else 4), dpi=100)
+    FigureCanvasAgg(figure)
+    panels = figure.subplots(3 if observed else 1, 1, sharex=True, squeeze=False)[:, 0]
+    _draw_losses(panels[0], history)
+    if observed:
+        draw_icl(panels[1], history)
+        draw_induction(panels[2], history)
+    for axes in panels:
+        axes.grid(alpha=0.3)
+    panels[-1].set_xlabel("step")
+    figure.tight_layout()
+    atomic_write(path, lambda tmp: figure.savefig(tmp, format="png"))
