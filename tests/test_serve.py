@@ -462,7 +462,9 @@ def test_bad_request_gets_4xx_error_object_and_server_stays_up(http, client, nam
     assert error["message"] and error["type"]
     if param is not None:
         assert error["param"] == param
-    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].finish_reason == "length"
+    # greedy: a sampled reply may end at the end-of-text token by chance (a "stop" that says nothing of the server)
+    after = client.completions.create(model=MODEL, prompt="ok", max_tokens=2, temperature=0)
+    assert after.choices[0].finish_reason == "length"
 
 
 def test_an_empty_body_is_named(http):
