@@ -7,7 +7,7 @@ by llama.cpp's `llama-simple` and by gptkit (from the model directory, in float3
 text and tokens the same thing, so the two continuations are compared token by token: how many of the new
 tokens agree before the first difference.
 
-    python benchmarks/bench_gguf.py --llama-cpp /work/tools/llama.cpp/build/bin [--out runs/bench-gguf] [--json]
+    python benchmarks/bench_gguf.py --llama-cpp LLAMA_CPP/build/bin [--out runs/bench-gguf] [--json]
 
 Building llama.cpp: see the README ("llama.cpp: GGUF out and in").
 """

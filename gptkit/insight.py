@@ -76,14 +76,8 @@ def prompt_insight(model: GPT, ids: Sequence[int]) -> PromptInsight:
         raise InputError("the prompt encodes to no tokens; give a non-empty --prompt")
     config = model.config
     keep = list(ids)[-config.block_size :]
-    device = next(model.parameters()).device
     trace = Trace()
-    was_training = model.training
-    model.eval()
-    try:
-        logits = model(torch.tensor([keep], device=device), trace=trace)
-    finally:
-        model.train(was_training)
+    logits = measures.eval_forward(model, torch.tensor([keep]), trace)
     return PromptInsight(
         ids=keep,
         dropped=len(ids) - len(keep),

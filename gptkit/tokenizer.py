@@ -79,6 +79,11 @@ class Tokenizer(ABC):
         input (a Llama tokenizer's <s>), as Hugging Face's tokenizer(text) gives them."""
         return self.encode(text)
 
+    def prompt_bos_id(self) -> int | None:
+        """The id encode_prompt puts before every prompt (a Llama tokenizer's <s>), or None."""
+        with_prompt, plain = self.encode_prompt("a"), self.encode("a")
+        return with_prompt[0] if len(with_prompt) > len(plain) else None
+
     @abstractmethod
     def vocabulary(self) -> tuple[Any, ...]:
         """What each id stands for, comparable between tokenizers: equal ones encode text the same way."""

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -37,43 +40,50 @@ def _need_browser():
     return sync_playwright
 
 
+@contextmanager
+def playground_page(url: str, model: str) -> Iterator[Any]:
+    """The playground in headless Chromium, once it shows the served model's name."""
+    with _need_browser()() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            page.goto(url + "/")
+            page.wait_for_function(f"document.getElementById('model-name').textContent.includes('{model}')")
+            yield page
+        finally:
+            browser.close()
+
+
 def test_playground_streams_text_probabilities_and_attention(tmp_path):
-    sync_playwright = _need_browser()
+    _need_browser()
     model_dir = make_model_dir(tmp_path / "tiny-served")
     app = build_app(model_dir, ServeOptions())
     with live_server(app) as url:
         expected = httpx.post(url + "/v1/completions", json={"model": "tiny-served", "prompt": "Hello there",
                                                              "max_tokens": 24, "temperature": 0}).json()  # fmt: skip
         expected_text = expected["choices"][0]["text"]
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-            try:
-                page = browser.new_page()
-                page.goto(url + "/")
-                page.wait_for_function("document.getElementById('model-name').textContent.includes('tiny-served')")
-                page.fill("#prompt", "Hello there")
-                page.fill("#max_tokens", "24")
-                page.fill("#temperature", "0")
-                page.click("#generate")
-                page.wait_for_function("document.getElementById('status').textContent.includes('finish')")
-                assert page.inner_text("#output-prompt") == "Hello there"
-                generated = page.eval_on_selector("#output-generated", "el => el.textContent")
-                assert generated == expected_text and generated
-                shaded = page.locator("#output-generated .tok")
-                assert shaded.count() == len(expected_text) or expected["choices"][0]["finish_reason"] == "stop"
-                shaded.first.click()
-                assert "p = " in page.inner_text("#token-info")
-                page.click("#tab-attention")
-                page.wait_for_function("document.getElementById('heatmap').dataset.drawn")
-                drawn = int(page.eval_on_selector("#heatmap", "el => el.dataset.drawn"))
-                assert drawn == len("Hello there") + len(generated)
-                assert page.locator("#layer option").count() == 2
-            finally:
-                browser.close()
+        with playground_page(url, "tiny-served") as page:
+            page.fill("#prompt", "Hello there")
+            page.fill("#max_tokens", "24")
+            page.fill("#temperature", "0")
+            page.click("#generate")
+            page.wait_for_function("document.getElementById('status').textContent.includes('finish')")
+            assert page.inner_text("#output-prompt") == "Hello there"
+            generated = page.eval_on_selector("#output-generated", "el => el.textContent")
+            assert generated == expected_text and generated
+            shaded = page.locator("#output-generated .tok")
+            assert shaded.count() == len(expected_text) or expected["choices"][0]["finish_reason"] == "stop"
+            shaded.first.click()
+            assert "p = " in page.inner_text("#token-info")
+            page.click("#tab-attention")
+            page.wait_for_function("document.getElementById('heatmap').dataset.drawn")
+            drawn = int(page.eval_on_selector("#heatmap", "el => el.dataset.drawn"))
+            assert drawn == len("Hello there") + len(generated)
+            assert page.locator("#layer option").count() == 2
 
 
 def test_playground_chat_tab_keeps_the_conversation(tmp_path):
-    sync_playwright = _need_browser()
+    _need_browser()
     model_dir = make_model_dir(tmp_path / "tiny-chat", block_size=256)  # room for the second turn's history
     app = build_app(model_dir, ServeOptions())
 
@@ -82,33 +92,26 @@ def test_playground_chat_tab_keeps_the_conversation(tmp_path):
         return httpx.post(url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
 
     with live_server(app) as url:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-            try:
-                page = browser.new_page()
-                page.goto(url + "/")
-                page.wait_for_function("document.getElementById('model-name').textContent.includes('tiny-chat')")
-                page.fill("#max_tokens", "12")
-                page.fill("#temperature", "0")
-                page.click("#tab-chat")
-                page.fill("#chat-system", "Be brief.")
-                history = [{"role": "system", "content": "Be brief."}]
-                for turn, text in enumerate(["Hi there", "And then?"], start=1):
-                    page.fill("#chat-input", text)
-                    page.click("#chat-send")
-                    page.wait_for_function("['finish', 'error'].some(w => "
-                                           "document.getElementById('chat-status').textContent.includes(w))")
-                    assert "finish" in page.text_content("#chat-status")
-                    history.append({"role": "user", "content": text})
-                    expected = reply(url, history)  # the page must have sent the whole conversation so far
-                    shown = page.locator("#chat-log .msg.assistant").nth(turn - 1).text_content()
-                    assert shown == expected
-                    history.append({"role": "assistant", "content": expected})
-                assert [m.text_content() for m in page.locator("#chat-log .msg.user").all()] == ["Hi there", "And then?"]
-                page.click("#chat-new")
-                assert page.locator("#chat-log .msg").count() == 0
-            finally:
-                browser.close()
+        with playground_page(url, "tiny-chat") as page:
+            page.fill("#max_tokens", "12")
+            page.fill("#temperature", "0")
+            page.click("#tab-chat")
+            page.fill("#chat-system", "Be brief.")
+            history = [{"role": "system", "content": "Be brief."}]
+            for turn, text in enumerate(["Hi there", "And then?"], start=1):
+                page.fill("#chat-input", text)
+                page.click("#chat-send")
+                page.wait_for_function("['finish', 'error'].some(w => "
+                                       "document.getElementById('chat-status').textContent.includes(w))")
+                assert "finish" in page.text_content("#chat-status")
+                history.append({"role": "user", "content": text})
+                expected = reply(url, history)  # the page must have sent the whole conversation so far
+                shown = page.locator("#chat-log .msg.assistant").nth(turn - 1).text_content()
+                assert shown == expected
+                history.append({"role": "assistant", "content": expected})
+            assert [m.text_content() for m in page.locator("#chat-log .msg.user").all()] == ["Hi there", "And then?"]
+            page.click("#chat-new")
+            assert page.locator("#chat-log .msg").count() == 0
 
 
 # ----- the inspection routes over HTTP -----
@@ -228,42 +231,35 @@ def test_the_inspection_routes_need_the_api_key(tmp_path):
 
 
 def test_playground_shows_the_logit_lens_and_the_induction_heads(tmp_path):
-    sync_playwright = _need_browser()
+    _need_browser()
     app = build_app(make_model_dir(tmp_path / "tiny-served"), ServeOptions())
     with live_server(app) as url:
         lens = httpx.post(url + "/playground/lens", json={"text": TEXT}, timeout=60).json()
         induction = httpx.get(url + "/playground/induction", timeout=60).json()
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-            try:
-                page = browser.new_page()
-                page.goto(url + "/")
-                page.wait_for_function("document.getElementById('model-name').textContent.includes('tiny-served')")
-                page.fill("#prompt", TEXT)
-                page.click("#tab-attention")
-                page.wait_for_function("document.querySelectorAll('#lens-tokens .lens-tok').length > 0")
-                tokens = page.locator("#lens-tokens .lens-tok")
-                assert tokens.count() == len(lens["positions"]) == len(TEXT)
-                for position in (3, 7):
-                    row = lens["positions"][position]
-                    tokens.nth(position).hover()
-                    assert page.locator("#lens-table tr.layer").count() == 3  # embedding, block 1, block 2
-                    decided = page.locator("#lens-table tr.decided")
-                    assert decided.count() == 1
-                    label = lens["labels"][row["decided_at"]]
-                    assert decided.locator("td").first.inner_text() == label
-                    assert page.inner_text("#lens-decided") == f"decided at {label}"
-                    assert f"predicts {json.dumps(row['prediction'])}" in page.inner_text("#lens-info")
-                page.wait_for_function("document.querySelectorAll('#induction td.score').length > 0")
-                cells = page.locator("#induction td.score")
-                assert cells.count() == 2 * 4  # n_layer x n_head
-                assert [float(c) for c in cells.all_inner_texts()] == pytest.approx(
-                    [s for row in induction["scores"] for s in row], abs=1e-3)
-                best = induction["strongest"]
-                assert f"layer {best['layer']} head {best['head']}" in page.inner_text("#induction-strongest")
-                assert page.locator("#induction td.strongest").get_attribute("data-head") == str(best["head"])
-                page.click('#induction td.score[data-layer="1"][data-head="3"]')  # shows that head's attention
-                page.wait_for_function("document.getElementById('head').value === '3'")
-                assert page.eval_on_selector("#layer", "el => el.value") == "1"
-            finally:
-                browser.close()
+        with playground_page(url, "tiny-served") as page:
+            page.fill("#prompt", TEXT)
+            page.click("#tab-attention")
+            page.wait_for_function("document.querySelectorAll('#lens-tokens .lens-tok').length > 0")
+            tokens = page.locator("#lens-tokens .lens-tok")
+            assert tokens.count() == len(lens["positions"]) == len(TEXT)
+            for position in (3, 7):
+                row = lens["positions"][position]
+                tokens.nth(position).hover()
+                assert page.locator("#lens-table tr.layer").count() == 3  # embedding, block 1, block 2
+                decided = page.locator("#lens-table tr.decided")
+                assert decided.count() == 1
+                label = lens["labels"][row["decided_at"]]
+                assert decided.locator("td").first.inner_text() == label
+                assert page.inner_text("#lens-decided") == f"decided at {label}"
+                assert f"predicts {json.dumps(row['prediction'])}" in page.inner_text("#lens-info")
+            page.wait_for_function("document.querySelectorAll('#induction td.score').length > 0")
+            cells = page.locator("#induction td.score")
+            assert cells.count() == 2 * 4  # n_layer x n_head
+            assert [float(c) for c in cells.all_inner_texts()] == pytest.approx(
+                [s for row in induction["scores"] for s in row], abs=1e-3)
+            best = induction["strongest"]
+            assert f"layer {best['layer']} head {best['head']}" in page.inner_text("#induction-strongest")
+            assert page.locator("#induction td.strongest").get_attribute("data-head") == str(best["head"])
+            page.click('#induction td.score[data-layer="1"][data-head="3"]')  # shows that head's attention
+            page.wait_for_function("document.getElementById('head').value === '3'")
+            assert page.eval_on_selector("#layer", "el => el.value") == "1"

@@ -259,7 +259,7 @@ def export_gguf(model: GPT, path: str | Path, tokenizer: Tokenizer | None, file_
         writer.add_token_merges(merges or [_inert_merge(tokens, types)])
         if tokenizer.eos_id is not None:
             writer.add_eos_token_id(tokenizer.eos_id)
-        bos = _bos_id(tokenizer)
+        bos = tokenizer.prompt_bos_id()
         writer.add_add_bos_token(bos is not None)
         if bos is not None:
             writer.add_bos_token_id(bos)
@@ -286,12 +286,6 @@ def _inert_merge(tokens: list[str], types: list[int]) -> str:
     if not specials:
         raise GGUFError("a tokenizer without merges needs a special token (such as <|endoftext|>) for GGUF")
     return f"{specials[0]} {specials[0]}"
-
-
-def _bos_id(tokenizer: Tokenizer) -> int | None:
-    """The id the tokenizer puts before a prompt (Llama's <s>), or None."""
-    with_prompt, plain = tokenizer.encode_prompt("a"), tokenizer.encode("a")
-    return with_prompt[0] if len(with_prompt) > len(plain) else None
 
 
 def _encoded(gguf: Any, array: np.ndarray, file_type: str) -> tuple[np.ndarray, Any]:

@@ -51,7 +51,7 @@ def _one_sequence(ids: Sequence[int] | Tensor, what: str) -> Tensor:
     return ids
 
 
-def _run(model: GPT, ids: Tensor, trace: Trace | None = None) -> Tensor:
+def eval_forward(model: GPT, ids: Tensor, trace: Trace | None = None) -> Tensor:
     """model's logits for ids (B, T) in eval mode (no dropout), its mode restored afterwards."""
     was = model.training
     model.eval()
@@ -78,7 +78,7 @@ def window_losses(model: GPT, tokens: np.ndarray | Tensor, windows: int = ICL_WI
     out = []
     for rows in batch.split(WINDOW_BATCH):
         rows = rows.to(_device(model))
-        logits = _run(model, rows[:, :-1]).float()  # (rows, T, V)
+        logits = eval_forward(model, rows[:, :-1]).float()  # (rows, T, V)
         out.append(F.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="none").cpu())
     return torch.cat(out)
 
@@ -94,7 +94,7 @@ def sequence_losses(model: GPT, ids: Sequence[int] | Tensor) -> Tensor:
     ids = _one_sequence(ids, "per-position losses")
     if len(ids) < 2:
         raise InputError(f"per-position losses need at least 2 tokens, got {len(ids)}")
-    logits = _run(model, ids[None])[0, :-1].float()
+    logits = eval_forward(model, ids[None])[0, :-1].float()
     return F.cross_entropy(logits, ids[1:].to(logits.device), reduction="none").cpu()
 
 
@@ -145,7 +145,7 @@ def induction_test(model: GPT, length: int | None = None, batch: int = INDUCTION
     half = torch.randint(0, config.vocab_size, (batch, length), generator=generator)
     ids = torch.cat([half, half], dim=1).to(_device(model))  # (batch, 2L)
     trace = Trace()
-    logits = _run(model, ids, trace).float()
+    logits = eval_forward(model, ids, trace).float()
     losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (batch, 2L - 1)
     return InductionResult(
         scores=induction_score_of(trace.attentions, length),
@@ -164,7 +164,7 @@ def induction_scores(model: GPT, length: int | None = None, batch: int = INDUCTI
 def _lens_states(model: GPT, ids: Tensor) -> tuple[list[Tensor], Tensor]:
     """The residual stream after the embedding and after each block (each (T, d)), and the model's logits."""
     trace = Trace()
-    logits = _run(model, ids[None], trace)[0]
+    logits = eval_forward(model, ids[None], trace)[0]
     return [h[0] for h in trace.hidden_states[: model.config.n_layer + 1]], logits
 
 
@@ -225,7 +225,7 @@ def head_contributions(model: GPT, ids: Sequence[int] | Tensor, position: int = 
         raise InputError(f"position {position} is outside the {len(ids)}-token sequence")
     config = model.config
     trace = Trace()
-    logits = _run(model, ids[None], trace)[0]  # (T, V)
+    logits = eval_forward(model, ids[None], trace)[0]  # (T, V)
     token = int(logits[position].argmax()) if token is None else token
     final = trace.hidden_states[config.n_layer][0, position].float()  # the residual stream the final norm reads
     centred = isinstance(model.norm_f, torch.nn.LayerNorm)
@@ -269,7 +269,7 @@ def attention_from(model: GPT, ids: Sequence[int] | Tensor, position: int = -1) 
     over heads (the answer position of a few-shot prompt: which demonstration tokens it reads)."""
     ids = _one_sequence(ids, "attention_from")
     trace = Trace()
-    _run(model, ids[None], trace)
+    eval_forward(model, ids[None], trace)
     return torch.stack([a[0, :, position].float().mean(0) for a in trace.attentions]).cpu()
 
 

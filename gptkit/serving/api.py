@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gptkit.errors import GptkitError
-from gptkit.chat import ChatTemplate
+from gptkit.chat import ChatTemplate, eos_text
 from gptkit.decoding.api import grammar_for
 from gptkit.decoding.grammar import ANY_OBJECT, Grammar
 from gptkit.decoding.request import Request as DecodeRequest
@@ -303,10 +303,9 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 def _tokenizer_info(state: ServerState) -> dict[str, Any]:
     """The tokenizer's special tokens, context and chat template, as vLLM's /tokenizer_info gives them."""
     tokenizer = state.tokenizer
-    eos = tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else None
-    with_prompt, plain = tokenizer.encode_prompt("a"), tokenizer.encode("a")  # a Llama tokenizer's <s> comes first
-    bos = tokenizer.decode(with_prompt[:1]) if len(with_prompt) > len(plain) else None
-    return {"tokenizer_class": type(tokenizer).__name__, "eos_token": eos, "bos_token": bos,
+    bos = tokenizer.prompt_bos_id()
+    return {"tokenizer_class": type(tokenizer).__name__, "eos_token": eos_text(tokenizer) or None,
+            "bos_token": tokenizer.decode([bos]) if bos is not None else None,
             "pad_token": None, "model_max_length": state.engine.scoring_context,
             "chat_template": state.chat_template.jinja}  # fmt: skip
 
