@@ -8,10 +8,16 @@ process; peak memory is that process's resident-set high-water mark over the tim
 model is built, so loading is not counted), as the step itself needs it, and "above start" subtracts what the
 process held before the model was built (Python, PyTorch's libraries).
 
+The GRPO configurations time one step of `gptkit train --finetune.objective grpo` itself (Trainer.train_step:
+sampling a group of G completions of each of --batch prompts through the batch engine, scoring them, the policy
+gradient's forward and backward, AdamW) over GPT-2 small's blocks with the byte vocabulary (prompts need a
+tokenizer), --seq / 4 prompt tokens and --seq / 4 completion tokens; a random model rarely ends a completion early.
+
     python benchmarks/bench_finetune.py                       # GPT-2 small, batch 4 x 256 tokens, rank 16
     python benchmarks/bench_finetune.py --batch 2 --seq 128 --steps 2 --json   # quicker
 Targets (issue 17): LoRA step >= 1.3x faster than transformers + PEFT with no more peak memory; LoRA over an int8
-base at most 60% of full fine-tuning's peak memory. Run on a quiet machine.
+base at most 60% of full fine-tuning's peak memory. (Issue 29): a GRPO step with G = 8 costs at most 3x one with
+G = 1 (the group decodes as one batch). Run on a quiet machine.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ CONFIGS = {
     "gptkit lora int8 base": dict(library="gptkit", method="lora", precision="int8"),
     "gptkit lora int8 ckpt": dict(library="gptkit", method="lora", precision="int8", checkpointing=True),
     "hf+peft lora": dict(library="hf", method="lora", precision="float32"),
+    "gptkit grpo G=1": dict(library="gptkit", method="grpo", group=1),
+    "gptkit grpo G=8": dict(library="gptkit", method="grpo", group=8),
 }
 # PEFT's names for the layers gptkit's "all" targets adapt in a GPT-2 block.
 PEFT_TARGETS = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
@@ -66,8 +74,8 @@ def cpu_capability() -> str:
 
 def gptkit_model(config: ModelConfig, method: str, precision: str, rank: int,
                  checkpointing: bool = False) -> torch.nn.Module:  # fmt: skip
-    from gptkit.finetune.lora import add_lora
-    from gptkit.finetune.lora_dir import with_precision
+    from gptkit.adapters import add_lora
+    from gptkit.formats.lora import with_precision
     from gptkit.model import GPT
 
     model = GPT(config)
@@ -94,11 +102,37 @@ def hf_model(config: ModelConfig, rank: int) -> torch.nn.Module:
     return get_peft_model(model, lora).train()
 
 
-def run_one(name: str, preset: str, batch: int, seq: int, rank: int, steps: int, warmup: int) -> dict:
+def grpo_trainer(shape: ModelConfig, batch: int, seq: int, group: int, root: Path, device: str) -> object:
+    """A GRPO run's Trainer over a random model of shape (byte vocabulary) and random prompts of seq / 4 bytes."""
+    from gptkit.formats.modeldir import save_model_dir
+    from gptkit.model import GPT
+    from gptkit.prepare import PrepareConfig, prepare
+    from gptkit.tokenizer import ByteTokenizer
+    from gptkit.train import Trainer
+    from gptkit.train_config import from_sources
+
+    model = GPT(ModelConfig(**{**shape.to_dict(), "vocab_size": 257, "block_size": max(shape.block_size, seq)}))
+    save_model_dir(model, root / "model", tokenizer=ByteTokenizer())
+    letters = torch.randint(97, 123, (64, seq // 4), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = "".join(json.dumps({"prompt": bytes(row).decode()}) + "\n" for row in letters)
+    (root / "prompts.jsonl").write_text(rows)
+    prepare(PrepareConfig(out=str(root / "data"), inputs=[str(root / "prompts.jsonl")], tokenizer=str(root / "model"),
+                          val_fraction=0.1))  # fmt: skip
+    train = {"data_dir": str(root / "data"), "out_dir": str(root / "run"), "batch_size": batch, "device": device,
+             "plot": False, "eval_at_start": False, "sample_every": 0, "observe": False}  # fmt: skip
+    finetune = {"objective": "grpo", "group_size": group, "completion_tokens": seq // 4, "reward": "regex:a"}
+    config = from_sources(None, {"model": {"init_from": str(root / "model")}, "train": train, "finetune": finetune})
+    return Trainer(config, resume=False)
+
+
+def run_one(name: str, preset: str, batch: int, seq: int, rank: int, steps: int, warmup: int,
+            device: str = "cpu") -> dict:  # fmt: skip
     """Time one configuration's training step in this process; return its figures."""
     config = CONFIGS[name]
     shape = ModelConfig.preset(preset)
     torch.manual_seed(0)
+    if config["method"] == "grpo":
+        return run_grpo(shape, batch, seq, config["group"], steps, warmup, device)
     start_kb = memory_kb("VmRSS")
     if config["library"] == "gptkit":
         model = gptkit_model(shape, config["method"], config["precision"], rank, config.get("checkpointing", False))
@@ -133,6 +167,33 @@ def run_one(name: str, preset: str, batch: int, seq: int, rank: int, steps: int,
             "trainable_params": sum(p.numel() for p in params)}  # fmt: skip
 
 
+def run_grpo(shape: ModelConfig, batch: int, seq: int, group: int, steps: int, warmup: int, device: str) -> dict:
+    """Time GRPO training steps (sampling included) in this process; return their figures."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        trainer = grpo_trainer(shape, batch, seq, group, Path(root), device)
+        start_kb = memory_kb("VmRSS")
+        for _ in range(warmup):
+            trainer.train_step()
+        reset_peak()
+        times, sampling = [], []
+        for _ in range(steps):
+            begin = time.perf_counter()
+            loss, _, _ = trainer.train_step()
+            float(loss)  # (a CPU step is done when it returns; the read keeps a GPU's honest too)
+            times.append(time.perf_counter() - begin)
+            sampling.append(float(trainer.step_stats["sample_s"]))
+        completion = float(trainer.step_stats["completion_tokens"])
+        trainable = sum(p.numel() for p in trainer.params)
+    peak_kb = memory_kb("VmHWM")
+    seconds = sorted(times)[len(times) // 2]
+    tokens = batch * group * (seq // 4 + completion)
+    return {"seconds_per_step": seconds, "tokens_per_s": tokens / seconds, "peak_mb": peak_kb / 1024,
+            "peak_above_start_mb": (peak_kb - start_kb) / 1024, "trainable_params": trainable,
+            "completion_tokens": completion, "sampling_share": sum(sampling) / sum(times)}  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Fine-tuning step time and peak memory: gptkit vs transformers+PEFT")
     parser.add_argument("--preset", default="gpt2", help="the model shape, a GPT-2-style gptkit preset (gpt2: GPT-2 "
@@ -144,25 +205,28 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
                         help=f"which to run (default all: {', '.join(CONFIGS)})")
+    parser.add_argument("--device", default="cpu", help="where the GRPO configurations run (cpu, cuda); the others "
+                        "compare CPU steps")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run a configuration in this process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.preset, args.batch, args.seq, args.rank, args.steps, args.warmup)))
+        print(json.dumps(run_one(args.one, args.preset, args.batch, args.seq, args.rank, args.steps, args.warmup,
+                                 args.device)))  # fmt: skip
         return 0
 
     results = {}
     for name in args.configs:
         command = [sys.executable, __file__, "--one", name, "--preset", args.preset, "--batch", str(args.batch),
                    "--seq", str(args.seq), "--rank", str(args.rank), "--steps", str(args.steps), "--warmup",
-                   str(args.warmup)]  # fmt: skip
+                   str(args.warmup), "--device", args.device]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
         if done.returncode != 0:
             print(f"{name} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
             return 1
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     report = {"shape": f"{args.preset}, {args.batch} x {args.seq} tokens, rank {args.rank}, LoRA on attention and MLP",
-              "cpu": cpu_capability(), "results": results}  # fmt: skip
+              "cpu": cpu_capability(), "grpo_device": args.device, "results": results}  # fmt: skip
     peft, lora, full = results.get("hf+peft lora"), results.get("gptkit lora"), results.get("gptkit full")
     if peft and lora:
         report["lora_speedup_over_peft"] = peft["seconds_per_step"] / lora["seconds_per_step"]
@@ -173,16 +237,20 @@ def main() -> int:
         report["int8_lora_peak_above_start_vs_full"] = int8["peak_above_start_mb"] / full["peak_above_start_mb"]
     if full and results.get("gptkit lora int8 ckpt"):
         report["int8_ckpt_lora_peak_vs_full"] = results["gptkit lora int8 ckpt"]["peak_mb"] / full["peak_mb"]
+    if results.get("gptkit grpo G=1") and results.get("gptkit grpo G=8"):
+        report["grpo_g8_step_vs_g1"] = (results["gptkit grpo G=8"]["seconds_per_step"]
+                                        / results["gptkit grpo G=1"]["seconds_per_step"])  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
     print(f"{report['shape']}; {report['cpu']}")
     print(f"{'configuration':24s} {'s/step':>8s} {'tokens/s':>9s} {'peak MB':>8s} {'above start':>12s} {'trainable':>11s}")
     for name, r in results.items():
+        share = f"  (sampling {100 * r['sampling_share']:.0f}% of the step)" if "sampling_share" in r else ""
         print(f"{name:24s} {r['seconds_per_step']:8.2f} {r['tokens_per_s']:9.0f} {r['peak_mb']:8.0f} "
-              f"{r['peak_above_start_mb']:12.0f} {r['trainable_params']:11,}")
+              f"{r['peak_above_start_mb']:12.0f} {r['trainable_params']:11,}{share}")
     for key in ("lora_speedup_over_peft", "lora_peak_vs_peft", "int8_lora_peak_vs_full",
-                "int8_lora_peak_above_start_vs_full", "int8_ckpt_lora_peak_vs_full"):  # fmt: skip
+                "int8_lora_peak_above_start_vs_full", "int8_ckpt_lora_peak_vs_full", "grpo_g8_step_vs_g1"):  # fmt: skip
         if key in report:
             print(f"{key}: {report[key]:.2f}")
     return 0

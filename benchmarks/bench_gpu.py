@@ -51,10 +51,10 @@ from bench_train import write_data  # noqa: E402
 from gptkit import loss as loss_module  # noqa: E402
 from gptkit.accounting import training_flops_per_token  # noqa: E402
 from gptkit.config import ModelConfig  # noqa: E402
-from gptkit.devices import gpu_peak_flops, pick_device  # noqa: E402
+from gptkit.devices import autocast_for, gpu_peak_flops, pick_device  # noqa: E402
 from gptkit.model import GPT  # noqa: E402
 from gptkit.optim import param_groups  # noqa: E402
-from gptkit.train import autocast_for, train  # noqa: E402
+from gptkit.train import train  # noqa: E402
 from gptkit.train_config import from_sources  # noqa: E402
 
 PARTS = ("env", "loss", "train", "decode", "lora")
@@ -165,7 +165,7 @@ def part_env(args: argparse.Namespace, device: torch.device, report: dict) -> No
         env["copy_bytes_per_s"] = 2 * x.numel() * 2 / median_seconds(lambda: y.copy_(x), device, 10)
         del a, b, x, y
     else:
-        from gptkit.train import measured_cpu_matmul_flops
+        from gptkit.devices import measured_cpu_matmul_flops
 
         env["matmul_flops"] = measured_cpu_matmul_flops(dtype)
     env["datasheet_peak_flops"] = gpu_peak_flops(device, dtype)

@@ -53,7 +53,8 @@ from gptkit.accounting import training_flops_per_token
 from gptkit.config import PRESETS, ModelConfig
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
-from gptkit.train import measured_cpu_matmul_flops, train
+from gptkit.devices import measured_cpu_matmul_flops
+from gptkit.train import train
 from gptkit.train_config import from_sources
 
 SHAPES = {

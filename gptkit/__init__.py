@@ -32,7 +32,7 @@ _EXPORTS = {
     "quantize": "gptkit.quantization",
     "save_quantized_dir": "gptkit.formats.quantized",
     "load_hf": "gptkit.formats.hf",
-    "export_hf": "gptkit.formats.hf",
+    "export_hf": "gptkit.loading",
     "gpt_from_hf_model": "gptkit.formats.hf",
     "hf_model_from_gpt": "gptkit.formats.hf",
     "icl_score": "gptkit.observe.measures",

@@ -35,8 +35,9 @@ import torch
 import xxhash
 
 from gptkit.atomic import atomic_write_text, fsync_dir, make_parents, remove_empty
-from gptkit.errors import GptkitError
-from gptkit.formats.modeldir import load_tensors, save_model_dir, save_tensors
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.formats.modeldir import save_model_dir
+from gptkit.tensors import WEIGHTS_FILE, load_tensors, save_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +271,13 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: this rank's shard of an FSDP2 DTensor (a replicated one's whole value), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def full_module(model: torch.nn.Module) -> torch.nn.Module:
     """The model with whole weights: itself, or for an FSDP2-sharded GPT an unsharded copy (a collective)."""
     from torch.distributed.tensor import DTensor
@@ -473,8 +481,6 @@ def load_checkpoint(
 
 def load_weights(module: torch.nn.Module, path: Path) -> None:
     """Copy a checkpoint's full weights into the run's model, in place (the optimiser holds these parameters)."""
-    from gptkit.formats.modeldir import WEIGHTS_FILE
-
     weights = _shard_like(module, load_tensors(path / WEIGHTS_FILE, next(module.parameters()).device))
     try:
         result = module.load_state_dict(weights, strict=False)
@@ -497,3 +503,74 @@ def _shard_like(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> di
         if isinstance(own.get(name), DTensor) else w
         for name, w in weights.items()
     }  # fmt: skip
+
+
+def read_history(path: Path, up_to: int) -> list[dict[str, Any]]:
+    """The metrics records of a run up to step `up_to` (later ones belong to steps a resume will redo)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_bytes().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill, or damaged (invalid UTF-8 is a ValueError too)
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and step <= up_to:
+            records.append(record)
+    return records
+
+
+def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = None) -> Path | None:
+    """The checkpoint a run continues from: None for a new run; resume_from, verified; or the newest that verifies.
+
+    Passing over a damaged, incomplete or unverifiable (manifest-less) checkpoint is said in one warning line, and
+    so is a `latest` file that names no checkpoint here; with resume_from, damage is an error naming it, and a
+    checkpoint without a manifest is taken with a warning.
+    """
+    if resume_from is not None:
+        path = Path(resume_from)
+        if not STEP_DIR.fullmatch(path.name) or path.resolve().parent != (run_dir / CHECKPOINTS).resolve():
+            raise ConfigError(f"--resume-from {path} is not a checkpoint of the run {run_dir} "
+                              f"(a directory {run_dir / CHECKPOINTS}/step-N)")  # fmt: skip
+        if not path.is_dir():
+            raise CheckpointError(f"--resume-from {path} does not exist")
+        if not verify_checkpoint(path):
+            logger.warning("%s; continuing from it all the same, as --resume-from names it", unverifiable(path))
+        return run_dir / CHECKPOINTS / path.name
+    if not resume:
+        if latest_checkpoint(run_dir) is not None:
+            raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it, or choose another --out")
+        return None
+    skipped: list[str] = []
+    checkpoint = latest_checkpoint(run_dir, verify=True, skipped=skipped)
+    if checkpoint is None:
+        if skipped:
+            raise CheckpointError(f"no checkpoint of {run_dir} can be resumed from: {'; '.join(skipped)}")
+        raise CheckpointError(f"{run_dir} has no checkpoint to resume from (a run stopped before its first "
+                              "checkpoint starts again without --resume)")  # fmt: skip
+    newer = " (the newer ones are removed)" if checkpoint_dirs(run_dir)[0] != checkpoint else ""
+    if not has_manifest(checkpoint):  # (skipped ends with why it cannot be verified)
+        logger.warning("%s; resuming from %s all the same, as no checkpoint of the run verifies%s",
+                       "; ".join(skipped), checkpoint, newer)  # fmt: skip
+    elif skipped:
+        logger.warning("%s; resuming from %s, the newest checkpoint that verifies%s", "; ".join(skipped), checkpoint,
+                       newer)  # fmt: skip
+    warn_about_latest(run_dir, checkpoint)
+    return checkpoint
+
+
+def warn_about_latest(run_dir: Path, checkpoint: Path) -> None:
+    """Warn when the run's `latest` file names no checkpoint of it, saying which one the run continues from.
+
+    (`latest` naming an older checkpoint than the newest complete one is a kill before it was updated: not warned.)
+    """
+    latest = run_dir / LATEST
+    if not latest.exists():
+        return
+    named = read_latest(run_dir)
+    if named is None:
+        logger.warning("%s does not name a checkpoint inside %s (ignored); resuming from %s", latest, CHECKPOINTS,
+                       checkpoint)  # fmt: skip
+    elif not named.is_dir():
+        logger.warning("%s names %s, which does not exist (ignored); resuming from %s", latest, named, checkpoint)

@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from gptkit.errors import GptkitError, InputError
+from gptkit.errors import ConfigError, GptkitError, InputError
 from gptkit.loss import IGNORE_INDEX
 
 META_FILE = "meta.json"
@@ -32,6 +33,14 @@ EXAMPLE_KINDS = ("examples", "preferences", "labelled")
 EXAMPLE_FILES = {split: {"ids": name, "mask": name.replace(".bin", ".mask.bin"),
                          "offsets": name.replace(".bin", ".offsets.bin"), "labels": name.replace(".bin", ".labels.bin")}
                  for split, name in SPLIT_FILES.items()}  # fmt: skip
+# A data set of prompts ("kind": "prompts", what reinforcement learning samples completions of) stores each prompt's
+# token ids as examples are stored (its mask all zeros: nothing in a prompt is trained on), and per split one JSON
+# line per prompt: {"text": the prompt as the model sees it, "row": the input row, every field kept}, what the
+# reward functions receive (gptkit.finetune.rewards).
+PROMPT_KIND = "prompts"
+PROMPT_FILES = {split: {key: files[key] for key in ("ids", "mask", "offsets")}
+                | {"rows": SPLIT_FILES[split].replace(".bin", ".prompts.jsonl")}
+                for split, files in EXAMPLE_FILES.items()}  # fmt: skip
 
 
 def read_meta(data_dir: str | Path) -> dict[str, Any]:
@@ -60,17 +69,18 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
     expected = {}
     for split, name in SPLIT_FILES.items():
         expected[name] = meta[f"{split}_tokens"] * itemsize
-    if is_examples(meta):
+    if is_examples(meta) or meta.get("kind") == PROMPT_KIND:
+        unit = "prompts" if meta["kind"] == PROMPT_KIND else "examples"
         for split, files in EXAMPLE_FILES.items():
-            count = meta.get(f"{split}_examples")
-            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-                raise GptkitError(f"{path}: field '{split}_examples' must be a non-negative integer, got {count!r}")
+            count = _count(meta, f"{split}_{unit}", path)
             if meta["kind"] == "preferences" and count % 2:
                 raise GptkitError(f"{path}: '{split}_examples' must be even in a data set of preference pairs")
             expected[files["mask"]] = meta[f"{split}_tokens"]
             expected[files["offsets"]] = (count + 1) * 8
             if meta["kind"] == "labelled":
                 expected[files["labels"]] = count * 8
+            if meta["kind"] == PROMPT_KIND:
+                expected[PROMPT_FILES[split]["rows"]] = _count(meta, f"{split}_rows_bytes", path)
         labels = meta.get("labels")
         if meta["kind"] == "labelled" and not (isinstance(labels, list) and len(labels) >= 2
                                                and all(isinstance(label, str) for label in labels)):  # fmt: skip
@@ -84,6 +94,14 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
                 f"{file} {found} but {META_FILE} promises {size} bytes; rerun `gptkit prepare --out {data_dir}`"
             )
     return meta
+
+
+def _count(meta: dict[str, Any], field: str, path: Path) -> int:
+    """meta[field], checked to be a non-negative integer."""
+    count = meta.get(field)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise GptkitError(f"{path}: field '{field}' must be a non-negative integer, got {count!r}")
+    return count
 
 
 def is_examples(meta: dict[str, Any]) -> bool:
@@ -223,6 +241,7 @@ class Batch:
     tokens: int = 0
     labels: torch.Tensor | None = None  # (B,) label indices
     last: torch.Tensor | None = None  # (B,) each row's last real position
+    prompts: list[int] | None = None  # prompt data sets: the indices of the batch's prompts (they are sampled from)
 
     def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """The batch with every tensor passed through move (a copy to a device)."""
@@ -298,6 +317,56 @@ def load_examples(data_dir: str | Path, split: str, meta: dict[str, Any]) -> Exa
             raise GptkitError(f"{data_dir / files['labels']} holds a label outside meta.json's labels; rerun gptkit "
                               "prepare")  # fmt: skip
     return Examples(ids, trained, offsets, meta["kind"], labels)
+
+
+@dataclass
+class Prompts:
+    """One split of a prompt data set: every prompt's token ids back to back, where each starts, and for each the
+    text and the input row the reward functions receive."""
+
+    ids: np.ndarray  # every prompt's token ids back to back
+    offsets: np.ndarray  # int64, len(prompts) + 1
+    texts: list[str]  # the prompt as the model sees it (the string, or the rendered conversation)
+    rows: list[dict[str, Any]]  # each prompt's input row, every field kept (its "answer", say)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def prompt(self, i: int) -> list[int]:
+        """The token ids of prompt i."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"prompt {i} of {len(self)}")
+        return self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
+
+
+def load_prompts(data_dir: str | Path, split: str, meta: dict[str, Any]) -> Prompts:
+    """The prompts of a split of a prompt data set read_meta has checked (their ids memory-mapped)."""
+    files = PROMPT_FILES[split]
+    data_dir = Path(data_dir)
+    ids = load_tokens(data_dir / files["ids"], meta["dtype"])
+    offsets = np.fromfile(data_dir / files["offsets"], dtype=np.int64)
+    if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
+        raise GptkitError(f"{data_dir / files['offsets']} does not describe {split}'s prompts; rerun gptkit prepare")
+    path = data_dir / files["rows"]
+    texts, rows = [], []
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for n, line in enumerate(lines, start=1):
+                try:
+                    item = json.loads(line)
+                except ValueError:
+                    item = None
+                if not (isinstance(item, dict) and isinstance(item.get("text"), str)
+                        and isinstance(item.get("row"), dict)):  # fmt: skip
+                    raise GptkitError(f"{path} line {n} is not a {{\"text\", \"row\"}} object; rerun gptkit prepare")
+                texts.append(item["text"])
+                rows.append(item["row"])
+    except (OSError, UnicodeDecodeError) as err:
+        raise GptkitError(f"cannot read {path}: {err}; rerun gptkit prepare") from None
+    if len(rows) != len(offsets) - 1:
+        raise GptkitError(f"{path} holds {len(rows)} prompts but {data_dir / files['offsets']} describes "
+                          f"{len(offsets) - 1}; rerun gptkit prepare")  # fmt: skip
+    return Prompts(ids, offsets, texts, rows)
 
 
 def _example_rows(examples: Examples, rows: list[list[int]], block_size: int, packed: bool) -> Batch:
@@ -442,3 +511,70 @@ def example_batches(examples: Examples, block_size: int, batch_size: int, limit:
         items = [int(i) for i in chosen[start : start + batch_size]]
         batch = _example_rows(examples, [row for i in items for row in examples.item_rows(i)], block_size, False)
         yield dataclasses.replace(batch, units=int(units[items].sum()))
+
+
+# ---------------------------------------------------------------- a run's data
+
+
+@dataclass
+class RunData:
+    """A prepared data directory as a run reads it: its splits are token arrays (text), Examples or Prompts."""
+
+    directory: str
+    meta: dict[str, Any]
+    kind: str  # "text", one of EXAMPLE_KINDS, or PROMPT_KIND
+    train: Any
+    val: Any
+    tokenizer: Any | None  # the data's own tokenizer, None when it was saved without one
+
+
+def load_run_data(data_dir: str | None) -> RunData:
+    """The splits of a prepared data directory, memory-mapped; errors name what is missing."""
+    from gptkit.tokenizer import tokenizer_or_none
+
+    if data_dir is None:
+        raise ConfigError("no data: pass --data DIR (a directory made by `gptkit prepare`) or set train.data_dir")
+    meta = read_meta(data_dir)
+    kind = meta.get("kind", "text")
+    if kind in EXAMPLE_KINDS:
+        train, val = load_examples(data_dir, "train", meta), load_examples(data_dir, "val", meta)
+    elif kind == PROMPT_KIND:
+        train, val = load_prompts(data_dir, "train", meta), load_prompts(data_dir, "val", meta)
+    else:
+        train = load_tokens(Path(data_dir) / SPLIT_FILES["train"], meta["dtype"])
+        val = load_tokens(Path(data_dir) / SPLIT_FILES["val"], meta["dtype"])
+    return RunData(str(data_dir), meta, kind, train, val, tokenizer_or_none(data_dir))
+
+
+class Batches:
+    """Training batches moved to the device one step ahead, with the loader state that reproduces the next one."""
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self.loader = loader
+        self.device = device
+        self._pending = self._fetch()
+
+    def _fetch(self) -> tuple[dict[str, Any], Batch]:
+        state = self.loader.state_dict()
+        batch = self.loader.next_batch()
+        if isinstance(batch, tuple):  # a text window (TrainBatches): every target trains
+            batch = Batch(*batch, units=batch[0].numel(), tokens=batch[0].numel())
+        if self.device.type != "cpu":
+            batch = batch.to(lambda tensor: _to_device(tensor, self.device))
+        return state, batch
+
+    def next(self) -> Batch:
+        """The next batch; the one after it is fetched at once, while the device works on this one."""
+        _, batch = self._pending
+        self._pending = self._fetch()
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader state whose next batch is the next one this object hands out."""
+        return self._pending[0]
+
+
+def _to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)  # pinned host memory: the copy overlaps the step

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+import time
+
 import torch
 
 from gptkit.errors import ConfigError
@@ -53,3 +57,49 @@ def gpu_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     if rates is None:
         return None
     return rates[1] if dtype == torch.float32 else rates[0]
+
+
+def autocast_for(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """The mixed-precision context of a forward pass in dtype (a no-op for float32)."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
+# On CPU, MFU is measured against this CPU's own matmul (CPUs differ too much for one table of peaks): the best of
+# a few square products of this size, about 0.1 s at start. The 2-core reference machine gives fp32 260 GFLOP/s and
+# bf16 135 (PyTorch 2.13 without AMX); a fixed 146 / 349 used before overstated fp32 MFU about twice. A GPU of
+# gptkit.devices.GPU_PEAK_FLOPS is measured against its datasheet; other devices show MFU only when train.peak_flops
+# is set.
+PEAK_MATMUL_SIZE = 1024
+
+
+def peak_flops(device: torch.device, dtype: str, override: float | None) -> float | None:
+    """Peak FLOP/s for MFU: the override, else a CPU's measured matmul rate or a known GPU's datasheet rate, else
+    unknown (None)."""
+    if override is not None:
+        return override
+    if device.type == "cpu":
+        return measured_cpu_matmul_flops(getattr(torch, dtype))
+    return gpu_peak_flops(device, getattr(torch, dtype))
+
+
+def measured_cpu_matmul_flops(dtype: torch.dtype, repeats: int = 10) -> float:
+    """This CPU's dense matmul FLOP/s in dtype at the current thread count: the best of a few square products."""
+    n = PEAK_MATMUL_SIZE
+    own = torch.Generator().manual_seed(0)  # the global RNG stays untouched: resumed runs replay it exactly
+    a, b = torch.randn(n, n, generator=own).to(dtype), torch.randn(n, n, generator=own).to(dtype)
+    a @ b  # first-call set-up (thread pool, packing buffers) is not the rate
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def check_precision(dtype: str, device: torch.device) -> None:
+    """float16 trains with a gradient scaler, which needs CUDA."""
+    if dtype == "float16" and device.type != "cuda":
+        raise ConfigError(f"train.dtype float16 needs CUDA (gradient scaling); on {device.type} use bfloat16 or "
+                          "float32")  # fmt: skip

@@ -23,10 +23,10 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from gptkit.accounting import attention_params, mlp_params, norm_params, param_breakdown
+from gptkit.atomic import atomic_write, atomic_write_text
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.model import GPT, Trace
-from gptkit.formats.modeldir import atomic_write, atomic_write_text
 from gptkit.observe import measures
 
 TEMPERATURES = (0.5, 1.0, 2.0)

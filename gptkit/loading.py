@@ -3,7 +3,8 @@
 The format is told from the path itself: a GGUF file (its magic bytes), a LoRA directory (lora_config.json: its
 base loaded by this same function, then the adapters merged), a Hugging Face directory (config.json with
 model_type or architectures), a quantised gptkit directory, or a gptkit directory. Each format's module knows
-only its own format (gptkit.formats); fine-tuning's LoRA directory lives in gptkit.finetune.lora_dir.
+only its own format (gptkit.formats, the LoRA directory's too: gptkit.formats.lora); what needs two formats
+(a LoRA directory's base, a gptkit directory exported to Hugging Face) is done here.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from gptkit.chat import DEFAULT_JINJA, ChatTemplate, eos_text, load_chat_template
+from gptkit.adapters import fingerprint
+from gptkit.chat import DEFAULT_JINJA, ChatTemplate, eos_text, load_chat_template, read_tokenizer_config
 from gptkit.errors import GptkitError
-from gptkit.finetune import lora_dir
-from gptkit.finetune.lora import fingerprint
-from gptkit.formats import gguf, hf, modeldir, quantized
+from gptkit.formats import gguf, hf, lora, modeldir, quantized
 from gptkit.model import GPT
+from gptkit.tensors import CONFIG_FILE, ModelDirError, is_gptkit_dir, read_config_json, read_model_config
 from gptkit.tokenizer import Tokenizer
+from gptkit.weights import model_state
 
 FORMATS = ("gguf", "lora", "hf", "quantized", "gptkit")
 
@@ -31,15 +33,15 @@ def model_format(path: str | Path) -> str:
     if gguf.is_gguf_file(path):
         return "gguf"
     if path.is_file():
-        raise modeldir.ModelDirError(f"{path} is a file but not a GGUF file; give a model directory or a .gguf file")
-    if lora_dir.is_lora_dir(path):
+        raise ModelDirError(f"{path} is a file but not a GGUF file; give a model directory or a .gguf file")
+    if lora.is_lora_dir(path):
         return "lora"
-    data = modeldir.read_config_json(path)  # a one-line error for a missing directory or config
-    if modeldir.is_gptkit_dir(path):
+    data = read_config_json(path)  # a one-line error for a missing directory or config
+    if is_gptkit_dir(path):
         return "quantized" if data.get("quantization") else "gptkit"
     if "model_type" in data or "architectures" in data:
         return "hf"
-    raise modeldir.ModelDirError(f"{path / modeldir.CONFIG_FILE} is neither a gptkit nor a Hugging Face model config")
+    raise ModelDirError(f"{path / CONFIG_FILE} is neither a gptkit nor a Hugging Face model config")
 
 
 def load(path: str | Path, dtype: torch.dtype | None = None,
@@ -52,10 +54,10 @@ def load(path: str | Path, dtype: torch.dtype | None = None,
     if kind == "hf":
         return hf.load_hf(path, dtype=dtype, device=device)
     if kind == "lora":
-        lora_dir.base_chain(path)  # a cycle of bases is one line, not a RecursionError
-        settings = lora_dir.read_lora_config(path)
+        lora.base_chain(path)  # a cycle of bases is one line, not a RecursionError
+        settings = lora.read_lora_config(path)
         base, tokenizer, _ = load_base(settings["base"], settings["base_fingerprint"], device)
-        return lora_dir.merged(base, path, dtype), tokenizer
+        return lora.merged(base, path, dtype), tokenizer
     if kind == "quantized":
         model = quantized.load_quantized_dir(path, device=device, dtype=dtype)
     else:
@@ -71,7 +73,7 @@ def load_base(base: str | Path, expected: str | None = None,
         raise GptkitError(f"the base model {base} of these adapters is missing; put it back (or convert a merged "
                           "model with `gptkit convert --merge` while it exists)")  # fmt: skip
     model, tokenizer = load(base, device=device)
-    found = fingerprint(modeldir.model_state(model))
+    found = fingerprint(model_state(model))
     if expected is not None and found != expected:
         raise GptkitError(f"the base model {base} has changed since the adapters were trained on it (its weights "
                           f"hash to {found[:12]}, the adapters expect {expected[:12]})")  # fmt: skip
@@ -81,7 +83,26 @@ def load_base(base: str | Path, expected: str | None = None,
 def adapted_model(settings: dict[str, Any], device: torch.device | str | None = None) -> tuple[nn.Module, Any]:
     """(the checked base in its training precision with fresh adapters, tokenizer) for a LoRA run's settings."""
     model, tokenizer, _ = load_base(settings["base"], settings["base_fingerprint"], device)
-    return lora_dir.adapt(model, settings), tokenizer
+    return lora.adapt(model, settings), tokenizer
+
+
+def export_hf(model_or_dir: GPT | str | Path, out_dir: str | Path, tokenizer: Any | None = None,
+              tokenizer_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
+              head: tuple[list[str], torch.Tensor] | None = None) -> Path:  # fmt: skip
+    """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) equal to the model.
+
+    model_or_dir is a GPT or a gptkit model directory (other formats: gptkit.load them first), whose tokenizer and
+    tokenizer_config.json (chat template, special-token names) come along unless given; dtype casts the weights of
+    a directory's model. head (labels, score weight) writes a sequence classifier instead of a causal LM, padding
+    with the end-of-text id. See gptkit.formats.hf.export_hf.
+    """
+    if isinstance(model_or_dir, (str, Path)):
+        model = modeldir.load_model_dir(model_or_dir, dtype=dtype)
+        tokenizer = tokenizer if tokenizer is not None else modeldir.load_model_tokenizer(model_or_dir)
+        tokenizer_config = tokenizer_config if tokenizer_config is not None else read_tokenizer_config(model_or_dir)
+    else:
+        model = model_or_dir
+    return hf.export_hf(model, out_dir, tokenizer=tokenizer, tokenizer_config=tokenizer_config, head=head)
 
 
 def chat_template(path: str | Path, tokenizer: Tokenizer | None) -> ChatTemplate:
@@ -99,9 +120,9 @@ def model_context(path: str | Path) -> int | None:
     try:
         kind = model_format(path)
         if kind in ("gptkit", "quantized"):
-            return modeldir.read_model_config(path).block_size
+            return read_model_config(path).block_size
         if kind == "lora":
-            return model_context(lora_dir.base_chain(path)[-1])
+            return model_context(lora.base_chain(path)[-1])
         return load(path)[0].config.block_size
     except GptkitError:
         return None

@@ -29,11 +29,11 @@ import numpy as np
 
 from gptkit.atomic import atomic_write_text, building_dir, sweep_staging
 from gptkit.chat import TOKENIZER_CONFIG, ChatTemplate
-from gptkit.data import EXAMPLE_FILES, META_FILE, SPLIT_FILES
+from gptkit.data import EXAMPLE_FILES, META_FILE, PROMPT_FILES, PROMPT_KIND, SPLIT_FILES
 from gptkit.errors import InputError
 from gptkit.finetune.examples import KINDS as EXAMPLE_KIND
 from gptkit.formats.gguf import gguf_tokenizer, is_gguf_file
-from gptkit.finetune.examples import SUPERVISED, ExampleEncoder, fit, row_format
+from gptkit.finetune.examples import SUPERVISED, ExampleEncoder, fit, is_prompt_row, row_format
 from gptkit.inputs import READ_CHUNK, Piece, Reader, first_record, records, resolve_inputs, row_kind
 from gptkit.tokenizer import (
     EOT,
@@ -104,8 +104,9 @@ class PrepareConfig:
     )  # fmt: skip
     max_length: int | None = field(
         default=None,
-        metadata=_flag("supervised examples: the most tokens an example may have (default: the context of the "
-                       f"model given as --tokenizer, else {DEFAULT_MAX_LENGTH})", "N"),
+        metadata=_flag("supervised examples and prompts: the most tokens an example or prompt may have (default: "
+                       f"the context of the model given as --tokenizer, else {DEFAULT_MAX_LENGTH}); a longer prompt "
+                       "is dropped", "N"),
     )  # fmt: skip
     overlong: str = field(
         default="truncate",
@@ -284,7 +285,7 @@ def _split_tail(stage: Path, dtype: str, total: int, val_fraction: float, length
 
 # The files a data set is made of; anything else found in an output directory is the user's and stays there.
 DATA_FILES = {META_FILE, *SPLIT_FILES.values(), *(n for f in EXAMPLE_FILES.values() for n in f.values()),
-              GPTKIT_FILE, HF_FILE, TOKENIZER_CONFIG}  # fmt: skip
+              *(f["rows"] for f in PROMPT_FILES.values()), GPTKIT_FILE, HF_FILE, TOKENIZER_CONFIG}  # fmt: skip
 
 
 def _owned(out: Path) -> Callable[[str], bool]:
@@ -327,7 +328,8 @@ def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
 
     formats = _example_formats(files, config)
     if any(fmt in SUPERVISED for fmt in formats.values()):
-        return _publish(out, config.out, lambda stage: _write_examples(stage, config, files, formats, started, progress))
+        write = _write_prompts if _example_kind(files, formats) == PROMPT_KIND else _write_examples
+        return _publish(out, config.out, lambda stage: write(stage, config, files, formats, started, progress))
     reader = Reader(files, config.errors, config.text_field)
     tokenizer = _train_pass(config.tokenizer, config, reader, progress, total_input)
     if config.tokenizer == "bpe" and tokenizer.vocab_size < config.vocab_size:
@@ -402,8 +404,8 @@ def _write_data_set(stage: Path, files: list[Path], reader: Reader, tokenizer: T
 
 
 def _example_formats(files: list[Path], config: PrepareConfig) -> dict[Path, str | None]:
-    """Each row file's format, told by the keys of its first row: "text" (its --text-field holds the text) or a
-    supervised one (gptkit.finetune.examples); plain text files are None."""
+    """Each row file's format, told by the keys of its first row: "text" (its --text-field holds the text), a
+    supervised one or "prompt" (gptkit.finetune.examples); plain text files are None."""
     formats: dict[Path, str | None] = {}
     for path in files:
         kind = row_kind(path)
@@ -412,7 +414,9 @@ def _example_formats(files: list[Path], config: PrepareConfig) -> dict[Path, str
             formats[path] = None if kind is None else "text"
             continue
         record, where = first
-        fmt = row_format(record)
+        # An explicit --text-field naming a field of the row asks for its text, even of a prompt row.
+        asked = config.text_field != "text" and isinstance(record, dict) and config.text_field in record
+        fmt = "prompt" if is_prompt_row(record) and not asked else row_format(record)
         if fmt not in SUPERVISED:
             if not (isinstance(record, dict) and isinstance(record.get(config.text_field), str)):
                 fields = ", ".join(map(repr, list(record)[:10])) if isinstance(record, dict) else "none"
@@ -470,11 +474,7 @@ def _context_of(tokenizer_source: str) -> int | None:
 def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], formats: dict[Path, str | None],
                     started: float, progress: bool) -> dict[str, Any]:  # fmt: skip
     """Encode supervised examples into stage's train/val token, trained-token and offset files (see gptkit.data)."""
-    plain = [str(p) for p in files if formats.get(p) is None]
-    if plain:
-        raise InputError(f"{plain[0]} is plain text, the other inputs supervised examples; prepare them separately "
-                         "(or give the text as {\"text\": ...} JSONL rows)")  # fmt: skip
-    kind = _data_kind(files, formats)
+    kind = _example_kind(files, formats)
     tokenizer, template = _example_tokenizer(config, lambda: _rows(files, formats, config.errors), progress)
     encoder = ExampleEncoder(tokenizer, template, config.loss_on)  # type: ignore[arg-type]
     max_length = config.max_length or _context_of(config.tokenizer) or DEFAULT_MAX_LENGTH
@@ -518,13 +518,7 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
     counts = _write_example_splits(temporaries, np.asarray(offsets, dtype=np.int64), val, stage, dtype, label_ids)
     for path in temporaries:
         path.unlink()
-    tokenizer.save(stage)
-    carried = Path(config.tokenizer) / TOKENIZER_CONFIG  # the chat template: training carries it into checkpoints
-    if config.tokenizer not in KINDS and carried.is_file():
-        shutil.copyfile(carried, stage / TOKENIZER_CONFIG)
-    elif template.source is not None:  # a GGUF file's template, written where training looks for it
-        config_json = {"chat_template": template.source, "eos_token": template.eos_token}
-        _write_synced(stage / TOKENIZER_CONFIG, [(json.dumps(config_json, indent=1) + "\n").encode()])
+    _save_tokenizer(stage, config, tokenizer, template)
     split_targets = {"train": int(np.delete(np.asarray(targets), val).sum()), "val": int(np.asarray(targets)[val].sum())}
     meta = {
         "format": META_FORMAT,
@@ -555,8 +549,117 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
     return _write_meta(stage, meta)
 
 
+def _save_tokenizer(stage: Path, config: PrepareConfig, tokenizer: Tokenizer, template: ChatTemplate) -> None:
+    """Save the tokenizer and the chat template the rows were rendered with (training carries it into checkpoints)."""
+    tokenizer.save(stage)
+    carried = Path(config.tokenizer) / TOKENIZER_CONFIG
+    if config.tokenizer not in KINDS and carried.is_file():
+        shutil.copyfile(carried, stage / TOKENIZER_CONFIG)
+    elif template.source is not None:  # a GGUF file's template, written where training looks for it
+        config_json = {"chat_template": template.source, "eos_token": template.eos_token}
+        _write_synced(stage / TOKENIZER_CONFIG, [(json.dumps(config_json, indent=1) + "\n").encode()])
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def _write_prompts(stage: Path, config: PrepareConfig, files: list[Path], formats: dict[Path, str | None],
+                   started: float, progress: bool) -> dict[str, Any]:  # fmt: skip
+    """Encode prompt rows into stage: per split, the token, mask (all zeros) and offset files examples have, and
+    the rows file, one {"text", "row"} JSON line per prompt (see gptkit.data.PROMPT_FILES)."""
+    tokenizer, template = _example_tokenizer(config, lambda: _rows(files, formats, config.errors), progress)
+    encoder = ExampleEncoder(tokenizer, template)
+    max_length = config.max_length or _context_of(config.tokenizer) or DEFAULT_MAX_LENGTH
+    dtype = _token_dtype(tokenizer.vocab_size)
+    temporaries = [stage / ".ids.tmp", stage / ".mask.tmp", stage / ".rows.tmp"]  # all prompts, before the split
+    offsets = [0]
+    dropped, first_dropped = 0, ""
+    with open(temporaries[0], "wb") as ids_file, open(temporaries[1], "wb") as mask_file, \
+            open(temporaries[2], "wb") as rows_file, \
+            _progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:  # fmt: skip
+        for record, _, where in _rows(files, formats, config.errors, bar.update):
+            text, ids = encoder.encode_prompt(record, where)
+            if len(ids) > max_length:  # dropped, never cut: a cut prompt asks another question
+                dropped += 1
+                first_dropped = first_dropped or where
+                continue
+            ids_file.write(ids.astype(dtype).tobytes())
+            mask_file.write(bytes(len(ids)))
+            rows_file.write(_prompt_line(text, record, where))
+            offsets.append(offsets[-1] + len(ids))
+    if len(offsets) == 1:
+        raise InputError(f"no prompt fits --max-length {max_length} (all {dropped} are longer); raise --max-length")
+    if dropped:
+        logger.warning("%d prompt(s) longer than %d tokens were dropped, not cut (a cut prompt asks another question; "
+                       "the first at %s); raise --max-length to keep them", dropped, max_length, first_dropped)
+    val = _val_examples(len(offsets) - 1, config.val_fraction)
+    counts = _write_example_splits(temporaries[:2], np.asarray(offsets, dtype=np.int64), val, stage, dtype, None)
+    row_bytes = _write_prompt_rows(temporaries[2], val, stage)
+    for path in temporaries:
+        path.unlink()
+    _save_tokenizer(stage, config, tokenizer, template)
+    meta = {
+        "format": META_FORMAT,
+        "format_version": META_VERSION,
+        "kind": PROMPT_KIND,
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": dtype,
+        "train_tokens": counts["train"][0],
+        "val_tokens": counts["val"][0],
+        "train_prompts": counts["train"][1],
+        "val_prompts": counts["val"][1],
+        "train_rows_bytes": row_bytes["train"],
+        "val_rows_bytes": row_bytes["val"],
+        "longest_prompt": int(np.diff(offsets).max()),
+        "tokenizer": tokenizer.kind,
+        "eos_id": tokenizer.eos_id,
+        "chat_template": template.source,
+        "max_length": max_length,
+        "dropped": dropped,
+        "val_fraction": config.val_fraction,
+        "errors": config.errors,
+        "inputs": [{"path": str(p), "bytes": p.stat().st_size, "format": formats[p]} for p in files],
+        "config": asdict(config),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    return _write_meta(stage, meta)
+
+
+def _prompt_line(text: str, record: Any, where: str) -> bytes:
+    """A prompt's line of the rows file: its text as the model sees it and its input row, every field kept."""
+    try:
+        return (json.dumps({"text": text, "row": record}, ensure_ascii=False) + "\n").encode("utf-8")
+    except (TypeError, ValueError) as err:  # a Parquet column of dates or bytes, say
+        raise InputError(f"{where}: the row holds a value JSON cannot store ({err}); make that field a string or a "
+                         "number") from None  # fmt: skip
+
+
+def _write_prompt_rows(source: Path, val: np.ndarray, stage: Path) -> dict[str, int]:
+    """Copy each prompt's line from source into its split's rows file in stage (fsynced before the swap); returns
+    {split: bytes written}."""
+    held_out = set(val.tolist())
+    names = {split: stage / files["rows"] for split, files in PROMPT_FILES.items()}
+    with open(source, "rb") as lines, open(names["train"], "wb") as train, open(names["val"], "wb") as held:
+        for i, line in enumerate(lines):
+            (held if i in held_out else train).write(line)
+        for sink in (train, held):
+            sink.flush()
+            os.fsync(sink.fileno())
+    return {split: path.stat().st_size for split, path in names.items()}
+
+
+def _example_kind(files: list[Path], formats: dict[Path, str | None]) -> str:
+    """The kind of data set the row files make (as _data_kind); a plain text file among them is an error."""
+    plain = [str(p) for p in files if formats.get(p) is None]
+    if plain:
+        raise InputError(f"{plain[0]} is plain text, the other inputs supervised examples or prompts; prepare them "
+                         "separately (or give the text as {\"text\": ...} JSONL rows)")  # fmt: skip
+    return _data_kind(files, formats)
+
+
 def _data_kind(files: list[Path], formats: dict[Path, str | None]) -> str:
-    """The kind of data set the row files make together (gptkit.data.EXAMPLE_KINDS); mixed kinds are an error."""
+    """The kind of data set the row files make together (gptkit.data.EXAMPLE_KINDS or PROMPT_KIND); mixed kinds are
+    an error."""
     kinds = {path: EXAMPLE_KIND[fmt] for path, fmt in formats.items() if fmt is not None}
     first = files[0]
     for path, kind in kinds.items():

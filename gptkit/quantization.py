@@ -19,7 +19,6 @@ gptkit.formats.quantized writes and reads such a directory.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch

@@ -23,6 +23,7 @@ import numpy as np
 
 from gptkit.atomic import atomic_write_text
 from gptkit.errors import GptkitError, InputError
+from gptkit.tensors import read_versioned_json
 
 EOT = "<|endoftext|>"
 GPTKIT_FILE = "gptkit_tokenizer.json"
@@ -516,14 +517,7 @@ def tokenizer_or_none(path: str | Path) -> Tokenizer | None:
 
 
 def _load_gptkit_file(path: Path) -> Tokenizer:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise GptkitError(f"cannot read {path}: {err}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise GptkitError(f"{path} is not a gptkit tokenizer file (no \"format\": \"{FORMAT}\")")
-    if data.get("format_version", 0) > FORMAT_VERSION:
-        raise GptkitError(f"{path} was written by a newer gptkit (format_version {data['format_version']})")
+    data = read_versioned_json(path, FORMAT, FORMAT_VERSION, "gptkit tokenizer file")
     kind = data.get("kind")
     try:
         if kind == "char":

@@ -1,4 +1,4 @@
-"""The training loop: AdamW on next-token loss, with evaluation, metrics, checkpoints, exact resume and fault skips.
+"""The training loop: AdamW on an objective's loss, with evaluation, metrics, checkpoints, exact resume and fault skips.
 
 The step never waits on the device except every log_interval steps (and at evaluations and checkpoints): the
 loss, gradient norm and fault counters stay on the device until then, and a non-finite step is skipped by the
@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,34 +20,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 from torch import Tensor
 
 from gptkit.accounting import training_flops_per_token
-from gptkit.atomic import atomic_write, atomic_write_text
-from gptkit.chat import TOKENIZER_CONFIG, load_chat_template
+from gptkit.atomic import atomic_write_text
+from gptkit.chat import TOKENIZER_CONFIG
 from gptkit.checkpoint import (
-    CHECKPOINTS,
-    LATEST,
-    STEP_DIR,
     CheckpointError,
-    checkpoint_dirs,
     full_tensor,
-    has_manifest,
+    local_tensor,
     latest_checkpoint,
     load_checkpoint,
-    load_weights,
-    read_latest,
+    read_history,
     remove_stale_temporaries,
+    resume_point,
     rewind,
     rng_state,
     save_checkpoint,
-    unverifiable,
-    verify_checkpoint,
 )
-from gptkit.devices import gpu_peak_flops, pick_device
+from gptkit.data import Batches, load_run_data
+from gptkit.devices import autocast_for, check_precision, peak_flops, pick_device
 from gptkit.distributed import (
     RankBatches,
     World,
@@ -62,35 +55,19 @@ from gptkit.distributed import (
     world_from_env,
     wrap,
 )
-from gptkit.data import Batch, ExampleBatches, Examples, TrainBatches, is_examples, load_examples
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.finetune.heads import SequenceClassifier, load_head_weights, save_head
-from gptkit.finetune.lora import adapters_disabled, load_lora_state
-from gptkit.finetune.objectives import Classification, LanguageModeling, Objective, Preference
-from gptkit.finetune.objectives import evaluate as evaluate_objective
-from gptkit.finetune.lora_dir import WEIGHTS_FILE as LORA_WEIGHTS
-from gptkit.finetune.lora_dir import adapt, is_lora_dir, read_lora_config, write_lora_dir
+from gptkit.finetune.catalogue import method_for, objective_for
+from gptkit.finetune.parts import Setup
 from gptkit.model import GPT
-from gptkit.observe.training import Observer, plot_run
-from gptkit.formats.modeldir import load_model_tokenizer, load_tensors, read_model_config, save_model_dir
-from gptkit.loading import adapted_model, load, load_base
+from gptkit.observe.run_log import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, RunLog
+from gptkit.observe.training import Observer
 from gptkit.optim import lr_at, make_optimizer
 from gptkit.tokenizer import check_same_tokenizer
-from gptkit.train_config import RunConfig, TrainConfig, resolve_model
+from gptkit.train_config import RunConfig
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
-PLOT_FILE = "loss.png"
-
-# On CPU, MFU is measured against this CPU's own matmul (CPUs differ too much for one table of peaks): the best of
-# a few square products of this size, about 0.1 s at start. The 2-core reference machine gives fp32 260 GFLOP/s and
-# bf16 135 (PyTorch 2.13 without AMX); a fixed 146 / 349 used before overstated fp32 MFU about twice. A GPU of
-# gptkit.devices.GPU_PEAK_FLOPS is measured against its datasheet; other devices show MFU only when train.peak_flops
-# is set.
-PEAK_MATMUL_SIZE = 1024
 
 
 class TrainingStopped(GptkitError):
@@ -107,118 +84,6 @@ class TrainResult:
     val_loss: float | None
     skipped_steps: int
     interrupted: bool
-
-
-def autocast_for(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    """The mixed-precision context of the forward pass (a no-op for float32)."""
-    if dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=getattr(torch, dtype))
-
-
-def peak_flops(device: torch.device, dtype: str, override: float | None) -> float | None:
-    """Peak FLOP/s for MFU: the override, else a CPU's measured matmul rate or a known GPU's datasheet rate, else
-    unknown (None)."""
-    if override is not None:
-        return override
-    if device.type == "cpu":
-        return measured_cpu_matmul_flops(getattr(torch, dtype))
-    return gpu_peak_flops(device, getattr(torch, dtype))
-
-
-def measured_cpu_matmul_flops(dtype: torch.dtype, repeats: int = 10) -> float:
-    """This CPU's dense matmul FLOP/s in dtype at the current thread count: the best of a few square products."""
-    n = PEAK_MATMUL_SIZE
-    own = torch.Generator().manual_seed(0)  # the global RNG stays untouched: resumed runs replay it exactly
-    a, b = torch.randn(n, n, generator=own).to(dtype), torch.randn(n, n, generator=own).to(dtype)
-    a @ b  # first-call set-up (thread pool, packing buffers) is not the rate
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
-def bytes_per_token(meta: dict[str, Any], split: str, tokens: np.ndarray, tokenizer: Any | None) -> float | None:
-    """UTF-8 bytes of text per token of a split, for bits per byte (SPEC section 3): from meta.json or counted."""
-    if isinstance(meta.get(f"{split}_bytes"), int) and len(tokens):
-        return meta[f"{split}_bytes"] / len(tokens)
-    if tokenizer is None or not len(tokens):
-        return None
-    lengths = np.asarray(tokenizer.token_byte_lengths(), dtype=np.float64)
-    counts = np.bincount(np.asarray(tokens), minlength=len(lengths))[: len(lengths)]
-    return float(counts @ lengths) / len(tokens)
-
-
-class Batches:
-    """Training batches moved to the device one step ahead, with the loader state that reproduces the next one."""
-
-    def __init__(self, loader: Any, device: torch.device) -> None:
-        self.loader = loader
-        self.device = device
-        self._pending = self._fetch()
-
-    def _fetch(self) -> tuple[dict[str, Any], Batch]:
-        state = self.loader.state_dict()
-        batch = self.loader.next_batch()
-        if isinstance(batch, tuple):  # a text window (TrainBatches): every target trains
-            batch = Batch(*batch, units=batch[0].numel(), tokens=batch[0].numel())
-        if self.device.type != "cpu":
-            batch = batch.to(lambda tensor: _to_device(tensor, self.device))
-        return state, batch
-
-    def next(self) -> Batch:
-        """The next batch; the one after it is fetched at once, while the device works on this one."""
-        _, batch = self._pending
-        self._pending = self._fetch()
-        return batch
-
-    def state_dict(self) -> dict[str, Any]:
-        """The loader state whose next batch is the next one this object hands out."""
-        return self._pending[0]
-
-
-def _to_device(tensor: Tensor, device: torch.device) -> Tensor:
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)  # pinned host memory: the copy overlaps the step
-
-
-# Evaluation forwards up to this many tokens at once (at least one training batch): bigger matrix products run
-# faster per token on CPU, and the mean over equal-size windows is the same however they are grouped.
-EVAL_TOKENS = 8192
-
-
-@torch.no_grad()  # not inference_mode: FSDP2 reuses its all-gather buffers in the next training step
-def evaluate(model: torch.nn.Module, tokens: np.ndarray, train: TrainConfig, block_size: int, seed: int,
-             device: torch.device, dtype: str) -> float:
-    """Mean loss over eval_iters x batch_size fixed windows of a split (the same windows at every evaluation)."""
-    batches = TrainBatches(tokens, block_size, train.batch_size, seed)
-    x, y = (torch.cat(parts) for parts in zip(*(batches.next_batch() for _ in range(train.eval_iters))))
-    chunk = max(train.batch_size, EVAL_TOKENS // block_size)
-    total = torch.zeros((), device=device)
-    for start in range(0, len(x), chunk):
-        xb, yb = x[start : start + chunk].to(device), y[start : start + chunk].to(device)
-        with autocast_for(device, dtype):
-            total += model(xb, targets=yb).float() * len(xb)
-    return (total / len(x)).item()
-
-
-def read_history(path: Path, up_to: int) -> list[dict[str, Any]]:
-    """The metrics records of a run up to step `up_to` (later ones belong to steps a resume will redo)."""
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_bytes().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a kill, or damaged (invalid UTF-8 is a ValueError too)
-        step = record.get("step") if isinstance(record, dict) else None
-        if isinstance(step, int) and step <= up_to:
-            records.append(record)
-    return records
 
 
 @contextlib.contextmanager
@@ -242,159 +107,6 @@ def stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(sig, old)
 
 
-def load_data(data_dir: str | None) -> tuple[dict[str, Any], np.ndarray, np.ndarray, Any | None]:
-    """(meta, train tokens, val tokens, tokenizer) of a prepared data directory; errors name what is missing."""
-    from gptkit.data import SPLIT_FILES, load_tokens, read_meta
-    from gptkit.tokenizer import tokenizer_or_none
-
-    if data_dir is None:
-        raise ConfigError("no data: pass --data DIR (a directory made by `gptkit prepare`) or set train.data_dir")
-    meta = read_meta(data_dir)
-    train_tokens = load_tokens(Path(data_dir) / SPLIT_FILES["train"], meta["dtype"])
-    val_tokens = load_tokens(Path(data_dir) / SPLIT_FILES["val"], meta["dtype"])
-    return meta, train_tokens, val_tokens, tokenizer_or_none(data_dir)
-
-
-# Splits up to this many tokens are checked whole; larger ones (made by `gptkit prepare`, which writes only ids
-# of its tokenizer) by their first and last chunks, so that starting a large run does not read it all.
-FULL_CHECK_TOKENS = 1 << 28
-CHECK_CHUNK = 1 << 24
-
-
-def check_tokens(name: str, tokens: np.ndarray, vocab_size: int, block_size: int) -> None:
-    """Each split must be long enough for one window and hold only ids inside the vocabulary (the model skips it)."""
-    if len(tokens) == 0 and name.startswith("val"):
-        raise GptkitError(f"{name} is empty (data prepared with --val-fraction 0): training evaluates on it; "
-                          "prepare the data again with --val-fraction above 0")  # fmt: skip
-    if len(tokens) < block_size + 1:
-        raise GptkitError(
-            f"{name} has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}; "
-            "lower model.block_size or prepare more text"
-        )
-    if len(tokens) <= FULL_CHECK_TOKENS:
-        starts = range(0, len(tokens), CHECK_CHUNK)
-    else:
-        starts = [0, len(tokens) - CHECK_CHUNK]
-    top = max(int(tokens[i : i + CHECK_CHUNK].max()) for i in starts)
-    if top >= vocab_size:
-        raise GptkitError(f"{name} holds token id {top}, outside the vocabulary of {vocab_size}; re-prepare the data")
-
-
-@dataclass
-class RunModel:
-    """The model a run trains and what comes with it."""
-
-    model: GPT
-    tokenizer: Any | None  # the model's own (init_from's or the checkpoint's), None for a fresh model
-    template_dir: str | None  # the directory whose chat template the model carries (init_from or the checkpoint)
-    lora: dict[str, Any] | None = None  # a LoRA run's settings (gptkit.finetune.lora_dir), None for full training
-
-
-def check_examples(meta: dict[str, Any], examples: tuple[Examples, Examples], vocab_size: int,
-                   template_dir: Path) -> None:  # fmt: skip
-    """Supervised examples must hold ids of the vocabulary, and have been rendered with the run's chat template
-    (the one it will be served with)."""
-    for name, split in zip(("train", "val"), examples):
-        if len(split) == 0 and name == "val":
-            raise GptkitError("the data set has no validation examples (prepared with --val-fraction 0): training "
-                              "evaluates on them; prepare the data again with --val-fraction above 0")  # fmt: skip
-        if len(split.ids) and int(split.ids.max()) >= vocab_size:
-            raise GptkitError(f"{name} examples hold token id {int(split.ids.max())}, outside the vocabulary of "
-                              f"{vocab_size}; re-prepare the data")  # fmt: skip
-    own = load_chat_template(template_dir).source
-    if meta.get("chat_template") != own:
-        raise GptkitError(
-            f"the examples were rendered with {'a different' if meta.get('chat_template') else 'the default'} chat "
-            f"template than the model's ({template_dir}); prepare them again with --tokenizer {template_dir}"
-        )
-
-
-def build_model(config: RunConfig, vocab_size: int) -> RunModel:
-    """A fresh model, or init_from's weights for fine-tuning (with LoRA: frozen, in their precision, adapted)."""
-    section, finetune = config.model, config.finetune
-    if section.init_from is None:
-        return RunModel(GPT(resolve_model(section, vocab_size)), None, None)
-    lora = finetune.method == "lora"
-    pretrained, tokenizer, fingerprint = load_base(section.init_from) if lora else (*load(section.init_from), None)
-    model_config = resolve_model(section, vocab_size, init_config=pretrained.config)
-    if model_config == pretrained.config:
-        model = pretrained.train()
-    else:
-        model = GPT(model_config)  # only dropout differs
-        model.load_state_dict(pretrained.state_dict())
-    if not lora:
-        return RunModel(model, tokenizer, section.init_from)
-    settings = {"base": str(Path(section.init_from).resolve()), "base_fingerprint": fingerprint,
-                "rank": finetune.lora_rank, "alpha": finetune.lora_alpha, "dropout": finetune.lora_dropout,
-                "targets": finetune.lora_targets, "base_precision": finetune.base_precision}  # fmt: skip
-    return RunModel(adapt(model, settings), tokenizer, section.init_from, settings)
-
-
-def resume_model(checkpoint: Path) -> RunModel:
-    """The model of a run's checkpoint, built as the run built it (its weights are loaded with the optimiser)."""
-    if is_lora_dir(checkpoint):
-        settings = read_lora_config(checkpoint)
-        model, tokenizer = adapted_model(settings)
-        settings = {k: v for k, v in settings.items() if k not in ("format", "format_version")}
-        return RunModel(model, tokenizer, str(checkpoint), settings)
-    return RunModel(GPT(read_model_config(checkpoint)), load_model_tokenizer(checkpoint), str(checkpoint))
-
-
-def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = None) -> Path | None:
-    """The checkpoint a run continues from: None for a new run; resume_from, verified; or the newest that verifies.
-
-    Passing over a damaged, incomplete or unverifiable (manifest-less) checkpoint is said in one warning line, and
-    so is a `latest` file that names no checkpoint here; with resume_from, damage is an error naming it, and a
-    checkpoint without a manifest is taken with a warning.
-    """
-    if resume_from is not None:
-        path = Path(resume_from)
-        if not STEP_DIR.fullmatch(path.name) or path.resolve().parent != (run_dir / CHECKPOINTS).resolve():
-            raise ConfigError(f"--resume-from {path} is not a checkpoint of the run {run_dir} "
-                              f"(a directory {run_dir / CHECKPOINTS}/step-N)")  # fmt: skip
-        if not path.is_dir():
-            raise CheckpointError(f"--resume-from {path} does not exist")
-        if not verify_checkpoint(path):
-            logger.warning("%s; continuing from it all the same, as --resume-from names it", unverifiable(path))
-        return run_dir / CHECKPOINTS / path.name
-    if not resume:
-        if latest_checkpoint(run_dir) is not None:
-            raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it, or choose another --out")
-        return None
-    skipped: list[str] = []
-    checkpoint = latest_checkpoint(run_dir, verify=True, skipped=skipped)
-    if checkpoint is None:
-        if skipped:
-            raise CheckpointError(f"no checkpoint of {run_dir} can be resumed from: {'; '.join(skipped)}")
-        raise CheckpointError(f"{run_dir} has no checkpoint to resume from (a run stopped before its first "
-                              "checkpoint starts again without --resume)")  # fmt: skip
-    newer = " (the newer ones are removed)" if checkpoint_dirs(run_dir)[0] != checkpoint else ""
-    if not has_manifest(checkpoint):  # (skipped ends with why it cannot be verified)
-        logger.warning("%s; resuming from %s all the same, as no checkpoint of the run verifies%s",
-                       "; ".join(skipped), checkpoint, newer)  # fmt: skip
-    elif skipped:
-        logger.warning("%s; resuming from %s, the newest checkpoint that verifies%s", "; ".join(skipped), checkpoint,
-                       newer)  # fmt: skip
-    warn_about_latest(run_dir, checkpoint)
-    return checkpoint
-
-
-def warn_about_latest(run_dir: Path, checkpoint: Path) -> None:
-    """Warn when the run's `latest` file names no checkpoint of it, saying which one the run continues from.
-
-    (`latest` naming an older checkpoint than the newest complete one is a kill before it was updated: not warned.)
-    """
-    latest = run_dir / LATEST
-    if not latest.exists():
-        return
-    named = read_latest(run_dir)
-    if named is None:
-        logger.warning("%s does not name a checkpoint inside %s (ignored); resuming from %s", latest, CHECKPOINTS,
-                       checkpoint)  # fmt: skip
-    elif not named.is_dir():
-        logger.warning("%s names %s, which does not exist (ignored); resuming from %s", latest, named, checkpoint)
-
-
 def train(config: RunConfig, resume: bool = False, progress: bool = True,
           resume_from: str | Path | None = None) -> TrainResult:  # fmt: skip
     """Run (or, with resume, continue) the training described by config; returns where it ended.
@@ -415,121 +127,124 @@ def train(config: RunConfig, resume: bool = False, progress: bool = True,
 
 
 class Trainer:
-    """One run: everything is checked and built in __init__ (errors come before any work), run() trains."""
+    """One run: everything is checked and built in __init__ (errors come before any work), run() trains.
+
+    The run's method (what trains) and objective (what it minimises) come from gptkit.finetune.catalogue; the loop
+    knows them only through their interfaces (gptkit.finetune.parts)."""
 
     def __init__(self, config: RunConfig, resume: bool, world: World | None = None,
                  device: torch.device | None = None, resume_from: str | Path | None = None) -> None:  # fmt: skip
-        t = self.t = config.train
+        self.config, self.t, self.o = config, config.train, config.optim
         self.world = world if world is not None else World()
-        self.o = config.optim
-        if t.out_dir is None:
-            raise ConfigError("no run directory: pass --out RUN_DIR or set train.out_dir")
-        config.validate()
-        self.run_dir = Path(t.out_dir)
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise ConfigError(f"--out {self.run_dir} is a file; give a directory for the run")
-        self.meta, self.train_tokens, self.val_tokens, tokenizer = load_data(t.data_dir)
-        vocab_size = self.meta["vocab_size"]
+        self.run_dir = config.run_dir()
+        self.data = load_run_data(self.t.data_dir)
         checkpoint = resume_point(self.run_dir, resume or resume_from is not None, resume_from)
-        self.device = device if device is not None else pick_device(t.device, "train.device")
-        if t.dtype == "float16" and self.device.type != "cuda":
-            raise ConfigError(f"train.dtype float16 needs CUDA (gradient scaling); on {self.device.type} use "
-                              "bfloat16 or float32")  # fmt: skip
+        self.device = device if device is not None else pick_device(self.t.device, "train.device")
+        check_precision(self.t.dtype, self.device)
+        self.method = method_for(config)
+        self.build_model(checkpoint)
+        self.build_objective()
+        self.build_optimizer()
+        self.open_run_directory(checkpoint, resume_from)
+        self.restore(checkpoint)
+        self.write_run_files(checkpoint)
+        self.start_counters()
 
-        torch.manual_seed(t.seed)  # initial weights and dropout; a resumed run restores its generator state instead
-        run = resume_model(checkpoint) if checkpoint is not None else build_model(config, vocab_size)
-        model = run.model
-        if model.config.vocab_size != vocab_size:
-            raise ConfigError(f"the run's model has vocab_size {model.config.vocab_size}, the data {vocab_size}")
-        if tokenizer is not None and run.tokenizer is not None:
-            check_same_tokenizer(tokenizer, run.tokenizer, str(t.data_dir), str(run.template_dir))
-        self.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer  # the model's keeps its eos ids
-        self.lora = run.lora
-        if self.lora is not None and t.parallel == "fsdp":
-            raise ConfigError("finetune.method lora trains under train.parallel ddp (FSDP would shard only the "
-                              "small adapters' updates); use ddp")  # fmt: skip
+    def build_model(self, checkpoint: Path | None) -> None:
+        """The model (a fresh one, the one to fine-tune, or the checkpoint's), its tokenizer and chat template."""
+        torch.manual_seed(self.t.seed)  # initial weights and dropout; a resumed run restores its generator state
+        vocab_size = self.data.meta["vocab_size"]
+        run = self.method.resume(checkpoint) if checkpoint is not None else self.method.build(self.config, vocab_size)
+        if run.gpt.config.vocab_size != vocab_size:
+            raise ConfigError(f"the run's model has vocab_size {run.gpt.config.vocab_size}, the data {vocab_size}")
+        if self.data.tokenizer is not None and run.tokenizer is not None:
+            check_same_tokenizer(self.data.tokenizer, run.tokenizer, str(self.t.data_dir), str(run.template_dir))
+        self.tokenizer = run.tokenizer if run.tokenizer is not None else self.data.tokenizer  # the model's: its eos
         # The chat template the model carries, into every checkpoint: the model's own, else the data's.
-        template_dir = Path(run.template_dir or t.data_dir)
-        if not (template_dir / TOKENIZER_CONFIG).is_file():
-            template_dir = Path(t.data_dir)
-        tokenizer_config = template_dir / TOKENIZER_CONFIG
+        self.template_dir = Path(run.template_dir or self.t.data_dir)
+        if not (self.template_dir / TOKENIZER_CONFIG).is_file():
+            self.template_dir = Path(self.t.data_dir)
+        tokenizer_config = self.template_dir / TOKENIZER_CONFIG
         self.tokenizer_config = tokenizer_config.read_bytes() if tokenizer_config.is_file() else None
-        self.block_size = model.config.block_size
-        self.examples: tuple[Examples, Examples] | None = None
-        if is_examples(self.meta):
-            self.examples = (load_examples(t.data_dir, "train", self.meta), load_examples(t.data_dir, "val", self.meta))
-            check_examples(self.meta, self.examples, vocab_size, template_dir)
-        else:
-            check_tokens("train.bin", self.train_tokens, vocab_size, self.block_size)
-            check_tokens("val.bin", self.val_tokens, vocab_size, self.block_size)
-        self.objective_name = config.finetune.objective
-        check_objective(self.objective_name, self.meta, str(t.data_dir))
-        self.gpt = model
-        sharded = t.parallel == "fsdp" and self.world.distributed
-        self.observer = Observer(t, self.run_dir, model, self.tokenizer, self.val_tokens, self.examples,
-                                 self.objective_name, self.world.is_main, sharded)  # fmt: skip
-        if self.objective_name == "classify":  # the head wraps the model; the optimiser and checkpoints hold both
-            model = SequenceClassifier(model, self.meta["labels"])
+        self.gpt = run.gpt
+        self.block_size = self.gpt.config.block_size
 
-        self.model = model.to(self.device)
-        self.gpt.check_inputs = False  # the data were checked above; the check would sync the device every step
-        self.gpt.checkpoint_blocks = t.activation_checkpointing
-        model.train()
-        self.objective = self.make_objective(config)
+    def build_objective(self) -> None:
+        """The objective over the data and model, the module that trains, and what watches the run."""
+        setup = Setup(self.config, self.data, self.gpt, self.tokenizer, self.method, self.device, self.world,
+                      self.template_dir)  # fmt: skip
+        self.objective = objective_for(setup)
+        val_tokens = self.data.val if self.data.kind == "text" else None
+        examples = self.data.val if self.data.kind == "examples" else None
+        self.observer = Observer(self.t, self.run_dir, self.gpt, self.tokenizer, val_tokens, examples,
+                                 self.config.finetune.objective, self.world.is_main, setup.sharded)  # fmt: skip
+        self.model = self.objective.wrap(self.gpt).to(self.device)  # a head is made with the model's generator
+        self.gpt.check_inputs = False  # the data were checked; the check would sync the device every step
+        self.gpt.checkpoint_blocks = self.t.activation_checkpointing
+        self.model.train()
+
+    def build_optimizer(self) -> None:
+        """The data-parallel wrapper, AdamW over what trains, the fp16 gradient scaler and the batch stream."""
         if self.world.rank:  # the same initial weights on every rank (above), but each rank its own dropout
-            torch.manual_seed(t.seed + 7919 * self.world.rank)
+            torch.manual_seed(self.t.seed + 7919 * self.world.rank)
         # DDP keeps the parameters; FSDP turns them into shards (DTensors), so it wraps before the optimiser.
-        self.wrapped = wrap(model, self.world, t.parallel, self.device)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.names = {p: n for n, p in model.named_parameters()}
-        self.optimizer, self.fused = make_optimizer(model, self.o)
-        self.scaler = torch.amp.GradScaler("cuda") if t.dtype == "float16" else None
+        self.wrapped = wrap(self.model, self.world, self.t.parallel, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.names = {p: n for n, p in self.model.named_parameters()}
+        self.optimizer, self.fused = make_optimizer(self.model, self.o)
+        self.scaler = torch.amp.GradScaler("cuda") if self.t.dtype == "float16" else None
         # Every rank reads one global stream (keyed by the seed alone) and takes its strided share of it.
-        if self.examples is not None:
-            stream: Any = ExampleBatches(self.examples[0], self.block_size, t.batch_size, t.seed,
-                                         config.finetune.packing, group=t.grad_accum * self.world.world_size)
-        else:
-            stream = TrainBatches(self.train_tokens, self.block_size, t.batch_size, t.seed)
-        loader = RankBatches(stream, self.world)
+        self.loader = RankBatches(self.objective.stream(self.t.grad_accum * self.world.world_size), self.world)
 
+    def open_run_directory(self, checkpoint: Path | None, resume_from: str | Path | None) -> None:
+        """Make the run directory; when resuming, drop temporaries and the checkpoints after the one resumed."""
+        if not self.world.is_main:
+            return
+        with self.writing(f"could not write the run directory {self.run_dir}"):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(self.run_dir)
+            dropped = rewind(self.run_dir, checkpoint) if checkpoint is not None else []
+        if dropped and resume_from is not None:  # (damaged ones passed over were named already)
+            logger.warning("continuing from %s: removed the later checkpoint(s) %s", checkpoint.name,
+                           ", ".join(p.name for p in dropped))  # fmt: skip
+
+    def restore(self, checkpoint: Path | None) -> None:
+        """Weights, optimiser, generators, batch position and the objective's state from the checkpoint."""
         self.step, self.elapsed_before, self.skipped_before = 0, 0.0, 0
         self.last_good = checkpoint
-        if self.world.is_main:
-            with self.writing(f"could not write the run directory {self.run_dir}"):
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                remove_stale_temporaries(self.run_dir)
-                dropped = rewind(self.run_dir, checkpoint) if checkpoint is not None else []
-            if dropped and resume_from is not None:  # (damaged ones passed over were named already)
-                logger.warning("continuing from %s: removed the later checkpoint(s) %s", checkpoint.name,
-                               ", ".join(p.name for p in dropped))  # fmt: skip
         if checkpoint is not None:
-            saved = load_checkpoint(checkpoint, model, self.optimizer, self.names, self.world.rank, self.read_model)
+            saved = load_checkpoint(checkpoint, self.model, self.optimizer, self.names, self.world.rank,
+                                    self.read_model)  # fmt: skip
             self.step, self.elapsed_before = saved["step"], saved.get("elapsed_s", 0.0)
             self.skipped_before = saved.get("skipped_steps", 0)
-            loader.load_state_dict(saved["loader"])
+            self.loader.load_state_dict(saved["loader"])
+            self.objective.load_state_dict(saved.get("objective") or {})
             if self.scaler is not None and saved.get("scaler"):
                 self.scaler.load_state_dict(saved["scaler"])
-        self.batches = Batches(loader, self.device)
+        self.batches = Batches(self.loader, self.device)
 
-        resolved = config.to_dict()
-        init_from = {"init_from": config.model.init_from} if config.model.init_from else {}
-        resolved["model"] = {**init_from, **model.config.to_dict()}
+    def write_run_files(self, checkpoint: Path | None) -> None:
+        """config.yaml (the resolved settings), metrics.jsonl as far as the checkpoint, and samples.jsonl."""
+        resolved = self.config.to_dict()
+        init_from = {"init_from": self.config.model.init_from} if self.config.model.init_from else {}
+        resolved["model"] = {**init_from, **self.gpt.config.to_dict()}
         header = "# The resolved settings of this run, written by gptkit train.\n"
         # Records after the checkpoint belong to steps this run is about to redo; a new run starts a new file.
-        self.history = read_history(self.run_dir / METRICS_FILE, self.step) if checkpoint is not None else []
-        self.tensorboard: Any = None  # a SummaryWriter while run() goes, with train.tensorboard
+        history = read_history(self.run_dir / METRICS_FILE, self.step) if checkpoint is not None else []
+        self.log = RunLog(self.run_dir, history, self.world.is_main, self.objective.task_metrics,
+                          self.objective.step_shown)  # fmt: skip
         if self.world.is_main:
             with self.writing(f"could not write {CONFIG_FILE} and {METRICS_FILE} in {self.run_dir}"):
                 atomic_write_text(self.run_dir / CONFIG_FILE, header + yaml.safe_dump(resolved, sort_keys=False))
-                atomic_write_text(self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.history))
+                atomic_write_text(self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in history))
                 self.observer.keep_samples(self.step if checkpoint is not None else None)
         barrier(self.world)  # no rank starts before rank 0 has made the run directory
 
-        self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
-        self.flops_per_token = training_flops_per_token(model.config)
-        self.peak = peak_flops(self.device, t.dtype, t.peak_flops)
-        self.val_bytes_per_token = None if self.examples is not None else \
-            bytes_per_token(self.meta, "val", self.val_tokens, self.tokenizer)  # fmt: skip
+    def start_counters(self) -> None:
+        """The compiled forward, the MFU figures, and the counters a step keeps on the device."""
+        self.forward = torch.compile(self.wrapped) if self.t.compile else self.wrapped
+        self.flops_per_token = training_flops_per_token(self.gpt.config)
+        self.peak = peak_flops(self.device, self.t.dtype, self.t.peak_flops)
         # Fault counters stay on the device, so no step waits to learn whether it was skipped.
         zero = torch.zeros((), device=self.device)
         self.bad_run, self.bad_run_max, self.bad_count = zero.clone(), zero.clone(), zero.clone()
@@ -537,28 +252,6 @@ class Trainer:
         self.tokens_seen = 0  # input tokens since the last logged step, on this rank
         self.step_stats: dict[str, Tensor] = {}  # the objective's statistics of the last step
         self.started = time.perf_counter()
-
-    def make_objective(self, config: RunConfig) -> Objective:
-        """The run's objective; DPO's reference is the starting model, frozen (with LoRA: adapters switched off)."""
-        finetune = config.finetune
-        if self.objective_name == "classify":
-            return Classification(finetune.lm_weight)
-        if self.objective_name == "lm":
-            return LanguageModeling()
-        if self.lora is not None:
-            gpt = self.gpt
-
-            def reference(ids: Tensor) -> Tensor:
-                with adapters_disabled(gpt), evaluation_mode(gpt):
-                    return gpt(ids)
-
-            return Preference(finetune.dpo_beta, reference, finetune.dpo_nll_weight)
-        frozen, _ = load(config.model.init_from)  # the model DPO started from, also when this run resumes
-        if frozen.config.vocab_size != self.gpt.config.vocab_size or frozen.config.n_embd != self.gpt.config.n_embd:
-            raise ConfigError(f"model.init_from {config.model.init_from} is not the model this run started from")
-        frozen = frozen.to(self.device).eval().requires_grad_(False)
-        frozen.check_inputs = False
-        return Preference(finetune.dpo_beta, frozen, finetune.dpo_nll_weight)
 
     def elapsed(self) -> float:
         """Training wall time of the whole run, across resumes."""
@@ -574,7 +267,6 @@ class Trainer:
         step_stats: dict[str, Tensor] = {}
         for micro in range(t.grad_accum):
             batch = self.batches.next()
-            self.tokens_seen += batch.tokens
             # The update's loss is the mean over all its units (trained targets, pairs, texts): micro-batches of
             # examples hold different numbers of them, so each counts by its share (the all-reduce averages over
             # ranks, hence world_size).
@@ -586,6 +278,7 @@ class Trainer:
                     loss, stats = self.objective.loss(self.forward, batch)
                     loss = loss * weight
                 (scaler.scale(loss) if scaler is not None else loss).backward()
+            self.tokens_seen += batch.tokens  # (after the loss: an objective that samples counts what it forwarded)
             loss_sum += loss.detach()
             for name, value in stats.items():
                 step_stats[name] = step_stats.get(name, 0) + value * weight
@@ -630,7 +323,7 @@ class Trainer:
         skipped = self.skipped_before + int(self.bad_count.item())
         if skipped != self.skipped:
             record["skipped_steps"] = skipped
-            self.note(f"step {self.step}: skipped {skipped - self.skipped} update(s) with a non-finite loss or "
+            self.log.note(f"step {self.step}: skipped {skipped - self.skipped} update(s) with a non-finite loss or "
                       f"gradient norm ({skipped} in all)")  # fmt: skip
             self.skipped = skipped
         streak = int(self.bad_run_max.item())
@@ -644,35 +337,14 @@ class Trainer:
         return record
 
     def evaluate_into(self, record: dict[str, Any]) -> None:
-        """Add train and validation loss, perplexity and bits per byte to record."""
-        t = self.t
+        """Add the objective's evaluation (losses, task metrics) and what the observer measures to record."""
         self.forward.eval()
-        extra: dict[str, float] = {}
-        if self.examples is not None:
-            train_examples, val_examples = self.examples
-            order = np.random.default_rng(t.seed + 1).permutation(train_examples.items())  # the same ones every time
-            limit = t.eval_iters * t.batch_size
-            with autocast_for(self.device, t.dtype):
-                train_m = evaluate_objective(self.objective, self.forward, train_examples, self.block_size,
-                                             t.batch_size, limit, order, self.device)  # fmt: skip
-                val_m = evaluate_objective(self.objective, self.forward, val_examples, self.block_size, t.batch_size,
-                                           limit, None, self.device)  # fmt: skip
-            train_loss, val_loss = train_m.pop("loss"), val_m.pop("loss")
-            extra = {f"val_{name}": value for name, value in val_m.items()}
-        else:
-            train_loss = evaluate(self.forward, self.train_tokens, t, self.block_size, t.seed + 1, self.device,
-                                  t.dtype)  # fmt: skip
-            val_loss = evaluate(self.forward, self.val_tokens, t, self.block_size, t.seed + 2, self.device, t.dtype)
+        record.update(self.objective.evaluate(self.forward))
         self.forward.train()
-        record.update(train_eval_loss=train_loss, val_loss=val_loss, **extra)
-        if self.objective_name == "lm":
-            record.update(train_eval_ppl=_exp(train_loss), val_ppl=_exp(val_loss))
-        line = f"step {self.step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}"
-        if "val_accuracy" in extra:
-            line += f", val accuracy {extra['val_accuracy']:.3f}"
-        if self.val_bytes_per_token:
-            record["val_bpb"] = val_loss / (math.log(2) * self.val_bytes_per_token)
-            line += f", val bpb {record['val_bpb']:.4f}"
+        shown = [("train_eval_loss", "train loss"), ("val_loss", "val loss"), ("val_bpb", "val bpb")]
+        shown += [(name, name.removeprefix("val_").replace("_", " ")) for name in self.objective.task_metrics]
+        line = f"step {self.step}: " + ", ".join(f"{label} {record[key]:.4g}" for key, label in shown
+                                                  if isinstance(record.get(key), float))  # fmt: skip
         observing = time.perf_counter()
         line += self.observer.measure_into(record)
         samples = []
@@ -682,21 +354,22 @@ class Trainer:
         if samples or self.observer.measures:
             record["observe_s"] = time.perf_counter() - observing  # what watching the run costs it
         for text in [line, *samples]:
-            self.note(text)
+            self.log.note(text)
         self.write(record)
-        if t.plot and self.world.is_main:
+        if self.t.plot:
             with self.writing(f"could not write {self.run_dir / PLOT_FILE}"):
-                plot_run(self.history, self.run_dir / PLOT_FILE)
+                self.log.plot()
 
     def save(self) -> Path:
         """Checkpoint the current step, unless the weights went bad (then the last good one stays the latest)."""
-        finite = bool(torch.stack([_local(p).detach().isfinite().all() for p in self.params]).all())
+        finite = bool(torch.stack([local_tensor(p).detach().isfinite().all() for p in self.params]).all())
         if any_rank(self.world, not finite, self.device):
             raise TrainingStopped(
                 f"weights became non-finite by step {self.step}; the last good checkpoint is {self.last_good}"
             )
         trainer = {"loader": self.batches.state_dict(), "elapsed_s": self.elapsed(), "skipped_steps": self.skipped,
-                   "scaler": self.scaler.state_dict() if self.scaler is not None else None}  # fmt: skip
+                   "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                   "objective": self.objective.state_dict()}  # fmt: skip
         # Each rank's generators, so that every rank's dropout resumes exactly (rank 0's keys unprefixed).
         rngs = gather_objects(self.world, rng_state())
         rng = {(f"rank{r}." if r else "") + k: v for r, state in enumerate(rngs) for k, v in state.items()}
@@ -732,44 +405,23 @@ class Trainer:
         return CheckpointError(f"{what}{reason}; the last intact checkpoint is {intact or 'none (none was written)'}")
 
     def write_model(self, module: torch.nn.Module, directory: Path) -> None:
-        """A checkpoint's model files: a model directory, or a LoRA run's adapters; with the chat template, and
-        a classifier's head beside them."""
-        gpt = module.gpt if isinstance(module, SequenceClassifier) else module
-        if self.lora is not None:
-            write_lora_dir(gpt, directory, self.lora, self.tokenizer_config)
-        else:
-            save_model_dir(gpt, directory, tokenizer=self.tokenizer)
-            if self.tokenizer_config is not None:
-                atomic_write(directory / TOKENIZER_CONFIG, lambda tmp: tmp.write_bytes(self.tokenizer_config))
-        if isinstance(module, SequenceClassifier):
-            save_head(module, directory)
+        """A checkpoint's model files: the method's (a model directory, or adapters), then the objective's (a head)."""
+        self.method.save(self.gpt_of(module), directory, self.tokenizer, self.tokenizer_config)
+        self.objective.save(module, directory)
 
     def read_model(self, module: torch.nn.Module, directory: Path) -> None:
         """Load what write_model wrote into the run's model, in place (the optimiser holds its parameters)."""
-        gpt = module.gpt if isinstance(module, SequenceClassifier) else module
-        if self.lora is not None:
-            load_lora_state(gpt, load_tensors(directory / LORA_WEIGHTS, self.device), str(directory))
-        else:
-            load_weights(gpt, directory)
-        if isinstance(module, SequenceClassifier):
-            load_head_weights(module, directory)
+        self.method.restore(self.gpt_of(module), directory)
+        self.objective.restore(module, directory)
 
-    def note(self, message: str) -> None:
-        """A line above the progress bar (evaluations, skipped steps); silent without a bar."""
-        if self.bar is not None:
-            self.bar.write(message, file=sys.stderr)
+    def gpt_of(self, module: torch.nn.Module) -> GPT:
+        """The GPT of a module that trains: itself, or the one inside what the objective wrapped around it."""
+        return module if isinstance(module, GPT) else module.gpt
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append a record to metrics.jsonl and the in-memory history the plot draws (rank 0 only)."""
-        if self.metrics is not None:
-            try:
-                _write(self.metrics, record, self.history)
-            except OSError as err:
-                raise self.io_error(f"could not append to {self.run_dir / METRICS_FILE}", err) from None
-        if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.tensorboard.add_scalar(key, value, record["step"])
+        """Append a record to the run's metrics (metrics.jsonl, TensorBoard, the plot's history)."""
+        with self.writing(f"could not append to {self.run_dir / METRICS_FILE}"):
+            self.log.write(record)
 
     def stop_requested(self, stop: threading.Event) -> bool:
         """Whether to stop now: at once in one process; across ranks, agreed at logged steps (a collective)."""
@@ -781,44 +433,34 @@ class Trainer:
 
     def run(self, progress: bool = True) -> TrainResult:
         """Train to max_steps (or until SIGINT/SIGTERM, which checkpoint first); return where the run ended."""
-        from tqdm import tqdm
-
         t = self.t
         with self.writing(f"could not open {self.run_dir / METRICS_FILE} or {TENSORBOARD_DIR}/ for writing"):
-            self.metrics = open(self.run_dir / METRICS_FILE, "a") if self.world.is_main else None
-            if t.tensorboard and self.world.is_main:
-                self.tensorboard = open_tensorboard(self.run_dir / TENSORBOARD_DIR)
-        self.bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", file=sys.stderr,
-                        dynamic_ncols=True, smoothing=0.1) if progress else None  # fmt: skip
+            self.log.open(t.tensorboard, progress, t.max_steps, self.step)
         interrupted, val_loss = False, None
         try:
             with stop_on_signals() as stop:
                 if self.step == 0 and t.eval_at_start:
                     record: dict[str, Any] = {"step": 0}
                     self.evaluate_into(record)
-                    val_loss = record["val_loss"]
+                    val_loss = record.get("val_loss")
                 window_start, self.tokens_seen = time.perf_counter(), 0
                 stopping = False
                 while self.step < t.max_steps and not stopping:
                     loss_sum, grad_norm, lr = self.train_step()
-                    if self.bar is not None:
-                        self.bar.update(1)
                     step = self.step
                     is_eval = step % t.eval_interval == 0 or step == t.max_steps
                     stopping = self.stop_requested(stop)
                     is_ckpt = step % t.checkpoint_interval == 0 or step == t.max_steps or stopping
                     if not (step % t.log_interval == 0 or is_eval or is_ckpt):
+                        self.log.step_done(None)
                         continue
                     # Input positions that are not padding, on every rank (each reads as many, near enough).
                     seen = self.tokens_seen * self.world.world_size
                     record = self.log_record(loss_sum, grad_norm, lr, seen, window_start)
-                    if self.bar is not None:
-                        mfu = f" MFU {100 * record['mfu']:.0f}%" if "mfu" in record else ""
-                        self.bar.set_postfix_str(f"loss {record['loss']:.4f} lr {lr:.2e} "
-                                                 f"{_si(record['tokens_per_s'])}tok/s{mfu}", refresh=False)  # fmt: skip
+                    self.log.step_done(record)
                     if is_eval:
                         self.evaluate_into(record)
-                        val_loss = record["val_loss"]
+                        val_loss = record.get("val_loss")
                     else:
                         self.write(record)
                     if is_ckpt:
@@ -832,76 +474,5 @@ class Trainer:
                 "or model.block_size, or use train.dtype bfloat16"
             ) from None
         finally:
-            if self.metrics is not None:
-                self.metrics.close()
-            if self.tensorboard is not None:
-                self.tensorboard.close()
-            if self.bar is not None:
-                self.bar.close()
+            self.log.close()
         return TrainResult(self.run_dir, self.step, self.last_good, val_loss, self.skipped, interrupted)
-
-
-# The data each objective trains on (gptkit.data.EXAMPLE_KINDS), and the rows prepare makes it from.
-OBJECTIVE_DATA = {"lm": ("examples", "text or supervised rows"), "dpo": ("preferences", '{"prompt", "chosen", '
-                  '"rejected"} rows'), "classify": ("labelled", '{"text", "label"} rows')}  # fmt: skip
-
-
-def check_objective(objective: str, meta: dict[str, Any], data_dir: str) -> None:
-    """A ConfigError unless the data set is what the objective trains on."""
-    kind = meta.get("kind", "text")
-    wanted, rows = OBJECTIVE_DATA[objective]
-    if kind == wanted or (objective == "lm" and not is_examples(meta)):
-        return
-    fits = next((name for name, (data, _) in OBJECTIVE_DATA.items() if data == kind), "lm")
-    raise ConfigError(f"finetune.objective {objective} trains on {wanted} (prepared from {rows}), but {data_dir} "
-                      f"holds {kind}: use finetune.objective {fits}, or prepare other data")  # fmt: skip
-
-
-@contextlib.contextmanager
-def evaluation_mode(module: torch.nn.Module) -> Iterator[None]:
-    """Within the block, module is in eval mode (no dropout); its mode is restored after."""
-    was = module.training
-    module.eval()
-    try:
-        yield
-    finally:
-        module.train(was)
-
-
-def open_tensorboard(log_dir: Path) -> Any:
-    """A TensorBoard SummaryWriter for log_dir; a clear error when the tensorboard package is missing."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError("train.tensorboard needs the tensorboard package: pip install tensorboard") from None
-    return SummaryWriter(log_dir=str(log_dir))
-
-
-def _write(file: Any, record: dict[str, Any], history: list[dict[str, Any]]) -> None:
-    """Append one metrics record (a line, flushed: a kill loses at most the line being written).
-
-    A non-finite number is written as null, since NaN and Infinity are not JSON.
-    """
-    record.update({k: None for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)})
-    file.write(json.dumps(record) + "\n")
-    file.flush()
-    history.append(record)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """A plain tensor: this rank's shard of an FSDP2 DTensor (a replicated one's whole value), else itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _exp(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else math.inf
-
-
-def _si(n: float) -> str:
-    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if n >= scale:
-            return f"{n / scale:.1f}{suffix} "
-    return f"{n:.0f} "
-

@@ -26,7 +26,7 @@ Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Parallel = Literal["ddp", "fsdp"]
 Method = Literal["full", "lora"]
-Objective = Literal["lm", "dpo", "classify"]
+Objective = Literal["lm", "dpo", "classify", "grpo"]
 BasePrecision = Literal["float32", "bfloat16", "int8"]
 LoraTargets = Literal["attention", "mlp", "all"]
 
@@ -57,7 +57,8 @@ class OptimConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of its range."""
         _check_range("optim.lr", self.lr, low=0.0, low_open=True)
-        _check_range("optim.min_lr", self.min_lr, low=0.0, high=self.lr, why="between 0 and optim.lr")
+        if self.schedule == "cosine":  # (a constant schedule never reaches min_lr)
+            _check_range("optim.min_lr", self.min_lr, low=0.0, high=self.lr, why="between 0 and optim.lr")
         _check_range("optim.warmup_steps", self.warmup_steps, low=0)
         if self.decay_steps is not None:
             _check_range("optim.decay_steps", self.decay_steps, low=1)
@@ -78,6 +79,7 @@ class TrainConfig:
     grad_accum: int = 1
     eval_interval: int = 250  # evaluate every this many steps (and at step 0 and at the end)
     eval_iters: int = 20  # batches per split in each evaluation
+    eval_examples: int = 32  # held-out examples (prompts) whose replies each evaluation generates and scores
     eval_at_start: bool = True  # also evaluate before the first step (a fresh run only)
     log_interval: int = 10  # read the loss from the device every this many steps
     checkpoint_interval: int = 1000
@@ -100,8 +102,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of its range."""
-        for key in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval",
-                    "checkpoint_interval", "keep_checkpoints", "max_bad_steps"):  # fmt: skip
+        for key in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters", "eval_examples",
+                    "log_interval", "checkpoint_interval", "keep_checkpoints", "max_bad_steps"):  # fmt: skip
             _check_range(f"train.{key}", getattr(self, key), low=1)
         _check_range("train.seed", self.seed, low=0)
         if self.peak_flops is not None:
@@ -126,10 +128,25 @@ class FinetuneConfig:
     lora_targets: LoraTargets = "all"  # the block layers adapted: attention (q, k, v and output), mlp, or all
     base_precision: BasePrecision = "float32"  # lora: the frozen base's weights (bfloat16 or int8 save memory)
     packing: bool = False  # supervised examples: several whole examples per row (attention kept apart) vs padding
-    objective: Objective = "lm"  # lm: next-token loss; dpo: preference pairs; classify: a label head (GPT-1)
+    objective: Objective = "lm"  # lm: next-token loss; dpo: preference pairs; classify: a label head (GPT-1);
+    #                              grpo: reinforcement learning from rewards on sampled completions of prompts
     dpo_beta: float = 0.1  # dpo: how far the policy may move from the reference (TRL's default)
     dpo_nll_weight: float = 0.0  # dpo: weight of the chosen replies' per-token NLL added (TRL's rpo_alpha; 0: off)
     lm_weight: float = 0.5  # classify: weight of the language-modelling loss beside the label's (GPT-1: 0.5)
+    reward: str = "exact_match"  # grpo: exact_match (the row's "answer"), regex:PATTERN, json_schema (the row's
+    #                              "schema") or module:function, called as function(prompt, completion, row)
+    group_size: int = 8  # grpo: completions sampled per prompt (G); advantages compare each with its group
+    completion_tokens: int = 64  # grpo: the longest completion sampled
+    kl_weight: float = 0.0  # grpo: weight of the KL penalty against the starting model (0: none, no reference)
+    scale_rewards: bool = True  # grpo: divide each group's advantages by its rewards' standard deviation
+    length_penalty: float = 0.0  # grpo: subtract this x completion length / completion_tokens from each reward
+    temperature: float = 1.0  # grpo: sampling temperature of the completions
+    top_k: int | None = None  # grpo: sample from the k most likely tokens only
+    top_p: float | None = None  # grpo: nucleus sampling
+    stop: list[str] | None = None  # grpo: strings that end a completion (the reward sees the text before)
+    json_schema: str | None = None  # grpo: a JSON schema file every completion is constrained to
+    eval_samples: int = 8  # grpo: completions per held-out prompt at evaluations (pass@1 and pass@eval_samples)
+    pass_reward: float = 1.0  # grpo: a completion passes when its reward (before the length penalty) reaches this
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of its range."""
@@ -139,6 +156,16 @@ class FinetuneConfig:
         _check_range("finetune.dpo_beta", self.dpo_beta, low=0.0, low_open=True)
         _check_range("finetune.dpo_nll_weight", self.dpo_nll_weight, low=0.0)
         _check_range("finetune.lm_weight", self.lm_weight, low=0.0)
+        for key in ("group_size", "completion_tokens", "eval_samples"):
+            _check_range(f"finetune.{key}", getattr(self, key), low=1)
+        for key in ("kl_weight", "length_penalty", "temperature"):
+            _check_range(f"finetune.{key}", getattr(self, key), low=0.0)
+        if self.top_k is not None:
+            _check_range("finetune.top_k", self.top_k, low=1)
+        if self.top_p is not None:
+            _check_range("finetune.top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"finetune.stop must be a list of non-empty strings, got {self.stop!r}")
         if self.method != "lora" and self.base_precision != "float32":
             raise ConfigError(f"finetune.base_precision {self.base_precision} needs finetune.method lora (a frozen "
                               "base); full fine-tuning trains every weight in float32")  # fmt: skip
@@ -181,6 +208,16 @@ class RunConfig:
         """The config as YAML text, in section order."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def run_dir(self) -> Path:
+        """The run directory, after checking every setting (a directory, or where one will be made)."""
+        if self.train.out_dir is None:
+            raise ConfigError("no run directory: pass --out RUN_DIR or set train.out_dir")
+        self.validate()
+        run_dir = Path(self.train.out_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ConfigError(f"--out {run_dir} is a file; give a directory for the run")
+        return run_dir
+
     def validate(self) -> None:
         """Raise ConfigError naming the first optim, train or finetune setting out of its range."""
         for name in SECTIONS:
@@ -190,6 +227,12 @@ class RunConfig:
         if self.finetune.objective == "dpo" and self.model.init_from is None:
             raise ConfigError("finetune.objective dpo aligns an existing model (its frozen copy is the reference): "
                               "set model.init_from")  # fmt: skip
+        if self.finetune.objective == "grpo" and self.model.init_from is None:
+            raise ConfigError("finetune.objective grpo improves a model that can already attempt the task (its "
+                              "sampled completions are the data): set model.init_from")  # fmt: skip
+        if self.finetune.method == "lora" and self.train.parallel == "fsdp":
+            raise ConfigError("finetune.method lora trains under train.parallel ddp (FSDP would shard only the "
+                              "small adapters' updates); use ddp")  # fmt: skip
         if self.finetune.objective != "lm" and self.train.parallel == "fsdp":
             raise ConfigError(f"finetune.objective {self.finetune.objective} trains under train.parallel ddp; use ddp")
 

@@ -1,16 +1,30 @@
-"""Weights put into a model: every loader (model directories, Hugging Face, GGUF) hands its tensors to
-load_state_into, which checks their names, shapes, kinds and finiteness once, naming the tensor at fault."""
+"""Weights put into a model and taken out of it: every loader (model directories, Hugging Face, GGUF) hands its
+tensors to load_state_into, which checks their names, shapes, kinds and finiteness once, naming the tensor at
+fault; every writer takes a model's weights from model_state."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from gptkit.errors import GptkitError
-from gptkit.model import GPT
+
+if TYPE_CHECKING:  # torch-free to import: gptkit.tensors' JSON readers serve the torch-free tokenizer
+    import torch
+
+    from gptkit.model import GPT
 
 
 class WeightsError(GptkitError):
     """Weights that do not fit the model or hold non-finite values; the message names the tensor."""
+
+
+def model_state(model: GPT) -> dict[str, torch.Tensor]:
+    """The weights to save: the state dict without the tied head's second name, without compile prefixes."""
+    module = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
+    state = module.state_dict()
+    if module.config.tie_embeddings:
+        state.pop("lm_head.weight")
+    return state
 
 
 def load_state_into(model: GPT, state: dict[str, torch.Tensor], source: str) -> GPT:
@@ -44,8 +58,8 @@ def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
     # Every loader passes its weights through here once: a NaN weight otherwise surfaces only later, as a NaN
     # probability in the middle of sampling. One isfinite pass per tensor costs little next to reading it.
     for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            bad = int((~tensor.isfinite()).sum())
             raise WeightsError(f"{source}: tensor {name!r} holds {bad} NaN or infinite value(s) of "
                                 f"{tensor.numel()} (a diverged run or a damaged file); load an earlier checkpoint "
                                 "or an intact copy")  # fmt: skip

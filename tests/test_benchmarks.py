@@ -48,11 +48,13 @@ def test_bench_finetune_smoke_run_reports_every_configuration():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert set(report["results"]) == {"gptkit full", "gptkit lora", "gptkit lora bf16 base", "gptkit lora int8 base",
-                                      "gptkit lora int8 ckpt", "hf+peft lora"}  # fmt: skip
+                                      "gptkit lora int8 ckpt", "hf+peft lora", "gptkit grpo G=1",
+                                      "gptkit grpo G=8"}  # fmt: skip
     lora = report["results"]["gptkit lora"]
     assert lora["trainable_params"] == report["results"]["hf+peft lora"]["trainable_params"]  # the same adapters
     assert report["results"]["gptkit full"]["trainable_params"] > lora["trainable_params"] > 0
     assert report["lora_speedup_over_peft"] > 0 and lora["peak_mb"] > 0 and report["int8_ckpt_lora_peak_vs_full"] > 0
+    assert report["grpo_g8_step_vs_g1"] > 0 and report["results"]["gptkit grpo G=8"]["completion_tokens"] >= 1
 
 
 def test_bench_checkpoint_smoke_run_saves_both_ways_and_verifies():

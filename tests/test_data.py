@@ -144,3 +144,51 @@ def test_batches_from_a_memory_mapped_file(tmp_path: Path) -> None:
     tokens = load_tokens(tmp_path / "t.bin", "uint32")
     x, y = TrainBatches(tokens, 32, 2, seed=0).next_batch()
     assert torch.equal(y - x, torch.ones_like(x))
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def _prompt_data(path: Path) -> dict:
+    from gptkit.prepare import PrepareConfig, prepare
+
+    rows = path.parent / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{n} times 2 is", "answer": 2 * n}) + "\n" for n in range(10)))
+    return prepare(PrepareConfig(out=str(path), inputs=[str(rows)], tokenizer="byte", val_fraction=0.2))
+
+
+def test_a_prompt_data_set_is_checked_and_loaded(tmp_path: Path) -> None:
+    from gptkit.data import EXAMPLE_KINDS, PROMPT_FILES, PROMPT_KIND, is_examples, load_prompts
+
+    data = tmp_path / "data"
+    _prompt_data(data)
+    meta = read_meta(data)
+    assert meta["kind"] == PROMPT_KIND and PROMPT_KIND not in EXAMPLE_KINDS and not is_examples(meta)
+    prompts = load_prompts(data, "val", meta)
+    assert len(prompts) == 2 and prompts.offsets.dtype == np.int64 and len(prompts.offsets) == 3
+    assert prompts.prompt(1) == list(prompts.texts[1].encode()) and prompts.rows[1]["answer"] % 2 == 0
+    with pytest.raises(IndexError):
+        prompts.prompt(2)
+    rows = data / PROMPT_FILES["train"]["rows"]
+    lines = rows.read_text().splitlines(keepends=True)
+    rows.write_text("".join(lines[:-1]))  # a line short
+    with pytest.raises(GptkitError, match=r"train.prompts.jsonl has \d+ bytes but meta.json promises \d+ bytes; rerun"):
+        read_meta(data)
+    with pytest.raises(GptkitError, match="train.prompts.jsonl holds 7 prompts but .*train.offsets.bin describes 8; "
+                                          "rerun gptkit prepare"):
+        load_prompts(data, "train", meta)
+    rows.write_text("".join(lines[:-1]) + "not json\n")
+    with pytest.raises(GptkitError, match=r"train.prompts.jsonl line 8 is not a \{\"text\", \"row\"\} object; rerun"):
+        load_prompts(data, "train", meta)
+    rows.unlink()
+    with pytest.raises(GptkitError, match="train.prompts.jsonl is missing but meta.json promises"):
+        read_meta(data)
+
+
+def test_read_meta_of_prompts_needs_their_counts(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    meta = _prompt_data(data)
+    del meta["val_prompts"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(GptkitError, match="field 'val_prompts' must be a non-negative integer, got None"):
+        read_meta(data)

@@ -18,7 +18,8 @@ from gptkit.checkpoint import LATEST, latest_checkpoint
 from gptkit.data import TrainBatches
 from gptkit.distributed import RankBatches, World, device_for, world_from_env
 from gptkit.errors import ConfigError
-from gptkit.formats.modeldir import load_model_dir, load_tensors
+from gptkit.formats.modeldir import load_model_dir
+from gptkit.tensors import load_tensors
 from gptkit.train import train
 from gptkit.train_config import from_sources
 

@@ -12,21 +12,23 @@ import pytest
 import torch
 from conftest import VARIANTS, same_run
 
+from gptkit.adapters import adapters, adapters_disabled, add_lora, fingerprint, lora_state, merge_lora
 from gptkit.chat import ChatTemplate, eos_text, load_chat_template
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.data import EXAMPLE_FILES, ExampleBatches, Examples, _example_rows, load_examples, read_meta
 from gptkit.errors import GptkitError, InputError
 from gptkit.finetune.examples import ExampleEncoder, row_format
-from gptkit.finetune.lora import adapters, adapters_disabled, add_lora, fingerprint, lora_state, merge_lora
-from gptkit.finetune.lora_dir import is_lora_dir, write_lora_dir, write_peft_dir
+from gptkit.formats.hf import hf_block_modules
+from gptkit.formats.lora import is_lora_dir, write_lora_dir, write_peft_dir
 from gptkit.loss import IGNORE_INDEX
 from gptkit.model import GPT
-from gptkit.formats.modeldir import model_state, save_model_dir
+from gptkit.formats.modeldir import save_model_dir
 from gptkit.loading import load
 from gptkit.tokenizer import EOT, BPETokenizer, ByteTokenizer, load_tokenizer
 from gptkit.train import train
 from gptkit.train_config import from_sources
+from gptkit.weights import model_state
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -276,7 +278,7 @@ def test_lora_starts_as_the_base_and_merges_exactly(name, device):
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])
 def test_adapters_train_over_a_bfloat16_or_int8_base(precision, device):
-    from gptkit.finetune.lora_dir import with_precision
+    from gptkit.formats.lora import with_precision
 
     model = with_precision(GPT(ModelConfig(**VARIANTS["gpt2"])).to(device), precision)
     add_lora(model, rank=4, alpha=8.0, dropout=0.0, targets="all")
@@ -312,13 +314,13 @@ def test_peft_loads_the_exported_adapters_with_gptkits_logits(name, tmp_path):
             adapter.lora_B.normal_(0, 0.2)
     settings = {"base": str(base_dir.resolve()), "base_fingerprint": fingerprint(model_state(load(base_dir)[0])),
                 "rank": 3, "alpha": 5.0, "dropout": 0.0, "targets": "all", "base_precision": "float32"}  # fmt: skip
-    lora_dir = write_lora_dir(model, tmp_path / "lora", settings)
-    write_peft_dir(lora_dir, tmp_path / "adapter", config)
+    adapters_dir = write_lora_dir(model, tmp_path / "lora", settings)
+    write_peft_dir(adapters_dir, tmp_path / "adapter", *hf_block_modules(config))
     hf = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf"), tmp_path / "adapter")
     ids = torch.randint(0, 257, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(ids).logits, model.eval()(ids), atol=1e-4, rtol=1e-4)
-        merged, _ = load(lora_dir)
+        merged, _ = load(adapters_dir)
         torch.testing.assert_close(merged(ids), model(ids), atol=1e-5, rtol=1e-5)
 
 

@@ -11,13 +11,14 @@ import pytest
 import torch
 from conftest import VARIANTS
 
+import gptkit
 from gptkit.cli import main as cli_main
 from gptkit.config import ModelConfig
 from gptkit.errors import GptkitError
 from gptkit.formats.hf import export_hf, gpt_from_hf_model, hf_model_from_gpt, load_hf
 from gptkit.model import GPT
-from gptkit.formats.modeldir import load_model_dir, model_state, save_model_dir
-from gptkit.weights import WeightsError
+from gptkit.formats.modeldir import load_model_dir, save_model_dir
+from gptkit.weights import WeightsError, model_state
 from gptkit.loading import load
 
 transformers = pytest.importorskip("transformers")
@@ -440,7 +441,7 @@ def test_eos_ids_of_the_hf_configs_end_generation_as_in_transformers(tmp_path) -
     # The list survives an import into a gptkit directory and an export back to Hugging Face.
     save_model_dir(model, tmp_path / "gptkit", tokenizer=tokenizer)
     assert load(tmp_path / "gptkit")[1].eos_ids == (im_end, second_eos)
-    export_hf(tmp_path / "gptkit", tmp_path / "back")
+    gptkit.export_hf(tmp_path / "gptkit", tmp_path / "back")  # a directory: loaded, then exported
     assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == [im_end, second_eos]
     with pytest.raises(GptkitError, match="eos_id must be a token id"):
         generate_ids(model, prompt, max_new_tokens=2, eos_id=["x"])

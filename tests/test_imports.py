@@ -100,16 +100,45 @@ def test_no_import_cycle_in_gptkit():
     assert cycles(graph) == []
 
 
+def _imported_by_name(tree: ast.AST) -> set[str]:
+    """Module names a source imports by string (importlib.import_module("x"), __import__("x"))."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.add(node.args[0].value)
+    return found
+
+
 def test_each_format_module_imports_no_other_format_and_nothing_imports_loading_from_below():
     graph = import_graph()
-    formats = {m for m in graph if m.startswith("gptkit.formats.") and m != "gptkit.formats"}
-    assert {"gptkit.formats.gguf", "gptkit.formats.hf", "gptkit.formats.modeldir"} <= formats
-    # a quantised directory is a gptkit directory: that one module builds on modeldir; hf reuses its safetensors I/O
-    allowed = {"gptkit.formats.quantized": {"gptkit.formats.modeldir"}, "gptkit.formats.hf": {"gptkit.formats.modeldir"}}
-    for module in formats:
-        assert graph[module] & formats <= allowed.get(module, set()), module
-        assert "gptkit.loading" not in graph[module]
+    files = sorted((PACKAGE / "formats").glob("*.py"))
+    formats = {_module(path) for path in files if path.name != "__init__.py"}
+    assert {"gptkit.formats.gguf", "gptkit.formats.hf", "gptkit.formats.lora", "gptkit.formats.modeldir",
+            "gptkit.formats.quantized"} <= formats  # fmt: skip
+    above = ("gptkit.loading", "gptkit.finetune", "gptkit.train", "gptkit.cli", "gptkit.serving")
+    for path in files:  # every file, its function-local imports and string imports included
+        module = _module(path)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        by_name = {name for name in _imported_by_name(tree) if name.startswith("gptkit.")}
+        imported = graph[module] | by_name
+        others = {m for m in imported if m == "gptkit.formats" or m.startswith("gptkit.formats.")} - {module}
+        if path.name == "__init__.py":
+            others -= formats | {"gptkit.formats"}  # the package may name its modules (it names none today)
+        assert not others, f"{module} imports another format: {sorted(others)}"
+        assert not {m for m in imported if m.startswith(above)}, f"{module} imports from above the formats"
     assert "gptkit.loading" in graph["gptkit.cli.generate"] and "gptkit.loading" not in graph["gptkit.model"]
+
+
+def test_the_neutral_modules_import_nothing_above_them():
+    graph = import_graph()
+    above = ("gptkit.formats", "gptkit.finetune", "gptkit.loading", "gptkit.train", "gptkit.cli", "gptkit.serving")
+    for module in ("gptkit.tensors", "gptkit.weights", "gptkit.adapters"):
+        assert not {m for m in graph[module] if m.startswith(above)}, module
+    assert "gptkit.adapters" not in graph["gptkit.model"]  # adapters wrap the model's layers from outside
+    assert "gptkit.tensors" in graph["gptkit.formats.modeldir"] and "gptkit.tensors" in graph["gptkit.tokenizer"]
 
 
 def test_decoding_imports_flow_one_way():
@@ -141,3 +170,18 @@ def test_every_module_imports_on_its_own():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ""
+
+
+def test_the_training_loop_names_no_method_or_objective():
+    """gptkit/train.py knows methods and objectives only through gptkit.finetune's interfaces: no name of one is
+    compared, imported or built there (a new one is a file in gptkit/finetune and a line in its catalogue)."""
+    from gptkit.finetune.catalogue import METHODS, OBJECTIVES
+
+    source = (PACKAGE / "train.py").read_text()
+    for name in [*METHODS, *OBJECTIVES]:
+        assert f'"{name}"' not in source and f"'{name}'" not in source, name
+    for cls in [*METHODS.values(), *OBJECTIVES.values()]:
+        assert cls.__name__ not in source, cls.__name__
+    graph = import_graph()
+    assert {m for m in graph["gptkit.train"] if m.startswith("gptkit.finetune")} == {"gptkit.finetune.catalogue",
+                                                                                    "gptkit.finetune.parts"}

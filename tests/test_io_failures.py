@@ -22,15 +22,16 @@ import torch
 from conftest import TINY, write_char_data_dir
 
 import gptkit.inputs as inputs
+from gptkit.adapters import add_lora, fingerprint
 from gptkit.cli import main
 from gptkit.config import ModelConfig
-from gptkit.finetune.lora import add_lora, fingerprint
-from gptkit.finetune.lora_dir import write_lora_dir
 from gptkit.formats.gguf import export_gguf
 from gptkit.formats.hf import export_hf
-from gptkit.formats.modeldir import model_state, save_model_dir
+from gptkit.formats.lora import write_lora_dir
+from gptkit.formats.modeldir import save_model_dir
 from gptkit.model import GPT
 from gptkit.tokenizer import ByteTokenizer
+from gptkit.weights import model_state
 
 TRAIN_FLAGS = ["--quiet", "--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "16", "--model.block_size",
                "16", "--train.batch_size", "2", "--train.eval_iters", "1", "--train.eval_interval", "100",

@@ -5,7 +5,8 @@ import torch
 
 from gptkit.config import ModelConfig
 from gptkit.model import GPT
-from gptkit.formats.modeldir import ModelDirError, load_model_dir, save_model_dir
+from gptkit.formats.modeldir import load_model_dir, save_model_dir
+from gptkit.tensors import ModelDirError
 from gptkit.weights import WeightsError
 
 from conftest import TINY, VARIANTS

@@ -19,8 +19,8 @@ from gptkit.data import ExampleBatches, example_batches, load_examples, read_met
 from gptkit.evaluate import classification_scores
 from gptkit.finetune.dpo import dpo_loss, sequence_logprobs
 from gptkit.finetune.heads import SequenceClassifier, is_classifier_dir, load_head, predict
-from gptkit.finetune.lora import adapters
-from gptkit.finetune.objectives import Preference
+from gptkit.adapters import adapters
+from gptkit.finetune.dpo import preference_loss
 from gptkit.loss import IGNORE_INDEX
 from gptkit.model import GPT
 from gptkit.loading import load
@@ -197,8 +197,9 @@ def test_the_chosen_nll_term_adds_the_chosen_replies_mean_token_loss(prepared):
     model.eval()
     batch = next(iter(example_batches(load_examples(pairs, "train", read_meta(pairs)), model.config.block_size, 4)))
     with torch.no_grad():
-        plain, _ = Preference(0.1, model).loss(model, batch)
-        weighted, stats = Preference(0.1, model, nll_weight=0.5).loss(model, batch)
+        logits = model(batch.x)
+        plain, _ = preference_loss(logits, logits, batch.y, 0.1)
+        weighted, stats = preference_loss(logits, logits, batch.y, 0.1, nll_weight=0.5)
         chosen = batch.y[0::2]
         nll = F.cross_entropy(model(batch.x[0::2]).flatten(0, 1), chosen.flatten(), ignore_index=IGNORE_INDEX)
     assert float(plain) == pytest.approx(math.log(2), abs=1e-6)  # the policy is the reference

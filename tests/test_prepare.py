@@ -473,3 +473,150 @@ def test_an_unwritable_parent_stages_inside_the_data_directory(tmp_path: Path, m
     assert read_meta(out)["tokenizer"] == "char" and (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in out.iterdir()) == ["gptkit_tokenizer.json", "meta.json", "notes.txt", "train.bin",
                                                      "val.bin"]  # fmt: skip
+
+
+# ---------------------------------------------------------------- prompts (RL)
+
+
+def _write_rows(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+PROMPT_ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "id": a, "meta": {"level": [a % 3, None]}}
+               for a, b in zip(range(10, 30), range(40, 60))]  # fmt: skip
+
+
+def test_prompt_rows_make_a_prompt_data_set_with_every_field_kept(tmp_path: Path, capsys) -> None:
+    from gptkit.data import PROMPT_FILES, load_prompts
+    from gptkit.tokenizer import ByteTokenizer
+
+    path = _write_rows(tmp_path / "prompts.jsonl", PROMPT_ROWS)
+    out = tmp_path / "data"
+    assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(out), "--val-fraction",
+                 "0.2"]) == 0  # fmt: skip
+    assert "20 prompts (train 16, val 4)" in capsys.readouterr().out
+    meta = read_meta(out)
+    assert (meta["kind"], meta["train_prompts"], meta["val_prompts"], meta["dropped"]) == ("prompts", 16, 4, 0)
+    splits = {split: load_prompts(out, split, meta) for split in ("train", "val")}
+    assert (len(splits["train"]), len(splits["val"])) == (16, 4)
+    seen = []
+    for split, prompts in splits.items():
+        for i in range(len(prompts)):
+            row = prompts.rows[i]
+            assert prompts.texts[i] == row["prompt"]
+            assert prompts.prompt(i) == ByteTokenizer().encode_prompt(row["prompt"])
+            seen.append(row)
+        assert not np.fromfile(out / PROMPT_FILES[split]["mask"], np.uint8).any()  # nothing in a prompt is trained
+    assert sorted(seen, key=lambda r: r["id"]) == PROMPT_ROWS  # every row once, every field as it was
+    assert meta["train_tokens"] == sum(len(r["prompt"]) for r in splits["train"].rows)
+    # A data set of another kind in its place leaves none of the prompt files behind (they are the data set's).
+    (out / "notes.txt").write_text("mine")
+    prepare(PrepareConfig(out=str(out), tokenizer="byte"))
+    assert sorted(p.name for p in out.iterdir()) == ["gptkit_tokenizer.json", "meta.json", "notes.txt", "train.bin",
+                                                     "val.bin"]  # fmt: skip
+
+
+def _chatml_dir(path: Path) -> Path:
+    """A byte-level BPE tokenizer with ChatML specials and a ChatML template, saved as Hugging Face saves one."""
+    from gptkit.tokenizer import BPETokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = BPETokenizer.train(["What is two plus two? Be brief. Four. " * 20], 300,
+                                   specials=(EOT, "<|im_start|>", "<|im_end|>"))  # fmt: skip
+    (path / "tokenizer.json").write_text(tokenizer.hf.to_str())
+    template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|im_end|>"}))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["default", "chatml"])
+def test_a_conversation_ending_with_a_user_turn_is_the_prompt_the_server_renders(tmp_path: Path, kind: str) -> None:
+    from gptkit.data import load_prompts
+    from gptkit.loading import chat_template
+
+    tokenizer_name = "byte" if kind == "default" else str(_chatml_dir(tmp_path / "model"))
+    conversations = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}],
+                     [{"role": "user", "content": "Two?"}, {"role": "assistant", "content": "Four."},
+                      {"role": "user", "content": "Plus two?"}]]  # fmt: skip
+    path = _write_rows(tmp_path / "chat.jsonl", [{"messages": m, "answer": "4"} for m in conversations])
+    meta = prepare(PrepareConfig(out=str(tmp_path / "data"), inputs=[str(path)], tokenizer=tokenizer_name,
+                                 val_fraction=0.0))  # fmt: skip
+    assert meta["kind"] == "prompts" and meta["train_prompts"] == 2
+    tokenizer = load_tokenizer(tmp_path / "data")
+    server_template = chat_template(tokenizer_name, tokenizer)  # what gptkit serve renders a chat request with
+    prompts = load_prompts(tmp_path / "data", "train", meta)
+    for i, messages in enumerate(conversations):
+        text = server_template.render(messages)  # the server's call: add_generation_prompt defaults to True
+        assert prompts.texts[i] == text and prompts.prompt(i) == tokenizer.encode(text)
+        assert prompts.rows[i] == {"messages": messages, "answer": "4"}
+    if kind == "default":
+        assert prompts.texts[0] == "system: Be brief.\n\nuser: What is two plus two?\n\nassistant:"
+    else:
+        assert prompts.texts[0].endswith("<|im_start|>assistant\n")
+        assert meta["chat_template"] == server_template.source  # training checks the model's template against it
+        assert (tmp_path / "data" / "tokenizer_config.json").is_file()
+    # TRL's conversational prompt ({"prompt": messages}) is the same prompt.
+    trl = _write_rows(tmp_path / "trl.jsonl", [{"prompt": conversations[0]}])
+    again = prepare(PrepareConfig(out=str(tmp_path / "trl"), inputs=[str(trl)], tokenizer=tokenizer_name,
+                                  val_fraction=0.0))  # fmt: skip
+    assert load_prompts(tmp_path / "trl", "train", again).texts == prompts.texts[:1]
+    # The same conversation ending with the assistant's reply stays a supervised example.
+    answered = [*conversations[0], {"role": "assistant", "content": "Four."}]
+    supervised = _write_rows(tmp_path / "sft.jsonl", [{"messages": answered}])
+    assert prepare(PrepareConfig(out=str(tmp_path / "sft"), inputs=[str(supervised)], tokenizer=tokenizer_name,
+                                 val_fraction=0.0))["kind"] == "examples"  # fmt: skip
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "completion": "4"}],
+     "prompts.jsonl line 2 is not a prompt row like the file's first row"),
+    ([{"prompt": "1+1=", "answer": "2"}, {"messages": [{"role": "user", "content": "hi"},
+                                                       {"role": "assistant", "content": "yo"}]}],
+     "prompts.jsonl line 2 is not a prompt row like the file's first row"),
+    ([{"messages": [{"role": "user", "content": "hi"}]},
+      {"messages": [{"role": "wizard", "content": "x"}, {"role": "user", "content": "y"}]}],
+     "prompts.jsonl line 2: message 1 has unknown role 'wizard'"),
+    ([{"prompt": "1+1="}, {"prompt": ""}], "prompts.jsonl line 2: the prompt is empty"),
+])  # fmt: skip
+def test_a_row_that_is_not_a_prompt_in_a_prompt_file_is_one_line(tmp_path: Path, capsys, rows, message) -> None:
+    path = _write_rows(tmp_path / "prompts.jsonl", rows)
+    assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("gptkit prepare: error: ") and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_explicit_text_field_still_reads_prompts_as_text(tmp_path: Path) -> None:
+    path = _write_rows(tmp_path / "p.jsonl", PROMPT_ROWS[:3])
+    meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(path)], tokenizer="byte", text_field="prompt"))
+    assert "kind" not in meta and _documents(tmp_path / "o") == ["10+40=", "11+41=", "12+42="]
+
+
+def test_prompts_beside_examples_are_refused(tmp_path: Path) -> None:
+    prompts = _write_rows(tmp_path / "a.jsonl", PROMPT_ROWS[:2])
+    examples = _write_rows(tmp_path / "b.jsonl", [{"prompt": "1+1=", "completion": "2"}])
+    with pytest.raises(InputError, match="b.jsonl holds examples rows, .*a.jsonl prompts rows; prepare them "
+                                         "separately"):
+        prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(prompts), str(examples)], tokenizer="byte"))
+
+
+def test_an_overlong_prompt_is_dropped_not_cut_and_counted(tmp_path: Path, caplog) -> None:
+    import logging
+
+    from gptkit.data import load_prompts
+
+    rows = [{"prompt": "short", "answer": 1}, {"prompt": "x" * 30, "answer": 2}, {"prompt": "tiny", "answer": 3},
+            {"prompt": "y" * 11, "answer": 4}]  # fmt: skip
+    path = _write_rows(tmp_path / "p.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="gptkit.prepare"):
+        meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(path)], tokenizer="byte", max_length=10,
+                                     val_fraction=0.0))  # fmt: skip
+    assert (meta["dropped"], meta["train_prompts"], meta["max_length"], meta["longest_prompt"]) == (2, 2, 10, 5)
+    assert [r["answer"] for r in load_prompts(tmp_path / "o", "train", meta).rows] == [1, 3]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "2 prompt(s) longer than 10 tokens were dropped" in warnings[0]
+    assert "p.jsonl line 2" in warnings[0]
+    with pytest.raises(InputError, match="no prompt fits --max-length 3 \\(all 4 are longer\\)"):
+        prepare(PrepareConfig(out=str(tmp_path / "o2"), inputs=[str(path)], tokenizer="byte", max_length=3))

@@ -17,7 +17,8 @@ from gptkit.errors import ConfigError
 from gptkit.decoding.api import complete, generate_ids
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
-from gptkit.formats.modeldir import ModelDirError, save_model_dir
+from gptkit.formats.modeldir import save_model_dir
+from gptkit.tensors import ModelDirError
 from gptkit.loading import load
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.tokenizer import CharTokenizer

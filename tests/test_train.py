@@ -20,10 +20,12 @@ import torch
 from gptkit.checkpoint import CHECKPOINTS, checkpoint_dirs, latest_checkpoint, read_latest, verify_checkpoint, write_manifest
 from gptkit.cli import main
 from gptkit.errors import ConfigError
-from gptkit.formats.modeldir import load_model_dir, load_tensors
+from gptkit.formats.modeldir import load_model_dir
+from gptkit.tensors import load_tensors
 from gptkit.loading import load
 from gptkit.tokenizer import load_tokenizer
-from gptkit.train import TrainingStopped, measured_cpu_matmul_flops, peak_flops, train
+from gptkit.devices import measured_cpu_matmul_flops, peak_flops
+from gptkit.train import TrainingStopped, train
 from gptkit.train_config import from_sources
 
 from conftest import same_run, write_char_data_dir

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _merge(source: Path, out: Path, dtype: object) -> int:
-    from gptkit.finetune.lora_dir import is_lora_dir
+    from gptkit.formats.lora import is_lora_dir
     from gptkit.formats.modeldir import save_model_dir
     from gptkit.loading import load
 
@@ -160,8 +160,8 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
 
 def _export(source: Path, out: Path, dtype: object) -> int:
     from gptkit.finetune.heads import is_classifier_dir, load_head
-    from gptkit.finetune.lora_dir import is_lora_dir, write_peft_dir
-    from gptkit.formats.hf import export_hf
+    from gptkit.formats.hf import export_hf, hf_block_modules
+    from gptkit.formats.lora import is_lora_dir, write_peft_dir
     from gptkit.loading import load
 
     model, tokenizer = load(source, dtype=dtype)
@@ -172,7 +172,7 @@ def _export(source: Path, out: Path, dtype: object) -> int:
     with _building(out) as stage:
         export_hf(model, stage, tokenizer=tokenizer, tokenizer_config=read_tokenizer_config(source), head=head)
         if is_lora_dir(source):
-            write_peft_dir(source, stage / "adapter", model.config)
+            write_peft_dir(source, stage / "adapter", *hf_block_modules(model.config))
     if tokenizer is None:
         print(f"note: {source} has no tokenizer; the Hugging Face directory has none either", file=sys.stderr)
     if is_lora_dir(source):

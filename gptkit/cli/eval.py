@@ -56,10 +56,14 @@ def _read_text(path: str) -> str:
 
 def _val_tokens(data_dir: str, model_tokenizer, model_dir: str):  # -> (np.ndarray, tokenizer or None)
     """val.bin of a prepared directory and the tokenizer it was encoded with."""
-    from gptkit.data import load_tokens, read_meta
+    from gptkit.data import PROMPT_KIND, load_tokens, read_meta
+    from gptkit.errors import InputError
     from gptkit.tokenizer import check_same_tokenizer, tokenizer_or_none
 
     meta = read_meta(data_dir)
+    if meta.get("kind") == PROMPT_KIND:
+        raise InputError(f"{data_dir} holds prompts (a GRPO data set), with no text or replies to score; a GRPO run "
+                         "measures held-out reward and pass@k at its evaluations (val_pass_at_1 in metrics.jsonl)")
     tokens = load_tokens(Path(data_dir) / "val.bin", meta["dtype"])
     tokenizer = tokenizer_or_none(data_dir) or model_tokenizer
     if tokenizer is not None and model_tokenizer is not None:

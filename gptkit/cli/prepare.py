@@ -25,7 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the bundled tiny shakespeare is used. The new data set replaces the old one only once it is complete. "
         "Rows of supervised examples (\"messages\" conversations, \"prompt\" and \"completion\", or "
         "\"instruction\" and \"output\") make a data set of examples for fine-tuning: each rendered with the chat "
-        "template of the model given as --tokenizer, with which tokens are trained on.",
+        "template of the model given as --tokenizer, with which tokens are trained on. Rows that are prompts "
+        "(a \"prompt\" without \"completion\", or \"messages\" ending with a user turn; any other fields kept) "
+        "make a data set of prompts for reinforcement learning.",
     )
     # Unset flags stay out of the namespace, so that run() can tell an explicit --vocab-size from the default.
     add_dataclass_flags(parser, PrepareConfig, keep_unset=True)
@@ -49,6 +51,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {config.out}: {meta['tokenizer']} vocabulary {meta['vocab_size']:,}, {kept:,} examples "
               f"(train {meta['train_examples']:,}, val {meta['val_examples']:,}), {meta['train_targets']:,} trained "
               f"tokens of {meta['train_tokens']:,} in train{cut if meta['truncated'] or meta['dropped'] else ''}")
+        return 0
+    if meta.get("kind") == "prompts":
+        kept = meta["train_prompts"] + meta["val_prompts"]
+        dropped = f"; longer than {meta['max_length']} tokens: {meta['dropped']} dropped" if meta["dropped"] else ""
+        print(f"wrote {config.out}: {meta['tokenizer']} vocabulary {meta['vocab_size']:,}, {kept:,} prompts "
+              f"(train {meta['train_prompts']:,}, val {meta['val_prompts']:,}), {meta['train_tokens']:,} tokens in "
+              f"train, the longest {meta['longest_prompt']:,}{dropped}")
         return 0
     print(
         f"wrote {config.out}: {meta['tokenizer']} vocabulary {meta['vocab_size']:,}, "

@@ -43,10 +43,12 @@ def sampling_params(params: SamplingParams | None, overrides: dict[str, Any]) ->
 
 @dataclass
 class Completion:
-    """One generated sequence: its new token ids (no end-of-text token) and why it ended."""
+    """One generated sequence: its new token ids (no end-of-text token), why it ended, and the end-of-text id it
+    chose when it ended on one."""
 
     ids: list[int]
     finish_reason: FinishReason
+    end_id: int | None = None
 
 
 @dataclass
@@ -168,7 +170,7 @@ def complete(
         timing.decode_seconds = time.perf_counter() - start
         timing.decode_tokens = sum(max(len(r.generated) - 1, 0) for r in requests)  # the first came with prefill
     S = params.num_samples
-    completions = [[Completion(r.generated, r.finish_reason) for r in requests[i * S : (i + 1) * S]]
+    completions = [[Completion(r.generated, r.finish_reason, r.end_id) for r in requests[i * S : (i + 1) * S]]
                    for i in range(len(prompts))]  # fmt: skip
     return Result(completions, timing)
 

@@ -99,6 +99,7 @@ class Request:
     constraint: Constraint | None = None  # a grammar the output must follow (structured outputs)
     generated: list[int] = field(default_factory=list)  # the new tokens (never the end-of-text token)
     finish_reason: FinishReason | None = None
+    end_id: int | None = None  # the end-of-text id that ended it (None: it ended otherwise, or a grammar ended it)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per sampled token (the end token's included)
     generator: torch.Generator | None = None
     seen: Tensor | None = None  # (V,) tokens of prompt and output, kept only for a repetition penalty
@@ -141,7 +142,7 @@ class Request:
         if logprob is not None:
             self.logprobs.append(logprob)
         if token in self.eos_ids:
-            self.finish_reason = "eos"
+            self.finish_reason, self.end_id = "eos", token
             return
         self.generated.append(token)
         if self.seen is not None:

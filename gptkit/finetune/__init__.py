@@ -1,1 +1,2 @@
-"""Adapting a pre-trained model: supervised examples, LoRA adapters (and, later, preference and task objectives)."""
+"""Adapting a pre-trained model: supervised examples, objectives, classification heads (LoRA's adapter layer is
+gptkit.adapters, its directory format gptkit.formats.lora)."""

@@ -8,9 +8,16 @@ prefers the chosen completion more than the reference does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gptkit.data import Batch
+from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
+from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
 from gptkit.loss import IGNORE_INDEX
 
 
@@ -30,3 +37,55 @@ def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: T
     margin = chosen - rejected
     return {"loss": -F.logsigmoid(margin), "chosen_reward": chosen, "rejected_reward": rejected, "margin": margin,
             "accuracy": (margin > 0).float()}  # fmt: skip
+
+
+class Preference(ObjectiveBase):
+    """DPO over rows that alternate chosen and rejected completions of the same prompt.
+
+    The reference is the starting model, frozen (the method's: with LoRA, the same base with the adapters off).
+    dpo_nll_weight > 0 adds the chosen completions' mean next-token loss (TRL's rpo_alpha), which keeps the tokens
+    that chosen and rejected share from drifting while the margin grows."""
+
+    data_kinds = ("preferences",)
+    task_metrics = {"val_accuracy": "accuracy", "val_margin": "margin"}
+    step_shown = ("accuracy",)
+
+    def __init__(self, setup: Setup) -> None:
+        finetune = setup.config.finetune
+        check_examples(setup)
+        self.setup = setup
+        self.beta = finetune.dpo_beta
+        self.nll_weight = finetune.dpo_nll_weight
+        self.reference = setup.method.reference(setup.gpt, setup.config, setup.device)
+
+    def stream(self, per_update: int) -> Any:
+        """Whole pairs, chosen then rejected."""
+        return example_stream(self.setup, per_update)
+
+    def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
+        """The mean DPO loss over the batch's pairs, with the implicit rewards, margin and preference accuracy."""
+        policy = forward(batch.x)
+        with torch.no_grad():
+            reference = self.reference(batch.x)
+        return preference_loss(policy, reference, batch.y, self.beta, self.nll_weight)
+
+    def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
+        """Train and validation loss, and on validation pairs the rewards, margin and preference accuracy."""
+        train_loss, val_loss, stats = evaluate_examples(self, forward, self.setup)
+        return {"train_eval_loss": train_loss, "val_loss": val_loss, **stats}
+
+
+def preference_loss(policy_logits: Tensor, reference_logits: Tensor, targets: Tensor, beta: float,
+                    nll_weight: float = 0.0) -> tuple[Tensor, Stats]:  # fmt: skip
+    """The mean DPO loss over rows that alternate chosen and rejected completions (targets IGNORE_INDEX outside
+    the completions), plus nll_weight x the chosen completions' mean token loss; and the statistics to log."""
+    policy = sequence_logprobs(policy_logits, targets)  # (2P,): chosen, rejected, chosen, ...
+    reference = sequence_logprobs(reference_logits, targets).detach()
+    out = dpo_loss(policy[0::2], policy[1::2], reference[0::2], reference[1::2], beta)
+    stats = {name: out[name].detach().mean() for name in ("chosen_reward", "rejected_reward", "margin", "accuracy")}
+    if not nll_weight:
+        return out["loss"].mean(), stats
+    chosen_tokens = (targets[0::2] != IGNORE_INDEX).sum().clamp(min=1)
+    nll = -policy[0::2].sum() / chosen_tokens
+    stats["chosen_nll"] = nll.detach()
+    return out["loss"].mean() + nll_weight * nll, stats

@@ -8,6 +8,9 @@ A file's format is read from the keys of its first row (every row must then have
     preference          {"prompt": ..., "chosen": ..., "rejected": ...}          two completions of one prompt
                         (strings or message lists; without "prompt", the messages chosen and rejected share)
     labelled            {"text": ..., "label": ...}                              a text and its class
+    prompt              {"prompt": ..., any other fields}                        a prompt to generate from (RL):
+                        a string or messages ending with a user turn, no "completion", "chosen" or "rejected";
+                        also {"messages": [...]} whose last message is a user turn
 
 Conversations (messages, prompt/completion message lists, alpaca rows as a user turn and an assistant turn) are
 rendered with the model's chat template (gptkit.chat), as `gptkit serve` renders a chat request. By default only
@@ -18,7 +21,9 @@ Prompt/completion strings are plain text (no template): the prompt gets the toke
 input (Llama's <s>), as a completions request does, and the completion the end-of-text id. A preference row is
 two prompt/completion examples, chosen and rejected, trained on their completions. A labelled text is encoded as
 a prompt is (no end-of-text id: the class is read at its last token), every token trained for the auxiliary
-language-modelling loss.
+language-modelling loss. A prompt row is not trained on: it is what reinforcement learning samples completions
+of, its string encoded as a completions request encodes one, its conversation rendered with the generation prompt
+and encoded as a chat request is (gptkit.serving.api), so the policy sees what the served model will.
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ from gptkit.chat import ROLES, ChatTemplate, ChatTemplateError
 from gptkit.errors import InputError
 
 LossOn = Literal["completion", "all"]
-FORMATS = ("messages", "prompt_completion", "alpaca", "text", "preference", "labelled")
+FORMATS = ("messages", "prompt_completion", "alpaca", "text", "preference", "labelled", "prompt")
 # What data set the rows of each format make: supervised examples, preference pairs, labelled texts ("text" rows
 # alone are pre-training text; beside supervised examples they are examples trained on every token).
 KINDS = {"messages": "examples", "prompt_completion": "examples", "alpaca": "examples", "text": "examples",
-         "preference": "preferences", "labelled": "labelled"}  # fmt: skip
-SUPERVISED = ("messages", "prompt_completion", "alpaca", "preference", "labelled")  # not text alone
+         "preference": "preferences", "labelled": "labelled", "prompt": "prompts"}  # fmt: skip
+SUPERVISED = ("messages", "prompt_completion", "alpaca", "preference", "labelled", "prompt")  # not text alone
+ANSWERED = ("completion", "chosen", "rejected")  # a row with any of these holds its answers: not a prompt row
 
 
 @dataclass
@@ -72,6 +78,21 @@ def row_format(record: Any) -> str | None:
     return None
 
 
+def is_prompt_row(record: Any) -> bool:
+    """Whether a row is a prompt to generate from: "messages" ending with a user turn, or a "prompt" (a string, or
+    messages ending with a user turn) without "completion", "chosen" or "rejected"."""
+    if not isinstance(record, dict) or any(key in record for key in ANSWERED):
+        return False
+    if "messages" in record:  # as row_format: messages first
+        return _ends_with_user(record["messages"])
+    return isinstance(record.get("prompt"), str) or _ends_with_user(record.get("prompt"))
+
+
+def _ends_with_user(messages: Any) -> bool:
+    return (isinstance(messages, list) and bool(messages) and isinstance(messages[-1], dict)
+            and messages[-1].get("role") == "user")  # fmt: skip
+
+
 class ExampleEncoder:
     """Turns rows into Examples with one tokenizer and chat template."""
 
@@ -100,7 +121,28 @@ class ExampleEncoder:
         if fmt == "labelled":
             example, label = self.encode_labelled(record, where)
             return [example], label
+        if fmt == "prompt":
+            ids = self.encode_prompt(record, where)[1]
+            return [Example(ids, np.zeros(len(ids), dtype=bool))], None
         return [self.encode(record, fmt, where)], None
+
+    def encode_prompt(self, record: Any, where: str) -> tuple[str, np.ndarray]:
+        """A prompt row's text as the model sees it and its ids: a string as a completions request encodes it, a
+        conversation rendered with the generation prompt and encoded as a chat request is."""
+        if not is_prompt_row(record):
+            raise InputError(f"{where} is not a prompt row like the file's first row ({_keys_hint('prompt')})")
+        key = "messages" if "messages" in record else "prompt"
+        if isinstance(record[key], str):
+            text, ids = record[key], self.tokenizer.encode_prompt(record[key])
+        else:
+            try:
+                text = self.template.render(_messages(record[key], where, key), add_generation_prompt=True)
+            except ChatTemplateError as err:
+                raise InputError(f"{where}: {err}") from None
+            ids = self.tokenizer.encode(text)
+        if not ids:
+            raise InputError(f"{where}: the prompt is empty; a model generates from at least one token")
+        return text, np.asarray(ids, dtype=np.uint32)
 
     def encode_pair(self, record: Any, where: str) -> tuple[Example, Example]:
         """(chosen, rejected) of a preference row: the prompt with each completion."""
@@ -212,7 +254,9 @@ def fit(example: Example, max_length: int, overlong: Literal["truncate", "drop"]
 def _keys_hint(fmt: str) -> str:
     return {"messages": 'a "messages" list', "prompt_completion": '"prompt" and "completion"',
             "alpaca": '"instruction" and "output"', "text": 'a "text" string',
-            "preference": '"chosen" and "rejected" (and "prompt")', "labelled": '"text" and "label"'}[fmt]  # fmt: skip
+            "preference": '"chosen" and "rejected" (and "prompt")', "labelled": '"text" and "label"',
+            "prompt": '"prompt" as a string, or "prompt" or "messages" ending with a user turn; no "completion", '
+                      '"chosen" or "rejected"'}[fmt]  # fmt: skip
 
 
 def json_type(value: Any) -> str:

@@ -19,12 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptkit.atomic import atomic_write_text
+from gptkit.data import Batch, example_batches
+from gptkit.devices import autocast_for
 from gptkit.errors import GptkitError
-from gptkit.loss import linear_cross_entropy
-from gptkit.formats.modeldir import load_tensors, save_tensors
+from gptkit.evaluate import classification_scores
+from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
+from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
+from gptkit.loss import IGNORE_INDEX, linear_cross_entropy
+from gptkit.tensors import load_tensors, save_tensors
 
 HEAD_CONFIG = "classifier.json"
 HEAD_WEIGHTS = "classifier.safetensors"
@@ -117,3 +123,66 @@ def predict(classifier: SequenceClassifier, rows: list[list[int]], batch_size: i
         out.append(logits.float().softmax(-1).cpu())
         on_rows(len(chunk))
     return torch.cat(out) if out else torch.zeros((0, len(classifier.labels)))
+
+
+class Classification(ObjectiveBase):
+    """Cross-entropy of a label head over each text's last token, plus lm_weight times the next-token loss."""
+
+    data_kinds = ("labelled",)
+    task_metrics = {"val_accuracy": "accuracy", "val_macro_f1": None}
+    step_shown = ("accuracy",)
+
+    def __init__(self, setup: Setup) -> None:
+        check_examples(setup)
+        self.setup = setup
+        self.lm_weight = setup.config.finetune.lm_weight
+        self.labels = setup.data.meta["labels"]
+
+    def wrap(self, gpt: nn.Module) -> nn.Module:
+        """The GPT with a fresh head (the optimiser and checkpoints hold both)."""
+        return SequenceClassifier(gpt, self.labels)
+
+    def stream(self, per_update: int) -> Any:
+        """Whole labelled texts, padded."""
+        return example_stream(self.setup, per_update)
+
+    def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
+        """The mean loss over the batch's texts, with the label loss and accuracy (and the LM loss, if weighted)."""
+        loss, stats, _ = self._outputs(forward, batch)
+        return loss, stats
+
+    def _outputs(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats, Tensor]:
+        # A batch of one-token texts has no next token to predict (and a mean over none is NaN).
+        lm = self.lm_weight > 0 and bool((batch.y != IGNORE_INDEX).any())
+        logits, lm_loss = forward(batch.x, batch.last, targets=batch.y if lm else None)
+        label_loss = F.cross_entropy(logits.float(), batch.labels)
+        predicted = logits.argmax(-1)
+        stats = {"label_loss": label_loss.detach(), "accuracy": (predicted == batch.labels).float().mean()}
+        if lm_loss is None:
+            return label_loss, stats, predicted
+        stats["lm_loss"] = lm_loss.detach()
+        return label_loss + self.lm_weight * lm_loss, stats, predicted
+
+    @torch.no_grad()
+    def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
+        """Train and validation loss, validation accuracy and the mean F1 over the labels (macro-F1)."""
+        train_loss, val_loss, stats = evaluate_examples(self, forward, self.setup)
+        t, device = self.setup.config.train, self.setup.device
+        predicted, labels = [], []
+        for batch in example_batches(self.setup.data.val, self.setup.gpt.config.block_size, t.batch_size,
+                                     t.eval_iters * t.batch_size):  # fmt: skip
+            batch = batch.to(lambda tensor: tensor.to(device))
+            with autocast_for(device, t.dtype):
+                predicted.append(self._outputs(forward, batch)[2].cpu())
+            labels.append(batch.labels.cpu())
+        scores = classification_scores(torch.cat(labels).numpy(), torch.cat(predicted).numpy(), self.labels)
+        return {"train_eval_loss": train_loss, "val_loss": val_loss, **stats, "val_macro_f1": scores["macro_f1"]}
+
+    def save(self, module: nn.Module, directory: Path) -> None:
+        """The head beside the model's files."""
+        save_head(module, directory)
+
+    def restore(self, module: nn.Module, directory: Path) -> None:
+        """The checkpoint's head, copied into the run's."""
+        load_head_weights(module, directory)
+

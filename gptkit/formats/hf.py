@@ -23,24 +23,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from gptkit.chat import read_tokenizer_config
+from gptkit.atomic import atomic_write_text
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.formats.modeldir import (
-    CONFIG_FILE,
-    INDEX_FILE,
-    WEIGHTS_FILE,
-    ModelDirError,
-    atomic_write_text,
-    load_model_dir,
-    load_model_tokenizer,
-    model_state,
-    read_config_json,
-    save_tensors,
-)
 from gptkit.model import GPT
-from gptkit.weights import load_state_into
+from gptkit.tensors import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, ModelDirError, read_config_json, save_tensors
 from gptkit.tokenizer import tokenizer_or_none
+from gptkit.weights import load_state_into, model_state
 
 log = logging.getLogger(__name__)
 
@@ -759,26 +748,20 @@ def hf_model_from_gpt(model: GPT) -> Any:
 
 
 def export_hf(
-    model_or_dir: GPT | str | Path,
+    model: GPT,
     out_dir: str | Path,
     tokenizer: Any | None = None,
     tokenizer_config: dict[str, Any] | None = None,
-    dtype: torch.dtype | None = None,
     head: tuple[list[str], Tensor] | None = None,
 ) -> Path:
     """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) equal to the model.
 
-    model_or_dir is a GPT or a gptkit model directory (other formats: gptkit.load them first), whose tokenizer and
-    tokenizer_config.json (chat template, special-token names) come along unless given; dtype casts the weights of
-    a directory's model. head (labels,
-    score weight) writes a sequence classifier instead of a causal LM, padding with the end-of-text id.
+    tokenizer_config is the tokenizer_config.json to write (chat template, special-token names); head (labels,
+    score weight) writes a sequence classifier instead of a causal LM, padding with the end-of-text id. A model
+    directory is exported by gptkit.export_hf (gptkit.loading.export_hf), which loads it and calls this.
     """
-    if isinstance(model_or_dir, (str, Path)):
-        model = load_model_dir(model_or_dir, dtype=dtype)
-        tokenizer = tokenizer if tokenizer is not None else load_model_tokenizer(model_or_dir)
-        tokenizer_config = tokenizer_config if tokenizer_config is not None else read_tokenizer_config(model_or_dir)
-    else:
-        model = model_or_dir
+    if isinstance(model, (str, Path)):
+        raise ConfigError(f"export_hf takes a GPT; export the directory {model} with gptkit.export_hf")
     hf, hf_state = hf_checkpoint(model, tokenizer)
     if head is not None:
         pad_id = tokenizer.eos_id if tokenizer is not None else None

@@ -1,6 +1,9 @@
 """gptkit's model directory holding a quantised model: config.json says "quantization": "int8" or "int4", and
 model.safetensors holds each layer's int8 weights with their per-row scales (gptkit.quantization.Int8Linear) or
-packed Q4_0 weights (uint8) with their per-block fp16 scales (Int4Linear); the weight's dtype says which."""
+packed Q4_0 weights (uint8) with their per-block fp16 scales (Int4Linear); the weight's dtype says which.
+
+It is a gptkit directory plus a field, so its config.json is read and written by gptkit.tensors, which the float
+directory (gptkit.formats.modeldir) uses too; this module imports no other format."""
 
 from __future__ import annotations
 
@@ -11,10 +14,11 @@ import torch
 from torch import Tensor, nn
 
 from gptkit.errors import ConfigError
-from gptkit.formats.modeldir import (
+from gptkit.model import GPT
+from gptkit.quantization import METHODS, Int4Linear, Int8Linear, probe_kernels, quantization_method
+from gptkit.tensors import (
     WEIGHTS_FILE,
     ModelDirError,
-    check_finite,
     load_tensors,
     read_config_json,
     read_model_config,
@@ -22,8 +26,7 @@ from gptkit.formats.modeldir import (
     weight_files,
     write_config_and_tokenizer,
 )
-from gptkit.model import GPT
-from gptkit.quantization import METHODS, Int4Linear, Int8Linear, probe_kernels, quantization_method
+from gptkit.weights import check_finite
 
 
 def save_quantized_dir(model: GPT, path: str | Path, tokenizer: Any | None = None) -> Path:

@@ -39,8 +39,11 @@ ICL_TOKENS = 1 << 20  # the ICL windows come from the validation split's first t
 class Observer:
     """The measures and samples one run takes at its evaluations (rank 0 only; nothing under FSDP)."""
 
-    def __init__(self, train: TrainConfig, run_dir: Path, model: GPT, tokenizer: Any | None, val_tokens: np.ndarray,
-                 examples: Any | None, objective: str, is_main: bool, sharded: bool) -> None:  # fmt: skip
+    def __init__(self, train: TrainConfig, run_dir: Path, model: GPT, tokenizer: Any | None,
+                 val_tokens: np.ndarray | None, examples: Any | None, objective: str, is_main: bool,
+                 sharded: bool) -> None:  # fmt: skip
+        """val_tokens: a text run's validation split (measured and sampled from); examples: a supervised run's
+        validation examples (sampled from); objective names the run's in a log line."""
         self.t, self.model, self.tokenizer, self.val_tokens = train, model, tokenizer, val_tokens
         self.path = run_dir / SAMPLES_FILE
         self.measures = False
@@ -51,16 +54,17 @@ class Observer:
             logger.info("no samples or ICL/induction measures under train.parallel fsdp (the weights are sharded)")
             return
         block = model.config.block_size
-        self.measures = train.observe and examples is None and objective == "lm" and block >= 4
+        self.measures = train.observe and val_tokens is not None and block >= 4
         if train.sample_every:
-            self.prompts = self._prompts(examples, objective, block)
+            self.prompts = self._prompts(val_tokens, examples, objective, block)
 
     def keep_samples(self, resumed_at: int | None) -> None:
         """Start samples.jsonl: empty for a new run; a resumed one keeps the lines up to its checkpoint's step."""
         if self.prompts:
             keep_samples(self.path, resumed_at)
 
-    def _prompts(self, examples: Any | None, objective: str, block: int) -> list[list[int]]:
+    def _prompts(self, val_tokens: np.ndarray | None, examples: Any | None, objective: str,
+                 block: int) -> list[list[int]]:  # fmt: skip
         """The token ids of the prompts to sample from, or none (with one log line saying why)."""
         t = self.t
         if self.tokenizer is None:
@@ -68,10 +72,10 @@ class Observer:
             return []
         if t.sample_prompts is not None:
             return configured_prompts(t.sample_prompts, self.tokenizer, block)
-        if examples is None:
-            prompts = validation_prompts(self.val_tokens, self.tokenizer, block)
-        elif objective == "lm" and examples[1].kind == "examples":
-            prompts = example_prompts(examples[1], block)
+        if val_tokens is not None:
+            prompts = validation_prompts(val_tokens, self.tokenizer, block)
+        elif examples is not None:
+            prompts = example_prompts(examples, block)
         else:
             logger.info("no samples during training: set train.sample_prompts to sample this %s run", objective)
             return []
@@ -138,19 +142,36 @@ def draw_induction(axes: Any, history: list[dict[str, Any]]) -> None:
     axes.legend()
 
 
-def plot_run(history: list[dict[str, Any]], path: Path) -> None:
-    """Write loss.png: the loss curves, and below them the ICL and induction scores when the run logged them."""
+def draw_metric(axes: Any, history: list[dict[str, Any]], key: str, trained_key: str | None) -> None:
+    """One task metric over the evaluations (exact match, accuracy, reward, pass@k, ...), and beside it the
+    training steps' statistic it pairs with, where there is one (val_reward with each step's reward)."""
+    trained = _points(history, trained_key) if trained_key is not None else []
+    if trained:
+        axes.plot(*zip(*trained), alpha=0.5, color="tab:blue", label="train (logged steps)")
+    axes.plot(*zip(*_points(history, key)), marker="o", markersize=3, color="tab:green", label="validation")
+    axes.set_ylabel(key.removeprefix("val_").replace("_", " "))
+    axes.legend()
+
+
+def plot_run(history: list[dict[str, Any]], path: Path, task_metrics: dict[str, str | None] | None = None) -> None:
+    """Write loss.png: the loss curves (when the run has any), a panel per task metric the run logged (with the
+    training statistic task_metrics pairs it with), and the ICL and induction scores when it logged them."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    observed = bool(_points(history, "icl_score"))
-    figure = Figure(figsize=(7, 8.5 if observed else 4), dpi=100)
+    losses = any(_points(history, key) for key in ("loss", "val_loss"))
+    drawers = [lambda axes: _draw_losses(axes, history)] if losses else []
+    drawers += [lambda axes, key=key, twin=twin: draw_metric(axes, history, key, twin)
+                for key, twin in (task_metrics or {}).items() if _points(history, key)]
+    if _points(history, "icl_score"):
+        drawers += [lambda axes: draw_icl(axes, history), lambda axes: draw_induction(axes, history)]
+    if not drawers:
+        return
+    figure = Figure(figsize=(7, 4 + 2.25 * (len(drawers) - 1)), dpi=100)
     FigureCanvasAgg(figure)
-    panels = figure.subplots(3 if observed else 1, 1, sharex=True, squeeze=False)[:, 0]
-    _draw_losses(panels[0], history)
-    if observed:
-        draw_icl(panels[1], history)
-        draw_induction(panels[2], history)
+    panels = figure.subplots(len(drawers), 1, sharex=True, squeeze=False)[:, 0]
+    for draw, axes in zip(drawers, panels):
+        draw(axes)
     for axes in panels:
         axes.grid(alpha=0.3)
     panels[-1].set_xlabel("step")

@@ -2,12 +2,15 @@
 
 Layout:
     lora_config.json        {"format": "gptkit-lora", "format_version": 1, "base": absolute path of the base model,
-                             "base_fingerprint": gptkit.finetune.lora.fingerprint of its weights as stored,
+                             "base_fingerprint": gptkit.adapters.fingerprint of its weights as stored,
                              "rank", "alpha", "dropout", "targets", "base_precision"}
     adapters.safetensors    "<module>.lora_A" (r, in) and "<module>.lora_B" (out, r) per adapted layer
     tokenizer_config.json   the base's, when it has one (its chat template serves the fine-tuned model)
 A training checkpoint of a LoRA run is such a directory plus the optimiser, RNG and trainer files, so it holds the
 adapters only: the base is read from its own directory and must still hash to the fingerprint.
+
+Like every format module, this one imports no other format: the base is loaded by gptkit.loading, and the Hugging
+Face module names the PEFT export needs (gptkit.formats.hf.hf_block_modules) are passed in by the caller.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from gptkit.adapters import TARGETS, add_lora, load_lora_state, lora_state, merge_lora, peft_adapter
 from gptkit.atomic import atomic_write_text
 from gptkit.errors import GptkitError
-from gptkit.finetune.lora import TARGETS, add_lora, fingerprint, load_lora_state, lora_state, merge_lora, peft_adapter
-from gptkit.formats.hf import hf_block_modules
-from gptkit.formats.modeldir import check_finite, load_tensors, save_tensors
+from gptkit.tensors import load_tensors, read_versioned_json, save_tensors
+from gptkit.weights import check_finite
 
 FORMAT = "gptkit-lora"
 FORMAT_VERSION = 1
@@ -41,14 +44,7 @@ def is_lora_dir(path: str | Path) -> bool:
 def read_lora_config(path: str | Path) -> dict[str, Any]:
     """The checked lora_config.json of a LoRA directory."""
     file = Path(path) / CONFIG_FILE
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise GptkitError(f"cannot read {file}: {err}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise GptkitError(f"{file} is not a gptkit LoRA config (no \"format\": \"{FORMAT}\")")
-    if data.get("format_version", 0) > FORMAT_VERSION:
-        raise GptkitError(f"{path} was written by a newer gptkit (format_version {data['format_version']})")
+    data = read_versioned_json(file, FORMAT, FORMAT_VERSION, "gptkit LoRA config")
     kinds = {"base": str, "base_fingerprint": str, "rank": int, "alpha": (int, float), "dropout": (int, float),
              "targets": str, "base_precision": str}  # fmt: skip
     for key, kind in kinds.items():
@@ -132,14 +128,14 @@ PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
-def write_peft_dir(path: str | Path, out: str | Path, base_config: Any) -> Path:
-    """Write a LoRA directory's adapters in PEFT's format, for its base (of ModelConfig base_config) as `gptkit
-    convert --to-hf` exports it: peft.PeftModel.from_pretrained(that HF base, out) computes what the merged model
-    does."""
+def write_peft_dir(path: str | Path, out: str | Path, hf_modules: dict[str, list[tuple[str, int | None]]],
+                   fan_in_fan_out: bool) -> Path:  # fmt: skip
+    """Write a LoRA directory's adapters in PEFT's format, for its base as `gptkit convert --to-hf` exports it:
+    peft.PeftModel.from_pretrained(that HF base, out) computes what the merged model does. hf_modules and
+    fan_in_fan_out describe that HF base (gptkit.formats.hf.hf_block_modules of the base's config)."""
     settings = read_lora_config(path)
-    modules, transposed = hf_block_modules(base_config)
-    config, tensors = peft_adapter(load_tensors(Path(path) / WEIGHTS_FILE), modules, settings, settings["base"],
-                                   transposed)  # fmt: skip
+    config, tensors = peft_adapter(load_tensors(Path(path) / WEIGHTS_FILE), hf_modules, settings, settings["base"],
+                                   fan_in_fan_out)  # fmt: skip
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_tensors(tensors, out / PEFT_WEIGHTS, metadata={"format": "pt"})

@@ -1,0 +1,231 @@
+"""Reinforcement learning from verifiable rewards (finetune.objective grpo): the loss against a hand computation,
+advantages, masks, pass@k, rewards that fail, and whole runs (full and LoRA) that resume bit for bit."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import same_run
+from test_finetune import _losses, _run_config, byte_model_dir, sft, write_jsonl  # noqa: F401 (sft: a fixture)
+
+from gptkit.cli import main
+from gptkit.decoding.api import Completion
+from gptkit.errors import ConfigError
+from gptkit.finetune.rl import (
+    Group,
+    completion_rows,
+    group_advantages,
+    pass_at_k,
+    policy_gradient_loss,
+    token_logprobs,
+)
+from gptkit.loading import load
+from gptkit.loss import IGNORE_INDEX
+from gptkit.train import Trainer, train
+
+# ---------------------------------------------------------------- the loss
+
+
+def test_advantages_are_rewards_minus_their_group_mean_over_its_spread():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [3.0, 1.0, 2.0, 2.0]])
+    centred = group_advantages(rewards, scale=False)
+    torch.testing.assert_close(centred, torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0] * 4, [1.0, -1.0, 0.0, 0.0]]))
+    scaled = group_advantages(rewards, scale=True)
+    std = math.sqrt((0.25 * 4) / 3)  # unbiased, as torch.std and TRL
+    assert scaled[0, 0].item() == pytest.approx(0.5 / (std + 1e-4), rel=1e-6)
+    assert scaled[1].abs().max().item() == 0.0  # no spread: no advantage, and no division by zero
+    assert group_advantages(torch.tensor([[2.0], [5.0]]), scale=True).abs().max().item() == 0.0  # groups of one
+
+
+def test_the_policy_gradient_loss_equals_its_hand_computation():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]], requires_grad=True)
+    reference = torch.tensor([[-1.5, -2.0, -0.1], [-0.3, -0.2, -4.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])  # 5 completion tokens
+    advantages = torch.tensor([0.8, -0.4])
+    loss, kl = policy_gradient_loss(logprobs, advantages, mask, reference, kl_weight=0.1)
+    # The ratio is 1 at the sampling policy: the policy term is -sum(A_i over each of its tokens) / 5.
+    policy = -(0.8 * 2 - 0.4 * 3) / 5
+    k3 = lambda ref, lp: math.exp(ref - lp) - (ref - lp) - 1  # noqa: E731
+    pairs = [(-1.5, -1.0), (-2.0, -2.0), (-0.3, -0.3), (-0.2, -0.7), (-4.0, -9.0)]
+    kl_mean = sum(k3(r, lp) for r, lp in pairs) / 5
+    assert loss.item() == pytest.approx(policy + 0.1 * kl_mean, rel=1e-6)
+    assert kl.item() == pytest.approx(kl_mean, rel=1e-6)
+    loss.backward()
+    # d/dlogp: -A_i / N from the policy term, + kl_weight * (1 - exp(ref - logp)) / N from k3; masked tokens none.
+    want = torch.zeros(2, 3)
+    for (i, t), (ref, lp) in zip([(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)], pairs):
+        want[i, t] = (-advantages[i].item() + 0.1 * (1 - math.exp(ref - lp))) / 5
+    torch.testing.assert_close(logprobs.grad, want)
+
+
+def test_without_a_reference_the_loss_has_no_kl_and_equal_advantages_give_no_gradient():
+    logprobs = torch.randn(3, 4, requires_grad=True)
+    loss, kl = policy_gradient_loss(logprobs, torch.zeros(3), torch.ones(3, 4, dtype=torch.bool))
+    loss.backward()
+    assert kl.item() == 0.0 and loss.item() == 0.0 and logprobs.grad.abs().max().item() == 0.0
+
+
+def test_only_completion_tokens_are_targets():
+    group = Group(prompts=[[5, 6, 7], [9]], completions=[[1, 2], [3], [4, 4, 4], [8]],
+                  rewards=torch.zeros(2, 2), passed=torch.zeros(2, 2, dtype=torch.bool))  # fmt: skip
+    x, y = completion_rows(group, samples=2)
+    assert x.tolist()[0][:4] == [5, 6, 7, 1] and y.tolist()[0][:4] == [IGNORE_INDEX, IGNORE_INDEX, 1, 2]
+    assert y.tolist()[1][:3] == [IGNORE_INDEX, IGNORE_INDEX, 3] and y.tolist()[1][3] == IGNORE_INDEX
+    assert x.tolist()[2][:3] == [9, 4, 4] and y.tolist()[2][:3] == [4, 4, 4]
+    assert y.tolist()[3][0] == 8 and (y[3, 1:] == IGNORE_INDEX).all()
+    logits = torch.randn(4, x.size(1), 11)
+    logprobs = token_logprobs(logits, y)
+    assert (logprobs[y == IGNORE_INDEX] == 0).all()
+    assert logprobs[0, 2].item() == pytest.approx(logits[0, 2].log_softmax(-1)[1].item(), rel=1e-6)
+
+
+def test_pass_at_k_is_the_unbiased_estimate():
+    assert pass_at_k(8, 0, 1) == 0.0 and pass_at_k(8, 8, 1) == 1.0
+    assert pass_at_k(8, 2, 1) == pytest.approx(0.25)
+    assert pass_at_k(8, 1, 8) == 1.0 and pass_at_k(8, 0, 8) == 0.0
+    assert pass_at_k(10, 3, 2) == pytest.approx(1 - math.comb(7, 2) / math.comb(10, 2))
+
+
+# ---------------------------------------------------------------- runs
+
+
+def addition_rows(count: int, seed: int = 0) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    pairs = torch.randint(0, 10, (count, 2), generator=generator).tolist()
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b), "id": i} for i, (a, b) in enumerate(pairs)]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> tuple[Path, Path]:
+    """(a byte-tokenizer base model, addition prompts prepared with its tokenizer)."""
+    root = tmp_path_factory.mktemp("rl")
+    base = byte_model_dir(root / "base")
+    data = root / "data"
+    rows = write_jsonl(root / "prompts.jsonl", addition_rows(40))
+    assert main(["prepare", "--input", str(rows), "--tokenizer", str(base), "--out", str(data)]) == 0
+    return base, data
+
+
+def _grpo(data: Path, out: Path, base: Path, **settings) -> object:
+    finetune = dict(objective="grpo", group_size=4, completion_tokens=4, eval_samples=4, temperature=1.0) | settings
+    finetune["train"] = {"batch_size": 2, "eval_examples": 4} | finetune.get("train", {})
+    return _run_config(data, out, base, **finetune)
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_grpo_run_logs_its_rewards_and_resumes_bit_for_bit(method, prompts, tmp_path, device):
+    base, data = prompts
+    settings = dict(method=method, lora_rank=4, kl_weight=0.05, train={"device": device.type})
+    whole = train(_grpo(data, tmp_path / "whole", base, **settings), progress=False)
+    records = _records(whole.run_dir)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    for r in steps:
+        assert 0.0 <= r["reward"] <= 1.0 and 0.0 <= r["zero_spread"] <= 1.0 and r["reward_std"] >= 0.0
+        assert 1.0 <= r["completion_tokens"] <= 5.0 and r["kl"] >= 0.0
+    evaluations = [r for r in records if "val_pass_at_1" in r]
+    assert [r["step"] for r in evaluations] == [0, 3, 6]
+    assert all(r["val_pass_at_1"] <= r["val_pass_at_4"] for r in evaluations)
+    three = {**settings, "train": {**settings["train"], "max_steps": 3}}
+    part = train(_grpo(data, tmp_path / "part", base, **three), progress=False)
+    resumed = train(_grpo(data, part.run_dir, base, **settings), resume=True, progress=False)
+    torch.testing.assert_close(_losses(resumed.run_dir), _losses(whole.run_dir), **same_run(device))
+    rewards = lambda run: [r["reward"] for r in _records(run) if "reward" in r]  # noqa: E731
+    assert rewards(resumed.run_dir) == rewards(whole.run_dir)
+    got, want = (load(c)[0].state_dict() for c in (resumed.checkpoint, whole.checkpoint))
+    torch.testing.assert_close(got, want, **same_run(device))
+
+
+def test_a_group_with_equal_rewards_gives_no_gradient(prompts, tmp_path, monkeypatch):
+    base, data = prompts
+    (tmp_path / "flat.py").write_text("def score(prompt, completion, row):\n    return 0.5\n")
+    monkeypatch.chdir(tmp_path)
+    trainer = Trainer(_grpo(data, tmp_path / "run", base, reward="flat:score"), resume=False)
+    loss, stats = trainer.objective.loss(trainer.forward, trainer.batches.next())
+    loss.backward()
+    assert stats["zero_spread"].item() == 1.0 and stats["reward"].item() == 0.5
+    assert all(p.grad is None or p.grad.abs().max().item() == 0.0 for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("module, body, message", [
+    ("judge_raises", "raise ValueError('bad row')", "ValueError: bad row"),
+    ("judge_says_high", "return 'high'", "'high'"),
+    ("judge_nan", "return float('nan')", "nan"),
+])  # fmt: skip
+def test_a_reward_function_that_fails_is_one_line_naming_it(module, body, message, prompts, tmp_path, monkeypatch,
+                                                             capsys):  # fmt: skip
+    base, data = prompts
+    (tmp_path / f"{module}.py").write_text(f"def score(prompt, completion, row):\n    {body}\n")
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--model.init_from", str(base),
+                 "--finetune.objective", "grpo", "--finetune.reward", f"{module}:score", "--finetune.group_size", "2",
+                 "--finetune.completion_tokens", "3", "--train.max_steps", "1", "--train.device", "cpu",
+                 "--train.batch_size", "1"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and f"{module}:score" in err[-1] and message in err[-1]
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_eval_on_a_prompt_set_is_one_line_pointing_to_pass_at_k(prompts, capsys):
+    base, data = prompts
+    assert main(["eval", str(base), "--data", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds prompts" in err and "val_pass_at_1" in err and len(err.splitlines()) == 1
+
+
+def test_a_prompt_set_trains_only_grpo_and_grpo_only_on_prompts(prompts, sft, tmp_path):  # noqa: F811
+    base, data = prompts
+    with pytest.raises(ConfigError, match="finetune.objective lm trains on examples .* use finetune.objective grpo"):
+        Trainer(_run_config(data, tmp_path / "lm", base), resume=False)
+    _, examples = sft
+    with pytest.raises(ConfigError, match="finetune.objective grpo trains on prompts .* use finetune.objective lm"):
+        Trainer(_grpo(examples, tmp_path / "rl", base), resume=False)
+
+
+def test_completions_follow_the_json_schema_and_end_at_stop_strings(prompts, tmp_path):
+    base, data = prompts
+    schema = tmp_path / "number.json"
+    schema.write_text('{"type": "integer"}')
+    numbers = Trainer(_grpo(data, tmp_path / "a", base, reward="regex:^\\s*-?[0-9]+\\s*$", json_schema=str(schema),
+                            completion_tokens=6), resume=False)  # fmt: skip
+    group = numbers.objective.sample(numbers.objective.train_prompts, [0, 1, 2], 4, seed=5)
+    assert group.passed.all()  # every completion is an integer, as the schema asks
+    stops = Trainer(_grpo(data, tmp_path / "b", base, reward="regex:[aeiou]", stop=list("aeiou"),
+                          completion_tokens=12, temperature=2.0), resume=False)  # fmt: skip
+    group = stops.objective.sample(stops.objective.train_prompts, [0, 1, 2], 4, seed=5)
+    assert not group.passed.any()  # the reward reads the text before the first stop string
+    texts = [stops.tokenizer.decode(ids) for ids in group.completions]
+    assert any(t[-1:] in "aeiou" for t in texts if t)  # (some did stop at one)
+
+
+def test_the_trained_completion_ends_with_the_end_id_the_model_chose(prompts, tmp_path):
+    base, data = prompts
+    objective = Trainer(_grpo(data, tmp_path / "run", base), resume=False).objective
+    assert objective._text_and_ids(Completion([65, 66], "eos", 10)) == ("AB", [65, 66, 10])  # a second end id
+    assert objective._text_and_ids(Completion([65, 66], "eos", None)) == ("AB", [65, 66])  # a grammar ended it
+    assert objective._text_and_ids(Completion([65, 66], "length")) == ("AB", [65, 66])
+
+
+def test_greedy_sampling_is_refused_and_a_group_of_one_warned_about(prompts, tmp_path, caplog):
+    base, data = prompts
+    with pytest.raises(ConfigError, match="finetune.temperature 0.0 samples greedily"):
+        Trainer(_grpo(data, tmp_path / "greedy", base, temperature=0.0), resume=False)
+    Trainer(_grpo(data, tmp_path / "one", base, group_size=1), resume=False)
+    assert "finetune.group_size 1" in caplog.text
+
+
+def test_a_prompt_set_without_held_out_prompts_is_refused(tmp_path):
+    base = byte_model_dir(tmp_path / "base")
+    rows = write_jsonl(tmp_path / "prompts.jsonl", addition_rows(6))
+    assert main(["prepare", "--input", str(rows), "--tokenizer", str(base), "--out", str(tmp_path / "data"),
+                 "--val-fraction", "0"]) == 0  # fmt: skip
+    with pytest.raises(ConfigError, match="no held-out prompts .* --val-fraction above 0"):
+        Trainer(_grpo(tmp_path / "data", tmp_path / "run", base), resume=False)
