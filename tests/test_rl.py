@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import same_run
 from test_finetune import _losses, _run_config, byte_model_dir, sft, write_jsonl  # noqa: F401 (sft: a fixture)
+from test_train import _wait_for_step
 
+from gptkit.checkpoint import latest_checkpoint
 from gptkit.cli import main
 from gptkit.decoding.api import Completion
 from gptkit.errors import ConfigError
@@ -229,3 +234,22 @@ def test_a_prompt_set_without_held_out_prompts_is_refused(tmp_path):
                  "--val-fraction", "0"]) == 0  # fmt: skip
     with pytest.raises(ConfigError, match="no held-out prompts .* --val-fraction above 0"):
         Trainer(_grpo(tmp_path / "data", tmp_path / "run", base), resume=False)
+
+
+def test_a_grpo_run_killed_and_resumed_goes_on_bit_for_bit(prompts, tmp_path):
+    base, data = prompts
+    settings = dict(train={"max_steps": 24, "checkpoint_interval": 5, "eval_interval": 12})
+    whole = train(_grpo(data, tmp_path / "whole", base, **settings), progress=False)
+    config = _grpo(data, tmp_path / "run", base, **settings)
+    (tmp_path / "run.yaml").write_text(config.to_yaml())
+    command = [sys.executable, "-m", "gptkit", "train", "--config", str(tmp_path / "run.yaml"), "--quiet"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _wait_for_step(tmp_path / "run", process, 11)
+    process.kill()  # SIGKILL: whatever it was doing is cut short
+    process.wait()
+    assert latest_checkpoint(tmp_path / "run") is not None
+    resumed = train(config, resume=True, progress=False)
+    assert resumed.step == 24
+    torch.testing.assert_close(_losses(resumed.run_dir), _losses(whole.run_dir), atol=0.0, rtol=0.0)
+    rewards = lambda run: {r["step"]: r["reward"] for r in _records(run) if "reward" in r}  # noqa: E731
+    assert rewards(resumed.run_dir) == rewards(whole.run_dir)
