@@ -505,22 +505,6 @@ def _shard_like(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> di
     }  # fmt: skip
 
 
-def read_history(path: Path, up_to: int) -> list[dict[str, Any]]:
-    """The metrics records of a run up to step `up_to` (later ones belong to steps a resume will redo)."""
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_bytes().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a kill, or damaged (invalid UTF-8 is a ValueError too)
-        step = record.get("step") if isinstance(record, dict) else None
-        if isinstance(step, int) and step <= up_to:
-            records.append(record)
-    return records
-
-
 def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = None) -> Path | None:
     """The checkpoint a run continues from: None for a new run; resume_from, verified; or the newest that verifies.
 

@@ -33,7 +33,6 @@ from gptkit.checkpoint import (
     local_tensor,
     latest_checkpoint,
     load_checkpoint,
-    read_history,
     remove_stale_temporaries,
     resume_point,
     rewind,
@@ -59,7 +58,7 @@ from gptkit.errors import ConfigError, GptkitError
 from gptkit.finetune.catalogue import method_for, objective_for
 from gptkit.finetune.parts import Setup
 from gptkit.model import GPT
-from gptkit.observe.run_log import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, RunLog
+from gptkit.observe.run_log import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, RunLog, read_history
 from gptkit.observe.training import Observer
 from gptkit.optim import lr_at, make_optimizer
 from gptkit.tokenizer import check_same_tokenizer

@@ -71,7 +71,7 @@ class Preference(ObjectiveBase):
 
     def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
         """Train and validation loss, and on validation pairs the rewards, margin and preference accuracy."""
-        train_loss, val_loss, stats = evaluate_examples(self, forward, self.setup)
+        train_loss, val_loss, stats = evaluate_examples(self.loss, forward, self.setup)
         return {"train_eval_loss": train_loss, "val_loss": val_loss, **stats}
 
 

@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptkit.atomic import atomic_write_text
-from gptkit.data import Batch, example_batches
-from gptkit.devices import autocast_for
+from gptkit.data import Batch
 from gptkit.errors import GptkitError
 from gptkit.evaluate import classification_scores
 from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
@@ -165,16 +164,17 @@ class Classification(ObjectiveBase):
 
     @torch.no_grad()
     def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
-        """Train and validation loss, validation accuracy and the mean F1 over the labels (macro-F1)."""
-        train_loss, val_loss, stats = evaluate_examples(self, forward, self.setup)
-        t, device = self.setup.config.train, self.setup.device
+        """Train and validation loss, validation accuracy and the mean F1 over the labels (macro-F1), from one pass
+        over each split."""
         predicted, labels = [], []
-        for batch in example_batches(self.setup.data.val, self.setup.gpt.config.block_size, t.batch_size,
-                                     t.eval_iters * t.batch_size):  # fmt: skip
-            batch = batch.to(lambda tensor: tensor.to(device))
-            with autocast_for(device, t.dtype):
-                predicted.append(self._outputs(forward, batch)[2].cpu())
+
+        def loss_keeping_predictions(forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
+            loss, stats, prediction = self._outputs(forward, batch)
+            predicted.append(prediction.cpu())
             labels.append(batch.labels.cpu())
+            return loss, stats
+
+        train_loss, val_loss, stats = evaluate_examples(self.loss, forward, self.setup, loss_keeping_predictions)
         scores = classification_scores(torch.cat(labels).numpy(), torch.cat(predicted).numpy(), self.labels)
         return {"train_eval_loss": train_loss, "val_loss": val_loss, **stats, "val_macro_f1": scores["macro_f1"]}
 

@@ -67,7 +67,7 @@ class LanguageModeling(ObjectiveBase):
         """Train and validation loss; for text, perplexity and bits per byte; for examples, the replies' exact match."""
         t, data, device = self.t, self.setup.data, self.setup.device
         if data.kind != "text":
-            train_loss, val_loss, _ = evaluate_examples(self, forward, self.setup)
+            train_loss, val_loss, _ = evaluate_examples(self.loss, forward, self.setup)
             metrics = {"train_eval_loss": train_loss, "val_loss": val_loss, "train_eval_ppl": _exp(train_loss),
                        "val_ppl": _exp(val_loss)}  # fmt: skip
             if self.task_metrics:  # (not under FSDP)
@@ -107,32 +107,37 @@ def window_loss(forward: Callable[..., Any], tokens: np.ndarray, batch_size: int
     return (total / len(x)).item()
 
 
-def evaluate_examples(objective: Any, forward: Callable[..., Any], setup: Setup) -> tuple[float, float, dict]:
-    """(train loss, validation loss, the validation statistics) of an objective over example sets: the same
-    eval_iters x batch_size items of each split at every evaluation."""
+LossFn = Callable[[Callable[..., Any], Batch], tuple[Tensor, Stats]]  # an objective's loss(forward, batch)
+
+
+def evaluate_examples(loss: LossFn, forward: Callable[..., Any], setup: Setup,
+                      val_loss: LossFn | None = None) -> tuple[float, float, dict]:  # fmt: skip
+    """(train loss, validation loss, the validation statistics) of an objective's loss over example sets: the same
+    eval_iters x batch_size items of each split at every evaluation (val_loss, if given, reads the validation
+    batches instead: the same loss, also keeping what else the objective measures on them)."""
     t = setup.config.train
     train_examples, val_examples = setup.data.train, setup.data.val
     order = np.random.default_rng(t.seed + 1).permutation(train_examples.items())
     limit = t.eval_iters * t.batch_size
     block = setup.gpt.config.block_size
     with autocast_for(setup.device, t.dtype):
-        train_m = split_means(objective, forward, train_examples, block, t.batch_size, limit, order, setup.device)
-        val_m = split_means(objective, forward, val_examples, block, t.batch_size, limit, None, setup.device)
+        train_m = split_means(loss, forward, train_examples, block, t.batch_size, limit, order, setup.device)
+        val_m = split_means(val_loss or loss, forward, val_examples, block, t.batch_size, limit, None, setup.device)
     train_loss, val_loss = train_m.pop("loss"), val_m.pop("loss")
     return train_loss, val_loss, {f"val_{name}": value for name, value in val_m.items()}
 
 
 @torch.no_grad()
-def split_means(objective: Any, forward: Callable[..., Any], examples: Examples, block_size: int, batch_size: int,
+def split_means(loss: LossFn, forward: Callable[..., Any], examples: Examples, block_size: int, batch_size: int,
                 limit: int | None, order: np.ndarray | None, device: torch.device) -> dict[str, float]:  # fmt: skip
-    """The objective's loss and statistics averaged over the first `limit` items of a split (in `order`)."""
+    """An objective's loss and statistics averaged over the first `limit` items of a split (in `order`)."""
     sums: dict[str, Tensor] = {}
     units = 0
     for batch in example_batches(examples, block_size, batch_size, limit, order):
         if not batch.units:
             continue
-        loss, stats = objective.loss(forward, batch.to(lambda t: t.to(device)))
-        for name, value in {"loss": loss, **stats}.items():
+        value_of_loss, stats = loss(forward, batch.to(lambda t: t.to(device)))
+        for name, value in {"loss": value_of_loss, **stats}.items():
             sums[name] = sums.get(name, 0) + value.float() * batch.units
         units += batch.units
     return {name: float(total) / max(units, 1) for name, total in sums.items()}

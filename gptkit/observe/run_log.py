@@ -20,6 +20,22 @@ TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "loss.png"
 
 
+def read_history(path: Path, up_to: int) -> list[dict[str, Any]]:
+    """The metrics records of a run up to step `up_to` (later ones belong to steps a resume will redo)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_bytes().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill, or damaged (invalid UTF-8 is a ValueError too)
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and step <= up_to:
+            records.append(record)
+    return records
+
+
 class RunLog:
     """The metrics records of one run (history: those of the steps up to now, the plot's data) and where they go."""
 
