@@ -165,6 +165,22 @@ class KVCache:
         return KVCache.of(part(self.keys), part(self.values), part(self.key_scales), part(self.value_scales),
                           self.dtype)  # fmt: skip
 
+    def row(self, index: int, length: int) -> KVCache:
+        """A one-row cache sharing this one's storage: row `index`, its first `length` positions."""
+        part = lambda tensors: [t[index : index + 1, :, :length] for t in tensors]  # noqa: E731
+        return KVCache.of(part(self.keys), part(self.values), part(self.key_scales), part(self.value_scales),
+                          self.dtype)  # fmt: skip
+
+    def read_span(self, row: int, start: int, stop: int) -> list[Tensor]:
+        """Copies of row's positions [start, stop) of every tensor (the order of `tensors`), each (n_kv_head,
+        stop - start, ...)."""
+        return [t[row, :, start:stop].clone() for t in self.tensors]
+
+    def write_span(self, row: int, start: int, span: list[Tensor]) -> None:
+        """Put a span read by read_span (from any cache of this layout) at row's positions start.."""
+        for t, part in zip(self.tensors, span):
+            t[row, :, start : start + part.size(1)] = part
+
     def copy_rows(self, dst: Tensor, source: KVCache, src: Tensor, length: int) -> None:
         """Copy the first `length` positions of source's rows src into this cache's rows dst (index tensors)."""
         for full, part in zip(self.tensors, source.tensors):

@@ -1,7 +1,7 @@
 """The batch engine: requests share one preallocated KV cache, one row each, and decode one token per step together.
 
-add() prefills new requests into free rows (one right-padded forward; identical prompts run once) and picks their
-first tokens; step() decodes one token for every request in one forward pass; a request that finishes leaves its
+add() prefills new requests into free rows (each prompt in chunks of step.PREFILL_CHUNK tokens, alone: identical
+prompts run once, and blocks a prefix cache holds are copied in rather than computed) and picks their first tokens; step() decodes one token for every request in one forward pass; a request that finishes leaves its
 row at once. Rows in use are always 0..k-1: when a row frees up, the last row's keys and values move into it, so
 an eager step runs the model on exactly k rows and attends over only the positions in use. A compiled step runs
 a fixed shape instead (rows rounded up to a power of two, the whole cache length), so that it compiles once per
@@ -25,10 +25,12 @@ from torch import Tensor
 from gptkit import cpu_kernels
 from gptkit.decoding import fused
 from gptkit.decoding.grammar import Grammar
+from gptkit.decoding.prefix_cache import PrefixCache, model_fingerprint, namespace_for
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
 from gptkit.decoding.step import (
-    base, check_prompts, compiled, decode_one_token, device_dtype, inference, new_cache, prefill_rows, sync, window,
+    PREFILL_CHUNK, base, check_prompts, compiled, decode_one_token, device_dtype, inference, new_cache, prefill_chunks,
+    sync, window,
 )  # fmt: skip
 from gptkit.errors import InputError
 from gptkit.model import GPT
@@ -39,9 +41,12 @@ class BatchEngine:
 
     def __init__(
         self, model: GPT, batch_size: int, max_len: int, compile: bool = False, max_context: int | None = None,
-        buckets: bool = False, kv_dtype: torch.dtype | None = None,
+        buckets: bool = False, kv_dtype: torch.dtype | None = None, prefix_cache: PrefixCache | None = None,
+        adapter: str = "",
     ) -> None:  # fmt: skip
-        """kv_dtype: what the cache stores, the model's dtype (None) or torch.int8 (gptkit.kv_cache)."""
+        """kv_dtype: what the cache stores, the model's dtype (None) or torch.int8 (gptkit.kv_cache). prefix_cache:
+        where prompts' blocks of keys and values are kept and found again (the model's weights must not change while
+        it is used); adapter: a name that keeps this model's blocks apart from another adapter's on the same base."""
         if batch_size < 1:
             raise InputError(f"a batch needs at least one row, got {batch_size}")
         self.model = model
@@ -57,6 +62,8 @@ class BatchEngine:
         self.decode_step = compiled(model) if compile else decode_one_token
         self.fused = None if compile else fused.step_for(model)
         self.fused_later = self.fused is None and not compile and cpu_kernels.building()
+        self.prefix_cache, self.adapter = prefix_cache, adapter
+        self.fingerprint = model_fingerprint(base(model)) if prefix_cache is not None else ""
         self.rows: list[Request] = []  # cache row i belongs to rows[i]
         self.steps = 0  # decode steps run
         self.max_rows_seen = 0  # the most rows one decode step ran
@@ -126,8 +133,12 @@ class BatchEngine:
                 seqs.append(seq)
             sources.append(seqs.index(seq))
         first = len(self.rows)
+        rows = {source: first + i for i, source in reversed(list(enumerate(sources)))}  # each seq's first row
         with inference(self.model):
-            logits = prefill_rows(self.model, self.cache, range(first, first + len(requests)), seqs, sources)
+            logits = torch.stack([self._prefill(rows[source], seq) for source, seq in enumerate(seqs)])
+            for i, source in enumerate(sources):
+                if first + i != rows[source]:  # a prompt that runs once: its other rows copy the first
+                    self.cache.move_row(first + i, rows[source], len(seqs[source]))
         for request, source in zip(requests, sources):
             request.generator = request.generator or seeded(self.device, request.seed)
             request.position = len(seqs[source])
@@ -139,6 +150,23 @@ class BatchEngine:
             self.rows.append(request)
         self._choose(list(requests), logits[torch.tensor(sources, device=self.device)])
         return self._retire()
+
+    def _prefill(self, row: int, seq: list[int]) -> Tensor:
+        """Fill a row with seq's keys and values, cached blocks copied and the rest computed; logits (V,) at its end."""
+        cached = self.prefix_cache.match(self.namespace(), seq) if self.prefix_cache is not None else []
+        for b, block in enumerate(cached):
+            self.cache.write_span(row, b * PREFILL_CHUNK, block)
+        start = len(cached) * PREFILL_CHUNK
+        logits = prefill_chunks(self.model, self.cache, row, seq, start)
+        if self.prefix_cache is not None:
+            blocks = [self.cache.read_span(row, b * PREFILL_CHUNK, (b + 1) * PREFILL_CHUNK)
+                      for b in range(len(cached), len(seq) // PREFILL_CHUNK)]  # fmt: skip
+            self.prefix_cache.insert(self.namespace(), seq, len(cached), blocks)
+        return logits
+
+    def namespace(self) -> str:
+        """What names this engine's blocks in a prefix cache: its model, KV dtype and kernels now."""
+        return namespace_for(self.fingerprint, self.cache.kv_dtype, self.adapter)
 
     def cancel(self, request: Request) -> None:
         """Free a request's row (finished or not); a request not in the batch is ignored."""
@@ -189,9 +217,8 @@ class BatchEngine:
             if windowed:
                 # A full learned-position row: recompute its last `window` tokens at positions 0.. (after the
                 # batched step, which wrote a dummy token into this row).
-                seqs = [self.rows[i].tokens[-self.max_len :] for i in windowed]
-                redone = prefill_rows(self.model, self.cache, windowed, seqs, range(len(windowed)))
-                logits[torch.tensor(windowed, device=self.device)] = redone.to(logits.dtype)
+                for i in windowed:
+                    logits[i] = prefill_chunks(self.model, self.cache, i, self.rows[i].tokens[-self.max_len :])
         for i, request in enumerate(self.rows):
             request.position = self.max_len if i in windowed else request.position + 1
         self.steps += 1

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from gptkit.decoding.batch import BatchEngine
+from gptkit.decoding.prefix_cache import PrefixCache
 from gptkit.decoding.request import Request, TokenLogprob
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
@@ -61,7 +62,7 @@ class Engine:
 
     def __init__(self, model: GPT, tokenizer: Any, max_batch_size: int = 8, max_queue: int = 64,
                  compile: bool = False, max_context: int | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+                 kv_dtype: torch.dtype | None = None, prefix_cache: PrefixCache | None = None) -> None:  # fmt: skip
         if max_batch_size < 1:
             raise GptkitError(f"--max-batch-size must be >= 1, got {max_batch_size}")
         if max_queue < 0:
@@ -75,7 +76,8 @@ class Engine:
         # Compiled: the whole context up front, so that the shapes compiled at start-up are the only ones.
         length = self.max_context if compile else min(block_size, self.max_context)
         self.batch = BatchEngine(self.model, max_batch_size, length, compile=compile, max_context=self.max_context,
-                                 buckets=True, kv_dtype=kv_dtype)  # fmt: skip
+                                 buckets=True, kv_dtype=kv_dtype, prefix_cache=prefix_cache)  # fmt: skip
+        self.prefix_cache = prefix_cache
         self.emits: dict[Request, Emit] = {}
         self.waiting: deque[Request] = deque()
         self.to_cancel: set[Request] = set()
@@ -123,6 +125,8 @@ class Engine:
             self.wakeup.notify()
         if self.thread is not None:
             self.thread.join(timeout=10)
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()
 
     def submit(self, requests: list[tuple[Request, Emit]]) -> None:
         """Queue requests with where their chunks go (all or none); raise QueueFull when the queue is full."""
@@ -149,10 +153,13 @@ class Engine:
             self.wakeup.notify()
         return future
 
-    def stats(self) -> dict[str, int]:
-        """Rows in use, requests waiting and decode steps run so far."""
-        return {"active": len(self.active), "waiting": len(self.waiting), "steps": self.steps,
-                "cancelled": self.cancelled, "max_batch_size": self.max_batch_size}  # fmt: skip
+    def stats(self) -> dict[str, Any]:
+        """Rows in use, requests waiting, decode steps run so far and what the prefix cache holds and has saved."""
+        stats: dict[str, Any] = {"active": len(self.active), "waiting": len(self.waiting), "steps": self.steps,
+                                 "cancelled": self.cancelled, "max_batch_size": self.max_batch_size}  # fmt: skip
+        if self.prefix_cache is not None:
+            stats["prefix_cache"] = self.prefix_cache.report()
+        return stats
 
     # ----- the engine thread -----
 

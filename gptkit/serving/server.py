@@ -13,6 +13,8 @@ from typing import Any, AsyncIterator
 import torch
 from fastapi import FastAPI
 
+from gptkit.decoding.kv_store import KVStore
+from gptkit.decoding.prefix_cache import PrefixCache, available_memory, parse_size
 from gptkit.devices import pick_device
 from gptkit.errors import GptkitError
 from gptkit.kv_cache import kv_dtype_of
@@ -20,6 +22,7 @@ from gptkit.serving.api import ServerState, create_app, is_loopback
 from gptkit.serving.engine import Engine
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_CACHE_DISK = 10 << 30
 
 log = logging.getLogger("gptkit.serve")
 
@@ -56,6 +59,17 @@ class ServeOptions:
                                                                  "request (or a body), and may take to send a "
                                                                  "request head once begun; closed beyond"})  # fmt: skip
     max_connections: int = field(default=512, metadata={"help": "open connections at most; requests beyond get 503"})
+    cache_ram: int | None = field(default=None, metadata={
+        "help": "memory for the prefix cache: keys and values of earlier prompts, so that a request sharing a prefix "
+                "with one (a conversation's next turn, a common system prompt) computes only the rest; bytes or "
+                "512M, 4G (default: a quarter of the memory available at start-up; 0 turns it off)",
+        "parse": parse_size, "metavar": "BYTES"})  # fmt: skip
+    cache_dir: str | None = field(default=None, metadata={
+        "help": "also keep the prefix cache's blocks in this directory: evicted blocks are read back from it, and a "
+                "restarted server finds them (default: RAM only)", "metavar": "DIR"})  # fmt: skip
+    cache_disk: int = field(default=DEFAULT_CACHE_DISK, metadata={
+        "help": "most bytes --cache-dir may hold (least recently used blocks are removed first)", "parse": parse_size,
+        "metavar": "BYTES"})  # fmt: skip
     max_context: int | None = field(default=None, metadata={
         "help": "most tokens (prompt + completion) one request may reach (default: 4 x the model's block_size; "
                 "models with learned positions slide a window of block_size past it, others continue, as "
@@ -88,7 +102,7 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     if tokenizer is None:
         raise GptkitError(f"{model_dir} has no tokenizer files; the server needs one to read and write text")
     engine = Engine(model, tokenizer, options.max_batch_size, options.max_queue, options.compile, options.max_context,
-                    kv_dtype)  # fmt: skip
+                    kv_dtype, prefix_cache(options))  # fmt: skip
     if options.compile:
         log.info("compiling the decode step for batches of %s rows", engine.batch.row_buckets())
         log.info("compiled in %.1f s", engine.warm_up())
@@ -122,6 +136,26 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
 
     app.router.lifespan_context = lifespan
     return app
+
+
+def prefix_cache(options: ServeOptions) -> PrefixCache | None:
+    """The prefix cache the options ask for (None with --cache-ram 0 and no --cache-dir)."""
+    ram = available_memory() // 4 if options.cache_ram is None else options.cache_ram
+    if ram < 0 or options.cache_disk < 0:
+        raise GptkitError("--cache-ram and --cache-disk must be >= 0 bytes")
+    store = None
+    if options.cache_dir is not None:
+        try:
+            Path(options.cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise GptkitError(f"--cache-dir {options.cache_dir}: cannot make it ({err.strerror or err}); give a "
+                              "writable directory") from None  # fmt: skip
+        store = KVStore(options.cache_dir, options.cache_disk)
+    if ram == 0 and store is None:
+        return None
+    log.info("prefix cache: %.1f GiB of RAM%s", ram / (1 << 30),
+             f", {options.cache_disk / (1 << 30):.1f} GiB in {options.cache_dir}" if store else "")  # fmt: skip
+    return PrefixCache(ram, store)
 
 
 def serve(model_dir: str | Path, options: ServeOptions) -> None:
