@@ -10,6 +10,13 @@ speed-up over one client. Only loopback is ever contacted.
 
 --adversarial: the median latency of sequential completions, alone and again while 300 connections hold
 half-sent request heads and a chat request whose template (the model's own, written here) loops is in flight.
+
+--llama-server DIR: gptkit serve against llama.cpp's llama-server (DIR holds the binary: LLAMA_CPP/build/bin) on the
+same weights (a random GPT-2-small-shaped model with a 4,096-token BPE trained on the bundled corpus, which gptkit
+writes as GGUF), both at their best settings for this machine and again at their defaults; workloads in
+benchmarks/serve_workloads.py:
+
+    .venv/bin/python benchmarks/bench_serve.py --llama-server LLAMA_CPP/build/bin
 """
 
 from __future__ import annotations
@@ -46,13 +53,13 @@ def build_model_dir(path: Path, n_layer: int, n_embd: int, block_size: int) -> P
     return save_model_dir(GPT(config), path / "bench-model", tokenizer=tokenizer)
 
 
-def start_server(model_dir: Path, max_batch_size: int, threads: int | None,
-                 compile: bool = False) -> tuple[subprocess.Popen, str]:  # fmt: skip
+def start_server(model_dir: Path, max_batch_size: int | None, threads: int | None,
+                 compile: bool = False, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:  # fmt: skip
     """`gptkit serve` on 127.0.0.1 with a free port; returns the process and its base URL."""
-    extra = (["--threads", str(threads)] if threads else []) + (["--compile"] if compile else [])
+    extra = ((["--threads", str(threads)] if threads else []) + (["--compile"] if compile else [])
+             + (["--max-batch-size", str(max_batch_size)] if max_batch_size else []) + list(extra))  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gptkit", "serve", str(model_dir), "--port", "0", "--device", "cpu",
-         "--max-batch-size", str(max_batch_size), *extra],
+        [sys.executable, "-m", "gptkit", "serve", str(model_dir), "--port", "0", "--device", "cpu", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + (900 if compile else 120)  # compiling every batch shape comes before ready
@@ -149,7 +156,17 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--adversarial", action="store_true",
                         help="latency alone vs under 300 half-open connections and a looping chat template")  # fmt: skip
+    parser.add_argument("--llama-server", type=Path, default=None, metavar="DIR",
+                        help="compare with llama.cpp's llama-server in DIR on the same weights (serve_workloads.py)")
+    parser.add_argument("--rounds", type=int, default=1, help="with --llama-server: interleaved rounds (best kept)")
+    parser.add_argument("--defaults", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --llama-server: also run both servers at their default settings")
     args = parser.parse_args()
+    if args.llama_server is not None:
+        from serve_workloads import compare_with_llama_server
+
+        compare_with_llama_server(args)
+        return
     show = (lambda *a, **k: None) if args.json else print  # noqa: E731
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

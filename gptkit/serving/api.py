@@ -470,7 +470,8 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
 class Collector:
     """Receives chunks from the engine thread into an asyncio queue on the server's loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, stream: bool = True) -> None:
+        self.stream = stream  # False: one chunk per sequence, when it ends
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Chunk]] = asyncio.Queue()
 
@@ -500,7 +501,7 @@ def _submit(state: ServerState, prompts: list[list[int]], params: SamplingParams
                                     top_logprobs=top, constraint=grammar.start() if grammar else None)  # fmt: skip
             sequences.append((request, collector.sink(p * params.num_samples + i)))
     try:
-        state.engine.submit(sequences)
+        state.engine.submit(sequences, stream=collector.stream)
     except QueueFull as err:
         raise APIError(503, str(err), code="server_busy", type_="server_error",
                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None  # fmt: skip
@@ -643,7 +644,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
             return _sse_response(_one_shot(result))
         return result
 
-    collector = Collector()
+    collector = Collector(stream=bool(body.stream))
     sequences = _submit(state, prompts, params, body.logprobs, collector, grammar)
     if body.stream:
         completion_tokens = [0] * len(sequences)
@@ -722,7 +723,7 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
     grammar = await _grammar(state, params, "tools" if plan is not None else "response_format")
     top = (body.top_logprobs or 0) if body.logprobs else None
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-    collector = Collector()
+    collector = Collector(stream=bool(body.stream))
     sequences = _submit(state, [prompt], params, top, collector, grammar)
     prompt_tokens = len(prompt)
 

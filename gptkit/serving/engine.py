@@ -79,6 +79,7 @@ class Engine:
                                  buckets=True, kv_dtype=kv_dtype, prefix_cache=prefix_cache)  # fmt: skip
         self.prefix_cache = prefix_cache
         self.emits: dict[Request, Emit] = {}
+        self.at_end: set[Request] = set()  # requests whose caller wants one chunk, at the end
         self.waiting: deque[Request] = deque()
         self.to_cancel: set[Request] = set()
         self.jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
@@ -128,8 +129,9 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.close()
 
-    def submit(self, requests: list[tuple[Request, Emit]]) -> None:
-        """Queue requests with where their chunks go (all or none); raise QueueFull when the queue is full."""
+    def submit(self, requests: list[tuple[Request, Emit]], stream: bool = True) -> None:
+        """Queue requests with where their chunks go (all or none); raise QueueFull when the queue is full.
+        stream=False sends each request's chunk once, when it ends: no text is decoded or handed over per token."""
         with self.wakeup:
             free_rows = self.max_batch_size - len(self.active)
             if len(self.waiting) + len(requests) > self.max_queue + max(free_rows, 0):
@@ -137,6 +139,8 @@ class Engine:
             for request, emit in requests:
                 self.emits[request] = emit
                 self.waiting.append(request)
+                if not stream:
+                    self.at_end.add(request)
             self.wakeup.notify()
 
     def cancel(self, requests: list[Request]) -> None:
@@ -202,13 +206,13 @@ class Engine:
                 request = self.waiting.popleft()
                 if request in cancelled:
                     self.cancelled += 1
-                    self.emits.pop(request, None)
+                    self._forget(request)
                     continue
                 admitted.append(request)
         for request in cancelled & set(self.active):
             self.batch.cancel(request)
             self.cancelled += 1
-            self.emits.pop(request, None)
+            self._forget(request)
         if admitted:
             try:
                 self._send(self.batch.add(admitted) + admitted)
@@ -235,7 +239,7 @@ class Engine:
     def _send(self, requests: list[Request]) -> None:
         """Emit each request's new text and log-probabilities (once per request; finished ones for the last time)."""
         for request in dict.fromkeys(requests):
-            if request not in self.emits:
+            if request not in self.emits or (request in self.at_end and not request.done):
                 continue
             delta = request.take()
             if delta.text or delta.tokens or delta.finish_reason:
@@ -244,12 +248,18 @@ class Engine:
                 self.emits[request](Chunk(delta.text, tokens, reason, len(request.prompt), _count(request)))
             if request.done:
                 del self.emits[request]
+                self.at_end.discard(request)
 
     def _end(self, request: Request, reason: str) -> None:
         """Tell a request's caller that it ended without finishing ("cancelled" or "error")."""
-        emit = self.emits.pop(request, None)
+        emit = self._forget(request)
         if emit is not None:
             emit(Chunk("", [], reason, len(request.prompt), _count(request)))
+
+    def _forget(self, request: Request) -> Emit | None:
+        """Drop what the engine keeps for a request's caller; returns where its chunks went."""
+        self.at_end.discard(request)
+        return self.emits.pop(request, None)
 
     def _token_info(self, token: TokenLogprob) -> TokenInfo:
         return self._info(token.id, token.logprob, [self._info(i, v) for i, v in token.top])

@@ -41,8 +41,8 @@ class ServeOptions:
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest request body accepted (413 beyond)"})
     model_name: str | None = field(default=None, metadata={"help": "model id clients send (default: dir name)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, mps or auto"})
-    threads: int | None = field(default=None, metadata={"help": "CPU threads for the model (default: all cores "
-                                                                 "but one, left to the HTTP side)"})
+    threads: int | None = field(default=None, metadata={"help": "CPU threads for the model (default: every core "
+                                                                 "this process may use)"})
     quantize: str | None = field(default=None, metadata={"help": "weight-only quantisation of the loaded float "
                                                                   "model: int8 or int4 (llama.cpp's Q4_0)"})
     kv_cache: str | None = field(default=None, metadata={"help": "int8: keep the keys and values as int8 with a "
@@ -158,6 +158,13 @@ def prefix_cache(options: ServeOptions) -> PrefixCache | None:
     return PrefixCache(ram, store)
 
 
+def default_threads() -> int:
+    """Model threads when --threads is not given: every core this process may run on. The HTTP side sleeps while a
+    step runs, so leaving it a core costs the model that core (GPT-2 small, 2-core EPYC: see the README's serving
+    section for tokens/s at 1 and 8 clients with 1 and 2 threads)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def serve(model_dir: str | Path, options: ServeOptions) -> None:
     """Run the server until interrupted."""
     import uvicorn
@@ -166,9 +173,7 @@ def serve(model_dir: str | Path, options: ServeOptions) -> None:
         raise GptkitError(f"--port must be in 0..65535, got {options.port}")
     if options.threads is not None and options.threads < 1:
         raise GptkitError(f"--threads must be >= 1, got {options.threads}")
-    # The HTTP server, the SSE streams and the clients need a core too: model threads on every core
-    # oversubscribe the CPU (measured on 2 cores: 422 tokens/s at 8 clients against 1,067 with one thread).
-    threads = options.threads or max(1, (os.cpu_count() or 1) - 1)
+    threads = options.threads or default_threads()
     torch.set_num_threads(threads)  # process-wide, so only here and not in build_app
     if not options.head_timeout > 0:
         raise GptkitError(f"--head-timeout must be > 0 seconds, got {options.head_timeout}")
