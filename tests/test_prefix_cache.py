@@ -203,3 +203,26 @@ def test_sizes_read_from_flags():
     assert parse_size("1.5GiB") == 3 << 29 and parse_size("0") == 0
     with pytest.raises(ValueError, match="invalid size"):
         parse_size("lots")
+
+
+def test_the_server_reports_its_cache_and_finds_it_again_after_a_restart(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from gptkit.serving.server import ServeOptions, build_app
+    from test_serve_helpers import make_model_dir
+
+    model_dir = make_model_dir(tmp_path / "model", block_size=256)
+    options = ServeOptions(cache_ram=1 << 28, cache_dir=str(tmp_path / "kv"), allowed_host=("testserver",))
+    body = {"model": "model", "prompt": "the cat sat on the mat. " * 8, "max_tokens": 8, "temperature": 0,
+            "logprobs": 2}  # 192 characters: three whole blocks kept, the first two usable (the last token's is computed)
+    with TestClient(build_app(model_dir, options)) as http:
+        first = http.post("/v1/completions", json=body).json()["choices"]
+        again = http.post("/v1/completions", json=body).json()["choices"]
+        cache = http.get("/health").json()["prefix_cache"]
+    assert again == first
+    assert cache["hits"] == 1 and cache["hit_tokens"] == 2 * PREFILL_CHUNK and cache["ram_bytes"] > 0
+    with TestClient(build_app(model_dir, options)) as http:  # restarted: RAM is empty, the disk is not
+        restarted = http.post("/v1/completions", json=body).json()["choices"]
+        cache = http.get("/health").json()["prefix_cache"]
+    assert restarted == first
+    assert cache["disk_hits"] == 2 and cache["disk_blocks"] == 3
