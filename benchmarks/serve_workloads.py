@@ -30,6 +30,8 @@ import httpx
 
 from bench_serve import start_server
 
+STREAM = True
+MODEL = "served-model"  # the model directory's name, which gptkit serve requires (llama-server ignores it)
 CORPUS = Path(__file__).resolve().parents[1] / "gptkit" / "corpora" / "tinyshakespeare.txt"
 PROMPT_CHARS, NEW_TOKENS = 600, 64
 CONVERSATION_CHARS, TURN_CHARS, TURNS = 4000, 200, 5
@@ -51,8 +53,8 @@ def build_model(tmp: Path, n_layer: int, n_embd: int, block_size: int) -> tuple[
     config = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=block_size, n_layer=n_layer,
                          n_head=max(1, n_embd // 64), n_embd=n_embd, activation="gelu_tanh")  # fmt: skip
     model = GPT(config).eval()
-    model_dir = save_model_dir(model, tmp / "served-model", tokenizer=tokenizer)
-    gguf = export_gguf(model, tmp / "served-model.gguf", tokenizer)
+    model_dir = save_model_dir(model, tmp / MODEL, tokenizer=tokenizer)
+    gguf = export_gguf(model, tmp / f"{MODEL}.gguf", tokenizer)
     return model_dir, gguf, tokenizer.eos_id
 
 
@@ -73,10 +75,17 @@ class Texts:
 
 def complete(http: httpx.Client, prompt: str, eos: int, max_tokens: int) -> tuple[int, float]:
     """Stream one greedy completion: (completion tokens, seconds to the first token with text)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logit_bias": {str(eos): -100},
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logit_bias": {str(eos): -100},
+            "stream": STREAM, "stream_options": {"include_usage": True} if STREAM else None}  # fmt: skip
+    # A connection per request on both sides: llama-server's HTTP library closes a kept-alive connection after a
+    # few requests, and a request sent down one it has just closed fails.
+    headers = {"Connection": "close"}
     started, first, tokens = time.perf_counter(), None, 0
-    with http.stream("POST", "/v1/completions", json=body) as response:
+    if not STREAM:
+        response = http.post("/v1/completions", json=body, headers=headers)
+        response.raise_for_status()
+        return response.json()["usage"]["completion_tokens"], float("nan")
+    with http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -137,16 +146,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_llama_server(binary: Path, gguf: Path, settings: list[str]) -> tuple[subprocess.Popen, str]:
-    """llama-server on 127.0.0.1 with a free port, once its /health answers 200."""
+def start_llama_server(binary: Path, gguf: Path, settings: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """llama-server on 127.0.0.1 with a free port (its output in log), once its /health answers 200."""
     port = free_port()
-    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *settings],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *settings],
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"bench_serve: llama-server exited ({proc.returncode}) with settings {settings}")
+            raise SystemExit(f"bench_serve: llama-server exited ({proc.returncode}) with settings {settings}; see {log}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
@@ -214,7 +224,7 @@ def compare_with_llama_server(args: argparse.Namespace) -> None:
             print(f"{label} settings: llama-server {' '.join(llama_flags) or '(none)'}; gptkit serve "
                   f"{' '.join(gptkit_flags) or '(none)'}", flush=True)  # fmt: skip
             ours, ours_url = start_server(model_dir, None, None, extra=tuple(gptkit_flags))
-            theirs, theirs_url = start_llama_server(binary, gguf, llama_flags)
+            theirs, theirs_url = start_llama_server(binary, gguf, llama_flags, Path(tmp) / f"llama-server-{label}.log")
             try:
                 for url in (ours_url, theirs_url):  # warm-up: first requests pay one-off costs on both sides
                     with httpx.Client(base_url=url, timeout=600) as http:
@@ -224,6 +234,8 @@ def compare_with_llama_server(args: argparse.Namespace) -> None:
                 for proc in (ours, theirs):
                     proc.terminate()
                     proc.wait(timeout=30)
+                if theirs.returncode not in (0, -15):
+                    print((Path(tmp) / f"llama-server-{label}.log").read_text()[-3000:])
     print_table(table, args.json)
 
 
@@ -241,7 +253,8 @@ def print_table(table: dict[str, Any], as_json: bool) -> None:
             theirs, ours = table[label][f"{name}|llama-server"], table[label][f"{name}|gptkit"]
             if "tokens_per_s" in ours:
                 a, b = theirs["tokens_per_s"], ours["tokens_per_s"]
-                print(f"{name} | {a:.1f} | {b:.1f} | {b / a:.2f}x")
+                ratio = f"{b / a:.2f}x" if a and b else "- (a side generated nothing: see its log)"
+                print(f"{name} | {a:.1f} | {b:.1f} | {ratio}")
             else:
                 shown = lambda r: ", ".join(f"{t:.2f}" for t in r["ttft_s"])  # noqa: E731
                 print(f"{name}, turns 1-{TURNS} | {shown(theirs)} | {shown(ours)} | 5th/1st: "

@@ -37,8 +37,9 @@ COMPILE_CACHE_MULTIPLE = 256
 COMPILED_VERSIONS = 64  # compiled steps (models x shapes) kept before dynamo would fall back to eager
 # Tokens per prefill forward of the batch engine, at positions that are multiples of it, and so the unit of its prefix
 # cache: a chunk's keys and values depend only on the tokens up to its end, so a row whose first chunks were copied
-# from an earlier request computes the rest exactly as it would have computed them all. Measured on a 2-core AVX-512
-# EPYC (GPT-2 small, fp32, a 1,024-token prompt): see the README's serving section for chunk sizes against one forward.
+# from an earlier request computes the rest exactly as it would have computed them all. Smaller chunks reuse more of
+# a shared prefix, larger ones prefill faster: a 1,024-token prompt, GPT-2 small in fp32 on a 2-core AVX2 EPYC,
+# prefilled at 355 tokens/s in chunks of 64, 414 in 128, 513 in 256 and 580 in one forward.
 PREFILL_CHUNK = 64
 
 
