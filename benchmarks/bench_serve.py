@@ -159,6 +159,8 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, default=None, metavar="DIR",
                         help="compare with llama.cpp's llama-server in DIR on the same weights (serve_workloads.py)")
     parser.add_argument("--rounds", type=int, default=1, help="with --llama-server: interleaved rounds (best kept)")
+    parser.add_argument("--only", default=None, metavar="TEXT",
+                        help="with --llama-server: only the workloads whose name contains TEXT (such as conversation)")
     parser.add_argument("--defaults", action=argparse.BooleanOptionalAction, default=True,
                         help="with --llama-server: also run both servers at their default settings")
     args = parser.parse_args()

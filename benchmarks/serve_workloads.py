@@ -114,8 +114,8 @@ def clients_rate(url: str, eos: int, texts: Texts, clients: int, requests: int) 
 
 def conversation(url: str, eos: int, texts: Texts) -> dict[str, Any]:
     """Time to first token of each turn of a conversation growing TURN_CHARS a turn."""
-    start = texts.take(CONVERSATION_CHARS)
-    turns = [start + texts.take(TURN_CHARS * TURNS)[: TURN_CHARS * t] for t in range(TURNS)]
+    start, more = texts.take(CONVERSATION_CHARS), texts.take(TURN_CHARS * TURNS)
+    turns = [start + more[: TURN_CHARS * t] for t in range(TURNS)]  # each turn extends the one before
     with httpx.Client(base_url=url, timeout=600) as http:
         ttft = [complete(http, prompt, eos, 8)[1] for prompt in turns]
     return {"ttft_s": ttft, "last_over_first": ttft[-1] / ttft[0]}
@@ -177,7 +177,7 @@ def workloads(args: argparse.Namespace) -> dict[str, Callable[[str, int, Texts],
     found["conversation, time to first token (s)"] = conversation
     found[f"shared system prompt, {SYSTEM_CLIENTS} clients, tokens/s"] = (
         lambda url, eos, texts: shared_system(url, eos, texts, 1))
-    return found
+    return {name: run for name, run in found.items() if args.only is None or args.only in name}
 
 
 def run_pair(urls: dict[str, str], eos: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:

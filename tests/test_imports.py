@@ -144,12 +144,14 @@ def test_the_neutral_modules_import_nothing_above_them():
 def test_decoding_imports_flow_one_way():
     graph = import_graph()
     assert not {m for m in graph["gptkit.model"] if m.startswith(("gptkit.decoding", "gptkit.serving"))}
-    order = ["gptkit.decoding.sampling", "gptkit.decoding.step", "gptkit.decoding.request", "gptkit.decoding.batch",
+    order = ["gptkit.decoding.sampling", "gptkit.decoding.step", "gptkit.decoding.kv_store",
+             "gptkit.decoding.prefix_cache", "gptkit.decoding.request", "gptkit.decoding.batch",
              "gptkit.decoding.beam", "gptkit.decoding.speculative", "gptkit.decoding.api"]  # fmt: skip
     for i, module in enumerate(order):
         assert not graph[module] & set(order[i + 1 :]), module  # nothing above it
+    # The engine drives the batch engine; it also holds the prefix cache it hands it (to report on it and close it).
     assert not {m for m in graph["gptkit.serving.engine"] if m.startswith("gptkit.decoding.") and
-                m not in ("gptkit.decoding.batch", "gptkit.decoding.request")}  # fmt: skip
+                m not in ("gptkit.decoding.batch", "gptkit.decoding.request", "gptkit.decoding.prefix_cache")}
 
 
 def test_every_module_imports_on_its_own():
