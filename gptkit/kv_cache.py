@@ -161,13 +161,14 @@ class KVCache:
 
     def view(self, rows: int, length: int) -> KVCache:
         """A cache sharing this one's storage: its first `rows` rows and first `length` positions."""
-        part = lambda tensors: [t[:rows, :, :length] for t in tensors]  # noqa: E731
-        return KVCache.of(part(self.keys), part(self.values), part(self.key_scales), part(self.value_scales),
-                          self.dtype)  # fmt: skip
+        return self._part(slice(0, rows), length)
 
     def row(self, index: int, length: int) -> KVCache:
         """A one-row cache sharing this one's storage: row `index`, its first `length` positions."""
-        part = lambda tensors: [t[index : index + 1, :, :length] for t in tensors]  # noqa: E731
+        return self._part(slice(index, index + 1), length)
+
+    def _part(self, rows: slice, length: int) -> KVCache:
+        part = lambda tensors: [t[rows, :, :length] for t in tensors]  # noqa: E731
         return KVCache.of(part(self.keys), part(self.values), part(self.key_scales), part(self.value_scales),
                           self.dtype)  # fmt: skip
 

@@ -1,8 +1,8 @@
 """The batch engine: requests share one preallocated KV cache, one row each, and decode one token per step together.
 
 add() prefills new requests into free rows (each prompt in chunks of step.PREFILL_CHUNK tokens, alone: identical
-prompts run once, and blocks a prefix cache holds are copied in rather than computed) and picks their first tokens; step() decodes one token for every request in one forward pass; a request that finishes leaves its
-row at once. Rows in use are always 0..k-1: when a row frees up, the last row's keys and values move into it, so
+prompts run once, and blocks a prefix cache holds are copied in rather than computed) and picks their first tokens;
+step() decodes one token for every request in one forward pass; a request that finishes leaves its row at once. Rows in use are always 0..k-1: when a row frees up, the last row's keys and values move into it, so
 an eager step runs the model on exactly k rows and attends over only the positions in use. A compiled step runs
 a fixed shape instead (rows rounded up to a power of two, the whole cache length), so that it compiles once per
 row bucket: the rows past k ride along with a dummy token written where nothing reads it. On a CPU, up to
@@ -153,7 +153,8 @@ class BatchEngine:
 
     def _prefill(self, row: int, seq: list[int]) -> Tensor:
         """Fill a row with seq's keys and values, cached blocks copied and the rest computed; logits (V,) at its end."""
-        cached = self.prefix_cache.match(self.namespace(), seq) if self.prefix_cache is not None else []
+        namespace = self.namespace() if self.prefix_cache is not None else ""
+        cached = self.prefix_cache.match(namespace, seq) if self.prefix_cache is not None else []
         for b, block in enumerate(cached):
             self.cache.write_span(row, b * PREFILL_CHUNK, block)
         start = len(cached) * PREFILL_CHUNK
@@ -161,7 +162,7 @@ class BatchEngine:
         if self.prefix_cache is not None:
             blocks = [self.cache.read_span(row, b * PREFILL_CHUNK, (b + 1) * PREFILL_CHUNK)
                       for b in range(len(cached), len(seq) // PREFILL_CHUNK)]  # fmt: skip
-            self.prefix_cache.insert(self.namespace(), seq, len(cached), blocks)
+            self.prefix_cache.insert(namespace, seq, len(cached), blocks)
         return logits
 
     def namespace(self) -> str:

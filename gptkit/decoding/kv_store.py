@@ -34,11 +34,17 @@ PENDING_WRITES = 256  # blocks queued for the disk at most; beyond, a block is n
 CLOSE_WAIT_S = 30.0  # how long a closing server waits for the writes in flight
 
 
+def tensor_bytes(t: Tensor) -> bytes:
+    """A CPU tensor's elements as raw bytes, in order (any dtype: bf16 has no numpy type of its own)."""
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
 def checksum(tensors: Sequence[Tensor]) -> str:
     """blake2b of the tensors' bytes, in order."""
     digest = hashlib.blake2b(digest_size=16)
     for t in tensors:
-        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor_bytes(t))
     return digest.hexdigest()
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import re
 import threading
@@ -32,10 +31,8 @@ import torch
 from torch import Tensor
 
 from gptkit import cpu_kernels
-from gptkit.decoding.kv_store import KVStore, chain_name
+from gptkit.decoding.kv_store import KVStore, chain_name, tensor_bytes
 from gptkit.decoding.step import PREFILL_CHUNK
-
-log = logging.getLogger("gptkit.decoding")
 
 FORMAT = "gptkit-prefix-cache-1"  # in every namespace: a change of block layout or hashing starts afresh
 
@@ -69,8 +66,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     digest.update(repr(getattr(model, "config", None)).encode())
     for name, tensor in model.state_dict(keep_vars=False).items():
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+        digest.update(tensor_bytes(tensor.detach().cpu()))
     return digest.hexdigest()
 
 

@@ -77,7 +77,6 @@ class Engine:
         length = self.max_context if compile else min(block_size, self.max_context)
         self.batch = BatchEngine(self.model, max_batch_size, length, compile=compile, max_context=self.max_context,
                                  buckets=True, kv_dtype=kv_dtype, prefix_cache=prefix_cache)  # fmt: skip
-        self.prefix_cache = prefix_cache
         self.emits: dict[Request, Emit] = {}
         self.at_end: set[Request] = set()  # requests whose caller wants one chunk, at the end
         self.waiting: deque[Request] = deque()
@@ -126,8 +125,8 @@ class Engine:
             self.wakeup.notify()
         if self.thread is not None:
             self.thread.join(timeout=10)
-        if self.prefix_cache is not None:
-            self.prefix_cache.close()
+        if self.batch.prefix_cache is not None:
+            self.batch.prefix_cache.close()
 
     def submit(self, requests: list[tuple[Request, Emit]], stream: bool = True) -> None:
         """Queue requests with where their chunks go (all or none); raise QueueFull when the queue is full.
@@ -161,8 +160,8 @@ class Engine:
         """Rows in use, requests waiting, decode steps run so far and what the prefix cache holds and has saved."""
         stats: dict[str, Any] = {"active": len(self.active), "waiting": len(self.waiting), "steps": self.steps,
                                  "cancelled": self.cancelled, "max_batch_size": self.max_batch_size}  # fmt: skip
-        if self.prefix_cache is not None:
-            stats["prefix_cache"] = self.prefix_cache.report()
+        if self.batch.prefix_cache is not None:
+            stats["prefix_cache"] = self.batch.prefix_cache.report()
         return stats
 
     # ----- the engine thread -----
@@ -247,8 +246,7 @@ class Engine:
                 reason = _FINISH[delta.finish_reason] if delta.finish_reason else None
                 self.emits[request](Chunk(delta.text, tokens, reason, len(request.prompt), _count(request)))
             if request.done:
-                del self.emits[request]
-                self.at_end.discard(request)
+                self._forget(request)
 
     def _end(self, request: Request, reason: str) -> None:
         """Tell a request's caller that it ended without finishing ("cancelled" or "error")."""
