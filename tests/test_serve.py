@@ -808,3 +808,38 @@ def test_template_workers_answer_a_templates_runtime_error_and_keep_their_places
     assert workers.started == 0
     with pytest.raises(ChatTemplateError, match="shutting down"):
         workers.render([{"role": "user", "content": "fine"}], None, 1000)
+
+
+def test_serve_loads_the_model_on_the_thread_that_then_decodes(model_dir, monkeypatch):
+    # One thread does all of the model's work: a second thread running OpenMP code gives the process a second OpenMP
+    # pool, and then libgomp's barriers sleep (the fused step decoded a third slower; engine.py says more).
+    import threading
+
+    from gptkit.serving import server as server_module
+
+    loaded_on = []
+
+    def recording_build_app(path: Path, options: ServeOptions) -> object:
+        loaded_on.append(threading.current_thread())
+        return build_app(path, options)
+
+    monkeypatch.setattr(server_module, "build_app", recording_build_app)
+    app = server_module._load_on_engine_thread(model_dir, ServeOptions(max_batch_size=2), torch.get_num_threads())
+    engine = app.state.gptkit.engine
+    assert loaded_on == [engine.thread] and engine.thread is not threading.main_thread() and engine.running
+    before = set(threading.enumerate())
+    with TestClient(app, base_url="http://localhost") as test_client:  # its start-up finds the loop running
+        assert not [t for t in set(threading.enumerate()) - before if t.name == "gptkit-engine"]
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        answer = test_client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 3
+    assert not engine.thread.is_alive()  # the app's shutdown ended the loop, and with it the thread
+
+
+def test_serve_reports_a_bad_option_from_the_loading_thread_in_one_line(model_dir):
+    from gptkit.errors import GptkitError
+    from gptkit.serving.server import _load_on_engine_thread
+
+    with pytest.raises(GptkitError, match="--dtype must be one of"):
+        _load_on_engine_thread(model_dir, ServeOptions(dtype="float8"), torch.get_num_threads())

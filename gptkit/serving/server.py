@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,14 +175,29 @@ def serve(model_dir: str | Path, options: ServeOptions) -> None:
         raise GptkitError(f"--port must be in 0..65535, got {options.port}")
     if options.threads is not None and options.threads < 1:
         raise GptkitError(f"--threads must be >= 1, got {options.threads}")
-    threads = options.threads or default_threads()
-    torch.set_num_threads(threads)  # process-wide, so only here and not in build_app
     if not options.head_timeout > 0:
         raise GptkitError(f"--head-timeout must be > 0 seconds, got {options.head_timeout}")
     if options.max_connections < 1:
         raise GptkitError(f"--max-connections must be >= 1, got {options.max_connections}")
-    app = build_app(model_dir, options)
+    app = _load_on_engine_thread(model_dir, options, options.threads or default_threads())
     uvicorn.Server(uvicorn_config(app, options)).run()
+
+
+def _load_on_engine_thread(model_dir: str | Path, options: ServeOptions, threads: int) -> FastAPI:
+    """build_app on a new thread that then runs the engine's decode loop (Engine.run says why one thread)."""
+    loaded: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work() -> None:
+        torch.set_num_threads(threads)  # process-wide, so only here and not in build_app
+        try:
+            app = build_app(model_dir, options)
+        except BaseException as err:  # noqa: BLE001  (handed to the main thread, which reports it)
+            loaded.set_exception(err)
+            return
+        app.state.gptkit.engine.run(ready=lambda: loaded.set_result(app))
+
+    threading.Thread(target=work, name="gptkit-engine", daemon=True).start()
+    return loaded.result()
 
 
 def uvicorn_config(app: FastAPI, options: ServeOptions, log_level: str = "info") -> Any:
