@@ -184,9 +184,11 @@ def run_pair(urls: dict[str, str], eos: int, args: argparse.Namespace) -> dict[s
     """Every workload on each server in turn, args.rounds times; the best round of each."""
     best: dict[str, dict[str, Any]] = {}
     for round_index in range(args.rounds):
-        for name, workload in workloads(args).items():
+        for index, (name, workload) in enumerate(workloads(args).items()):
             for side, url in urls.items():
-                texts = Texts(offset=7919 * (round_index + 1) + 104729 * len(best))  # same text for both sides
+                # The same text for both sides; another for each workload and round (no prompt starts where one
+                # before it did, so no round finds the text of another in either server's cache).
+                texts = Texts(offset=7919 * (round_index + 1) + 104729 * index)
                 result = workload(url, eos, texts)
                 print(f"  round {round_index + 1} {side:>12}: {name}: {json.dumps(result)}", flush=True)
                 key = f"{name}|{side}"
