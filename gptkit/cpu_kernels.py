@@ -77,6 +77,7 @@ BF16_UPCAST_MIN_ROWS = 128
 COMPILED_INT8_MIN_ROWS = 5
 ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512", 3: "avx512_vnni", 4: "avx512_bf16"}
 CHOICES_FILE = "choices.json"
+MEASURED = {"fp32", "bf16", "int8", "bf16_upcast"}  # what _measure decides; choices.json entries may hold more
 
 # State decided in eager code only (a compiled graph reads the answers): "library" (bool), "choices" (dict).
 _STATE: dict[str, object] = {}
@@ -140,8 +141,24 @@ def _built() -> bool:
     """Whether this machine's library is on disk already (loading it then takes a fraction of a second)."""
     if os.environ.get(DISABLE_VARIABLE) == "0" or isa_level() is None:
         return True  # nothing to build: load() decides at once
-    directory = build_directory()
-    return (directory / f"{directory.name}.so").is_file()
+    return _verified(_library_path(build_directory()))
+
+
+def _library_path(build_dir: Path) -> Path:
+    return build_dir / f"{build_dir.name}.so"
+
+
+def _verified(library: Path) -> bool:
+    """Whether the library is the one a build here finished: its SHA-256 is the one written beside it then. A file
+    cut short or overwritten would be loaded (and crash the process: a truncated library is a SIGBUS) otherwise."""
+    try:
+        return library.is_file() and _digest(library) == library.with_suffix(".sha256").read_text().strip()
+    except OSError:
+        return False
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _build_in_background() -> None:
@@ -189,9 +206,16 @@ def _build() -> bool:
             if (build_dir / "lock").exists():
                 log.warning("removing the lock file of an earlier build that did not finish")
                 (build_dir / "lock").unlink()
+            library = _library_path(build_dir)
+            if library.exists() and not _verified(library):  # never loaded: it is linked again from its objects
+                log.warning("gptkit's CPU kernel library %s does not match the checksum its build left (damaged, or "
+                            "from an older gptkit); building it again", library)  # fmt: skip
+                library.unlink()
             cpp_extension.load(name=build_dir.name, sources=[str(SOURCE_DIR / name) for name in SOURCES],
                                extra_cflags=BUILD_FLAGS + isa_level()[1], extra_ldflags=["-fopenmp"],
                                build_directory=str(build_dir), is_python_module=False)  # fmt: skip
+            if library.is_file() and not _verified(library):
+                atomic_write_text(library.with_suffix(".sha256"), _digest(library) + "\n")
     except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
         log.warning("gptkit's CPU kernels did not build, so decoding uses PyTorch's slower products: %s", err)
         return False
@@ -272,10 +296,7 @@ def measured(name: str, measure: Callable[[], bool]) -> bool:
 def _record(name: str, measure: Callable[[], bool]) -> bool:
     """Run measure() and keep its answer in choices.json under this machine's key."""
     path = build_directory() / CHOICES_FILE
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        saved = {}
+    saved = _saved_choices(path)
     entry = saved.setdefault(_machine_key(), {})
     if name not in entry:
         log.info("timing gptkit's %s against PyTorch on this machine (once)", name.replace("_", " "))
@@ -296,13 +317,10 @@ def _decide() -> dict[str, bool]:
         return chosen
     path = build_directory() / CHOICES_FILE
     key = _machine_key()
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        saved = {}
-    if key not in saved:
+    saved = _saved_choices(path)
+    if not MEASURED <= saved.get(key, {}).keys():
         log.info("timing gptkit's CPU kernels against PyTorch's products on this machine (once)")
-        saved[key] = _measure()
+        saved[key] = {**saved.get(key, {}), **_measure()}
         try:
             atomic_write_text(path, json.dumps(saved, indent=1))
         except OSError as err:
@@ -311,6 +329,24 @@ def _decide() -> dict[str, bool]:
     if upcast in ("0", "1"):
         chosen["bf16_upcast"] = upcast == "1"
     return chosen
+
+
+def _saved_choices(path: Path) -> dict[str, dict[str, bool]]:
+    """choices.json's entries ({machine key: {choice: bool}}); missing counts as empty, and so does a file that is
+    not of that shape (with a warning: its choices are measured again and the file rewritten)."""
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        log.warning("cannot read the kernel choices in %s (%s); measuring them again", path, err)
+        return {}
+    entries = saved.values() if isinstance(saved, dict) else [None]
+    if not all(isinstance(e, dict) and all(isinstance(v, bool) for v in e.values()) for e in entries):
+        log.warning("%s is not a file of kernel choices (an object of machines, each naming choices true or false); "
+                    "measuring them again and rewriting it", path)  # fmt: skip
+        return {}
+    return saved
 
 
 def _machine_key() -> str:

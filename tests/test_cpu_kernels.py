@@ -322,3 +322,74 @@ def test_an_unknown_instruction_set_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ISA_VARIABLE, "avx1024")
     with pytest.raises(ConfigError, match="GPTKIT_CPU_ISA=avx1024 is not one of avx512_bf16, avx512_vnni"):
         cpu_kernels.isa_level()
+
+
+@pytest.mark.parametrize("content", ["[]", '"x"', '{"some machine": []}', '{"some machine": {"fp32": "yes"}}',
+                                     '{"some machine": {"fp32": tr'])  # fmt: skip
+def test_a_choices_file_of_the_wrong_shape_is_measured_again_and_rewritten(monkeypatch, tmp_path, caplog, content):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
+    monkeypatch.delenv(cpu_kernels.UPCAST_VARIABLE, raising=False)
+    monkeypatch.setattr(cpu_kernels, "_STATE", {"library": True})
+    monkeypatch.setattr(cpu_kernels, "_measure", lambda: dict(ALL, int8=False))
+    path = cpu_kernels.build_directory() / cpu_kernels.CHOICES_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="gptkit.cpu_kernels"):
+        assert cpu_kernels.choices() == dict(ALL, int8=False)
+        assert cpu_kernels.measured("fused_step", lambda: True) is True
+    assert len([r for r in caplog.records if str(path) in r.getMessage()]) == 1  # one warning naming the file
+    assert json.loads(path.read_text()) == {cpu_kernels._machine_key(): dict(ALL, int8=False, fused_step=True)}
+
+
+def test_a_library_that_fails_its_checksum_is_never_loaded_but_built_again(monkeypatch, tmp_path, caplog):
+    from torch.utils import cpp_extension
+
+    def fake_build(name: str, build_directory: str, **_) -> None:  # as torch's build: links a missing library
+        library = Path(build_directory) / f"{name}.so"
+        found.append(library.read_bytes() if library.exists() else None)
+        if not library.exists():
+            library.write_bytes(b"\x7fELF a whole library")
+
+    found: list[bytes | None] = []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.delenv(cpu_kernels.ISA_VARIABLE, raising=False)
+    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setattr(cpp_extension, "load", fake_build)
+    monkeypatch.setattr(cpu_kernels, "_register_shape_functions", lambda: None)  # no real library was loaded
+    library = cpu_kernels._library_path(cpu_kernels.build_directory())
+    for damage in (lambda: None, lambda: library.write_bytes(library.read_bytes()[:6])):  # whole, then cut short
+        damage()
+        monkeypatch.setattr(cpu_kernels, "_STATE", {})  # a new process
+        with caplog.at_level(logging.WARNING, logger="gptkit.cpu_kernels"):
+            assert cpu_kernels.load() is True
+    assert found == [None, None]  # the cut library was removed before torch's build could load it
+    assert [r.getMessage() for r in caplog.records if "does not match the checksum" in r.getMessage()] != []
+    assert cpu_kernels._built() and library.read_bytes() == b"\x7fELF a whole library"
+
+
+@needs_kernels
+def test_a_real_library_cut_in_half_is_linked_again_and_decoding_works(tmp_path):
+    # A copy of this machine's build directory (objects and library), loaded once from there (torch's build links it
+    # again for its new place), then its library cut to half its size: loading that was a SIGBUS (exit 135). The
+    # next process notices, links it again from the objects and decodes with it.
+    import shutil
+
+    built = cpu_kernels.build_directory()
+    copy = tmp_path / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("*lock"))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), cpu_kernels.DISABLE_VARIABLE: "1"}
+    settle = "from gptkit import cpu_kernels; assert cpu_kernels.load()"
+    subprocess.run([sys.executable, "-c", settle], env=env, check=True, capture_output=True, timeout=300)
+    library = copy / f"{copy.name}.so"
+    library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])
+    code = ("import torch; from gptkit import cpu_kernels; from gptkit.config import ModelConfig; "
+            "from gptkit.model import GPT; from gptkit.decoding.api import generate_ids; "
+            "assert cpu_kernels.load(); torch.manual_seed(0); "
+            "m = GPT(ModelConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval(); "
+            "print(len(generate_ids(m, [1, 2, 3], max_new_tokens=5, temperature=0)))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "does not match the checksum" in done.stderr and done.stdout.strip() == "5"
+    assert cpu_kernels._verified(library)
