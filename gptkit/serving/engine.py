@@ -117,9 +117,9 @@ class Engine:
         with self.wakeup:
             if self.running:
                 return
-        started = threading.Event()
-        threading.Thread(target=self.run, args=(started.set,), name="gptkit-engine", daemon=True).start()
-        started.wait()
+            self.running = True
+            self.thread = threading.Thread(target=self._loop, name="gptkit-engine", daemon=True)
+        self.thread.start()
 
     def run(self, ready: Callable[[], None] = lambda: None) -> None:
         """Run the decode loop in the calling thread until stop(); ready() is called once it counts as started.
