@@ -211,6 +211,16 @@ def test_completions_follow_the_json_schema_and_end_at_stop_strings(prompts, tmp
     assert any(t[-1:] in "aeiou" for t in texts if t)  # (some did stop at one)
 
 
+@pytest.mark.parametrize("content", [None, '{"type": "integer"', '{"type": "no such type"}'])
+def test_a_json_schema_file_that_is_missing_or_invalid_is_one_error_naming_the_setting(prompts, tmp_path, content):
+    base, data = prompts
+    schema = tmp_path / "schema.json"
+    if content is not None:
+        schema.write_text(content)
+    with pytest.raises(ConfigError, match=r"^finetune.json_schema .*schema.json: "):
+        Trainer(_grpo(data, tmp_path / "run", base, json_schema=str(schema)), resume=False)
+
+
 def test_the_trained_completion_ends_with_the_end_id_the_model_chose(prompts, tmp_path):
     base, data = prompts
     objective = Trainer(_grpo(data, tmp_path / "run", base), resume=False).objective

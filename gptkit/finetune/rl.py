@@ -32,6 +32,7 @@ from torch import Tensor
 
 from gptkit.data import Batch, Prompts
 from gptkit.decoding.api import Completion, complete, grammar_for
+from gptkit.decoding.grammar import SchemaError
 from gptkit.decoding.request import first_stop
 from gptkit.decoding.sampling import GREEDY_BELOW, SamplingParams, read_schema_file
 from gptkit.errors import ConfigError
@@ -128,6 +129,15 @@ class PromptBatches:
             raise ConfigError(f"not a PromptBatches state (needs integer 'seed' and 'step'): {state!r}") from None
 
 
+def _schema(path: str | None) -> str | None:
+    """finetune.json_schema's schema as compact JSON text (None without one); a missing or unreadable file is a
+    ConfigError naming the setting."""
+    try:
+        return read_schema_file(path) if path is not None else None
+    except ValueError as err:
+        raise ConfigError(f"finetune.json_schema {path}: {err}") from None
+
+
 @dataclasses.dataclass
 class Group:
     """The completions of a batch of prompts: P prompts x G completions, flattened prompt by prompt."""
@@ -168,10 +178,12 @@ class GroupPolicyGradient(ObjectiveBase):
         self._check_sampling(f.group_size, f.temperature)
         self.group, self.kl_weight, self.scale = f.group_size, f.kl_weight, f.scale_rewards
         self.length_penalty, self.pass_reward, self.eval_samples = f.length_penalty, f.pass_reward, f.eval_samples
-        schema = read_schema_file(f.json_schema) if f.json_schema is not None else None
         self.params = SamplingParams(max_new_tokens=f.completion_tokens, temperature=f.temperature, top_k=f.top_k,
-                                     top_p=f.top_p, stop=tuple(f.stop or ()), json_schema=schema)  # fmt: skip
-        self.grammar = grammar_for(self.gpt, self.tokenizer, self.params)
+                                     top_p=f.top_p, stop=tuple(f.stop or ()), json_schema=_schema(f.json_schema))
+        try:
+            self.grammar = grammar_for(self.gpt, self.tokenizer, self.params)
+        except SchemaError as err:  # read, but no grammar compiles from it
+            raise ConfigError(f"finetune.json_schema {f.json_schema}: {err}") from None
         self._check_lengths(f.completion_tokens)
         self.reference = setup.method.reference(self.gpt, setup.config, setup.device) if f.kl_weight > 0 else None
         self.seed, self.rank, self.draws = t.seed, setup.world.rank, 0
