@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import re
 import subprocess
@@ -789,6 +790,26 @@ def test_logit_bias_forces_and_bans_tokens(http, reference):
     assert greedy[0] not in banned["choices"][0]["text"]
     chat_forced = http.post("/v1/chat/completions", json={**chat, "logit_bias": {str(z): 100}}).json()
     assert chat_forced["choices"][0]["message"]["content"] == "z" * 6
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_template_worker_killed_while_idle_is_replaced_before_a_request_uses_it(size, caplog):
+    import signal
+
+    from gptkit.serving.templates import TemplateWorkers
+
+    workers = TemplateWorkers(ChatTemplate("{{ messages[0].content }}!"), 5.0, size=size)
+    try:
+        workers.warm()
+        idle = workers.idle.queue[0]
+        os.kill(idle.process.pid, signal.SIGKILL)
+        idle.process.wait()  # dead, as after a kill from outside (wait() here only makes the test deterministic)
+        with caplog.at_level(logging.WARNING, logger="gptkit.serve"):
+            assert workers.render([{"role": "user", "content": "hi"}], None, 1000) == "hi!"
+        assert "had ended while idle" in caplog.text
+        assert workers.started == workers.idle.qsize() == 1 and workers.idle.queue[0] is not idle
+    finally:
+        workers.close()
 
 
 def test_template_workers_answer_a_templates_runtime_error_and_keep_their_places():

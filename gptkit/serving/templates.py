@@ -131,9 +131,13 @@ class TemplateWorkers:
         before deadline."""
         while True:
             try:
-                return self.idle.get_nowait()
+                worker = self.idle.get_nowait()
             except queue.Empty:
                 pass
+            else:
+                if self._alive(worker):
+                    return worker
+                continue
             with self.lock:
                 start = self.started < self.size
                 self.started += start
@@ -144,9 +148,21 @@ class TemplateWorkers:
                 raise ChatTemplateError(f"no chat template renderer came free within {self.seconds:g} s (the "
                                         "others are busy with slow templates); try again")  # fmt: skip
             try:
-                return self.idle.get(timeout=min(remaining, 0.05))  # short: a killed worker frees a place too
+                worker = self.idle.get(timeout=min(remaining, 0.05))  # short: a killed worker frees a place too
             except queue.Empty:
                 continue
+            if self._alive(worker):
+                return worker
+
+    def _alive(self, worker: _Worker) -> bool:
+        """Whether an idle worker still runs; one that died while idle (killed from outside) is reaped and its place
+        freed, so that no request is sent to it and fails for a death it did not cause."""
+        if worker.process.poll() is None:
+            return True
+        log.warning("a chat template rendering process had ended while idle (exit %s); starting another",
+                    worker.process.returncode)  # fmt: skip
+        self._retire(worker)
+        return False
 
     def _start(self) -> _Worker:
         """A new worker process (its place already counted in started)."""
