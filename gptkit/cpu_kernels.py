@@ -208,8 +208,10 @@ def _build() -> bool:
                 (build_dir / "lock").unlink()
             library = _library_path(build_dir)
             if library.exists() and not _verified(library):  # never loaded: it is linked again from its objects
-                log.warning("gptkit's CPU kernel library %s does not match the checksum its build left (damaged, or "
-                            "from an older gptkit); building it again", library)  # fmt: skip
+                damaged = library.with_suffix(".sha256").exists()  # else built by a gptkit that wrote no checksum
+                log.log(logging.WARNING if damaged else logging.INFO, "gptkit's CPU kernel library %s %s; building it "
+                        "again", library, "does not match the checksum its build left" if damaged else "has no "
+                        "checksum (an older gptkit built it)")  # fmt: skip
                 library.unlink()
             cpp_extension.load(name=build_dir.name, sources=[str(SOURCE_DIR / name) for name in SOURCES],
                                extra_cflags=BUILD_FLAGS + isa_level()[1], extra_ldflags=["-fopenmp"],
