@@ -263,3 +263,26 @@ def test_playground_shows_the_logit_lens_and_the_induction_heads(tmp_path):
             page.click('#induction td.score[data-layer="1"][data-head="3"]')  # shows that head's attention
             page.wait_for_function("document.getElementById('head').value === '3'")
             assert page.eval_on_selector("#layer", "el => el.value") == "1"
+
+
+def test_the_attention_view_of_a_text_longer_than_the_context_shows_its_last_block(tmp_path):
+    # A 96-token context and 150 characters (a token each): the map, the lens and the induction panel all load,
+    # over the same last 96 tokens, and the page throws nothing.
+    _need_browser()
+    app = build_app(make_model_dir(tmp_path / "tiny-served", block_size=96), ServeOptions())
+    text = (TEXT + " ") * 5 + "x" * (150 - 5 * (len(TEXT) + 1))
+    with live_server(app) as url:
+        mapped = httpx.post(url + "/playground/attention", json={"text": text, "layer": 1}, timeout=60).json()
+        assert mapped["offset"] == 150 - 96 and "".join(mapped["tokens"]) == text[-96:]
+        assert len(mapped["attention"]) == len(mapped["probs"]) == 96
+        with playground_page(url, "tiny-served") as page:
+            errors: list[str] = []
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            page.fill("#prompt", text)
+            page.click("#tab-attention")
+            page.wait_for_function("document.querySelectorAll('#induction td.score').length > 0")
+            assert page.eval_on_selector("#heatmap", "el => el.dataset.drawn") == "96"
+            assert page.locator("#lens-tokens .lens-tok").count() == 96
+            assert "the last 96 tokens" in page.inner_text("#heatmap-info") and "54 before" in page.inner_text(
+                "#heatmap-info")
+            assert errors == []

@@ -815,10 +815,12 @@ def _text_ids(state: ServerState, text: str) -> list[int]:
 
 
 async def _attention(state: ServerState, body: AttentionRequest) -> dict[str, Any]:
-    from gptkit.serving.inspection import attention_map
+    from gptkit.serving.inspection import attention_map, lens_window
 
-    ids = _text_ids(state, body.text)
     config = state.engine.model.config
+    # The model reads (and the lens shows) the text's last block_size tokens: the map covers those, and `offset`
+    # says how many came before them.
+    offset, ids = lens_window(_text_ids(state, body.text), config.block_size, None)
     if body.layer >= config.n_layer:
         raise APIError(400, f"layer must be < {config.n_layer}, got {body.layer}", param="layer")
     if body.head is not None and body.head >= config.n_head:
@@ -827,6 +829,7 @@ async def _attention(state: ServerState, body: AttentionRequest) -> dict[str, An
     weights, probs = await asyncio.wrap_future(future)
     return {
         "tokens": [state.tokenizer.decode([t]) for t in ids],
+        "offset": offset,
         "layers": config.n_layer,
         "heads": config.n_head,
         "layer": body.layer,

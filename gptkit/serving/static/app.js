@@ -304,7 +304,9 @@ function drawHeatmap() {
     }
   }
   canvas.dataset.drawn = String(n);
-  $("heatmap-info").textContent = n + " tokens; hover a cell to see its weight.";
+  const shown = data.offset ? "the last " + n + " tokens (the model's context; the " + data.offset +
+    " before them are not read)" : n + " tokens";
+  $("heatmap-info").textContent = shown + "; hover a cell to see its weight.";
 }
 
 function heatmapHover(event) {
