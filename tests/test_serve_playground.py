@@ -79,6 +79,12 @@ def test_playground_streams_text_probabilities_and_attention(tmp_path):
             page.wait_for_function("document.getElementById('heatmap').dataset.drawn")
             drawn = int(page.eval_on_selector("#heatmap", "el => el.dataset.drawn"))
             assert drawn == len("Hello there") + len(generated)
+            # The tokens label the rows (left of the map) and the columns (above it): ink in both margins.
+            ink = page.eval_on_selector("#heatmap", """el => { const c = el.getContext('2d'), m = 48;
+                const alpha = (x, y, w, h) => c.getImageData(x, y, w, h).data.filter((v, k) => k % 4 == 3)
+                    .reduce((a, b) => a + b, 0);
+                return [alpha(0, m, m, el.height - m), alpha(m, 0, el.width - m, m)]; }""")
+            assert page.eval_on_selector("#heatmap", "el => el.dataset.labelled") == "true" and min(ink) > 0
             assert page.locator("#layer option").count() == 2
 
 
@@ -285,4 +291,9 @@ def test_the_attention_view_of_a_text_longer_than_the_context_shows_its_last_blo
             assert page.locator("#lens-tokens .lens-tok").count() == 96
             assert "the last 96 tokens" in page.inner_text("#heatmap-info") and "54 before" in page.inner_text(
                 "#heatmap-info")
+            box = page.locator("#heatmap").bounding_box()
+            scale = box["width"] / page.eval_on_selector("#heatmap", "el => el.width")
+            cell = (page.eval_on_selector("#heatmap", "el => el.width") - 48) // 96
+            page.mouse.move(box["x"] + (48 + 4.5 * cell) * scale, box["y"] + (48 + 10.5 * cell) * scale)
+            assert page.inner_text("#heatmap-info").startswith(f"query 10 {json.dumps(text[-96:][10])} → key 4 ")
             assert errors == []

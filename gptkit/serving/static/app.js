@@ -289,24 +289,48 @@ function fillSelect(select, count, chosen, label, withMean) {
   select.value = chosen === null || chosen === undefined ? "" : String(chosen);
 }
 
+const HEATMAP_MARGIN = 48;  // canvas pixels left and above the map for the token labels
+
+function heatmapCell(n) {  // the side of one cell, in canvas pixels
+  return Math.max(1, Math.floor(($("heatmap").width - HEATMAP_MARGIN) / n));
+}
+
 function drawHeatmap() {
   const data = state.attention;
   const canvas = $("heatmap");
   const ctx = canvas.getContext("2d");
   const n = data.tokens.length;
-  const cell = Math.max(1, Math.floor(canvas.width / n));
+  const cell = heatmapCell(n), m = HEATMAP_MARGIN;
   ctx.clearRect(0, 0, canvas.width, canvas.height);
   for (let i = 0; i < n; i++) {
     for (let j = 0; j < n; j++) {
       const w = data.attention[i][j];
       ctx.fillStyle = "rgba(47, 111, 237, " + Math.sqrt(w) + ")";  // sqrt so that small weights stay visible
-      ctx.fillRect(j * cell, i * cell, cell, cell);
+      ctx.fillRect(m + j * cell, m + i * cell, cell, cell);
+    }
+  }
+  const labelled = cell >= 7;  // rows: queries, left; columns: keys, above (too small to read below 7 pixels)
+  if (labelled) {
+    ctx.fillStyle = "#333";
+    ctx.font = Math.min(cell - 1, 11) + "px monospace";
+    ctx.textBaseline = "middle";
+    ctx.textAlign = "right";
+    const label = (t) => { const s = JSON.stringify(t).slice(1, -1); return s.length > 6 ? s.slice(0, 5) + "…" : s; };
+    for (let i = 0; i < n; i++) {
+      ctx.fillText(label(data.tokens[i]), m - 3, m + (i + 0.5) * cell);
+      ctx.save();
+      ctx.translate(m + (i + 0.5) * cell, m - 3);
+      ctx.rotate(-Math.PI / 2);
+      ctx.textAlign = "left";
+      ctx.fillText(label(data.tokens[i]), 0, 0);
+      ctx.restore();
     }
   }
   canvas.dataset.drawn = String(n);
+  canvas.dataset.labelled = String(labelled);
   const shown = data.offset ? "the last " + n + " tokens (the model's context; the " + data.offset +
     " before them are not read)" : n + " tokens";
-  $("heatmap-info").textContent = shown + "; hover a cell to see its weight.";
+  $("heatmap-info").textContent = shown + "; rows are queries, columns keys; hover a cell to see its weight.";
 }
 
 function heatmapHover(event) {
@@ -315,8 +339,9 @@ function heatmapHover(event) {
   const canvas = $("heatmap");
   const rect = canvas.getBoundingClientRect();
   const n = data.tokens.length;
-  const cell = Math.max(1, Math.floor(canvas.width / n)) * rect.width / canvas.width;
-  const i = Math.floor((event.clientY - rect.top) / cell), j = Math.floor((event.clientX - rect.left) / cell);
+  const scale = rect.width / canvas.width;  // the canvas may be drawn smaller than its pixels
+  const cell = heatmapCell(n) * scale, m = HEATMAP_MARGIN * scale;
+  const i = Math.floor((event.clientY - rect.top - m) / cell), j = Math.floor((event.clientX - rect.left - m) / cell);
   if (i < 0 || j < 0 || i >= n || j >= n) return;
   showLensAt(i);
   const p = data.probs[i];
