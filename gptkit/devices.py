@@ -67,11 +67,15 @@ def autocast_for(device: torch.device, dtype: str) -> contextlib.AbstractContext
 
 
 # On CPU, MFU is measured against this CPU's own matmul (CPUs differ too much for one table of peaks): the best of
-# a few square products of this size, about 0.1 s at start. The 2-core reference machine gives fp32 260 GFLOP/s and
-# bf16 135 (PyTorch 2.13 without AMX); a fixed 146 / 349 used before overstated fp32 MFU about twice. A GPU of
+# a few square products of up to this size, about 0.1 s at start. The 2-core reference machine gives fp32 260 GFLOP/s
+# and bf16 135 (PyTorch 2.13 without AMX); a fixed 146 / 349 used before overstated fp32 MFU about twice. A GPU of
 # gptkit.devices.GPU_PEAK_FLOPS is measured against its datasheet; other devices show MFU only when train.peak_flops
 # is set.
 PEAK_MATMUL_SIZE = 1024
+# A product grows (doubling its side) only while the next would take at most this long: where a dtype has no
+# hardware behind it (bf16 on an AVX2-only CPU: about 1 GFLOP/s) a 1,024-wide product takes 2 s, and the
+# measurement, 25 s at every training start; it stays at 256 there and takes half a second.
+PEAK_MATMUL_SECONDS = 0.05
 
 
 def peak_flops(device: torch.device, dtype: str, override: float | None) -> float | None:
@@ -85,13 +89,20 @@ def peak_flops(device: torch.device, dtype: str, override: float | None) -> floa
 
 
 def measured_cpu_matmul_flops(dtype: torch.dtype, repeats: int = 10) -> float:
-    """This CPU's dense matmul FLOP/s in dtype at the current thread count: the best of a few square products."""
-    n = PEAK_MATMUL_SIZE
+    """This CPU's dense matmul FLOP/s in dtype at the current thread count: the best of a few square products, as
+    wide as PEAK_MATMUL_SIZE where that stays quick (PEAK_MATMUL_SECONDS)."""
     own = torch.Generator().manual_seed(0)  # the global RNG stays untouched: resumed runs replay it exactly
-    a, b = torch.randn(n, n, generator=own).to(dtype), torch.randn(n, n, generator=own).to(dtype)
-    a @ b  # first-call set-up (thread pool, packing buffers) is not the rate
-    best = math.inf
-    for _ in range(repeats):
+    n = 128
+    while True:
+        a, b = torch.randn(n, n, generator=own).to(dtype), torch.randn(n, n, generator=own).to(dtype)
+        a @ b  # first-call set-up (thread pool, packing buffers) is not the rate
+        start = time.perf_counter()
+        a @ b
+        best = time.perf_counter() - start
+        if n >= PEAK_MATMUL_SIZE or 8 * best > PEAK_MATMUL_SECONDS:  # twice as wide takes 8 times as long
+            break
+        n *= 2
+    for _ in range(repeats - 1):
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)

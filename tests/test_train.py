@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -604,6 +605,19 @@ def test_mfu_peak_is_measured_on_cpu_and_overridable():
     assert 1e8 < fp32 < 1e14  # a real CPU's matmul, not a constant: from 0.1 GFLOP/s to 100 TFLOP/s
     assert peak_flops(torch.device("cpu"), "float32", 5e12) == 5e12
     assert peak_flops(torch.device("meta"), "float32", None) is None  # unknown devices show no MFU
+
+
+@pytest.mark.parametrize("budget, widths", [(0.0, [128]), (math.inf, [128, 256, 512, 1024])])
+def test_the_cpu_peak_grows_its_product_only_while_the_next_stays_quick(monkeypatch, budget, widths):
+    # bf16 on an AVX2-only CPU multiplies at about 1 GFLOP/s: a 1,024-wide product took 2 s, the measurement 25 s
+    # at every training start. The width doubles only while a product eight times longer fits the budget.
+    from gptkit import devices
+
+    sizes, randn = [], torch.randn
+    monkeypatch.setattr(devices, "PEAK_MATMUL_SECONDS", budget)
+    monkeypatch.setattr(torch, "randn", lambda n, m, **kw: sizes.append(n) or randn(n, m, **kw))
+    assert devices.measured_cpu_matmul_flops(torch.float32) > 0
+    assert sizes[::2] == widths
 
 
 def test_mfu_peak_of_a_known_gpu_is_its_datasheet_rate(monkeypatch):
