@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -218,21 +219,26 @@ def test_a_failed_build_logs_once_and_falls_back(monkeypatch, caplog):
     assert cpu_kernels.choices() == {"fp32": False, "bf16": False, "int8": False, "bf16_upcast": False}
 
 
-def test_the_build_is_announced_only_when_it_compiles(monkeypatch, tmp_path, caplog):
-    """The first process compiles and says it takes a while; a later one loads the built library without a word."""
+def _build_with(fake_build: Callable[..., None], monkeypatch, tmp_path) -> None:
+    """An AVX2 machine whose kernel cache lies in tmp_path and whose builds run fake_build instead of torch's."""
     from torch.utils import cpp_extension
 
-    def fake_build(name: str, build_directory: str, **_) -> None:  # leaves the library where torch's build does
-        compiled.append(name)
-        (Path(build_directory) / f"{name}.so").write_bytes(b"")
-
-    compiled: list[str] = []
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
     monkeypatch.delenv(cpu_kernels.ISA_VARIABLE, raising=False)
     monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
     monkeypatch.setattr(cpp_extension, "load", fake_build)
     monkeypatch.setattr(cpu_kernels, "_register_shape_functions", lambda: None)  # no real library was loaded
+
+
+def test_the_build_is_announced_only_when_it_compiles(monkeypatch, tmp_path, caplog):
+    """The first process compiles and says it takes a while; a later one loads the built library without a word."""
+    def fake_build(name: str, build_directory: str, **_) -> None:  # leaves the library where torch's build does
+        compiled.append(name)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    compiled: list[str] = []
+    _build_with(fake_build, monkeypatch, tmp_path)
     with caplog.at_level(logging.INFO, logger="gptkit.cpu_kernels"):
         for _ in range(2):  # two processes, one after the other
             monkeypatch.setattr(cpu_kernels, "_STATE", {})
@@ -343,8 +349,6 @@ def test_a_choices_file_of_the_wrong_shape_is_measured_again_and_rewritten(monke
 
 
 def test_a_library_that_fails_its_checksum_is_never_loaded_but_built_again(monkeypatch, tmp_path, caplog):
-    from torch.utils import cpp_extension
-
     def fake_build(name: str, build_directory: str, **_) -> None:  # as torch's build: links a missing library
         library = Path(build_directory) / f"{name}.so"
         found.append(library.read_bytes() if library.exists() else None)
@@ -352,12 +356,7 @@ def test_a_library_that_fails_its_checksum_is_never_loaded_but_built_again(monke
             library.write_bytes(b"\x7fELF a whole library")
 
     found: list[bytes | None] = []
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
-    monkeypatch.delenv(cpu_kernels.ISA_VARIABLE, raising=False)
-    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
-    monkeypatch.setattr(cpp_extension, "load", fake_build)
-    monkeypatch.setattr(cpu_kernels, "_register_shape_functions", lambda: None)  # no real library was loaded
+    _build_with(fake_build, monkeypatch, tmp_path)
     library = cpu_kernels._library_path(cpu_kernels.build_directory())
     for damage in (lambda: None, lambda: library.write_bytes(library.read_bytes()[:6])):  # whole, then cut short
         damage()
