@@ -10,10 +10,18 @@ Parts (--parts; all by default, in this order), each written to OUT/bench_gpu.js
           zero_grad, the loss read every --log-every steps. gptkit's GPT and transformers' GPT2LMHeadModel, each
           eager and torch.compile'd, in interleaved rounds; then `gptkit train` itself (train.compile true) on the same
           shape and data. tokens/s and MFU against the peak above (6N + attention FLOPs, gptkit.accounting).
+  attention  causal SDPA forward and backward at the training shape with each kernel alone (flash, cuDNN,
+          memory-efficient): `gptkit train` puts cuDNN first on Hopper (gptkit.devices.attention_backends).
+  profile torch.profiler over 5 steps of gptkit's fastest training loop (compiled where compiled): device time by
+          kind of kernel (matmul, attention, compiled fused, optimizer, other), the top kernels, the idle share.
   decode  batch 1 and 8, bf16 weights, --new-tokens greedy tokens after a --prompt-len prompt: gptkit's complete()
           eager and compiled (each step a CUDA graph) against transformers' generate, in interleaved rounds; whether
           row 0's tokens are the same.
   lora    one LoRA step (rank 16 on attention and MLP, bf16 autocast) of gptkit's GPT against transformers + PEFT.
+  muon    `gptkit train` of nanoGPT's GPU Shakespeare recipe (configs/shakespeare-char.yaml, the bundled corpus)
+          with optim.name adamw, then muon, --muon-steps each: validation loss at equal steps and equal wall time.
+GPT-2's vocabulary is padded to --vocab-multiple (default 64: 50,304 rows) in gptkit's model, as nanoGPT does; the
+padded rows are never scored (MFU counts the real vocabulary's FLOPs). transformers' model keeps 50,257.
 
 Every figure is the median over timed windows of --log-every steps (or one generation), each window from one device
 sync to the next on the host clock, after warm-up (which holds the compile). --budget-s bounds the whole run: what
@@ -21,6 +29,7 @@ does not fit is skipped and says so.
 
     python benchmarks/bench_gpu.py --out gpu-out                     # everything, about 5 minutes on an H100/H200
     python benchmarks/bench_gpu.py --parts train --batch 32 --out gpu-out
+    python benchmarks/bench_gpu.py --parts env attention train profile muon --loops "gptkit compiled,hf compiled"
     python benchmarks/bench_gpu.py --device cpu --preset tiny --block 64 --batch 2 --steps 2 --warmup 1 \\
         --no-compile --new-tokens 4 --prompt-len 8 --batch-sizes 1 --out /tmp/smoke   # a smoke run on the CPU
 """
@@ -47,27 +56,23 @@ from bench_finetune import gptkit_model as lora_gptkit_model  # noqa: E402
 from bench_finetune import hf_model as lora_hf_model  # noqa: E402
 from bench_train import hf_model as train_hf_model  # noqa: E402
 from bench_train import write_data  # noqa: E402
+from gpu_parts import gpu_parts_markdown, median_seconds, part_attention, part_muon, profile_step, sync  # noqa: E402
 
 from gptkit import loss as loss_module  # noqa: E402
 from gptkit.accounting import training_flops_per_token  # noqa: E402
 from gptkit.config import ModelConfig  # noqa: E402
-from gptkit.devices import autocast_for, gpu_peak_flops, pick_device  # noqa: E402
+from gptkit.devices import attention_backends, autocast_for, gpu_peak_flops, pick_device  # noqa: E402
 from gptkit.model import GPT  # noqa: E402
 from gptkit.optim import param_groups  # noqa: E402
 from gptkit.train import train  # noqa: E402
 from gptkit.train_config import from_sources  # noqa: E402
 
-PARTS = ("env", "loss", "train", "decode", "lora")
+PARTS = ("env", "attention", "loss", "train", "profile", "decode", "lora", "muon")
 LOOPS = ("gptkit eager", "hf eager", "gptkit compiled", "hf compiled")
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Budget:
@@ -172,20 +177,6 @@ def part_env(args: argparse.Namespace, device: torch.device, report: dict) -> No
     report["env"] = env
 
 
-def median_seconds(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median wall seconds of run() after two untimed calls, each synced."""
-    for _ in range(2):
-        run()
-    sync(device)
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        sync(device)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
-
-
 def part_loss(args: argparse.Namespace, device: torch.device, report: dict, config: ModelConfig) -> None:
     """The fused head + loss, forward and backward, in the CPU's slices and in the GPU's."""
     rows = args.batch * args.block
@@ -265,6 +256,12 @@ def part_train(args: argparse.Namespace, device: torch.device, report: dict, con
     if "tokens_per_s" in loops.get("gptkit compiled", {}) and "tokens_per_s" in loops.get("hf eager", {}):
         compiled, eager = loops["gptkit compiled"]["tokens_per_s"], loops["hf eager"]["tokens_per_s"]
         result["gptkit_compiled_over_hf_eager"] = compiled / eager
+    if "profile" in args.parts and budget.allows(30):
+        fastest = next((name for name in ("gptkit compiled", "gptkit eager") if name in steps
+                        and "error" not in result["loops"].get(name, {"error": 1})), None)  # fmt: skip
+        if fastest is not None:
+            log(f"profile: {fastest}")
+            report["profile"] = {"loop": fastest, **profile_step(steps[fastest], device)}
     del gptkit, hf, variants, steps
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -474,6 +471,7 @@ def markdown(report: dict) -> str:
         if "gptkit_over_peft" in r:
             lines += ["", f"gptkit over PEFT: {r['gptkit_over_peft']:.2f}x"]
         lines.append("")
+    lines += gpu_parts_markdown(report)
     skipped = [s for part in report.values() if isinstance(part, dict) for s in part.get("skipped", [])]
     errors = {k: v for k, v in report.get("errors", {}).items()}
     if skipped:
@@ -511,6 +509,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--vocab-multiple", type=int, default=64, help="pad gptkit's vocabulary to a multiple of this")
+    parser.add_argument("--muon-steps", type=int, default=1000, help="training steps of each muon-part run")
     parser.add_argument("--peak-flops", type=float, help="peak FLOP/s for MFU (default: the GPU's datasheet figure)")
     parser.add_argument("--budget-s", type=float, default=330, help="stop starting measurements after this long")
     parser.add_argument("--json", action="store_true", help="print the JSON report (else the markdown)")
@@ -524,9 +524,19 @@ def main() -> int:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.budget_s)
-    config = ModelConfig(**{**ModelConfig.preset(args.preset).to_dict(), "block_size": args.block, "dropout": 0.0})
+    config = ModelConfig(**{**ModelConfig.preset(args.preset).to_dict(), "block_size": args.block, "dropout": 0.0,
+                            "vocab_multiple": args.vocab_multiple})  # fmt: skip
     peak = args.peak_flops or gpu_peak_flops(device, getattr(torch, args.dtype))
     report: dict[str, Any] = {"errors": {}}
+    with attention_backends(device):  # every loop, HF's too, with the attention kernels `gptkit train` prefers
+        run_parts(args, device, report, config, budget, peak, out)
+    print(json.dumps(report, indent=1) if args.json else markdown(report))
+    return 1 if report["errors"] else 0
+
+
+def run_parts(args: argparse.Namespace, device: torch.device, report: dict, config: ModelConfig, budget: Budget,
+              peak: float | None, out: Path | None) -> None:  # fmt: skip
+    """Each part of --parts in turn, its report written as it ends; a part that fails is reported, the next runs."""
     for part in args.parts:
         log(f"== {part} ({budget.left():.0f} s left)")
         try:
@@ -537,9 +547,15 @@ def main() -> int:
                 part_loss(args, device, report, config)
             elif part == "train":
                 part_train(args, device, report, config, budget, peak)
+            elif part == "attention":
+                part_attention(args, device, report, config)
+            elif part == "profile":
+                continue  # taken inside the train part, on its compiled step
+            elif part == "muon":
+                part_muon(args, device, report)
             elif part == "decode":
                 part_decode(args, device, report, budget)
-            else:
+            elif part == "lora":
                 part_lora(args, device, report, budget)
         except Exception as err:  # noqa: BLE001 - a part that fails is reported; the next part still runs
             report["errors"][part] = f"{type(err).__name__}: {err}"
@@ -547,8 +563,6 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         write(report, out)
-    print(json.dumps(report, indent=1) if args.json else markdown(report))
-    return 1 if report["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from gptkit.config import ModelConfig
@@ -17,7 +18,7 @@ class ParamBreakdown:
     position_embedding: int
     attention: int  # all blocks
     mlp: int  # all blocks
-    norms: int  # all blocks plus the final norm
+    norms: int  # all blocks plus the final norm (and the q/k norms of qk_norm)
     lm_head: int  # 0 when tied, except for a head bias
     total: int
 
@@ -48,16 +49,16 @@ def norm_params(config: ModelConfig) -> int:
 
 
 def param_breakdown(config: ModelConfig) -> ParamBreakdown:
-    """The exact parameter count by part, equal to the numel of GPT(config)'s distinct parameters."""
-    token_embedding = config.vocab_size * config.n_embd
+    """The exact parameter count by part, equal to the numel of GPT(config)'s distinct parameters (a padded
+    vocabulary's rows included: they are held, trained and saved)."""
+    vocab = config.padded_vocab_size
+    token_embedding = vocab * config.n_embd
     position_embedding = config.block_size * config.n_embd if config.position == "learned" else 0
     attention = config.n_layer * attention_params(config)
     mlp = config.n_layer * mlp_params(config)
     norm_count = 2 * config.n_layer + (1 if config.norm_position == "pre" else 0)
-    norms = norm_count * norm_params(config)
-    lm_head = (0 if config.tie_embeddings else config.vocab_size * config.n_embd) + (
-        config.vocab_size if config.lm_head_bias else 0
-    )
+    norms = norm_count * norm_params(config) + (2 * config.n_layer * config.head_dim if config.qk_norm else 0)
+    lm_head = (0 if config.tie_embeddings else vocab * config.n_embd) + (vocab if config.lm_head_bias else 0)
     total = token_embedding + position_embedding + attention + mlp + norms + lm_head
     return ParamBreakdown(token_embedding, position_embedding, attention, mlp, norms, lm_head, total)
 
@@ -74,10 +75,13 @@ def matmul_params(config: ModelConfig) -> int:
 
 
 def forward_flops_per_token(config: ModelConfig, context: int | None = None) -> int:
-    """FLOPs of one forward pass per token: 2 N plus 4 L T d for QK^T and AV (PaLM, Chowdhery et al. 2022, app. B)."""
+    """FLOPs of one forward pass per token: 2 N plus 4 L T d for QK^T and AV (PaLM, Chowdhery et al. 2022, app. B).
+
+    N counts the real vocabulary only: a padded LM head's extra rows are multiplied, but they are no useful work.
+    """
     T = config.block_size if context is None else context
     attention = 4 * config.n_layer * T * config.n_head * config.head_dim
-    return 2 * matmul_params(config) + attention
+    return 2 * matmul_params(dataclasses.replace(config, vocab_multiple=1)) + attention
 
 
 def training_flops_per_token(config: ModelConfig, context: int | None = None) -> int:

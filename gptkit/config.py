@@ -12,10 +12,13 @@ from typing import Any, Literal, get_args, get_type_hints
 
 from gptkit.errors import ConfigError
 
-Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
+Activation = Literal["relu", "relu2", "gelu", "gelu_tanh", "swiglu"]  # relu2: relu(x)^2 (Primer)
 Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
 Position = Literal["learned", "sinusoidal", "rope", "none"]
+
+# Fields whose None is a setting of its own (not a default resolved in __post_init__).
+NULLABLE = frozenset({"logit_softcap"})
 
 # SwiGLU's hidden size is 8/3 of the width (Shazeer 2020 keeps the FFN's parameter count equal
 # to a 4x MLP); rounded up to this multiple so that matmuls stay aligned.
@@ -45,6 +48,10 @@ class ModelConfig:
     lm_head_bias: bool = False
     tie_embeddings: bool = True
     dropout: float = 0.0
+    qk_norm: bool = False  # RMSNorm with a learned gain over head_dim on each head's q and k, before RoPE (Qwen3)
+    logit_softcap: float | None = None  # logits = c * tanh(z / c) (Gemma 2's final-logit soft-cap); None: raw z
+    zero_init_proj: bool = False  # the residual output projections (attn.proj, mlp.proj) start at zero
+    vocab_multiple: int = 1  # embedding and LM head rows rounded up to a multiple of this (padded_vocab_size)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -62,10 +69,18 @@ class ModelConfig:
         """Width of one attention head."""
         return self.n_embd // self.n_head
 
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and the LM head: vocab_size rounded up to vocab_multiple (GPT-2's 50257 -> 50304 at
+        64, for faster GPU products). The rows past vocab_size are never looked up, never in a softmax."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
     def validate(self) -> None:
         """Raise ConfigError (a ValueError) naming the first field whose value is invalid."""
         for name, expected in _field_types().items():
             value = getattr(self, name)
+            if value is None and name in NULLABLE:
+                continue
             if expected is bool:
                 if not isinstance(value, bool):
                     raise ConfigError(f"{name} must be true or false, got {value!r}")
@@ -96,6 +111,8 @@ class ModelConfig:
             raise ConfigError(f"norm_eps must be > 0, got {self.norm_eps}")
         if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.logit_softcap is not None and not 0 < self.logit_softcap < math.inf:
+            raise ConfigError(f"logit_softcap must be > 0 and finite (or null for none), got {self.logit_softcap}")
 
     def to_dict(self) -> dict[str, Any]:
         """All fields, with derived defaults resolved, as plain JSON-able values."""

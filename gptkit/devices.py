@@ -114,3 +114,18 @@ def check_precision(dtype: str, device: torch.device) -> None:
     if dtype == "float16" and device.type != "cuda":
         raise ConfigError(f"train.dtype float16 needs CUDA (gradient scaling); on {device.type} use bfloat16 or "
                           "float32")  # fmt: skip
+
+
+def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The scaled-dot-product attention kernels to try first on device, as a context around training.
+
+    On Hopper (compute capability 9.x) cuDNN's fused attention comes first: faster than FlashAttention 2 at
+    training shapes there (benchmarks/bench_gpu.py --parts attention measures both). Elsewhere PyTorch's own order.
+    PyTorch still falls back down the list where a kernel cannot take an input (a mask it lacks, a dtype).
+    """
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)

@@ -323,12 +323,13 @@ def draw_mask(size: int, labels: Sequence[str]) -> Figure:
 
 
 def draw_activation(activation: str) -> Figure:
-    """The model's nonlinearity (GELU, its tanh approximation, or SwiGLU's SiLU gate) against ReLU."""
+    """The model's nonlinearity (GELU, its tanh approximation, SwiGLU's SiLU gate or squared ReLU) against ReLU."""
     x = torch.linspace(-4, 4, 401)
     curves = {
         "gelu": ("GELU x·Φ(x)", torch.nn.functional.gelu(x)),
         "gelu_tanh": ("GELU (tanh approximation)", torch.nn.functional.gelu(x, approximate="tanh")),
         "swiglu": ("SiLU x·σ(x) (SwiGLU's gate)", torch.nn.functional.silu(x)),
+        "relu2": ("ReLU² max(0, x)^2", torch.relu(x).square()),
     }
     name, y = curves[activation]
     fig = _figure(6, 4)

@@ -32,30 +32,59 @@ def slice_logits(device: torch.device) -> int:
     return SLICE_LOGITS if device.type == "cpu" else GPU_SLICE_LOGITS
 
 
+def soft_cap(logits: Tensor, cap: float | None) -> Tensor:
+    """cap * tanh(logits / cap) (Gemma 2's final-logit soft-cap), or logits unchanged when cap is None."""
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
 def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int = IGNORE_INDEX
-) -> Tensor:
-    """next_token_loss(F.linear(hidden, weight, bias), targets), without ever holding every row's logits.
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int = IGNORE_INDEX,
+    softcap: float | None = None, vocab_size: int | None = None,
+) -> Tensor:  # fmt: skip
+    """next_token_loss(soft_cap(F.linear(hidden, weight, bias)[..., :vocab_size], softcap), targets), without ever
+    holding every row's logits.
 
     hidden (..., d) and targets (...) are taken a slice of rows at a time; a training step keeps no (rows, V)
     tensor for its backward pass (GPT-2's vocabulary at 12 x 1024 tokens: 2.5 GB of fp32 logits, as much again
     for their gradient). Logits that fit one slice take the plain path: on a char model's 65-token vocabulary
-    the sliced one made a CPU training step 5-9% slower (its extra small operations).
+    the sliced one made a CPU training step 5-9% slower (its extra small operations). vocab_size (default: the
+    weight's rows) leaves the weight's later rows, a padded vocabulary's, out of the softmax: their gradient is 0.
     """
     rows = hidden.reshape(-1, hidden.size(-1))
+    vocab_size = weight.size(0) if vocab_size is None else vocab_size
     if rows.size(0) * weight.size(0) <= slice_logits(hidden.device):  # logits this small cost no memory worth saving
-        return next_token_loss(F.linear(rows, weight, bias), targets)  # and PyTorch's kernels take fewer steps
+        logits = F.linear(rows, weight, bias)  # and PyTorch's kernels take fewer steps
+        logits = soft_cap(logits[:, :vocab_size] if vocab_size < weight.size(0) else logits, softcap)
+        return next_token_loss(logits, targets, ignore_index)
     # Under no_grad the function's needs_input_grad still says True: it is told here instead.
     grads = torch.is_grad_enabled()
-    return _LinearCrossEntropy.apply(rows, weight, bias, targets.reshape(-1), ignore_index, grads)
+    return _LinearCrossEntropy.apply(rows, weight, bias, targets.reshape(-1), ignore_index, grads, softcap, vocab_size)
+
+
+def _slice_logits(
+    h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None, vocab_size: int
+) -> tuple[Tensor, torch.dtype, Tensor | None]:
+    """(fp32 logits of a slice of rows, soft-capped, the padded columns -inf; the product's dtype; the soft-cap's
+    derivative 1 - tanh^2 (z / cap) at each logit, or None without a cap)."""
+    logits = F.linear(h, weight, bias)  # bf16 under autocast: the gradient products then are too
+    compute = logits.dtype
+    logits = logits.float()
+    slope = None
+    if softcap is not None:
+        logits.div_(softcap).tanh_()
+        slope = 1.0 - logits.square()
+        logits.mul_(softcap)
+    if vocab_size < logits.size(1):
+        logits[:, vocab_size:] = float("-inf")  # exp gives 0: out of the softmax, and out of the gradient
+    return logits, compute, slope
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """The loss and, where autograd asks for them, its gradients, computed together slice by slice.
 
-    A slice's softmax, less one at each target, is the gradient of its summed loss with respect to its logits, so
-    the forward pass turns it into the slice's share of the hidden and weight gradients at once and keeps only
-    those. The backward pass scales them by the incoming gradient.
+    A slice's softmax, less one at each target, is the gradient of its summed loss with respect to its logits (times
+    the soft-cap's derivative 1 - tanh^2, with one), so the forward pass turns it into the slice's share of the
+    hidden and weight gradients at once and keeps only those. The backward pass scales them by the incoming gradient.
     """
 
     @staticmethod
@@ -67,6 +96,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         targets: Tensor,
         ignore_index: int,
         grads: bool,
+        softcap: float | None,
+        vocab_size: int,
     ) -> Tensor:
         want_hidden, want_weight = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         want_bias = grads and bias is not None and ctx.needs_input_grad[2]
@@ -80,9 +111,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         step = max(1, slice_logits(hidden.device) // weight.size(0))
         for start in range(0, hidden.size(0), step):
             h, t, keep = hidden[start : start + step], safe_targets[start : start + step], valid[start : start + step]
-            logits = F.linear(h, weight, bias)  # bf16 under autocast: the gradient products then are too
-            compute = logits.dtype
-            logits = logits.float()
+            logits, compute, slope = _slice_logits(h, weight, bias, softcap, vocab_size)
             # log-sum-exp and softmax in place: a slice-sized temporary costs as much as the product here
             target_logit = logits.gather(1, t[:, None])[:, 0]
             row_max = logits.amax(dim=-1, keepdim=True)
@@ -94,6 +123,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad = exp.div_(row_sum[:, None])  # the softmax
             grad[torch.arange(len(t), device=grad.device), t] -= 1.0
             grad.mul_(keep[:, None] / count)  # the gradient of the mean: backward then only scales by its input
+            if slope is not None:
+                grad.mul_(slope)  # through the soft-cap to the product's logits
             grad = grad.to(compute)
             if grad_hidden is not None:
                 grad_hidden[start : start + step] = grad @ weight.to(compute)
@@ -116,4 +147,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("the fused LM-head loss supports one backward pass (its saved gradients are used up)")
         ctx.spent = True
         grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors]
-        return *grads, None, None, None  # targets, ignore_index and grads have none
+        return *grads, None, None, None, None, None  # targets, ignore_index, grads, softcap and vocab_size have none

@@ -14,7 +14,7 @@ from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache, LayerKV
-from gptkit.loss import linear_cross_entropy
+from gptkit.loss import linear_cross_entropy, soft_cap
 
 
 @dataclass
@@ -103,7 +103,8 @@ def plain_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropou
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head (grouped-query when n_kv_head < n_head) causal self-attention."""
+    """Multi-head (grouped-query when n_kv_head < n_head) causal self-attention; with qk_norm, each head's q and k
+    pass an RMSNorm over head_dim (one gain per norm, shared by the heads) before RoPE, as Qwen3's q_norm/k_norm."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -111,6 +112,8 @@ class CausalSelfAttention(nn.Module):
         qkv_width = (config.n_head + 2 * config.n_kv_head) * config.head_dim
         self.qkv = Linear(config.n_embd, qkv_width, bias=config.attn_bias)
         self.proj = Linear(config.n_head * config.head_dim, config.n_embd, bias=config.attn_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.dropout = config.dropout
         self.resid_drop = nn.Dropout(config.dropout)
 
@@ -125,6 +128,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        if self.q_norm is not None:
+            # Over each head's hd values; back in q's dtype, which an fp32 gain under autocast would promote past v's.
+            q, k = self.q_norm(q).type_as(q), self.k_norm(k).type_as(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv is not None:
@@ -147,7 +153,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """The position-wise network: act(x W1) W2, or SiLU(x W_gate) * (x W_up) W_down for swiglu."""
+    """The position-wise network: act(x W1) W2 (relu2: act(h) = relu(h)^2), or SiLU(x W_gate) * (x W_up) W_down for
+    swiglu."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -164,6 +171,8 @@ class FeedForward(nn.Module):
             h = F.silu(gate) * up
         elif self.activation == "relu":
             h = F.relu(h)
+        elif self.activation == "relu2":
+            h = F.relu(h).square()
         elif self.activation == "gelu":
             h = F.gelu(h)
         else:
@@ -192,7 +201,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
+    """Token ids (B, T) -> next-token logits (B, T, vocab_size).
+
+    The embedding and the LM head hold config.padded_vocab_size rows; the rows past vocab_size are never looked up
+    and their logits never leave the model (logits and loss below read the real vocabulary only).
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -202,19 +215,20 @@ class GPT(nn.Module):
         # Recomputing each block's activations in the backward pass instead of keeping them: a training step
         # holds one block's activations at a time, for about a third more compute (the trainer sets it).
         self.checkpoint_blocks = False
-        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.tok_emb = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.pos_emb = nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = make_norm(config) if config.norm_position == "pre" else None
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = Linear(config.n_embd, config.padded_vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, 0.02), zero biases, residual projections scaled by 1/sqrt(2 L)."""
+        """GPT-2 initialisation: N(0, 0.02), zero biases, residual projections scaled by 1/sqrt(2 L) (or zero, with
+        zero_init_proj, as modded-nanogpt: each pre-norm block then starts as the identity)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -228,6 +242,9 @@ class GPT(nn.Module):
         for block in self.blocks:
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+            if self.config.zero_init_proj:
+                nn.init.zeros_(block.attn.proj.weight)
+                nn.init.zeros_(block.mlp.proj.weight)
 
     def forward(
         self,
@@ -260,10 +277,23 @@ class GPT(nn.Module):
                 raise InputError(f"logits_at must hold one index in [0, {ids.size(1)}) per row of ids, got {logits_at}")
         x = self.hidden(ids, cache, start_pos, trace, document_ids)  # (B, T, d)
         if targets is not None:
-            return linear_cross_entropy(x, self.lm_head.weight, self.lm_head.bias, targets)
+            return self.loss(x, targets)
         if logits_at is not None:
             x = x[torch.arange(x.size(0), device=x.device), logits_at][:, None]  # (B, 1, d)
-        return self.lm_head(x)  # (B, T, V)
+        return self.logits(x)  # (B, T, V)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Next-token logits (..., vocab_size) of final hidden states x (..., n_embd): the LM head over the real
+        vocabulary (a padded head's extra columns dropped), soft-capped to c * tanh(z / c) with logit_softcap c."""
+        z = self.lm_head(x)  # (..., padded V)
+        if z.size(-1) != self.config.vocab_size:
+            z = z[..., : self.config.vocab_size]  # (..., V)
+        return soft_cap(z, self.config.logit_softcap)
+
+    def loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        """The mean next-token loss of logits(x) against targets (IGNORE_INDEX skipped), the head fused into it."""
+        return linear_cross_entropy(x, self.lm_head.weight, self.lm_head.bias, targets,
+                                    softcap=self.config.logit_softcap, vocab_size=self.config.vocab_size)
 
     def hidden(
         self,

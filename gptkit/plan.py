@@ -56,6 +56,10 @@ class PlanSettings:
         default="float32",
         metadata={"help": "float32, or bfloat16/float16 autocast mixed precision", "choices": TRAIN_DTYPES},
     )
+    optimizer: str = field(
+        default="adamw", metadata={"help": "adamw, or muon (on the blocks' matrices, AdamW on the rest): the optimiser "
+                                   "state it keeps", "choices": ("adamw", "muon")},
+    )  # fmt: skip
     device_memory: float | None = field(default=None, metadata={"metavar": "GiB", "help": "memory of one device"})
     flops: float | None = field(
         default=None, metadata={"metavar": "TFLOP/s", "help": "peak TFLOP/s of one device at dtype"}
@@ -104,7 +108,7 @@ class Memory:
 
     weights: int
     gradients: int
-    optimizer: int  # AdamW: two fp32 moments per parameter
+    optimizer: int  # AdamW: two fp32 moments per parameter; Muon: one momentum buffer per block matrix
     autocast_copies: int  # low-precision copies of the weights that autocast keeps during forward
     optimizer_step: int  # temporaries of AdamW's multi-tensor step, alive only after the activations are freed
     activations: int  # without checkpointing, including the head's logits
@@ -175,7 +179,7 @@ def _attention_bytes(config: ModelConfig, compute: int) -> int:
 
 def _mlp_bytes(config: ModelConfig, compute: int) -> int:
     """Per token: what one feed-forward sublayer keeps for backward."""
-    per_hidden = {"relu": 1, "gelu": 2, "gelu_tanh": 2, "swiglu": 4}[config.activation]
+    per_hidden = {"relu": 1, "relu2": 2, "gelu": 2, "gelu_tanh": 2, "swiglu": 4}[config.activation]
     return compute * per_hidden * config.ffn_hidden
 
 
@@ -197,16 +201,28 @@ def head_activation_bytes(config: ModelConfig, dtype: str = "float32") -> int:
     else:  # post-norm: the first block's qkv reads the embedding sum (the last norm is counted in its block)
         norm = compute * config.n_embd
     # logits (held by the caller), their fp32 log-softmax, and in backward the two fp32 gradients
-    vocab = (compute + 3 * FP32) * config.vocab_size
+    vocab = (compute + 3 * FP32) * config.padded_vocab_size
     return ids_and_targets + norm + vocab
 
 
-def training_memory(config: ModelConfig, batch_size: int, block_size: int, dtype: str = "float32") -> Memory:
-    """Peak bytes of an AdamW training step: weights, gradients and moments, plus activations or the step's
+def block_matrix_params(config: ModelConfig) -> int:
+    """Parameters in the blocks' weight matrices (what optim.name muon gives Muon; biases and norms excluded)."""
+    qkv = config.n_embd * (config.n_head + 2 * config.n_kv_head) * config.head_dim
+    fc_width = 2 * config.ffn_hidden if config.activation == "swiglu" else config.ffn_hidden
+    per_layer = qkv + config.n_head * config.head_dim * config.n_embd + config.n_embd * fc_width
+    return config.n_layer * (per_layer + config.ffn_hidden * config.n_embd)
+
+
+def training_memory(config: ModelConfig, batch_size: int, block_size: int, dtype: str = "float32",
+                    optimizer_name: str = "adamw") -> Memory:  # fmt: skip
+    """Peak bytes of a training step: weights, gradients and optimiser state, plus activations or the step's
     temporaries (whichever is larger), summed as if all were alive at once."""
     n = param_breakdown(config).total
     weights = gradients = FP32 * n  # fp32 master weights in every mode here
-    optimizer = 2 * FP32 * n
+    # Muon keeps one momentum buffer per block matrix (its Newton-Schulz temporaries are one matrix's, in bf16);
+    # AdamW two moments for every parameter it steps.
+    matrices = block_matrix_params(config) if optimizer_name == "muon" else 0
+    optimizer = FP32 * matrices + 2 * FP32 * (n - matrices)
     autocast_copies = DTYPE_BYTES[dtype] * matmul_params(config) if dtype != "float32" else 0
     tokens = batch_size * block_size
     layer, head = layer_activation_bytes(config, dtype), head_activation_bytes(config, dtype)
@@ -215,7 +231,7 @@ def training_memory(config: ModelConfig, batch_size: int, block_size: int, dtype
     checkpointed = tokens * (config.n_layer * block_inputs + layer + head)
     # AdamW's foreach step holds about one fp32 temporary per parameter (measured on CPU); it runs after backward
     # has freed the activations, so the peak takes whichever of the two is larger.
-    step = FP32 * n
+    step = FP32 * (n - matrices)
     fixed = weights + gradients + optimizer + autocast_copies
     return Memory(
         weights, gradients, optimizer, autocast_copies, step, activations, checkpointed,
@@ -233,7 +249,7 @@ def make_plan(config: ModelConfig, settings: PlanSettings) -> Plan:
     flops = float(training_flops_per_token(config, block_size)) * tokens
     budget = settings.budget if settings.budget is not None else flops
     budget_params, budget_tokens = compute_optimal_size(budget)
-    memory = training_memory(config, settings.batch_size, block_size, settings.dtype)
+    memory = training_memory(config, settings.batch_size, block_size, settings.dtype, settings.optimizer)
     limit = settings.device_memory * GIB if settings.device_memory is not None else None
     kv_context = settings.kv_context or block_size
     # Inference usually runs in the training precision's compute dtype, unless the cache is quantised.

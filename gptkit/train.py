@@ -1,4 +1,5 @@
-"""The training loop: AdamW on an objective's loss, with evaluation, metrics, checkpoints, exact resume and fault skips.
+"""The training loop: AdamW (or Muon beside it) on an objective's loss, with evaluation, metrics, checkpoints, exact
+resume and fault skips.
 
 The step never waits on the device except every log_interval steps (and at evaluations and checkpoints): the
 loss, gradient norm and fault counters stay on the device until then, and a non-finite step is skipped by the
@@ -40,7 +41,7 @@ from gptkit.checkpoint import (
     save_checkpoint,
 )
 from gptkit.data import Batches, load_run_data
-from gptkit.devices import autocast_for, check_precision, peak_flops, pick_device
+from gptkit.devices import attention_backends, autocast_for, check_precision, peak_flops, pick_device
 from gptkit.distributed import (
     RankBatches,
     World,
@@ -60,7 +61,7 @@ from gptkit.finetune.parts import Setup
 from gptkit.model import GPT
 from gptkit.observe.run_log import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, RunLog, read_history
 from gptkit.observe.training import Observer
-from gptkit.optim import lr_at, make_optimizer
+from gptkit.optim import make_optimizer, set_learning_rates
 from gptkit.tokenizer import check_same_tokenizer
 from gptkit.train_config import RunConfig
 
@@ -183,7 +184,7 @@ class Trainer:
         self.model.train()
 
     def build_optimizer(self) -> None:
-        """The data-parallel wrapper, AdamW over what trains, the fp16 gradient scaler and the batch stream."""
+        """The data-parallel wrapper, the optimiser over what trains, the fp16 gradient scaler and the batch stream."""
         if self.world.rank:  # the same initial weights on every rank (above), but each rank its own dropout
             torch.manual_seed(self.t.seed + 7919 * self.world.rank)
         # DDP keeps the parameters; FSDP turns them into shards (DTensors), so it wraps before the optimiser.
@@ -259,9 +260,7 @@ class Trainer:
     def train_step(self) -> tuple[Tensor, Tensor, float]:
         """One update (or a skipped one); returns the mean loss and gradient norm, still on the device, and the lr."""
         t, optimizer, scaler = self.t, self.optimizer, self.scaler
-        lr = lr_at(self.step, self.o, t.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_learning_rates(optimizer, self.step, self.o, t.max_steps)
         loss_sum = torch.zeros((), device=self.device)
         step_stats: dict[str, Tensor] = {}
         for micro in range(t.grad_accum):
@@ -295,7 +294,7 @@ class Trainer:
             if self.fused:
                 optimizer.found_inf = bad  # the fused kernel leaves weights and moments alone when this is 1
                 optimizer.step()
-            elif not bool(bad):  # no fused kernel on this device: this check syncs
+            elif not bool(bad):  # no fused kernel on this device, or Muon: this check syncs
                 optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.bad_run.mul_(bad).add_(bad)
@@ -437,7 +436,7 @@ class Trainer:
             self.log.open(t.tensorboard, progress, t.max_steps, self.step)
         interrupted, val_loss = False, None
         try:
-            with stop_on_signals() as stop:
+            with stop_on_signals() as stop, attention_backends(self.device):
                 if self.step == 0 and t.eval_at_start:
                     record: dict[str, Any] = {"step": 0}
                     self.evaluate_into(record)

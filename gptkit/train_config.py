@@ -21,7 +21,9 @@ import yaml
 from gptkit.config import PRESETS, ModelConfig
 from gptkit.errors import ConfigError
 
-Schedule = Literal["cosine", "constant"]
+Schedule = Literal["cosine", "constant", "wsd"]
+OptimizerName = Literal["adamw", "muon"]
+MuonLrScale = Literal["original", "match_rms_adamw"]
 Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Parallel = Literal["ddp", "fsdp"]
@@ -42,30 +44,43 @@ class ModelSection:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule."""
+    """The optimiser (AdamW, or Muon on the blocks' matrices beside AdamW) and its learning-rate schedule."""
 
-    lr: float = 6e-4  # peak learning rate, reached after warm-up
-    min_lr: float = 6e-5  # the cosine schedule's floor
+    name: OptimizerName = "adamw"  # muon: Muon on the blocks' 2-D weights, AdamW (the settings below) on the rest
+    lr: float = 6e-4  # AdamW's peak learning rate, reached after warm-up
+    min_lr: float = 6e-5  # where cosine and wsd end (muon's group ends at muon_lr x min_lr / lr)
     warmup_steps: int = 100  # linear warm-up from lr/(warmup_steps+1)
-    schedule: Schedule = "cosine"
-    decay_steps: int | None = None  # steps over which cosine decays to min_lr; None means train.max_steps
+    schedule: Schedule = "cosine"  # cosine, constant, or wsd (warm-up, stable at lr, linear cool-down to min_lr)
+    decay_steps: int | None = None  # step at which cosine or wsd reaches min_lr; None means train.max_steps
+    cooldown_fraction: float = 0.2  # wsd: the last fraction of decay_steps spent cooling down linearly
     weight_decay: float = 0.1  # decoupled, on matrices only (linear weights and embeddings)
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 turns clipping off
+    muon_lr: float = 0.02  # muon: peak learning rate of the blocks' matrices (scaled per shape by muon_lr_scale)
+    muon_momentum: float = 0.95  # muon: Nesterov momentum of the matrices' updates
+    muon_weight_decay: float = 0.0  # muon: decoupled weight decay of the matrices
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations that orthogonalise each update (each is 3 products)
+    muon_lr_scale: MuonLrScale = "original"  # sqrt(max(1, rows/cols)) (Keller Jordan's), or 0.2 sqrt(max(rows, cols))
+    #                                          (Moonshot's, which lets muon_lr take AdamW's lr)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of its range."""
         _check_range("optim.lr", self.lr, low=0.0, low_open=True)
-        if self.schedule == "cosine":  # (a constant schedule never reaches min_lr)
+        if self.schedule != "constant":  # (a constant schedule never reaches min_lr)
             _check_range("optim.min_lr", self.min_lr, low=0.0, high=self.lr, why="between 0 and optim.lr")
         _check_range("optim.warmup_steps", self.warmup_steps, low=0)
         if self.decay_steps is not None:
             _check_range("optim.decay_steps", self.decay_steps, low=1)
+        _check_range("optim.cooldown_fraction", self.cooldown_fraction, low=0.0, high=1.0)
         _check_range("optim.weight_decay", self.weight_decay, low=0.0)
         for name in ("beta1", "beta2"):
             _check_range(f"optim.{name}", getattr(self, name), low=0.0, high=1.0, high_open=True)
         _check_range("optim.grad_clip", self.grad_clip, low=0.0, why=">= 0 (0 turns clipping off)")
+        _check_range("optim.muon_lr", self.muon_lr, low=0.0, low_open=True)
+        _check_range("optim.muon_momentum", self.muon_momentum, low=0.0, high=1.0, high_open=True)
+        _check_range("optim.muon_weight_decay", self.muon_weight_decay, low=0.0)
+        _check_range("optim.muon_ns_steps", self.muon_ns_steps, low=1, high=20)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from gptkit.errors import GptkitError
 if TYPE_CHECKING:  # torch-free to import: gptkit.tensors' JSON readers serve the torch-free tokenizer
     import torch
 
+    from gptkit.config import ModelConfig
     from gptkit.model import GPT
 
 
@@ -25,6 +26,15 @@ def model_state(model: GPT) -> dict[str, torch.Tensor]:
     if module.config.tie_embeddings:
         state.pop("lm_head.weight")
     return state
+
+
+def real_vocab_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """state with the embedding's and the LM head's rows cut to config.vocab_size: what a format that knows no
+    padded vocabulary stores (the rows past vocab_size are never used)."""
+    if config.padded_vocab_size == config.vocab_size:
+        return state
+    vocab_rows = ("tok_emb.weight", "lm_head.weight", "lm_head.bias")
+    return {name: t[: config.vocab_size] if name in vocab_rows else t for name, t in state.items()}
 
 
 def load_state_into(model: GPT, state: dict[str, torch.Tensor], source: str) -> GPT:

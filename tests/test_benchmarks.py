@@ -102,7 +102,8 @@ def test_bench_gpu_smoke_run_on_the_cpu_reports_every_part(tmp_path):
                              "--block", "32", "--batch", "2", "--steps", "2", "--warmup", "1", "--log-every", "1",
                              "--rounds", "1", "--no-compile", "--dtype", "float32", "--decode-dtype", "float32",
                              "--new-tokens", "4", "--prompt-len", "8", "--batch-sizes", "1,2", "--lora-rank", "2",
-                             "--out", str(tmp_path), "--json"], capture_output=True, text=True)  # fmt: skip
+                             "--muon-steps", "4", "--out", str(tmp_path), "--json"], capture_output=True,
+                            text=True)  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report == json.loads((tmp_path / "bench_gpu.json").read_text()) and not report["errors"]
@@ -115,7 +116,13 @@ def test_bench_gpu_smoke_run_on_the_cpu_reports_every_part(tmp_path):
         assert row["hf generate"] > 0 and row["gptkit eager over hf"] > 0
     lora = report["lora"]["loops"]
     assert lora["gptkit lora"]["trainable_params"] == lora["hf+peft lora"]["trainable_params"] > 0
-    assert "| gptkit eager |" in (tmp_path / "bench_gpu.md").read_text()
+    assert report["attention"]["flash"]["ms"] > 0  # PyTorch's CPU flash kernel; the CUDA-only ones report errors
+    assert report["profile"]["loop"] == "gptkit eager" and report["profile"]["by_kind_ms"]
+    muon = report["muon"]
+    assert [len(muon["runs"][name]) for name in ("adamw", "muon")] == [5, 5]  # evaluations at 0, 1, 2, 3 and 4 steps
+    assert muon["val_loss_at_equal_steps"]["muon"] != muon["val_loss_at_equal_steps"]["adamw"]
+    markdown = (tmp_path / "bench_gpu.md").read_text()
+    assert "| gptkit eager |" in markdown and "Muon against AdamW" in markdown and "| kind of kernel |" in markdown
 
 
 def test_bench_kernels_smoke_run_times_every_format_on_both_sides():

@@ -183,3 +183,56 @@ def test_a_first_decode_does_not_wait_for_the_kernels_to_build(monkeypatch):
         release.set()
         cpu_kernels.prepare()
     assert not cpu_kernels.building() and cpu_kernels._STATE["library"] is False
+
+
+# What the C++ step does not compute: each is refused by name, and decoding falls back to the eager step.
+NOT_NATIVE = {"qk_norm": dict(TINY, norm="rmsnorm", position="rope", qk_norm=True),
+              "relu2": dict(TINY, activation="relu2"),
+              "logit_softcap": dict(TINY, logit_softcap=0.5)}  # fmt: skip
+
+
+def greedy_by_forward(model: GPT, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens from full forward passes (no cache, no decoding code)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("name", list(NOT_NATIVE))
+def test_options_the_native_step_does_not_compute_are_refused_and_decode_eagerly(name):
+    model = sharpened(ModelConfig(**NOT_NATIVE[name]))
+    reason = fused.uncovered(model)
+    assert reason is not None and name in reason
+    assert fused.step_for(model) is None
+    prompt = [3, 1, 4, 1, 5]
+    assert generate_ids(model, prompt, max_new_tokens=8, temperature=0) == greedy_by_forward(model, prompt, 8)
+
+
+def padded(config: ModelConfig, vocab_multiple: int = 16) -> GPT:
+    """A sharpened model whose vocabulary is padded, its padded head rows pairs v, -v of large random directions:
+    a padded logit that leaked out would win every argmax."""
+    model = sharpened(ModelConfig(**dict(config.to_dict(), vocab_multiple=vocab_multiple)))
+    vocab, extra = config.vocab_size, model.config.padded_vocab_size - config.vocab_size
+    with torch.no_grad():
+        directions = torch.randn(extra // 2 + 1, config.n_embd)
+        model.lm_head.weight[vocab:] = 100.0 * torch.cat([directions, -directions])[:extra]
+        leaked = model.lm_head(model.hidden(torch.arange(vocab)[:, None]))  # (V, 1, padded V)
+        assert bool((leaked.argmax(-1) >= vocab).all())
+    return model
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_a_padded_vocabulary_decodes_fused_as_eager_and_never_yields_a_padded_id(name):
+    model = padded(ModelConfig(**dict(VARIANTS[name], block_size=64)))
+    assert fused.uncovered(model) is None  # the step computes the padded head; its extra logits are dropped
+    eager, native, _, _ = steps(model)
+    assert native.shape[-1] == model.config.vocab_size
+    torch.testing.assert_close(native, eager, atol=1e-4, rtol=0)
+    prompt = [3, 1, 4, 1, 5]
+    greedy = generate_ids(model, prompt, max_new_tokens=8, temperature=0)
+    assert greedy == greedy_by_forward(model, prompt, 8)
+    sampled = generate_ids(model, [prompt] * 4, max_new_tokens=16, temperature=2.0, seed=0)
+    assert max(max(row) for row in sampled) < model.config.vocab_size

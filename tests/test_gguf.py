@@ -181,12 +181,29 @@ def test_llama_cpps_converter_output_loads_with_transformers_logits(variant, tmp
     (dict(position="sinusoidal"), "position 'sinusoidal'"),
     (dict(activation="gelu"), "tanh approximation"),
     (dict(lm_head_bias=True, tie_embeddings=False), "no output bias"),
+    (dict(activation="relu2"), "activation 'relu2' cannot be written as GGUF"),  # llama.cpp's gpt2 has GELU only
+    (dict(logit_softcap=30.0), "logit_softcap 30.0 cannot be written as GGUF"),
+    (dict(qk_norm=True), "qk_norm True cannot be written as GGUF"),
 ])  # fmt: skip
 def test_what_llama_cpp_cannot_compute_is_refused_in_one_line(fields, message, tmp_path, capsys):
     source = save_model_dir(tiny("gpt2", **fields), tmp_path / "model", tokenizer=ByteTokenizer())
     assert main(["convert", "--to-gguf", str(source), "--out", str(tmp_path / "m.gguf")]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("variant", ARCHS)
+def test_a_padded_vocabulary_is_written_as_its_real_rows(variant, tmp_path):
+    model = tiny(variant, vocab_multiple=64)
+    assert model.tok_emb.weight.shape[0] == 320
+    path = export_gguf(model, tmp_path / "m.gguf", ByteTokenizer(), "f32")
+    shapes = {t.name: [int(n) for n in t.shape] for t in gguf.GGUFReader(str(path)).tensors}
+    assert shapes["token_embd.weight"] == [32, 257] and shapes.get("output.weight", [32, 257]) == [32, 257]
+    back, _ = load_gguf(path)
+    assert back.config == ModelConfig(**dict(model.config.to_dict(), vocab_multiple=1))
+    ids = torch.randint(0, 257, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), model(ids), atol=0, rtol=0)
 
 
 def test_unwritable_tokenizers_and_unreadable_files_are_one_line_errors(tmp_path, capsys):

@@ -46,6 +46,10 @@ HF_CONFIGS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(vocab_size=99, hidden_size=48, num_attention_heads=6,
                 num_key_value_heads=2, num_hidden_layers=2, intermediate_size=77, max_position_embeddings=64,
                 sliding_window=None, **NO_SPECIALS)),
+    # q_norm/k_norm over head_dim, biases on all four attention projections.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(vocab_size=99, hidden_size=48, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=8, num_hidden_layers=2, intermediate_size=53,
+              max_position_embeddings=64, attention_bias=True, rms_norm_eps=1e-5, **NO_SPECIALS)),
 }  # fmt: skip
 
 
@@ -122,6 +126,10 @@ def test_import_maps_config_fields() -> None:
     qwen = gpt_from_hf_model(make_hf("qwen2"))
     assert qwen.config.attn_bias and not qwen.config.mlp_bias and qwen.config.tie_embeddings
     assert not qwen.blocks[0].attn.proj.bias.any()  # Qwen2's o_proj has no bias: held as zeros
+    qwen3 = gpt_from_hf_model(make_hf("qwen3"))
+    assert (qwen3.config.qk_norm, qwen3.config.attn_bias, qwen3.config.mlp_bias, qwen3.config.vocab_multiple) == (
+        True, True, False, 1)  # fmt: skip
+    assert qwen3.blocks[0].attn.q_norm.weight.shape == (8,) and qwen3.blocks[0].attn.proj.bias.any()
 
 
 EXPORTABLE = {
@@ -132,7 +140,10 @@ EXPORTABLE = {
                              tie_embeddings=False, norm_eps=1e-6, attn_bias=False),
     "llama-mqa-tied-bias": dict(VARIANTS["llama-gqa"], n_embd=48, n_head=4, n_kv_head=1, ffn_hidden=61,
                                 tie_embeddings=True, attn_bias=True, mlp_bias=True, rope_theta=300.0, dropout=0.1),
+    "qwen3-qk-norm": dict(VARIANTS["llama-gqa"], qk_norm=True, attn_bias=True, zero_init_proj=True),
+    "relu2-learned": dict(VARIANTS["gpt2"], activation="relu2"),  # transformers' ACT2FN["relu2"]: relu(x)^2
 }  # fmt: skip
+EXPORTED_AS = {"learned": "GPT2LMHeadModel", "rope": "LlamaForCausalLM", "qk_norm": "Qwen3ForCausalLM"}
 
 
 def random_gpt(config: ModelConfig, seed: int = 0) -> GPT:
@@ -149,8 +160,7 @@ def test_export_loads_in_transformers_with_same_logits_and_round_trips(name, tmp
     model = random_gpt(ModelConfig(**EXPORTABLE[name]))
     export_hf(model, tmp_path / "hf")
     hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    expected_class = "GPT2LMHeadModel" if model.config.position == "learned" else "LlamaForCausalLM"
-    assert type(hf_model).__name__ == expected_class
+    assert type(hf_model).__name__ == EXPORTED_AS["qk_norm" if model.config.qk_norm else model.config.position]
     assert_same_logits(hf_model, model, model.config.vocab_size)
     back, _ = load_hf(tmp_path / "hf")
     assert back.config == model.config  # bias flags and dropout survive through the recorded config
@@ -196,6 +206,38 @@ def test_export_refuses_what_neither_family_computes(name, reason, tmp_path) -> 
         export_hf(GPT(ModelConfig(**config)), tmp_path / "hf")
     assert "\n" not in str(err.value)
     assert not (tmp_path / "hf" / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(VARIANTS["llama-gqa"], logit_softcap=30.0), "logit_softcap 30.0 cannot be exported: .*Gemma 2"),
+        (dict(VARIANTS["gpt2"], logit_softcap=30.0), "logit_softcap 30.0 cannot be exported"),
+        (dict(VARIANTS["gpt2"], qk_norm=True), "qk_norm cannot be exported as gpt2"),
+        (dict(VARIANTS["llama-gqa"], activation="relu2"), "activation 'relu2' cannot be exported as llama"),
+    ],
+)  # fmt: skip
+def test_export_refuses_recipe_options_no_layout_computes(changes, match, tmp_path) -> None:
+    with pytest.raises(GptkitError, match=match) as err:
+        export_hf(GPT(ModelConfig(**changes)), tmp_path / "hf")
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "hf" / "config.json").exists()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen3-qk-norm"])
+def test_export_of_a_padded_vocabulary_writes_the_real_rows_only(name, tmp_path) -> None:
+    model = random_gpt(ModelConfig(**dict(EXPORTABLE[name], vocab_multiple=16)))
+    assert model.tok_emb.weight.shape[0] == 64
+    again = load_model_dir(save_model_dir(model, tmp_path / "dir"))  # a gptkit directory keeps the padded rows
+    assert again.config == model.config and torch.equal(again.tok_emb.weight, model.tok_emb.weight)
+    export_hf(model, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 50
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf_model.get_input_embeddings().weight.shape == (50, 32)
+    assert_same_logits(hf_model, model, 50)
+    back, _ = load_hf(tmp_path / "hf")
+    assert back.config == ModelConfig(**dict(model.config.to_dict(), vocab_multiple=1))  # imports are unpadded
+    assert_same_logits(hf_model, back, 50)
 
 
 def test_export_refuses_gqa_with_learned_positions(tmp_path) -> None:
@@ -494,5 +536,8 @@ def test_cli_convert_both_ways_and_errors(tmp_path, capsys) -> None:
     sinusoidal = GPT(ModelConfig(**VARIANTS["original-decoder"]))
     save_model_dir(sinusoidal, tmp_path / "sin")
     fails("--to-hf", str(tmp_path / "sin"), "--out", str(tmp_path / "y"), match="position 'sinusoidal' cannot be exported")
+    save_model_dir(GPT(ModelConfig(**dict(VARIANTS["llama-gqa"], logit_softcap=30.0))), tmp_path / "capped")
+    fails("--to-hf", str(tmp_path / "capped"), "--out", str(tmp_path / "w"),
+          match="logit_softcap 30.0 cannot be exported")
     rewrite_weights(tmp_path / "hf", lambda s: s.update({"model.norm.weight": torch.ones(47)}))
     fails("--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "z"), match="'model.norm.weight' has shape")

@@ -106,3 +106,26 @@ def test_a_second_backward_through_the_sliced_loss_is_a_clear_error(monkeypatch)
     value.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward pass"):
         value.backward()
+
+
+@pytest.mark.parametrize("slice_logits", [2**25, 16 * 4])  # plain path; slices of 4 rows of the padded head
+@pytest.mark.parametrize("softcap, vocab", [(3.0, 16), (None, 13), (2.0, 13)])  # capped; padded; both
+def test_fused_loss_with_softcap_and_padding_equals_autograd_of_the_plain_formula(monkeypatch, slice_logits, softcap,
+                                                                                  vocab, device):  # fmt: skip
+    """The loss of c * tanh(z / c) over the first 13 of 16 head rows: its gradient takes the factor 1 - tanh^2, and
+    the 3 padded rows (weight and bias) get a gradient of exactly zero."""
+    _slice(monkeypatch, slice_logits)
+    hidden, _, _, targets = _inputs(False, device)
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(16, 8, generator=gen).to(device).requires_grad_()
+    b = torch.randn(16, generator=gen).to(device).requires_grad_()
+    fused = linear_cross_entropy(hidden, weight, b, targets, softcap=softcap, vocab_size=vocab)
+    z = F.linear(hidden, weight, b)[..., :vocab]
+    plain = next_token_loss(z if softcap is None else softcap * torch.tanh(z / softcap), targets)
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    got, want = torch.autograd.grad(3 * fused, [hidden, weight, b]), torch.autograd.grad(3 * plain, [hidden, weight, b])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert not got[1][vocab:].any() and not got[2][vocab:].any()  # exactly zero: the padded rows never counted
+    if softcap is not None:  # the cap did change the loss (its scale is near the logits')
+        assert abs(float(fused.detach()) - float(next_token_loss(z, targets).detach())) > 1e-3

@@ -250,3 +250,126 @@ def test_checkpointed_blocks_give_the_same_loss_and_gradients(variant, device):
     torch.testing.assert_close(loss_b, loss_a, atol=0, rtol=0)
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5)
+
+
+# The modern small-model recipe (modded-nanogpt's options, qk_norm as Qwen3's) on top of a Llama-style body.
+MODERN = dict(TINY, norm="rmsnorm", position="rope", activation="relu2", n_kv_head=2, attn_bias=False,
+              mlp_bias=False, norm_bias=False, tie_embeddings=False, qk_norm=True, logit_softcap=5.0,
+              zero_init_proj=True, vocab_multiple=16)  # fmt: skip
+
+
+def test_qk_norm_normalises_each_heads_q_and_k_over_head_dim_before_rope():
+    config = ModelConfig(**dict(TINY, n_layer=1, norm="rmsnorm", position="rope", n_kv_head=2, qk_norm=True))
+    model = GPT(config).eval()
+    attn, hd, T = model.blocks[0].attn, config.head_dim, 7
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (hd,)  # one gain each, shared by the heads
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 2.0)
+        attn.k_norm.weight.uniform_(0.5, 2.0)
+        ids = torch.randint(0, config.vocab_size, (1, T))
+        trace = Trace()
+        model(ids, trace=trace)
+        qkv = attn.qkv(model.blocks[0].norm1(model.tok_emb(ids)[0]))  # (T, (H + 2 KV) hd)
+        head, kv_head = 3, 1  # query head 3 reads key head 3 // (4 / 2)
+        q = qkv[:, head * hd : (head + 1) * hd]
+        k = qkv[:, config.n_embd + kv_head * hd : config.n_embd + (kv_head + 1) * hd]
+        normed = [v / torch.sqrt((v * v).mean(-1, keepdim=True) + config.norm_eps) * g
+                  for v, g in ((q, attn.q_norm.weight), (k, attn.k_norm.weight))]  # fmt: skip
+        cos, sin = rope_cos_sin(torch.arange(T)[None], hd, config.rope_theta)
+        q, k = (apply_rope(v[None, None], cos, sin)[0, 0] for v in normed)  # RoPE after the norm
+        scores = (q @ k.T / math.sqrt(hd)).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(trace.attentions[0][0, head], scores.softmax(-1), atol=1e-6, rtol=1e-5)
+
+
+def test_relu2_feed_forward_squares_relu():
+    mlp = GPT(ModelConfig(**dict(TINY, activation="relu2"))).blocks[0].mlp
+    assert mlp.fc.weight.shape == (4 * 32, 32)  # one input projection: not gated
+    x = torch.randn(3, 5, 32)
+    torch.testing.assert_close(mlp(x), mlp.proj(torch.clamp(mlp.fc(x), min=0) ** 2), atol=0, rtol=0)
+
+
+def test_logit_softcap_gives_c_tanh_z_over_c_on_every_logit_path():
+    c, T = 0.5, 12
+    raw = GPT(ModelConfig(**TINY)).eval()
+    with torch.no_grad():
+        raw.norm_f.weight.mul_(30.0)  # logits well past the cap
+    capped = GPT(ModelConfig(**dict(TINY, logit_softcap=c))).eval()
+    capped.load_state_dict(raw.state_dict())
+    ids = torch.randint(0, 50, (2, T))
+    with torch.no_grad():
+        z = raw(ids)
+        want = c * torch.tanh(z / c)
+        assert z.abs().max() > 2 * c
+        torch.testing.assert_close(capped(ids), want, atol=1e-6, rtol=1e-6)
+        at = torch.tensor([3, 11])
+        torch.testing.assert_close(capped(ids, logits_at=at), want[torch.arange(2), at][:, None], atol=1e-6, rtol=0)
+        cache = KVCache(capped.config, batch_size=2, max_len=T)
+        steps = [capped(ids[:, :5], cache=cache)] + [capped(ids[:, t : t + 1], cache=cache, start_pos=t)
+                                                      for t in range(5, T)]  # fmt: skip
+        torch.testing.assert_close(torch.cat(steps, dim=1), want, atol=1e-5, rtol=1e-5)
+        loss = capped(ids[:, :-1], targets=ids[:, 1:])
+    torch.testing.assert_close(loss, next_token_loss(want[:, :-1], ids[:, 1:]), atol=1e-6, rtol=1e-6)
+
+
+def test_zero_init_proj_starts_every_block_as_the_identity():
+    model = GPT(ModelConfig(**dict(TINY, zero_init_proj=True))).eval()
+    for block in model.blocks:
+        assert not block.attn.proj.weight.any() and not block.mlp.proj.weight.any()
+        assert block.attn.qkv.weight.std() > 0.01 and block.mlp.fc.weight.std() > 0.01  # the rest as GPT-2's
+    ids = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        embedded = model.tok_emb(ids) + model.pos_emb(torch.arange(9))
+        torch.testing.assert_close(model(ids), model.lm_head(model.norm_f(embedded)), atol=0, rtol=0)
+
+
+def padded_copy(model: GPT, vocab_multiple: int) -> GPT:
+    """model with its vocabulary padded to vocab_multiple: the same real rows, and padded head rows in pairs v, -v
+    of large random directions (and a large bias), so that some padded logit is the largest wherever it is seen."""
+    config = model.config
+    padded = GPT(ModelConfig(**dict(config.to_dict(), vocab_multiple=vocab_multiple))).eval()
+    real = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in padded.state_dict().items():
+            tensor.fill_(100.0)
+            tensor[: real[name].size(0)] = real[name]
+        extra = padded.config.padded_vocab_size - config.vocab_size
+        directions = torch.randn(extra // 2 + 1, config.n_embd)
+        padded.lm_head.weight[config.vocab_size :] = 100.0 * torch.cat([directions, -directions])[:extra]
+        leaked = padded.lm_head(padded.hidden(torch.arange(config.vocab_size)[:, None]))  # (V, 1, padded V)
+        assert bool((leaked.argmax(-1) >= config.vocab_size).all())
+    return padded
+
+
+@pytest.mark.parametrize("head", ["tied", "untied with bias"])
+def test_a_padded_vocabulary_changes_no_logit_and_no_loss(head):
+    extra = {} if head == "tied" else dict(tie_embeddings=False, lm_head_bias=True)
+    plain = GPT(ModelConfig(**dict(TINY, **extra))).eval()
+    padded = padded_copy(plain, 16)
+    assert padded.config.padded_vocab_size == 64 and padded.lm_head.weight.shape == (64, 32)
+    ids = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        logits = padded(ids)
+        assert logits.shape == (2, 12, 50)  # the padded columns never leave the model
+        torch.testing.assert_close(logits, plain(ids), atol=1e-6, rtol=0)
+        at = torch.tensor([4, 0])
+        torch.testing.assert_close(padded(ids, logits_at=at), plain(ids, logits_at=at), atol=1e-6, rtol=0)
+        torch.testing.assert_close(padded(ids, targets=ids), plain(ids, targets=ids), atol=1e-6, rtol=0)
+    with pytest.raises(InputError, match=r"token id 50 is outside the vocabulary \[0, 50\)"):
+        padded(torch.tensor([[1, 50]]))
+
+
+def test_every_recipe_option_at_once_trains(device):
+    """Forward and backward of a model with every option on: finite gradients everywhere, exactly zero on the
+    padded rows, and the zero projections are the first to move (the blocks train from the identity)."""
+    config = ModelConfig(**MODERN)
+    model = GPT(config).to(device)
+    ids = torch.randint(0, config.vocab_size, (2, 12), device=device)
+    logits = model(ids)
+    assert logits.shape == (2, 12, config.vocab_size) and logits.abs().max() < config.logit_softcap
+    loss = model(ids[:, :-1], targets=ids[:, 1:])
+    torch.testing.assert_close(loss, next_token_loss(logits[:, :-1], ids[:, 1:]), atol=1e-5, rtol=1e-5)
+    loss.backward()
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    for weight in (model.tok_emb.weight, model.lm_head.weight):
+        assert weight.shape[0] == 64 and not weight.grad[config.vocab_size :].any()
+    assert model.blocks[-1].mlp.proj.weight.grad.abs().sum() > 0

@@ -26,9 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert",
         help=HELP,
-        description="Import a local Hugging Face GPT-2 / Llama / Mistral / Qwen2 checkpoint directory as a gptkit "
-        "model directory, or export a gptkit model directory as a GPT-2 or Llama checkpoint that transformers "
-        "loads. Anything that cannot be converted exactly is refused with the reason.",
+        description="Import a local Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 checkpoint directory as a "
+        "gptkit model directory, or export a gptkit model directory as a GPT-2, Llama or Qwen3 checkpoint that "
+        "transformers loads. Anything that cannot be converted exactly is refused with the reason.",
     )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR", type=Path, help="Hugging Face directory to import")

@@ -42,6 +42,7 @@ def describe(name: str, context: int | None = None) -> dict[str, Any]:
     return {
         "model": name,
         "config": config.to_dict(),
+        "padded_vocab_size": config.padded_vocab_size,  # the embedding's and the LM head's rows
         "params": params,
         "total": params["total"],
         "flops_per_token": {
@@ -80,10 +81,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     c, p = report["config"], report["params"]
+    padded = report["padded_vocab_size"]
+    extras = "".join([f" (padded to {padded})" if padded != c["vocab_size"] else "",
+                      f", {'tied' if c['tie_embeddings'] else 'untied'} head",
+                      ", q/k norms" if c["qk_norm"] else "",
+                      f", logits soft-capped at {c['logit_softcap']:g}" if c["logit_softcap"] is not None else ""])
     print(
         f"{args.model}: {c['n_layer']} layers, {c['n_head']} heads ({c['n_kv_head']} kv), width {c['n_embd']}, "
         f"ffn {c['ffn_hidden']} {c['activation']}, {c['norm']} {c['norm_position']}-norm, {c['position']} positions, "
-        f"context {c['block_size']}, vocab {c['vocab_size']}, {'tied' if c['tie_embeddings'] else 'untied'} head"
+        f"context {c['block_size']}, vocab {c['vocab_size']}{extras}"
     )
     print()
     for part, count in p.items():

@@ -72,9 +72,11 @@ def run(args: argparse.Namespace) -> int:
         f"a budget of {_si(plan.budget_flops, 'FLOP')} is best spent on {_si(plan.budget_optimal_params)} parameters "
         f"x {_si(plan.budget_optimal_tokens)} tokens (C = 6ND, D = 20N)"
     )
-    print(f"memory per device ({settings.dtype}, AdamW):")
+    muon = settings.optimizer == "muon"
+    print(f"memory per device ({settings.dtype}, {'Muon + AdamW' if muon else 'AdamW'}):")
     rows = [
-        ("weights", m.weights), ("gradients", m.gradients), ("AdamW moments", m.optimizer),
+        ("weights", m.weights), ("gradients", m.gradients),
+        ("Muon + AdamW state" if muon else "AdamW moments", m.optimizer),
         ("autocast weight copies", m.autocast_copies), ("AdamW step temporaries", m.optimizer_step),
         ("activations", m.activations),
         ("total", m.total), ("activations, checkpointed", m.activations_checkpointed),

@@ -7,7 +7,8 @@ attention over the cache, activations and residuals), so a step costs little mor
 
 It covers the models `gptkit convert --to-gguf` writes and more: pre-norm blocks with LayerNorm or RMSNorm, GELU
 (tanh or erf), ReLU or SwiGLU, learned, rotary or no positions, grouped-query attention, biases anywhere, a tied or
-own LM head with or without a bias; fp32 or bf16 weights, int8 or int4 layers; an fp32, bf16 or int8 KV cache;
+own LM head with or without a bias, a padded vocabulary (the step computes every row of the head; the padded
+logits are dropped); fp32 or bf16 weights, int8 or int4 layers; an fp32, bf16 or int8 KV cache;
 1 to MAX_ROWS rows. Anything else decodes with the eager step, and the reason is logged once. Like gptkit's CPU
 kernels it is used where a measurement on this machine finds it faster than the eager step (cpu_kernels.measured)
 and where the kernels' library is loaded (a first build runs in the background: until it ends, the eager step).
@@ -46,6 +47,12 @@ def uncovered(model: GPT) -> str | None:
         return "post-norm blocks"
     if config.position not in POSITIONS:
         return f"{config.position} positions"
+    if config.activation not in ACTIVATIONS:
+        return f"the {config.activation} activation"
+    if config.qk_norm:
+        return "q/k norms (qk_norm)"
+    if config.logit_softcap is not None:
+        return "soft-capped logits (logit_softcap)"
     if config.head_dim > MAX_HEAD_DIM:
         return f"heads of {config.head_dim} values (at most {MAX_HEAD_DIM})"
     dtype = model.tok_emb.weight.dtype
@@ -82,6 +89,7 @@ def step_for(model: GPT) -> Step | None:
     if not cpu_kernels.measured("fused_step", _faster_than_eager):
         return None
     plan = _plan(model)
+    vocab = model.config.vocab_size
 
     def fused(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int) -> Tensor:
         rows = tokens.size(0)
@@ -90,8 +98,9 @@ def step_for(model: GPT) -> Step | None:
         if isinstance(positions, int):
             positions = torch.full((rows,), positions, dtype=torch.long)
         with torch.profiler.record_function("gptkit::fused_step"):  # one named entry in a profile (a few us)
-            return plan.step(tokens.reshape(rows), positions.to(torch.long).contiguous(), cache.keys, cache.values,
-                             cache.key_scales, cache.value_scales)  # fmt: skip
+            logits = plan.step(tokens.reshape(rows), positions.to(torch.long).contiguous(), cache.keys, cache.values,
+                               cache.key_scales, cache.value_scales)  # fmt: skip
+        return logits[:, :vocab] if logits.size(-1) != vocab else logits  # (rows, V): a padded head's rows dropped
 
     return fused
 
@@ -101,8 +110,8 @@ def _plan(model: GPT) -> torch.ScriptObject:
     config = model.config
     dtype = model.tok_emb.weight.dtype
     settings = [config.n_layer, config.n_embd, config.n_head, config.n_kv_head, config.head_dim, config.ffn_hidden,
-                config.vocab_size, NORMS[config.norm], ACTIVATIONS[config.activation], POSITIONS[config.position],
-                int(dtype == torch.bfloat16)]  # fmt: skip
+                config.padded_vocab_size, NORMS[config.norm], ACTIVATIONS[config.activation],
+                POSITIONS[config.position], int(dtype == torch.bfloat16)]  # fmt: skip
     tensors = [model.tok_emb.weight, model.pos_emb.weight if model.pos_emb is not None else _NONE]
     for block in model.blocks:
         tensors += [*_norm(block.norm1), *_linear(block.attn.qkv), *_linear(block.attn.proj), *_norm(block.norm2),

@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-import torch._dynamo.config
-import torch._inductor.config
 from torch import Tensor
 
 from gptkit import cpu_kernels
@@ -185,6 +183,11 @@ def compiled(model: GPT, step: Step = decode_one_token) -> Step:
     the cache tensors it writes are marked static (their addresses never change) and the logits are copied out of
     the graph's memory, which its next replay overwrites.
     """
+    # Imported here, not at the top: torch._dynamo takes a second to import, which every command that never
+    # compiles (a CPU training run, generate without --compile) would otherwise pay at start-up.
+    import torch._dynamo.config
+    import torch._inductor.config
+
     model_base = base(model)
     cached = model_base.__dict__.setdefault("_gptkit_compiled_steps", {})
     if step.__name__ in cached:

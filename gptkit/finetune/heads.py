@@ -28,7 +28,7 @@ from gptkit.errors import GptkitError
 from gptkit.evaluate import classification_scores
 from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
-from gptkit.loss import IGNORE_INDEX, linear_cross_entropy
+from gptkit.loss import IGNORE_INDEX
 from gptkit.tensors import load_tensors, save_tensors
 
 HEAD_CONFIG = "classifier.json"
@@ -64,7 +64,7 @@ class SequenceClassifier(nn.Module):
         logits = self.score(pooled.to(self.score.weight.dtype))
         lm_loss = None
         if targets is not None:
-            lm_loss = linear_cross_entropy(hidden, self.gpt.lm_head.weight, self.gpt.lm_head.bias, targets)
+            lm_loss = self.gpt.loss(hidden, targets)  # the model's own head: its soft-cap, its real vocabulary
         return logits, lm_loss
 
 

@@ -33,7 +33,7 @@ import torch
 from gptkit.atomic import atomic_write
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.weights import load_state_into
+from gptkit.weights import load_state_into, real_vocab_state
 from gptkit.model import GPT
 from gptkit.quantization import Int4Linear, dequantized_state, is_quantized, quantize_q4
 from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS, EOT, BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer
@@ -75,6 +75,11 @@ def architecture(config: ModelConfig) -> str:
         raise refuse("norm_position", "llama.cpp's gpt2 and llama normalise before attention and MLP (pre-norm)")
     if config.lm_head_bias:
         raise refuse("lm_head_bias", "llama.cpp's gpt2 and llama have no output bias")
+    if config.logit_softcap is not None:
+        raise refuse("logit_softcap", "llama.cpp's gpt2 and llama do not soft-cap their logits (only its gemma2 does, "
+                     "which differs in more)")
+    if config.qk_norm:
+        raise refuse("qk_norm", "llama.cpp's gpt2 and llama have no q/k norms")
     if config.position == "learned":
         if config.norm != "layernorm":
             raise refuse("norm", "llama.cpp's gpt2 (learned positions) uses LayerNorm")
@@ -133,6 +138,7 @@ def gguf_tensors(model: GPT, q4_blocks: bool = False) -> dict[str, torch.Tensor]
             if isinstance(module, Int4Linear):
                 packed, scales = module.plain()
                 state[f"{module_name}.weight"] = torch.from_numpy(q4_0_blocks(packed.cpu(), scales.cpu()))
+    state = real_vocab_state(state, config)  # a padded vocabulary's extra rows are never used: not written
     if config.tie_embeddings and arch == "llama" and not is_quantized(model):
         state.pop("lm_head.weight")  # llama.cpp's llama reads the embedding as the output when output is absent
     if arch == "gpt2":  # llama.cpp's gpt2 has every bias: absent ones are zeros

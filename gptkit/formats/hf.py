@@ -1,5 +1,7 @@
 """Conversion between gptkit models and Hugging Face GPT-2 / Llama-family checkpoints, in both directions.
 
+Llama-style models export as Llama, or as Qwen3 with qk_norm; GPT-2 and Llama, Mistral, Qwen2 and Qwen3 import.
+
 One description of each Hugging Face layout (which gptkit tensor is which HF tensor, transposed or fused)
 drives import and export alike; the config mapping is one table per family, read in one direction and
 written in the other. Whatever a checkpoint holds that gptkit cannot compute exactly is refused with a
@@ -29,7 +31,7 @@ from gptkit.errors import ConfigError, GptkitError
 from gptkit.model import GPT
 from gptkit.tensors import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, ModelDirError, read_config_json, save_tensors
 from gptkit.tokenizer import tokenizer_or_none
-from gptkit.weights import load_state_into, model_state
+from gptkit.weights import load_state_into, model_state, real_vocab_state
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,8 @@ HINT_KEY = "gptkit_config"  # export stores the full gptkit config here, so that
 
 # Fields an exported HF config cannot carry but which do not change what the model computes: dropout is
 # training-only, and a bias flag only says whether a bias that HF stores as zeros exists at all.
-HINT_FIELDS = ("dropout", "attn_bias", "mlp_bias", "norm_bias")
+# zero_init_proj only says how training started.
+HINT_FIELDS = ("dropout", "attn_bias", "mlp_bias", "norm_bias", "zero_init_proj")
 
 
 class ConversionError(GptkitError):
@@ -127,7 +130,14 @@ MISTRAL = Layout(architecture="MistralForCausalLM", model_type="mistral",
 QWEN2 = Layout(architecture="Qwen2ForCausalLM", model_type="qwen2", no_bias=frozenset({"attn.proj"}),
                forced=(("attn_bias", True), ("mlp_bias", False)), **_LLAMA_LIKE)  # fmt: skip
 
-LAYOUTS = {layout.architecture: layout for layout in (GPT2, LLAMA, MISTRAL, QWEN2)}
+# Qwen3: Llama's layout, biases on all four attention projections or none, and an RMSNorm over head_dim on each
+# head's q and k before RoPE (gptkit's qk_norm).
+_QWEN3_BLOCK = _LLAMA_BLOCK + (BlockTensor("attn.q_norm", ("self_attn.q_norm",)),
+                               BlockTensor("attn.k_norm", ("self_attn.k_norm",)))  # fmt: skip
+QWEN3 = Layout(architecture="Qwen3ForCausalLM", model_type="qwen3", forced=(("mlp_bias", False), ("qk_norm", True)),
+               **dict(_LLAMA_LIKE, block=_QWEN3_BLOCK))  # fmt: skip
+
+LAYOUTS = {layout.architecture: layout for layout in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)}
 
 
 @dataclass(frozen=True)
@@ -251,13 +261,17 @@ LLAMA_KEYS = {
 # a missing bias exports exactly as zeros, see with_biases).
 GPT2_FIXED = dict(norm="layernorm", norm_position="pre", position="learned", lm_head_bias=False)
 LLAMA_FIXED = dict(norm="rmsnorm", norm_position="pre", position="rope", activation="swiglu", lm_head_bias=False)
-_FAMILY = "learned positions export as GPT-2 (LayerNorm; gelu, gelu_tanh or relu), rope as Llama (RMSNorm, swiglu)"
+_FAMILY = ("learned positions export as GPT-2 (LayerNorm; gelu, gelu_tanh, relu or relu2), rope as Llama or Qwen3 "
+           "(RMSNorm, swiglu)")
 WHY = {
     "norm": _FAMILY,
     "norm_position": "Hugging Face GPT-2 and Llama are pre-norm only",
     "position": "GPT-2 has learned positions and Llama RoPE; nothing else maps",
     "activation": _FAMILY,
     "lm_head_bias": "neither GPT-2 nor Llama has a bias on the LM head",
+    "logit_softcap": "of transformers' architectures only Gemma 2 soft-caps its logits, and it differs from GPT-2 and "
+                     "Llama in more (norms after each sublayer, scaled embeddings, capped attention scores)",
+    "qk_norm": "GPT-2 has no q/k norms (Qwen3, with rope, RMSNorm and swiglu, has them)",
 }
 # Defaults of transformers' config classes (transformers 5.x configuration_*.py) for keys a file may omit.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -269,14 +283,17 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     hidden_act="silu", sliding_window=4096),
     "qwen2": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
                   use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                  hidden_act="silu", head_dim=128, use_sliding_window=False, sliding_window=4096,
+                  max_window_layers=28),
 }  # fmt: skip
 # HF activation names that compute exactly gptkit's (transformers' activations.py): the tanh forms differ
 # only in how the constant sqrt(2/pi) is written.
 GPT2_ACTIVATIONS = {
     "gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_fast": "gelu_tanh", "gelu_python_tanh": "gelu_tanh", "relu": "relu",
+    "gelu_fast": "gelu_tanh", "gelu_python_tanh": "gelu_tanh", "relu": "relu", "relu2": "relu2",
 }  # fmt: skip
-GPT2_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}  # export: gptkit -> HF
+GPT2_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "relu2": "relu2"}  # export
 
 
 def detect_layout(hf: dict[str, Any], source: str, class_name: str | None = None) -> Layout:
@@ -340,8 +357,8 @@ def _rope_theta(hf: dict[str, Any], source: str) -> float:
 def _sliding_window(hf: dict[str, Any], layout: Layout) -> int | None:
     """The attention window some layer uses (Mistral, Qwen2), or None when every layer attends to all positions."""
     window = hf.get("sliding_window", FAMILY_DEFAULTS[layout.model_type].get("sliding_window"))
-    if layout is QWEN2:
-        # Qwen2 configs commonly carry a sliding_window that use_sliding_window=false switches off.
+    if layout in (QWEN2, QWEN3):
+        # Qwen2 and Qwen3 configs commonly carry a sliding_window that use_sliding_window=false switches off.
         if not _get(hf, "use_sliding_window", layout, ""):
             return None
         layer_types = hf.get("layer_types")
@@ -381,10 +398,11 @@ def config_from_hf(hf: dict[str, Any], layout: Layout, source: str) -> ModelConf
             raise _refuse(source, f"hidden_act {act!r}", "gptkit's gated feed-forward is SwiGLU (silu) only")
         fields["rope_theta"] = _rope_theta(hf, source)
         heads, width = hf.get("num_attention_heads"), hf.get("hidden_size")
-        if hf.get("head_dim") is not None and isinstance(heads, int) and isinstance(width, int) and heads:
-            if hf["head_dim"] * heads != width:
+        head_dim = hf.get("head_dim", FAMILY_DEFAULTS[layout.model_type].get("head_dim"))  # Qwen3's default: 128
+        if head_dim is not None and isinstance(heads, int) and isinstance(width, int) and heads:
+            if head_dim * heads != width:
                 why = f"gptkit's head size is hidden_size/num_attention_heads = {width // heads}"
-                raise _refuse(source, f"head_dim {hf['head_dim']}", why)
+                raise _refuse(source, f"head_dim {head_dim}", why)
         if float(hf.get("attention_dropout") or 0.0):
             log.warning("%s: attention_dropout %s not carried over (gptkit's dropout would also drop residuals)",
                         source, hf["attention_dropout"])  # fmt: skip
@@ -409,11 +427,18 @@ def config_from_hf(hf: dict[str, Any], layout: Layout, source: str) -> ModelConf
 
 
 def hf_config_from_gptkit(config: ModelConfig, eos_id: int | list[int] | None = None) -> dict[str, Any]:
-    """The HF config.json (GPT-2 or Llama) computing exactly what config does, or a ConversionError."""
+    """The HF config.json (GPT-2, Llama or Qwen3) computing exactly what config does, or a ConversionError."""
+    if config.logit_softcap is not None:
+        raise ConversionError(f"logit_softcap {config.logit_softcap!r} cannot be exported: {WHY['logit_softcap']}")
     if config.position in ("sinusoidal", "none"):
         raise ConversionError(f"position {config.position!r} cannot be exported: {WHY['position']}")
     gpt2 = config.position == "learned"
-    layout, keys, fixed = (GPT2, GPT2_KEYS, GPT2_FIXED) if gpt2 else (LLAMA, LLAMA_KEYS, LLAMA_FIXED)
+    if gpt2 and config.qk_norm:
+        raise ConversionError(f"qk_norm cannot be exported as gpt2 (learned positions): {WHY['qk_norm']}")
+    if gpt2:
+        layout, keys, fixed = GPT2, GPT2_KEYS, GPT2_FIXED
+    else:
+        layout, keys, fixed = QWEN3 if config.qk_norm else LLAMA, LLAMA_KEYS, LLAMA_FIXED
     for field, value in fixed.items():
         if getattr(config, field) != value:
             raise ConversionError(
@@ -438,6 +463,9 @@ def hf_config_from_gptkit(config: ModelConfig, eos_id: int | list[int] | None = 
     else:
         hf.update(hidden_act="silu", rope_theta=config.rope_theta, head_dim=config.head_dim, attention_dropout=0.0,
                   rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})  # fmt: skip
+        if layout is QWEN3:  # full attention in every layer; Qwen3's MLP has no biases (zeros are dropped)
+            keys = {key: field for key, field in keys.items() if key != "mlp_bias"}
+            hf.update(use_sliding_window=False, sliding_window=None)
     for key, field in keys.items():
         hf[key] = getattr(config, field)
     hf.update(bos_token_id=None, eos_token_id=eos_id, pad_token_id=None)
@@ -682,13 +710,13 @@ def hf_checkpoint(model: GPT, tokenizer: Any | None = None) -> tuple[dict[str, A
     hf = hf_config_from_gptkit(config, eos_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids or None)
     layout = LAYOUTS[hf["architectures"][0]]
     target = config_from_hf(hf, layout, "export")  # the config HF's model will have (e.g. with zero biases)
-    state = with_biases(model_state(module), config, target)
+    state = with_biases(real_vocab_state(model_state(module), config), config, target)  # a padded head's rows cut
     hf_state: dict[str, Tensor] = {}
     for rule in weight_rules(target, layout):
         hf_state.update(export_tensor(rule, state[rule.ours]))
     dtype = str(state["tok_emb.weight"].dtype).removeprefix("torch.")
     hf.update(dtype=dtype, torch_dtype=dtype)
-    hf[HINT_KEY] = config.to_dict()
+    hf[HINT_KEY] = dataclasses.replace(config, vocab_multiple=1).to_dict()  # HF holds the real rows only
     return hf, hf_state
 
 
@@ -696,7 +724,8 @@ def hf_checkpoint(model: GPT, tokenizer: Any | None = None) -> tuple[dict[str, A
 CLASSIFIER_ARCHITECTURES = {"GPT2LMHeadModel": "GPT2ForSequenceClassification",
                             "LlamaForCausalLM": "LlamaForSequenceClassification",
                             "MistralForCausalLM": "MistralForSequenceClassification",
-                            "Qwen2ForCausalLM": "Qwen2ForSequenceClassification"}  # fmt: skip
+                            "Qwen2ForCausalLM": "Qwen2ForSequenceClassification",
+                            "Qwen3ForCausalLM": "Qwen3ForSequenceClassification"}  # fmt: skip
 
 
 def hf_classifier_checkpoint(hf: dict[str, Any], hf_state: dict[str, Tensor], labels: list[str], score: Tensor,
@@ -729,7 +758,8 @@ def hf_block_modules(config: ModelConfig) -> tuple[dict[str, list[tuple[str, int
 
 
 def hf_model_from_gpt(model: GPT) -> Any:
-    """An in-memory transformers model (GPT2LMHeadModel or LlamaForCausalLM) computing what model does."""
+    """An in-memory transformers model (GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM) computing what model
+    does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf, hf_state = hf_checkpoint(model)

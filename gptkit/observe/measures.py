@@ -180,7 +180,7 @@ def logit_lens(model: GPT, ids: Sequence[int] | Tensor, first: int = 0) -> Tenso
         state = state[first:]
         if model.norm_f is not None:
             state = model.norm_f(state)
-        outs.append(model.lm_head(state).float().log_softmax(-1))
+        outs.append(model.logits(state).float().log_softmax(-1))
     return torch.stack(outs).cpu()
 
 
@@ -204,7 +204,7 @@ def logit_lens_top(model: GPT, ids: Sequence[int] | Tensor, k: int = 1) -> LensT
     for state in states:
         if model.norm_f is not None:
             state = model.norm_f(state)
-        stage = model.lm_head(state).float().softmax(-1)  # (T, V)
+        stage = model.logits(state).float().softmax(-1)  # (T, V)
         values, top = stage.topk(k, dim=-1)
         tokens.append(top)
         probs.append(values)
@@ -217,7 +217,8 @@ def head_contributions(model: GPT, ids: Sequence[int] | Tensor, position: int = 
                        token: int | None = None) -> Tensor:  # fmt: skip
     """(n_layer, n_head): each head's direct contribution to the logit of `token` (default: the model's own
     prediction) at `position`: its output through the output projection, the final norm's scale at that position
-    (held fixed, as direct logit attribution does) and the LM head's row of the token. Pre-norm models only."""
+    (held fixed, as direct logit attribution does) and the LM head's row of the token. Pre-norm models only.
+    With logit_softcap these add up to the logit before the cap (the cap is monotonic, not linear)."""
     if model.norm_f is None:
         raise InputError("head contributions need a pre-norm model (a post-norm one normalises after each head)")
     ids = _one_sequence(ids, "head contributions")
