@@ -100,6 +100,11 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
+def cpu_flags() -> set[str]:
+    """The instruction-set extensions this CPU reports (/proc/cpuinfo's flags; none where that is missing)."""
+    return _cpu_flags()
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

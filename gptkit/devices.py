@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
 
@@ -127,5 +128,7 @@ def attention_backends(device: torch.device) -> contextlib.AbstractContextManage
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:  # PyTorch before 2.6 cannot order them
+        return contextlib.nullcontext()
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     return sdpa_kernel(order, set_priority=True)

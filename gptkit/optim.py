@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import functools
+import logging
 import math
-import time
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from gptkit import cpu_kernels
 from gptkit.adapters import adapters
 from gptkit.model import GPT
 from gptkit.train_config import OptimConfig
+
+logger = logging.getLogger(__name__)
 
 MUON, ADAMW = "muon", "adamw"  # the value of each parameter group's "optimizer" key
 
@@ -71,45 +73,37 @@ def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype, coefficients: 
     return x.T if tall else x
 
 
-@functools.cache
-def newton_schulz_dtype(device_type: str, rows: int, cols: int) -> str:
-    """bfloat16 on a GPU; on a CPU whichever of bfloat16 and float32 orthogonalises a rows x cols matrix faster here.
+def newton_schulz_dtype(device: torch.device) -> str:
+    """The dtype Muon's Newton-Schulz products run in on device: bfloat16 on a GPU, and on a CPU with bf16 hardware
+    (AVX512-BF16 or AMX); float32 on any other CPU.
 
-    PyTorch's Muon always iterates in bfloat16, which an AVX2-only CPU multiplies at about 1 GFLOP/s (see
-    gptkit.devices.PEAK_MATMUL_SECONDS); on an AMD EPYC with AVX512-BF16 a 384 x 128 orthogonalisation took 1.16 ms
-    in bf16 and 1.79 in fp32, a 128 x 128 one 0.63 and 0.56 (2 threads). Measured once a process at the largest
-    matrix's shape (every Muon of a run chooses alike); the choice is kept in the checkpoint's groups for a resume.
+    PyTorch's own Muon always iterates in bfloat16, which an AVX2-only CPU multiplies at about 1 GFLOP/s (see
+    gptkit.devices.PEAK_MATMUL_SECONDS). With AVX512-BF16 (an AMD EPYC, 2 threads) a 512 x 128 orthogonalisation
+    took 1.32 ms in bf16 and 1.88 in fp32, 384 x 128 1.16 and 1.79. A rule of the hardware rather than a timing, so
+    that every process of a run (every rank of a DDP or FSDP job) chooses alike.
     """
-    if device_type != "cpu":
+    if device.type != "cpu":
         return "bfloat16"
-    sample = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
-    seconds = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        orthogonalise(sample, 5, dtype)  # first-call set-up is not the rate
-        seconds[str(dtype).removeprefix("torch.")] = min(_seconds(orthogonalise, sample, 5, dtype) for _ in range(3))
-    return min(seconds, key=seconds.get)
+    return "bfloat16" if cpu_kernels.cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
-def _seconds(function: Any, *args: Any) -> float:
-    start = time.perf_counter()
-    function(*args)
-    return time.perf_counter() - start
-
-
-class Muon(torch.optim.Muon):
-    """torch.optim.Muon, step for step, with each group's Newton-Schulz products in its "ns_dtype" (PyTorch's own are
-    always bfloat16): newton_schulz_dtype's choice for the device, or bfloat16 as PyTorch's."""
+class Muon(torch.optim.Optimizer):
+    """Muon (Keller Jordan's; torch.optim.Muon's update, step for step) with each group's Newton-Schulz products in
+    its "ns_dtype" (newton_schulz_dtype's, kept in a checkpoint so a resume iterates alike); PyTorch's are always
+    bfloat16, and it ships Muon from 2.9 only."""
 
     def __init__(self, params: list[nn.Parameter], config: OptimConfig) -> None:
-        super().__init__(params, lr=config.muon_lr, weight_decay=config.muon_weight_decay,
-                         momentum=config.muon_momentum, ns_steps=config.muon_ns_steps,
-                         adjust_lr_fn=config.muon_lr_scale)  # fmt: skip
-        largest = max(params, key=lambda p: p.numel())
-        for group in self.param_groups:
-            group["ns_dtype"] = newton_schulz_dtype(largest.device.type, *largest.shape)
+        if any(p.dim() != 2 for p in params):
+            raise ValueError("Muon takes 2-D weight matrices only")
+        defaults = dict(lr=config.muon_lr, weight_decay=config.muon_weight_decay, momentum=config.muon_momentum,
+                        nesterov=True, ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7,
+                        ns_steps=config.muon_ns_steps, adjust_lr_fn=config.muon_lr_scale,
+                        ns_dtype=newton_schulz_dtype(params[0].device))  # fmt: skip
+        super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # noqa: D102 - torch.optim.Optimizer's
+    def step(self, closure: Any = None) -> None:
+        """One update of every matrix with a gradient: momentum, orthogonalisation, decay, the shape-scaled step."""
         if closure is not None:
             raise ValueError("Muon takes no closure")
         for group in self.param_groups:
@@ -137,12 +131,13 @@ class MuonAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, matrices: list[nn.Parameter], others: list[dict], config: OptimConfig) -> None:
-        # Either side may be empty (LoRA trains only block matrices): PyTorch refuses an optimiser of no parameters.
+        # Either side may be empty (LoRA's adapters are AdamW's alone): PyTorch refuses an optimiser of no parameters.
+        # AdamW keeps its empty groups, so that its groups are an AdamW run's and either resumes the other's.
         self.inner: list[torch.optim.Optimizer] = []
         if matrices:
             self.inner.append(self._mark(Muon(matrices, config), MUON))
         if any(group["params"] for group in others):
-            self.inner.append(self._mark(adamw([g for g in others if g["params"]], config)[0], ADAMW))
+            self.inner.append(self._mark(adamw(others, config)[0], ADAMW))
         super().__init__([group for inner in self.inner for group in inner.param_groups], {})  # the same dicts
         self._share()
 
@@ -156,17 +151,19 @@ class MuonAdamW(torch.optim.Optimizer):
         """Point the inner optimisers at this one's groups and state (again after load_state_dict replaced them)."""
         for inner in self.inner:
             kind = inner.param_groups[0]["optimizer"]
-            inner.param_groups = [g for g in self.param_groups if g["optimizer"] == kind]
+            inner.param_groups = [g for g in self.param_groups if g.get("optimizer", ADAMW) == kind]  # (AdamW's own)
             inner.state = self.state
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # noqa: D102 - torch.optim.Optimizer's
+    def step(self, closure: Any = None) -> None:
+        """Step Muon, then AdamW, each over its own groups."""
         if closure is not None:
             raise ValueError("MuonAdamW takes no closure")
         for inner in self.inner:
             inner.step()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102 - torch.optim.Optimizer's
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch.optim.Optimizer's, then the inner optimisers pointed at the loaded groups and state."""
         super().load_state_dict(state_dict)
         self._share()
 
@@ -176,6 +173,9 @@ def make_optimizer(model: nn.Module, config: OptimConfig) -> tuple[torch.optim.O
     if config.name == ADAMW:
         return adamw(param_groups(model, config.weight_decay), config)
     matrices = block_matrices(model)
+    if not matrices:
+        logger.warning("optim.name muon: nothing here trains under Muon (LoRA's adapters and heads are AdamW's), so "
+                       "this run is AdamW's alone")  # fmt: skip
     others = param_groups(model, config.weight_decay, exclude=set(matrices))
     return MuonAdamW(matrices, others, config), False  # Muon has no found_inf input: a skip costs a host sync
 

@@ -228,6 +228,8 @@ def head_contributions(model: GPT, ids: Sequence[int] | Tensor, position: int = 
     trace = Trace()
     logits = eval_forward(model, ids[None], trace)[0]  # (T, V)
     token = int(logits[position].argmax()) if token is None else token
+    if not 0 <= token < config.vocab_size:
+        raise InputError(f"token {token} is outside the vocabulary [0, {config.vocab_size})")
     final = trace.hidden_states[config.n_layer][0, position].float()  # the residual stream the final norm reads
     centred = isinstance(model.norm_f, torch.nn.LayerNorm)
     scale = (final - final.mean()).pow(2).mean() if centred else final.pow(2).mean()
