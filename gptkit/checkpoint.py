@@ -323,10 +323,10 @@ def load_optimizer_state(
     names: dict[torch.nn.Parameter, str],
 ) -> None:
     """Put optimizer_state()'s output back into an optimiser built over the same named parameters."""
-    kinds = [{g.get("optimizer", "adamw") for g in groups} for groups in (structure["param_groups"],
-                                                                        optimizer.param_groups)]  # fmt: skip
-    if "muon" in kinds[0] ^ kinds[1]:  # (optim.name muon keeps an "optimizer" key in each group)
-        saved, this = ("muon" if "muon" in kind else "adamw" for kind in kinds)
+    # optim.name muon marks each group with the optimiser that steps it; AdamW's groups may carry no mark.
+    saved, this = ("muon" if any(g.get("optimizer") == "muon" for g in groups) else "adamw"
+                   for groups in (structure["param_groups"], optimizer.param_groups))  # fmt: skip
+    if saved != this:
         raise CheckpointError(f"the checkpoint was trained with optim.name {saved}, this run has {this}; resume "
                               f"with --optim.name {saved}")  # fmt: skip
     index = {}

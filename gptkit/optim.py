@@ -17,6 +17,7 @@ from gptkit.train_config import OptimConfig
 logger = logging.getLogger(__name__)
 
 MUON, ADAMW = "muon", "adamw"  # the value of each parameter group's "optimizer" key
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
 
 
 def param_groups(model: nn.Module, weight_decay: float, exclude: set[nn.Parameter] = frozenset()) -> list[dict]:
@@ -57,8 +58,8 @@ def adamw(groups: list[dict], config: OptimConfig) -> tuple[torch.optim.AdamW, b
         return torch.optim.AdamW(groups, lr=config.lr, betas=betas, foreach=True), False
 
 
-def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype, coefficients: tuple[float, float, float] = (
-        3.4445, -4.7750, 2.0315), eps: float = 1e-7) -> Tensor:  # fmt: skip
+def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype,
+                  coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = 1e-7) -> Tensor:
     """Newton-Schulz's quintic iteration X <- aX + (bA + cA^2) X, A = X X^T, from X = update / ||update||_F, in dtype:
     about U V^T of update = U S V^T (Keller Jordan's coefficients; torch.optim.Muon's products, in any dtype)."""
     a, b, c = coefficients
@@ -96,7 +97,7 @@ class Muon(torch.optim.Optimizer):
         if any(p.dim() != 2 for p in params):
             raise ValueError("Muon takes 2-D weight matrices only")
         defaults = dict(lr=config.muon_lr, weight_decay=config.muon_weight_decay, momentum=config.muon_momentum,
-                        nesterov=True, ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7,
+                        nesterov=True, ns_coefficients=NS_COEFFICIENTS, eps=1e-7,
                         ns_steps=config.muon_ns_steps, adjust_lr_fn=config.muon_lr_scale,
                         ns_dtype=newton_schulz_dtype(params[0].device))  # fmt: skip
         super().__init__(params, defaults)

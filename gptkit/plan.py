@@ -19,14 +19,17 @@ tests/test_plan.py checks these counts against the tensors autograd saves and a 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gptkit.accounting import (
     DTYPE_BYTES,
+    attention_params,
     kv_cache_bytes,
     matmul_params,
+    mlp_params,
     param_breakdown,
     training_flops_per_token,
 )
@@ -207,10 +210,8 @@ def head_activation_bytes(config: ModelConfig, dtype: str = "float32") -> int:
 
 def block_matrix_params(config: ModelConfig) -> int:
     """Parameters in the blocks' weight matrices (what optim.name muon gives Muon; biases and norms excluded)."""
-    qkv = config.n_embd * (config.n_head + 2 * config.n_kv_head) * config.head_dim
-    fc_width = 2 * config.ffn_hidden if config.activation == "swiglu" else config.ffn_hidden
-    per_layer = qkv + config.n_head * config.head_dim * config.n_embd + config.n_embd * fc_width
-    return config.n_layer * (per_layer + config.ffn_hidden * config.n_embd)
+    unbiased = dataclasses.replace(config, attn_bias=False, mlp_bias=False)
+    return config.n_layer * (attention_params(unbiased) + mlp_params(unbiased))
 
 
 def training_memory(config: ModelConfig, batch_size: int, block_size: int, dtype: str = "float32",

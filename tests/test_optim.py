@@ -200,3 +200,11 @@ def test_wsd_schedule_holds_then_cools_down_linearly():
 def test_muon_settings_out_of_range_name_the_setting(field, value):
     with pytest.raises(ConfigError, match=f"optim.{field}"):
         OptimConfig(name="muon", **{field: value}).validate()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_the_plans_muon_state_counts_the_matrices_muon_takes(preset):
+    from gptkit.plan import block_matrix_params
+
+    config = ModelConfig.preset(preset)
+    assert block_matrix_params(config) == sum(p.numel() for p in block_matrices(GPT(config)))
