@@ -303,8 +303,6 @@ def test_response_format_on_both_endpoints_validates(server, endpoint):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}}},
      "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"tools": TOOLS}, "tool_choice"),  # tool_choice "auto" by default: refused, never guessed
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
@@ -336,7 +334,7 @@ def _arguments_valid(call) -> dict:
 def test_a_required_tool_call_round_trips_through_the_openai_client(client):
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
-                                           max_tokens=200, seed=3)  # fmt: skip
+                                           parallel_tool_calls=False, max_tokens=200, seed=3)  # fmt: skip
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
@@ -353,7 +351,7 @@ def test_a_required_tool_call_round_trips_through_the_openai_client(client):
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_streamed_tool_call_equals_the_whole_one(client, choice):
     request = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, tool_choice=choice,
-                   max_tokens=200, seed=4)  # fmt: skip
+                   parallel_tool_calls=False, max_tokens=200, seed=4)  # fmt: skip
     whole = client.chat.completions.create(**request).choices[0].message.tool_calls[0]
     events = list(client.chat.completions.create(**request, stream=True))
     deltas = [d for e in events if e.choices for d in (e.choices[0].delta.tool_calls or [])]
@@ -386,7 +384,8 @@ def test_a_tool_whose_parameters_have_defs_is_called_with_valid_arguments(client
     assert "$defs" in NESTED_TOOLS[0]["function"]["parameters"]
     for seed in range(3):
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
-                                               tools=NESTED_TOOLS, tool_choice=choice, max_tokens=300, seed=seed)
+                                               tools=NESTED_TOOLS, tool_choice=choice, max_tokens=300, seed=seed,
+                                               parallel_tool_calls=False)  # fmt: skip
         choice_ = reply.choices[0]
         assert choice_.finish_reason == "tool_calls", choice_
         [call] = choice_.message.tool_calls
@@ -399,7 +398,7 @@ def test_a_tool_whose_parameters_have_defs_is_called_with_valid_arguments(client
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_required_tool_call_cut_short_by_max_tokens_comes_back_as_a_call(client, stream):
     request = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS[:1],
-                   tool_choice="required", seed=4)  # fmt: skip
+                   tool_choice="required", parallel_tool_calls=False, seed=4)  # fmt: skip
     reply = client.chat.completions.create(**request, max_tokens=200)
     assert reply.choices[0].finish_reason == "tool_calls"
     cut = reply.usage.completion_tokens - 6  # a byte model: 6 bytes short of the end is inside the arguments

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -123,25 +123,58 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     return cached[1]
 
 
-class Grammar:
-    """A JSON schema compiled for one tokenizer and model vocabulary; start() gives a request its Constraint."""
+# How every grammar lays JSON out. Whitespace between JSON items only where the schema's own options ask for it: a
+# model free to write spaces and newlines may write nothing else until max_tokens runs out.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-    def __init__(self, tokenizer: Any, schema: str, vocab_size: int) -> None:
+
+def json_rule(schema: str | dict[str, Any]) -> str:
+    """The body of a Lark rule (llguidance's dialect) matching JSON valid against schema, laid out as JSON_LAYOUT."""
+    value = json.loads(schema_text(schema))
+    return "%json " + json.dumps({**value, "x-guidance": JSON_LAYOUT})
+
+
+def lark_literal(text: str) -> str:
+    """text as a Lark string literal."""
+    return json.dumps(text)
+
+
+class Grammar:
+    """A JSON schema (or a Lark grammar over JSON) compiled for one tokenizer and model vocabulary; start() gives a
+    request its Constraint.
+
+    lead: text allowed (not required) before the JSON, such as the space a chat template's replies begin with: a
+    model trained on that template writes it first, and forcing `{` in its place starts the reply off the model's
+    distribution."""
+
+    def __init__(self, tokenizer: Any, schema: str, vocab_size: int, lead: str = "") -> None:
+        schema = schema_text(schema)  # checked here too for callers that build a Grammar without SamplingParams
+        # Compiled without the lead first: a schema whose JSON no token can begin is refused here, not found at the
+        # first token past the lead.
+        self._compile(tokenizer, vocab_size,
+                      lambda ll: ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
+        if lead:
+            self._compile(tokenizer, vocab_size, lambda ll: ll.LLMatcher.grammar_from_lark(
+                f"start: {lark_literal(lead)}? value\nvalue: {json_rule(schema)}\n"))  # fmt: skip
+
+    @classmethod
+    def from_lark(cls, tokenizer: Any, lark: str, vocab_size: int) -> Grammar:
+        """A grammar written in llguidance's Lark dialect (json_rule gives its JSON parts)."""
+        grammar = cls.__new__(cls)
+        grammar._compile(tokenizer, vocab_size, lambda ll: ll.LLMatcher.grammar_from_lark(lark))
+        return grammar
+
+    def _compile(self, tokenizer: Any, vocab_size: int, build: Callable[[Any], str]) -> None:
         try:
             import llguidance
         except ImportError:
             raise ConfigError("structured outputs need llguidance: pip install llguidance") from None
         if tokenizer.vocab_size > vocab_size:
             raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids, more than the model's {vocab_size}")
-        schema = schema_text(schema)  # checked here too for callers that build a Grammar without SamplingParams
         self.vocab_size = vocab_size
         self.tokenizer = _ll_tokenizer(tokenizer, vocab_size)
         try:
-            # Whitespace between JSON items only where the schema's own options ask for it: a model free to
-            # write spaces and newlines may write nothing else until max_tokens runs out.
-            self.grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-            )
+            self.grammar = build(llguidance)
         except ValueError as err:
             raise SchemaError(f"cannot compile the JSON schema: {err}") from None
         if not self.start().can_continue:  # a schema the library cannot compile fails in start(), before any request

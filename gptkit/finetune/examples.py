@@ -23,7 +23,7 @@ two prompt/completion examples, chosen and rejected, trained on their completion
 a prompt is (no end-of-text id: the class is read at its last token), every token trained for the auxiliary
 language-modelling loss. A prompt row is not trained on: it is what reinforcement learning samples completions
 of, its string encoded as a completions request encodes one, its conversation rendered with the generation prompt
-and encoded as a chat request is (gptkit.serving.api), so the policy sees what the served model will.
+and encoded as a chat request is (gptkit.serving.chat), so the policy sees what the served model will.
 """
 
 from __future__ import annotations

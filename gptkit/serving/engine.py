@@ -11,9 +11,10 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -22,6 +23,9 @@ from gptkit.decoding.prefix_cache import PrefixCache
 from gptkit.decoding.request import Request, TokenLogprob
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
+
+if TYPE_CHECKING:
+    from gptkit.serving.metrics import Metrics
 
 log = logging.getLogger("gptkit.serve")
 CONTEXT_BLOCKS = 4  # default longest request, in block_size units (a learned-position window slides past one)
@@ -86,6 +90,9 @@ class Engine:
         self.running = False
         self.thread: threading.Thread | None = None
         self.cancelled = 0  # requests dropped because their client went away
+        self.metrics: Metrics | None = None  # where latencies and token counts go (the server's /metrics)
+        self.queued_at: dict[Request, float] = {}  # time.monotonic() when each request was submitted
+        self.first_token_at: dict[Request, float] = {}
 
     @property
     def active(self) -> list[Request]:
@@ -152,8 +159,10 @@ class Engine:
             free_rows = self.max_batch_size - len(self.active)
             if len(self.waiting) + len(requests) > self.max_queue + max(free_rows, 0):
                 raise QueueFull(f"the server is busy ({len(self.waiting)} requests queued); retry shortly")
+            now = time.monotonic()
             for request, emit in requests:
                 self.emits[request] = emit
+                self.queued_at[request] = now
                 self.waiting.append(request)
                 if not stream:
                     self.at_end.add(request)
@@ -255,7 +264,10 @@ class Engine:
     def _send(self, requests: list[Request]) -> None:
         """Emit each request's new text and log-probabilities (once per request; finished ones for the last time)."""
         for request in dict.fromkeys(requests):
-            if request not in self.emits or (request in self.at_end and not request.done):
+            if request not in self.emits:
+                continue
+            self._time(request)
+            if request in self.at_end and not request.done:
                 continue
             delta = request.take()
             if delta.text or delta.tokens or delta.finish_reason:
@@ -264,6 +276,18 @@ class Engine:
                 self.emits[request](Chunk(delta.text, tokens, reason, len(request.prompt), _count(request)))
             if request.done:
                 self._forget(request)
+
+    def _time(self, request: Request) -> None:
+        """Record a request's first-token and end times for the metrics."""
+        if self.metrics is None or request not in self.queued_at:
+            return
+        now = time.monotonic()
+        if request.generated and request not in self.first_token_at:
+            self.first_token_at[request] = now
+            self.metrics.first_token(now - self.queued_at[request])
+        if request.done:
+            first = self.first_token_at.get(request, now)
+            self.metrics.sequence_done(len(request.prompt), _count(request), now - self.queued_at[request], now - first)
 
     def _end(self, request: Request, reason: str) -> None:
         """Tell a request's caller that it ended without finishing ("cancelled" or "error")."""
@@ -274,6 +298,8 @@ class Engine:
     def _forget(self, request: Request) -> Emit | None:
         """Drop what the engine keeps for a request's caller; returns where its chunks went."""
         self.at_end.discard(request)
+        self.queued_at.pop(request, None)
+        self.first_token_at.pop(request, None)
         return self.emits.pop(request, None)
 
     def _token_info(self, token: TokenLogprob) -> TokenInfo:

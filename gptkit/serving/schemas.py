@@ -16,8 +16,7 @@ NullableFlag = Annotated[bool, BeforeValidator(lambda value: False if value is N
 
 
 # Fields of OpenAI's API that never change the output: accepted and ignored.
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                            "safety_identifier"})  # fmt: skip
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 # Fields of OpenAI's API that gptkit does not implement, accepted only when null or at a value that means "unused".
 UNUSED_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": ([],), "function_call": ("none",), "suffix": ("",), "modalities": (["text"],), "prediction": (),
@@ -57,7 +56,7 @@ class _Sampling(_Request):
 
     model: str
     max_tokens: int | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range (the CLI allows more)
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -90,12 +89,57 @@ def refused_field(body: _Sampling) -> tuple[str, str] | None:
     return None
 
 
+def _texts_or_ids(field: str) -> BeforeValidator:
+    """A validator for a field holding text or token ids in one of OpenAI's four forms; anything else is refused
+    naming the first element that is wrong (pydantic's own message names a union alternative instead)."""
+    forms = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"{field} is {_json_type(value)}; it must be {forms}")
+        for i, item in enumerate(value):
+            if isinstance(item, list):
+                bad = next((j for j, t in enumerate(item) if not _is_int(t)), None)
+                if bad is not None:
+                    raise ValueError(f"{field}[{i}][{bad}] is {_json_type(item[bad])}; token ids are integers")
+            elif not (isinstance(item, str) or _is_int(item)):
+                raise ValueError(f"{field}[{i}] is {_json_type(item)}; {field} must be {forms}")
+        kinds = {type(item).__name__ for item in value}
+        if len(kinds) > 1:
+            raise ValueError(f"{field} mixes {' and '.join(sorted(kinds))}; it must be {forms}")
+        return value
+
+    return BeforeValidator(check)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_type(value: Any) -> str:
+    names = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "an object"}  # fmt: skip
+    return names.get(type(value), type(value).__name__)
+
+
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], _texts_or_ids("prompt")]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: NullableFlag = False
+
+
+class EmbeddingRequest(_Request):
+    """POST /v1/embeddings."""
+
+    model: str
+    input: Annotated[str | list[str] | list[int] | list[list[int]], _texts_or_ids("input")]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
 
 
 class TextPart(_Request):
@@ -114,9 +158,20 @@ class ToolCall(_Request):
     function: FunctionCall
 
 
+def _text_parts_only(value: Any) -> Any:
+    """Content parts other than text (images, audio, files) refused by name: gptkit serves text models."""
+    if isinstance(value, list):
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content[{i}] is a {kind!r} part: gptkit serves text-only models, so only text parts "
+                                 "are supported")  # fmt: skip
+    return value
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -166,9 +221,48 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # OpenAI's default: several calls may come (one per line)
     max_completion_tokens: int | None = None
     logprobs: NullableFlag = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses (stateless: the client sends the whole conversation in `input`). Items of `input`, tools
+    and text.format are read by gptkit.serving.responses, which names the item that is wrong."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stream: NullableFlag = False
+    previous_response_id: str | None = None
+    # What the decoding settings of the other endpoints have and this one does not.
+    n: None = None
+    stop: None = None
+    logit_bias: None = None
+    response_format: None = None
+
+
+# Fields of the Responses API that never change the output here: accepted and ignored. `store` (whose default is
+# true) asks OpenAI to keep the response for previous_response_id; this server keeps nothing and says so in the
+# answer (store: false). `reasoning` configures models that think before answering; gptkit's do not.
+RESPONSES_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                               "include", "reasoning", "stream_options"})  # fmt: skip
+RESPONSES_UNUSED: dict[str, tuple[Any, ...]] = {"background": (False,), "truncation": ("disabled",),
+                                                "max_tool_calls": (), "prompt": (), "conversation": ()}  # fmt: skip
 
 
 class AttentionRequest(_Request):

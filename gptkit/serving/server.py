@@ -20,7 +20,10 @@ from gptkit.decoding.prefix_cache import PrefixCache, available_memory, parse_si
 from gptkit.devices import pick_device
 from gptkit.errors import GptkitError
 from gptkit.kv_cache import kv_dtype_of
-from gptkit.serving.api import ServerState, create_app, is_loopback
+from gptkit.serving.app import create_app
+from gptkit.serving.middleware import is_loopback
+from gptkit.serving.state import ServerState
+from gptkit.serving.embeddings import POOLINGS
 from gptkit.serving.engine import Engine
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -72,6 +75,9 @@ class ServeOptions:
     cache_disk: int = field(default=DEFAULT_CACHE_DISK, metadata={
         "help": "most bytes --cache-dir may hold (least recently used blocks are removed first)", "parse": parse_size,
         "metavar": "BYTES"})  # fmt: skip
+    pooling: str = field(default="mean", metadata={
+        "help": "how /v1/embeddings makes one vector of a text's final hidden states: mean (every token) or last "
+                "(the last token's)", "choices": ("mean", "last")})  # fmt: skip
     max_context: int | None = field(default=None, metadata={
         "help": "most tokens (prompt + completion) one request may reach (default: 4 x the model's block_size; "
                 "models with learned positions slide a window of block_size past it, others continue, as "
@@ -92,6 +98,8 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
 
     if options.max_body_bytes < 1:
         raise GptkitError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
+    if options.pooling not in POOLINGS:
+        raise GptkitError(f"--pooling must be one of {', '.join(POOLINGS)}, got {options.pooling!r}")
     if options.dtype not in DTYPES:
         raise GptkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
     if options.quantize is not None and options.quantize not in METHODS:
@@ -121,6 +129,7 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
         api_key=options.api_key,
         max_body_bytes=options.max_body_bytes,
         allowed_hosts=options.allowed_host if is_loopback(options.host) else None,
+        pooling=options.pooling,
     )
     app = create_app(state)
 

@@ -1,10 +1,17 @@
-"""Tool calls over the chat API: what a request's tool_choice asks for, and the reply turned into tool_calls.
+"""Tool calls over the chat API: the reply shapes a request's tools and tool_choice ask for, each a small object
+that knows its grammar, how to stream itself and how to read the finished reply.
 
-gptkit does not guess a model's own tool-call format. A call is made by constraining the reply to JSON: with a
-named function (tool_choice {"type": "function", ...}) the reply is that function's arguments, valid against its
-parameters schema; with tool_choice "required" it is {"name": <one of the tools>, "arguments": {...}}, the form
-gptkit's default chat template shows past calls in. "none" leaves the reply free text (the tools are still
-rendered into the prompt); "auto", which would need the model's own format, is refused.
+A call is written in the form gptkit's default chat template shows past calls in, `{"name": ..., "arguments":
+{...}}`, several calls on lines of their own, after whatever whitespace the template's replies begin with (its
+"lead": the default template's replies begin with a space). The grammar holds the reply to that form:
+
+- "required": one or more calls to any of the tools;
+- a named function: one call to it;
+- "auto" (OpenAI's default when tools are given): either calls or plain text. The model decides by its first
+  token: a model trained to call tools in this form calls them where it learnt to, one that was not answers in
+  text. (gptkit does not guess another model's own tool-call syntax: a model with its own template is held to
+  this form too.)
+- "none": free text (the tools are still rendered into the prompt).
 """
 
 from __future__ import annotations
@@ -12,13 +19,17 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from gptkit.decoding.grammar import Grammar, json_rule, lark_literal
 from gptkit.errors import InputError
-from gptkit.serving.schemas import ChatMessage, ChatRequest
+from gptkit.serving.schemas import ChatMessage, Tool
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}  # a function declared without parameters
+CALL_SEPARATOR = "\n"  # between parallel calls, as the default template writes an assistant turn's calls
+# The start of a call as the constraint writes it: the name (complete), then the arguments' key.
+_CALL_HEAD = re.compile(r'\s*\{"name": ("(?:[^"\\]|\\.)*")(, "arguments": )?')
 
 
 class ToolChoiceError(InputError):
@@ -29,53 +40,130 @@ class ToolChoiceError(InputError):
         self.param = param
 
 
-@dataclass(frozen=True)
-class ToolPlan:
-    """A reply constrained to one tool call: the JSON schema it follows, and the function when tool_choice named
-    one (then the whole reply is that function's arguments)."""
-
-    schema: str
-    name: str | None = None
-
-    def call(self, text: str) -> dict[str, Any] | None:
-        """The reply as an OpenAI tool call, or None when it is not a complete call (cut short)."""
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        if self.name is not None:
-            name, arguments = self.name, text
-        elif isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value:
-            name, arguments = value["name"], json.dumps(value["arguments"], ensure_ascii=False)
-        else:
-            return None
-        return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-    def cut_short(self, text: str) -> dict[str, Any]:
-        """A call whose reply was cut short (max_tokens): its name as far as known and its arguments' text as far
-        as written, as OpenAI returns a call that ran out of tokens (with finish_reason "length")."""
-        if self.name is not None:
-            name, arguments = self.name, text
-        else:  # the reply so far: {"name": "<name>", "arguments": <partial JSON>
-            head = _CALL_HEAD.match(text)
-            name = json.loads(head.group(1)) if head else ""
-            arguments = text[head.end():] if head and head.group(2) else ""
-        return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-# The start of a required call as the constraint writes it: the name (complete), then the arguments' key.
-_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(\s*,\s*"arguments"\s*:\s*)?')
-
-
 def new_call_id() -> str:
     """An id for a tool call, in OpenAI's form."""
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_plan(body: ChatRequest) -> ToolPlan | None:
-    """What the request's tools and tool_choice ask of the reply: a constrained call, or None for free text."""
-    choice, tools = body.tool_choice, body.tools or []
+@dataclass
+class ParsedCall:
+    """One call read from a reply: its name once whole, its arguments' text as far as written."""
+
+    name: str | None
+    arguments: str | None
+    complete: bool
+
+
+def parse_calls(text: str) -> list[ParsedCall] | None:
+    """The calls a reply holds so far: None when it is plain text (it does not begin with `{` past whitespace),
+    [] while nothing but whitespace has come."""
+    pos = len(text) - len(text.lstrip())
+    if pos == len(text):
+        return []
+    if text[pos] != "{":
+        return None
+    calls, decoder = [], json.JSONDecoder()
+    while pos < len(text):
+        head = _CALL_HEAD.match(text, pos)
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:  # the last call, still being written
+            name = json.loads(head.group(1)) if head else None
+            calls.append(ParsedCall(name, text[head.end():] if head and head.group(2) else None, False))
+            return calls
+        if not (head and head.group(2) and isinstance(value, dict) and isinstance(value.get("name"), str)):
+            return None  # JSON, but not a call (a model free to write text wrote an object)
+        calls.append(ParsedCall(value["name"], text[head.end(): end - 1], True))  # the arguments as written
+        pos = end + len(text[end:]) - len(text[end:].lstrip(CALL_SEPARATOR))
+    return calls
+
+
+@dataclass
+class ToolCalls:
+    """A reply held to tool calls (tool_choice "required", or one named function when `names` has one name), or
+    to calls or text ("auto"). Each streamed reply gets its own Stream."""
+
+    tools: dict[str, dict[str, Any]]  # name -> parameters schema, of the functions the reply may call
+    parallel: bool = True  # several calls, one per line
+    text_allowed: bool = False  # "auto": plain text instead of calls
+
+    def grammar(self, tokenizer: Any, vocab_size: int, lead: str) -> Grammar:
+        """The reply's grammar in llguidance's Lark dialect, lead allowed first."""
+        defs = {f"tool{i}": _rebased(schema, f"#/$defs/tool{i}") for i, schema in enumerate(self.tools.values())}
+        one = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
+                "required": ["name", "arguments"], "additionalProperties": False}
+               for i, name in enumerate(self.tools)]  # fmt: skip
+        schema = {**(one[0] if len(one) == 1 else {"anyOf": one}), "$defs": defs}
+        calls = f"call ({lark_literal(CALL_SEPARATOR)} call)*" if self.parallel else "call"
+        lines = [f"calls: {lark_literal(lead)}? {calls}" if lead else f"calls: {calls}", f"call: {json_rule(schema)}"]
+        if self.text_allowed:
+            # Text is anything whose first character past the lead is not the `{` that begins a call.
+            skip = re.escape(lead) if lead else ""
+            first = f"[^{{{skip}]" if lead else "[^{]"
+            lines += ["start: calls | text", "text: TEXT", f"TEXT: /{('[' + skip + ']*') if lead else ''}({first}[\\s\\S]*)?/"]
+        else:
+            lines.append("start: calls")
+        return Grammar.from_lark(tokenizer, "\n".join(lines) + "\n", vocab_size)
+
+    def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A finished reply as OpenAI's message and finish reason: calls ("tool_calls" when whole, "length" when cut
+        short, with the arguments as far as written), or text."""
+        calls = parse_calls(text)
+        if not calls and (self.text_allowed or calls is None):
+            return {"role": "assistant", "content": text}, reason
+        calls = calls or [ParsedCall("", "", False)]
+        whole = reason == "stop" and all(call.complete for call in calls)
+        tool_calls = [_call(new_call_id(), call) for call in calls]
+        return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls" if whole else "length"
+
+    def stream(self) -> CallStream:
+        """A reader that turns this reply's text, as it comes, into OpenAI's chat deltas."""
+        return CallStream(self)
+
+
+@dataclass
+class CallStream:
+    """Turns one streamed reply into deltas: a call's id and name once its name is whole, then its arguments as
+    they are written; plain text ("auto") as content."""
+
+    shape: ToolCalls
+    text: str = ""
+    ids: list[str] = field(default_factory=list)  # the announced calls' ids
+    sent: list[int] = field(default_factory=list)  # characters of each call's arguments sent
+    content_sent: int = 0
+
+    def delta(self, piece: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The delta for the next piece of the reply, and the finish reason when reason (the engine's) ends it."""
+        self.text += piece
+        calls = parse_calls(self.text)
+        if calls is None or (reason is not None and not calls and self.shape.text_allowed):
+            new, self.content_sent = self.text[self.content_sent:], len(self.text)
+            return ({"content": new} if new else {}), reason
+        entries = []
+        for index, call in enumerate(calls):
+            if index == len(self.ids) and call.name is not None:
+                self.ids.append(new_call_id())
+                self.sent.append(0)
+                entries.append({"index": index, "id": self.ids[index], "type": "function",
+                                "function": {"name": call.name, "arguments": ""}})  # fmt: skip
+            if index < len(self.ids) and call.arguments is not None and len(call.arguments) > self.sent[index]:
+                entries.append({"index": index, "function": {"arguments": call.arguments[self.sent[index]:]}})
+                self.sent[index] = len(call.arguments)
+        if reason is not None:
+            _, reason = self.shape.message(self.text, reason)
+            if not self.ids:  # cut short before a name was whole: the call as far as known
+                entries.append({"index": 0, **_call(new_call_id(), ParsedCall("", "", False))})
+        return ({"tool_calls": entries} if entries else {}), reason
+
+
+def _call(call_id: str, call: ParsedCall) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": call.name or "", "arguments": call.arguments or ""}}
+
+
+def tool_shape(tools: list[Tool] | None, choice: Any, parallel: bool | None,
+               response_format_given: bool) -> ToolCalls | None:  # fmt: skip
+    """The reply shape that tools and tool_choice ask for (None: free text)."""
+    tools = tools or []
     if not tools:
         if choice not in (None, "none"):
             raise ToolChoiceError("tool_choice needs tools: offer the functions in `tools`", "tool_choice")
@@ -85,28 +173,20 @@ def tool_plan(body: ChatRequest) -> ToolPlan | None:
         raise ToolChoiceError("each function in tools needs a name of its own", "tools")
     if choice == "none":
         return None
-    if choice in (None, "auto"):
-        raise ToolChoiceError(
-            "tool_choice 'auto' (the default when tools are given) would need this model's own tool-call format, "
-            "which gptkit does not guess; send tool_choice 'required' or {'type': 'function', 'function': "
-            "{'name': ...}} to get a call, or 'none' to get text", "tool_choice")  # fmt: skip
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ToolChoiceError("a required tool call already fixes the reply's form; drop response_format",
-                              "response_format")  # fmt: skip
+    if response_format_given:
+        raise ToolChoiceError("tools with tool_choice other than 'none' fix the reply's form; drop response_format, "
+                              "or send tool_choice 'none'", "response_format")  # fmt: skip
     parameters = {tool.function.name: tool.function.parameters or NO_ARGUMENTS for tool in tools}
+    parallel = parallel is not False  # OpenAI's default: true
+    if choice in (None, "auto"):
+        return ToolCalls(parameters, parallel, text_allowed=True)
     if choice == "required":
-        # Each function's parameters go under $defs of the one schema, and the references inside them ("#/$defs/X",
-        # as pydantic writes nested models) are moved along, so that they still point where they pointed.
-        defs = {f"tool{i}": _rebased(schema, f"#/$defs/tool{i}") for i, schema in enumerate(parameters.values())}
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for i, name in enumerate(parameters)]  # fmt: skip
-        return ToolPlan(json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "$defs": defs}))
+        return ToolCalls(parameters, parallel)
     name = choice.function.name
     if name not in parameters:
         raise ToolChoiceError(f"tool_choice names function {name!r}, which is not among the tools "
                               f"({', '.join(names)})", "tool_choice")  # fmt: skip
-    return ToolPlan(json.dumps(parameters[name]), name)
+    return ToolCalls({name: parameters[name]}, parallel=False)
 
 
 def _rebased(schema: Any, base: str) -> Any:
@@ -130,9 +210,9 @@ def _rebased(schema: Any, base: str) -> Any:
     return out
 
 
-def template_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     """The request's tools as a chat template's `tools` variable takes them (OpenAI's form)."""
-    return [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
 
 
 def template_message(message: ChatMessage, index: int) -> dict[str, Any]:

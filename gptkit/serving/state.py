@@ -1,0 +1,74 @@
+"""What every route shares: the server's state (engine, tokenizer, template, limits) and the API's error."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any
+
+from gptkit.chat import ChatTemplate
+from gptkit.serving.engine import Engine
+from gptkit.serving.metrics import Metrics
+from gptkit.serving.templates import TemplateWorkers
+
+RENDER_SECONDS = 5.0  # a chat template rendering longer is stopped (templates come with downloaded models)
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI error object and the given HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need: the engine, the tokenizer, the served name and the limits."""
+
+    engine: Engine
+    tokenizer: Any
+    model_name: str
+    chat_template: ChatTemplate
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    allowed_hosts: tuple[str, ...] | None = None  # Host names served besides loopback ones (None: any name)
+    templates: TemplateWorkers | None = None  # where a model's own (Jinja) template renders; set from chat_template
+    induction: concurrent.futures.Future | None = None  # the induction test, run once on the first request for it
+    metrics: Metrics = field(default_factory=Metrics)
+    pooling: str = "mean"  # how /v1/embeddings pools hidden states: mean or last
+    reply_lead: str | None = None  # what the template's replies begin with (" " for the default); found on first use
+
+    def __post_init__(self) -> None:
+        if self.chat_template.source is not None and self.templates is None:
+            self.templates = TemplateWorkers(self.chat_template, RENDER_SECONDS)
+        self.engine.metrics = self.metrics
+
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt and completion) one request may hold."""
+        return self.engine.max_context
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The messages as the model's template writes them, ending where the reply begins (a model's own template
+        in a process that can be stopped; gptkit's default, which always ends, here)."""
+        limit = 4 * self.max_body_bytes
+        if self.templates is not None:
+            return self.templates.render(messages, tools, max_chars=limit)
+        return self.chat_template.render(messages, max_chars=limit, tools=tools)
+
+
+def check_model(state: ServerState, name: str) -> None:
+    """A 404 unless name is the served model's."""
+    if name != state.model_name:
+        raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")  # fmt: skip
+
+
+def model_card(state: ServerState) -> dict[str, Any]:
+    """The model as /v1/models lists it: context_length is the window a client must size its prompts to (what
+    echo with logprobs can score); max_context the most tokens one request may reach, prompt and completion."""
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "gptkit",
+            "context_length": state.engine.scoring_context, "max_context": state.context_length}  # fmt: skip
