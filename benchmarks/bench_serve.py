@@ -17,6 +17,11 @@ writes as GGUF), both at their best settings for this machine and again at their
 benchmarks/serve_workloads.py:
 
     .venv/bin/python benchmarks/bench_serve.py --llama-server LLAMA_CPP/build/bin
+
+--adapters N: 8 clients over N LoRA adapters of one base, served together, against 8 clients on one merged model
+(benchmarks/serve_lora.py):
+
+    .venv/bin/python benchmarks/bench_serve.py --adapters 4 --rounds 3
 """
 
 from __future__ import annotations
@@ -122,14 +127,16 @@ def adversarial(url: str, model: str, max_tokens: int, half_open: int = 300, pro
     return {"alone_s": alone, "loaded_s": loaded, "ratio": loaded / alone, "half_open": half_open}
 
 
-def run_clients(url: str, model: str, clients: int, requests: int, max_tokens: int) -> tuple[float, int, int]:
-    """clients threads x requests sequential completions each; returns (seconds, requests, tokens)."""
+def run_clients(url: str, model: str | list[str], clients: int, requests: int,
+                max_tokens: int) -> tuple[float, int, int]:  # fmt: skip
+    """clients threads x requests sequential completions each (client i asks for model[i] when model is a list);
+    returns (seconds, requests, tokens)."""
 
     def client(index: int) -> int:
         tokens = 0
         with httpx.Client(base_url=url, timeout=300) as http:
             for j in range(requests):
-                body = {"model": model, "prompt": f"Request {index}.{j}: once upon a time", "max_tokens": max_tokens,
+                body = {"model": model[index] if isinstance(model, list) else model, "prompt": f"Request {index}.{j}: once upon a time", "max_tokens": max_tokens,
                         "temperature": 1.0, "seed": index * 1000 + j}  # fmt: skip
                 response = http.post("/v1/completions", json=body)
                 response.raise_for_status()
@@ -158,7 +165,9 @@ def main() -> None:
                         help="latency alone vs under 300 half-open connections and a looping chat template")  # fmt: skip
     parser.add_argument("--llama-server", type=Path, default=None, metavar="DIR",
                         help="compare with llama.cpp's llama-server in DIR on the same weights (serve_workloads.py)")
-    parser.add_argument("--rounds", type=int, default=1, help="with --llama-server: interleaved rounds (best kept)")
+    parser.add_argument("--rounds", type=int, default=1, help="with --llama-server or --adapters: interleaved rounds")
+    parser.add_argument("--adapters", type=int, default=0, metavar="N",
+                        help="compare N LoRA adapters served together with one merged model (serve_lora.py)")
     parser.add_argument("--only", default=None, metavar="TEXT",
                         help="with --llama-server: only the workloads whose name contains TEXT (such as conversation)")
     parser.add_argument("--defaults", action=argparse.BooleanOptionalAction, default=True,
@@ -168,6 +177,11 @@ def main() -> None:
         from serve_workloads import compare_with_llama_server
 
         compare_with_llama_server(args)
+        return
+    if args.adapters:
+        from serve_lora import compare
+
+        compare(args, build_model_dir, start_server, run_clients)
         return
     show = (lambda *a, **k: None) if args.json else print  # noqa: E731
     rows = []

@@ -34,6 +34,7 @@ from gptkit.decoding.step import (
 )  # fmt: skip
 from gptkit.errors import InputError
 from gptkit.model import GPT
+from gptkit.multi_lora import rows_using
 
 
 class BatchEngine:
@@ -124,18 +125,23 @@ class BatchEngine:
             if outside:
                 raise InputError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {self.vocab_size})")
         seqs: list[list[int]] = []
+        keys: list[tuple[int, tuple[int, ...]]] = []  # (adapter, prompt): what one prefill serves
         sources: list[int] = []
         for request in requests:
             seq = request.prompt[-self.window :] if self.window else request.prompt
             if len(seq) > self.max_len:
                 self._grow(len(seq), "a prompt of")
-            if seq not in seqs:
+            key = (request.adapter, tuple(seq))
+            if key not in keys:
+                keys.append(key)
                 seqs.append(seq)
-            sources.append(seqs.index(seq))
+            sources.append(keys.index(key))
         first = len(self.rows)
         rows = {source: first + i for i, source in reversed(list(enumerate(sources)))}  # each seq's first row
+        owners = {source: requests[i] for i, source in reversed(list(enumerate(sources)))}
         with inference(self.model):
-            logits = torch.stack([self._prefill(rows[source], seq) for source, seq in enumerate(seqs)])
+            logits = torch.stack([self._prefill(rows[source], seq, owners[source])
+                                  for source, seq in enumerate(seqs)])  # fmt: skip
             for i, source in enumerate(sources):
                 if first + i != rows[source]:  # a prompt that runs once: its other rows copy the first
                     self.cache.move_row(first + i, rows[source], len(seqs[source]))
@@ -151,23 +157,30 @@ class BatchEngine:
         self._choose(list(requests), logits[torch.tensor(sources, device=self.device)])
         return self._retire()
 
-    def _prefill(self, row: int, seq: list[int]) -> Tensor:
+    def _prefill(self, row: int, seq: list[int], request: Request) -> Tensor:
         """Fill a row with seq's keys and values, cached blocks copied and the rest computed; logits (V,) at its end."""
-        namespace = self.namespace() if self.prefix_cache is not None else ""
+        namespace = self.namespace(request.adapter_name) if self.prefix_cache is not None else ""
         cached = self.prefix_cache.match(namespace, seq) if self.prefix_cache is not None else []
         for b, block in enumerate(cached):
             self.cache.write_span(row, b * PREFILL_CHUNK, block)
         start = len(cached) * PREFILL_CHUNK
-        logits = prefill_chunks(self.model, self.cache, row, seq, start)
+        with rows_using(self.model, [request.adapter]):
+            logits = prefill_chunks(self.model, self.cache, row, seq, start)
         if self.prefix_cache is not None:
             blocks = [self.cache.read_span(row, b * PREFILL_CHUNK, (b + 1) * PREFILL_CHUNK)
                       for b in range(len(cached), len(seq) // PREFILL_CHUNK)]  # fmt: skip
             self.prefix_cache.insert(namespace, seq, len(cached), blocks)
         return logits
 
-    def namespace(self) -> str:
-        """What names this engine's blocks in a prefix cache: its model, KV dtype and kernels now."""
-        return namespace_for(self.fingerprint, self.cache.kv_dtype, self.adapter)
+    def namespace(self, adapter: str = "") -> str:
+        """What names this engine's blocks in a prefix cache: its model (and a request's adapter), KV dtype and
+        kernels now."""
+        return namespace_for(self.fingerprint, self.cache.kv_dtype, self.adapter + adapter)
+
+    def model_changed(self) -> None:
+        """Choose the decode step again after the model's layers changed (an adapter served or removed): the fused
+        step covers plain layers only."""
+        self.fused = None if self.compile else fused.step_for(self.model)
 
     def cancel(self, request: Request) -> None:
         """Free a request's row (finished or not); a request not in the batch is ignored."""
@@ -214,12 +227,14 @@ class BatchEngine:
         positions = [r.position if i not in windowed else 0 for i, r in enumerate(self.rows)]
         tokens = [r.last_token for r in self.rows]
         with inference(self.model):
-            logits = self._decode(tokens, positions)
+            with rows_using(self.model, [r.adapter for r in self.rows]):
+                logits = self._decode(tokens, positions)
             if windowed:
                 # A full learned-position row: recompute its last `window` tokens at positions 0.. (after the
                 # batched step, which wrote a dummy token into this row).
                 for i in windowed:
-                    logits[i] = prefill_chunks(self.model, self.cache, i, self.rows[i].tokens[-self.max_len :])
+                    with rows_using(self.model, [self.rows[i].adapter]):
+                        logits[i] = prefill_chunks(self.model, self.cache, i, self.rows[i].tokens[-self.max_len :])
         for i, request in enumerate(self.rows):
             request.position = self.max_len if i in windowed else request.position + 1
         self.steps += 1

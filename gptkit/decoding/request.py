@@ -97,6 +97,8 @@ class Request:
     seed: int | None = None
     top_logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
     constraint: Constraint | None = None  # a grammar the output must follow (structured outputs)
+    adapter: int = 0  # which of the model's served LoRA adapters decodes it (gptkit.multi_lora; 0: the base)
+    adapter_name: str = ""  # what keeps its prefix-cache blocks apart from another adapter's
     generated: list[int] = field(default_factory=list)  # the new tokens (never the end-of-text token)
     finish_reason: FinishReason | None = None
     end_id: int | None = None  # the end-of-text id that ended it (None: it ended otherwise, or a grammar ended it)

@@ -21,7 +21,7 @@ from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.serving.engine import Chunk, QueueFull
 from gptkit.serving.schemas import _Sampling, refused_field
-from gptkit.serving.state import APIError, ServerState
+from gptkit.serving.state import APIError, ServerState, check_model
 from gptkit.serving.wrapper import DONE, sse
 
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
@@ -198,8 +198,10 @@ class Collector:
 
 
 def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams, top: int | None,
-           collector: Collector, grammar: Grammar | None = None) -> list[DecodeRequest]:  # fmt: skip
-    """One decode request per prompt and choice (choice i of n seeded seed + i), queued on the engine."""
+           collector: Collector, grammar: Grammar | None = None, model: str = "") -> list[DecodeRequest]:  # fmt: skip
+    """One decode request per prompt and choice (choice i of n seeded seed + i), queued on the engine; model: the
+    request's `model`, naming the base or one of its adapters."""
+    adapter = check_model(state, model or state.model_name)
     count, capacity = len(prompts) * params.num_samples, state.engine.max_batch_size + state.engine.max_queue
     if count > capacity:
         raise APIError(400, f"n x prompts = {count} sequences exceed the {capacity} this server can hold "
@@ -209,7 +211,8 @@ def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
         for i in range(params.num_samples):
             choice = dataclasses.replace(params, seed=row_seed(params.seed, i), num_samples=1)
             request = DecodeRequest(prompt, choice, state.tokenizer.eos_ids, state.tokenizer.decode, seed=choice.seed,
-                                    top_logprobs=top, constraint=grammar.start() if grammar else None)  # fmt: skip
+                                    top_logprobs=top, constraint=grammar.start() if grammar else None,
+                                    adapter=adapter, adapter_name=model if adapter else "")  # fmt: skip
             sequences.append((request, collector.sink(p * params.num_samples + i)))
     try:
         state.engine.submit(sequences, stream=collector.stream)

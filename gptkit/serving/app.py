@@ -17,8 +17,10 @@ from gptkit.errors import GptkitError
 from gptkit.serving import chat, completions, embeddings, playground, responses
 from gptkit.serving.metrics import RequestCounter
 from gptkit.serving.middleware import BearerAuth, BodyLimit, HostGuard
-from gptkit.serving.schemas import DetokenizeRequest, TokenizeRequest, error_body
-from gptkit.serving.state import APIError, ServerState, check_model, model_card
+from gptkit.serving.lora_registry import AdapterRegistry
+from gptkit.serving.schemas import (DetokenizeRequest, LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest,
+                                    error_body)
+from gptkit.serving.state import APIError, ServerState, check_model, model_cards
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -38,7 +40,51 @@ def create_app(state: ServerState) -> FastAPI:
     _register_tokenizer_routes(app, state)
     for family in (completions, chat, responses, embeddings, playground):
         family.register(app, state)
+    _register_adapter_routes(app, state)
     return app
+
+
+def _register_adapter_routes(app: FastAPI, state: ServerState) -> None:
+    # vLLM's routes and fields for adapters loaded at run time.
+    @app.post("/v1/load_lora_adapter")
+    async def load_adapter(body: LoadAdapterRequest) -> dict[str, Any]:
+        registry = _runtime_registry(state)
+        return await _on_engine(state, lambda: _load(state, registry, body.lora_name, body.lora_path))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_adapter(body: UnloadAdapterRequest) -> dict[str, Any]:
+        registry = _runtime_registry(state)
+        return await _on_engine(state, lambda: _unload(state, registry, body.lora_name))
+
+
+def _runtime_registry(state: ServerState) -> AdapterRegistry:
+    if not state.api_key or state.adapters is None:
+        raise APIError(403, "loading adapters at run time needs a server started with --api-key (anyone who can "
+                       "reach it could otherwise make it read any directory)", code="forbidden")  # fmt: skip
+    return state.adapters
+
+
+async def _on_engine(state: ServerState, work: Any) -> dict[str, Any]:
+    """work() on the engine thread (between two steps); a GptkitError is a 400."""
+    try:
+        return await asyncio.wrap_future(state.engine.call(work))
+    except GptkitError as err:
+        raise APIError(400, str(err), param="lora_name") from None
+
+
+def _load(state: ServerState, registry: AdapterRegistry, name: str, path: str) -> dict[str, Any]:
+    adapter = registry.add(state.engine.model, name, path)
+    state.engine.batch.model_changed()
+    return {"object": "lora_adapter", "id": name, "index": adapter.index, "root": adapter.path}
+
+
+def _unload(state: ServerState, registry: AdapterRegistry, name: str) -> dict[str, Any]:
+    adapter = registry.adapters.get(name)
+    if adapter is not None and state.engine.uses_adapter(adapter.index):
+        raise GptkitError(f"adapter {name!r} is decoding requests now; unload it once they have finished")
+    registry.remove(state.engine.model, name)
+    state.engine.batch.model_changed()
+    return {"object": "lora_adapter", "id": name, "deleted": True}
 
 
 def _register_small_routes(app: FastAPI, state: ServerState) -> None:
@@ -48,12 +94,12 @@ def _register_small_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(state)]}
+        return {"object": "list", "data": model_cards(state)}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         check_model(state, model_id)
-        return model_card(state)
+        return next(card for card in model_cards(state) if card["id"] == model_id)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

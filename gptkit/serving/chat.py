@@ -122,9 +122,9 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
     plan = await plan_chat(state, body, messages, body.tools, body.tool_choice, body.parallel_tool_calls,
                            response_schema(body), getattr(body, use_max), use_max)  # fmt: skip
     top = (body.top_logprobs or 0) if body.logprobs else None
-    envelope = Envelope("chat.completion", state.model_name, "chatcmpl")
+    envelope = Envelope("chat.completion", body.model, "chatcmpl")
     collector = Collector(stream=bool(body.stream))
-    sequences = submit(state, [plan.prompt], plan.params, top, collector, plan.grammar)
+    sequences = submit(state, [plan.prompt], plan.params, top, collector, plan.grammar, body.model)
     if body.stream:
         return _streamed(state, body, plan, envelope, sequences, collector, top)
     chunks = await collect(state, sequences, collector, request)

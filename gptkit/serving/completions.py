@@ -41,7 +41,8 @@ def completion_logprobs(tokens: list[TokenInfo], offset: int) -> dict[str, Any]:
     }
 
 
-async def _scored_prompts(state: ServerState, prompts: list[list[int]], top: int) -> list[list[TokenInfo]]:
+async def _scored_prompts(state: ServerState, prompts: list[list[int]], top: int,
+                          adapter: int) -> list[list[TokenInfo]]:  # fmt: skip
     """Each prompt's tokens with their log-probabilities (echo with logprobs)."""
     window = state.engine.scoring_context + 1  # the last token's own prediction is not needed
     longest = max(len(p) for p in prompts)
@@ -49,7 +50,7 @@ async def _scored_prompts(state: ServerState, prompts: list[list[int]], top: int
         raise APIError(400, f"the prompt is {longest} tokens; echo with logprobs scores at most {window} (this "
                        "model's context): send a shorter prompt, e.g. its last tokens", param="prompt",
                        code="context_length_exceeded")  # fmt: skip
-    futures = [state.engine.call(lambda p=p: state.engine.score(p, top)) for p in prompts]
+    futures = [state.engine.call(lambda p=p: state.engine.score(p, top, adapter)) for p in prompts]
     try:
         return [await asyncio.wrap_future(f) for f in futures]
     except GptkitError as err:
@@ -58,17 +59,17 @@ async def _scored_prompts(state: ServerState, prompts: list[list[int]], top: int
 
 async def _completions(state: ServerState, body: CompletionRequest, request: Request) -> Any:
     check_fields(body)
-    check_model(state, body.model)
+    adapter = check_model(state, body.model)
     prompts = prompts_of(state, body.prompt)
     max_tokens = max_tokens_of(state, body.max_tokens, max(len(p) for p in prompts), allow_zero=body.echo)
     params = sampling_params(state, body, max_tokens, json_schema=response_schema(body))
     grammar = await compile_grammar(lambda model: grammar_for(model, state.tokenizer, params), state,
                                     "response_format")  # fmt: skip
-    n, envelope = params.num_samples, Envelope("text_completion", state.model_name, "cmpl")
+    n, envelope = params.num_samples, Envelope("text_completion", body.model, "cmpl")
     texts = [state.tokenizer.decode(p) for p in prompts]
     echoed = [[] for _ in prompts]
     if body.echo and body.logprobs is not None:
-        echoed = await _scored_prompts(state, prompts, body.logprobs)
+        echoed = await _scored_prompts(state, prompts, body.logprobs, adapter)
 
     def choice(index: int, text: str, tokens: list[TokenInfo], reason: str | None, echo: bool) -> dict[str, Any]:
         p = index // n
@@ -84,7 +85,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
                                usage(prompt_tokens, 0))  # fmt: skip
         return sse_response(one_shot(result)) if body.stream else result
     collector = Collector(stream=bool(body.stream))
-    sequences = submit(state, prompts, params, body.logprobs, collector, grammar)
+    sequences = submit(state, prompts, params, body.logprobs, collector, grammar, body.model)
     if body.stream:
         completion_tokens = [0] * len(sequences)
         offsets = [len(texts[i // n]) for i in range(len(sequences))]  # where each choice's next text starts

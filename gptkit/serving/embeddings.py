@@ -17,6 +17,7 @@ import torch
 from fastapi import FastAPI
 
 from gptkit.model import GPT
+from gptkit.multi_lora import rows_using
 from gptkit.serving.adapter import check_prompt
 from gptkit.serving.schemas import EmbeddingRequest
 from gptkit.serving.state import APIError, ServerState, check_model
@@ -33,10 +34,12 @@ def register(app: FastAPI, state: ServerState) -> None:
 
 
 @torch.no_grad()
-def embed(model: GPT, ids: list[int], pooling: str) -> list[float]:
-    """One text's unit-length vector of model.config.n_embd numbers, pooled as `pooling` says."""
+def embed(model: GPT, ids: list[int], pooling: str, adapter: int = 0) -> list[float]:
+    """One text's unit-length vector of model.config.n_embd numbers, pooled as `pooling` says (through one of the
+    model's served adapters: gptkit.multi_lora)."""
     device = next(model.parameters()).device
-    hidden = model.hidden(torch.tensor([ids], device=device))[0].float()  # (T, d)
+    with rows_using(model, [adapter]):
+        hidden = model.hidden(torch.tensor([ids], device=device))[0].float()  # (T, d)
     vector = hidden.mean(dim=0) if pooling == "mean" else hidden[-1]  # (d,)
     return torch.nn.functional.normalize(vector, dim=0).tolist()
 
@@ -59,7 +62,7 @@ def _inputs(state: ServerState, value: Any) -> list[list[int]]:
 
 
 async def _embeddings(state: ServerState, body: EmbeddingRequest) -> dict[str, Any]:
-    check_model(state, body.model)
+    adapter = check_model(state, body.model)
     width = state.engine.model.config.n_embd
     if body.dimensions is not None and body.dimensions != width:
         raise APIError(400, f"dimensions {body.dimensions} is not supported: this model's embeddings have {width} "
@@ -67,12 +70,12 @@ async def _embeddings(state: ServerState, body: EmbeddingRequest) -> dict[str, A
     inputs = await asyncio.to_thread(_inputs, state, body.input)
     model, pooling = state.engine.model, state.pooling
     # One job per input: decode steps of other requests run between them.
-    futures = [state.engine.call(lambda ids=ids: embed(model, ids, pooling)) for ids in inputs]
+    futures = [state.engine.call(lambda ids=ids: embed(model, ids, pooling, adapter)) for ids in inputs]
     vectors = [await asyncio.wrap_future(f) for f in futures]
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
             for i, v in enumerate(vectors)]  # fmt: skip
     tokens = sum(len(ids) for ids in inputs)
-    return {"object": "list", "data": data, "model": state.model_name,
+    return {"object": "list", "data": data, "model": body.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
 
 

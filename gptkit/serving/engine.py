@@ -23,6 +23,7 @@ from gptkit.decoding.prefix_cache import PrefixCache
 from gptkit.decoding.request import Request, TokenLogprob
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
+from gptkit.multi_lora import rows_using
 
 if TYPE_CHECKING:
     from gptkit.serving.metrics import Metrics
@@ -182,6 +183,11 @@ class Engine:
             self.wakeup.notify()
         return future
 
+    def uses_adapter(self, index: int) -> bool:
+        """Whether a request decoding or waiting uses LoRA adapter number `index`."""
+        with self.wakeup:
+            return any(request.adapter == index for request in [*self.active, *self.waiting])
+
     def stats(self) -> dict[str, Any]:
         """Rows in use, requests waiting, decode steps run so far and what the prefix cache holds and has saved."""
         stats: dict[str, Any] = {"active": len(self.active), "waiting": len(self.waiting), "steps": self.steps,
@@ -319,7 +325,7 @@ class Engine:
 
     # ----- jobs run through call() -----
 
-    def score(self, prompt: list[int], top: int) -> list[TokenInfo]:
+    def score(self, prompt: list[int], top: int, adapter: int = 0) -> list[TokenInfo]:
         """Each prompt token with its log-probability given the tokens before it (None for the first).
 
         The last token is scored but never read, so a prompt one token longer than the model's context scores
@@ -328,7 +334,8 @@ class Engine:
         if len(prompt) < 2:
             return infos
         ids = torch.tensor([prompt[:-1]], device=self.batch.device)
-        logprobs = self.model(ids)[0].float().log_softmax(dim=-1)  # (T - 1, V): row t predicts token t+1
+        with rows_using(self.model, [adapter]):
+            logprobs = self.model(ids)[0].float().log_softmax(dim=-1)  # (T - 1, V): row t predicts token t+1
         for t in range(1, len(prompt)):
             values, alternatives = logprobs[t - 1].topk(min(top, logprobs.size(-1))) if top > 0 else ([], [])
             top_infos = [self._info(int(i), float(v)) for v, i in zip(values, alternatives)]

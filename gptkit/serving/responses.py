@@ -152,7 +152,7 @@ class ResponseWriter:
         """The response object (status in_progress, completed or incomplete)."""
         body, prompt = self.body, len(self.plan.prompt)
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": self.state.model_name, "output": output, "error": None,
+                "model": body.model, "output": output, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -200,7 +200,7 @@ async def _responses(state: ServerState, body: ResponsesRequest, request: Reques
                            body.max_output_tokens, "max_output_tokens")  # fmt: skip
     writer = ResponseWriter(state, body, plan)
     collector = Collector(stream=bool(body.stream))
-    sequences = submit(state, [plan.prompt], plan.params, None, collector, plan.grammar)
+    sequences = submit(state, [plan.prompt], plan.params, None, collector, plan.grammar, body.model)
     if body.stream:
         events = EventStream(writer)
         return sse_response(stream_events(state, sequences, collector, events.render, events.closing,

@@ -288,6 +288,19 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True  # the tokens the tokenizer puts around every input (a Llama tokenizer's <s>)
 
 
+class LoadAdapterRequest(_Request):
+    """POST /v1/load_lora_adapter (vLLM's form): serve the LoRA directory at lora_path as model lora_name."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadAdapterRequest(_Request):
+    """POST /v1/unload_lora_adapter: stop serving adapter lora_name."""
+
+    lora_name: str
+
+
 class DetokenizeRequest(_Request):
     """POST /detokenize: the text of token ids."""
 

@@ -23,7 +23,10 @@ from gptkit.kv_cache import kv_dtype_of
 from gptkit.serving.app import create_app
 from gptkit.serving.middleware import is_loopback
 from gptkit.serving.state import ServerState
+from gptkit.adapters import fingerprint
 from gptkit.serving.embeddings import POOLINGS
+from gptkit.serving.lora_registry import AdapterRegistry
+from gptkit.weights import model_state
 from gptkit.serving.engine import Engine
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -75,6 +78,10 @@ class ServeOptions:
     cache_disk: int = field(default=DEFAULT_CACHE_DISK, metadata={
         "help": "most bytes --cache-dir may hold (least recently used blocks are removed first)", "parse": parse_size,
         "metavar": "BYTES"})  # fmt: skip
+    lora: tuple[str, ...] = field(default=(), metadata={
+        "help": "also serve a LoRA fine-tune of this base under a name of its own: requests naming it in `model` "
+                "decode through its adapters, in the same batches as the base and other adapters; repeatable",
+        "repeatable": True, "metavar": "NAME=DIR"})  # fmt: skip
     pooling: str = field(default="mean", metadata={
         "help": "how /v1/embeddings makes one vector of a text's final hidden states: mean (every token) or last "
                 "(the last token's)", "choices": ("mean", "last")})  # fmt: skip
@@ -107,8 +114,14 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     kv_dtype = kv_dtype_of(options.kv_cache)  # checked before the (slow) model load
     dtype = getattr(torch, options.dtype)
     model, tokenizer = load(model_dir, device=pick_device(options.device), dtype=dtype)  # float or saved-quantised
+    served_name = options.model_name or Path(model_dir).resolve().name
+    adapters = _adapter_registry(model, options, served_name)  # fingerprinted before quantisation changes the weights
     if options.quantize is not None and not is_quantized(model):
         model = quantize(model, options.quantize)
+    for spec in options.lora:
+        name, _, path = spec.partition("=")
+        adapters.add(model, name, path)
+        log.info("serving adapter %r from %s", name, path)
     if tokenizer is None:
         raise GptkitError(f"{model_dir} has no tokenizer files; the server needs one to read and write text")
     engine = Engine(model, tokenizer, options.max_batch_size, options.max_queue, options.compile, options.max_context,
@@ -124,12 +137,13 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     state = ServerState(
         engine=engine,
         tokenizer=tokenizer,
-        model_name=options.model_name or Path(model_dir).resolve().name,
+        model_name=served_name,
         chat_template=template,
         api_key=options.api_key,
         max_body_bytes=options.max_body_bytes,
         allowed_hosts=options.allowed_host if is_loopback(options.host) else None,
         pooling=options.pooling,
+        adapters=adapters,
     )
     app = create_app(state)
 
@@ -147,6 +161,20 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
 
     app.router.lifespan_context = lifespan
     return app
+
+
+def _adapter_registry(model: Any, options: ServeOptions, name: str) -> AdapterRegistry | None:
+    """Where served adapters are kept: present when --lora is given, or adapters may be loaded at run time (an API
+    key guards that); None otherwise, sparing the weights' hash."""
+    bad = next((spec for spec in options.lora if "=" not in spec), None)
+    if bad is not None:
+        raise GptkitError(f"--lora {bad!r}: give NAME=DIR, the name requests send as `model` and a LoRA directory")
+    if options.lora and options.compile:
+        raise GptkitError("--lora cannot be used with --compile: each batch applies its rows' adapters, which a "
+                          "compiled step cannot follow; leave out --compile")  # fmt: skip
+    if not options.lora and not options.api_key:
+        return None
+    return AdapterRegistry(name, fingerprint(model_state(model)))
 
 
 def prefix_cache(options: ServeOptions) -> PrefixCache | None:

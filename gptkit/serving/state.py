@@ -8,6 +8,7 @@ from typing import Any
 
 from gptkit.chat import ChatTemplate
 from gptkit.serving.engine import Engine
+from gptkit.serving.lora_registry import AdapterRegistry
 from gptkit.serving.metrics import Metrics
 from gptkit.serving.templates import TemplateWorkers
 
@@ -38,6 +39,7 @@ class ServerState:
     templates: TemplateWorkers | None = None  # where a model's own (Jinja) template renders; set from chat_template
     induction: concurrent.futures.Future | None = None  # the induction test, run once on the first request for it
     metrics: Metrics = field(default_factory=Metrics)
+    adapters: AdapterRegistry | None = None  # LoRA adapters served beside the base (None: none can be)
     pooling: str = "mean"  # how /v1/embeddings pools hidden states: mean or last
     reply_lead: str | None = None  # what the template's replies begin with (" " for the default); found on first use
 
@@ -60,15 +62,25 @@ class ServerState:
         return self.chat_template.render(messages, max_chars=limit, tools=tools)
 
 
-def check_model(state: ServerState, name: str) -> None:
-    """A 404 unless name is the served model's."""
-    if name != state.model_name:
-        raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")  # fmt: skip
+def check_model(state: ServerState, name: str) -> int:
+    """Which served model a request's `model` names: 0 for the base, an adapter's number; a 404 for neither."""
+    if name == state.model_name:
+        return 0
+    if state.adapters is not None and name in state.adapters.adapters:
+        return state.adapters.adapters[name].index
+    served = [state.model_name, *(state.adapters.adapters if state.adapters is not None else ())]
+    raise APIError(404, f"model {name!r} does not exist; this server serves {', '.join(map(repr, served))}",
+                   param="model", code="model_not_found")  # fmt: skip
 
 
-def model_card(state: ServerState) -> dict[str, Any]:
-    """The model as /v1/models lists it: context_length is the window a client must size its prompts to (what
-    echo with logprobs can score); max_context the most tokens one request may reach, prompt and completion."""
-    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "gptkit",
-            "context_length": state.engine.scoring_context, "max_context": state.context_length}  # fmt: skip
+def model_cards(state: ServerState) -> list[dict[str, Any]]:
+    """The models as /v1/models lists them: the base, then each adapter with the base as its parent.
+    context_length is the window a client must size its prompts to (what echo with logprobs can score);
+    max_context the most tokens one request may reach, prompt and completion."""
+    card = {"object": "model", "created": 0, "owned_by": "gptkit", "context_length": state.engine.scoring_context,
+            "max_context": state.context_length}  # fmt: skip
+    cards = [{"id": state.model_name, **card, "root": state.model_name, "parent": None}]
+    if state.adapters is not None:
+        cards += [{"id": name, **card, "root": adapter.path, "parent": state.model_name}
+                  for name, adapter in state.adapters.adapters.items()]  # fmt: skip
+    return cards

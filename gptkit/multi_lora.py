@@ -1,0 +1,101 @@
+"""Many LoRA adapters over one base model, each batch row choosing its own: one server, one batch, many fine-tunes.
+
+serve_adapter() wraps the base's adapted layers in AdapterSet layers (once) and adds one adapter's A and B to each;
+within rows_using(model, adapters), row i of every forward gets adapter adapters[i] (0: the base alone). A layer
+computes base(x) for every row, then for each adapter in use, on that adapter's rows only, x A^T B^T alpha / r: the
+same arithmetic as a LoRALinear, so a row decodes as the merged model would (up to float rounding), whatever
+other adapters share its batch. (vLLM batches adapters this way on GPUs; llama.cpp applies one set per batch.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gptkit.adapters import _module, target_paths
+from gptkit.errors import GptkitError
+
+
+class AdapterSet(nn.Module):
+    """A frozen linear layer plus any number of low-rank updates, each applied to the rows that chose it."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.updates: dict[int, tuple[Tensor, Tensor, float]] = {}  # adapter -> (A (r, in), B (out, r), alpha / r)
+        self.groups: list[tuple[int, Tensor]] = []  # (adapter, its rows) for the forward under way
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)  # (B, T, out)
+        for adapter, rows in self.groups:
+            update = self.updates.get(adapter)
+            if update is None:  # that adapter leaves this layer alone
+                continue
+            a, b, scaling = update
+            delta = F.linear(F.linear(x.index_select(0, rows).to(a.dtype), a), b) * scaling  # (n, T, out)
+            y = y.index_add(0, rows, delta.to(y.dtype))
+        return y
+
+    def extra_repr(self) -> str:
+        return f"adapters={sorted(self.updates)}"
+
+
+def adapter_sets(model: nn.Module) -> dict[str, AdapterSet]:
+    """Every AdapterSet of model by module name."""
+    return {name: m for name, m in _module(model).named_modules() if isinstance(m, AdapterSet)}
+
+
+@torch.no_grad()
+def serve_adapter(model: nn.Module, index: int, state: dict[str, Tensor], settings: dict[str, object],
+                  source: str) -> None:  # fmt: skip
+    """Add adapter number `index` (state: "<module>.lora_A"/"lora_B" tensors, settings: its lora_config) to model,
+    wrapping the layers it adapts in AdapterSet layers first where they are not yet."""
+    if index < 1:
+        raise GptkitError(f"adapter numbers start at 1 (0 is the base), got {index}")
+    gpt = _module(model)
+    rank, scaling = int(settings["rank"]), float(settings["alpha"]) / int(settings["rank"])
+    device = gpt.tok_emb.weight.device
+    for block_index, block in enumerate(gpt.blocks):
+        for path in target_paths(str(settings["targets"])):
+            name = f"blocks.{block_index}.{path}"
+            a, b = state.get(f"{name}.lora_A"), state.get(f"{name}.lora_B")
+            parent_path, _, attribute = path.rpartition(".")
+            parent = block.get_submodule(parent_path)
+            layer = getattr(parent, attribute)
+            if not isinstance(layer, AdapterSet):
+                layer = AdapterSet(layer)
+                setattr(parent, attribute, layer)
+            inner = layer.base
+            if a is None or b is None or tuple(a.shape) != (rank, inner.in_features) or \
+                    tuple(b.shape) != (inner.out_features, rank):  # fmt: skip
+                raise GptkitError(f"{source}: adapter tensors for {name} are missing or misshapen for this base")
+            layer.updates[index] = (a.to(device, torch.float32), b.to(device, torch.float32), scaling)
+
+
+def remove_adapter(model: nn.Module, index: int) -> None:
+    """Drop adapter `index` from every layer (its number may be reused)."""
+    for layer in adapter_sets(model).values():
+        layer.updates.pop(index, None)
+
+
+@contextlib.contextmanager
+def rows_using(model: nn.Module, adapters: list[int]) -> Iterator[None]:
+    """Within the block, row i of model's forward passes applies adapter adapters[i] (0: none)."""
+    layers = list(adapter_sets(model).values())
+    if not layers or not any(adapters):
+        yield
+        return
+    device = _module(model).tok_emb.weight.device
+    chosen = torch.tensor(adapters)
+    groups = [(int(k), (chosen == k).nonzero()[:, 0].to(device)) for k in chosen.unique().tolist() if k != 0]
+    for layer in layers:
+        layer.groups = groups
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.groups = []

@@ -1,0 +1,157 @@
+"""Many LoRA adapters, one server, one batch: each request decodes through the adapter its `model` names, exactly
+as the merged model would, whatever else shares its batch; adapters listed, loaded and unloaded at run time."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from gptkit.adapters import add_lora, adapters, fingerprint
+from gptkit.config import ModelConfig
+from gptkit.errors import GptkitError
+from gptkit.formats.lora import read_lora_config, write_lora_dir
+from gptkit.formats.modeldir import save_model_dir
+from gptkit.loading import load
+from gptkit.model import GPT
+from gptkit.multi_lora import rows_using, serve_adapter
+from gptkit.serving.server import ServeOptions, build_app
+from gptkit.tensors import load_tensors
+from gptkit.tokenizer import ByteTokenizer
+from gptkit.weights import model_state
+from test_serve_helpers import live_server
+
+KEY = "secret"
+PROMPTS = ["Hello", "The cat", "abc", "Once upon"]
+
+
+def _base(root: Path) -> Path:
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=257, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    return save_model_dir(model, root / "base", tokenizer=ByteTokenizer())
+
+
+def _lora(base_dir: Path, out: Path, seed: int, targets: str, rank: int) -> Path:
+    """A LoRA directory over base_dir with random (non-zero) adapters."""
+    model, _ = load(base_dir)
+    settings = {"base": str(base_dir.resolve()), "base_fingerprint": fingerprint(model_state(model)), "rank": rank,
+                "alpha": 2.0 * rank, "dropout": 0.0, "targets": targets, "base_precision": "float32"}  # fmt: skip
+    add_lora(model, rank, 2.0 * rank, 0.0, targets)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for adapter in adapters(model).values():
+            adapter.lora_B.normal_(0, 0.5)
+    return write_lora_dir(model, out, settings)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    base = _base(root)
+    return {"base": base, "a": _lora(base, root / "a", 1, "all", 4), "b": _lora(base, root / "b", 2, "attention", 2),
+            "c": _lora(base, root / "c", 3, "mlp", 3)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    options = ServeOptions(max_batch_size=8, api_key=KEY, lora=(f"a={dirs['a']}", f"b={dirs['b']}"))
+    app = build_app(dirs["base"], options)
+    with live_server(app) as url:
+        yield url, app.state.gptkit
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_an_adapter_set_row_computes_what_its_merged_model_computes(dirs):
+    # Rows of one batch through three different models (base, a, b): each row's logits are its merged model's.
+    model, _ = load(dirs["base"])
+    for index, name in ((1, "a"), (2, "b")):
+        serve_adapter(model, index, load_tensors(dirs[name] / "adapters.safetensors"), read_lora_config(dirs[name]),
+                      name)  # fmt: skip
+    ids = torch.randint(0, 257, (4, 12))
+    choice = [2, 0, 1, 2]
+    with torch.no_grad(), rows_using(model, choice):
+        together = model(ids)
+    for row, index in enumerate(choice):
+        merged = load(dirs[{0: "base", 1: "a", 2: "b"}[index]])[0]
+        with torch.no_grad():
+            # 1e-5: the update added to the base's output instead of folded into its weight (measured: 2e-6)
+            torch.testing.assert_close(together[row], merged(ids[row : row + 1])[0], atol=1e-5, rtol=1e-5)
+
+
+def _greedy(client, model: str, prompt: str) -> tuple[str, list[float]]:
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, logprobs=0)
+    return reply.choices[0].text, reply.choices[0].logprobs.token_logprobs
+
+
+def test_requests_for_different_adapters_share_batches_and_match_their_merged_models(client, server, dirs):
+    jobs = [(model, prompt) for prompt in PROMPTS for model in ("base", "a", "b")]
+    steps_before = server[1].engine.steps
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: _greedy(client, *job), jobs))
+    # Fewer decode steps than the requests' tokens: requests of different adapters decoded together.
+    assert server[1].engine.steps - steps_before < len(jobs) * 10 / 2
+    assert server[1].engine.max_rows_seen >= 3
+    merged = {name: load(dirs[name])[0] for name in ("base", "a", "b")}
+    tokenizer = ByteTokenizer()
+    for (name, prompt), (text, logprobs) in zip(jobs, got):
+        ids = tokenizer.encode(prompt)
+        with torch.no_grad():
+            for _ in range(10):
+                ids.append(int(merged[name](torch.tensor([ids]))[0, -1].argmax()))
+        assert text == tokenizer.decode(ids[len(tokenizer.encode(prompt)):]), (name, prompt)
+    assert _greedy(client, "a", "Hello")[0] != _greedy(client, "base", "Hello")[0]  # the adapters change the output
+
+
+def test_models_lists_each_adapter_with_its_base_as_parent(client):
+    cards = {card.id: card for card in client.models.list()}
+    assert cards["a"].parent == cards["b"].parent == "base" and cards["base"].parent is None
+    with pytest.raises(openai.NotFoundError, match="'base', 'a', 'b'"):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+def test_adapters_load_and_unload_at_run_time_behind_the_key(client, server, dirs):
+    url = server[0]
+    refused = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(dirs["c"])})
+    assert refused.status_code == 401  # no key
+    headers = {"Authorization": f"Bearer {KEY}"}
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", headers=headers,
+                        json={"lora_name": "c", "lora_path": str(dirs["c"])})  # fmt: skip
+    assert loaded.status_code == 200, loaded.text
+    text, _ = _greedy(client, "c", "Hello")
+    ids = ByteTokenizer().encode("Hello")
+    merged = load(dirs["c"])[0]
+    with torch.no_grad():
+        for _ in range(10):
+            ids.append(int(merged(torch.tensor([ids]))[0, -1].argmax()))
+    assert text == ByteTokenizer().decode(ids[5:])
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", headers=headers, json={"lora_name": "c"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="c", prompt="x", max_tokens=1)
+    wrong = httpx.post(f"{url}/v1/load_lora_adapter", headers=headers,
+                       json={"lora_name": "d", "lora_path": str(dirs["base"])})  # fmt: skip
+    assert wrong.status_code == 400 and "not a LoRA directory" in wrong.json()["error"]["message"]
+
+
+def test_runtime_loading_needs_a_key(dirs):
+    app = build_app(dirs["base"], ServeOptions())
+    with live_server(app) as url:
+        reply = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(dirs["a"])})
+    assert reply.status_code == 403 and "--api-key" in reply.json()["error"]["message"]
+
+
+def test_an_adapter_trained_on_another_base_is_refused_in_one_line(dirs, tmp_path):
+    torch.manual_seed(5)
+    other = save_model_dir(GPT(ModelConfig(vocab_size=257, block_size=64, n_layer=2, n_head=2, n_embd=32)),
+                           tmp_path / "other", tokenizer=ByteTokenizer())  # fmt: skip
+    with pytest.raises(GptkitError, match="trained on another base"):
+        build_app(other, ServeOptions(lora=(f"a={dirs['a']}",)))
+    with pytest.raises(GptkitError, match="NAME=DIR"):
+        build_app(dirs["base"], ServeOptions(lora=(str(dirs["a"]),)))
