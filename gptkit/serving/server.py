@@ -101,16 +101,9 @@ class ServeOptions:
 def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     """The app serving model_dir; its engine thread starts and stops with the app."""
     from gptkit.loading import chat_template, load
-    from gptkit.quantization import METHODS, is_quantized, quantize
+    from gptkit.quantization import is_quantized, quantize
 
-    if options.max_body_bytes < 1:
-        raise GptkitError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
-    if options.pooling not in POOLINGS:
-        raise GptkitError(f"--pooling must be one of {', '.join(POOLINGS)}, got {options.pooling!r}")
-    if options.dtype not in DTYPES:
-        raise GptkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
-    if options.quantize is not None and options.quantize not in METHODS:
-        raise GptkitError(f"--quantize must be one of {', '.join(METHODS)}, got {options.quantize!r}")
+    _check_options(options)
     kv_dtype = kv_dtype_of(options.kv_cache)  # checked before the (slow) model load
     dtype = getattr(torch, options.dtype)
     model, tokenizer = load(model_dir, device=pick_device(options.device), dtype=dtype)  # float or saved-quantised
@@ -161,6 +154,20 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
 
     app.router.lifespan_context = lifespan
     return app
+
+
+def _check_options(options: ServeOptions) -> None:
+    """A one-line error for a setting out of its range, before the (slow) model load."""
+    from gptkit.quantization import METHODS
+
+    if options.max_body_bytes < 1:
+        raise GptkitError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
+    if options.pooling not in POOLINGS:
+        raise GptkitError(f"--pooling must be one of {', '.join(POOLINGS)}, got {options.pooling!r}")
+    if options.dtype not in DTYPES:
+        raise GptkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+    if options.quantize is not None and options.quantize not in METHODS:
+        raise GptkitError(f"--quantize must be one of {', '.join(METHODS)}, got {options.quantize!r}")
 
 
 def _adapter_registry(model: Any, options: ServeOptions, name: str) -> AdapterRegistry | None:
