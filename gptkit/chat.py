@@ -130,7 +130,12 @@ def read_tokenizer_config(model_dir: str | Path) -> dict[str, Any] | None:
 def load_chat_template(model_dir: str | Path, eos_token: str = "") -> ChatTemplate:
     """The chat template shipped with model_dir (chat_template.jinja or tokenizer_config.json), or the default
     (ending replies with eos_token, the tokenizer's end-of-text text) if there is none."""
-    data = read_tokenizer_config(model_dir)
+    return template_from_config(read_tokenizer_config(model_dir), eos_token)
+
+
+def template_from_config(data: dict[str, Any] | None, eos_token: str = "") -> ChatTemplate:
+    """The chat template a tokenizer_config.json's content (data, as read_tokenizer_config gives it) names, or the
+    default (ending replies with eos_token) if it names none."""
     if data is None:
         return ChatTemplate(eos_token=eos_token)
     source = data.get("chat_template")

@@ -118,7 +118,8 @@ def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
 
 
 def _import(source: Path, out: Path, dtype: object) -> int:
-    from gptkit.formats.hf import TOKENIZER_FILE, load_hf
+    from gptkit.formats.hf import load_hf
+    from gptkit.formats.hf.tokenizer import TOKENIZER_FILE
     from gptkit.formats.modeldir import save_model_dir
 
     if source.is_file():  # --from-gguf

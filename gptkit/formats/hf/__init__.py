@@ -28,6 +28,7 @@ from torch import Tensor
 from gptkit.atomic import atomic_write_text
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.formats.hf.tokenizer import write_hf_tokenizer
 from gptkit.model import GPT
 from gptkit.tensors import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, ModelDirError, read_config_json, save_tensors
 from gptkit.tokenizer import tokenizer_or_none
@@ -37,8 +38,6 @@ log = logging.getLogger(__name__)
 
 BIN_FILE = "pytorch_model.bin"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 HINT_KEY = "gptkit_config"  # export stores the full gptkit config here, so that a round trip is lossless
 
@@ -786,7 +785,8 @@ def export_hf(
 ) -> Path:
     """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) equal to the model.
 
-    tokenizer_config is the tokenizer_config.json to write (chat template, special-token names); head (labels,
+    tokenizer_config is the model's tokenizer_config.json (chat template, special-token names): the export renders
+    chats as gptkit does, with the model's own template or gptkit's default (gptkit.formats.hf.tokenizer); head (labels,
     score weight) writes a sequence classifier instead of a causal LM, padding with the end-of-text id. A model
     directory is exported by gptkit.export_hf (gptkit.loading.export_hf), which loads it and calls this.
     """
@@ -803,51 +803,3 @@ def export_hf(
         write_hf_tokenizer(tokenizer, out, tokenizer_config)
     atomic_write_text(out / CONFIG_FILE, json.dumps(hf, indent=2) + "\n")
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Tokenizers: what AutoTokenizer.from_pretrained needs.
-
-
-def hf_tokenizer(tokenizer: Any) -> Any:
-    """A `tokenizers` Tokenizer encoding and decoding exactly as the gptkit tokenizer does (on text it accepts).
-
-    bpe tokenizers already are one. byte: GPT-2's byte-to-symbol map, one symbol per byte and no merges, so id =
-    byte value. char: one vocabulary entry per character and no merges; the only difference is that a character
-    outside the alphabet is dropped by `tokenizers` where gptkit raises an error.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    kind = getattr(tokenizer, "kind", None)
-    if kind == "bpe":
-        return tokenizer.hf
-    if kind == "byte":
-        from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS
-
-        vocab = {symbol: b for b, symbol in BYTE_LEVEL_SYMBOLS.items()}
-        hf = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        hf.decoder = decoders.ByteLevel()
-    elif kind == "char":
-        hf = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(tokenizer.chars)}, merges=[]))
-        hf.decoder = decoders.Fuse()
-    else:
-        raise ConversionError(f"tokenizer kind {kind!r} cannot be written as a Hugging Face tokenizer.json")
-    specials = sorted(tokenizer.special_tokens.items(), key=lambda item: item[1])
-    hf.add_special_tokens([AddedToken(text, special=True, normalized=False) for text, _ in specials])
-    for text, wanted in specials:
-        if hf.token_to_id(text) != wanted:
-            raise ConversionError(f"special token {text!r} would get id {hf.token_to_id(text)}, not {wanted}")
-    return hf
-
-
-def write_hf_tokenizer(tokenizer: Any, out: Path, base_config: dict[str, Any] | None = None) -> None:
-    """Write tokenizer.json and tokenizer_config.json so that AutoTokenizer.from_pretrained(out) loads them."""
-    hf = hf_tokenizer(tokenizer)
-    atomic_write_text(out / TOKENIZER_FILE, hf.to_str())
-    config = dict(base_config or {})
-    # The tokenizer.json is the whole pipeline; the generic fast class applies it as written.
-    config.update(tokenizer_class="PreTrainedTokenizerFast", clean_up_tokenization_spaces=False)
-    if tokenizer.eos_id is not None:
-        config["eos_token"] = hf.id_to_token(tokenizer.eos_id)
-    atomic_write_text(out / TOKENIZER_CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
