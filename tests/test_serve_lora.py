@@ -31,7 +31,7 @@ PROMPTS = ["Hello", "The cat", "abc", "Once upon"]
 
 def _base(root: Path) -> Path:
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=257, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    model = GPT(ModelConfig(vocab_size=257, block_size=256, n_layer=2, n_head=2, n_embd=32))
     return save_model_dir(model, root / "base", tokenizer=ByteTokenizer())
 
 
@@ -86,6 +86,19 @@ def test_an_adapter_set_row_computes_what_its_merged_model_computes(dirs):
             torch.testing.assert_close(together[row], merged(ids[row : row + 1])[0], atol=1e-5, rtol=1e-5)
 
 
+def merged_greedy(model_dir: Path, prompt: str, tokens: int = 10) -> str:
+    """The merged model's greedy continuation, computed without a server or a cache (ending at end-of-text)."""
+    tokenizer, model = ByteTokenizer(), load(model_dir)[0]
+    ids, out = tokenizer.encode(prompt), []
+    with torch.no_grad():
+        for _ in range(tokens):
+            token = int(model(torch.tensor([ids + out]))[0, -1].argmax())
+            if token == tokenizer.eos_id:
+                break
+            out.append(token)
+    return tokenizer.decode(out)
+
+
 def _greedy(client, model: str, prompt: str) -> tuple[str, list[float]]:
     reply = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, logprobs=0)
     return reply.choices[0].text, reply.choices[0].logprobs.token_logprobs
@@ -99,15 +112,19 @@ def test_requests_for_different_adapters_share_batches_and_match_their_merged_mo
     # Fewer decode steps than the requests' tokens: requests of different adapters decoded together.
     assert server[1].engine.steps - steps_before < len(jobs) * 10 / 2
     assert server[1].engine.max_rows_seen >= 3
-    merged = {name: load(dirs[name])[0] for name in ("base", "a", "b")}
-    tokenizer = ByteTokenizer()
-    for (name, prompt), (text, logprobs) in zip(jobs, got):
-        ids = tokenizer.encode(prompt)
-        with torch.no_grad():
-            for _ in range(10):
-                ids.append(int(merged[name](torch.tensor([ids]))[0, -1].argmax()))
-        assert text == tokenizer.decode(ids[len(tokenizer.encode(prompt)):]), (name, prompt)
+    for (name, prompt), (text, _) in zip(jobs, got):
+        assert text == merged_greedy(dirs[name], prompt), (name, prompt)
     assert _greedy(client, "a", "Hello")[0] != _greedy(client, "base", "Hello")[0]  # the adapters change the output
+
+
+def test_a_prompt_cached_for_one_adapter_is_not_reused_for_another(client, server, dirs):
+    # 150 bytes: two whole 64-token blocks go into the prefix cache under the first request's adapter.
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3 + "Then"
+    hits = server[1].engine.stats()["prefix_cache"]["hit_tokens"]
+    texts = {name: _greedy(client, name, prompt)[0] for name in ("base", "a", "base", "a")}
+    assert server[1].engine.stats()["prefix_cache"]["hit_tokens"] == hits + 2 * 128  # each reused its own blocks
+    for name in ("base", "a"):
+        assert texts[name] == merged_greedy(dirs[name], prompt), name
 
 
 def test_models_lists_each_adapter_with_its_base_as_parent(client):
@@ -125,13 +142,7 @@ def test_adapters_load_and_unload_at_run_time_behind_the_key(client, server, dir
     loaded = httpx.post(f"{url}/v1/load_lora_adapter", headers=headers,
                         json={"lora_name": "c", "lora_path": str(dirs["c"])})  # fmt: skip
     assert loaded.status_code == 200, loaded.text
-    text, _ = _greedy(client, "c", "Hello")
-    ids = ByteTokenizer().encode("Hello")
-    merged = load(dirs["c"])[0]
-    with torch.no_grad():
-        for _ in range(10):
-            ids.append(int(merged(torch.tensor([ids]))[0, -1].argmax()))
-    assert text == ByteTokenizer().decode(ids[5:])
+    assert _greedy(client, "c", "Hello")[0] == merged_greedy(dirs["c"], "Hello")
     assert httpx.post(f"{url}/v1/unload_lora_adapter", headers=headers, json={"lora_name": "c"}).status_code == 200
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="c", prompt="x", max_tokens=1)
@@ -149,7 +160,7 @@ def test_runtime_loading_needs_a_key(dirs):
 
 def test_an_adapter_trained_on_another_base_is_refused_in_one_line(dirs, tmp_path):
     torch.manual_seed(5)
-    other = save_model_dir(GPT(ModelConfig(vocab_size=257, block_size=64, n_layer=2, n_head=2, n_embd=32)),
+    other = save_model_dir(GPT(ModelConfig(vocab_size=257, block_size=256, n_layer=2, n_head=2, n_embd=32)),
                            tmp_path / "other", tokenizer=ByteTokenizer())  # fmt: skip
     with pytest.raises(GptkitError, match="trained on another base"):
         build_app(other, ServeOptions(lora=(f"a={dirs['a']}",)))
