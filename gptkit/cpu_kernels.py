@@ -16,12 +16,14 @@ Overrides: GPTKIT_CPU_KERNELS=0 keeps PyTorch's products (the kernels are not ev
 without measuring; GPTKIT_BF16_UPCAST=1 or 0 forces the many-row bf16 choice. Everything runs on CPU inference
 only (autograd off); training, CUDA and MPS keep PyTorch's products.
 
-The C++ sources are compiled once per machine (about a minute on 2 cores, cached by torch.utils.cpp_extension
-under $TORCH_EXTENSIONS_DIR or torch's default root, ~/.cache/torch_extensions, in a directory named after the
-instruction set and the sources' hash). Decoding never waits for that: the first process that needs the library
-builds it in a background thread and decodes with PyTorch's products meanwhile; later processes load the built
-library at once. prepare() waits for it instead (benchmarks, tests, a compiled step). If the build fails, gptkit
-logs why once and keeps PyTorch's kernels. A build killed midway leaves nothing that blocks the next one.
+The C++ sources are compiled once per machine and version (about a minute on 2 cores) into the cache that
+kernel_cache.py describes (under $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions, keyed by the sources, flags,
+compiler and torch; a library is checked against its manifest before it is loaded). Decoding never waits for a
+build: the first process that needs the library starts a builder process (which finishes even if this one ends
+first) and decodes with PyTorch's products meanwhile, a background thread taking the library once it is there; one
+that finds another process's build under way does the same without starting one; later processes load it at once.
+prepare() waits for this process's own build (benchmarks, tests, a compiled step), never another's. If the build
+fails, gptkit logs why once and keeps PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import json
 import logging
 import os
 import platform
-import re
 import subprocess
 import threading
 import time
@@ -44,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gptkit.atomic import atomic_write_text
+from gptkit import kernel_cache
 from gptkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -79,15 +80,18 @@ ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512", 3: "avx512_vnni", 4: "avx512_bf1
 CHOICES_FILE = "choices.json"
 MEASURED = {"fp32", "bf16", "int8", "bf16_upcast"}  # what _measure decides; choices.json entries may hold more
 
-# State decided in eager code only (a compiled graph reads the answers): "library" (bool), "choices" (dict).
+# State decided in eager code only (a compiled graph reads the answers): "library" (bool), "choices" (dict); and
+# "background" (the thread that awaits a build and measures) and "builder" (this process's builder process).
 _STATE: dict[str, object] = {}
 _UNDECIDED: dict[str, bool] = {}  # what a compiled graph reads if nothing was decided in eager code before it
-# How long a process ending waits for its background work: a build is mostly the compiler (a child process,
-# safe to leave) and then a few seconds of loading and measuring; moving huge pages is about a second per GB.
+# How long a process ending waits for its background work: a build runs in a process of its own (left to finish),
+# loading and measuring take a few seconds; moving huge pages is about a second per GB.
 BUILD_EXIT_WAIT_S = 10.0
 HUGE_PAGES_EXIT_WAIT_S = 30.0
 _BUILDING = threading.RLock()  # a server's first requests may arrive together
 _STARTING = threading.Lock()  # starts the background build once
+_EXITING = threading.Event()  # set at exit: a background thread awaiting another process's build stops looking
+POLL_S = 1.0  # how often a process awaiting another's build looks for the library
 
 
 @functools.cache
@@ -128,56 +132,107 @@ def isa_level() -> tuple[str, list[str]] | None:
 
 
 def load(wait: bool = True) -> bool:
-    """Whether the kernels' library is loaded (eager code only). It is loaded at once where it was built before;
-    else the first call builds it, or with wait=False starts the build in a background thread and returns False
-    until it is done."""
-    if "library" not in _STATE and not torch.compiler.is_compiling():
-        if not wait and not _built():
-            _build_in_background()
-            return False
-        with _BUILDING:
-            if "library" not in _STATE:
-                wanted = os.environ.get(DISABLE_VARIABLE) != "0"
-                _STATE["library"] = wanted and isa_level() is not None and _build()
+    """Whether the kernels' library is loaded (eager code only). A library built before is checked and loaded at
+    once; else wait=True builds it now and wait=False in a background thread, returning False until it is done.
+    Neither waits for a build another process runs: PyTorch's products meanwhile, and a background thread takes the
+    library once it is there (looking every POLL_S)."""
+    if "library" in _STATE or torch.compiler.is_compiling():
+        return bool(_STATE.get("library", False))
+    if (not wait and building()) or not _BUILDING.acquire(blocking=wait):
+        return False  # this process builds or measures in the background: never waited for by decoding
+    try:
+        if "library" not in _STATE:
+            settled = _settle(start=wait, wait=wait)
+            if settled is None:
+                _build_in_background()
+            else:
+                _STATE["library"] = settled
+    finally:
+        _BUILDING.release()
     return bool(_STATE.get("library", False))
 
 
-def _built() -> bool:
-    """Whether this machine's library is on disk already (loading it then takes a fraction of a second)."""
-    if os.environ.get(DISABLE_VARIABLE) == "0" or isa_level() is None:
-        return True  # nothing to build: load() decides at once
-    return _verified(_library_path(build_directory()))
-
-
-def _library_path(build_dir: Path) -> Path:
-    return build_dir / f"{build_dir.name}.so"
-
-
-def _verified(library: Path) -> bool:
-    """Whether the library is the one a build here finished: its SHA-256 is the one written beside it then. A file
-    cut short or overwritten would be loaded (and crash the process: a truncated library is a SIGBUS) otherwise."""
-    try:
-        return library.is_file() and _digest(library) == library.with_suffix(".sha256").read_text().strip()
-    except OSError:
+def _settle(start: bool, wait: bool = False) -> bool | None:
+    """True once the library is loaded, False where it will not be (turned off, no AVX2, a failed build), None while
+    it is yet to be built. start: start a builder process (kernel_cache.spawn_build) where none runs; wait: wait for
+    this process's own builder, never for another's."""
+    level = isa_level()
+    if os.environ.get(DISABLE_VARIABLE) == "0" or level is None:
         return False
+    cache = build_directory()
+    library = kernel_cache.verified_library(cache)
+    if library is not None:
+        return _open(library)
+    builder = _STATE.get("builder")
+    if builder is None or builder.poll() == kernel_cache.BUSY:  # none of this process's, or it found another's
+        if not start:
+            return None
+        try:
+            if kernel_cache.busy(cache):
+                return None
+            log.info("building gptkit's CPU kernels for %s (once per machine and version, about a minute)", level[0])
+            sources = [SOURCE_DIR / name for name in SOURCES]
+            _STATE["builder"] = builder = kernel_cache.spawn_build(cache, cache.name, sources, BUILD_FLAGS + level[1])
+        except OSError as err:
+            log.warning("gptkit's CPU kernels did not build, so decoding uses PyTorch's slower products: %s", err)
+            return False
+    if wait:
+        builder.wait()
+    if builder.poll() is None or builder.returncode == kernel_cache.BUSY:
+        return None
+    library = kernel_cache.verified_library(cache)
+    if builder.returncode != 0 or library is None:
+        log.warning("gptkit's CPU kernels did not build, so decoding uses PyTorch's slower products: %s",
+                    kernel_cache.build_error(cache))  # fmt: skip
+        return False
+    return _open(library)
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _open(library: Path) -> bool:
+    """Load a library that matched its manifest (a fraction of a second)."""
+    try:
+        _load_library(library)
+    except (OSError, RuntimeError) as err:
+        log.warning("gptkit's CPU kernel library %s does not load, so decoding uses PyTorch's slower products (delete "
+                    "%s to build it again): %s", library, library.parent, err)  # fmt: skip
+        return False
+    _register_shape_functions()
+    return True
+
+
+def _load_library(library: Path) -> None:
+    torch.ops.load_library(str(library))
 
 
 def _build_in_background() -> None:
-    """Build, load and measure in a daemon thread, once per process (the build holds _BUILDING: not taken here)."""
+    """Await the library in a daemon thread (starting a builder process where none runs), then measure the choices:
+    once per process."""
     with _STARTING:
-        if "background" in _STATE:
+        if "background" not in _STATE:
+            _STATE["background"] = _start_native_thread(_settle_in_background, "gptkit-kernels", BUILD_EXIT_WAIT_S)
+            atexit.register(_EXITING.set)  # runs before the thread's join: one awaiting another's build stops looking
+
+
+def _settle_in_background() -> None:
+    while True:
+        with _BUILDING:
+            if "library" not in _STATE:
+                settled = _settle(start=True)
+                if settled is not None:
+                    _STATE["library"] = settled
+            if "library" in _STATE:
+                if "choices" not in _STATE:
+                    _STATE["choices"] = _decide()
+                return
+        if _EXITING.wait(POLL_S):
             return
-        _STATE["background"] = True
-    _start_native_thread(prepare, "gptkit-kernels-build", BUILD_EXIT_WAIT_S)
 
 
 def building() -> bool:
-    """Whether the library is being built in the background now (decoding takes PyTorch's products meanwhile)."""
-    return "library" not in _STATE and "background" in _STATE
+    """Whether the library is being built, awaited or measured in the background now (decoding takes PyTorch's
+    products meanwhile)."""
+    thread = _STATE.get("background")
+    return isinstance(thread, threading.Thread) and thread.is_alive()
 
 
 def isa() -> str:
@@ -193,53 +248,12 @@ def capability() -> str:
             f"gptkit kernels: {isa()}; choices: {json.dumps(choices(), sort_keys=True)}")  # fmt: skip
 
 
-def _build() -> bool:
-    import fcntl  # Unix only, as builds are (_cpu_flags is empty elsewhere)
-
-    from torch.utils import cpp_extension
-
-    if not _built():  # said only when it compiles: a library built before loads in a fraction of a second
-        log.info("building gptkit's CPU kernels for %s (once per machine, about a minute)", isa_level()[0])
-    build_dir = build_directory()
-    try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        # torch's own lock file names no owner, so a build killed outright leaves it and every later build waits on
-        # it forever. Builds here take an flock first, which the system releases when its holder dies: whoever
-        # holds it knows that a torch lock file still present is a dead build's.
-        with open(build_dir / "gptkit.lock", "w") as owner:
-            fcntl.flock(owner, fcntl.LOCK_EX)
-            if (build_dir / "lock").exists():
-                log.warning("removing the lock file of an earlier build that did not finish")
-                (build_dir / "lock").unlink()
-            library = _library_path(build_dir)
-            if library.exists() and not _verified(library):  # never loaded: it is linked again from its objects
-                damaged = library.with_suffix(".sha256").exists()  # else built by a gptkit that wrote no checksum
-                log.log(logging.WARNING if damaged else logging.INFO, "gptkit's CPU kernel library %s %s; building it "
-                        "again", library, "does not match the checksum its build left" if damaged else "has no "
-                        "checksum (an older gptkit built it)")  # fmt: skip
-                library.unlink()
-            cpp_extension.load(name=build_dir.name, sources=[str(SOURCE_DIR / name) for name in SOURCES],
-                               extra_cflags=BUILD_FLAGS + isa_level()[1], extra_ldflags=["-fopenmp"],
-                               build_directory=str(build_dir), is_python_module=False)  # fmt: skip
-            if library.is_file() and not _verified(library):
-                atomic_write_text(library.with_suffix(".sha256"), _digest(library) + "\n")
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
-        log.warning("gptkit's CPU kernels did not build, so decoding uses PyTorch's slower products: %s", err)
-        return False
-    _register_shape_functions()
-    return True
-
-
 def build_directory() -> Path:
-    """Where the kernels' library is built and cached, under $TORCH_EXTENSIONS_DIR or torch's default root: one
-    directory per instruction set, version of the sources (torch rebuilds only for a changed .cpp, not a header)
-    and torch version (a library built against another libtorch may not load)."""
-    from torch.utils import cpp_extension
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    """Where the kernels' library is cached: kernel_cache.directory, one directory per instruction set and key (the
+    sources, flags, compiler and torch)."""
     level = isa_level()
-    name = f"gptkit_kernels_{level[0] if level else 'none'}_{_source_hash()}_torch_{torch.__version__}"
-    return Path(root) / re.sub(r"\W", "_", name)
+    name, flags = level if level else ("none", [])
+    return kernel_cache.directory(name, [SOURCE_DIR / s for s in SOURCES], BUILD_FLAGS + flags)
 
 
 @functools.cache
@@ -267,29 +281,37 @@ def _register_shape_functions() -> None:
 def choices() -> dict[str, bool]:
     """Which products this machine runs faster: {"fp32", "bf16", "int8": the kernel beats PyTorch at one row;
     "bf16_upcast": many-row bf16 products run faster in fp32}. Measured once per machine (eager code only); while
-    the library is still being built, nothing is chosen yet."""
-    if "choices" not in _STATE and not torch.compiler.is_compiling() and (_STATE.get("library") is not None
-                                                                          or load(wait=False) or _built()):
-        with _BUILDING:
-            if "choices" not in _STATE:
-                _STATE["choices"] = _decide()
+    the library is still to come, or this process measures in the background, nothing is chosen yet."""
+    if "choices" not in _STATE and not torch.compiler.is_compiling() and (load(wait=False) or "library" in _STATE):
+        if _BUILDING.acquire(blocking=False):
+            try:
+                if "choices" not in _STATE:
+                    _STATE["choices"] = _decide()
+            finally:
+                _BUILDING.release()
     return _STATE.get("choices", _UNDECIDED)  # type: ignore[return-value]  (read-only: called per product)
 
 
 def prepare() -> None:
-    """Build, load and measure now, in eager code, before a compiled graph needs the answers."""
+    """Build, load and measure now, in eager code, before a compiled graph needs the answers: waits for this
+    process's own build, never for another's (then PyTorch's products until the library is there)."""
     load()
-    choices()
+    with _BUILDING:
+        if "library" in _STATE and "choices" not in _STATE:
+            _STATE["choices"] = _decide()
+    thread = _STATE.get("background")
+    if "library" in _STATE and isinstance(thread, threading.Thread):
+        thread.join()  # past its decisions: it ends at once
 
 
 def measured(name: str, measure: Callable[[], bool]) -> bool:
     """A choice of another module (the fused decode step) by the same rules: measure() says whether it beats
     PyTorch, timed once per machine and kept in choices.json beside the kernels' own; False while the library is
-    not loaded."""
+    not loaded or the kernels' own choices are not made yet."""
     current = choices()
     if name in current:
         return current[name]
-    if not _STATE.get("library") or torch.compiler.is_compiling():
+    if not _STATE.get("library") or "choices" not in _STATE or torch.compiler.is_compiling():
         return False
     forced = os.environ.get(DISABLE_VARIABLE)
     with _BUILDING:
@@ -303,15 +325,12 @@ def measured(name: str, measure: Callable[[], bool]) -> bool:
 def _record(name: str, measure: Callable[[], bool]) -> bool:
     """Run measure() and keep its answer in choices.json under this machine's key."""
     path = build_directory() / CHOICES_FILE
-    saved = _saved_choices(path)
+    saved = kernel_cache.saved_choices(path)
     entry = saved.setdefault(_machine_key(), {})
     if name not in entry:
         log.info("timing gptkit's %s against PyTorch on this machine (once)", name.replace("_", " "))
         entry[name] = bool(measure())
-        try:
-            atomic_write_text(path, json.dumps(saved, indent=1))
-        except OSError as err:
-            log.warning("could not keep the kernel choices in %s: %s", path, err)
+        kernel_cache.keep_choices(path, saved)
     return entry[name]
 
 
@@ -324,36 +343,15 @@ def _decide() -> dict[str, bool]:
         return chosen
     path = build_directory() / CHOICES_FILE
     key = _machine_key()
-    saved = _saved_choices(path)
+    saved = kernel_cache.saved_choices(path)
     if not MEASURED <= saved.get(key, {}).keys():
         log.info("timing gptkit's CPU kernels against PyTorch's products on this machine (once)")
         saved[key] = {**saved.get(key, {}), **_measure()}
-        try:
-            atomic_write_text(path, json.dumps(saved, indent=1))
-        except OSError as err:
-            log.warning("could not keep the kernel choices in %s: %s", path, err)
+        kernel_cache.keep_choices(path, saved)
     chosen = dict(saved[key])
     if upcast in ("0", "1"):
         chosen["bf16_upcast"] = upcast == "1"
     return chosen
-
-
-def _saved_choices(path: Path) -> dict[str, dict[str, bool]]:
-    """choices.json's entries ({machine key: {choice: bool}}); missing counts as empty, and so does a file that is
-    not of that shape (with a warning: its choices are measured again and the file rewritten)."""
-    try:
-        saved = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as err:
-        log.warning("cannot read the kernel choices in %s (%s); measuring them again", path, err)
-        return {}
-    entries = saved.values() if isinstance(saved, dict) else [None]
-    if not all(isinstance(e, dict) and all(isinstance(v, bool) for v in e.values()) for e in entries):
-        log.warning("%s is not a file of kernel choices (an object of machines, each naming choices true or false); "
-                    "measuring them again and rewriting it", path)  # fmt: skip
-        return {}
-    return saved
 
 
 def _machine_key() -> str:
@@ -491,10 +489,11 @@ def back_with_huge_pages(tensors: list[Tensor]) -> None:
         _start_native_thread(lambda: torch.ops.gptkit.huge_pages(tensors), "gptkit-huge-pages", HUGE_PAGES_EXIT_WAIT_S)
 
 
-def _start_native_thread(work: Callable[[], object], name: str, exit_wait_s: float) -> None:
+def _start_native_thread(work: Callable[[], object], name: str, exit_wait_s: float) -> threading.Thread:
     """Run work in a daemon thread that the process waits for at exit, up to exit_wait_s: native code still
     running while the interpreter tears down can abort the process ("terminate called without an active
-    exception"); the bound keeps a stuck build (a lock held by a suspended process) from holding the exit."""
+    exception"); the bound keeps a slow build from holding the exit for long."""
     thread = threading.Thread(target=work, name=name, daemon=True)
     thread.start()
     atexit.register(thread.join, exit_wait_s)
+    return thread

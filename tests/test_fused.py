@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from gptkit import cpu_kernels
+from gptkit import cpu_kernels, kernel_cache
 from gptkit.config import ModelConfig
 from gptkit.decoding import fused
 from gptkit.decoding.api import complete, generate_ids
@@ -42,34 +42,134 @@ def sharpened(config: ModelConfig, scale: float = 8.0) -> GPT:
     return model
 
 
-def steps(model: GPT, kv_dtype: torch.dtype | None = None, rows: int = 3, length: int = 10):
-    """(eager logits, fused logits, eager cache, fused cache) over `length` steps of `rows` rows at their own
-    positions, each path on its own cache."""
+def filled_caches(model: GPT, rows: int, kv_dtype: torch.dtype | None, seed: int = 0) -> list[KVCache]:
+    """Two equal caches of `rows` rows whose every position holds random keys and values, as a long conversation
+    leaves them (an int8 cache: random codes and scales)."""
     config = model.config
-    dtype = model.tok_emb.weight.dtype
-    caches = [KVCache(config, rows, config.block_size, dtype=dtype, kv_dtype=kv_dtype) for _ in range(2)]
+    caches = [KVCache(config, rows, config.block_size, dtype=model.tok_emb.weight.dtype, kv_dtype=kv_dtype)
+              for _ in range(2)]  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    for first, second in zip(caches[0].tensors, caches[1].tensors):
+        if first.dtype == torch.int8:
+            fill = torch.randint(-127, 128, first.shape, generator=g, dtype=torch.int8)
+        elif first.dim() == 3:  # an int8 cache's scales, (rows, heads, positions)
+            fill = 0.001 + 0.02 * torch.rand(first.shape, generator=g)
+        else:
+            fill = 2.0 * torch.randn(first.shape, generator=g)
+        first.copy_(fill)
+        second.copy_(fill)
+    return caches
+
+
+def steps(model: GPT, kv_dtype: torch.dtype | None = None, rows: int = 3, length: int = 10, start: int | None = None):
+    """(eager logits, fused logits, eager cache, fused cache, the (row, position) slots written) over `length` steps
+    of `rows` rows, each path on its own cache: empty caches and rows at positions t, t // 2, t - 3; or, from `start`
+    on, caches filled with random keys and values and row r at start + 3 r + t."""
+    config = model.config
+    if start is None:
+        dtype = model.tok_emb.weight.dtype
+        caches = [KVCache(config, rows, config.block_size, dtype=dtype, kv_dtype=kv_dtype) for _ in range(2)]
+    else:
+        caches = filled_caches(model, rows, kv_dtype)
     step = fused.step_for(model)
     assert step is not None
     g = torch.Generator().manual_seed(0)
     eager, native = [], []
+    written = torch.zeros(rows, config.block_size, dtype=torch.bool)
     with inference(model):
         for t in range(length):
             tokens = torch.randint(0, config.vocab_size, (rows, 1), generator=g)
-            positions = torch.tensor([t, t // 2, max(t - 3, 0)])[:rows]
+            if start is None:
+                positions = torch.tensor([t, t // 2, max(t - 3, 0)])[:rows]
+            else:
+                positions = start + 3 * torch.arange(rows) + t
+            written[torch.arange(rows), positions] = True
             eager.append(decode_one_token(model, tokens, caches[0], positions).float())
             native.append(step(model, tokens, caches[1], positions).float())
-    return torch.stack(eager), torch.stack(native), caches[0], caches[1]
+    return torch.stack(eager), torch.stack(native), caches[0], caches[1], written
+
+
+def differences(eager: torch.Tensor, native: torch.Tensor, eager_cache: KVCache, native_cache: KVCache,
+                written: torch.Tensor) -> dict[str, float]:  # fmt: skip
+    """How far the fused step's results lie from the eager step's: the logits, over their largest magnitude, and the
+    fraction of greedy tokens that differ; over the cache slots the steps wrote, a float cache over its largest
+    value, an int8 cache's codes (the most steps apart, and the fraction apart) and its scales (relative)."""
+    found = {"logits": float((native - eager).abs().max() / eager.abs().max()),
+             "tokens differ": float((native.argmax(-1) != eager.argmax(-1)).float().mean()), "cache": 0.0,
+             "codes apart": 0.0, "fraction apart": 0.0, "scales": 0.0}  # fmt: skip
+    for a, b in zip(eager_cache.tensors, native_cache.tensors):
+        a, b = a.transpose(1, 2)[written], b.transpose(1, 2)[written]  # (slots, heads[, head_dim])
+        if a.dtype == torch.int8:
+            apart = (a.int() - b.int()).abs()
+            found["codes apart"] = max(found["codes apart"], float(apart.max()))
+            found["fraction apart"] = max(found["fraction apart"], float((apart > 0).float().mean()))
+        elif a.dim() == 2:  # an int8 cache's scales
+            found["scales"] = max(found["scales"], float(((a - b).abs() / a.abs()).max()))
+        else:
+            found["cache"] = max(found["cache"], float((a.float() - b.float()).abs().max() / a.float().abs().max()))
+    return found
+
+
+# How far the fused step may lie from the eager one (differences() says what each measures), by weights. Measured
+# over seeds 0-19 of every test below, on AVX-512 and AVX2 builds, at 1 to 3 threads:
+# - fp32 weights: logits 1.9e-6 apart (the same sums in another order, and an int8 code one step apart moving the
+#   attention), float caches 6.0e-7, int8 caches one step apart in at most 5.8e-4 of the codes written (where
+#   v * 127 / max|v| lies within fp32's rounding of a half-integer) and scales 1.6e-6; greedy tokens always equal.
+#   The limits are 3 to 5 times those.
+# - int8 and int4 weights: the same, except where an activation's rounding to int8 (per block of 32, on both paths)
+#   lands on either side of a boundary: it moves one step (1/127 of its block's largest), and with it (measured at 8
+#   rows past position 1,900) the logits by up to 4.4e-3, a key's scale by 1.3e-3 and 5.5e-3 of the codes by one
+#   step; greedy tokens always equal. The limits are 2 to 4 times those.
+# - bf16 weights: the eager step rounds activations to bf16 after every operator (2^-8 = 3.9e-3 at most each time),
+#   the fused one keeps fp32: logits 7.9e-3 apart, caches 7.7e-3, and 1 greedy token in 30 differs, where the top two
+#   logits lie that close. The limits are about twice those.
+TOLERANCE = {
+    "fp32": {"logits": 1e-5, "tokens differ": 0, "cache": 2e-6, "codes apart": 1, "fraction apart": 2e-3,
+             "scales": 5e-6},
+    "quantised": {"logits": 1e-2, "tokens differ": 0, "cache": 5e-3, "codes apart": 1, "fraction apart": 2e-2,
+                  "scales": 5e-3},
+    "bf16": {"logits": 1.5e-2, "tokens differ": 1 / 30, "cache": 1.5e-2, "codes apart": 0, "fraction apart": 0,
+             "scales": 0},
+}  # fmt: skip
+
+
+def assert_agree(eager: torch.Tensor, native: torch.Tensor, eager_cache: KVCache, native_cache: KVCache,
+                 written: torch.Tensor, weights: str) -> None:  # fmt: skip
+    """The fused step's logits, tokens and cache lie within TOLERANCE[weights] of the eager step's."""
+    found = differences(eager, native, eager_cache, native_cache, written)
+    assert all(found[name] <= limit for name, limit in TOLERANCE[weights].items()), found
 
 
 @needs_kernels
 @pytest.mark.parametrize("name", list(COVERED))
 def test_the_fused_step_gives_the_eager_steps_logits_and_cache(name):
-    model = GPT(ModelConfig(**COVERED[name])).eval()
+    model = sharpened(ModelConfig(**COVERED[name]))
     assert fused.uncovered(model) is None
-    eager, native, eager_cache, native_cache = steps(model)
-    torch.testing.assert_close(native, eager, atol=1e-4, rtol=0)
-    for a, b in zip(eager_cache.tensors, native_cache.tensors):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    assert_agree(*steps(model), "fp32")
+
+
+# Shapes where the step's vector loops run whole and with remainders: llama-style grouped heads of 64 values, and
+# heads of 36 (not a power of two: a remainder after 16- and 8-lane vectors); the other sizes small, so each case
+# runs in well under a second.
+LONG = {"llama-gqa, heads of 64": dict(VARIANTS["llama-gqa"], n_head=4, n_kv_head=2, n_embd=256, ffn_hidden=64),
+        "gpt2, heads of 36": dict(VARIANTS["gpt2"], n_head=2, n_embd=72, ffn_hidden=64)}  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["fp32 cache", "int8 cache"])
+@pytest.mark.parametrize("name", list(LONG))
+def test_the_fused_step_at_long_positions_and_full_rows_on_every_thread_count(name, kv_dtype, threads):
+    """8 rows past position 1,900 over caches full of keys (the attention and softmax loops run whole vectors), with
+    the step's OpenMP region split over 1, 2 and 3 threads (the suite itself runs on one)."""
+    model = sharpened(ModelConfig(**dict(LONG[name], vocab_size=64, block_size=2048)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        result = steps(model, kv_dtype, rows=fused.MAX_ROWS, length=3, start=1900)
+    finally:
+        torch.set_num_threads(before)
+    assert_agree(*result, "fp32")
 
 
 @needs_kernels
@@ -90,24 +190,16 @@ def test_greedy_tokens_are_the_eager_steps(name, monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("form", ["bf16", "int8", "int4", "int8 cache", "int4 + int8 cache"])
 def test_every_weight_and_cache_format_decodes_as_the_eager_step(form):
-    """bf16: the fused step keeps fp32 activations where the eager one rounds them to bf16 after each operator; int8
-    and int4 products round activations to int8 per block of 32 on both paths, so a value on a rounding boundary can
-    differ by one step. The logits agree to a small fraction of their spread, and greedy tokens agree."""
+    """Within TOLERANCE for the weights (why each differs: see there); "int8 cache" runs int8 weights too."""
     config = ModelConfig(**dict(VARIANTS["llama-gqa"], block_size=64))
     model = sharpened(config)
-    if form == "bf16":
-        model = model.to(torch.bfloat16)
-    elif form.startswith("int"):
-        model = quantize(model, form[:4])
+    weights = "bf16" if form == "bf16" else "quantised"
+    model = model.to(torch.bfloat16) if form == "bf16" else quantize(model, form[:4])
     kv_dtype = torch.int8 if "cache" in form else None
-    eager, native, eager_cache, native_cache = steps(model, kv_dtype)
-    spread = eager.abs().max()
-    assert (native - eager).abs().max() <= 0.03 * spread
-    assert (native.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.95
+    result = steps(model, kv_dtype)
+    assert_agree(*result, weights)
     if kv_dtype is not None:
-        assert native_cache.keys[0].dtype == torch.int8 and len(native_cache.key_scales) == config.n_layer
-        for a, b in zip(eager_cache.keys + eager_cache.values, native_cache.keys + native_cache.values):
-            assert (a.int() - b.int()).abs().max() <= 1  # one rounding step at most
+        assert result[3].keys[0].dtype == torch.int8 and len(result[3].key_scales) == config.n_layer
 
 
 @needs_kernels
@@ -159,22 +251,31 @@ def test_an_int8_cache_decodes_close_to_the_full_precision_one():
     assert int8_cache.kv_dtype == torch.int8 and full_cache.kv_dtype is None
 
 
-def test_a_first_decode_does_not_wait_for_the_kernels_to_build(monkeypatch):
+def test_a_first_decode_does_not_wait_for_the_kernels_to_build(monkeypatch, tmp_path):
     import threading
-
-    from torch.utils import cpp_extension
 
     release = threading.Event()
 
-    def slow_build(**_):
-        release.wait(30)  # a build that takes as long as the test needs
-        raise RuntimeError("stop here")
+    class SlowBuilder:  # a builder process that runs as long as the test needs, then fails
+        def __init__(self, *_) -> None:
+            pass
+
+        def poll(self) -> int | None:
+            return 1 if release.is_set() else None
+
+        returncode = property(poll)
+
+        def wait(self) -> int | None:
+            release.wait(30)
+            return self.poll()
 
     monkeypatch.setattr(cpu_kernels, "_STATE", {})
-    monkeypatch.setattr(cpu_kernels, "_built", lambda: False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty kernel cache: the library is built
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.delenv(cpu_kernels.ISA_VARIABLE, raising=False)
     monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
     monkeypatch.setenv(cpu_kernels.UPCAST_VARIABLE, "0")
-    monkeypatch.setattr(cpp_extension, "load", slow_build)
+    monkeypatch.setattr(kernel_cache, "spawn_build", SlowBuilder)
     model = sharpened(ModelConfig(**TINY))
     try:
         out = generate_ids(model, [1, 2, 3], max_new_tokens=4, temperature=0)  # decodes while the build runs
@@ -228,7 +329,7 @@ def padded(config: ModelConfig, vocab_multiple: int = 16) -> GPT:
 def test_a_padded_vocabulary_decodes_fused_as_eager_and_never_yields_a_padded_id(name):
     model = padded(ModelConfig(**dict(VARIANTS[name], block_size=64)))
     assert fused.uncovered(model) is None  # the step computes the padded head; its extra logits are dropped
-    eager, native, _, _ = steps(model)
+    eager, native, *_ = steps(model)
     assert native.shape[-1] == model.config.vocab_size
     torch.testing.assert_close(native, eager, atol=1e-4, rtol=0)
     prompt = [3, 1, 4, 1, 5]
