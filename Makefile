@@ -6,16 +6,28 @@ BIN = $(VENV)/bin
 TORCH = torch==2.13.0
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser compiler llama-converter run test test-all clean
+.PHONY: install test-deps browser compiler llama-converter run test test-all clean
 
+# What `make run` needs: gptkit and torch, no test tools. pip shows its progress (torch is a download of a few
+# hundred MB: minutes on a slow line).
 $(BIN)/gptkit: pyproject.toml
+	@echo "make: setting up $(VENV) with $(TORCH) (CPU build) and gptkit; the first time takes a few minutes"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --progress-bar on $(TORCH)
+	$(BIN)/pip install --progress-bar on -e .
 	touch $(BIN)/gptkit
 
 install: $(BIN)/gptkit
+
+# The test extras, only for `make test`.
+TEST_DEPS = $(VENV)/.test-deps
+$(TEST_DEPS): pyproject.toml | install
+	@echo "make: adding the test extras to $(VENV)"
+	$(BIN)/pip install --progress-bar on -e '.[test]'
+	touch $(TEST_DEPS)
+
+test-deps: $(TEST_DEPS)
 
 # The playground test drives Debian's Chromium (never a browser downloaded by a test tool).
 browser:
@@ -37,7 +49,7 @@ run: install
 # llama-cpp-python source distribution on PyPI carries (nothing is built).
 LLAMA_CPP_PYTHON = llama-cpp-python==0.3.36
 CONVERTER = .cache/llama.cpp/convert_hf_to_gguf.py
-$(CONVERTER): | install
+$(CONVERTER): | test-deps
 	rm -rf .cache/llama.cpp && mkdir -p .cache/llama.cpp/sdist
 	$(BIN)/pip download --quiet --no-deps --no-binary :all: $(LLAMA_CPP_PYTHON) -d .cache/llama.cpp/sdist
 	tar xzf .cache/llama.cpp/sdist/*.tar.gz -C .cache/llama.cpp --strip-components 3 --wildcards \
@@ -46,10 +58,10 @@ $(CONVERTER): | install
 
 llama-converter: $(CONVERTER)
 
-test: install browser compiler llama-converter
+test: test-deps browser compiler llama-converter
 	$(BIN)/python -m pytest -q
 
-test-all: install browser compiler llama-converter
+test-all: test-deps browser compiler llama-converter
 	$(BIN)/python -m pytest -q -m ''
 
 clean:

@@ -7,8 +7,11 @@
 2. From those two files alone, write a one-page figure: loss, ICL score, strongest induction score (with what
    uniform attention scores), and the samples at four moments (step 0, early, middle, end).
 
-Run: python examples/watch_it_learn.py [--out runs/watch-it-learn] [--steps 500] [--figure docs/watch_it_learn.png]
+Run: python examples/watch_it_learn.py [--out runs/watch-it-learn] [--steps 500] [--figure PNG]
      python examples/watch_it_learn.py --plot-only --out runs/watch-it-learn   # redraw from an existing run
+The page goes to RUN_DIR/watch_it_learn.png unless --figure names another file: a run never changes the
+repository's own files (docs/watch_it_learn.png is the reference run's page). --steps N runs the recipe's schedule
+scaled to N steps (warm-up, decay, evaluations and checkpoints at the same fractions of the run).
 """
 
 from __future__ import annotations
@@ -21,13 +24,19 @@ import sys
 import textwrap
 from pathlib import Path
 
+import yaml
+
 from gptkit.observe.samples import SAMPLES_FILE, read_samples
 from gptkit.observe.training import draw_icl, draw_induction
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shakespeare-char-cpu.yaml"
-DATA = ROOT / "data" / "shakespeare_char"
+DATA = Path("data") / "shakespeare_char"  # where `gptkit prepare` puts it: relative to where you run this, as the
+#                                          run directory is (run from the repository's root, as the README does)
 SHOWN_CHARS = 160  # characters of each sample on the page
+FIGURE = "watch_it_learn.png"  # written into the run directory
+# The recipe's settings that are counted in steps: --steps N scales each by N / the recipe's max_steps.
+SCHEDULE = {"optim": ("warmup_steps", "decay_steps"), "train": ("eval_interval", "checkpoint_interval")}
 
 
 def gptkit_cli(*args: str) -> None:
@@ -45,6 +54,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
         except ValueError:
             continue
     return records
+
+
+def scaled_schedule(steps: int, recipe: Path = CONFIG) -> list[str]:
+    """The flags that run the recipe's schedule in `steps` steps: its warm-up, decay, evaluations and checkpoints at
+    the same fractions of the run (2000 steps evaluated every 250: 500 steps every 62)."""
+    settings = yaml.safe_load(recipe.read_text())
+    scale = steps / settings["train"]["max_steps"]
+    flags = ["--train.max_steps", str(steps)]
+    for section, keys in SCHEDULE.items():
+        for key in keys:
+            flags += [f"--{section}.{key}", str(max(1, round(settings[section][key] * scale)))]
+    return flags
 
 
 def four_moments(steps: list[int]) -> list[int]:
@@ -80,9 +101,7 @@ def draw(run_dir: Path, figure_path: Path) -> None:
     train = [(r["step"], r["loss"]) for r in history if r.get("loss") is not None]
     loss.plot(*zip(*train), alpha=0.4, label="train (each step)")
     loss.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], marker="o", label="validation")
-    loss.plot([r["step"] for r in evals], [r["induction_loss"] for r in evals], marker="o",
-              label="second copy of a random sequence")  # fmt: skip
-    loss.set_ylabel("loss (nats)")
+    loss.set_ylabel("loss (nats)")  # (the random sequence's second copy: beside the induction score, below)
     loss.set_title(f"Watch it learn: {run_dir.name}")
     loss.legend()
     icl = figure.add_subplot(grid[1], sharex=loss)
@@ -110,20 +129,26 @@ def summary(run_dir: Path) -> None:
                   f"({r['induction_chance']:.3f})          {r['induction_loss']:.4f}")  # fmt: skip
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "watch-it-learn", help="the run directory")
-    parser.add_argument("--steps", type=int, default=None, help="train this many steps (default: the recipe's)")
-    parser.add_argument("--figure", type=Path, default=ROOT / "docs" / "watch_it_learn.png")
+    parser.add_argument("--out", type=Path, default=Path("runs") / "watch-it-learn", help="the run directory")
+    parser.add_argument("--steps", type=int, default=None, help="train this many steps, the recipe's schedule scaled "
+                        "to them (default: the recipe's 2000)")
+    parser.add_argument("--figure", type=Path, default=None, help=f"the page (default: RUN_DIR/{FIGURE})")
     parser.add_argument("--plot-only", action="store_true", help="draw an existing run without training")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if not args.plot_only:
         if not (DATA / "meta.json").is_file():
             gptkit_cli("prepare", "--tokenizer", "char", "--out", str(DATA))
-        steps = ["--train.max_steps", str(args.steps)] if args.steps else []
+        steps = scaled_schedule(args.steps) if args.steps else []
         gptkit_cli("train", "--config", str(CONFIG), "--data", str(DATA), "--out", str(args.out), *steps)
     summary(args.out)
-    draw(args.out, args.figure)
+    draw(args.out, args.figure or args.out / FIGURE)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ MANIFEST_FORMAT = "gptkit-checkpoint-manifest"
 CHECKSUM = "xxh3_64"
 TMP_PREFIX = ".tmp-"
 STEP_DIR = re.compile(r"step-(\d+)")
+RANK_KEY = re.compile(r"rank(\d+)\.")  # rng.safetensors: rank r > 0's generators, "rank<r>.<name>"
 
 
 class CheckpointError(GptkitError):
@@ -241,6 +242,18 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     if match and int(match.group(1)) != record["step"]:
         raise CheckpointError(f"{file} holds step {record['step']}, not the directory's {int(match.group(1))}")
     return record
+
+
+def saved_world(path: Path) -> tuple[int, int | None]:
+    """(processes, grad_accum per process) of the run that wrote a checkpoint. trainer.json holds both; a checkpoint
+    written before it did tells its processes by the ranks its generators were saved for, and no grad_accum."""
+    record = read_trainer_state(path)
+    world, accum = record.get("world_size"), record.get("grad_accum")
+    if isinstance(world, int) and world >= 1:
+        return world, accum if isinstance(accum, int) and accum >= 1 else None
+    ranks = [int(match.group(1)) for key in load_tensors(path / RNG_FILE)
+             if (match := RANK_KEY.match(key))]  # fmt: skip
+    return max(ranks, default=0) + 1, None
 
 
 def rng_state() -> dict[str, torch.Tensor]:

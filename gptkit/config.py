@@ -29,25 +29,25 @@ SWIGLU_MULTIPLE = 64
 class ModelConfig:
     """Shape and architecture of a decoder-only transformer (SPEC section 1). Defaults are GPT-2 small."""
 
-    vocab_size: int = 50257
+    vocab_size: int = 50257  # token ids the model reads and predicts (a run takes it from the data's meta.json)
     block_size: int = 1024  # maximum context the model is trained for
-    n_layer: int = 12
-    n_head: int = 12
-    n_kv_head: int | None = None  # None means n_head (plain multi-head attention)
-    n_embd: int = 768
-    ffn_hidden: int | None = None  # None means 4*n_embd, or 8/3*n_embd rounded for swiglu
-    activation: Activation = "gelu_tanh"
-    norm: Norm = "layernorm"
-    norm_eps: float = 1e-5
-    norm_position: NormPosition = "pre"
-    position: Position = "learned"
-    rope_theta: float = 10000.0
-    attn_bias: bool = True
-    mlp_bias: bool = True
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block (query heads)
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None means n_head (multi-head)
+    n_embd: int = 768  # width of the residual stream (each head is n_embd / n_head wide)
+    ffn_hidden: int | None = None  # the MLP's inner width; None means 4*n_embd, or 8/3*n_embd rounded for swiglu
+    activation: Activation = "gelu_tanh"  # the MLP's nonlinearity (gelu is exact GELU, gelu_tanh its approximation)
+    norm: Norm = "layernorm"  # layernorm or rmsnorm
+    norm_eps: float = 1e-5  # added to the variance inside each norm
+    norm_position: NormPosition = "pre"  # pre: norm before attention and MLP (GPT-2); post: after the residual add
+    position: Position = "learned"  # learned table, fixed sinusoids, rope (rotary), or none
+    rope_theta: float = 10000.0  # rope: base of the rotary frequencies
+    attn_bias: bool = True  # biases in the q/k/v and output projections
+    mlp_bias: bool = True  # biases in the MLP's two (or three) projections
     norm_bias: bool = True  # LayerNorm's shift; RMSNorm has none
-    lm_head_bias: bool = False
-    tie_embeddings: bool = True
-    dropout: float = 0.0
+    lm_head_bias: bool = False  # a bias on the output logits
+    tie_embeddings: bool = True  # the LM head shares the token embedding's weights
+    dropout: float = 0.0  # dropout probability on attention, residual and embedding outputs while training
     qk_norm: bool = False  # RMSNorm with a learned gain over head_dim on each head's q and k, before RoPE (Qwen3)
     logit_softcap: float | None = None  # logits = c * tanh(z / c) (Gemma 2's final-logit soft-cap); None: raw z
     zero_init_proj: bool = False  # the residual output projections (attn.proj, mlp.proj) start at zero

@@ -47,6 +47,8 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
     """The parsed meta.json of a data directory, checked against the sizes of train.bin and val.bin."""
     data_dir = Path(data_dir)
     path = data_dir / META_FILE
+    if data_dir.is_file():  # e.g. DATA_DIR/val.bin: the directory is what is meant
+        raise GptkitError(f"{data_dir} is a file; give the prepared data directory that holds it ({data_dir.parent})")
     if not data_dir.is_dir():
         raise GptkitError(f"data directory {data_dir} does not exist; create it with `gptkit prepare --out {data_dir}`")
     if not path.is_file():

@@ -110,6 +110,28 @@ def measured_cpu_matmul_flops(dtype: torch.dtype, repeats: int = 10) -> float:
     return 2 * n**3 / best
 
 
+def gpu_recipe_on_cpu(requested: str, device: torch.device, dtype: str, compiled: bool, total_flops: float,
+                      peak: float | None) -> str | None:  # fmt: skip
+    """The warning for a recipe written for a GPU (device auto, with bf16/fp16 or compile) that found only a CPU:
+    the FLOPs it needs and the least time they take at the CPU's measured peak; None for any other run."""
+    if requested != "auto" or device.type != "cpu" or (dtype == "float32" and not compiled):
+        return None
+    settings = ", ".join([f"dtype {dtype}"] * (dtype != "float32") + ["compile"] * compiled)
+    floor = f", at least {_duration(total_flops / peak)} at its measured {peak / 1e9:.0f} GFLOP/s" if peak else ""
+    faster = "; on a CPU, dtype float32 is faster" if dtype != "float32" else ""
+    return (f"this run is set up for a GPU (device auto, {settings}) but found none, so it trains on the CPU: "
+            f"{total_flops:.2g} FLOPs{floor} (the progress bar's ETA measures it{faster})")
+
+
+def _duration(seconds: float) -> str:
+    """A time as a person says it: 45 s, 12 min, 3 h 20 min."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
+
+
 def check_precision(dtype: str, device: torch.device) -> None:
     """float16 trains with a gradient scaler, which needs CUDA."""
     if dtype == "float16" and device.type != "cuda":

@@ -8,7 +8,8 @@ Rank r's k-th micro-batch is the stream's batch k * W + r. With W ranks and grad
 consumes global batches s*A*W ... s*A*W + A*W - 1, exactly the micro-batches a single process with grad_accum A*W
 would use for update s, so the two runs compute the same gradient (up to float summation order). The loader
 state saved in a checkpoint is the global position (k * W), which every rank maps back to its own k: a run
-resumes exactly, and may even resume on another world size when the position divides evenly.
+resumes exactly. Resumed on another world size, each process's grad_accum changes so that an update takes the same
+A * W micro-batches (resumed_grad_accum), or the resume is refused when they cannot be shared evenly.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gptkit.errors import ConfigError, GptkitError
+
+logger = logging.getLogger(__name__)
 
 # A collective that waits longer than this is taken as a dead rank (the default of 10 min hides hangs in tests).
 TIMEOUT = datetime.timedelta(minutes=5)
@@ -170,6 +173,30 @@ class RankBatches:
                 "processes; resume with the world size the run used"
             )
         self.k = position // self.world.world_size
+
+
+def resumed_grad_accum(saved_world: int, saved_accum: int | None, world_size: int, grad_accum: int) -> int:
+    """The grad_accum a run resumed on world_size processes takes: the one that keeps the micro-batches of each
+    update (saved_world x saved_accum) when the process count changed, or a ConfigError when they cannot be shared
+    evenly. A grad_accum the resume itself changed (saved_accum differs) is kept, with a warning."""
+    if saved_accum is None:  # a checkpoint from before trainer.json said: the run's config.yaml has it
+        saved_accum = grad_accum
+    if saved_world == world_size:
+        return grad_accum
+    per_update = saved_world * saved_accum
+    if grad_accum != saved_accum:
+        logger.warning("resuming a %d-process run on %d processes with train.grad_accum %d: each update now takes "
+                       "%d micro-batches instead of %d", saved_world, world_size, grad_accum, grad_accum * world_size,
+                       per_update)  # fmt: skip
+        return grad_accum
+    if per_update % world_size:
+        raise ConfigError(f"the checkpoint's run took {per_update} micro-batches an update ({saved_world} processes x "
+                          f"train.grad_accum {saved_accum}), which {world_size} processes cannot share evenly; resume "
+                          f"with torchrun --nproc_per_node {saved_world}")  # fmt: skip
+    logger.warning("resuming a %d-process run on %d process(es): train.grad_accum %d -> %d keeps its %d micro-batches "
+                   "an update", saved_world, world_size, saved_accum, per_update // world_size,
+                   per_update)  # fmt: skip
+    return per_update // world_size
 
 
 def wrap(model: nn.Module, world: World, parallel: str, device: torch.device) -> nn.Module:

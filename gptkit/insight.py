@@ -65,7 +65,7 @@ class Picture:
 
 def state_labels(config: ModelConfig) -> list[str]:
     """Names of the hidden states a Trace records, in order."""
-    labels = ["embedding"] + [f"block {i + 1}" for i in range(config.n_layer)]
+    labels = ["embedding"] + [f"layer {i}" for i in range(config.n_layer)]  # numbered from 0, as everywhere
     return labels + (["final norm"] if config.norm_position == "pre" else [])
 
 
@@ -131,7 +131,7 @@ def parameter_parts(config: ModelConfig) -> list[tuple[str, int]]:
     if totals.position_embedding:
         parts.append(("position embedding", totals.position_embedding))
     for i in range(config.n_layer):
-        parts += [(f"block {i + 1} attention", attention_params(config)), (f"block {i + 1} MLP", mlp_params(config))]
+        parts += [(f"layer {i} attention", attention_params(config)), (f"layer {i} MLP", mlp_params(config))]
     parts.append((f"norms ({totals.norms // norm_params(config)})", totals.norms))
     if totals.lm_head:
         parts.append(("LM head", totals.lm_head))
@@ -193,8 +193,8 @@ def default_icl_prompt(prompt: str, tokenizer: Any) -> tuple[str, str]:
 
 
 def lens_rows(config: ModelConfig) -> list[str]:
-    """Names of the logit lens's rows: the residual stream after the embedding and after each block."""
-    return ["embedding"] + [f"block {i + 1}" for i in range(config.n_layer)]
+    """Names of the logit lens's rows: the residual stream after the embedding and after each layer (from 0)."""
+    return ["embedding"] + [f"layer {i}" for i in range(config.n_layer)]
 
 
 # --- drawing ------------------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def draw_attention(weights: Tensor, labels: Sequence[str], layer: int) -> Figure
     for h in range(n_head):
         ax = fig.add_subplot(rows, cols, h + 1)
         image = ax.imshow(np.ma.masked_array(weights[h].numpy(), mask=upper), cmap="viridis", vmin=0, vmax=1)
-        ax.set_title(f"head {h + 1}", fontsize=9)
+        ax.set_title(f"head {h}", fontsize=9)
         _tick_labels(ax, labels, x=h // cols == rows - 1 or h + cols >= n_head, y=h % cols == 0)
     fig.colorbar(image, ax=fig.axes, shrink=0.6, label="attention weight")
     fig.suptitle(f"layer {layer}: query (row) attends to key (column)")
@@ -386,25 +386,30 @@ def draw_head_contributions(contributions: Tensor, token: str) -> Figure:
 
 def _layer_head_axes(ax: Any, n_layer: int, n_head: int) -> None:
     step_h, step_l = max(1, n_head // 16), max(1, n_layer // 24)
-    ax.set_xticks(range(0, n_head, step_h), [str(h + 1) for h in range(0, n_head, step_h)], fontsize=8)
-    ax.set_yticks(range(0, n_layer, step_l), [str(i + 1) for i in range(0, n_layer, step_l)], fontsize=8)
+    ax.set_xticks(range(0, n_head, step_h), [str(h) for h in range(0, n_head, step_h)], fontsize=8)
+    ax.set_yticks(range(0, n_layer, step_l), [str(i) for i in range(0, n_layer, step_l)], fontsize=8)
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
 
 
 def draw_induction(scores: Tensor, chance: float) -> Figure:
-    """Layer x head heatmap of induction scores on a 0..1 scale, each cell annotated when there are few."""
+    """Layer x head heatmap of induction scores on a 0..1 scale that turns at the chance level (white): blue
+    below it, red above, so that heads near chance stay apart; each cell annotated when there are few."""
+    from matplotlib.colors import TwoSlopeNorm
+
     L, H = scores.shape
     fig = _figure(max(6, 0.6 * H + 3), max(3.5, 0.45 * L + 2))
     ax = fig.add_subplot()
-    image = ax.imshow(scores.numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=min(max(chance, 1e-6), 1 - 1e-6), vmax=1.0)
+    image = ax.imshow(scores.numpy(), cmap="RdBu_r", norm=norm, aspect="auto")
     _layer_head_axes(ax, L, H)
     if L * H <= 200:
         for i in range(L):
             for j in range(H):
-                colour = "black" if scores[i, j] > 0.6 else "white"
-                ax.text(j, i, f"{scores[i, j]:.2f}", ha="center", va="center", fontsize=7, color=colour)
-    fig.colorbar(image, ax=ax, label="induction score")
+                colour = "white" if abs(float(norm(float(scores[i, j]))) - 0.5) > 0.35 else "black"
+                ax.text(j, i, f"{scores[i, j]:.3f}", ha="center", va="center", fontsize=7, color=colour)
+    bar = fig.colorbar(image, ax=ax, label="induction score (white: uniform attention)")
+    bar.set_ticks([0.0, chance, 0.5, 1.0], labels=["0", f"{chance:.3f}", "0.5", "1"])
     ax.set_title(f"induction score per head\n(uniform attention: {chance:.3f}, perfect induction head: 1)", fontsize=10)
     return fig
 
@@ -417,8 +422,9 @@ def draw_icl(attention: Tensor, labels: Sequence[str], losses: Tensor, loss_sour
     top, bottom = fig.subplots(2, 1, height_ratios=[1 + 0.35 * L, 3.2])
     image = top.imshow(attention.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=float(attention.max()))
     _tick_labels(top, labels, y=False)
-    top.set_yticks(range(L), [f"layer {i + 1}" for i in range(L)], fontsize=8)
-    top.set_title("attention from the answer position (last token) to the few-shot prompt, mean over heads")
+    top.set_yticks(range(L), [f"layer {i}" for i in range(L)], fontsize=8)
+    top.set_title("attention from the answer position (last token)\nto the few-shot prompt, mean over heads",
+                  fontsize=10)  # two lines: one is wider than the figure of a short prompt
     fig.colorbar(image, ax=top, label="attention weight")
     positions = np.arange(1, len(losses) + 1)
     bottom.plot(positions, losses.numpy(), color="#c44e52", linewidth=1)
@@ -495,7 +501,7 @@ def write_report(
     add(draw_parameters(config), "parameters.png", "Parameter breakdown",
         f"{total:,} parameters: the token embedding, each block's attention (fused q, k, v and output "
         "projections) and MLP, all norms together, and the LM head when it is not tied to the embedding.")
-    for layer, weights in enumerate(attention_maps(insight), start=1):
+    for layer, weights in enumerate(attention_maps(insight)):  # layers and heads are numbered from 0
         add(draw_attention(weights[:, cut:, cut:], labels, layer), f"attention_layer{layer}.png",
             f"Attention, layer {layer}",
             f"softmax(QK^T/sqrt(d_k) + M) for each of the {config.n_head} heads: row i shows how query token i "

@@ -9,6 +9,7 @@ only its own format (gptkit.formats, the LoRA directory's too: gptkit.formats.lo
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from gptkit.adapters import fingerprint
+from gptkit.checkpoint import CHECKPOINTS, LATEST, checkpoint_dirs, latest_checkpoint
 from gptkit.chat import DEFAULT_JINJA, ChatTemplate, eos_text, load_chat_template, read_tokenizer_config
 from gptkit.errors import GptkitError
 from gptkit.formats import gguf, hf, lora, modeldir, quantized
@@ -23,6 +25,8 @@ from gptkit.model import GPT
 from gptkit.tensors import CONFIG_FILE, ModelDirError, is_gptkit_dir, read_config_json, read_model_config
 from gptkit.tokenizer import Tokenizer
 from gptkit.weights import model_state
+
+logger = logging.getLogger(__name__)
 
 FORMATS = ("gguf", "lora", "hf", "quantized", "gptkit")
 
@@ -44,10 +48,30 @@ def model_format(path: str | Path) -> str:
     raise ModelDirError(f"{path / CONFIG_FILE} is neither a gptkit nor a Hugging Face model config")
 
 
+def resolve_model_path(path: str | Path) -> Path:
+    """The model a path means: a training run's directory, or its `latest` file, means its newest complete
+    checkpoint (said in a log line); a checkpoint that does not exist is a one-line error listing those that do."""
+    path = Path(path)
+    run = path.parent if path.name == LATEST and path.is_file() else path
+    if run.is_dir() and (run / CHECKPOINTS).is_dir() and not (run / CONFIG_FILE).exists():
+        newest = latest_checkpoint(run)
+        if newest is None:
+            raise ModelDirError(f"{run} is a training run without a complete checkpoint yet; train until its first "
+                                "checkpoint (train.checkpoint_interval) or give a model directory")  # fmt: skip
+        logger.info("%s is a training run: using its newest checkpoint, %s", path, newest)
+        return newest
+    if not path.exists() and path.parent.name == CHECKPOINTS and path.parent.is_dir():
+        have = [p.name for p in reversed(checkpoint_dirs(path.parent.parent))]
+        raise ModelDirError(f"checkpoint {path} does not exist; {path.parent} holds "
+                            f"{', '.join(have) if have else 'no checkpoint'}")  # fmt: skip
+    return path
+
+
 def load(path: str | Path, dtype: torch.dtype | None = None,
          device: torch.device | str | None = None) -> tuple[GPT, Tokenizer | None]:  # fmt: skip
-    """(model in eval mode, tokenizer or None when the path holds none) from any format gptkit reads."""
-    path = Path(path)
+    """(model in eval mode, tokenizer or None when the path holds none) from any format gptkit reads; a run
+    directory means its newest checkpoint (resolve_model_path)."""
+    path = resolve_model_path(path)
     kind = model_format(path)
     if kind == "gguf":
         return gguf.load_gguf(path, dtype=dtype, device=device)
@@ -118,6 +142,7 @@ def chat_template(path: str | Path, tokenizer: Tokenizer | None) -> ChatTemplate
 def model_context(path: str | Path) -> int | None:
     """The context length (block_size) of the model at path, or None when path holds no model gptkit reads."""
     try:
+        path = resolve_model_path(path)
         kind = model_format(path)
         if kind in ("gptkit", "quantized"):
             return read_model_config(path).block_size

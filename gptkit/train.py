@@ -13,7 +13,6 @@ import gc
 import json
 import logging
 import math
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -29,38 +28,22 @@ from gptkit.accounting import training_flops_per_token
 from gptkit.atomic import atomic_write_text
 from gptkit.chat import TOKENIZER_CONFIG
 from gptkit.checkpoint import (
-    CheckpointError,
-    full_tensor,
-    local_tensor,
-    latest_checkpoint,
-    load_checkpoint,
-    remove_stale_temporaries,
-    resume_point,
-    rewind,
-    rng_state,
-    save_checkpoint,
-)
+    CheckpointError, checkpoint_name, full_tensor, local_tensor, latest_checkpoint, load_checkpoint,
+    remove_stale_temporaries, resume_point, rewind, rng_state, save_checkpoint, saved_world, set_rng_state,
+)  # fmt: skip
 from gptkit.data import Batches, load_run_data
-from gptkit.devices import attention_backends, autocast_for, check_precision, peak_flops, pick_device
+from gptkit.devices import attention_backends, autocast_for, check_precision, gpu_recipe_on_cpu, peak_flops, pick_device
 from gptkit.distributed import (
-    RankBatches,
-    World,
-    all_mean,
-    any_rank,
-    barrier,
-    device_for,
-    gather_objects,
-    init_process_group,
-    sync_context,
-    world_from_env,
-    wrap,
-)
-from gptkit.errors import ConfigError, GptkitError
+    RankBatches, World, all_mean, any_rank, barrier, device_for, gather_objects, init_process_group,
+    resumed_grad_accum, sync_context, world_from_env, wrap,
+)  # fmt: skip
+from gptkit.errors import ConfigError, GptkitError, StepAbandoned
 from gptkit.finetune.catalogue import method_for, objective_for
 from gptkit.finetune.parts import Setup
 from gptkit.model import GPT
 from gptkit.observe.run_log import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, RunLog, read_history
 from gptkit.observe.training import Observer
+from gptkit.stopping import EvaluationStopped, stop_on_signals
 from gptkit.optim import make_optimizer, set_learning_rates
 from gptkit.tokenizer import check_same_tokenizer
 from gptkit.train_config import RunConfig
@@ -84,27 +67,6 @@ class TrainResult:
     val_loss: float | None
     skipped_steps: int
     interrupted: bool
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[threading.Event]:
-    """An event set by the first SIGINT or SIGTERM (the loop then checkpoints and returns); a second SIGINT aborts."""
-    requested = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield requested
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        if requested.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        requested.set()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield requested
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def train(config: RunConfig, resume: bool = False, progress: bool = True,
@@ -139,6 +101,8 @@ class Trainer:
         self.run_dir = config.run_dir()
         self.data = load_run_data(self.t.data_dir)
         checkpoint = resume_point(self.run_dir, resume or resume_from is not None, resume_from)
+        if checkpoint is not None:  # another process count keeps the global batch through grad_accum
+            self.t.grad_accum = resumed_grad_accum(*saved_world(checkpoint), self.world.world_size, self.t.grad_accum)
         self.device = device if device is not None else pick_device(self.t.device, "train.device")
         check_precision(self.t.dtype, self.device)
         self.method = method_for(config)
@@ -245,6 +209,11 @@ class Trainer:
         self.forward = torch.compile(self.wrapped) if self.t.compile else self.wrapped
         self.flops_per_token = training_flops_per_token(self.gpt.config)
         self.peak = peak_flops(self.device, self.t.dtype, self.t.peak_flops)
+        per_step = self.t.batch_size * self.t.grad_accum * self.world.world_size * self.block_size
+        warning = gpu_recipe_on_cpu(self.t.device, self.device, self.t.dtype, self.t.compile,
+                                    self.t.max_steps * per_step * self.flops_per_token, self.peak)  # fmt: skip
+        if warning and self.world.is_main:
+            logger.warning(warning)
         # Fault counters stay on the device, so no step waits to learn whether it was skipped.
         zero = torch.zeros((), device=self.device)
         self.bad_run, self.bad_run_max, self.bad_count = zero.clone(), zero.clone(), zero.clone()
@@ -252,6 +221,8 @@ class Trainer:
         self.tokens_seen = 0  # input tokens since the last logged step, on this rank
         self.step_stats: dict[str, Tensor] = {}  # the objective's statistics of the last step
         self.started = time.perf_counter()
+        self.before_step = self.position()  # where a step that cannot finish is undone to (see abandon)
+        self.cut_short = False  # whether a signal now ends an evaluation at once (see evaluate_into)
 
     def elapsed(self) -> float:
         """Training wall time of the whole run, across resumes."""
@@ -335,23 +306,33 @@ class Trainer:
         return record
 
     def evaluate_into(self, record: dict[str, Any]) -> None:
-        """Add the objective's evaluation (losses, task metrics) and what the observer measures to record."""
+        """Add the objective's evaluation (losses, task metrics) and what the observer measures to record; a
+        signal during it ends it there (EvaluationStopped), and the record says so."""
+        samples: list[Any] = []
         self.forward.eval()
-        record.update(self.objective.evaluate(self.forward))
+        try:  # the flag is cleared inside the try: a signal raises EvaluationStopped only where it is caught
+            self.cut_short = not self.world.distributed  # a rank cannot leave a collective on its own
+            with self.log.evaluating(self.gpt, self.step):
+                record.update(self.objective.evaluate(self.forward))
+                observing = time.perf_counter()
+                record.update(self.observer.measure())
+                samples = self.observer.take_samples(self.step)
+                if samples or self.observer.measures:
+                    record["observe_s"] = time.perf_counter() - observing  # what watching the run costs it
+                self.cut_short = False
+        except EvaluationStopped:
+            record["evaluation"] = "stopped"
+        finally:
+            self.cut_short = False
         self.forward.train()
         shown = [("train_eval_loss", "train loss"), ("val_loss", "val loss"), ("val_bpb", "val bpb")]
         shown += [(name, name.removeprefix("val_").replace("_", " ")) for name in self.objective.task_metrics]
         line = f"step {self.step}: " + ", ".join(f"{label} {record[key]:.4g}" for key, label in shown
                                                   if isinstance(record.get(key), float))  # fmt: skip
-        observing = time.perf_counter()
-        line += self.observer.measure_into(record)
-        samples = []
-        if self.observer.due(self.step):
-            with self.writing(f"could not append to {self.observer.path}"):
-                samples = self.observer.sample(self.step)
-        if samples or self.observer.measures:
-            record["observe_s"] = time.perf_counter() - observing  # what watching the run costs it
-        for text in [line, *samples]:
+        line += " (evaluation stopped)" if "evaluation" in record else self.observer.summary(record)
+        with self.writing(f"could not append to {self.observer.path}"):
+            self.observer.append_samples(samples)
+        for text in [line, *self.observer.lines(samples)]:
             self.log.note(text)
         self.write(record)
         if self.t.plot:
@@ -367,7 +348,8 @@ class Trainer:
             )
         trainer = {"loader": self.batches.state_dict(), "elapsed_s": self.elapsed(), "skipped_steps": self.skipped,
                    "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                   "objective": self.objective.state_dict()}  # fmt: skip
+                   "objective": self.objective.state_dict(), "world_size": self.world.world_size,
+                   "grad_accum": self.t.grad_accum}  # fmt: skip
         # Each rank's generators, so that every rank's dropout resumes exactly (rank 0's keys unprefixed).
         rngs = gather_objects(self.world, rng_state())
         rng = {(f"rank{r}." if r else "") + k: v for r, state in enumerate(rngs) for k, v in state.items()}
@@ -383,6 +365,34 @@ class Trainer:
         self.last_good = saved
         barrier(self.world)  # no rank goes on (or exits) while rank 0 is still writing
         return self.last_good
+
+    def position(self) -> dict[str, Any]:
+        """What a step changes before its update and a checkpoint holds (host copies, no device sync): the step, the
+        batch position, the objective's state (RL's sampling seeds) and the random generators."""
+        return {"step": self.step, "loader": self.batches.state_dict(), "objective": self.objective.state_dict(),
+                "rng": rng_state()}  # fmt: skip
+
+    def abandon(self, err: StepAbandoned) -> bool:
+        """After user code a step ran failed, or a signal came while the step waited on it: a step cut short is
+        undone (a resume takes its batches, seeds and random draws again), the run is checkpointed as of its last
+        whole step, and True is returned for a signal (the run ends as interrupted); a failure raises its error,
+        naming the checkpoint. Under torchrun no checkpoint is written (the other ranks are not here to join)."""
+        before = self.before_step
+        if self.step == before["step"]:  # inside the step: nothing was updated yet
+            self.optimizer.zero_grad(set_to_none=True)
+            self.loader.load_state_dict(before["loader"])
+            self.batches = Batches(self.loader, self.device)
+            self.objective.load_state_dict(before["objective"])
+            set_rng_state(before["rng"])
+        last = self.last_good
+        if not self.world.distributed and (last is None or last.name != checkpoint_name(self.step)):
+            last = self.save()
+        if err.interrupted:
+            logger.warning("%s", err)
+            return True
+        saved = f"saved as of step {self.step} ({last})" if last is not None and last.name == checkpoint_name(
+            self.step) else f"not saved (its last checkpoint: {last or 'none'})"  # fmt: skip
+        raise StepAbandoned(f"{err}; the run is {saved}: continue it with --resume once that is fixed") from None
 
     @contextlib.contextmanager
     def writing(self, what: str) -> Iterator[None]:
@@ -436,14 +446,19 @@ class Trainer:
             self.log.open(t.tensorboard, progress, t.max_steps, self.step)
         interrupted, val_loss = False, None
         try:
-            with stop_on_signals() as stop, attention_backends(self.device):
+            with stop_on_signals(self.log.announce, lambda: self.cut_short) as stop, \
+                    attention_backends(self.device):  # fmt: skip
+                stopping = False
                 if self.step == 0 and t.eval_at_start:
                     record: dict[str, Any] = {"step": 0}
                     self.evaluate_into(record)
                     val_loss = record.get("val_loss")
+                    stopping = self.stop_requested(stop)
+                    if stopping:  # a checkpoint of the starting weights, so that --resume continues from here
+                        self.save()
                 window_start, self.tokens_seen = time.perf_counter(), 0
-                stopping = False
                 while self.step < t.max_steps and not stopping:
+                    self.before_step = self.position()
                     loss_sum, grad_norm, lr = self.train_step()
                     step = self.step
                     is_eval = step % t.eval_interval == 0 or step == t.max_steps
@@ -459,12 +474,16 @@ class Trainer:
                     if is_eval:
                         self.evaluate_into(record)
                         val_loss = record.get("val_loss")
+                        if not self.world.distributed and stop.is_set():  # asked during the evaluation
+                            stopping = is_ckpt = True
                     else:
                         self.write(record)
                     if is_ckpt:
                         self.save()
                     window_start, self.tokens_seen = time.perf_counter(), 0
                 interrupted = stopping and self.step < t.max_steps
+        except StepAbandoned as err:
+            interrupted = self.abandon(err)
         except torch.OutOfMemoryError:
             raise GptkitError(
                 f"out of memory on {self.device} with train.batch_size {t.batch_size} x block_size "

@@ -7,9 +7,12 @@ ModelConfig's own fields (not re-declared here) plus `preset` and `init_from`.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import difflib
+import inspect
 import math
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -54,8 +57,8 @@ class OptimConfig:
     decay_steps: int | None = None  # step at which cosine or wsd reaches min_lr; None means train.max_steps
     cooldown_fraction: float = 0.2  # wsd: the last fraction of decay_steps spent cooling down linearly
     weight_decay: float = 0.1  # decoupled, on matrices only (linear weights and embeddings)
-    beta1: float = 0.9
-    beta2: float = 0.95
+    beta1: float = 0.9  # AdamW's decay of its running mean of gradients
+    beta2: float = 0.95  # AdamW's decay of its running mean of squared gradients
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 turns clipping off
     muon_lr: float = 0.02  # muon: peak learning rate of the blocks' matrices (scaled per shape by muon_lr_scale)
     muon_momentum: float = 0.95  # muon: Nesterov momentum of the matrices' updates
@@ -89,17 +92,17 @@ class TrainConfig:
 
     data_dir: str | None = None  # prepared data (train.bin, val.bin, meta.json); also --data
     out_dir: str | None = None  # the run directory; also --out; default runs/<config file name>
-    max_steps: int = 5000
+    max_steps: int = 5000  # optimiser updates the run makes
     batch_size: int = 12  # sequences per micro-batch; each step sees batch_size * grad_accum sequences
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches summed into each update, per process
     eval_interval: int = 250  # evaluate every this many steps (and at step 0 and at the end)
     eval_iters: int = 20  # batches per split in each evaluation
     eval_examples: int = 32  # held-out examples (prompts) whose replies each evaluation generates and scores
     eval_at_start: bool = True  # also evaluate before the first step (a fresh run only)
     log_interval: int = 10  # read the loss from the device every this many steps
-    checkpoint_interval: int = 1000
+    checkpoint_interval: int = 1000  # write a checkpoint every this many steps (and at the end, or on a stop)
     keep_checkpoints: int = 3  # keep the newest K checkpoints
-    seed: int = 1337
+    seed: int = 1337  # initial weights, the batches' order and the samples' draws
     device: Device = "auto"  # auto picks cuda, then mps, then cpu
     dtype: Dtype = "float32"  # bfloat16 autocasts (CPU, CUDA); float16 autocasts with a gradient scaler (CUDA)
     compile: bool = False  # torch.compile the model
@@ -162,6 +165,7 @@ class FinetuneConfig:
     json_schema: str | None = None  # grpo: a JSON schema file every completion is constrained to
     eval_samples: int = 8  # grpo: completions per held-out prompt at evaluations (pass@1 and pass@eval_samples)
     pass_reward: float = 1.0  # grpo: a completion passes when its reward (before the length penalty) reaches this
+    reward_timeout: float = 30.0  # grpo: seconds one reward call may take; past it the run stops (checkpoint first)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of its range."""
@@ -175,6 +179,7 @@ class FinetuneConfig:
             _check_range(f"finetune.{key}", getattr(self, key), low=1)
         for key in ("kl_weight", "length_penalty", "temperature"):
             _check_range(f"finetune.{key}", getattr(self, key), low=0.0)
+        _check_range("finetune.reward_timeout", self.reward_timeout, low=0.0, low_open=True)
         if self.top_k is not None:
             _check_range("finetune.top_k", self.top_k, low=1)
         if self.top_p is not None:
@@ -253,6 +258,9 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type] = {"optim": OptimConfig, "train": TrainConfig, "finetune": FinetuneConfig}
+# The finetune settings a resumed run may change (the others shaped the weights it continues): a reward that timed
+# out can be given longer.
+RESUME_MAY_CHANGE = ("reward_timeout",)
 MODEL_SPECIAL = {"preset": str | None, "init_from": str | None}
 
 
@@ -365,22 +373,44 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return {} if data is None else data
 
 
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in cls's source (after `name: type = value  # `, with its indented continuation lines
+    `#   ...`), joined into one line: the description `gptkit train --help` shows, kept in one place."""
+    lines, _ = inspect.getsourcelines(cls)
+    comments = {}
+    for node in ast.parse(textwrap.dedent("".join(lines))).body[0].body:  # type: ignore[attr-defined]
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        end = node.end_lineno or node.lineno
+        parts = [lines[end - 1].partition("  # ")[2].strip()]
+        while parts[0] and end < len(lines) and lines[end].strip().startswith("#  "):
+            parts.append(lines[end].strip()[1:].strip())
+            end += 1
+        if parts[0]:
+            comments[node.target.id] = " ".join(parts)
+    return comments
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """One `--section.key VALUE` flag per config key, generated from the dataclasses and ModelConfig."""
+    """One `--section.key VALUE` flag per config key, generated from the dataclasses and ModelConfig, each described
+    by its field's comment."""
     defaults = {name: kind() for name, kind in SECTIONS.items()}
     for section in ("model", *SECTIONS):
         group = parser.add_argument_group(f"{section} settings (YAML section {section}:)")
+        described = {**field_comments(ModelSection), **field_comments(ModelConfig)} if section == "model" else \
+            field_comments(SECTIONS[section])  # fmt: skip
         for key, kind in section_types(section).items():
             if section == "model":
                 shown = "the preset's or ModelConfig's" if key not in MODEL_SPECIAL else "none"
             else:
                 shown = repr(getattr(defaults[section], key))
+            what = described.get(key, "")
             group.add_argument(
                 f"--{section}.{key}",
                 dest=f"cfg:{section}.{key}",
                 metavar="VALUE",
                 default=argparse.SUPPRESS,
-                help=f"{_describe(kind)} (default {shown})",
+                help=f"{what}{'; ' if what else ''}{_describe(kind)} (default {shown})",
             )
 
 

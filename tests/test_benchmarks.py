@@ -171,3 +171,23 @@ def test_bench_lm_eval_scores_alike_through_the_server_and_the_hf_backend():
     assert rows[("gptkit_passages", "bits_per_byte")]["difference"] < 1e-6
     assert rows[("gptkit_choice", "acc")]["difference"] == 0
     assert rows[("gptkit_continue", "generations differing")]["served"] == 0
+
+
+def test_bench_generate_smoke_run_decodes_the_tokens_transformers_decodes(capsys):
+    """Both shapes (GPT-2's learned positions and tied head; Llama's RoPE, RMSNorm, SwiGLU and grouped heads), tiny,
+    at batch sizes 1 and 2: gptkit's fp32 greedy tokens must be Hugging Face's, on the same random weights."""
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("bench_generate", BENCH_DIR / "bench_generate.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # in this process: a second interpreter would import torch again, seconds of it
+    assert bench.main(["--shapes", "gpt2,llama", "--dtypes", "fp32", "--quantized", "", "--no-compile",
+                       "--n-layer", "2", "--n-embd", "64", "--vocab-size", "1000", "--prompt-len", "16",
+                       "--decode-prompt-len", "8", "--new-tokens", "6", "--batch-sizes", "1,2", "--rounds", "1",
+                       "--spec-steps", "0", "--probe-mb", "16", "--json"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    decode = [row for row in report["rows"] if row["measure"] != "prefill"]
+    assert {(row["shape"], row["measure"]) for row in decode} == {(shape, f"decode b{b}") for shape in ("gpt2", "llama")
+                                                                  for b in (1, 2)}  # fmt: skip
+    assert all(row["same_tokens_as_hf"] is True for row in decode), decode
+    assert all(row["gptkit"] > 0 and row["hf"] > 0 for row in report["rows"])
+    assert report["timing_notes"] == []  # (said only where llama.cpp was timed)

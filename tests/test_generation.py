@@ -387,7 +387,7 @@ def test_cli_streams_text_and_reports_json(model_dir, capsys):
     expected = gptkit.generate(model, tokenizer, "to be", max_new_tokens=10, seed=5, top_k=10)
     assert main(["generate", str(model_dir), "--prompt", "to be", "--max-new-tokens", "10", "--seed", "5",
                  "--top-k", "10"]) == 0  # fmt: skip
-    assert capsys.readouterr().out == expected
+    assert capsys.readouterr().out == expected + "\n" * (not expected.endswith("\n"))  # generate ends the line
     assert main(["generate", str(model_dir), "--prompt", "to be", "--max-new-tokens", "10", "--seed", "5",
                  "--top-k", "10", "--json"]) == 0  # fmt: skip
     report = json.loads(capsys.readouterr().out)
@@ -402,7 +402,7 @@ def test_cli_reads_stdin_and_prompt_file(model_dir, capsys, monkeypatch, tmp_pat
     expected = gptkit.generate(model, tokenizer, "or not", max_new_tokens=6, temperature=0, stop="z")
     monkeypatch.setattr(sys, "stdin", io.StringIO("or not"))
     assert main(["generate", str(model_dir), "--max-new-tokens", "6", "--temperature", "0", "--stop", "z"]) == 0
-    assert capsys.readouterr().out == expected
+    assert capsys.readouterr().out == expected + "\n" * (not expected.endswith("\n"))  # generate ends the line
     (tmp_path / "p.txt").write_text("or not")
     assert main(["generate", str(model_dir), "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "6",
                  "--temperature", "0", "--stop", "z", "--num-beams", "2", "--json"]) == 0  # fmt: skip
@@ -467,7 +467,7 @@ def test_cli_takes_logit_bias_and_penalties(model_dir, capsys):
     assert main(["generate", str(model_dir), "--prompt", "to be", "--max-new-tokens", "5", "--seed", "1",
                  "--logit-bias", f"{z}=100", "--frequency-penalty", "0.5",
                  "--presence-penalty", "0.1"]) == 0  # fmt: skip
-    assert capsys.readouterr().out == "zzzzz"
+    assert capsys.readouterr().out == "zzzzz\n"  # generate ends the line
     with pytest.raises(SystemExit) as usage:
         main(["generate", str(model_dir), "--prompt", "to be", "--logit-bias", "z=1"])
     assert usage.value.code == 2 and "TOKEN_ID=BIAS" in capsys.readouterr().err

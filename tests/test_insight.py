@@ -101,7 +101,7 @@ def test_parameter_parts_add_up_to_the_model(name):
     assert sum(count for _, count in parts) == param_breakdown(config).total
     assert sum(count for _, count in parts) == sum(p.numel() for p in GPT(config).parameters())
     labels = [label for label, _ in parts]
-    assert all(f"block {i + 1} attention" in labels and f"block {i + 1} MLP" in labels for i in range(config.n_layer))
+    assert all(f"layer {i} attention" in labels and f"layer {i} MLP" in labels for i in range(config.n_layer))
 
 
 def test_causal_mask_and_token_labels():
@@ -136,7 +136,7 @@ def test_report_pictures_are_valid_pngs_referenced_by_index(gelu_dir, tmp_path, 
     assert main(["inspect", str(gelu_dir), "--prompt", prompt, "--out", str(tmp_path / "out")]) == 0
     assert "index.html" in capsys.readouterr().out
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
-    expected = {"parameters.png", "attention_layer1.png", "attention_layer2.png", "hidden_norms.png",
+    expected = {"parameters.png", "attention_layer0.png", "attention_layer1.png", "hidden_norms.png",
                 "layer_similarity.png", "next_token.png", "causal_mask.png", "activation.png", "logit_lens.png",
                 "head_contributions.png", "icl.png", "induction.png"}  # fmt: skip
     assert set(pngs) == expected
@@ -149,7 +149,7 @@ def test_report_pictures_are_valid_pngs_referenced_by_index(gelu_dir, tmp_path, 
 
 
 def test_the_attention_drawn_is_the_models_own_softmax_of_queries_and_keys(gelu_dir, tmp_path, monkeypatch):
-    """The numbers attention_layer1.png is drawn from, against layer 1's attention computed directly from the
+    """The numbers attention_layer0.png is drawn from, against layer 0's attention computed directly from the
     weights: softmax(q k^T / sqrt(d_k)) under the causal mask, q and k from the normed embeddings (no trace)."""
     import gptkit.insight
 
@@ -172,21 +172,21 @@ def test_the_attention_drawn_is_the_models_own_softmax_of_queries_and_keys(gelu_
         q, k = (t.view(T, H, C // H).transpose(0, 1) for t in (q, k))  # (H, T, d_k)
         scores = (q @ k.transpose(1, 2) / math.sqrt(C // H)).masked_fill(~torch.ones(T, T).bool().tril(), -math.inf)
     want = scores.softmax(dim=-1)[:, -8:, -8:]  # the last 8 positions are drawn
-    assert drawn.keys() == {1, 2} and drawn[1].shape == (H, 8, 8)
-    torch.testing.assert_close(drawn[1], want, atol=1e-6, rtol=0)
+    assert drawn.keys() == {0, 1} and drawn[0].shape == (H, 8, 8)  # layers numbered from 0
+    torch.testing.assert_close(drawn[0], want, atol=1e-6, rtol=0)
 
 
 def test_long_prompt_is_capped_and_captioned(tmp_path):
     config = ModelConfig(vocab_size=257, block_size=16, n_layer=1, n_head=2, n_embd=16, activation="relu")
     prompt = "x" * 30  # 30 byte tokens: 16 fit the context, the last 6 are drawn
     pictures = write_report(GPT(config), ByteTokenizer(), prompt, tmp_path, max_tokens=6)
-    attention = next(p for p in pictures if p.file == "attention_layer1.png")
+    attention = next(p for p in pictures if p.file == "attention_layer0.png")
     assert "last 6 of the 16 positions" in attention.caption
     assert "first 14 tokens were dropped" in attention.caption
     assert "activation.png" not in {p.file for p in pictures}  # a ReLU model gets no activation picture
     assert len(pictures) == 10  # parameters, attention, norms, similarity, next token, mask and the four below
     assert [p.file for p in pictures][-4:] == ["logit_lens.png", "head_contributions.png", "icl.png", "induction.png"]
-    check_png(tmp_path / "attention_layer1.png")
+    check_png(tmp_path / "attention_layer0.png")
 
 
 def test_cli_errors_are_one_line(gelu_dir, tmp_path, capsys):
@@ -213,7 +213,7 @@ def test_report_writes_the_logit_lens_contributions_icl_and_induction_numbers(ge
     L, H = model.config.n_layer, model.config.n_head
 
     lens = json.loads((tmp_path / "logit_lens.json").read_text())
-    assert lens["rows"] == ["embedding", "block 1", "block 2"]
+    assert lens["rows"] == ["embedding", "layer 0", "layer 1"]  # numbered from 0, as the playground
     assert lens["positions"] == list(range(len(ids) - 8, len(ids)))
     final_prob = np.asarray(lens["final_prediction_probability"])
     assert np.asarray(lens["top_token_ids"]).shape == final_prob.shape == (L + 1, 8)

@@ -274,7 +274,7 @@ def test_a_hand_built_induction_circuit_scores_near_one():
     assert result.scores[1, 0] > 20 * chance
     assert result.first_half_loss > 3.0  # random tokens: nothing to copy yet
     assert result.repeated_half_loss < 0.5 * result.first_half_loss  # the repeat is copied from the first copy
-    assert top_heads(result.scores, 1) == [(2, 1, pytest.approx(float(result.scores[1, 0])))]
+    assert top_heads(result.scores, 1) == [(1, 0, pytest.approx(float(result.scores[1, 0])))]  # from 0
 
 
 def test_icl_score_is_negative_for_the_induction_circuit_and_zero_for_a_context_blind_model():
@@ -344,14 +344,14 @@ def test_eval_icl_prints_the_icl_score_and_the_induction_test(induction_dir, tmp
     out = capsys.readouterr().out
     assert "ICL score -" in out and "late loss" in out and "early loss" in out and "64 windows of 32 tokens" in out
     assert "induction test (16 random tokens repeated)" in out
-    assert "strongest induction heads (layer, head, score): L2H1 0.9" in out
+    assert "strongest induction heads (layer, head, score): L1H0 0.9" in out  # from 0
     assert f"uniform attention scores {chance_induction_score(16):.3f}" in out
     assert main(["eval", str(induction_dir), "--input", str(text), "--icl", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["icl_score"] == pytest.approx(summary["late_loss"] - summary["early_loss"])
     assert summary["icl_score"] < -3.0 and 0 <= summary["icl_stderr"] < 1.0
     induction = summary["induction"]
-    assert induction["top_heads"][0]["layer"] == 2 and induction["top_heads"][0]["score"] > 0.9
+    assert induction["top_heads"][0]["layer"] == 1 and induction["top_heads"][0]["score"] > 0.9  # from 0
     assert np.asarray(induction["scores"]).shape == (2, 1)
     assert induction["repeated_half_loss"] < induction["first_half_loss"]
     assert induction["chance"] == pytest.approx(chance_induction_score(16))

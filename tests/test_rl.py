@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,7 @@ from test_train import _wait_for_step
 from gptkit.checkpoint import latest_checkpoint
 from gptkit.cli import main
 from gptkit.decoding.api import Completion
-from gptkit.errors import ConfigError
+from gptkit.errors import ConfigError, StepAbandoned
 from gptkit.finetune.rl import (
     Group,
     completion_rows,
@@ -31,6 +35,7 @@ from gptkit.finetune.rl import (
 from gptkit.loading import load
 from gptkit.loss import IGNORE_INDEX
 from gptkit.train import Trainer, train
+from gptkit.train_config import from_sources
 
 # ---------------------------------------------------------------- the loss
 
@@ -263,3 +268,141 @@ def test_a_grpo_run_killed_and_resumed_goes_on_bit_for_bit(prompts, tmp_path):
     torch.testing.assert_close(_losses(resumed.run_dir), _losses(whole.run_dir), atol=0.0, rtol=0.0)
     rewards = lambda run: {r["step"]: r["reward"] for r in _records(run) if "reward" in r}  # noqa: E731
     assert rewards(resumed.run_dir) == rewards(whole.run_dir)
+
+
+# ---------------------------------------------------------------- reward functions that hang, exit or die
+
+# The reward scores like a real one (a fixed rule of the completion) until its call number FAIL_AFTER, whose end is
+# the `failure`: what a user's function may do. Each process counts its own calls (a resumed run starts a new one).
+JUDGE = """import os, signal, sys, time
+calls = 0
+
+def score(prompt, completion, row):
+    global calls
+    calls += 1
+    if calls > {fail_after}:
+        {failure}
+    return float(len(completion) % 2)
+"""
+# (The deadline is 0.5 s where the reward hangs, the default 30 s elsewhere: a busy machine never fails them.)
+FAILURES = {
+    "hang": ("time.sleep(30)", r"was still scoring after 0\.5 s, so its process was stopped \(finetune\.reward_timeout "
+             r"is 0\.5 s\)"),
+    "sys.exit": ("sys.exit(3)", r"called sys\.exit\(3\)"),
+    "os._exit": ("os._exit(3)", r"ended its process while scoring \(exit code 3\)"),
+    "killed": ("os.kill(os.getpid(), signal.SIGKILL)", r"ended its process while scoring \(killed by SIGKILL\)"),
+    "raise": ("raise ValueError('no digits')", r"raised ValueError: no digits"),
+}  # fmt: skip
+
+
+def _judge(directory: Path, name: str, failure: str = "pass", fail_after: int = 10**9) -> str:
+    (directory / f"{name}.py").write_text(JUDGE.format(fail_after=fail_after, failure=failure))
+    return f"{name}:score"
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_a_reward_that_hangs_exits_or_dies_is_one_line_naming_it_and_the_run_is_saved(
+    failure, prompts, tmp_path, monkeypatch, capsys
+):
+    base, data = prompts
+    monkeypatch.chdir(tmp_path)
+    body, said = FAILURES[failure]
+    spec = _judge(tmp_path, "judge", body, fail_after=2)  # batch 1 x group 2: the first call of step 2 fails
+    run = tmp_path / "run"
+    deadline = "0.5" if failure == "hang" else "30"
+    code = main(["train", "--data", str(data), "--out", str(run), "--model.init_from", str(base), "--quiet",
+                 "--finetune.objective", "grpo", "--finetune.reward", spec, "--finetune.group_size", "2",
+                 "--finetune.completion_tokens", "3", "--finetune.reward_timeout", deadline, "--train.max_steps", "4",
+                 "--train.device", "cpu", "--train.batch_size", "1", "--train.eval_at_start", "false"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err), err
+    assert re.fullmatch(rf"gptkit train: error: reward (function )?judge:score {said} \(on prompt \d+ \('\d\+\d='\) "
+                        rf"of the train split of {re.escape(str(data))}\); the run is saved as of step 1 "
+                        rf"\({re.escape(str(run / 'checkpoints' / 'step-000001'))}\): continue it with --resume once "
+                        "that is fixed", err[-1]), err[-1]  # fmt: skip
+    assert latest_checkpoint(run).name == "step-000001"
+
+
+def test_a_run_stopped_by_a_failing_reward_resumes_as_if_it_had_not_failed(prompts, tmp_path, monkeypatch):
+    """The failure comes in the second micro-batch of step 3, after the first drew its batch, its sampling seed and
+    its dropout: the checkpoint of step 2 is written as if step 3 had never begun."""
+    base, data = prompts
+    monkeypatch.chdir(tmp_path)
+    settings = dict(method="lora", lora_rank=4, lora_dropout=0.1, group_size=2, reward="judge:score",
+                    train={"batch_size": 1, "grad_accum": 2, "max_steps": 4, "checkpoint_interval": 100,
+                           "eval_interval": 100, "eval_at_start": False})  # fmt: skip
+    _judge(tmp_path, "judge")
+    whole = train(_grpo(data, tmp_path / "whole", base, **settings), progress=False)
+    _judge(tmp_path, "judge", "raise ValueError('broken')", fail_after=10)  # 2 calls a micro-batch: step 3's second
+    with pytest.raises(StepAbandoned, match=r"raised ValueError: broken .* the run is saved as of step 2"):
+        train(_grpo(data, tmp_path / "run", base, **settings), progress=False)
+    assert latest_checkpoint(tmp_path / "run").name == "step-000002"
+    _judge(tmp_path, "judge")  # fixed
+    resumed = train(_grpo(data, tmp_path / "run", base, **settings), resume=True, progress=False)
+    assert _losses(resumed.run_dir) == _losses(whole.run_dir) and len(_losses(whole.run_dir)) == 4
+    rewards = lambda run: [(r["step"], r.get("reward"), r.get("val_reward")) for r in _records(run)]  # noqa: E731
+    assert rewards(resumed.run_dir) == rewards(whole.run_dir)
+    got, want = (load(c)[0].state_dict() for c in (resumed.checkpoint, whole.checkpoint))
+    torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)
+
+
+def test_sigterm_while_a_reward_hangs_checkpoints_and_stops_at_once(prompts, tmp_path, monkeypatch):
+    base, data = prompts
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "hanging"
+    spec = _judge(tmp_path, "judge", f"open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)",
+                  fail_after=2)  # fmt: skip
+    config = _grpo(data, tmp_path / "run", base, group_size=2, reward=spec, reward_timeout=120.0,
+                   train={"batch_size": 1, "max_steps": 4, "eval_at_start": False})  # fmt: skip
+
+    def terminate() -> None:  # once the reward hangs, as `kill` from another terminal would
+        deadline = time.monotonic() + 60
+        while not (marker.is_file() and marker.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=terminate)
+    killer.start()
+    try:
+        result = train(config, progress=False)
+        stopped = time.monotonic()
+    finally:
+        killer.join()
+    assert result.interrupted and result.step == 1 and result.checkpoint.name == "step-000001"
+    assert latest_checkpoint(tmp_path / "run") == result.checkpoint
+    with pytest.raises(ProcessLookupError):  # the reward's process was killed, not left sleeping
+        os.kill(int(marker.read_text()), 0)
+    assert stopped - marker.stat().st_mtime < 10  # at once, not after the reward's 60 s (or its 120 s deadline)
+
+
+def test_the_reward_timeout_is_checked_and_may_change_on_resume(prompts, tmp_path, capsys):
+    base, data = prompts
+    with pytest.raises(ConfigError, match=r"^finetune.reward_timeout must be > 0.0, got 0.0$"):
+        _grpo(data, tmp_path / "zero", base, reward_timeout=0.0).validate()
+    run = tmp_path / "run"
+    flags = ["--finetune.objective", "grpo", "--finetune.group_size", "2", "--finetune.completion_tokens", "2",
+             "--train.device", "cpu", "--train.batch_size", "1", "--train.eval_at_start", "false", "--quiet"]
+    assert main(["train", "--data", str(data), "--out", str(run), "--model.init_from", str(base),
+                 "--train.max_steps", "1", *flags]) == 0  # fmt: skip
+    assert main(["train", "--out", str(run), "--resume", "--train.max_steps", "2", "--finetune.reward_timeout",
+                 "90", "--quiet"]) == 0  # a reward that timed out may be given longer  # fmt: skip
+    assert from_sources(run / "config.yaml", {}).finetune.reward_timeout == 90
+    assert main(["train", "--out", str(run), "--resume", "--finetune.group_size", "4"]) == 2  # the others may not
+    assert "finetune.group_size cannot change on --resume" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- sizes a typo makes too large
+
+
+@pytest.mark.parametrize("setting, value, message", [
+    ("group_size", 10**8, r"finetune.group_size 100000000 x train.batch_size 2 = 200,000,000 completions of up to "
+                          r"\d+ tokens need about [\d,.]+ GiB \(gptkit plan's estimate\), more than the [\d,.]+ GiB "
+                          r"free on cpu: lower finetune.group_size"),
+    ("eval_samples", 10**9, r"finetune.eval_samples 1000000000 x 4 held-out prompts = 4,000,000,000 completions of up "
+                            r"to \d+ tokens need about [\d,.]+ GiB .* lower finetune.eval_samples"),
+])  # fmt: skip
+def test_a_group_too_large_for_memory_is_refused_before_any_work(setting, value, message, prompts, tmp_path):
+    base, data = prompts  # (terabytes at these sizes: more than any machine this runs on holds)
+    with pytest.raises(ConfigError, match=message) as caught:
+        Trainer(_grpo(data, tmp_path / "run", base, **{setting: value}), resume=False)
+    assert "\n" not in str(caught.value)

@@ -144,7 +144,7 @@ def test_the_lens_ends_at_the_models_greedy_token_and_reads_every_layer(served):
     with torch.no_grad():
         greedy = model(torch.tensor([ids]))[0].argmax(-1).tolist()
     lens = logit_lens(model, ids).exp()  # (n_layer + 1, T, vocab): the measure the route must show
-    assert data["labels"] == ["embedding", "block 1", "block 2"]
+    assert data["labels"] == ["embedding", "layer 0", "layer 1"]  # numbered from 0, as the attention view
     assert [row["position"] for row in data["positions"]] == list(range(len(ids)))
     for t, row in enumerate(data["positions"]):
         assert row["token"] == tokenizer.decode([ids[t]])
@@ -251,7 +251,7 @@ def test_playground_shows_the_logit_lens_and_the_induction_heads(tmp_path):
             for position in (3, 7):
                 row = lens["positions"][position]
                 tokens.nth(position).hover()
-                assert page.locator("#lens-table tr.layer").count() == 3  # embedding, block 1, block 2
+                assert page.locator("#lens-table tr.layer").count() == 3  # embedding, layer 0, layer 1
                 decided = page.locator("#lens-table tr.decided")
                 assert decided.count() == 1
                 label = lens["labels"][row["decided_at"]]

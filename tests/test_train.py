@@ -26,7 +26,7 @@ from gptkit.tensors import load_tensors
 from gptkit.loading import load
 from gptkit.tokenizer import load_tokenizer
 from gptkit.devices import measured_cpu_matmul_flops, peak_flops
-from gptkit.train import TrainingStopped, train
+from gptkit.train import Trainer, TrainingStopped, train
 from gptkit.train_config import from_sources
 
 from conftest import same_run, write_char_data_dir
@@ -413,6 +413,35 @@ def test_a_damaged_metrics_file_is_read_past(data_dir, reference, six_steps, tmp
     assert [json.loads(line)["step"] for line in lines] == list(range(9)) and losses(run) == losses(reference)
 
 
+@pytest.mark.parametrize("line", [
+    '{"step": true, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',  # true is an int to Python: it was kept as step 1
+    '{"step": 4, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',  # a step the file already has, again
+    '{"step": 9, "step": 2, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',  # "step" twice: JSON keeps the last
+    '{"step": -1, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',
+])  # fmt: skip
+def test_a_well_formed_but_wrong_metrics_line_never_repeats_a_step(data_dir, reference, six_steps, tmp_path, capsys,
+                                                                   line):  # fmt: skip
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(line + "\n")
+    code, err = _resume(run, capsys, "--resume")
+    assert code == 0, err
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(9)) and all(type(r["step"]) is int for r in records)
+    assert losses(run) == losses(reference)  # the stray line's loss of 99 is nowhere
+
+
+def test_a_sample_longer_than_any_run_needs_is_refused_before_any_work(data_dir, tmp_path):
+    with pytest.raises(ConfigError) as caught:  # (it was taken: the first evaluation stalled for good, silently)
+        Trainer(tiny(data_dir, tmp_path / "run", sample_tokens=10_000_000), resume=False)
+    assert str(caught.value) == ("train.sample_tokens 10000000 is longer than a sample may be: at most 4096 (the "
+                                 "model's block_size 16 or 4096, whichever is more); lower it, or set "
+                                 "train.sample_every 0 for no samples")  # fmt: skip
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing started
+    Trainer(tiny(data_dir, tmp_path / "off", sample_tokens=10_000_000, sample_every=0), resume=False)  # unused
+
+
 def test_resume_from_an_older_checkpoint_rewinds_the_run(data_dir, reference, six_steps, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(six_steps, run)
@@ -664,19 +693,42 @@ def test_mfu_peak_of_a_known_gpu_is_its_datasheet_rate(monkeypatch):
     assert peak_flops(torch.device("cuda"), "bfloat16", None) is None
 
 
-def test_float16_trains_with_a_gradient_scaler_on_cuda(data_dir, tmp_path, device):
+def test_float16_with_its_gradient_scaler_follows_float32_and_resumes_exactly(data_dir, tmp_path, device):
     config = tiny(data_dir, tmp_path / "run", max_steps=4, dtype="float16", device=device.type)
     if device.type != "cuda":
         with pytest.raises(ConfigError, match="float16 needs CUDA"):
             train(config, progress=False)
         return
-    result = train(config, progress=False)
-    assert result.step == 4 and all(np.isfinite(loss) for loss, _, _ in losses(result.run_dir).values())
-    scaler = json.loads((result.checkpoint / "trainer.json").read_text())["scaler"]
-    assert scaler["scale"] > 0  # the scaler's state travels with the checkpoint
-    resumed = train(tiny(data_dir, result.run_dir, max_steps=6, dtype="float16", device="cuda"), resume=True,
+    runs = {}
+    for dtype in ("float32", "float16"):
+        config = tiny(data_dir, tmp_path / dtype, max_steps=4, dtype=dtype, grad_accum=2, device="cuda")
+        config.model.fields["dropout"] = 0.0  # fp16 and fp32 tensors may draw their dropout masks differently
+        result = train(config, progress=False)
+        assert result.step == 4 and result.skipped_steps == 0
+        runs[dtype] = losses(result.run_dir)
+    # GradScaler starts at 2^16, halves at every overflow and grows only after 2,000 clean steps: still 2^16 means no
+    # update of the four was skipped, so both runs made the same updates.
+    assert json.loads((result.checkpoint / "trainer.json").read_text())["scaler"]["scale"] == 2.0**16
+    # fp16 keeps 11 significant bits: one rounding moves a number by up to 2^-11 of it. The losses stay within one
+    # rounding of fp32's; the first step's gradient norm (unscaled, of both micro-batches) within two, as backward
+    # rounds each gradient once per layer it crosses. Measured with CPU autocast to fp16 and a CPU GradScaler on
+    # these runs: losses within 1.1e-6 of fp32's, the gradient norm within 1.2e-4 (2^-10 is 9.8e-4); the scale
+    # stayed 2^16.
+    fp32, fp16 = runs["float32"], runs["float16"]
+    assert fp32.keys() == fp16.keys() == {1, 2, 3, 4}
+    for step in fp32:
+        assert fp16[step][0] == pytest.approx(fp32[step][0], rel=2**-11), step
+    assert fp16[1][1] == pytest.approx(fp32[1][1], rel=2**-10)
+    # Exact resume: the scaler's state (scale, growth tracker) travels with the checkpoint, with dropout's generator.
+    whole = train(tiny(data_dir, tmp_path / "whole", max_steps=6, dtype="float16", device="cuda"), progress=False)
+    train(tiny(data_dir, tmp_path / "part", max_steps=4, dtype="float16", device="cuda"), progress=False)
+    resumed = train(tiny(data_dir, tmp_path / "part", max_steps=6, dtype="float16", device="cuda"), resume=True,
                     progress=False)  # fmt: skip
-    assert resumed.step == 6 and len(losses(result.run_dir)) == 6
+    assert resumed.step == 6 and losses(resumed.run_dir).keys() == losses(whole.run_dir).keys() == set(range(1, 7))
+    torch.testing.assert_close(losses(resumed.run_dir), losses(whole.run_dir), **same_run(device))
+    scalers = [json.loads((r.checkpoint / "trainer.json").read_text())["scaler"] for r in (resumed, whole)]
+    assert scalers[0] == scalers[1]
+    torch.testing.assert_close(weights(resumed.checkpoint), weights(whole.checkpoint), **same_run(device))
 
 
 def test_a_device_run_resumes_on_the_cpu_and_back(data_dir, tmp_path, device):

@@ -63,10 +63,11 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.devices import pick_device
     from gptkit.errors import InputError
     from gptkit.finetune.heads import is_classifier_dir, load_head, predict
-    from gptkit.loading import load
+    from gptkit.loading import load, resolve_model_path
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    args.model_dir = str(resolve_model_path(args.model_dir))  # a run directory: its newest checkpoint
     if not is_classifier_dir(args.model_dir):
         raise InputError(f"{args.model_dir} has no classification head (classifier.json); train one with "
                          "`gptkit train --finetune.objective classify` on labelled data")  # fmt: skip

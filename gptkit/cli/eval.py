@@ -80,11 +80,12 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.errors import InputError
     from gptkit.evaluate import EvalOptions, encode_text, evaluate_examples, evaluate_ids, sliding_windows
     from gptkit.finetune.heads import is_classifier_dir
-    from gptkit.loading import load
+    from gptkit.loading import load, resolve_model_path
     from gptkit.devices import pick_device
     from gptkit.quantization import is_quantized, quantize
 
     options = dataclass_from_args(EvalOptions, args)
+    args.model_dir = str(resolve_model_path(args.model_dir))  # a run directory: its newest checkpoint
     text = _read_text(args.input) if args.input is not None else None
     if text == "":
         raise InputError(f"--input {args.input} is empty; there is nothing to score")

@@ -126,6 +126,6 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
         text += piece
-    if sys.stdout.isatty() and not text.endswith("\n"):
-        sys.stdout.write("\n")
+    if not text.endswith("\n"):  # a shell prompt (or the next line of a log) starts on a line of its own;
+        sys.stdout.write("\n")    # --json and the Python API give the text exactly
     return 0

@@ -43,11 +43,12 @@ def run(args: argparse.Namespace) -> int:
     from gptkit.atomic import building_dir
     from gptkit.errors import InputError
     from gptkit.insight import write_report
-    from gptkit.loading import load
+    from gptkit.loading import load, resolve_model_path
     from gptkit.devices import pick_device
 
     if not args.prompt:
         raise InputError("--prompt is empty; give some text to run through the model")
+    args.model_dir = str(resolve_model_path(args.model_dir))  # a run directory: its newest checkpoint
     model, tokenizer = load(args.model_dir, device=pick_device(args.device))
     if tokenizer is None:
         raise InputError(f"{args.model_dir} has no tokenizer files; inspect needs one to encode the prompt")

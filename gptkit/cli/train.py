@@ -53,7 +53,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     from gptkit.checkpoint import CHECKPOINTS, latest_checkpoint
     from gptkit.errors import ConfigError
     from gptkit.train import CONFIG_FILE
-    from gptkit.train_config import flag_overrides, from_sources
+    from gptkit.train_config import RESUME_MAY_CHANGE, flag_overrides, from_sources
 
     flags = flag_overrides(args)
     for option, field in ALIASES.items():
@@ -99,7 +99,9 @@ def build_config(args: argparse.Namespace) -> RunConfig:
                 "start a new run with model.init_from instead"
             )
     for key, value in flags.get("finetune", {}).items():
-        if getattr(config.finetune, key) != value:
+        if key in RESUME_MAY_CHANGE:
+            setattr(config.finetune, key, value)
+        elif getattr(config.finetune, key) != value:
             raise ConfigError(f"finetune.{key} cannot change on --resume (the run has "
                               f"{getattr(config.finetune, key)!r}); start a new run instead")  # fmt: skip
     return config
@@ -120,6 +122,25 @@ def run(args: argparse.Namespace) -> int:
     if result.skipped_steps:
         print(f"{result.skipped_steps} update(s) were skipped for a non-finite loss or gradient", file=sys.stderr)
     if result.interrupted:
-        print(f"interrupted; continue with: gptkit train --resume --out {result.run_dir}", file=sys.stderr)
+        print(f"interrupted; continue with: {resume_command(result.run_dir)}", file=sys.stderr)
         return 130
     return 0
+
+
+def resume_command(run_dir: Path, env: dict[str, str] | None = None) -> str:
+    """The command that resumes the run as it was launched: under torchrun, torchrun with the same processes (a
+    resume on another count changes each process's grad_accum to keep the global batch)."""
+    import os
+    import shlex
+
+    env = dict(os.environ) if env is None else env
+    command = f"gptkit train --resume --out {shlex.quote(str(run_dir))}"
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return command
+    local = int(env.get("LOCAL_WORLD_SIZE", world))
+    nodes = max(1, world // local)
+    if nodes == 1:
+        return f"torchrun --nproc_per_node {local} -m {command}"
+    return (f"torchrun --nnodes {nodes} --nproc_per_node {local} -m {command} (on every machine, each with its "
+            "--node_rank and the --master_addr and --master_port of the first)")

@@ -9,6 +9,9 @@ A reward is named by a spec (load_reward):
 
 Every reward is called as reward(prompt, completion, row): the prompt as the model saw it, the text it wrote, and
 the prompt's input row (gptkit.data.Prompts), and returns a plain float.
+
+Training calls a reward through RewardProcess: in a process of its own (gptkit.worker), where a call that hangs
+is stopped at its deadline and every way the user's code can end a call is one error line naming the reward.
 """
 
 from __future__ import annotations
@@ -20,23 +23,30 @@ import math
 import numbers
 import os
 import re
+import signal
 import sys
+import time
+import weakref
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from gptkit.decoding.grammar import SchemaError, schema_text
-from gptkit.errors import ConfigError, GptkitError
+from gptkit.errors import ConfigError, StepAbandoned
+from gptkit.worker import PACKAGE_ROOT, Interrupted, LineWorker, child_pipes, exit_with_parent, send_line, \
+    signals_end_waits  # fmt: skip
 
 ANSWER_MARK = "####"  # GSM8K's solutions end with "#### <answer>"
 BUILT_IN = ("exact_match", "regex:PATTERN", "json_schema")
 # A number as answers write it: digits with optional thousands commas, an optional sign and decimal part.
 NUMBER = re.compile(r"[-+]?(\d{1,3}(,\d{3})+|\d+)(\.\d*)?")
 _MISSING = object()
+WORKER_COMMAND = (sys.executable, "-c", "from gptkit.finetune.rewards import reward_worker; reward_worker()")
+START_S = 60.0  # allowed beyond finetune.reward_timeout for a reward's process to start and import its module
 
 
-class RewardError(GptkitError):
-    """A user's reward function failed or returned something that is not a finite number."""
+class RewardError(StepAbandoned):
+    """A reward function failed, returned something that is not a finite number, or was stopped (its deadline
+    passed, or a stop signal came while it ran: interrupted)."""
 
 
 class Reward:
@@ -123,23 +133,27 @@ class JsonSchema(Reward):
             import jsonschema  # an optional package: only this reward needs it
         except ImportError:
             raise ConfigError(f"reward {name} validates with the jsonschema package: pip install jsonschema") from None
-        self.jsonschema = jsonschema
+        # Imported here, not with this module: the grammar imports torch, a second of every reward process's start.
+        from gptkit.decoding.grammar import SchemaError, schema_text
+
+        self.jsonschema, self.schema_text = jsonschema, schema_text
+        self.schema_errors = (SchemaError, jsonschema.SchemaError)
 
     def _validator(self, schema: Any) -> Any:
         """The validator of a row's schema; SchemaError (or jsonschema's) if it is not a valid schema."""
-        return _schema_validator(schema_text(schema))
+        return _schema_validator(self.schema_text(schema))
 
     def _row_problem(self, row: dict[str, Any]) -> str | None:
         try:
             self._validator(row["schema"])
-        except (SchemaError, self.jsonschema.SchemaError) as err:
+        except self.schema_errors as err:
             return f"\"schema\" is not a valid JSON schema: {_schema_problem(err)}"
         return None
 
     def __call__(self, prompt: str, completion: str, row: dict[str, Any]) -> float:
         try:
             validator = self._validator(row["schema"])
-        except (SchemaError, self.jsonschema.SchemaError) as err:
+        except self.schema_errors as err:
             raise RewardError(f"reward {self.name}: the row's \"schema\" is not a valid JSON schema "
                               f"({_schema_problem(err)})") from None  # fmt: skip
         try:
@@ -253,3 +267,119 @@ def load_reward(spec: str) -> Reward:
         return UserFunction(spec)
     raise ConfigError(f"unknown reward {spec!r}: use {', '.join(BUILT_IN)} or module:function (a function(prompt, "
                       "completion, row) -> float in module.py of the working directory)")  # fmt: skip
+
+
+class RewardProcess:
+    """A reward (any spec load_reward takes) run in a process of its own, called as reward(prompt, completion, row).
+
+    Every way a call can end other than with a finite number is a RewardError naming the reward: an exception or
+    a non-number (as load_reward's rewards say), sys.exit, os._exit, a crash or a kill from outside, and a call
+    still running after `seconds` (its process is then killed). A SIGINT or SIGTERM during a call ends it at once,
+    after the signal's own handler ran, as a RewardError marked interrupted. A process that failed is replaced at
+    the next call; one left is killed when this object goes (or the interpreter exits).
+    """
+
+    def __init__(self, spec: str, seconds: float) -> None:
+        self.name, self.seconds = spec, seconds
+        self.directory = os.getcwd()  # where module:function is imported from, as load_reward does
+        self.worker: LineWorker | None = None
+        self._start()  # a spec that names nothing usable is a ConfigError now, before any work
+
+    def check_rows(self, rows: list[dict[str, Any]]) -> None:
+        """A ConfigError naming the first row (by index) that lacks what the reward needs."""
+        reply = self._ask({"rows": rows}, self.seconds + START_S, "checking the prompt rows")
+        if "error" in reply:
+            raise ConfigError(reply["error"])
+
+    def __call__(self, prompt: str, completion: str, row: dict[str, Any]) -> float:
+        """The completion's reward; RewardError if the call does not end with a finite number by the deadline."""
+        reply = self._ask({"prompt": prompt, "completion": completion, "row": row}, self.seconds, "scoring")
+        if "error" in reply:
+            raise RewardError(reply["error"])
+        return float(reply["value"])
+
+    def close(self) -> None:
+        """Kill the reward's process (a later call starts another)."""
+        if self.worker is not None:
+            self._finalizer()
+            self.worker = None
+
+    def _start(self) -> LineWorker:
+        """A new process with the reward loaded; ConfigError if the spec names nothing usable."""
+        self.worker = LineWorker((*WORKER_COMMAND, self.name, self.directory), PACKAGE_ROOT, show_errors=True)
+        self._finalizer = weakref.finalize(self, self.worker.kill)
+        reply = self._ask(None, self.seconds + START_S, "loading")
+        if "error" in reply:
+            self.close()
+            raise ConfigError(reply["error"])
+        return self.worker
+
+    def _ask(self, request: dict[str, Any] | None, seconds: float, doing: str) -> dict[str, Any]:
+        """The process's reply to request (None: the reply it sends once loaded) within seconds; how it failed to
+        reply otherwise, as a RewardError."""
+        worker = self.worker or self._start()
+        try:
+            with signals_end_waits():
+                return worker.ask(request, time.monotonic() + seconds)
+        except TimeoutError:
+            self.close()
+            problem = (f"was still {doing} after {seconds:g} s, so its process was stopped (finetune.reward_timeout is "
+                       f"{self.seconds:g} s)")  # fmt: skip
+        except (EOFError, OSError):  # the process ended: sys.exit is answered, so os._exit, a crash or a kill
+            self.worker = None
+            self._finalizer.detach()
+            problem = f"ended its process while {doing} ({worker.ended()})"
+        except ValueError:
+            self.close()
+            problem = f"wrote something other than an answer while {doing}"
+        except Interrupted as err:
+            self.close()
+            raise RewardError(f"{err} came while reward {self.name} was {doing}; it was stopped",
+                              interrupted=True) from None  # fmt: skip
+        except BaseException:  # (a request that cannot be sent, a second Ctrl-C): the process's state is unknown
+            self.close()
+            raise
+        raise RewardError(f"reward {self.name} {problem}")
+
+
+def reward_worker() -> None:
+    """The loop of a reward's process (RewardProcess starts it with the spec and the working directory): load the
+    reward, reply {"ready"} (or {"error"}), then reply to each request line, {"rows"} with {"ok"} and
+    {"prompt", "completion", "row"} with {"value"}, or either with {"error"}."""
+    requests, replies = child_pipes()
+    exit_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # (a Ctrl-C reaches the whole process group): the parent decides
+        signal.signal(sig, signal.SIG_IGN)
+    spec, directory = sys.argv[1:3]
+    os.chdir(directory)  # `python -c` put "" first on the path: the module is found here, as load_reward finds it
+    try:
+        reward = load_reward(spec)
+    except ConfigError as err:
+        send_line(replies, {"error": str(err)})
+        return
+    except BaseException as err:  # the module's own code ended the process (sys.exit) while it was imported
+        send_line(replies, {"error": f"reward {spec}: importing its module {_ended_by(err)}"})
+        return
+    send_line(replies, {"ready": True})
+    for line in requests:
+        send_line(replies, _reply(reward, json.loads(line)))
+
+
+def _reply(reward: Reward, request: dict[str, Any]) -> dict[str, Any]:
+    """A reward process's reply to one request."""
+    try:
+        if "rows" in request:
+            reward.check_rows(request["rows"])
+            return {"ok": True}
+        return {"value": reward(request["prompt"], request["completion"], request["row"])}
+    except (ConfigError, RewardError) as err:
+        return {"error": str(err)}
+    except BaseException as err:  # the user's code: whatever ends it (sys.exit too) is reported as theirs
+        return {"error": f"reward {reward.name} {_ended_by(err)}"}
+
+
+def _ended_by(err: BaseException) -> str:
+    """How user code ended, in words: 'called sys.exit(3)', or 'raised TypeError: ...'."""
+    if isinstance(err, SystemExit):
+        return f"called sys.exit({err.code!r})"
+    return f"raised {type(err).__name__}: {_one_line(str(err))}"

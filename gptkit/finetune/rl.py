@@ -30,16 +30,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gptkit.accounting import kv_cache_bytes
 from gptkit.data import Batch, Prompts
 from gptkit.decoding.api import Completion, complete, grammar_for
 from gptkit.decoding.grammar import SchemaError
+from gptkit.decoding.prefix_cache import available_memory
 from gptkit.decoding.request import first_stop
 from gptkit.decoding.sampling import GREEDY_BELOW, SamplingParams, read_schema_file
 from gptkit.errors import ConfigError
 from gptkit.finetune.objectives import check_template
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats, evaluation_mode
-from gptkit.finetune.rewards import Reward, RewardError, load_reward
+from gptkit.finetune.rewards import RewardError, RewardProcess
 from gptkit.loss import IGNORE_INDEX
+from gptkit.plan import GIB, training_memory
 
 logger = logging.getLogger(__name__)
 
@@ -169,12 +172,8 @@ class GroupPolicyGradient(ObjectiveBase):
             raise ConfigError(f"{setup.data.directory} holds no held-out prompts (prepared with --val-fraction 0): "
                               "evaluations measure reward and pass@k on them; prepare the prompts again with "
                               "--val-fraction above 0")  # fmt: skip
-        self.reward: Reward = load_reward(f.reward)
-        for name, split in (("train", self.train_prompts), ("val", self.val_prompts)):
-            try:
-                self.reward.check_rows(split.rows)
-            except ConfigError as err:
-                raise ConfigError(f"{err} (in the {name} split of {setup.data.directory})") from None
+        self.longest_row = self._check_lengths(f.completion_tokens)
+        self._check_memory(setup)
         self._check_sampling(f.group_size, f.temperature)
         self.group, self.kl_weight, self.scale = f.group_size, f.kl_weight, f.scale_rewards
         self.length_penalty, self.pass_reward, self.eval_samples = f.length_penalty, f.pass_reward, f.eval_samples
@@ -184,7 +183,12 @@ class GroupPolicyGradient(ObjectiveBase):
             self.grammar = grammar_for(self.gpt, self.tokenizer, self.params)
         except SchemaError as err:  # read, but no grammar compiles from it
             raise ConfigError(f"finetune.json_schema {f.json_schema}: {err}") from None
-        self._check_lengths(f.completion_tokens)
+        self.reward = RewardProcess(f.reward, f.reward_timeout)
+        for name, split in (("train", self.train_prompts), ("val", self.val_prompts)):
+            try:
+                self.reward.check_rows(split.rows)
+            except ConfigError as err:
+                raise ConfigError(f"{err} (in the {name} split of {setup.data.directory})") from None
         self.reference = setup.method.reference(self.gpt, setup.config, setup.device) if f.kl_weight > 0 else None
         self.seed, self.rank, self.draws = t.seed, setup.world.rank, 0
         self.task_metrics = {"val_reward": "reward", "val_pass_at_1": "pass_rate",
@@ -201,8 +205,9 @@ class GroupPolicyGradient(ObjectiveBase):
             logger.warning("finetune.group_size 1: a completion alone has no group to compare with, so nothing "
                            "trains; use 2 or more (8 is usual)")  # fmt: skip
 
-    def _check_lengths(self, completion_tokens: int) -> None:
-        """Every prompt and its longest completion must fit a learned-position model's block_size."""
+    def _check_lengths(self, completion_tokens: int) -> int:
+        """Every prompt and its longest completion must fit a learned-position model's block_size; returns the
+        longest prompt's length plus completion_tokens."""
         config = self.gpt.config
         longest = max(int(np.diff(p.offsets).max()) for p in (self.train_prompts, self.val_prompts) if len(p))
         if config.position == "learned" and longest + completion_tokens > config.block_size:
@@ -211,6 +216,26 @@ class GroupPolicyGradient(ObjectiveBase):
             raise ConfigError(f"a prompt of {longest} tokens and finetune.completion_tokens {completion_tokens} "
                               f"exceed the model's block_size {config.block_size}: {fix}prepare shorter prompts "
                               "(gptkit prepare --max-length)")  # fmt: skip
+        return longest + completion_tokens
+
+    def _check_memory(self, setup: Setup) -> None:
+        """The completions a step samples and trains on, and those an evaluation samples, must fit the device's free
+        memory (a training forward's activations by gptkit plan's estimate, a sampling's key-value cache): a typo in
+        finetune.group_size is refused here in one line, not after minutes of allocating."""
+        f, t, config = setup.config.finetune, setup.config.train, self.gpt.config
+        free = _free_bytes(setup.device)
+        step_rows, eval_rows = t.batch_size * f.group_size, min(t.eval_examples, len(self.val_prompts)) * f.eval_samples
+        memory = training_memory(config, step_rows, self.longest_row, t.dtype)
+        forward = memory.activations_checkpointed if t.activation_checkpointing else memory.activations
+        needs = [("finetune.group_size", f.group_size, f"x train.batch_size {t.batch_size}", step_rows,
+                  max(forward, kv_cache_bytes(config, step_rows, self.longest_row, "float32"))),
+                 ("finetune.eval_samples", f.eval_samples, f"x {eval_rows // f.eval_samples} held-out prompts",
+                  eval_rows, kv_cache_bytes(config, eval_rows, self.longest_row, "float32"))]  # fmt: skip
+        for name, value, times, rows, need in needs:
+            if need > free:
+                raise ConfigError(f"{name} {value} {times} = {rows:,} completions of up to {self.longest_row} tokens "
+                                  f"need about {need / GIB:,.1f} GiB (gptkit plan's estimate), more than the "
+                                  f"{free / GIB:,.1f} GiB free on {setup.device.type}: lower {name}")  # fmt: skip
 
     def stream(self, per_update: int) -> PromptBatches:
         """The training prompts in a seeded order, train.batch_size per micro-batch."""
@@ -252,12 +277,15 @@ class GroupPolicyGradient(ObjectiveBase):
         return (text if cut < 0 else text[:cut]), completion.ids + end
 
     def _score(self, prompts: Prompts, index: int, completion: str) -> float:
+        """The reward of a completion of prompt index; a RewardError names the prompt."""
+        text = prompts.texts[index]
         try:
-            return self.reward(prompts.texts[index], completion, prompts.rows[index])
+            return self.reward(text, completion, prompts.rows[index])
         except RewardError as err:
             split = "train" if prompts is self.train_prompts else "val"
-            where = f"on prompt {index} of the {split} split of {self.setup.data.directory}"
-            raise RewardError(f"{err} ({where})") from None
+            shown = repr(text if len(text) <= 40 else text[:37] + "...")
+            where = f"on prompt {index} ({shown}) of the {split} split of {self.setup.data.directory}"
+            raise RewardError(f"{err} ({where})", interrupted=err.interrupted) from None
 
     def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
         """Sample the batch's groups, score them, and the policy-gradient loss over their completion tokens."""
@@ -304,6 +332,13 @@ class GroupPolicyGradient(ObjectiveBase):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the sampling seeds where the checkpoint left them."""
         self.draws = int(state.get("sampling_draws", 0))
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Bytes the device could give now: free GPU memory, else the system's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory()
 
 
 def completion_rows(group: Group, samples: int) -> tuple[Tensor, Tensor]:

@@ -259,11 +259,11 @@ def chance_induction_score(length: int) -> float:
 
 
 def top_heads(scores: Tensor, k: int = 5) -> list[tuple[int, int, float]]:
-    """The k highest-scoring heads of an (n_layer, n_head) table as (layer, head, score), counted from 1."""
+    """The k highest-scoring heads of an (n_layer, n_head) table as (layer, head, score), counted from 0."""
     flat = scores.flatten()
     order = flat.argsort(descending=True)[:k].tolist()
     n_head = scores.size(1)
-    return [(i // n_head + 1, i % n_head + 1, float(flat[i])) for i in order]
+    return [(i // n_head, i % n_head, float(flat[i])) for i in order]
 
 
 @torch.no_grad()

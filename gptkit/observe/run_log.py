@@ -6,14 +6,20 @@ its one-line error (the trainer names the last intact checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from gptkit.errors import ConfigError
 from gptkit.observe.training import plot_run
+
+logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -21,17 +27,22 @@ PLOT_FILE = "loss.png"
 
 
 def read_history(path: Path, up_to: int) -> list[dict[str, Any]]:
-    """The metrics records of a run up to step `up_to` (later ones belong to steps a resume will redo)."""
+    """The metrics records of a run up to step `up_to` (later ones belong to steps a resume will redo).
+
+    A run writes one line per step, in step order, so a line is kept only when its step is a whole number after the
+    last kept line's and at most up_to: a damaged line, a repeated or out-of-order step (a line appended by hand, a
+    JSON object naming "step" twice) or one past the checkpoint never puts a step in the history twice."""
     if not path.is_file():
         return []
-    records = []
+    records: list[dict[str, Any]] = []
     for line in path.read_bytes().splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue  # a line cut short by a kill, or damaged (invalid UTF-8 is a ValueError too)
         step = record.get("step") if isinstance(record, dict) else None
-        if isinstance(step, int) and step <= up_to:
+        last = records[-1]["step"] if records else -1
+        if type(step) is int and last < step <= up_to:  # (type, not isinstance: true is an int to Python)
             records.append(record)
     return records
 
@@ -83,6 +94,40 @@ class RunLog:
         if self.bar is not None:
             self.bar.write(message, file=sys.stderr)
 
+    def announce(self, message: str) -> None:
+        """A line the user must see now (a stop requested): above the bar, or as a warning without one."""
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.write(f"gptkit train: {message}", file=sys.stderr)
+        else:
+            logger.warning(message)
+
+    @contextlib.contextmanager
+    def evaluating(self, model: Any, step: int) -> Iterator[None]:
+        """A second bar while an evaluation runs: the model's forward passes so far and the time, refreshed every
+        second also while it decodes (the fused decode step passes no forward hook)."""
+        if self.bar is None:
+            yield
+            return
+        from tqdm import tqdm
+
+        bar = tqdm(desc=f"evaluating step {step}", unit=" passes", file=sys.stderr, leave=False, dynamic_ncols=True)
+        def count(*_: Any) -> None:  # (returns None: a forward hook's value would replace the output)
+            bar.update(1)
+
+        hook = model.register_forward_hook(count)
+        done = threading.Event()
+        ticker = threading.Thread(target=_tick, args=(bar, done), daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
+            hook.remove()
+            bar.close()
+
     def step_done(self, record: dict[str, Any] | None) -> None:
         """Advance the bar by one step, and show a logged step's loss, statistics, learning rate and speed."""
         if self.bar is None:
@@ -99,6 +144,12 @@ class RunLog:
         for thing in (self.metrics, self.tensorboard, self.bar):
             if thing is not None:
                 thing.close()
+
+
+def _tick(bar: Any, done: threading.Event) -> None:
+    """Redraw bar every second until done, so that its clock moves while nothing counts a pass."""
+    while not done.wait(1.0):
+        bar.refresh()
 
 
 def open_tensorboard(log_dir: Path) -> Any:

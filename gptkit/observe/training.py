@@ -16,11 +16,13 @@ from typing import Any
 import numpy as np
 
 from gptkit.atomic import atomic_write
+from gptkit.errors import ConfigError
 from gptkit.model import GPT
 from gptkit.observe.measures import chance_induction_score, icl_score, induction_test
 from gptkit.train_config import TrainConfig
 from gptkit.observe.samples import (
     SAMPLES_FILE,
+    Sample,
     append_samples,
     configured_prompts,
     example_prompts,
@@ -34,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 MEASURES = ("icl_score", "induction_score", "induction_loss", "induction_chance")
 ICL_TOKENS = 1 << 20  # the ICL windows come from the validation split's first tokens (not all of a large split)
+# The longest sample, where the model's context is shorter: a sample is a glimpse at each evaluation, and past a
+# learned-position context every further token costs a forward pass over a whole window.
+SAMPLE_TOKENS_CAP = 4096
 
 
 class Observer:
@@ -46,6 +51,11 @@ class Observer:
         validation examples (sampled from); objective names the run's in a log line."""
         self.t, self.model, self.tokenizer, self.val_tokens = train, model, tokenizer, val_tokens
         self.path = run_dir / SAMPLES_FILE
+        longest = max(model.config.block_size, SAMPLE_TOKENS_CAP)
+        if train.sample_every and train.sample_tokens > longest:  # checked before any work, on every rank
+            raise ConfigError(f"train.sample_tokens {train.sample_tokens} is longer than a sample may be: at most "
+                              f"{longest} (the model's block_size {model.config.block_size} or {SAMPLE_TOKENS_CAP}, "
+                              "whichever is more); lower it, or set train.sample_every 0 for no samples")  # fmt: skip
         self.measures = False
         self.prompts: list[list[int]] = []
         if not is_main:
@@ -77,22 +87,28 @@ class Observer:
         elif examples is not None:
             prompts = example_prompts(examples, block)
         else:
-            logger.info("no samples during training: set train.sample_prompts to sample this %s run", objective)
+            # Not said: a classification, preference or RL run is measured by its task metrics, not by samples.
+            logger.debug("no samples during training: set train.sample_prompts to sample this %s run", objective)
             return []
         if not prompts:
             logger.info("no samples during training: no validation prompt fits; set train.sample_prompts")
         return prompts
 
-    def measure_into(self, record: dict[str, Any]) -> str:
-        """Add icl_score, induction_score (the strongest head's), induction_loss and the chance score to record;
-        returns the text the evaluation's line adds ('' when not measured)."""
+    def measure(self) -> dict[str, float]:
+        """icl_score, induction_score (the strongest head's), induction_loss and the chance score ({} when not
+        measured)."""
         if not self.measures:
-            return ""
+            return {}
         induction = induction_test(self.model)
         icl = icl_score(self.model, self.val_tokens[:ICL_TOKENS])
-        record.update(icl_score=icl, induction_score=float(induction.scores.max()),
-                      induction_loss=induction.repeated_half_loss,
-                      induction_chance=chance_induction_score(induction.length))  # fmt: skip
+        return dict(icl_score=icl, induction_score=float(induction.scores.max()),
+                    induction_loss=induction.repeated_half_loss,
+                    induction_chance=chance_induction_score(induction.length))  # fmt: skip
+
+    def summary(self, record: dict[str, Any]) -> str:
+        """What the measures add to an evaluation's line ('' when not measured)."""
+        if record.get("icl_score") is None or record.get("induction_score") is None:
+            return ""
         return f", ICL {record['icl_score']:+.3f}, induction {record['induction_score']:.2f}"
 
     def due(self, step: int) -> bool:
@@ -101,10 +117,19 @@ class Observer:
         t = self.t
         return bool(self.prompts) and (step % (t.sample_every * t.eval_interval) == 0 or step == t.max_steps)
 
-    def sample(self, step: int) -> list[str]:
-        """Take the step's samples into samples.jsonl; returns their lines for above the progress bar."""
-        samples = take_samples(self.model, self.tokenizer, self.prompts, self.t.sample_tokens, self.t.seed, step)
-        append_samples(self.path, samples)
+    def take_samples(self, step: int) -> list[Sample]:
+        """The step's samples when it takes them (see due), else none; nothing is written yet."""
+        if not self.due(step):
+            return []
+        return take_samples(self.model, self.tokenizer, self.prompts, self.t.sample_tokens, self.t.seed, step)
+
+    def append_samples(self, samples: list[Sample]) -> None:
+        """Append samples to samples.jsonl (nothing when there are none)."""
+        if samples:
+            append_samples(self.path, samples)
+
+    def lines(self, samples: list[Sample]) -> list[str]:
+        """The samples' lines for above the progress bar."""
         return [note_line(s) for s in samples]
 
 
@@ -113,8 +138,9 @@ def _points(history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
 
 
 def _draw_losses(axes: Any, history: list[dict[str, Any]]) -> None:
+    """The training and validation losses (the induction test's loss, on another scale, is drawn with its score)."""
     series = [("loss", "train (logged steps)", 0.5), ("train_eval_loss", "train (eval)", 1.0),
-              ("val_loss", "validation", 1.0), ("induction_loss", "repeated random half", 1.0)]  # fmt: skip
+              ("val_loss", "validation", 1.0)]  # fmt: skip
     for key, label, alpha in series:
         points = _points(history, key)
         if points:
@@ -139,7 +165,13 @@ def draw_induction(axes: Any, history: list[dict[str, Any]]) -> None:
         axes.axhline(chance[-1][1], color="grey", linestyle="--", linewidth=0.8, label="uniform attention")
     axes.set_ylim(0, 1)
     axes.set_ylabel("induction score")
-    axes.legend()
+    axes.legend(loc="upper left")
+    losses = _points(history, "induction_loss")
+    if losses:  # on its own axis: a random repeated sequence's loss can be twice the training loss
+        twin = axes.twinx()
+        twin.plot(*zip(*losses), marker="o", markersize=3, color="tab:grey", label="loss on the repeated half")
+        twin.set_ylabel("loss (nats)")
+        twin.legend(loc="upper right")
 
 
 def draw_metric(axes: Any, history: list[dict[str, Any]], key: str, trained_key: str | None) -> None:

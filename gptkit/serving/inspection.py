@@ -29,7 +29,7 @@ def attention_map(
 
 @dataclass(frozen=True)
 class LensPosition:
-    """The logit lens at one position: per layer (embedding, block 1..n) its top tokens and the probability it
+    """The logit lens at one position: per layer (embedding, layer 0..n-1) its top tokens and the probability it
     gives the model's final prediction, and the first layer whose top token is that prediction."""
 
     position: int  # index of the token in the text; the lens reads what the model predicts after it
@@ -64,7 +64,7 @@ def lens_positions(model: GPT, ids: list[int], position: int | None = None, top:
 
 
 def lens_labels(model: GPT) -> list[str]:
-    """The names of the lens's layers: "embedding", "block 1" .. "block n"."""
+    """The names of the lens's layers: "embedding", "layer 0" .. "layer n-1" (numbered from 0, as everywhere)."""
     return state_labels(model.config)[: model.config.n_layer + 1]
 
 

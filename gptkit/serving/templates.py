@@ -8,61 +8,20 @@ latency is back to normal. Requests and answers travel as JSON lines over the wo
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
-import selectors
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from gptkit.chat import ChatTemplate, ChatTemplateError
+from gptkit.worker import PACKAGE_ROOT, LineWorker
 
 WORKERS = 2  # processes at most; each busy one holds a core, and rendering an ordinary template takes milliseconds
 WORKER_COMMAND = (sys.executable, "-c", "from gptkit.chat import render_worker; render_worker()")
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the gptkit package
 
 log = logging.getLogger("gptkit.serve")
-
-
-class _Worker:
-    """One rendering process and the unread bytes of its answer pipe."""
-
-    def __init__(self) -> None:
-        # Started where gptkit itself lies: `python -c` puts its working directory first on the path, and the
-        # server's own (a directory holding, say, a json.py) must not shadow what the worker imports.
-        self.process = subprocess.Popen(WORKER_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, bufsize=0, cwd=PACKAGE_ROOT)  # fmt: skip
-        self.requests, self.answers = self.process.stdin, self.process.stdout
-
-    def ask(self, request: dict[str, Any], deadline: float) -> dict[str, Any]:
-        """Send one request and wait for its answer until deadline (time.monotonic()); TimeoutError past it,
-        EOFError if the process died."""
-        pending = memoryview(json.dumps(request).encode() + b"\n")
-        while pending:  # an unbuffered pipe may take a large request in parts
-            pending = pending[self.requests.write(pending) or 0 :]
-        fd, answer = self.answers.fileno(), bytearray()
-        with selectors.DefaultSelector() as selector:
-            selector.register(fd, selectors.EVENT_READ)
-            while not answer.endswith(b"\n"):
-                if not selector.select(max(deadline - time.monotonic(), 0)):
-                    raise TimeoutError
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    raise EOFError
-                answer += chunk
-        return json.loads(answer)
-
-    def kill(self) -> None:
-        """End the process now (it may be deep in a loop that would never read another request)."""
-        self.process.kill()
-        self.process.wait()
-        self.requests.close()
-        self.answers.close()
 
 
 class TemplateWorkers:
@@ -70,7 +29,7 @@ class TemplateWorkers:
 
     def __init__(self, template: ChatTemplate, seconds: float, size: int = WORKERS) -> None:
         self.template, self.seconds, self.size = template, seconds, size
-        self.idle: queue.LifoQueue[_Worker] = queue.LifoQueue()
+        self.idle: queue.LifoQueue[LineWorker] = queue.LifoQueue()
         self.started = 0  # processes alive, idle or rendering
         self.closed = False
         self.lock = threading.Lock()
@@ -89,10 +48,29 @@ class TemplateWorkers:
         if self.closed:
             raise ChatTemplateError("the server is shutting down; the chat template was not rendered")
         deadline = time.monotonic() + self.seconds
-        worker = self._take(deadline)
         request = {"source": self.template.source, "bos_token": self.template.bos_token,
                    "eos_token": self.template.eos_token, "messages": messages, "tools": tools,
                    "add_generation_prompt": True, "max_chars": max_chars}  # fmt: skip
+        answer = self._ask(request, deadline)
+        if "error" in answer:
+            raise ChatTemplateError(answer["error"])
+        return answer["text"]
+
+    def _ask(self, request: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """A worker's answer to request. A worker that dies before it answers is replaced and the request sent once
+        more: the death may have come from outside (an operator's kill, the OOM killer) after the worker was taken,
+        and a request never fails for a death it did not cause; a second death is the template's doing."""
+        answer = self._ask_once(request, deadline)
+        if answer is None:
+            log.warning("a chat template's rendering process died before answering; rendering in another")
+            answer = self._ask_once(request, deadline)
+        if answer is None:
+            raise ChatTemplateError("the chat template's rendering process died twice before answering; stopped")
+        return answer
+
+    def _ask_once(self, request: dict[str, Any], deadline: float) -> dict[str, Any] | None:
+        """One worker's answer to request, or None if its process died first (it is then retired)."""
+        worker = self._take(deadline)
         try:
             answer = worker.ask(request, deadline)
         except TimeoutError:
@@ -100,11 +78,12 @@ class TemplateWorkers:
             log.warning("a chat template still rendering after %g s was stopped (its process ended)", self.seconds)
             raise ChatTemplateError(f"the chat template took more than {self.seconds:g} s to render; "
                                     "stopped") from None  # fmt: skip
-        except (EOFError, OSError, ValueError) as err:  # the process died (its memory cap) or wrote garbage
+        except (EOFError, OSError):  # the process died (a kill from outside, its memory cap): a broken pipe
             self._retire(worker)
-            log.warning("a chat template's rendering process failed: %s", type(err).__name__)
-            raise ChatTemplateError(f"the chat template's rendering process failed ({type(err).__name__}); "
-                                    "stopped") from None  # fmt: skip
+            return None
+        except ValueError:  # it wrote something that is not an answer line
+            self._retire(worker)
+            raise ChatTemplateError("the chat template's rendering process wrote garbage; stopped") from None
         except BaseException:  # (a request that cannot be sent, an interrupt): the worker's state is unknown
             self._retire(worker)
             raise
@@ -112,9 +91,7 @@ class TemplateWorkers:
             self._retire(worker)
         else:
             self.idle.put(worker)
-        if "error" in answer:
-            raise ChatTemplateError(answer["error"])
-        return answer["text"]
+        return answer
 
     def close(self) -> None:
         """Kill every idle worker; a busy one ends when its render does, and no new one starts."""
@@ -126,7 +103,7 @@ class TemplateWorkers:
                 return
             self._retire(worker)
 
-    def _take(self, deadline: float) -> _Worker:
+    def _take(self, deadline: float) -> LineWorker:
         """An idle worker, a new one while fewer than size run, else the first to come free (or to be replaced)
         before deadline."""
         while True:
@@ -154,7 +131,7 @@ class TemplateWorkers:
             if self._alive(worker):
                 return worker
 
-    def _alive(self, worker: _Worker) -> bool:
+    def _alive(self, worker: LineWorker) -> bool:
         """Whether an idle worker still runs; one that died while idle (killed from outside) is reaped and its place
         freed, so that no request is sent to it and fails for a death it did not cause."""
         if worker.process.poll() is None:
@@ -164,16 +141,16 @@ class TemplateWorkers:
         self._retire(worker)
         return False
 
-    def _start(self) -> _Worker:
+    def _start(self) -> LineWorker:
         """A new worker process (its place already counted in started)."""
         try:
-            return _Worker()
+            return LineWorker(WORKER_COMMAND, PACKAGE_ROOT)
         except OSError as err:
             with self.lock:
                 self.started -= 1
             raise ChatTemplateError(f"cannot start a process to render the chat template: {err}") from None
 
-    def _retire(self, worker: _Worker) -> None:
+    def _retire(self, worker: LineWorker) -> None:
         worker.kill()
         with self.lock:
             self.started -= 1

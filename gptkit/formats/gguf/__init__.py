@@ -9,10 +9,13 @@ llama.cpp's llama rotates interleaved pairs (x_{2i}, x_{2i+1}) where gptkit, lik
 (x_i, x_{i+d/2}); the rows of the q and k weights are reordered per head so that both compute the same scores,
 as llama.cpp's own converter reorders Hugging Face's.
 
-The tokenizer goes in as llama.cpp's byte-level BPE ("gpt2" model): gptkit's byte tokenizer as the 256 byte
-symbols and no merges, a character tokenizer whose characters are all single bytes the same way, and a byte-level
-BPE whose pre-tokenizer llama.cpp knows by name. Reading accepts the gpt2 and llama architectures with any
-tensor type the `gguf` package can dequantise, and a byte-level BPE tokenizer.
+The tokenizer goes in as llama.cpp's byte-level BPE ("gpt2" model), written and read by its vocab module.
+A token that vocabulary adds (a char tokenizer's end-of-text token) gets a zero row in the embedding and the output,
+so that its logit is 0 and the model's own tokens keep their logits. Reading accepts the gpt2 and llama
+architectures with any tensor type the `gguf` package can dequantise.
+
+GELU: every llama.cpp architecture computes it as the tanh approximation (ggml_gelu, whatever the architecture;
+its exact erf form, ggml_gelu_erf, serves only the multimodal encoders), so a model with exact GELU is refused.
 
 Q4_0 is gptkit's int4 (gptkit.quantization.Int4Linear holds the same blocks): writing an int4 model as q4_0 repacks
 its bits, and reading a Q4_0 file keeps every layer whose weights are all Q4_0 as an Int4Linear (decoded by
@@ -22,7 +25,6 @@ writes its embedding tables in f32, as gptkit holds them, so that llama.cpp comp
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -32,28 +34,16 @@ import torch
 
 from gptkit.atomic import atomic_write
 from gptkit.config import ModelConfig
-from gptkit.errors import ConfigError, GptkitError
+from gptkit.errors import ConfigError
 from gptkit.weights import load_state_into, real_vocab_state
 from gptkit.model import GPT
 from gptkit.quantization import Int4Linear, dequantized_state, is_quantized, quantize_q4
-from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS, EOT, BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer
+from gptkit.formats.gguf.vocab import GGUFError, inert_merge, tokenizer_from_fields, tokenizer_vocab
+from gptkit.tokenizer import Tokenizer
 
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 LLAMA_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 EMBEDDINGS = ("token_embd.weight", "position_embd.weight")
-# The regex of a byte-level pre-tokenizer, by the name llama.cpp's vocabulary loader knows it as
-# (llama.cpp src/llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2 and _LLAMA3).
-GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
-PRE_TOKENIZERS = {"gpt-2": GPT2_REGEX, "llama-bpe": LLAMA3_REGEX}
-TOKEN_NORMAL, TOKEN_CONTROL = 1, 3  # llama.cpp's token types
-
-
-class GGUFError(GptkitError):
-    """A model that GGUF (as llama.cpp computes it) cannot hold, or a GGUF file gptkit cannot read."""
-
-
 def _gguf() -> Any:
     try:
         import gguf
@@ -83,6 +73,9 @@ def architecture(config: ModelConfig) -> str:
     if config.position == "learned":
         if config.norm != "layernorm":
             raise refuse("norm", "llama.cpp's gpt2 (learned positions) uses LayerNorm")
+        if config.activation == "gelu":
+            raise refuse("activation", "llama.cpp computes GELU as its tanh approximation in every architecture "
+                         "(no erf GELU); train with --model.activation gelu_tanh to export to llama.cpp")
         if config.activation != "gelu_tanh":
             raise refuse("activation", "llama.cpp's gpt2 computes GELU's tanh approximation (gelu_tanh)")
         if config.n_kv_head != config.n_head:
@@ -124,12 +117,14 @@ def _rope_rows(weight: torch.Tensor, heads: int, to_gguf: bool) -> torch.Tensor:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def gguf_tensors(model: GPT, q4_blocks: bool = False) -> dict[str, torch.Tensor]:
+def gguf_tensors(model: GPT, q4_blocks: bool = False, added_tokens: int = 0) -> dict[str, torch.Tensor]:
     """The model's weights under llama.cpp's names and layout (float32, on the CPU; quantised layers dequantised).
 
     q4_blocks: int4 layers come as their own Q4_0 blocks instead (uint8, a row of bytes per weight row), so that
     writing them is a repacking: quantising their dequantised values again would change weights whose scales
-    were fitted (llama-quantize with an importance matrix) rather than taken from each block's largest value."""
+    were fitted (llama-quantize with an importance matrix) rather than taken from each block's largest value.
+    added_tokens: zero rows appended to the embedding and the output for tokens the file adds (a zero output row
+    gives its token the logit 0 whatever the input)."""
     config = model.config
     arch = architecture(config)
     state = {name: t.detach().float().cpu() for name, t in dequantized_state(model).items()}
@@ -164,64 +159,14 @@ def gguf_tensors(model: GPT, q4_blocks: bool = False) -> dict[str, torch.Tensor]
             out[f"blk.{block}.ffn_gate.weight"], out[f"blk.{block}.ffn_up.weight"] = gate, up
         else:
             raise GGUFError(f"tensor {name} has no place in a GGUF {arch} model")
+    for name in ("token_embd.weight", "output.weight"):
+        if added_tokens and name in out:
+            rows = out[name]
+            out[name] = torch.cat([rows, rows.new_zeros(added_tokens, rows.shape[1])])
     return out
 
 
 # ----------------------------------------------------------------------------------------------- writing
-
-
-def _tokenizer_vocab(tokenizer: Tokenizer) -> tuple[list[str], list[int], list[str], str]:
-    """(tokens, token types, merges, pre-tokenizer name) of a tokenizer as llama.cpp's byte-level BPE."""
-    if isinstance(tokenizer, ByteTokenizer):
-        specials = sorted(tokenizer.special_tokens.items(), key=lambda kv: kv[1])
-        tokens = [BYTE_LEVEL_SYMBOLS[b] for b in range(256)] + [s for s, _ in specials]
-        return tokens, [TOKEN_NORMAL] * 256 + [TOKEN_CONTROL] * len(specials), [], "gpt-2"
-    if isinstance(tokenizer, CharTokenizer):
-        wide = [c for c in tokenizer.chars if len(c.encode("utf-8")) != 1]
-        if wide:
-            raise GGUFError(f"the char tokenizer's character {wide[0]!r} is several UTF-8 bytes: llama.cpp's "
-                            "byte-level tokenizer cannot give it one id; train a byte or bpe tokenizer instead")  # fmt: skip
-        tokens = [BYTE_LEVEL_SYMBOLS[ord(c)] for c in tokenizer.chars]
-        specials = list(tokenizer.special_tokens)
-        return tokens + specials, [TOKEN_NORMAL] * len(tokens) + [TOKEN_CONTROL] * len(specials), [], "gpt-2"
-    if isinstance(tokenizer, BPETokenizer):
-        return _bpe_vocab(tokenizer)
-    raise GGUFError(f"a {tokenizer.kind} tokenizer cannot be written as GGUF")
-
-
-def _bpe_vocab(tokenizer: BPETokenizer) -> tuple[list[str], list[int], list[str], str]:
-    spec = json.loads(tokenizer.hf.to_str())
-    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or spec.get("normalizer") is not None:
-        raise GGUFError("only a byte-level BPE tokenizer without a normaliser can be written as GGUF (this one: "
-                        f"{model.get('type')} model, normaliser {bool(spec.get('normalizer'))}); export with "
-                        "--to-hf and use llama.cpp's converter with the original tokenizer files")  # fmt: skip
-    name = _pre_tokenizer_name(pre)
-    size = tokenizer.vocab_size
-    vocab = tokenizer.hf.get_vocab(with_added_tokens=True)
-    tokens = [""] * size
-    for token, i in vocab.items():
-        tokens[i] = token
-    if any(t == "" for t in tokens):
-        raise GGUFError("the tokenizer's ids are not contiguous; GGUF needs one token per id")
-    types = [TOKEN_CONTROL if i in tokenizer.special_tokens.values() else TOKEN_NORMAL for i in range(size)]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    return tokens, types, merges, name
-
-
-def _pre_tokenizer_name(pre: dict[str, Any]) -> str:
-    """llama.cpp's name for a byte-level pre-tokenizer (tokenizer.json's), or a GGUFError."""
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
-        return "gpt-2"
-    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
-    if len(parts) == 2 and parts[0].get("type") == "Split" and parts[1].get("type") == "ByteLevel" \
-            and not parts[1].get("use_regex", True):  # fmt: skip
-        regex = parts[0].get("pattern", {}).get("Regex")
-        for name, known in PRE_TOKENIZERS.items():
-            if regex == known:
-                return name
-    raise GGUFError(f"llama.cpp knows no pre-tokenizer like this tokenizer's ({json.dumps(pre)[:120]}); export "
-                    "with --to-hf instead")  # fmt: skip
 
 
 def export_gguf(model: GPT, path: str | Path, tokenizer: Tokenizer | None, file_type: str = "f32",
@@ -234,11 +179,12 @@ def export_gguf(model: GPT, path: str | Path, tokenizer: Tokenizer | None, file_
         raise GGUFError("the model has no tokenizer to embed; llama.cpp needs one in the file")
     config = model.config
     arch = architecture(config)
-    tensors = gguf_tensors(model, q4_blocks=file_type == "q4_0")
-    tokens, types, merges, pre = _tokenizer_vocab(tokenizer)
-    if len(tokens) != config.vocab_size:
-        raise GGUFError(f"the tokenizer has {len(tokens)} tokens and the model {config.vocab_size} embeddings; "
-                        "llama.cpp needs one token per embedding")  # fmt: skip
+    vocab = tokenizer_vocab(tokenizer)
+    tokens, types, merges = vocab.tokens, vocab.types, vocab.merges
+    if len(tokens) - vocab.added != config.vocab_size:
+        raise GGUFError(f"the tokenizer has {len(tokens) - vocab.added} tokens and the model {config.vocab_size} "
+                        "embeddings; llama.cpp needs one token per embedding")  # fmt: skip
+    tensors = gguf_tensors(model, q4_blocks=file_type == "q4_0", added_tokens=vocab.added)
     path = Path(path)
 
     def write(tmp: Path) -> None:
@@ -257,14 +203,14 @@ def export_gguf(model: GPT, path: str | Path, tokenizer: Tokenizer | None, file_
             writer.add_layer_norm_rms_eps(config.norm_eps)
             writer.add_rope_freq_base(config.rope_theta)
             writer.add_rope_dimension_count(config.head_dim)
-            writer.add_vocab_size(config.vocab_size)
+            writer.add_vocab_size(len(tokens))
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(pre)
+        writer.add_tokenizer_pre(vocab.pre)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
-        writer.add_token_merges(merges or [_inert_merge(tokens, types)])
-        if tokenizer.eos_id is not None:
-            writer.add_eos_token_id(tokenizer.eos_id)
+        writer.add_token_merges(merges or [inert_merge(tokens, types)])
+        if vocab.eos_id is not None:
+            writer.add_eos_token_id(vocab.eos_id)
         bos = tokenizer.prompt_bos_id()
         writer.add_add_bos_token(bos is not None)
         if bos is not None:
@@ -283,15 +229,6 @@ def export_gguf(model: GPT, path: str | Path, tokenizer: Tokenizer | None, file_
 
     atomic_write(path, write)
     return path
-
-
-def _inert_merge(tokens: list[str], types: list[int]) -> str:
-    """A merge that never applies, for a vocabulary of single symbols: llama.cpp requires at least one merge, and
-    one of two special tokens never meets a pair of symbols (specials are split off before BPE runs)."""
-    specials = [t for t, kind in zip(tokens, types) if kind == TOKEN_CONTROL]
-    if not specials:
-        raise GGUFError("a tokenizer without merges needs a special token (such as <|endoftext|>) for GGUF")
-    return f"{specials[0]} {specials[0]}"
 
 
 def _encoded(gguf: Any, array: np.ndarray, file_type: str) -> tuple[np.ndarray, Any]:
@@ -466,7 +403,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None,
     model = load_state_into(model, state, str(path))  # shapes, and NaN or infinite weights, refused by name
     model = model.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else model
     _int4_layers(model, q4, arch)
-    return model.eval(), _tokenizer(fields, path)
+    return model.eval(), tokenizer_from_fields(fields, path)
 
 
 def _int4_layers(model: GPT, q4: dict[str, tuple[torch.Tensor, torch.Tensor]], arch: str) -> None:
@@ -499,7 +436,7 @@ def _int4_layers(model: GPT, q4: dict[str, tuple[torch.Tensor, torch.Tensor]], a
 
 def gguf_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer a GGUF file carries (its tensors are not read)."""
-    return _tokenizer(_fields(open_gguf(path), Path(path)), Path(path))
+    return tokenizer_from_fields(_fields(open_gguf(path), Path(path)), Path(path))
 
 
 def gguf_chat_template(path: str | Path) -> str | None:
@@ -572,47 +509,3 @@ def _gptkit_state(tensors: dict[str, torch.Tensor], config: ModelConfig, arch: s
     if missing:
         raise GGUFError(f"{path} lacks the tensor gptkit calls {missing[0]!r}")
     return {name: state[name] for name in expected}
-
-
-def _tokenizer(fields: dict[str, Any], path: Path) -> Tokenizer:
-    """The GGUF file's tokenizer: gptkit's byte tokenizer when the file holds exactly its layout, else byte-level BPE."""
-    model = fields.get("tokenizer.ggml.model")
-    tokens = fields.get("tokenizer.ggml.tokens")
-    if model != "gpt2" or not tokens:
-        raise GGUFError(f"{path} has a {model!r} tokenizer; gptkit reads GGUF's byte-level BPE (\"gpt2\") tokenizers")
-    types = fields.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
-    eos_id = fields.get("tokenizer.ggml.eos_token_id")
-    specials = [t for t, kind in zip(tokens, types) if kind == TOKEN_CONTROL]
-    inert = {f"{a} {b}" for a in specials for b in specials}  # see _inert_merge
-    merges = [m for m in fields.get("tokenizer.ggml.merges") or [] if m not in inert]
-    if not merges and tokens[:256] == [BYTE_LEVEL_SYMBOLS[b] for b in range(256)] and len(specials) == len(tokens) - 256:
-        tokenizer: Tokenizer = ByteTokenizer(specials)
-        if eos_id is not None and tokenizer.eos_id != eos_id:
-            tokenizer.eos_id = int(eos_id)
-        return tokenizer
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
-    from tokenizers import Regex
-    from tokenizers import Tokenizer as HFTokenizer
-
-    pre = fields.get("tokenizer.ggml.pre", "gpt-2")
-    if pre not in PRE_TOKENIZERS and pre != "default":
-        raise GGUFError(f"{path}'s pre-tokenizer {pre!r} is not one gptkit knows ({', '.join(PRE_TOKENIZERS)})")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    # What the tokenizers library requires of a merge, checked here: it reports a damaged one as a Rust panic
-    broken = next((m for m, pair in zip(merges, pairs)
-                   if len(pair) != 2 or not {*pair, "".join(pair)} <= vocab.keys()), None)  # fmt: skip
-    if len(vocab) != len(tokens) or broken is not None:
-        what = f"merge {broken!r} joins tokens outside the vocabulary" if broken else "the vocabulary repeats a token"
-        raise GGUFError(f"{path}: the tokenizer is damaged ({what}); download or convert the file again")
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs))
-    if pre == "llama-bpe":
-        hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])  # fmt: skip
-    else:
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens([AddedToken(t, special=True) for t in specials])
-    eos = tokens[int(eos_id)] if eos_id is not None else EOT
-    return BPETokenizer(hf, eos)
