@@ -89,20 +89,21 @@ class ChatTemplate:
             variables["tools"] = tools
         return _render_jinja(self.jinja, variables, max_chars, max_seconds)
 
-    def reply_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    def reply_spans(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:  # fmt: skip
         """(the whole conversation's text, the character span of each assistant reply in it).
 
         A reply's span runs from where the prompt for it ends (the messages before it rendered with the
         generation prompt, as serving renders them) to where the conversation up to it ends, so it holds exactly
         what a model must write, the template's end-of-turn marks included.
         """
-        text = self.render(messages, add_generation_prompt=False)
+        text = self.render(messages, add_generation_prompt=False, tools=tools)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1], add_generation_prompt=False)
+            prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+            through = self.render(messages[: i + 1], add_generation_prompt=False, tools=tools)
             if not (through.startswith(prompt) and text.startswith(through)):
                 raise ChatTemplateError(
                     f"the chat template renders the conversation before assistant message {i + 1} differently "

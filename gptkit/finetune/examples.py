@@ -28,6 +28,7 @@ and encoded as a chat request is (gptkit.serving.chat), so the policy sees what 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -196,12 +197,15 @@ class ExampleEncoder:
             user = instruction + ("\n\n" + extra if extra else "")
             messages = [{"role": "user", "content": user}, {"role": "assistant", "content": _string(record, "output", where)}]
             return self._conversation(messages, 0, where)
-        return self._conversation(_messages(record["messages"], where, "messages"), 0, where)
+        return self._conversation(_messages(record["messages"], where, "messages"), 0, where, _tools(record, where))
 
-    def _conversation(self, messages: list[dict[str, str]], first_trained: int, where: str) -> Example:
-        """The rendered messages; replies from message index first_trained on are trained (all with loss_on all)."""
+    def _conversation(self, messages: list[dict[str, Any]], first_trained: int, where: str,
+                      tools: list[dict[str, Any]] | None = None) -> Example:  # fmt: skip
+        """The rendered messages (with the row's tools offered, as a chat request offers them); replies from message
+        index first_trained on are trained (all with loss_on all): an assistant turn that calls tools is trained on
+        its calls, as the template writes them."""
         try:
-            text, spans = self.template.reply_spans(messages)
+            text, spans = self.template.reply_spans(messages, tools)
         except ChatTemplateError as err:
             raise InputError(f"{where}: {err}") from None
         replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -272,8 +276,43 @@ def _string(record: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
-    """A list of {"role", "content"} messages with known roles, content as a string or a list of text parts."""
+def _tools(record: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """A messages row's "tools" (OpenAI's function tools, which the template renders as a request's)."""
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                              and isinstance(t["function"].get("name"), str) for t in tools):  # fmt: skip
+        raise InputError(f"{where}: 'tools' must be a list of function tools as a chat request sends them: "
+                         '[{"type": "function", "function": {"name": ..., "parameters": {...}}}, ...]')  # fmt: skip
+    return tools
+
+
+def _tool_calls(message: dict[str, Any], where: str, n: int) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as a template reads them (arguments as an object: OpenAI's JSON text is
+    parsed)."""
+    calls = message["tool_calls"]
+    out = []
+    for call in calls if isinstance(calls, list) else [None]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InputError(f"{where}: message {n}'s tool_calls must be a list of calls as OpenAI writes them: "
+                             '[{"type": "function", "function": {"name": ..., "arguments": ...}}, ...]')  # fmt: skip
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise InputError(f"{where}: message {n}: a tool call's arguments must be JSON, got "
+                                 f"{arguments[:40]!r}") from None  # fmt: skip
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})  # fmt: skip
+    return out
+
+
+def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
+    """A list of {"role", "content"} messages with known roles, content as a string or a list of text parts; an
+    assistant's "tool_calls" (its content may then be null) and a tool's "tool_call_id" kept."""
     if not isinstance(value, list) or not value:
         raise InputError(f"{where}: \"{key}\" must be a non-empty list of messages")
     messages = []
@@ -288,7 +327,13 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
                        for p in content):  # fmt: skip
                 raise InputError(f"{where}: message {n}'s content parts must be {{\"type\": \"text\", \"text\": ...}}")
             content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
+        calls = role == "assistant" and message.get("tool_calls") is not None
+        if not isinstance(content, str) and not (calls and content is None):
             raise InputError(f"{where}: message {n} ({role}) needs a string \"content\"")
-        messages.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            entry["tool_calls"] = _tool_calls(message, where, n)
+        if role == "tool" and message.get("tool_call_id") is not None:
+            entry["tool_call_id"] = str(message["tool_call_id"])
+        messages.append(entry)
     return messages
