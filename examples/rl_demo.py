@@ -3,19 +3,24 @@
 1. Problems "a+b=" with a and b below 100; one in a hundred is held out (never seen in any training): `gptkit
    prepare` splits the supervised set and the prompt set alike (the same rows in the same order, the same
    --val-fraction), and the demo checks that their validation problems are the same.
-2. Supervised fine-tuning: a small model, from scratch, trained briefly on worked examples of the other problems
+2. Supervised fine-tuning: a small model, from scratch, trained on worked examples of the other problems
    ({"prompt": "23+45=", "completion": "68"}) written by a careless hand: 40% of the answers are one too high.
-   The model learns the arithmetic and the carelessness: sampled, it is right about a third of the time.
+   The model learns the arithmetic and the carelessness.
 3. Reinforcement learning: `--finetune.objective grpo` from that model's checkpoint, on prompt rows
    ({"prompt": "23+45=", "answer": "68"}) with the built-in exact_match reward, which checks the arithmetic: each
    step samples a group of 8 completions of each of 8 prompts through the batch engine, and moves the model
    toward the ones that scored above their group's mean. Demonstrations were imperfect; the verifier is exact.
 4. Report, on the held-out problems, what the RL run's own evaluations measured: pass@1 (the chance that one
    completion sampled at temperature 1 is right) and pass@8 (that one of 8 is), at its first evaluation (the
-   supervised model, before any RL step) and at its last; and the mean reward along the way. RUN/loss.png
-   draws the curves.
+   supervised model, before any RL step) and at its last; and the mean reward along the way. Each seed's
+   RUN/seed-S/rl/loss.png draws its curves.
 
-Run: python examples/rl_demo.py [--out runs/rl-demo] [--quick]
+Float sums run in a different order on another CPU (other vector kernels, other thread counts), so one seed's exact
+trajectory is not what another machine will see: --seeds N runs N seeds (train.seed, which sets the initial
+weights, the batches' order and the samples' draws; the problems and the held-out split stay the same) and reports
+the mean, least and most of each figure, the spread to expect from run to run.
+
+Run: python examples/rl_demo.py [--out runs/rl-demo] [--seeds N] [--seed FIRST] [--quick]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,14 +43,19 @@ RL = ["--finetune.objective", "grpo", "--finetune.reward", "exact_match", "--fin
       "--finetune.completion_tokens", "4", "--finetune.temperature", "1.0", "--finetune.eval_samples", "8",
       "--train.batch_size", "8", "--train.eval_examples", "100", "--optim.lr", "1e-4", "--optim.schedule",
       "constant", "--optim.warmup_steps", "5", "--optim.weight_decay", "0.0", "--train.sample_every", "0"]  # fmt: skip
+SFT_STEPS, RL_STEPS = 2000, 400
+QUICK_STEPS = 40, 6  # --quick: SFT and RL steps of a smoke run
 CARELESS = 0.4  # the share of worked answers that are one too high
 VAL_FRACTION = "0.01"  # 100 of the 10,000 problems
+FIGURES = ("pass@1", "pass@8")
 
 
 def gptkit_cli(*args: str) -> None:
-    """Run one gptkit command, showing it as a user would type it."""
+    """Run one gptkit command, showing it as a user would type it; a failure ends the demo with its exit status."""
     print("$ gptkit " + shlex.join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "gptkit", *args], check=True)
+    done = subprocess.run([sys.executable, "-m", "gptkit", *args])
+    if done.returncode:
+        raise SystemExit(f"gptkit {args[0]} failed (exit status {done.returncode}); its message is above")
 
 
 def problems(seed: int = 0) -> list[tuple[int, int]]:
@@ -68,8 +79,11 @@ def held_out_prompts(sft_data: Path, rl_data: Path) -> list[str]:
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:
+    """The rows as JSON lines at path."""
+    from gptkit.atomic import atomic_write_text
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
@@ -79,51 +93,124 @@ def evaluations(run: Path) -> list[dict]:
     return [r for r in records if r.get("val_pass_at_1") is not None]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/rl-demo"))
-    parser.add_argument("--quick", action="store_true", help="a fraction of the steps (a smoke run, not the result)")
-    args = parser.parse_args()
-    out = args.out
-    sft_steps, rl_steps = (40, 6) if args.quick else (600, 800)
-    pairs = problems()
-    started = time.perf_counter()
-
-    # The supervised set: careless worked examples of every problem, the validation split held out by prepare.
+def supervised_data(out: Path, pairs: list[tuple[int, int]]) -> Path:
+    """Careless worked examples of every problem, prepared with the validation split held out."""
     careless = np.random.default_rng(1).random(len(pairs)) < CARELESS
     examples = write_rows(out / "sft.jsonl", [{"prompt": f"{a}+{b}=", "completion": str(a + b + int(wrong))}
                                               for (a, b), wrong in zip(pairs, careless)])  # fmt: skip
     gptkit_cli("prepare", "--input", str(examples), "--tokenizer", "byte", "--out", str(out / "sft-data"),
                "--val-fraction", VAL_FRACTION)  # fmt: skip
-    sft = out / "sft"
-    if not (sft / "latest").exists():
-        gptkit_cli("train", "--data", str(out / "sft-data"), "--out", str(sft), *SFT, "--train.max_steps",
-                   str(sft_steps), "--train.eval_interval", str(sft_steps // 4), "--train.checkpoint_interval",
-                   str(sft_steps))  # fmt: skip
-    start = sft / (sft / "latest").read_text().strip()
+    return out / "sft-data"
 
+
+def train(data: Path, run: Path, steps: int, seed: int, recipe: list[str], *extra: str) -> Path:
+    """Train run to its last step (unless it got there before) and return that checkpoint."""
+    from gptkit.checkpoint import checkpoint_name, latest_checkpoint
+
+    last, newest = run / "checkpoints" / checkpoint_name(steps), latest_checkpoint(run)
+    if newest != last:
+        # A run stopped early (Ctrl-C checkpoints it) continues where it stopped, not from its partial model.
+        resume = ["--resume"] if newest is not None else []
+        gptkit_cli("train", *resume, "--data", str(data), "--out", str(run), *extra, *recipe, "--train.seed",
+                   str(seed), "--train.max_steps", str(steps), "--train.eval_interval", str(max(steps // 4, 1)),
+                   "--train.checkpoint_interval", str(steps))  # fmt: skip
+    return last
+
+
+def one_seed(out: Path, sft_data: Path, pairs: list[tuple[int, int]], seed: int, steps: tuple[int, int]) -> dict:
+    """Supervised fine-tuning then RL with one train.seed, in out/seed-S; what the RL run's evaluations measured."""
+    where = out / f"seed-{seed}"
+    start = train(sft_data, where / "sft", steps[0], seed, SFT)
     # The prompt set: the same problems, the same held out (its validation split) to measure.
-    prompts = write_rows(out / "prompts.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs])
-    gptkit_cli("prepare", "--input", str(prompts), "--tokenizer", str(start), "--out", str(out / "rl-data"),
+    prompts = write_rows(where / "prompts.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs])
+    gptkit_cli("prepare", "--input", str(prompts), "--tokenizer", str(start), "--out", str(where / "rl-data"),
                "--val-fraction", VAL_FRACTION)  # fmt: skip
-    held_out = held_out_prompts(out / "sft-data", out / "rl-data")
-    rl = out / "rl"
-    if not (rl / "latest").exists():
-        gptkit_cli("train", "--data", str(out / "rl-data"), "--out", str(rl), "--model.init_from", str(start), *RL,
-                   "--train.max_steps", str(rl_steps), "--train.eval_interval", str(max(rl_steps // 4, 1)),
-                   "--train.checkpoint_interval", str(rl_steps))  # fmt: skip
-
+    held_out = held_out_prompts(sft_data, where / "rl-data")
+    rl = where / "rl"
+    train(where / "rl-data", rl, steps[1], seed, RL, "--model.init_from", str(start))
     first, last = evaluations(rl)[0], evaluations(rl)[-1]
     rewards = [(r["step"], r["reward"]) for r in map(json.loads, (rl / "metrics.jsonl").read_text().splitlines())
                if "reward" in r]  # fmt: skip
-    summary = {"held_out_prompts": min(100, len(held_out)), "samples_per_prompt": 8,
-               "before_rl": {"step": first["step"], "pass@1": first["val_pass_at_1"], "pass@8": first["val_pass_at_8"]},
-               "after_rl": {"step": last["step"], "pass@1": last["val_pass_at_1"], "pass@8": last["val_pass_at_8"]},
-               "train_reward": rewards, "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"held-out pass@1 {first['val_pass_at_1']:.3f} -> {last['val_pass_at_1']:.3f}, pass@8 "
-          f"{first['val_pass_at_8']:.3f} -> {last['val_pass_at_8']:.3f} after {last['step']} RL steps "
-          f"({summary['seconds']:.0f} s in all); curves in {rl / 'loss.png'}")
+    result = {"seed": seed, "held_out_prompts": min(100, len(held_out)), "train_reward": rewards}
+    for name, record in (("before_rl", first), ("after_rl", last)):
+        result[name] = {"step": record["step"], "pass@1": record["val_pass_at_1"], "pass@8": record["val_pass_at_8"]}
+    print(f"seed {seed}: held-out pass@1 {first['val_pass_at_1']:.3f} -> {last['val_pass_at_1']:.3f}, pass@8 "
+          f"{first['val_pass_at_8']:.3f} -> {last['val_pass_at_8']:.3f} after {last['step']} RL steps; curves in "
+          f"{rl / 'loss.png'}", flush=True)  # fmt: skip
+    return result
+
+
+def spread(runs: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """The mean, least and most of each figure over the runs, before and after RL, and of the gain in pass@1."""
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    for phase in ("before_rl", "after_rl"):
+        summary[phase] = {name: _stats([run[phase][name] for run in runs]) for name in FIGURES}
+    summary["gain"] = {"pass@1": _stats([run["after_rl"]["pass@1"] - run["before_rl"]["pass@1"] for run in runs])}
+    return summary
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"mean": float(np.mean(values)), "min": float(min(values)), "max": float(max(values))}
+
+
+def _shown(stats: dict[str, float], unit: str = "%") -> str:
+    return f"{100 * stats['mean']:.1f}{unit} ({100 * stats['min']:.1f}-{100 * stats['max']:.1f})"
+
+
+def machine() -> str:
+    """The CPU, what gptkit's CPU kernels run with here (and chose), and the thread count the runs inherit."""
+    import torch
+
+    from gptkit import cpu_kernels
+
+    return f"{cpu_kernels.capability()}; {torch.get_num_threads()} threads"
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """argparse's type for a whole number of at least low."""
+
+    def whole(text: str) -> int:
+        if not text.isdigit() or int(text) < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {low}")
+        return int(text)
+
+    return whole
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's options."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/rl-demo"))
+    parser.add_argument("--seeds", type=at_least(1), default=1, help="how many seeds to run (default 1)")
+    parser.add_argument("--seed", type=at_least(0), default=1, help="the first seed's train.seed (default 1)")
+    parser.add_argument("--quick", action="store_true", help="a fraction of the steps (a smoke run, not the result)")
+    return parser
+
+
+def report(out: Path, runs: list[dict], steps: tuple[int, int], seconds: float) -> None:
+    """Write out/summary.json; print the spread over the seeds and the machine they ran on."""
+    from gptkit.atomic import atomic_write_text
+
+    figures = spread(runs)
+    summary = {"held_out_prompts": runs[0]["held_out_prompts"], "samples_per_prompt": 8, "sft_steps": steps[0],
+               "rl_steps": steps[1], "machine": machine(), "seeds": [run["seed"] for run in runs], **figures,
+               "runs": runs, "seconds": round(seconds, 1)}  # fmt: skip
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    raised = sum(run["after_rl"]["pass@1"] > run["before_rl"]["pass@1"] for run in runs)
+    print(f"{len(runs)} seed(s), held-out mean (least-most): pass@1 {_shown(figures['before_rl']['pass@1'])} -> "
+          f"{_shown(figures['after_rl']['pass@1'])}, pass@8 {_shown(figures['before_rl']['pass@8'])} -> "
+          f"{_shown(figures['after_rl']['pass@8'])}; RL raised pass@1 on {raised} of {len(runs)} seeds, by "
+          f"{_shown(figures['gain']['pass@1'], ' points')}; {seconds:.0f} s in all\n"
+          f"machine: {summary['machine']}\nsummary: {out / 'summary.json'}")  # fmt: skip
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    started, pairs = time.perf_counter(), problems()
+    steps = QUICK_STEPS if args.quick else (SFT_STEPS, RL_STEPS)
+    sft_data = supervised_data(args.out, pairs)
+    runs = [one_seed(args.out, sft_data, pairs, seed, steps) for seed in range(args.seed, args.seed + args.seeds)]
+    report(args.out, runs, steps, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ def test_bench_gguf_says_where_llama_cpp_is_missing(tmp_path):
     assert result.returncode != 0 and "no llama-simple in" in result.stderr
 
 
+@pytest.mark.slow  # 7 s; the structured outputs themselves are tested in test_structured.py, its --help here
 def test_bench_structured_smoke_run_compares_and_validates():
     result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_structured.py"), "--part", "cost", "--shape", "llama-tiny",
                              "--vocab-size", "300", "--steps", "3", "--repeats", "1", "--json"],
@@ -96,6 +97,7 @@ def test_bench_structured_smoke_run_compares_and_validates():
     assert all(sum(row["finish_reasons"].values()) == row["replies"] for row in validity.values())
 
 
+@pytest.mark.slow  # 9 s on a CPU; its --help runs by default, and its parts run for real on a GPU
 def test_bench_gpu_smoke_run_on_the_cpu_reports_every_part(tmp_path):
     """The GPU benchmark's code paths, on the CPU with a tiny model (its figures are only meaningful on a GPU)."""
     result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_gpu.py"), "--device", "cpu", "--preset", "tiny",

@@ -134,6 +134,7 @@ def test_compiled_entry_points_give_the_uncached_greedy_tokens(monkeypatch, quic
     assert r.json()["choices"][0]["text"] == text
 
 
+@pytest.mark.slow  # 6 s; the compiled step runs by default in test_compiled_entry_points_give_the_uncached_greedy_tokens
 def test_compiled_without_kernels_gives_the_uncached_greedy_tokens(monkeypatch, quick_compile, model_dir):
     use_kernels(monkeypatch, False)
     path, tokenizer = model_dir

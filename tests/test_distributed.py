@@ -114,7 +114,8 @@ def test_world_from_env():
         world_from_env({"RANK": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "0"})
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+# FSDP's variant runs in the slow suite (11 s); FSDP stays covered by default through the fine-tuning and Muon tests.
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_two_processes_match_one_and_resume_exactly(parallel, data_dir, one_process, tmp_path):
     out = tmp_path / parallel
     torchrun(settings(data_dir, out, parallel=parallel))

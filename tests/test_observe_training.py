@@ -180,7 +180,7 @@ def test_sample_prompts_flag_takes_one_prompt_or_a_list():
     assert from_sources(None, many).train.sample_prompts == ["ROMEO:", "JULIET:"]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])  # the rank logic is the same; FSDP's run costs 5 s
 def test_under_two_processes_rank_0_alone_samples_and_measures(data_dir, tmp_path, parallel):
     from test_distributed import settings, torchrun
 
