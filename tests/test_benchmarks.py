@@ -23,6 +23,7 @@ def test_benchmark_help_runs(script):
     assert "usage:" in result.stdout
 
 
+@pytest.mark.slow  # 12 s; its --help runs by default, the training it times in test_train.py
 def test_bench_train_smoke_run_reports_both_loops():
     result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_train.py"), "--shapes", "cpu-recipe",
                              "--steps", "2", "--warmup", "1", "--breakdown", "--breakdown-steps", "2", "--json"],
@@ -65,6 +66,7 @@ def test_bench_finetune_smoke_run_reports_every_configuration(configs):
         assert report["grpo_g8_step_vs_g1"] > 0
 
 
+@pytest.mark.slow  # 6 s; its --help runs by default, the checkpoint it times in test_train.py
 def test_bench_checkpoint_smoke_run_saves_both_ways_and_verifies():
     result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_checkpoint.py"), "--preset", "shakespeare-char-cpu",
                              "--repeats", "1", "--json"], capture_output=True, text=True)  # fmt: skip
