@@ -16,6 +16,7 @@ import json
 import torch
 
 from gptkit.decoding.grammar import ANY_OBJECT, Grammar
+from gptkit.chat import reply_lead
 from gptkit.loading import chat_template, load
 
 
@@ -26,11 +27,7 @@ def first_token_logprobs(model_dir: str, prompt: str, schema: str) -> dict[str, 
     ids = tokenizer.encode(template.render([{"role": "user", "content": prompt}], tools=None))
     with torch.no_grad():
         logprobs = model(torch.tensor([ids]))[0, -1].float().log_softmax(-1)
-    probe = "\x00"
-    before = template.render([{"role": "user", "content": "1"}])
-    after = template.render([{"role": "user", "content": "1"}, {"role": "assistant", "content": probe}])
-    lead = after[len(before):].partition(probe)[0]
-    lead = lead if lead.isspace() else ""
+    lead = reply_lead(template.render)  # as `gptkit serve` finds it
     out: dict[str, object] = {"prompt": prompt, "lead": lead}
     best = int(logprobs.argmax())
     out["unconstrained"] = (tokenizer.decode([best]), round(float(logprobs[best]), 3))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -88,12 +88,17 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets:
     paths = target_paths(targets)
     for param in gpt.parameters():
         param.requires_grad_(False)
-    for block in gpt.blocks:
-        for path in paths:
-            parent_path, _, name = path.rpartition(".")
-            parent = block.get_submodule(parent_path)
-            setattr(parent, name, LoRALinear(getattr(parent, name), rank, alpha, dropout))
+    wrap_block_layers(gpt, paths, lambda name, layer: LoRALinear(layer, rank, alpha, dropout))
     return model
+
+
+def wrap_block_layers(model: nn.Module, paths: tuple[str, ...], wrap: Callable[[str, nn.Module], nn.Module]) -> None:
+    """Replace each block's layer at each of paths (e.g. "attn.qkv") by wrap(its module name, the layer), in place."""
+    for index, block in enumerate(_module(model).blocks):
+        for path in paths:
+            parent_path, _, attribute = path.rpartition(".")
+            parent = block.get_submodule(parent_path)
+            setattr(parent, attribute, wrap(f"blocks.{index}.{path}", getattr(parent, attribute)))
 
 
 def adapters(model: nn.Module) -> dict[str, LoRALinear]:

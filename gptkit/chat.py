@@ -25,7 +25,7 @@ import time
 from datetime import datetime
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gptkit.errors import GptkitError
 
@@ -111,6 +111,19 @@ class ChatTemplate:
                 )
             spans.append((len(prompt), len(through)))
         return text, spans
+
+
+REPLY_PROBE = "\x00"  # a reply no template changes, to find what a template writes before a reply
+
+
+def reply_lead(render: Callable[[list[dict[str, Any]]], str]) -> str:
+    """The whitespace a template writes between its generation prompt and a reply (the default template's space;
+    "" for one whose replies begin right after it), found by rendering a conversation with and without a reply:
+    render(messages) is the template's text of them ending with the generation prompt."""
+    user = {"role": "user", "content": "1"}
+    before, after = render([user]), render([user, {"role": "assistant", "content": REPLY_PROBE}])
+    lead = after[len(before):].partition(REPLY_PROBE)[0] if after.startswith(before) else ""
+    return lead if lead.isspace() else ""
 
 
 def read_tokenizer_config(model_dir: str | Path) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gptkit.adapters import _module, target_paths
+from gptkit.adapters import _module, target_paths, wrap_block_layers
 from gptkit.errors import GptkitError
 
 
@@ -56,24 +56,19 @@ def serve_adapter(model: nn.Module, index: int, state: dict[str, Tensor], settin
     wrapping the layers it adapts in AdapterSet layers first where they are not yet."""
     if index < 1:
         raise GptkitError(f"adapter numbers start at 1 (0 is the base), got {index}")
-    gpt = _module(model)
     rank, scaling = int(settings["rank"]), float(settings["alpha"]) / int(settings["rank"])
-    device = gpt.tok_emb.weight.device
-    for block_index, block in enumerate(gpt.blocks):
-        for path in target_paths(str(settings["targets"])):
-            name = f"blocks.{block_index}.{path}"
-            a, b = state.get(f"{name}.lora_A"), state.get(f"{name}.lora_B")
-            parent_path, _, attribute = path.rpartition(".")
-            parent = block.get_submodule(parent_path)
-            layer = getattr(parent, attribute)
-            if not isinstance(layer, AdapterSet):
-                layer = AdapterSet(layer)
-                setattr(parent, attribute, layer)
-            inner = layer.base
-            if a is None or b is None or tuple(a.shape) != (rank, inner.in_features) or \
-                    tuple(b.shape) != (inner.out_features, rank):  # fmt: skip
-                raise GptkitError(f"{source}: adapter tensors for {name} are missing or misshapen for this base")
-            layer.updates[index] = (a.to(device, torch.float32), b.to(device, torch.float32), scaling)
+    device = _module(model).tok_emb.weight.device
+
+    def add(name: str, layer: nn.Module) -> AdapterSet:
+        layer = layer if isinstance(layer, AdapterSet) else AdapterSet(layer)
+        a, b = state.get(f"{name}.lora_A"), state.get(f"{name}.lora_B")
+        if a is None or b is None or tuple(a.shape) != (rank, layer.base.in_features) or \
+                tuple(b.shape) != (layer.base.out_features, rank):  # fmt: skip
+            raise GptkitError(f"{source}: adapter tensors for {name} are missing or misshapen for this base")
+        layer.updates[index] = (a.to(device, torch.float32), b.to(device, torch.float32), scaling)
+        return layer
+
+    wrap_block_layers(model, target_paths(str(settings["targets"])), add)
 
 
 def remove_adapter(model: nn.Module, index: int) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gptkit.adapters import TARGETS, add_lora, load_lora_state, lora_state, merge_lora, peft_adapter
+from gptkit.adapters import (TARGETS, add_lora, load_lora_state, lora_state, merge_lora, peft_adapter,
+                             wrap_block_layers)
 from gptkit.atomic import atomic_write_text
 from gptkit.errors import GptkitError
 from gptkit.tensors import load_tensors, read_versioned_json, save_tensors
@@ -91,11 +92,7 @@ def with_precision(model: nn.Module, precision: str) -> nn.Module:
     from gptkit.quantization import Bfloat16Linear, quantize
 
     if precision == "bfloat16":
-        for block in model.blocks:
-            for path in TARGETS["all"]:
-                parent_path, _, name = path.rpartition(".")
-                parent = block.get_submodule(parent_path)
-                setattr(parent, name, Bfloat16Linear(getattr(parent, name)))
+        wrap_block_layers(model, TARGETS["all"], lambda name, layer: Bfloat16Linear(layer))
         return model
     if precision == "int8":
         return quantize(model, "int8", include_head=False)

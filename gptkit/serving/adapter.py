@@ -89,7 +89,8 @@ def max_tokens_of(state: ServerState, requested: int | None, prompt_len: int, al
 
 
 def sampling_params(state: ServerState, body: _Sampling, max_tokens: int, extra_stop: tuple[str, ...] = (),
-                    json_schema: str | None = None, schema_field: str = "response_format") -> SamplingParams:  # fmt: skip
+                    json_schema: str | None = None,
+                    schema_field: str = "response_format") -> SamplingParams:  # fmt: skip
     """SamplingParams from the request's fields; fields the request leaves out keep SamplingParams' defaults.
     schema_field: the request field json_schema came from (a refused schema is a 400 naming it)."""
     given: dict[str, Any] = {"json_schema": json_schema} if json_schema is not None else {}

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 
+from gptkit.chat import reply_lead as template_reply_lead
 from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import GptkitError
 from gptkit.serving.adapter import (Collector, check_fields, check_prompt, collect, compile_grammar, max_tokens_of,
                                     off_loop, openai_closing, response_schema, sampling_params, stream_events, submit)
 from gptkit.serving.engine import Chunk, TokenInfo
-from gptkit.serving.schemas import ChatRequest, Tool, _Sampling
+from gptkit.serving.schemas import ChatRequest, ResponsesRequest, Tool, _Sampling
 from gptkit.serving.state import RENDER_SECONDS, APIError, ServerState, check_model
 from gptkit.serving.tools import ToolCalls, ToolChoiceError, template_message, template_tools, tool_shape
 from gptkit.serving.wrapper import Envelope, finish, sse, sse_response, usage
 
-LEAD_PROBE = "\x00"  # a reply no template changes, to find what the template writes before a reply
 
 
 def register(app: FastAPI, state: ServerState) -> None:
@@ -47,13 +47,8 @@ class ChatPlan:
         return {"role": "assistant", "content": text}, finish(reason)
 
 
-async def _render(state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  encode: bool = False) -> Any:  # fmt: skip
-    """The messages rendered with the template (and, with encode, tokenized), off the event loop."""
-    def work() -> Any:
-        text = state.render_chat(messages, tools)
-        return state.tokenizer.encode(text) if encode else text
-
+async def _render(state: ServerState, work: Callable[[], Any]) -> Any:
+    """work() (which renders with the chat template) off the event loop; a template failure is a 400."""
     try:
         return await off_loop(work, 2 * RENDER_SECONDS)
     except GptkitError as err:
@@ -67,23 +62,21 @@ async def reply_lead(state: ServerState) -> str:
     """The whitespace the template writes between the generation prompt and a reply (the default template's space),
     found once by rendering a conversation with and without a reply."""
     if state.reply_lead is None:
-        user = {"role": "user", "content": "1"}
-        before = await _render(state, [user], None)
-        after = await _render(state, [user, {"role": "assistant", "content": LEAD_PROBE}], None)
-        lead = after[len(before):].partition(LEAD_PROBE)[0] if after.startswith(before) else ""
-        state.reply_lead = lead if lead.isspace() else ""
+        state.reply_lead = await _render(state, lambda: template_reply_lead(state.render_chat))
     return state.reply_lead
 
 
-async def plan_chat(state: ServerState, body: _Sampling, messages: list[dict[str, Any]], tools: list[Tool] | None,
-                    tool_choice: Any, parallel: bool | None, schema: str | None,
+async def plan_chat(state: ServerState, body: _Sampling | ResponsesRequest, messages: list[dict[str, Any]],
+                    tools: list[Tool] | None, tool_choice: Any, parallel: bool | None, schema: str | None,
                     max_tokens: int | None, max_tokens_field: str) -> ChatPlan:  # fmt: skip
     """Render, tokenize and check a chat request; its sampling settings, grammar and reply shape."""
     try:
         shape = tool_shape(tools, tool_choice, parallel, schema is not None)
     except ToolChoiceError as err:
         raise APIError(400, str(err), param=err.param) from None
-    prompt = check_prompt(state, await _render(state, messages, template_tools(tools), encode=True), "messages")
+    rendered = template_tools(tools)
+    ids = await _render(state, lambda: state.tokenizer.encode(state.render_chat(messages, rendered)))
+    prompt = check_prompt(state, ids, "messages")
     params = sampling_params(state, body, max_tokens_of(state, max_tokens, len(prompt), param=max_tokens_field),
                              state.chat_template.stop, schema)  # fmt: skip
     grammar = None

@@ -56,7 +56,11 @@ class AdapterRegistry:
         state = load_tensors(Path(path) / WEIGHTS_FILE, "cpu")
         check_finite(state, str(Path(path) / WEIGHTS_FILE))
         index = next(i for i in range(1, len(self.adapters) + 2) if i not in self.indices())
-        serve_adapter(model, index, state, settings, str(path))
+        try:
+            serve_adapter(model, index, state, settings, str(path))
+        except GptkitError:
+            remove_adapter(model, index)  # the layers it reached before the misfit: no half-served adapter stays
+            raise
         self.adapters[name] = Adapter(index, str(path))
         return self.adapters[name]
 

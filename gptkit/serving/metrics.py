@@ -102,7 +102,8 @@ class Metrics:
                 ("gptkit_request_latency_seconds", self.request_latency, "from queued to last token, per sequence"),
             ):  # fmt: skip
                 metric(name, "histogram", help_, histogram.lines(name))
-        metric("gptkit_requests_running", "gauge", "sequences in the batch now", [f"gptkit_requests_running {engine['active']}"])
+        metric("gptkit_requests_running", "gauge", "sequences in the batch now",
+               [f"gptkit_requests_running {engine['active']}"])  # fmt: skip
         metric("gptkit_requests_waiting", "gauge", "sequences queued for a batch row",
                [f"gptkit_requests_waiting {engine['waiting']}"])  # fmt: skip
         metric("gptkit_requests_cancelled_total", "counter", "sequences dropped because their client left",

@@ -51,11 +51,10 @@ class ResponseFormat(_Request):
         return self
 
 
-class _Sampling(_Request):
-    """The decoding fields shared by both endpoints (OpenAI's names, plus top_k, min_p, repetition_penalty)."""
+class _Decoding(_Request):
+    """The decoding fields every generating endpoint takes (OpenAI's names, plus top_k, min_p, repetition_penalty)."""
 
     model: str
-    max_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range (the CLI allows more)
     top_p: float | None = None
     top_k: int | None = None
@@ -63,11 +62,17 @@ class _Sampling(_Request):
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    seed: int | None = None
+    stream: NullableFlag = False
+
+
+class _Sampling(_Decoding):
+    """The decoding fields shared by the completions and chat endpoints."""
+
+    max_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
     n: int | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: NullableFlag = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
 
@@ -227,11 +232,10 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(_Decoding):
     """POST /v1/responses (stateless: the client sends the whole conversation in `input`). Items of `input`, tools
     and text.format are read by gptkit.serving.responses, which names the item that is wrong."""
 
-    model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
@@ -239,15 +243,6 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    seed: int | None = None
-    stream: NullableFlag = False
     previous_response_id: str | None = None
     # What the decoding settings of the other endpoints have and this one does not.
     n: None = None

@@ -100,7 +100,8 @@ class ToolCalls:
             # Text is anything whose first character past the lead is not the `{` that begins a call.
             skip = re.escape(lead) if lead else ""
             first = f"[^{{{skip}]" if lead else "[^{]"
-            lines += ["start: calls | text", "text: TEXT", f"TEXT: /{('[' + skip + ']*') if lead else ''}({first}[\\s\\S]*)?/"]
+            spaces = f"[{skip}]*" if lead else ""
+            lines += ["start: calls | text", "text: TEXT", f"TEXT: /{spaces}({first}[\\s\\S]*)?/"]
         else:
             lines.append("start: calls")
         return Grammar.from_lark(tokenizer, "\n".join(lines) + "\n", vocab_size)
