@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.settings import check_range
 
 # Which block layers each target name adapts (paths inside a gptkit Block).
 TARGETS: dict[str, tuple[str, ...]] = {
@@ -74,14 +75,17 @@ def target_paths(targets: str) -> tuple[str, ...]:
     return TARGETS[targets]
 
 
+def check_lora(rank: int, alpha: float, dropout: float, targets: str) -> None:
+    """A ConfigError naming the first LoRA setting out of its range (a run's, or a LoRA directory's)."""
+    check_range("finetune.lora_rank", rank, low=1)
+    check_range("finetune.lora_alpha", alpha, low=0.0, low_open=True)
+    check_range("finetune.lora_dropout", dropout, low=0.0, high=1.0, high_open=True)
+    target_paths(targets)
+
+
 def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: str) -> nn.Module:
     """Freeze every weight of model and wrap its target layers in adapters (in place); returns model."""
-    if rank < 1:
-        raise ConfigError(f"finetune.lora_rank must be >= 1, got {rank}")
-    if not alpha > 0:
-        raise ConfigError(f"finetune.lora_alpha must be > 0, got {alpha}")
-    if not 0 <= dropout < 1:
-        raise ConfigError(f"finetune.lora_dropout must be in [0, 1), got {dropout}")
+    check_lora(rank, alpha, dropout, targets)
     gpt = _module(model)
     if adapters(gpt):
         raise ConfigError("the model already has LoRA adapters")

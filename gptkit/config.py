@@ -1,4 +1,5 @@
-"""ModelConfig: every decoder-only variant gptkit builds, as one typed dataclass, plus named presets."""
+"""ModelConfig: every decoder-only variant gptkit builds, as one typed dataclass, plus named presets; and a run's
+model section (a preset or a model to start from, plus overrides) resolved into one."""
 
 from __future__ import annotations
 
@@ -204,3 +205,49 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64),
     "tiny-llama": dict(_LLAMA, vocab_size=256, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=64),
 }  # fmt: skip
+
+
+@dataclass
+class ModelSection:
+    """Where the architecture comes from; the remaining model keys are ModelConfig fields, kept in `fields`."""
+
+    preset: str | None = None  # a gptkit preset name; its fields are the base the other keys override
+    init_from: str | None = None  # a model directory whose weights (and config) start the run: fine-tuning
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# The model section's own keys; its others are ModelConfig's fields.
+MODEL_SPECIAL = {"preset": str | None, "init_from": str | None}
+
+
+def resolve_model(section: ModelSection, vocab_size: int, init_config: ModelConfig | None = None) -> ModelConfig:
+    """The ModelConfig a run trains: preset (or init_from's config) + overrides, vocab_size from the data."""
+    overrides = dict(section.fields)
+    if "vocab_size" in overrides and overrides["vocab_size"] != vocab_size:
+        raise ConfigError(
+            f"model.vocab_size {overrides['vocab_size']} does not match the data's vocab_size {vocab_size} "
+            "(meta.json); drop model.vocab_size or prepare the data with the matching tokenizer"
+        )
+    if init_config is not None:
+        base = init_config.to_dict()
+        if base["vocab_size"] != vocab_size:
+            raise ConfigError(
+                f"model.init_from {section.init_from} has vocab_size {base['vocab_size']} but the data's is "
+                f"{vocab_size}; prepare the data with that model's tokenizer"
+            )
+        for key, value in overrides.items():
+            if key != "dropout" and value != base[key]:
+                raise ConfigError(
+                    f"model.{key} {value!r} conflicts with init_from's {base[key]!r}; only dropout may change"
+                )
+    elif section.preset is not None:
+        ModelConfig.preset(section.preset)  # raises for an unknown name, listing the presets
+        base = dict(PRESETS[section.preset])  # raw, so derived sizes follow overridden widths
+    else:
+        base = {}
+    base.update(overrides)
+    base["vocab_size"] = vocab_size
+    try:
+        return ModelConfig.from_dict(base)
+    except ConfigError as err:
+        raise ConfigError(f"model: {err}") from None

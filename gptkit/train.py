@@ -252,6 +252,10 @@ class Trainer:
             for name, value in stats.items():
                 step_stats[name] = step_stats.get(name, 0) + value * weight
         self.step_stats = step_stats
+        scale = self.objective.update_scale()
+        if scale is not None:
+            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], scale)
+            loss_sum = loss_sum * scale
         if scaler is not None:
             scaler.unscale_(optimizer)
         clip = self.o.grad_clip if self.o.grad_clip > 0 else math.inf

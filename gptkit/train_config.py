@@ -17,12 +17,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
-from gptkit.config import PRESETS, ModelConfig
+from gptkit.config import MODEL_SPECIAL, ModelConfig, ModelSection
 from gptkit.errors import ConfigError
+from gptkit.finetune.catalogue import METHODS, OBJECTIVES, check_parts, choices_help, default_settings, part_keys
+from gptkit.settings import PartSettings, check_range, coerce, describe, field_comments
 
 Schedule = Literal["cosine", "constant", "wsd"]
 OptimizerName = Literal["adamw", "muon"]
@@ -30,19 +32,9 @@ MuonLrScale = Literal["original", "match_rms_adamw"]
 Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Parallel = Literal["ddp", "fsdp"]
-Method = Literal["full", "lora"]
-Objective = Literal["lm", "dpo", "classify", "grpo"]
-BasePrecision = Literal["float32", "bfloat16", "int8"]
-LoraTargets = Literal["attention", "mlp", "all"]
-
-
-@dataclass
-class ModelSection:
-    """Where the architecture comes from; the remaining model keys are ModelConfig fields, kept in `fields`."""
-
-    preset: str | None = None  # a gptkit preset name; its fields are the base the other keys override
-    init_from: str | None = None  # a model directory whose weights (and config) start the run: fine-tuning
-    fields: dict[str, Any] = field(default_factory=dict)
+MethodName = Literal[tuple(METHODS)]  # type: ignore[valid-type]  # the catalogue's names
+ObjectiveName = Literal[tuple(OBJECTIVES)]  # type: ignore[valid-type]
+S = TypeVar("S", bound=PartSettings)
 
 
 @dataclass
@@ -69,21 +61,21 @@ class OptimConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of its range."""
-        _check_range("optim.lr", self.lr, low=0.0, low_open=True)
+        check_range("optim.lr", self.lr, low=0.0, low_open=True)
         if self.schedule != "constant":  # (a constant schedule never reaches min_lr)
-            _check_range("optim.min_lr", self.min_lr, low=0.0, high=self.lr, why="between 0 and optim.lr")
-        _check_range("optim.warmup_steps", self.warmup_steps, low=0)
+            check_range("optim.min_lr", self.min_lr, low=0.0, high=self.lr, why="between 0 and optim.lr")
+        check_range("optim.warmup_steps", self.warmup_steps, low=0)
         if self.decay_steps is not None:
-            _check_range("optim.decay_steps", self.decay_steps, low=1)
-        _check_range("optim.cooldown_fraction", self.cooldown_fraction, low=0.0, high=1.0)
-        _check_range("optim.weight_decay", self.weight_decay, low=0.0)
+            check_range("optim.decay_steps", self.decay_steps, low=1)
+        check_range("optim.cooldown_fraction", self.cooldown_fraction, low=0.0, high=1.0)
+        check_range("optim.weight_decay", self.weight_decay, low=0.0)
         for name in ("beta1", "beta2"):
-            _check_range(f"optim.{name}", getattr(self, name), low=0.0, high=1.0, high_open=True)
-        _check_range("optim.grad_clip", self.grad_clip, low=0.0, why=">= 0 (0 turns clipping off)")
-        _check_range("optim.muon_lr", self.muon_lr, low=0.0, low_open=True)
-        _check_range("optim.muon_momentum", self.muon_momentum, low=0.0, high=1.0, high_open=True)
-        _check_range("optim.muon_weight_decay", self.muon_weight_decay, low=0.0)
-        _check_range("optim.muon_ns_steps", self.muon_ns_steps, low=1, high=20)
+            check_range(f"optim.{name}", getattr(self, name), low=0.0, high=1.0, high_open=True)
+        check_range("optim.grad_clip", self.grad_clip, low=0.0, why=">= 0 (0 turns clipping off)")
+        check_range("optim.muon_lr", self.muon_lr, low=0.0, low_open=True)
+        check_range("optim.muon_momentum", self.muon_momentum, low=0.0, high=1.0, high_open=True)
+        check_range("optim.muon_weight_decay", self.muon_weight_decay, low=0.0)
+        check_range("optim.muon_ns_steps", self.muon_ns_steps, low=1, high=20)
 
 
 @dataclass
@@ -122,12 +114,12 @@ class TrainConfig:
         """Raise ConfigError naming the first setting out of its range."""
         for key in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters", "eval_examples",
                     "log_interval", "checkpoint_interval", "keep_checkpoints", "max_bad_steps"):  # fmt: skip
-            _check_range(f"train.{key}", getattr(self, key), low=1)
-        _check_range("train.seed", self.seed, low=0)
+            check_range(f"train.{key}", getattr(self, key), low=1)
+        check_range("train.seed", self.seed, low=0)
         if self.peak_flops is not None:
-            _check_range("train.peak_flops", self.peak_flops, low=0.0, low_open=True)
-        _check_range("train.sample_every", self.sample_every, low=0, why=">= 0 (0 takes no samples)")
-        _check_range("train.sample_tokens", self.sample_tokens, low=1)
+            check_range("train.peak_flops", self.peak_flops, low=0.0, low_open=True)
+        check_range("train.sample_every", self.sample_every, low=0, why=">= 0 (0 takes no samples)")
+        check_range("train.sample_tokens", self.sample_tokens, low=1)
         if self.sample_prompts is not None and not all(isinstance(p, str) and p for p in self.sample_prompts):
             raise ConfigError(f"train.sample_prompts must be a list of non-empty strings, got {self.sample_prompts!r}")
         if self.sample_prompts == []:
@@ -137,71 +129,37 @@ class TrainConfig:
 
 @dataclass
 class FinetuneConfig:
-    """What trains (every weight, or LoRA adapters over a frozen base) and how supervised examples are batched."""
+    """What every run has: what trains, what it minimises and how supervised examples are batched. Each part's own
+    settings (finetune.lora_rank, finetune.dpo_beta, ...) are declared in the part's file (gptkit/finetune) and kept
+    in parts; their keys are flat keys of this section all the same."""
 
-    method: Method = "full"  # lora needs model.init_from (the base) and trains only the adapters
-    lora_rank: int = 8  # r: the adapters' inner width
-    lora_alpha: float = 16.0  # the update is scaled by alpha / r, as in PEFT
-    lora_dropout: float = 0.0  # dropout on an adapter's input (PEFT's default is none)
-    lora_targets: LoraTargets = "all"  # the block layers adapted: attention (q, k, v and output), mlp, or all
-    base_precision: BasePrecision = "float32"  # lora: the frozen base's weights (bfloat16 or int8 save memory)
+    method: MethodName = "full"  # what trains
+    objective: ObjectiveName = "lm"  # what is minimised
     packing: bool = False  # supervised examples: several whole examples per row (attention kept apart) vs padding
-    objective: Objective = "lm"  # lm: next-token loss; dpo: preference pairs; classify: a label head (GPT-1);
-    #                              grpo: reinforcement learning from rewards on sampled completions of prompts
-    dpo_beta: float = 0.1  # dpo: how far the policy may move from the reference (TRL's default)
-    dpo_nll_weight: float = 0.0  # dpo: weight of the chosen replies' per-token NLL added (TRL's rpo_alpha; 0: off)
-    lm_weight: float = 0.5  # classify: weight of the language-modelling loss beside the label's (GPT-1: 0.5)
-    reward: str = "exact_match"  # grpo: exact_match (the row's "answer"), regex:PATTERN, json_schema (the row's
-    #                              "schema") or module:function, called as function(prompt, completion, row)
-    group_size: int = 8  # grpo: completions sampled per prompt (G); advantages compare each with its group
-    completion_tokens: int = 64  # grpo: the longest completion sampled
-    kl_weight: float = 0.0  # grpo: weight of the KL penalty against the starting model (0: none, no reference)
-    scale_rewards: bool = True  # grpo: divide each group's advantages by its rewards' standard deviation
-    length_penalty: float = 0.0  # grpo: subtract this x completion length / completion_tokens from each reward
-    temperature: float = 1.0  # grpo: sampling temperature of the completions
-    top_k: int | None = None  # grpo: sample from the k most likely tokens only
-    top_p: float | None = None  # grpo: nucleus sampling
-    stop: list[str] | None = None  # grpo: strings that end a completion (the reward sees the text before)
-    json_schema: str | None = None  # grpo: a JSON schema file every completion is constrained to
-    eval_samples: int = 8  # grpo: completions per held-out prompt at evaluations (pass@1 and pass@eval_samples)
-    pass_reward: float = 1.0  # grpo: a completion passes when its reward (before the length penalty) reaches this
-    reward_timeout: float = 30.0  # grpo: seconds one reward call may take; past it the run stops (checkpoint first)
+    parts: dict[type, PartSettings] = field(default_factory=default_settings)  # each part's settings, by class
+
+    def of(self, kind: type[S]) -> S:
+        """The settings of one part (kind is its PartSettings class; a part with none of its own gets the empty one)."""
+        return self.parts[kind] if kind in self.parts else kind()  # type: ignore[return-value]
+
+    def flat(self) -> dict[str, Any]:
+        """Every key of the section and its value, as the YAML file holds them."""
+        own = {"method": self.method, "objective": self.objective, "packing": self.packing}
+        return own | {k: v for settings in self.parts.values() for k, v in dataclasses.asdict(settings).items()}
+
+    def value(self, key: str) -> Any:
+        """The value of a key of the section (its own, or a part's)."""
+        return self.flat()[key]
+
+    def set(self, key: str, value: Any) -> None:
+        """Set a key of the section (its own, or a part's)."""
+        owner = next((p for p in self.parts.values() if key in {f.name for f in dataclasses.fields(p)}), self)
+        setattr(owner, key, value)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of its range."""
-        _check_range("finetune.lora_rank", self.lora_rank, low=1)
-        _check_range("finetune.lora_alpha", self.lora_alpha, low=0.0, low_open=True)
-        _check_range("finetune.lora_dropout", self.lora_dropout, low=0.0, high=1.0, high_open=True)
-        _check_range("finetune.dpo_beta", self.dpo_beta, low=0.0, low_open=True)
-        _check_range("finetune.dpo_nll_weight", self.dpo_nll_weight, low=0.0)
-        _check_range("finetune.lm_weight", self.lm_weight, low=0.0)
-        for key in ("group_size", "completion_tokens", "eval_samples"):
-            _check_range(f"finetune.{key}", getattr(self, key), low=1)
-        for key in ("kl_weight", "length_penalty", "temperature"):
-            _check_range(f"finetune.{key}", getattr(self, key), low=0.0)
-        _check_range("finetune.reward_timeout", self.reward_timeout, low=0.0, low_open=True)
-        if self.top_k is not None:
-            _check_range("finetune.top_k", self.top_k, low=1)
-        if self.top_p is not None:
-            _check_range("finetune.top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
-            raise ConfigError(f"finetune.stop must be a list of non-empty strings, got {self.stop!r}")
-        if self.method != "lora" and self.base_precision != "float32":
-            raise ConfigError(f"finetune.base_precision {self.base_precision} needs finetune.method lora (a frozen "
-                              "base); full fine-tuning trains every weight in float32")  # fmt: skip
-
-
-def _check_range(name: str, value: float, low: float, high: float | None = None, low_open: bool = False,
-                 high_open: bool = False, why: str | None = None) -> None:  # fmt: skip
-    """A ConfigError unless value is finite and within [low, high] (an open end excludes that bound)."""
-    inside = math.isfinite(value) and (value > low if low_open else value >= low)
-    if high is not None:
-        inside = inside and (value < high if high_open else value <= high)
-    if not inside:
-        if why is None:
-            why = (f"> {low}" if low_open else f">= {low}") if high is None else \
-                f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"  # fmt: skip
-        raise ConfigError(f"{name} must be {why}, got {value}")
+        for settings in self.parts.values():
+            settings.validate()
 
 
 @dataclass
@@ -221,8 +179,8 @@ class RunConfig:
         if self.model.init_from is not None:
             model["init_from"] = self.model.init_from
         model.update(self.model.fields)
-        sections = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
-        return {"model": model, **sections}
+        sections = {name: dataclasses.asdict(getattr(self, name)) for name in ("optim", "train")}
+        return {"model": model, **sections, "finetune": self.finetune.flat()}
 
     def to_yaml(self) -> str:
         """The config as YAML text, in section order."""
@@ -242,81 +200,35 @@ class RunConfig:
         """Raise ConfigError naming the first optim, train or finetune setting out of its range."""
         for name in SECTIONS:
             getattr(self, name).validate()
-        if self.finetune.method == "lora" and self.model.init_from is None:
-            raise ConfigError("finetune.method lora trains adapters over a base model: set model.init_from")
-        if self.finetune.objective == "dpo" and self.model.init_from is None:
-            raise ConfigError("finetune.objective dpo aligns an existing model (its frozen copy is the reference): "
-                              "set model.init_from")  # fmt: skip
-        if self.finetune.objective == "grpo" and self.model.init_from is None:
-            raise ConfigError("finetune.objective grpo improves a model that can already attempt the task (its "
-                              "sampled completions are the data): set model.init_from")  # fmt: skip
-        if self.finetune.method == "lora" and self.train.parallel == "fsdp":
-            raise ConfigError("finetune.method lora trains under train.parallel ddp (FSDP would shard only the "
-                              "small adapters' updates); use ddp")  # fmt: skip
-        if self.finetune.objective != "lm" and self.train.parallel == "fsdp":
-            raise ConfigError(f"finetune.objective {self.finetune.objective} trains under train.parallel ddp; use ddp")
+        check_parts(self)
 
 
 SECTIONS: dict[str, type] = {"optim": OptimConfig, "train": TrainConfig, "finetune": FinetuneConfig}
-# The finetune settings a resumed run may change (the others shaped the weights it continues): a reward that timed
-# out can be given longer.
-RESUME_MAY_CHANGE = ("reward_timeout",)
-MODEL_SPECIAL = {"preset": str | None, "init_from": str | None}
 
 
 def section_types(section: str) -> dict[str, Any]:
-    """Each key a section accepts and its annotated type (the model section's come from ModelConfig)."""
+    """Each key a section accepts and its annotated type (the model section's come from ModelConfig, the finetune
+    section's parts' from their own settings)."""
     if section == "model":
         return {**MODEL_SPECIAL, **get_type_hints(ModelConfig)}
-    return get_type_hints(SECTIONS[section])
+    hints = get_type_hints(SECTIONS[section])
+    if section == "finetune":
+        hints.pop("parts")
+        hints.update({key: kind for key, (_, kind) in part_keys().items()})
+    return hints
 
 
-def _describe(kind: Any) -> str:
-    """A type as a user reads it: 'an integer', 'one of cosine, constant', ..."""
-    args = get_args(kind)
-    if type(None) in args:
-        inner = [a for a in args if a is not type(None)]
-        return _describe(inner[0]) + " or null"
-    if get_origin(kind) is Literal:
-        return "one of " + ", ".join(map(str, args))
-    if get_origin(kind) is list:
-        return "a list of strings"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, str(kind))
-
-
-def coerce(key: str, value: Any, kind: Any) -> Any:
-    """Check value against kind (int, float, bool, str, Literal, Optional), returning it normalised."""
-    args = get_args(kind)
-    if get_origin(kind) in (typing.Union, types.UnionType) and type(None) in args:
-        if value is None:
-            return None
-        inner = [a for a in args if a is not type(None)][0]
-        try:
-            return coerce(key, value, inner)
-        except ConfigError:
-            raise ConfigError(f"{key} must be {_describe(kind)}, got {value!r}") from None
-    ok = False
-    if kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind is float:
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string; it is meant as a number
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif kind is str:
-        ok = isinstance(value, str)
-    elif get_origin(kind) is Literal:
-        ok = value in args
-    elif get_origin(kind) is list:  # list[str], the only list a section holds
-        ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
-    if not ok:
-        raise ConfigError(f"{key} must be {_describe(kind)}, got {value!r}")
-    return value
+def section_comments(section: str) -> dict[str, str]:
+    """Each key's description, from its field's comment (a part's settings' own)."""
+    if section == "model":
+        return {**field_comments(ModelSection), **field_comments(ModelConfig)}
+    described = field_comments(SECTIONS[section])
+    if section == "finetune":
+        described["method"] += ": " + choices_help(METHODS)
+        described["objective"] += ": " + choices_help(OBJECTIVES)
+        described.update({key: comment for key, (owner, _) in part_keys().items()
+                          for name, comment in field_comments(owner).items() if name == key})  # fmt: skip
+    return described
 
 
 def _unknown(key: str, known: typing.Iterable[str]) -> ConfigError:
@@ -333,6 +245,7 @@ def apply(config: RunConfig, overrides: dict[str, dict[str, Any]], source: str) 
         model=dataclasses.replace(config.model, fields=dict(config.model.fields)),
         **{name: dataclasses.replace(getattr(config, name)) for name in SECTIONS},
     )
+    config.finetune.parts = {kind: dataclasses.replace(settings) for kind, settings in config.finetune.parts.items()}
     names = ", ".join(("model", *SECTIONS))
     if not isinstance(overrides, dict):
         raise ConfigError(f"{source} must be a mapping with sections {names}")
@@ -352,6 +265,8 @@ def apply(config: RunConfig, overrides: dict[str, dict[str, Any]], source: str) 
                 setattr(config.model, key, value)
             elif section == "model":
                 config.model.fields[key] = value
+            elif section == "finetune":
+                config.finetune.set(key, value)
             else:
                 setattr(getattr(config, section), key, value)
     return config
@@ -373,44 +288,25 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return {} if data is None else data
 
 
-def field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment in cls's source (after `name: type = value  # `, with its indented continuation lines
-    `#   ...`), joined into one line: the description `gptkit train --help` shows, kept in one place."""
-    lines, _ = inspect.getsourcelines(cls)
-    comments = {}
-    for node in ast.parse(textwrap.dedent("".join(lines))).body[0].body:  # type: ignore[attr-defined]
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        end = node.end_lineno or node.lineno
-        parts = [lines[end - 1].partition("  # ")[2].strip()]
-        while parts[0] and end < len(lines) and lines[end].strip().startswith("#  "):
-            parts.append(lines[end].strip()[1:].strip())
-            end += 1
-        if parts[0]:
-            comments[node.target.id] = " ".join(parts)
-    return comments
-
-
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One `--section.key VALUE` flag per config key, generated from the dataclasses and ModelConfig, each described
     by its field's comment."""
-    defaults = {name: kind() for name, kind in SECTIONS.items()}
+    defaults = {"optim": vars(OptimConfig()), "train": vars(TrainConfig()), "finetune": FinetuneConfig().flat()}
     for section in ("model", *SECTIONS):
         group = parser.add_argument_group(f"{section} settings (YAML section {section}:)")
-        described = {**field_comments(ModelSection), **field_comments(ModelConfig)} if section == "model" else \
-            field_comments(SECTIONS[section])  # fmt: skip
+        described = section_comments(section)
         for key, kind in section_types(section).items():
             if section == "model":
                 shown = "the preset's or ModelConfig's" if key not in MODEL_SPECIAL else "none"
             else:
-                shown = repr(getattr(defaults[section], key))
+                shown = repr(defaults[section][key])
             what = described.get(key, "")
             group.add_argument(
                 f"--{section}.{key}",
                 dest=f"cfg:{section}.{key}",
                 metavar="VALUE",
                 default=argparse.SUPPRESS,
-                help=f"{what}{'; ' if what else ''}{_describe(kind)} (default {shown})",
+                help=f"{what}{'; ' if what else ''}{describe(kind)} (default {shown})",
             )
 
 
@@ -441,37 +337,3 @@ def from_sources(yaml_path: str | Path | None, flags: dict[str, dict[str, Any]])
     if yaml_path is not None:
         config = apply(config, load_yaml(yaml_path), str(yaml_path))
     return apply(config, flags, "command line")
-
-
-def resolve_model(section: ModelSection, vocab_size: int, init_config: ModelConfig | None = None) -> ModelConfig:
-    """The ModelConfig a run trains: preset (or init_from's config) + overrides, vocab_size from the data."""
-    overrides = dict(section.fields)
-    if "vocab_size" in overrides and overrides["vocab_size"] != vocab_size:
-        raise ConfigError(
-            f"model.vocab_size {overrides['vocab_size']} does not match the data's vocab_size {vocab_size} "
-            "(meta.json); drop model.vocab_size or prepare the data with the matching tokenizer"
-        )
-    if init_config is not None:
-        base = init_config.to_dict()
-        if base["vocab_size"] != vocab_size:
-            raise ConfigError(
-                f"model.init_from {section.init_from} has vocab_size {base['vocab_size']} but the data's is "
-                f"{vocab_size}; prepare the data with that model's tokenizer"
-            )
-        for key, value in overrides.items():
-            if key != "dropout" and value != base[key]:
-                raise ConfigError(
-                    f"model.{key} {value!r} conflicts with init_from's {base[key]!r}; only dropout may change"
-                )
-    elif section.preset is not None:
-        ModelConfig.preset(section.preset)  # raises for an unknown name, listing the presets
-        base = dict(PRESETS[section.preset])  # raw, so derived sizes follow overridden widths
-    else:
-        base = {}
-    base.update(overrides)
-    base["vocab_size"] = vocab_size
-    try:
-        return ModelConfig.from_dict(base)
-    except ConfigError as err:
-        raise ConfigError(f"model: {err}") from None
-

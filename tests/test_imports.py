@@ -35,14 +35,18 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, k
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules it imports anywhere in its source (inside functions too: that hides no dependency)."""
+    """Module -> the modules it imports anywhere in its source (inside functions too: that hides no dependency), but
+    for the names it imports only for type hints (under `if TYPE_CHECKING:`, never run), as the shared
+    tools/import_cycles.py counts them."""
     files = {_module(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for module, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
+        hints_only = {id(sub) for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in
+                      ast.unparse(node.test) for sub in ast.walk(node)}  # fmt: skip
         graph[module] = set().union(*[
             _targets(node, module, path.name == "__init__.py", set(files))
-            for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in hints_only
         ])  # fmt: skip
     return graph
 

@@ -154,7 +154,7 @@ def test_example_prompts_are_the_untrained_prefixes():
     ({"sample_prompts": []}, "train.sample_prompts is empty: give at least one prompt, or null for validation "
                              "prompts (train.sample_every 0 turns samples off)"),
     ({"sample_prompts": ["a", ""]}, "train.sample_prompts must be a list of non-empty strings, got ['a', '']"),
-    ({"sample_prompts": "ROMEO:"}, "train.sample_prompts must be a list of strings or null, got 'ROMEO:'"),
+    ({"sample_prompts": ["ROMEO:", 3]}, "train.sample_prompts must be a list of strings or null, got ['ROMEO:', 3]"),
 ])  # fmt: skip
 def test_bad_sample_settings_are_one_line_errors(data_dir, tmp_path, overrides, message):
     with pytest.raises(ConfigError) as err:

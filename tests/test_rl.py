@@ -24,14 +24,8 @@ from gptkit.checkpoint import latest_checkpoint
 from gptkit.cli import main
 from gptkit.decoding.api import Completion
 from gptkit.errors import ConfigError, StepAbandoned
-from gptkit.finetune.rl import (
-    Group,
-    completion_rows,
-    group_advantages,
-    pass_at_k,
-    policy_gradient_loss,
-    token_logprobs,
-)
+from gptkit.finetune.groups import Group, completion_rows
+from gptkit.finetune.policy_loss import PolicyLoss, group_advantages, pass_at_k, policy_gradient_loss, token_logprobs
 from gptkit.loading import load
 from gptkit.loss import IGNORE_INDEX
 from gptkit.train import Trainer, train
@@ -56,7 +50,8 @@ def test_the_policy_gradient_loss_equals_its_hand_computation():
     reference = torch.tensor([[-1.5, -2.0, -0.1], [-0.3, -0.2, -4.0]])
     mask = torch.tensor([[True, True, False], [True, True, True]])  # 5 completion tokens
     advantages = torch.tensor([0.8, -0.4])
-    loss, kl = policy_gradient_loss(logprobs, advantages, mask, reference, kl_weight=0.1)
+    loss, stats = policy_gradient_loss(PolicyLoss(kl_weight=0.1), logprobs, advantages, mask, reference)
+    kl = stats["kl"]
     # The ratio is 1 at the sampling policy: the policy term is -sum(A_i over each of its tokens) / 5.
     policy = -(0.8 * 2 - 0.4 * 3) / 5
     k3 = lambda ref, lp: math.exp(ref - lp) - (ref - lp) - 1  # noqa: E731
@@ -74,14 +69,16 @@ def test_the_policy_gradient_loss_equals_its_hand_computation():
 
 def test_without_a_reference_the_loss_has_no_kl_and_equal_advantages_give_no_gradient():
     logprobs = torch.randn(3, 4, requires_grad=True)
-    loss, kl = policy_gradient_loss(logprobs, torch.zeros(3), torch.ones(3, 4, dtype=torch.bool))
+    loss, stats = policy_gradient_loss(PolicyLoss(), logprobs, torch.zeros(3), torch.ones(3, 4, dtype=torch.bool))
     loss.backward()
-    assert kl.item() == 0.0 and loss.item() == 0.0 and logprobs.grad.abs().max().item() == 0.0
+    assert "kl" not in stats and loss.item() == 0.0 and logprobs.grad.abs().max().item() == 0.0
 
 
 def test_only_completion_tokens_are_targets():
     group = Group(prompts=[[5, 6, 7], [9]], completions=[[1, 2], [3], [4, 4, 4], [8]],
-                  rewards=torch.zeros(2, 2), passed=torch.zeros(2, 2, dtype=torch.bool))  # fmt: skip
+                  rewards=torch.zeros(2, 2), passed=torch.zeros(2, 2, dtype=torch.bool),
+                  scored=torch.ones(2, 2, dtype=torch.bool), truncated=torch.zeros(2, 2, dtype=torch.bool),
+                  reward_parts=torch.zeros(2, 2, 1))  # fmt: skip
     x, y = completion_rows(group, samples=2)
     assert x.tolist()[0][:4] == [5, 6, 7, 1] and y.tolist()[0][:4] == [IGNORE_INDEX, IGNORE_INDEX, 1, 2]
     assert y.tolist()[1][:3] == [IGNORE_INDEX, IGNORE_INDEX, 3] and y.tolist()[1][3] == IGNORE_INDEX
@@ -386,7 +383,7 @@ def test_the_reward_timeout_is_checked_and_may_change_on_resume(prompts, tmp_pat
                  "--train.max_steps", "1", *flags]) == 0  # fmt: skip
     assert main(["train", "--out", str(run), "--resume", "--train.max_steps", "2", "--finetune.reward_timeout",
                  "90", "--quiet"]) == 0  # a reward that timed out may be given longer  # fmt: skip
-    assert from_sources(run / "config.yaml", {}).finetune.reward_timeout == 90
+    assert from_sources(run / "config.yaml", {}).finetune.value("reward_timeout") == 90
     assert main(["train", "--out", str(run), "--resume", "--finetune.group_size", "4"]) == 2  # the others may not
     assert "finetune.group_size cannot change on --resume" in capsys.readouterr().err
 

@@ -16,7 +16,8 @@ from gptkit.config import ModelConfig
 from gptkit.model import GPT
 from gptkit.optim import lr_at, param_groups
 from gptkit.tokenizer import CharTokenizer
-from gptkit.train_config import OptimConfig, RunConfig, TrainConfig, from_sources, resolve_model
+from gptkit.config import resolve_model
+from gptkit.train_config import OptimConfig, RunConfig, TrainConfig, from_sources
 
 REPO = Path(__file__).resolve().parents[1]
 

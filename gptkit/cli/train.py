@@ -53,7 +53,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     from gptkit.checkpoint import CHECKPOINTS, latest_checkpoint
     from gptkit.errors import ConfigError
     from gptkit.train import CONFIG_FILE
-    from gptkit.train_config import RESUME_MAY_CHANGE, flag_overrides, from_sources
+    from gptkit.finetune.catalogue import resume_may_change
+    from gptkit.train_config import flag_overrides, from_sources
 
     flags = flag_overrides(args)
     for option, field in ALIASES.items():
@@ -98,12 +99,13 @@ def build_config(args: argparse.Namespace) -> RunConfig:
                 f"model.{key} cannot change on --resume (the run has {config.model.fields.get(key)!r}); "
                 "start a new run with model.init_from instead"
             )
-    for key, value in flags.get("finetune", {}).items():
-        if key in RESUME_MAY_CHANGE:
-            setattr(config.finetune, key, value)
-        elif getattr(config.finetune, key) != value:
+    given = from_sources(None, {"finetune": flags.get("finetune", {})}).finetune  # (the values checked, as typed)
+    for key in flags.get("finetune", {}):
+        if key in resume_may_change():
+            config.finetune.set(key, given.value(key))
+        elif config.finetune.value(key) != given.value(key):
             raise ConfigError(f"finetune.{key} cannot change on --resume (the run has "
-                              f"{getattr(config.finetune, key)!r}); start a new run instead")  # fmt: skip
+                              f"{config.finetune.value(key)!r}); start a new run instead")  # fmt: skip
     return config
 
 

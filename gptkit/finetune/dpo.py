@@ -9,7 +9,8 @@ prefers the chosen completion more than the reference does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,10 @@ from gptkit.data import Batch
 from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
 from gptkit.loss import IGNORE_INDEX
+from gptkit.settings import PartSettings, check_range, require_base, require_ddp
+
+if TYPE_CHECKING:
+    from gptkit.train_config import RunConfig
 
 
 def sequence_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
@@ -39,6 +44,24 @@ def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: T
             "accuracy": (margin > 0).float()}  # fmt: skip
 
 
+@dataclass
+class DpoSettings(PartSettings):
+    """DPO's settings."""
+
+    dpo_beta: float = 0.1  # how far the policy may move from the reference (TRL's default)
+    dpo_nll_weight: float = 0.0  # weight of the chosen replies' per-token NLL added (TRL's rpo_alpha; 0: off)
+
+    def validate(self) -> None:
+        """beta > 0, the NLL weight >= 0."""
+        check_range("finetune.dpo_beta", self.dpo_beta, low=0.0, low_open=True)
+        check_range("finetune.dpo_nll_weight", self.dpo_nll_weight, low=0.0)
+
+    def check_run(self, run: RunConfig) -> None:
+        """The reference is the model the run starts from."""
+        require_base(run, "finetune.objective dpo", "aligns an existing model (its frozen copy is the reference)")
+        require_ddp(run, "finetune.objective dpo")
+
+
 class Preference(ObjectiveBase):
     """DPO over rows that alternate chosen and rejected completions of the same prompt.
 
@@ -46,16 +69,17 @@ class Preference(ObjectiveBase):
     dpo_nll_weight > 0 adds the chosen completions' mean next-token loss (TRL's rpo_alpha), which keeps the tokens
     that chosen and rejected share from drifting while the margin grows."""
 
+    settings_type = DpoSettings
     data_kinds = ("preferences",)
     task_metrics = {"val_accuracy": "accuracy", "val_margin": "margin"}
     step_shown = ("accuracy",)
 
     def __init__(self, setup: Setup) -> None:
-        finetune = setup.config.finetune
+        settings = setup.config.finetune.of(DpoSettings)
         check_examples(setup)
         self.setup = setup
-        self.beta = finetune.dpo_beta
-        self.nll_weight = finetune.dpo_nll_weight
+        self.beta = settings.dpo_beta
+        self.nll_weight = settings.dpo_nll_weight
         self.reference = setup.method.reference(setup.gpt, setup.config, setup.device)
 
     def stream(self, per_update: int) -> Any:

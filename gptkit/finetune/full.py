@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -16,6 +16,7 @@ from torch import Tensor
 from gptkit.atomic import atomic_write
 from gptkit.chat import TOKENIZER_CONFIG
 from gptkit.checkpoint import load_weights
+from gptkit.config import resolve_model
 from gptkit.errors import ConfigError
 from gptkit.finetune.parts import RunModel
 from gptkit.formats.lora import is_lora_dir
@@ -23,11 +24,19 @@ from gptkit.formats.modeldir import load_model_tokenizer, save_model_dir
 from gptkit.tensors import read_model_config
 from gptkit.loading import load
 from gptkit.model import GPT
-from gptkit.train_config import RunConfig, resolve_model
+from gptkit.settings import PartSettings
+
+if TYPE_CHECKING:
+    from gptkit.train_config import RunConfig
 
 
 class Full:
     """Every weight trains."""
+
+    settings_type = PartSettings  # none of its own
+
+    def __init__(self, settings: PartSettings) -> None:
+        self.settings = settings
 
     def build(self, config: RunConfig, vocab_size: int) -> RunModel:
         """A fresh model of the model section, or model.init_from's (its dropout as configured)."""

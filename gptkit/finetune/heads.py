@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,11 @@ from gptkit.evaluate import classification_scores
 from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
 from gptkit.loss import IGNORE_INDEX
+from gptkit.settings import PartSettings, check_range, require_ddp
 from gptkit.tensors import load_tensors, save_tensors
+
+if TYPE_CHECKING:
+    from gptkit.train_config import RunConfig
 
 HEAD_CONFIG = "classifier.json"
 HEAD_WEIGHTS = "classifier.safetensors"
@@ -124,9 +129,25 @@ def predict(classifier: SequenceClassifier, rows: list[list[int]], batch_size: i
     return torch.cat(out) if out else torch.zeros((0, len(classifier.labels)))
 
 
+@dataclass
+class ClassifySettings(PartSettings):
+    """The classification head's settings."""
+
+    lm_weight: float = 0.5  # weight of the language-modelling loss beside the label's (GPT-1: 0.5)
+
+    def validate(self) -> None:
+        """A weight >= 0."""
+        check_range("finetune.lm_weight", self.lm_weight, low=0.0)
+
+    def check_run(self, run: RunConfig) -> None:
+        """The head trains beside a whole model on every rank."""
+        require_ddp(run, "finetune.objective classify")
+
+
 class Classification(ObjectiveBase):
     """Cross-entropy of a label head over each text's last token, plus lm_weight times the next-token loss."""
 
+    settings_type = ClassifySettings
     data_kinds = ("labelled",)
     task_metrics = {"val_accuracy": "accuracy", "val_macro_f1": None}
     step_shown = ("accuracy",)
@@ -134,7 +155,7 @@ class Classification(ObjectiveBase):
     def __init__(self, setup: Setup) -> None:
         check_examples(setup)
         self.setup = setup
-        self.lm_weight = setup.config.finetune.lm_weight
+        self.lm_weight = setup.config.finetune.of(ClassifySettings).lm_weight
         self.labels = setup.data.meta["labels"]
 
     def wrap(self, gpt: nn.Module) -> nn.Module:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
-from gptkit.adapters import adapters_disabled, load_lora_state
+from gptkit.adapters import adapters_disabled, check_lora, load_lora_state
+from gptkit.config import resolve_model
 from gptkit.errors import ConfigError
 from gptkit.finetune.full import with_config
 from gptkit.finetune.parts import RunModel, evaluation_mode
@@ -22,25 +24,55 @@ from gptkit.formats.lora import WEIGHTS_FILE, adapt, is_lora_dir, read_lora_conf
 from gptkit.loading import adapted_model, load_base
 from gptkit.model import GPT
 from gptkit.tensors import load_tensors
-from gptkit.train_config import RunConfig, resolve_model
+from gptkit.settings import PartSettings, require_base, require_ddp
+
+if TYPE_CHECKING:
+    from gptkit.train_config import RunConfig
+
+
+BasePrecision = Literal["float32", "bfloat16", "int8"]
+LoraTargets = Literal["attention", "mlp", "all"]
+
+
+@dataclass
+class LoraSettings(PartSettings):
+    """LoRA's settings."""
+
+    lora_rank: int = 8  # r: the adapters' inner width
+    lora_alpha: float = 16.0  # the update is scaled by alpha / r, as in PEFT
+    lora_dropout: float = 0.0  # dropout on an adapter's input (PEFT's default is none)
+    lora_targets: LoraTargets = "all"  # the block layers adapted: attention (q, k, v and output), mlp, or all
+    base_precision: BasePrecision = "float32"  # the frozen base's weights (bfloat16 or int8 save memory)
+
+    def validate(self) -> None:
+        """The adapters' ranges, checked where a LoRA directory's are."""
+        check_lora(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
+
+    def check_run(self, run: RunConfig) -> None:
+        """Adapters need a base; FSDP would shard only their small updates."""
+        require_base(run, "finetune.method lora", "trains adapters over a base model")
+        require_ddp(run, "finetune.method lora")
 
 
 class Lora:
-    """Adapters train; the base stays frozen in finetune.base_precision."""
+    """Adapters train over a frozen base (the base in finetune.base_precision)."""
 
-    def __init__(self) -> None:
+    settings_type = LoraSettings
+
+    def __init__(self, settings: LoraSettings) -> None:
+        self.run_settings = settings
         self.settings: dict[str, Any] = {}  # lora_config.json's fields but the format's (set by build or resume)
 
     def build(self, config: RunConfig, vocab_size: int) -> RunModel:
         """model.init_from (the base, checked by fingerprint at every later load) with fresh adapters."""
-        section, finetune = config.model, config.finetune
+        section, lora = config.model, self.run_settings
         if section.init_from is None:
             raise ConfigError("finetune.method lora trains adapters over a base model: set model.init_from")
         pretrained, tokenizer, fingerprint = load_base(section.init_from)
         model = with_config(pretrained, resolve_model(section, vocab_size, pretrained.config))
         self.settings = {"base": str(Path(section.init_from).resolve()), "base_fingerprint": fingerprint,
-                         "rank": finetune.lora_rank, "alpha": finetune.lora_alpha, "dropout": finetune.lora_dropout,
-                         "targets": finetune.lora_targets, "base_precision": finetune.base_precision}  # fmt: skip
+                         "rank": lora.lora_rank, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
+                         "targets": lora.lora_targets, "base_precision": lora.base_precision}  # fmt: skip
         return RunModel(adapt(model, self.settings), tokenizer, section.init_from)
 
     def resume(self, checkpoint: Path) -> RunModel:

@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +24,10 @@ from torch import Tensor, nn
 from gptkit.data import Batch, RunData
 from gptkit.distributed import World
 from gptkit.model import GPT
-from gptkit.train_config import RunConfig
+from gptkit.settings import PartSettings
+
+if TYPE_CHECKING:
+    from gptkit.train_config import RunConfig
 
 Stats = dict[str, Tensor]
 
@@ -39,7 +42,11 @@ class RunModel:
 
 
 class Method(Protocol):
-    """What trains: every weight (full.py) or adapters over a frozen base (lora.py)."""
+    """What trains: every weight (full.py) or adapters over a frozen base (lora.py), built from its own settings."""
+
+    settings_type: ClassVar[type[PartSettings]]  # its settings (flat keys of the finetune section) and run rules
+
+    def __init__(self, settings: Any) -> None: ...
 
     def build(self, config: RunConfig, vocab_size: int) -> RunModel:
         """A new run's model: a fresh one, or model.init_from's, made ready to train."""
@@ -84,7 +91,8 @@ class Setup:
 class Objective(Protocol):
     """What a run minimises, and how it is measured."""
 
-    data_kinds: ClassVar[tuple[str, ...]]  # the data sets it trains on (gptkit.data: "text", EXAMPLE_KINDS, ...)
+    settings_type: ClassVar[type[PartSettings]]  # its settings (flat keys of the finetune section) and run rules
+    data_kinds: ClassVar[tuple[str, ...]]  # the data sets it trains on (gptkit.data_kinds)
     # The evaluation's task metrics, each drawn in a panel of loss.png with the training steps' statistic it pairs
     # with, if any (val_reward with each step's reward).
     task_metrics: dict[str, str | None]
@@ -102,6 +110,11 @@ class Objective(Protocol):
     def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
         """(the batch's mean loss, statistics: each a mean over the batch's units); an objective that learns how
         many tokens it forwarded only as it goes (GRPO samples them) sets batch.tokens."""
+        ...
+
+    def update_scale(self) -> Tensor | None:
+        """After an update's micro-batches, a factor for its gradients and loss, for an objective whose normaliser is
+        known only then (GRPO's dapo: the update's completion tokens); None leaves them as they are."""
         ...
 
     def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
@@ -127,7 +140,10 @@ class Objective(Protocol):
 
 
 class ObjectiveBase:
-    """The defaults of an objective: the model trains as it is, adds nothing to a checkpoint, keeps no state."""
+    """The defaults of an objective: no settings of its own, the model trains as it is, adds nothing to a checkpoint,
+    keeps no state."""
+
+    settings_type: ClassVar[type[PartSettings]] = PartSettings
 
     task_metrics: dict[str, str | None] = {}
     step_shown: tuple[str, ...] = ()
@@ -135,6 +151,10 @@ class ObjectiveBase:
     def wrap(self, gpt: GPT) -> nn.Module:
         """gpt itself."""
         return gpt
+
+    def update_scale(self) -> Tensor | None:
+        """The micro-batches' weights were final."""
+        return None
 
     def save(self, module: nn.Module, directory: Path) -> None:
         """Nothing to write."""
