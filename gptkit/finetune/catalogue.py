@@ -19,6 +19,7 @@ from gptkit.finetune.full import Full
 from gptkit.finetune.heads import Classification
 from gptkit.finetune.lora import Lora
 from gptkit.finetune.objectives import LanguageModeling
+from gptkit.finetune.orpo import OddsRatioPreference
 from gptkit.finetune.parts import Method, Objective, Setup
 from gptkit.finetune.rl import GroupPolicyGradient
 from gptkit.settings import PartSettings
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 METHODS = {"full": Full, "lora": Lora}
-OBJECTIVES = {"lm": LanguageModeling, "dpo": Preference, "classify": Classification, "grpo": GroupPolicyGradient}
+OBJECTIVES = {"lm": LanguageModeling, "dpo": Preference, "classify": Classification, "grpo": GroupPolicyGradient,
+              "orpo": OddsRatioPreference}
 SECTION_KEYS = ("method", "objective", "packing")  # the finetune section's own keys (FinetuneConfig's)
 
 
