@@ -141,12 +141,12 @@ def test_a_user_function_from_the_working_directory(user_module: str, tmp_path: 
     value = reward("prompt", "abcd", {"scale": 8})
     assert type(value) is float and value == 0.5
     reward.check_rows([{}])  # a user's function says itself what it needs
+    assert load_reward(f"{user_module}:nothing")("prompt", "42", {}) is None  # None: the reward does not apply
 
 
 @pytest.mark.parametrize("function, message", [
     ("boom", "reward function {m}:boom raised ValueError: no digits in 42"),
     ("text", "reward function {m}:text returned 'x' (str), not a number; return an int or a float"),
-    ("nothing", "reward function {m}:nothing returned None (NoneType), not a number"),
     ("yes", "reward function {m}:yes returned True (bool), not a number"),
     ("nan", "reward function {m}:nan returned nan, not a finite number"),
 ])  # fmt: skip

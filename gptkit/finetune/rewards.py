@@ -8,7 +8,8 @@ A reward is named by a spec (load_reward):
     module:function     function(prompt, completion, row) -> a number, from module.py of the working directory
 
 Every reward is called as reward(prompt, completion, row): the prompt as the model saw it, the text it wrote, and
-the prompt's input row (gptkit.data.Prompts), and returns a plain float.
+the prompt's input row (gptkit.data.Prompts), and returns a plain float, or None where it does not apply (a
+format reward for a task whose rows have no format, say): GRPO leaves it out of that completion's sum.
 
 Training calls a reward through RewardProcess: in a process of its own (gptkit.worker), where a call that hangs
 is stopped at its deadline and every way the user's code can end a call is one error line naming the reward.
@@ -193,15 +194,17 @@ class UserFunction(Reward):
             raise ConfigError(f"reward {name}: {module}.{attribute} is a {type(self.function).__name__}, not a "
                               "function")  # fmt: skip
 
-    def __call__(self, prompt: str, completion: str, row: dict[str, Any]) -> float:
+    def __call__(self, prompt: str, completion: str, row: dict[str, Any]) -> float | None:
         try:
             value = self.function(prompt, completion, row)
         except Exception as err:  # the user's code: any failure is reported as theirs, in one line
             raise RewardError(f"reward function {self.name} raised {type(err).__name__}: "
                               f"{_one_line(str(err))}") from err  # fmt: skip
+        if value is None:  # the reward does not apply to this completion
+            return None
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise RewardError(f"reward function {self.name} returned {_shown(value)} ({type(value).__name__}), not a "
-                              "number; return an int or a float")  # fmt: skip
+                              "number; return an int or a float (or None where the reward does not apply)")  # fmt: skip
         try:
             number = float(value)
         except OverflowError:  # an int too large for a float
@@ -291,12 +294,13 @@ class RewardProcess:
         if "error" in reply:
             raise ConfigError(reply["error"])
 
-    def __call__(self, prompt: str, completion: str, row: dict[str, Any]) -> float:
-        """The completion's reward; RewardError if the call does not end with a finite number by the deadline."""
+    def __call__(self, prompt: str, completion: str, row: dict[str, Any]) -> float | None:
+        """The completion's reward (None where it does not apply); RewardError if the call does not end with a finite
+        number or None by the deadline."""
         reply = self._ask({"prompt": prompt, "completion": completion, "row": row}, self.seconds, "scoring")
         if "error" in reply:
             raise RewardError(reply["error"])
-        return float(reply["value"])
+        return None if reply["value"] is None else float(reply["value"])
 
     def close(self) -> None:
         """Kill the reward's process (a later call starts another)."""
