@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gptkit.data_kinds import DATA_KINDS, EXAMPLE_KINDS, PROMPTS, DataKind
 from gptkit.errors import ConfigError, GptkitError, InputError
 from gptkit.loss import IGNORE_INDEX
 
@@ -29,7 +30,6 @@ SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
 # per example into the token file, then the total). Preference pairs ("preferences") are stored the same way, each
 # pair's chosen example then its rejected one; labelled texts ("labelled") add each example's label (int64, an
 # index into meta.json's "labels").
-EXAMPLE_KINDS = ("examples", "preferences", "labelled")
 EXAMPLE_FILES = {split: {"ids": name, "mask": name.replace(".bin", ".mask.bin"),
                          "offsets": name.replace(".bin", ".offsets.bin"), "labels": name.replace(".bin", ".labels.bin")}
                  for split, name in SPLIT_FILES.items()}  # fmt: skip
@@ -37,7 +37,7 @@ EXAMPLE_FILES = {split: {"ids": name, "mask": name.replace(".bin", ".mask.bin"),
 # token ids as examples are stored (its mask all zeros: nothing in a prompt is trained on), and per split one JSON
 # line per prompt: {"text": the prompt as the model sees it, "row": the input row, every field kept}, what the
 # reward functions receive (gptkit.finetune.rewards).
-PROMPT_KIND = "prompts"
+PROMPT_KIND = PROMPTS.name
 PROMPT_FILES = {split: {key: files[key] for key in ("ids", "mask", "offsets")}
                 | {"rows": SPLIT_FILES[split].replace(".bin", ".prompts.jsonl")}
                 for split, files in EXAMPLE_FILES.items()}  # fmt: skip
@@ -71,22 +71,25 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
     expected = {}
     for split, name in SPLIT_FILES.items():
         expected[name] = meta[f"{split}_tokens"] * itemsize
-    if is_examples(meta) or meta.get("kind") == PROMPT_KIND:
-        unit = "prompts" if meta["kind"] == PROMPT_KIND else "examples"
+    kind = data_kind(meta, path)
+    if kind.examples or kind is PROMPTS:
+        unit = "prompts" if kind is PROMPTS else "examples"
         for split, files in EXAMPLE_FILES.items():
             count = _count(meta, f"{split}_{unit}", path)
-            if meta["kind"] == "preferences" and count % 2:
-                raise GptkitError(f"{path}: '{split}_examples' must be even in a data set of preference pairs")
+            if count % kind.items_of:
+                raise GptkitError(f"{path}: '{split}_examples' must be a multiple of {kind.items_of} in a data set of "
+                                  f"{kind.noun}")  # fmt: skip
             expected[files["mask"]] = meta[f"{split}_tokens"]
             expected[files["offsets"]] = (count + 1) * 8
-            if meta["kind"] == "labelled":
+            if kind.labels:
                 expected[files["labels"]] = count * 8
-            if meta["kind"] == PROMPT_KIND:
+            if kind is PROMPTS:
                 expected[PROMPT_FILES[split]["rows"]] = _count(meta, f"{split}_rows_bytes", path)
         labels = meta.get("labels")
-        if meta["kind"] == "labelled" and not (isinstance(labels, list) and len(labels) >= 2
-                                               and all(isinstance(label, str) for label in labels)):  # fmt: skip
-            raise GptkitError(f"{path}: field 'labels' must list at least two label strings, got {labels!r}")
+        least = max(kind.min_labels, 1)
+        if kind.labels and not (isinstance(labels, list) and len(labels) >= least
+                                and all(isinstance(label, str) for label in labels)):  # fmt: skip
+            raise GptkitError(f"{path}: field 'labels' must list at least {least} label string(s), got {labels!r}")
     for name, size in expected.items():
         file = data_dir / name
         actual = file.stat().st_size if file.is_file() else None
@@ -104,6 +107,15 @@ def _count(meta: dict[str, Any], field: str, path: Path) -> int:
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise GptkitError(f"{path}: field '{field}' must be a non-negative integer, got {count!r}")
     return count
+
+
+def data_kind(meta: dict[str, Any], path: Path) -> DataKind:
+    """The kind of data set meta.json says (text when it says none); an unknown kind is a one-line error."""
+    name = meta.get("kind", "text")
+    if name not in DATA_KINDS:
+        raise GptkitError(f"{path}: unknown data kind {name!r} (kinds: {', '.join(DATA_KINDS)}); it was written by a "
+                          "newer gptkit, or damaged: rerun gptkit prepare")  # fmt: skip
+    return DATA_KINDS[name]
 
 
 def is_examples(meta: dict[str, Any]) -> bool:
@@ -271,7 +283,7 @@ class Examples:
     @property
     def rows_per_item(self) -> int:
         """Examples per item a batch draws: two for a preference pair (chosen, rejected), else one."""
-        return 2 if self.kind == "preferences" else 1
+        return DATA_KINDS[self.kind].items_of
 
     def items(self) -> int:
         """How many items (examples, or preference pairs) the split holds."""
@@ -296,11 +308,11 @@ class Examples:
 
     def units(self) -> np.ndarray:
         """What each item adds to the count a loss is a mean over: its trained targets; one per pair or text."""
-        return self.targets() if self.kind == "examples" else np.ones(self.items(), dtype=np.int64)
+        return self.targets() if DATA_KINDS[self.kind].per_token else np.ones(self.items(), dtype=np.int64)
 
     def positions(self) -> np.ndarray:
         """Input positions per example: a labelled text reads all its tokens (its class is read at the last)."""
-        return self.lengths() - (self.kind != "labelled")
+        return self.lengths() - (not DATA_KINDS[self.kind].whole_input)
 
 
 def load_examples(data_dir: str | Path, split: str, meta: dict[str, Any]) -> Examples:
@@ -313,7 +325,7 @@ def load_examples(data_dir: str | Path, split: str, meta: dict[str, Any]) -> Exa
     if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
         raise GptkitError(f"{data_dir / files['offsets']} does not describe {split}'s examples; rerun gptkit prepare")
     labels = None
-    if meta["kind"] == "labelled":
+    if DATA_KINDS[meta["kind"]].labels:
         labels = np.fromfile(data_dir / files["labels"], dtype=np.int64)
         if len(labels) and (labels.min() < 0 or labels.max() >= len(meta["labels"])):
             raise GptkitError(f"{data_dir / files['labels']} holds a label outside meta.json's labels; rerun gptkit "
@@ -375,7 +387,7 @@ def _example_rows(examples: Examples, rows: list[list[int]], block_size: int, pa
     """The batch of rows of example indices: each example's inputs and targets side by side, right-padded (padding
     predicts nothing; packed rows give it a document id of its own). A labelled text's inputs are all its tokens,
     and each row's label and last real position come with it."""
-    whole = examples.kind == "labelled"
+    whole = DATA_KINDS[examples.kind].whole_input
     width = max(sum(int(examples.offsets[i + 1] - examples.offsets[i]) - (not whole) for i in row) for row in rows)
     width = block_size if packed else min(block_size, -(-width // PAD_MULTIPLE) * PAD_MULTIPLE)
     x = np.zeros((len(rows), width), dtype=np.int64)
@@ -420,15 +432,15 @@ class ExampleBatches:
                  group: int = 1) -> None:  # fmt: skip
         if examples.items() == 0:
             raise InputError("the data set has no examples to train on")
-        if packed and examples.kind != "examples":
+        if packed and not DATA_KINDS[examples.kind].packable:
             raise InputError(f"packing applies to supervised examples, not {examples.kind}; set finetune.packing "
                              "false")  # fmt: skip
         self.positions = examples.positions()
-        longest = int(self.positions.max())
+        longest, next_token = int(self.positions.max()), not DATA_KINDS[examples.kind].whole_input
         if longest > block_size:
             raise InputError(
-                f"an example of {longest + (examples.kind != 'labelled')} tokens does not fit the model's block_size "
-                f"{block_size}; prepare the data again with --max-length {block_size + (examples.kind != 'labelled')}"
+                f"an example of {longest + next_token} tokens does not fit the model's block_size {block_size}; "
+                f"prepare the data again with --max-length {block_size + next_token}"
             )
         self.examples, self.block_size, self.batch_size = examples, block_size, batch_size
         self.packed, self.group = packed, group
@@ -538,7 +550,7 @@ def load_run_data(data_dir: str | None) -> RunData:
         raise ConfigError("no data: pass --data DIR (a directory made by `gptkit prepare`) or set train.data_dir")
     meta = read_meta(data_dir)
     kind = meta.get("kind", "text")
-    if kind in EXAMPLE_KINDS:
+    if DATA_KINDS[kind].examples:
         train, val = load_examples(data_dir, "train", meta), load_examples(data_dir, "val", meta)
     elif kind == PROMPT_KIND:
         train, val = load_prompts(data_dir, "train", meta), load_prompts(data_dir, "val", meta)

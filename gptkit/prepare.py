@@ -30,10 +30,11 @@ import numpy as np
 from gptkit.atomic import atomic_write_text, building_dir, sweep_staging
 from gptkit.chat import TOKENIZER_CONFIG, ChatTemplate
 from gptkit.data import EXAMPLE_FILES, META_FILE, PROMPT_FILES, PROMPT_KIND, SPLIT_FILES
+from gptkit.data_kinds import DATA_KINDS, SUPERVISED
+from gptkit.data_kinds import row_format as row_format_spec
 from gptkit.errors import InputError
-from gptkit.finetune.examples import KINDS as EXAMPLE_KIND
 from gptkit.formats.gguf import gguf_tokenizer, is_gguf_file
-from gptkit.finetune.examples import SUPERVISED, ExampleEncoder, fit, is_prompt_row, row_format
+from gptkit.finetune.examples import ExampleEncoder, fit, is_prompt_row, row_format
 from gptkit.inputs import READ_CHUNK, Piece, Reader, first_record, records, resolve_inputs, row_kind
 from gptkit.tokenizer import (
     EOT,
@@ -475,6 +476,7 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
                     started: float, progress: bool) -> dict[str, Any]:  # fmt: skip
     """Encode supervised examples into stage's train/val token, trained-token and offset files (see gptkit.data)."""
     kind = _example_kind(files, formats)
+    spec = DATA_KINDS[kind]
     tokenizer, template = _example_tokenizer(config, lambda: _rows(files, formats, config.errors), progress)
     encoder = ExampleEncoder(tokenizer, template, config.loss_on)  # type: ignore[arg-type]
     max_length = config.max_length or _context_of(config.tokenizer) or DEFAULT_MAX_LENGTH
@@ -488,7 +490,7 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
             _progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:  # fmt: skip
         for record, fmt, where in _rows(files, formats, config.errors, bar.update):
             examples, label = encoder.encode_row(record, fmt, where)
-            fitted = [fit(e, max_length, config.overlong, kind != "labelled") for e in examples]  # type: ignore[arg-type]
+            fitted = [fit(e, max_length, config.overlong, not spec.whole_input) for e in examples]  # type: ignore[arg-type]
             if any(e is None for e in fitted):  # a pair is kept or dropped whole
                 dropped += 1
                 continue
@@ -508,10 +510,10 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
     if identical:  # kept (DPO's loss stays at log 2 on them), but most likely a mistake in the data
         logger.warning("%d preference pair(s) have the same chosen and rejected reply, from which DPO learns nothing "
                        "(the first at %s); fix or drop them", identical, first_identical)  # fmt: skip
-    label_names = sorted(set(labels))
-    if kind == "labelled" and len(label_names) < 2:
-        raise InputError(f"every labelled row has the label {label_names[0]!r}: a classifier needs at least two labels")
-    per_item = 2 if kind == "preferences" else 1
+    label_names = list(spec.label_names) if spec.label_names is not None else sorted(set(labels))
+    if len(set(labels)) < spec.min_labels:
+        raise InputError(f"every {kind} row has the label {labels[0]!r}: a classifier needs at least two labels")
+    per_item = spec.items_of
     val_items = _val_examples(len(targets) // per_item, config.val_fraction)
     val = (val_items[:, None] * per_item + np.arange(per_item)).reshape(-1)
     label_ids = np.asarray([label_names.index(label) for label in labels], dtype=np.int64) if labels else None
@@ -535,7 +537,7 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
         "tokenizer": tokenizer.kind,
         "eos_id": tokenizer.eos_id,
         "chat_template": template.source,
-        **({"labels": label_names} if kind == "labelled" else {}),
+        **({"labels": label_names} if spec.labels else {}),
         "loss_on": config.loss_on,
         "max_length": max_length,
         "truncated": truncated,
@@ -660,7 +662,7 @@ def _example_kind(files: list[Path], formats: dict[Path, str | None]) -> str:
 def _data_kind(files: list[Path], formats: dict[Path, str | None]) -> str:
     """The kind of data set the row files make together (gptkit.data.EXAMPLE_KINDS or PROMPT_KIND); mixed kinds are
     an error."""
-    kinds = {path: EXAMPLE_KIND[fmt] for path, fmt in formats.items() if fmt is not None}
+    kinds = {path: row_format_spec(fmt).kind for path, fmt in formats.items() if fmt is not None}
     first = files[0]
     for path, kind in kinds.items():
         if kind != kinds[first]:

@@ -34,14 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-# What prepare tells a data set of examples by (meta.json's kind): the noun its summary uses, and examples per item.
-EXAMPLE_NOUNS = {"examples": ("examples", 1), "preferences": ("preference pairs", 2), "labelled": ("labelled texts", 1)}
-ROW_NAMES = {"messages": "conversation", "prompt_completion": "prompt/completion", "alpaca": "Alpaca",
-             "preference": "prompt/chosen/rejected", "labelled": "text/label"}  # fmt: skip
-
-
 def run(args: argparse.Namespace) -> int:
     """Prepare the data directory and print a one-line summary."""
+    from gptkit.data_kinds import DATA_KINDS, row_format
     from gptkit.prepare import PrepareConfig, prepare
 
     config = dataclass_from_args(PrepareConfig, args)
@@ -51,10 +46,11 @@ def run(args: argparse.Namespace) -> int:
     meta = prepare(config, progress=True)
     seconds = time.perf_counter() - started
     read = sum(i["bytes"] for i in meta["inputs"])
-    if meta.get("kind") in EXAMPLE_NOUNS:
-        noun, per = EXAMPLE_NOUNS[meta["kind"]]
+    kind = DATA_KINDS.get(meta.get("kind", "text"))
+    if kind is not None and kind.examples:
+        noun, per = kind.noun, kind.items_of
         train, val = meta["train_examples"] // per, meta["val_examples"] // per
-        rows = ", ".join(sorted({ROW_NAMES.get(i["format"], str(i["format"])) for i in meta["inputs"] if i["format"]}))
+        rows = ", ".join(sorted({row_format(i["format"]).title for i in meta["inputs"] if i["format"]}))
         labels = f" of the labels {', '.join(meta['labels'])}" if meta.get("labels") else ""
         cut = f"; longer than {meta['max_length']} tokens: {meta['truncated']} truncated, {meta['dropped']} dropped"
         print(f"wrote {config.out}: recognised {rows} rows: {train + val:,} {noun}{labels} (train {train:,}, val "

@@ -35,15 +35,11 @@ from typing import Any, Literal
 import numpy as np
 
 from gptkit.chat import ROLES, ChatTemplate, ChatTemplateError
+from gptkit.data_kinds import DATA_KINDS, ROW_FORMATS, format_of
+from gptkit.data_kinds import row_format as row_format_spec
 from gptkit.errors import InputError
 
 LossOn = Literal["completion", "all"]
-FORMATS = ("messages", "prompt_completion", "alpaca", "text", "preference", "labelled", "prompt")
-# What data set the rows of each format make: supervised examples, preference pairs, labelled texts ("text" rows
-# alone are pre-training text; beside supervised examples they are examples trained on every token).
-KINDS = {"messages": "examples", "prompt_completion": "examples", "alpaca": "examples", "text": "examples",
-         "preference": "preferences", "labelled": "labelled", "prompt": "prompts"}  # fmt: skip
-SUPERVISED = ("messages", "prompt_completion", "alpaca", "preference", "labelled", "prompt")  # not text alone
 ANSWERED = ("completion", "chosen", "rejected")  # a row with any of these holds its answers: not a prompt row
 
 
@@ -61,22 +57,8 @@ class Example:
 
 
 def row_format(record: Any) -> str | None:
-    """The format a JSON row's keys say it is in, or None."""
-    if not isinstance(record, dict):
-        return None
-    if "chosen" in record and "rejected" in record:
-        return "preference"
-    if "messages" in record:
-        return "messages"
-    if "prompt" in record and "completion" in record:
-        return "prompt_completion"
-    if "instruction" in record and "output" in record:
-        return "alpaca"
-    if "text" in record and "label" in record:
-        return "labelled"
-    if "text" in record:
-        return "text"
-    return None
+    """The format a JSON row's keys say it is in (gptkit.data_kinds.ROW_FORMATS), or None."""
+    return format_of(record)
 
 
 def is_prompt_row(record: Any) -> bool:
@@ -116,16 +98,19 @@ class ExampleEncoder:
         return example
 
     def encode_row(self, record: Any, fmt: str, where: str) -> tuple[list[Example], str | None]:
-        """The examples one row in format fmt makes (a preference pair makes two) and its label (labelled only)."""
+        """The examples one row in format fmt makes (a preference pair makes two) and its label (formats with one)."""
         if fmt == "preference":
             return list(self.encode_pair(record, where)), None
-        if fmt == "labelled":
-            example, label = self.encode_labelled(record, where)
-            return [example], label
         if fmt == "prompt":
             ids = self.encode_prompt(record, where)[1]
             return [Example(ids, np.zeros(len(ids), dtype=bool))], None
-        return [self.encode(record, fmt, where)], None
+        spec = ROW_FORMATS[fmt]
+        if row_format(record) != fmt:
+            raise InputError(f"{where} is not a {fmt} row like the file's first row ({spec.hint})")
+        label = _label(record, spec.label, DATA_KINDS[spec.kind].label_names, where) if spec.label else None
+        if fmt == "labelled":
+            return [self.encode_labelled(record, where)], label
+        return [self.encode(record, spec.encoded_as or fmt, where)], label
 
     def encode_prompt(self, record: Any, where: str) -> tuple[str, np.ndarray]:
         """A prompt row's text as the model sees it and its ids: a string as a completions request encodes it, a
@@ -162,22 +147,15 @@ class ExampleEncoder:
         return (self.encode({"prompt": prompt, "completion": chosen}, "prompt_completion", where),
                 self.encode({"prompt": prompt, "completion": rejected}, "prompt_completion", where))  # fmt: skip
 
-    def encode_labelled(self, record: Any, where: str) -> tuple[Example, str]:
-        """A labelled text's example (encoded as a prompt, every token trained) and its label as a string."""
-        if row_format(record) != "labelled":
-            raise InputError(f"{where} is not a labelled row like the file's first row ({_keys_hint('labelled')})")
-        label = record["label"]
-        if isinstance(label, bool) or not isinstance(label, (str, int)):
-            raise InputError(f"{where}: \"label\" must be a string (or an integer), got {json_type(label)}")
+    def encode_labelled(self, record: Any, where: str) -> Example:
+        """A labelled text's example: encoded as a prompt, every token trained."""
         text = _string(record, "text", where)
         ids = np.asarray(self.tokenizer.encode_prompt(text), dtype=np.uint32)
         if len(ids) == 0:
             raise InputError(f"{where}: the text is empty; a class is read at the text's last token")
-        return Example(ids, np.ones(len(ids), dtype=bool)), str(label)
+        return Example(ids, np.ones(len(ids), dtype=bool))
 
     def _encode(self, record: Any, fmt: str, where: str) -> Example:
-        if row_format(record) != fmt:
-            raise InputError(f"{where} is not a {fmt} row like the file's first row ({_keys_hint(fmt)})")
         if fmt == "text":
             text = _string(record, "text", where)
             return self._example([(self._ids(text, prompt=True), True), (self._end(), True)])
@@ -256,11 +234,20 @@ def fit(example: Example, max_length: int, overlong: Literal["truncate", "drop"]
 
 
 def _keys_hint(fmt: str) -> str:
-    return {"messages": 'a "messages" list', "prompt_completion": '"prompt" and "completion"',
-            "alpaca": '"instruction" and "output"', "text": 'a "text" string',
-            "preference": '"chosen" and "rejected" (and "prompt")', "labelled": '"text" and "label"',
-            "prompt": '"prompt" as a string, or "prompt" or "messages" ending with a user turn; no "completion", '
-                      '"chosen" or "rejected"'}[fmt]  # fmt: skip
+    return row_format_spec(fmt).hint
+
+
+def _label(record: dict[str, Any], key: str, names: tuple[str, ...] | None, where: str) -> str:
+    """A row's label as a string: true or false where the kind's labels are those (KTO's), else a class name (a
+    string, or an integer)."""
+    label = record[key]
+    if names is not None:
+        if not isinstance(label, bool):
+            raise InputError(f"{where}: \"{key}\" must be true or false, got {json_type(label)}")
+        return "true" if label else "false"
+    if isinstance(label, bool) or not isinstance(label, (str, int)):
+        raise InputError(f"{where}: \"{key}\" must be a string (or an integer), got {json_type(label)}")
+    return str(label)
 
 
 def json_type(value: Any) -> str:
