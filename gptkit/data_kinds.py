@@ -46,6 +46,8 @@ DATA_KINDS = {kind.name: kind for kind in (
     DataKind("examples", "text or supervised rows", "examples", per_token=True, packable=True),
     DataKind("preferences", '{"prompt", "chosen", "rejected"} rows', "preference pairs", items_of=2),
     DataKind("labelled", '{"text", "label"} rows', "labelled texts", whole_input=True, labels=True, min_labels=2),
+    DataKind("unpaired", '{"prompt", "completion", "label": true|false} rows', "marked completions", labels=True,
+             label_names=("false", "true")),
     PROMPTS,
 )}  # fmt: skip
 EXAMPLE_KINDS = tuple(name for name, kind in DATA_KINDS.items() if kind.examples)
@@ -56,6 +58,8 @@ ROW_FORMATS = {fmt.name: fmt for fmt in (
     RowFormat("preference", ("chosen", "rejected"), "preferences", "prompt/chosen/rejected",
               '"chosen" and "rejected" (and "prompt")'),
     RowFormat("messages", ("messages",), "examples", "conversation", 'a "messages" list'),
+    RowFormat("unpaired", ("prompt", "completion", "label"), "unpaired", "prompt/completion/label",
+              '"prompt", "completion" and "label" (true or false)', encoded_as="prompt_completion", label="label"),
     RowFormat("prompt_completion", ("prompt", "completion"), "examples", "prompt/completion",
               '"prompt" and "completion"'),
     RowFormat("alpaca", ("instruction", "output"), "examples", "Alpaca", '"instruction" and "output"'),

@@ -17,6 +17,7 @@ from gptkit.errors import ConfigError
 from gptkit.finetune.dpo import Preference
 from gptkit.finetune.full import Full
 from gptkit.finetune.heads import Classification
+from gptkit.finetune.kto import Unpaired
 from gptkit.finetune.lora import Lora
 from gptkit.finetune.objectives import LanguageModeling
 from gptkit.finetune.orpo import OddsRatioPreference
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 METHODS = {"full": Full, "lora": Lora}
 OBJECTIVES = {"lm": LanguageModeling, "dpo": Preference, "classify": Classification, "grpo": GroupPolicyGradient,
-              "orpo": OddsRatioPreference}
+              "orpo": OddsRatioPreference, "kto": Unpaired}
 SECTION_KEYS = ("method", "objective", "packing")  # the finetune section's own keys (FinetuneConfig's)
 
 

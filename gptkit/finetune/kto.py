@@ -1,0 +1,127 @@
+"""Kahneman-Tversky optimisation (Ethayarajh et al. 2024, KTO): alignment from completions marked good or bad one by
+one ({"prompt", "completion", "label": true|false}), no pairs needed.
+
+A completion's implicit reward is r = log pi(y | x) - log ref(y | x), summed over its tokens. KL is the policy's
+divergence from the reference, estimated on mismatched pairs (each prompt with the next example's completion, as
+TRL's KTOTrainer does), detached and clamped at 0. The loss of a desirable completion is
+desirable_weight * (1 - sigmoid(beta * (r - KL))), of an undesirable one undesirable_weight * (1 - sigmoid(beta *
+(KL - r))), and the batch's loss their mean. The reference is the starting model, frozen (with LoRA, the base with
+the adapters off), as for DPO. KL is estimated within each micro-batch (with train.batch_size 1 an example is paired
+with itself, and KL is 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gptkit.data import Batch
+from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
+from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
+from gptkit.loss import IGNORE_INDEX
+from gptkit.settings import PartSettings, check_range, require_base, require_ddp
+
+if TYPE_CHECKING:
+    from gptkit.train_config import RunConfig
+
+
+@dataclass
+class KtoSettings(PartSettings):
+    """KTO's settings."""
+
+    kto_beta: float = 0.1  # how far the policy may move from the reference (TRL's default)
+    desirable_weight: float = 1.0  # weight of a desirable completion's loss (raise it when they are the fewer)
+    undesirable_weight: float = 1.0  # weight of an undesirable completion's loss
+
+    def validate(self) -> None:
+        """beta > 0, weights > 0."""
+        for key in ("kto_beta", "desirable_weight", "undesirable_weight"):
+            check_range(f"finetune.{key}", getattr(self, key), low=0.0, low_open=True)
+
+    def check_run(self, run: RunConfig) -> None:
+        """The reference is the model the run starts from."""
+        require_base(run, "finetune.objective kto", "aligns an existing model (its frozen copy is the reference)")
+        require_ddp(run, "finetune.objective kto")
+
+
+def summed_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """Each row's summed log-probability (B,) of its targets (IGNORE_INDEX positions count nothing)."""
+    B, T, V = logits.shape
+    nll = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                          reduction="none")  # fmt: skip
+    return -nll.view(B, T).sum(dim=1)
+
+
+def mismatched(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """(x, y) of each row's prompt followed by the next row's completion (the last row takes the first's)."""
+    rows, width = [], 0
+    for i in range(len(x)):
+        j = (i + 1) % len(x)
+        start = int((y[i] != IGNORE_INDEX).nonzero()[0])  # the prompt is x[i, : start + 1]
+        trained = (y[j] != IGNORE_INDEX).nonzero().flatten()
+        completion = y[j, int(trained[0]) : int(trained[-1]) + 1]
+        rows.append((torch.cat([x[i, : start + 1], completion]), start))
+        width = max(width, len(rows[-1][0]) - 1)
+    out_x = torch.zeros((len(x), width), dtype=x.dtype, device=x.device)
+    out_y = torch.full((len(x), width), IGNORE_INDEX, dtype=y.dtype, device=y.device)
+    for r, (ids, start) in enumerate(rows):
+        out_x[r, : len(ids) - 1] = ids[:-1]
+        out_y[r, start : len(ids) - 1] = ids[start + 1 :]
+    return out_x, out_y
+
+
+def kto_loss(policy: Tensor, reference: Tensor, kl: Tensor, desirable: Tensor, settings: KtoSettings) -> dict:
+    """Per completion (B,): the loss, the implicit reward, and whether it agrees with the label (a desirable
+    completion's reward above KL, an undesirable one's below: the side the loss pushes it to)."""
+    reward = policy - reference
+    beta = settings.kto_beta
+    good = settings.desirable_weight * (1 - torch.sigmoid(beta * (reward - kl)))
+    bad = settings.undesirable_weight * (1 - torch.sigmoid(beta * (kl - reward)))
+    return {"loss": torch.where(desirable, good, bad), "reward": beta * reward,
+            "agrees": torch.where(desirable, reward > kl, reward < kl).float()}  # fmt: skip
+
+
+class Unpaired(ObjectiveBase):
+    """KTO: completions marked desirable or not, one by one."""
+
+    settings_type = KtoSettings
+    data_kinds = ("unpaired",)
+    task_metrics = {"val_accuracy": "accuracy", "val_kl": "kl"}
+    step_shown = ("accuracy",)
+
+    def __init__(self, setup: Setup) -> None:
+        check_examples(setup)
+        self.setup = setup
+        self.settings = setup.config.finetune.of(KtoSettings)
+        self.desirable = setup.data.meta["labels"].index("true")
+        self.reference = setup.method.reference(setup.gpt, setup.config, setup.device)
+
+    def stream(self, per_update: int) -> Any:
+        """Whole examples, padded."""
+        return example_stream(self.setup, per_update)
+
+    def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
+        """The batch's mean KTO loss, with the KL estimate, the implicit rewards and how many agree with their label."""
+        policy = summed_logprobs(forward(batch.x), batch.y)
+        with torch.no_grad():
+            reference = summed_logprobs(self.reference(batch.x), batch.y)
+            kl_x, kl_y = mismatched(batch.x, batch.y)
+            kl = (summed_logprobs(forward(kl_x), kl_y) - summed_logprobs(self.reference(kl_x), kl_y)).mean()
+            kl = kl.clamp(min=0)
+        desirable = batch.labels == self.desirable
+        out = kto_loss(policy, reference, kl, desirable, self.settings)
+        good, bad = desirable.float(), (~desirable).float()
+        stats = {"kl": kl, "accuracy": out["agrees"].mean(),
+                 "desirable_reward": (out["reward"].detach() * good).sum() / good.sum().clamp(min=1),
+                 "undesirable_reward": (out["reward"].detach() * bad).sum() / bad.sum().clamp(min=1)}  # fmt: skip
+        return out["loss"].mean(), stats
+
+    def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
+        """Train and validation loss, and on validation completions the KL, the rewards and how many agree."""
+        train_loss, val_loss, stats = evaluate_examples(self.loss, forward, self.setup)
+        return {"train_eval_loss": train_loss, "val_loss": val_loss, **stats}
