@@ -1,4 +1,4 @@
-"""Preference optimisation (DPO) that visibly moves a chat model's style, on a laptop CPU in minutes.
+"""Preference optimisation (DPO, ORPO, KTO) that visibly moves a chat model's style, on a laptop CPU in minutes.
 
 1. Start from the supervised fine-tuning demonstration's word-reversal chat model (examples/finetune_demo.py,
    run first if its output is missing), and fine-tune it briefly on answers in two styles, half of them ending
@@ -7,7 +7,8 @@
 2. Make preference pairs: for the same prompt, the reversed word ending with a full stop is chosen and the bare
    one rejected. The words of the held-out pairs never appear in training.
 3. Train with `--finetune.objective dpo`, fully and with LoRA (the reference is the starting model, frozen),
-   with the chosen replies' next-token loss added (`--finetune.dpo_nll_weight 1`).
+   with the chosen replies' next-token loss added (`--finetune.dpo_nll_weight 1`); with `orpo` on the same pairs
+   (no reference); and with `kto` on the same replies unpaired, each marked desirable or not; the same steps.
 4. Report, on the held-out words: preference accuracy (the share of pairs whose implicit reward margin is
    positive) and, in the text the model generates greedily (as `gptkit serve` answers a chat), the share of
    replies ending with a full stop and the share still reversing the word correctly.
@@ -33,18 +34,29 @@ from gptkit.chat import eos_text, load_chat_template
 from gptkit.data import example_batches, load_examples, read_meta
 from gptkit.finetune.dpo import sequence_logprobs
 
+# Every run: the same steps of 16 pairs (or of 32 marked completions: the same replies, unpaired).
+COMMON = ["--train.batch_size", "16", "--optim.warmup_steps", "10", "--optim.weight_decay", "0.0",
+          "--train.eval_interval", "50", "--train.eval_iters", "4", "--train.checkpoint_interval", "1000"]
 # The two replies share every token up to the full stop, so plain DPO can raise "." anywhere in a word (both
 # replies' likelihood falls); the chosen replies' NLL (TRL's rpo_alpha) keeps the words right.
-DPO = ["--finetune.objective", "dpo", "--finetune.dpo_beta", "0.1", "--finetune.dpo_nll_weight", "1.0",
-       "--train.batch_size", "16",
-       "--optim.warmup_steps", "10", "--optim.weight_decay", "0.0", "--train.eval_interval", "50",
-       "--train.eval_iters", "4", "--train.checkpoint_interval", "1000"]  # fmt: skip
+DPO = ["--finetune.objective", "dpo", "--finetune.dpo_beta", "0.1", "--finetune.dpo_nll_weight", "1.0"]
+ORPO = ["--finetune.objective", "orpo", "--finetune.orpo_beta", "0.1"]  # its NLL term is built in
+KTO = ["--finetune.objective", "kto", "--finetune.kto_beta", "0.1", "--train.batch_size", "32"]
+FULL, LORA = ["--optim.lr", "2e-5", "--optim.min_lr", "2e-6"], ["--finetune.method", "lora", "--finetune.lora_rank",
+                                                                 "16", "--finetune.lora_alpha", "32", "--optim.lr",
+                                                                 "2e-4", "--optim.min_lr", "2e-5"]  # fmt: skip
 
 
 def mixed(word: str, full_stop: bool) -> dict:
     """A supervised conversation in one of the two styles."""
     return {"messages": [{"role": "user", "content": TASK.format(word=word)},
                          {"role": "assistant", "content": word[::-1] + ("." if full_stop else "")}]}  # fmt: skip
+
+
+def unpaired(row: dict) -> list[dict]:
+    """A preference row as KTO's two marked completions: the chosen one desirable, the rejected one not."""
+    return [{"prompt": row["prompt"], "completion": row["chosen"], "label": True},
+            {"prompt": row["prompt"], "completion": row["rejected"], "label": False}]  # fmt: skip
 
 
 def pair(word: str) -> dict:
@@ -106,27 +118,31 @@ def main() -> int:
     sft = out / "reference" / (out / "reference" / "latest").read_text().strip()
     rows = [pair(train_words[i]) for i in rng.integers(0, len(train_words), 2000)]  # the same words, new draws
     (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "marked.jsonl").write_text("".join(json.dumps(u) + "\n" for r in rows for u in unpaired(r)))
+    gptkit_cli("prepare", "--input", str(out / "marked.jsonl"), "--tokenizer", str(sft), "--out", str(out / "marked"))
     (out / "held_out.jsonl").write_text("".join(json.dumps(pair(w)) + "\n" for w in held_out))
     gptkit_cli("prepare", "--input", str(out / "pairs.jsonl"), "--tokenizer", str(sft), "--out", str(out / "pairs"))
     gptkit_cli("prepare", "--input", str(out / "held_out.jsonl"), "--tokenizer", str(sft), "--out",
                str(out / "held_out"), "--val-fraction", "0")  # fmt: skip
     steps = str(max(100 // scale, 2))
-    runs = {
-        "DPO, full": ("full", ["--optim.lr", "2e-5", "--optim.min_lr", "2e-6"]),
-        "DPO, full, no NLL term": ("full-dpo-only", ["--optim.lr", "2e-5", "--optim.min_lr", "2e-6",
-                                                     "--finetune.dpo_nll_weight", "0"]),
-        "DPO, LoRA (rank 16)": ("lora", ["--finetune.method", "lora", "--finetune.lora_rank", "16",
-                                         "--finetune.lora_alpha", "32", "--optim.lr", "2e-4", "--optim.min_lr", "2e-5"]),
-    }  # fmt: skip
+    runs = {  # name: (run directory, data, flags)
+        "DPO, full": ("full", "pairs", DPO + FULL),
+        "DPO, full, no NLL term": ("full-dpo-only", "pairs", DPO + FULL + ["--finetune.dpo_nll_weight", "0"]),
+        "DPO, LoRA (rank 16)": ("lora", "pairs", DPO + LORA),
+        "ORPO, full": ("orpo-full", "pairs", ORPO + FULL),
+        "ORPO, LoRA (rank 16)": ("orpo-lora", "pairs", ORPO + LORA),
+        "KTO, full": ("kto-full", "marked", KTO + FULL),
+        "KTO, LoRA (rank 16)": ("kto-lora", "marked", KTO + LORA),
+    }
     reference = completion_logprobs(sft, out / "held_out")  # log ref(y | x) of each held-out pair
     results = {}
-    for name, (run, flags) in [("reference (both styles)", (None, None)), *runs.items()]:
+    for name, (run, data, flags) in [("reference (both styles)", (None, None, None)), *runs.items()]:
         checkpoint = sft
         if run is not None:
             run_dir = out / run
             if not (run_dir / "latest").is_file():
-                gptkit_cli("train", "--data", str(out / "pairs"), "--out", str(run_dir), "--model.init_from", str(sft),
-                           "--train.max_steps", steps, *DPO, *flags, "--quiet")  # fmt: skip
+                gptkit_cli("train", "--data", str(out / data), "--out", str(run_dir), "--model.init_from", str(sft),
+                           "--train.max_steps", steps, *COMMON, *flags, "--quiet")  # fmt: skip
             checkpoint = run_dir / (run_dir / "latest").read_text().strip()
         policy = completion_logprobs(checkpoint, out / "held_out")
         margins = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])

@@ -33,8 +33,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
+
+from gptkit.finetune.policy_loss import LossType
 
 SFT = ["--model.n_layer", "3", "--model.n_head", "4", "--model.n_embd", "128", "--model.block_size", "16",
        "--model.dropout", "0.0", "--train.batch_size", "64", "--optim.lr", "3e-3", "--optim.warmup_steps", "50",
@@ -117,8 +120,10 @@ def train(data: Path, run: Path, steps: int, seed: int, recipe: list[str], *extr
     return last
 
 
-def one_seed(out: Path, sft_data: Path, pairs: list[tuple[int, int]], seed: int, steps: tuple[int, int]) -> dict:
-    """Supervised fine-tuning then RL with one train.seed, in out/seed-S; what the RL run's evaluations measured."""
+def one_seed(out: Path, sft_data: Path, pairs: list[tuple[int, int]], seed: int, steps: tuple[int, int],
+             loss_type: str = "dapo") -> dict:  # fmt: skip
+    """Supervised fine-tuning then RL with one train.seed, in out/seed-S (RL under another loss type than the
+    default in rl-LOSS_TYPE, from the same supervised model); what the RL run's evaluations measured."""
     where = out / f"seed-{seed}"
     start = train(sft_data, where / "sft", steps[0], seed, SFT)
     # The prompt set: the same problems, the same held out (its validation split) to measure.
@@ -126,12 +131,13 @@ def one_seed(out: Path, sft_data: Path, pairs: list[tuple[int, int]], seed: int,
     gptkit_cli("prepare", "--input", str(prompts), "--tokenizer", str(start), "--out", str(where / "rl-data"),
                "--val-fraction", VAL_FRACTION)  # fmt: skip
     held_out = held_out_prompts(sft_data, where / "rl-data")
-    rl = where / "rl"
-    train(where / "rl-data", rl, steps[1], seed, RL, "--model.init_from", str(start))
+    rl = where / ("rl" if loss_type == "dapo" else f"rl-{loss_type}")
+    train(where / "rl-data", rl, steps[1], seed, RL, "--model.init_from", str(start), "--finetune.loss_type", loss_type)
     first, last = evaluations(rl)[0], evaluations(rl)[-1]
     rewards = [(r["step"], r["reward"]) for r in map(json.loads, (rl / "metrics.jsonl").read_text().splitlines())
                if "reward" in r]  # fmt: skip
-    result = {"seed": seed, "held_out_prompts": min(100, len(held_out)), "train_reward": rewards}
+    result = {"seed": seed, "loss_type": loss_type, "held_out_prompts": min(100, len(held_out)),
+              "train_reward": rewards}  # fmt: skip
     for name, record in (("before_rl", first), ("after_rl", last)):
         result[name] = {"step": record["step"], "pass@1": record["val_pass_at_1"], "pass@8": record["val_pass_at_8"]}
     print(f"seed {seed}: held-out pass@1 {first['val_pass_at_1']:.3f} -> {last['val_pass_at_1']:.3f}, pass@8 "
@@ -184,24 +190,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=at_least(1), default=1, help="how many seeds to run (default 1)")
     parser.add_argument("--seed", type=at_least(0), default=1, help="the first seed's train.seed (default 1)")
     parser.add_argument("--quick", action="store_true", help="a fraction of the steps (a smoke run, not the result)")
+    parser.add_argument("--loss-type", default="dapo", choices=get_args(LossType),
+                        help="GRPO's loss type (finetune.loss_type; default dapo, gptkit's default)")  # fmt: skip
     return parser
 
 
 def report(out: Path, runs: list[dict], steps: tuple[int, int], seconds: float) -> None:
-    """Write out/summary.json; print the spread over the seeds and the machine they ran on."""
+    """Write out/summary.json (summary-LOSS_TYPE.json for another loss type than the default); print the spread
+    over the seeds and the machine they ran on."""
     from gptkit.atomic import atomic_write_text
 
     figures = spread(runs)
     summary = {"held_out_prompts": runs[0]["held_out_prompts"], "samples_per_prompt": 8, "sft_steps": steps[0],
                "rl_steps": steps[1], "machine": machine(), "seeds": [run["seed"] for run in runs], **figures,
                "runs": runs, "seconds": round(seconds, 1)}  # fmt: skip
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    loss_type = runs[0]["loss_type"]
+    path = out / ("summary.json" if loss_type == "dapo" else f"summary-{loss_type}.json")
+    atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
     raised = sum(run["after_rl"]["pass@1"] > run["before_rl"]["pass@1"] for run in runs)
     print(f"{len(runs)} seed(s), held-out mean (least-most): pass@1 {_shown(figures['before_rl']['pass@1'])} -> "
           f"{_shown(figures['after_rl']['pass@1'])}, pass@8 {_shown(figures['before_rl']['pass@8'])} -> "
           f"{_shown(figures['after_rl']['pass@8'])}; RL raised pass@1 on {raised} of {len(runs)} seeds, by "
           f"{_shown(figures['gain']['pass@1'], ' points')}; {seconds:.0f} s in all\n"
-          f"machine: {summary['machine']}\nsummary: {out / 'summary.json'}")  # fmt: skip
+          f"machine: {summary['machine']}\nsummary: {path}")  # fmt: skip
 
 
 def main() -> None:
@@ -209,7 +220,8 @@ def main() -> None:
     started, pairs = time.perf_counter(), problems()
     steps = QUICK_STEPS if args.quick else (SFT_STEPS, RL_STEPS)
     sft_data = supervised_data(args.out, pairs)
-    runs = [one_seed(args.out, sft_data, pairs, seed, steps) for seed in range(args.seed, args.seed + args.seeds)]
+    runs = [one_seed(args.out, sft_data, pairs, seed, steps, args.loss_type)
+            for seed in range(args.seed, args.seed + args.seeds)]  # fmt: skip
     report(args.out, runs, steps, time.perf_counter() - started)
 
 

@@ -92,7 +92,8 @@ class Trainer:
     """One run: everything is checked and built in __init__ (errors come before any work), run() trains.
 
     The run's method (what trains) and objective (what it minimises) come from gptkit.finetune.catalogue; the loop
-    knows them only through their interfaces (gptkit.finetune.parts)."""
+    knows them only through their interfaces (gptkit.finetune.parts). The model's four names, each around the last:
+    gpt, model (objective.wrap(gpt)), wrapped (in DDP or FSDP), forward (compiled with train.compile)."""
 
     def __init__(self, config: RunConfig, resume: bool, world: World | None = None,
                  device: torch.device | None = None, resume_from: str | Path | None = None) -> None:  # fmt: skip
@@ -427,8 +428,12 @@ class Trainer:
         self.objective.restore(module, directory)
 
     def gpt_of(self, module: torch.nn.Module) -> GPT:
-        """The GPT of a module that trains: itself, or the one inside what the objective wrapped around it."""
-        return module if isinstance(module, GPT) else module.gpt
+        """The GPT of a module that trains (model, or the whole copy FSDP gathers of it): itself, or the `gpt` of
+        the module the objective wrapped around it (Objective.wrap's contract)."""
+        inner = module if isinstance(module, GPT) else getattr(module, "gpt", None)
+        if not isinstance(inner, GPT):  # a new objective's wrap broke its contract
+            raise TypeError(f"{type(module).__name__} is not a GPT and holds none as .gpt (see Objective.wrap)")
+        return inner
 
     def write(self, record: dict[str, Any]) -> None:
         """Append a record to the run's metrics (metrics.jsonl, TensorBoard, the plot's history)."""

@@ -99,7 +99,8 @@ class Objective(Protocol):
     step_shown: tuple[str, ...]  # statistics of a training step shown on the progress bar
 
     def wrap(self, gpt: GPT) -> nn.Module:
-        """The module that trains: gpt itself, or gpt inside what the objective adds (a head)."""
+        """The module that trains: gpt itself, or a module around it (a head) that holds it as its `gpt` attribute,
+        through which the loop saves and restores its weights with the method."""
         ...
 
     def stream(self, per_update: int) -> Any:
