@@ -102,3 +102,60 @@ def test_loss_png_has_a_panel_per_task_metric(tmp_path, monkeypatch):
     assert panels == [3]  # losses, reward, pass@1 (pass@8 was never logged: no empty panel)
     plot_run([r | {"loss": None, "val_loss": None} for r in history], tmp_path / "rl.png", {"val_reward": None})
     assert panels == [3, 1]
+
+
+def _first_reply(ids: np.ndarray, trained: np.ndarray) -> tuple[list[int], list[int]]:
+    """(prompt, reply): the tokens before the first trained one, and the run of trained tokens from it."""
+    start = int(np.flatnonzero(trained)[0])
+    end = start + int(np.argmin(trained[start:])) if not trained[start:].all() else len(ids)
+    return ids[:start].tolist(), ids[start:end].tolist()
+
+
+def test_the_logged_exact_match_is_what_the_final_model_writes(sft, tmp_path):  # noqa: F811
+    from gptkit.data import load_examples, read_meta
+    from gptkit.loading import load
+
+    from gptkit.cli import main
+    from test_finetune import WORDS, write_jsonl
+
+    base, _ = sft
+    rows = [{"prompt": f"{w} {w[::-1]}?", "completion": " yes" if w[0] in "aeiou" else " no"} for w in WORDS * 8]
+    data = tmp_path / "data"  # a task a few steps learn in part: the logged share is neither 0 nor 1
+    assert main(["prepare", "--input", str(write_jsonl(tmp_path / "r.jsonl", rows)), "--tokenizer", str(base),
+                 "--out", str(data), "--val-fraction", "0.2"]) == 0  # fmt: skip
+    run = train(_run_config(data, tmp_path / "run", base, train={"eval_examples": 6, "max_steps": 30,
+                                                                 "eval_interval": 30}), progress=False)  # fmt: skip
+    logged = _evaluations(run.run_dir)[-1]["val_exact_match"]
+    model, tokenizer = load(run.checkpoint)
+    val = load_examples(data, "val", read_meta(data))
+    hits = 0
+    for a, b in zip(val.offsets[:6], val.offsets[1:7]):  # the first eval_examples held-out examples
+        prompt, reply = _first_reply(np.asarray(val.ids[a:b]), np.asarray(val.trained[a:b]))
+        assert reply[-1] in tokenizer.eos_ids  # a whole reply ends with its end-of-text token
+        written = generate_ids(model.eval(), prompt, max_new_tokens=len(reply), temperature=0.0, eos_id=None)
+        hits += written[: len(reply)] == reply  # the reply, then its end, greedily
+    assert logged == pytest.approx(hits / 6) and hits > 0  # (0.83 here: some replies right, not all)
+
+
+def test_the_logged_dpo_margin_and_accuracy_are_the_final_models(prepared, tmp_path):  # noqa: F811
+    from gptkit.data import load_examples, read_meta
+    from gptkit.loading import load
+
+    base, pairs, _ = prepared
+    run = train(_run_config(pairs, tmp_path / "run", base, objective="dpo", dpo_beta=0.5), progress=False)
+    last = _evaluations(run.run_dir)[-1]
+    val = load_examples(pairs, "val", read_meta(pairs))
+    policy, reference = load(run.checkpoint)[0].eval(), load(base)[0].eval()
+
+    def summed(model: GPT, row: int) -> float:
+        ids = torch.tensor(np.asarray(val.ids[val.offsets[row] : val.offsets[row + 1]], dtype=np.int64))
+        trained = np.asarray(val.trained[val.offsets[row] : val.offsets[row + 1]]).astype(bool)
+        with torch.no_grad():
+            logprobs = model(ids[None, :-1])[0].double().log_softmax(-1)
+        return sum(float(logprobs[t - 1, ids[t]]) for t in range(1, len(ids)) if trained[t])
+
+    margins = [0.5 * ((summed(policy, 2 * p) - summed(reference, 2 * p)) - (summed(policy, 2 * p + 1)
+                                                                           - summed(reference, 2 * p + 1)))
+               for p in range(min(len(val) // 2, 2 * 4))]  # eval_iters x batch_size pairs at most  # fmt: skip
+    assert last["val_margin"] == pytest.approx(float(np.mean(margins)), rel=1e-4, abs=1e-5)
+    assert last["val_accuracy"] == pytest.approx(float(np.mean([m > 0 for m in margins])))
