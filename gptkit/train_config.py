@@ -23,7 +23,9 @@ import yaml
 
 from gptkit.config import MODEL_SPECIAL, ModelConfig, ModelSection
 from gptkit.errors import ConfigError
-from gptkit.finetune.catalogue import METHODS, OBJECTIVES, check_parts, choices_help, default_settings, part_keys
+from gptkit.finetune.catalogue import (
+    METHODS, OBJECTIVES, check_parts, choices_help, default_settings, part_keys, part_settings,
+)  # fmt: skip
 from gptkit.settings import PartSettings, check_range, coerce, describe, field_comments
 
 Schedule = Literal["cosine", "constant", "wsd"]
@@ -226,8 +228,9 @@ def section_comments(section: str) -> dict[str, str]:
     if section == "finetune":
         described["method"] += ": " + choices_help(METHODS)
         described["objective"] += ": " + choices_help(OBJECTIVES)
-        described.update({key: comment for key, (owner, _) in part_keys().items()
-                          for name, comment in field_comments(owner).items() if name == key})  # fmt: skip
+        owners = part_settings()  # a part's key is described as "PART: its comment"
+        described.update({key: f"{owners[kind].split()[-1]}: {field_comments(kind)[key]}"
+                          for key, (kind, _) in part_keys().items() if key in field_comments(kind)})  # fmt: skip
     return described
 
 

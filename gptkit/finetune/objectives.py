@@ -35,8 +35,10 @@ CHECK_CHUNK = 1 << 24
 
 
 class LanguageModeling(ObjectiveBase):
-    """The mean next-token loss over the trained targets: every token of text windows, or the trained tokens of
-    supervised examples (then also the exact match of generated replies)."""
+    """The next-token loss (pre-training on text, supervised fine-tuning on examples).
+
+    The mean over the trained targets: every token of text windows, or the trained tokens of supervised examples
+    (then also the exact match of generated replies)."""
 
     data_kinds = ("text", "examples")
 

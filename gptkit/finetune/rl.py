@@ -66,7 +66,7 @@ class GrpoSettings(PartSettings):
     #   default), grpo (per completion), bnpo (per micro-batch) or dr_grpo (over a constant length)
     num_iterations: int = 1  # updates per sampling (the later ones through the clipped importance ratio)
     epsilon: float = 0.2  # the importance ratio is clipped to at least 1 - epsilon
-    epsilon_high: float | None = None  # ... and at most 1 + epsilon_high (None: epsilon; DAPO's clip-higher: 0.28)
+    epsilon_high: float | None = None  # ... and to at most 1 + epsilon_high (None: epsilon; DAPO uses 0.28)
     kl_weight: float = 0.0  # weight of the KL penalty against the starting model (0: none, no reference)
     scale_rewards: bool = True  # divide each group's advantages by its rewards' standard deviation
     mask_truncated: bool = False  # completions cut at completion_tokens train nothing (their group still counts them)
