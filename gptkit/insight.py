@@ -28,6 +28,7 @@ from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.model import GPT, Trace
 from gptkit.observe import measures
+from gptkit.observe.ablation import ablation_study
 
 TEMPERATURES = (0.5, 1.0, 2.0)
 MAX_HEATMAP_TOKENS = 48  # beyond this, token labels become unreadable: heatmaps show the last positions only
@@ -532,7 +533,7 @@ def write_report(
     if config.norm_position == "pre":
         add(*_contributions_picture(model, tokenizer, insight.ids))
     add(*_icl_picture(model, tokenizer, prompt, icl_prompt, data_tokens, max_tokens))
-    add(*_induction_picture(model))
+    add(*_induction_picture(model, data_tokens))
     atomic_write_text(out / "index.html", render_index(pictures, title, prompt, config))
     return pictures
 
@@ -631,21 +632,27 @@ def _icl_picture(model: GPT, tokenizer: Any, prompt: str, icl_prompt: str | None
         caption, data
 
 
-def _induction_picture(model: GPT) -> tuple[Figure, str, str, str, dict]:
-    """The induction test: each head's score on a random sequence repeated twice."""
+def _induction_picture(model: GPT, tokens: Any | None) -> tuple[Figure, str, str, str, dict]:
+    """The induction test: each head's score on a random sequence repeated twice, and what mean-ablating the
+    strongest head (and each head of its layer) changes."""
     test = measures.induction_test(model)
     chance = measures.chance_induction_score(test.length)
     strongest = ", ".join(f"layer {l} head {h} ({v:.2f})" for l, h, v in measures.top_heads(test.scores, 3))
+    text = tokens if tokens is not None and len(tokens) > model.config.block_size else None  # (ICL needs a window)
+    ablation = ablation_study(model, test.scores, text)
     data = {"length": test.length, "chance": chance, "first_half_loss": test.first_half_loss,
-            "repeated_half_loss": test.repeated_half_loss, "scores": test.scores.tolist()}  # fmt: skip
+            "repeated_half_loss": test.repeated_half_loss, "scores": test.scores.tolist(), "ablation": ablation}
+    on_text = "" if ablation["icl_change"] is None else f" and the ICL score by {ablation['icl_change']:+.3f}"
     caption = (
         f"Induction heads. {measures.INDUCTION_BATCH} random sequences of {test.length} tokens, each repeated "
         "twice: a head's score is the attention it pays from each token of the second copy to the token that "
         "followed the same token in the first copy. 1 is a perfect induction head; uniform attention scores "
         f"{chance:.3f} (the chance level), about 1 / position. Strongest: {strongest}. The loss is "
         f"{test.first_half_loss:.3f} on the first copy and {test.repeated_half_loss:.3f} on the repeat, which "
-        "falls well below the first once induction heads copy from the context. The numbers are in "
-        "induction.json.")
+        "falls well below the first once induction heads copy from the context. Mean-ablating the strongest head "
+        f"(its output replaced by its mean over the batch) changes the repeated-half loss by "
+        f"{ablation['repeat_change']:+.3f}{on_text}: a head that scores high but changes little is not the one the "
+        "model copies with. The numbers, each head of its layer's ablation included, are in induction.json.")
     return draw_induction(test.scores, chance), "induction.png", "Induction heads", caption, data
 
 

@@ -202,7 +202,7 @@ class Trainer:
             with self.writing(f"could not write {CONFIG_FILE} and {METRICS_FILE} in {self.run_dir}"):
                 atomic_write_text(self.run_dir / CONFIG_FILE, header + yaml.safe_dump(resolved, sort_keys=False))
                 atomic_write_text(self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in history))
-                self.observer.keep_samples(self.step if checkpoint is not None else None)
+                self.observer.keep_samples(self.step if checkpoint is not None else None, history)
         barrier(self.world)  # no rank starts before rank 0 has made the run directory
 
     def start_counters(self) -> None:
@@ -320,7 +320,7 @@ class Trainer:
             with self.log.evaluating(self.gpt, self.step):
                 record.update(self.objective.evaluate(self.forward))
                 observing = time.perf_counter()
-                record.update(self.observer.measure())
+                record.update(self.observer.measure(self.step, self.log.history))
                 samples = self.observer.take_samples(self.step)
                 if samples or self.observer.measures:
                     record["observe_s"] = time.perf_counter() - observing  # what watching the run costs it
@@ -336,7 +336,7 @@ class Trainer:
                                                   if isinstance(record.get(key), float))  # fmt: skip
         line += " (evaluation stopped)" if "evaluation" in record else self.observer.summary(record)
         with self.writing(f"could not append to {self.observer.path}"):
-            self.observer.append_samples(samples)
+            self.observer.append(samples)
         for text in [line, *self.observer.lines(samples)]:
             self.log.note(text)
         self.write(record)

@@ -107,6 +107,8 @@ class TrainConfig:
     plot: bool = True  # refresh RUN_DIR/loss.png at each evaluation
     tensorboard: bool = False  # also log every metric to RUN_DIR/tensorboard (needs the tensorboard package)
     observe: bool = True  # log icl_score, induction_score and induction_loss at evaluations (text LM runs)
+    observe_data: str | None = None  # text data (prepared with the model's tokenizer) to take those measures on in
+    #                                  a run on other data (fine-tuning, preference, RL): the base's own held-out text
     sample_every: int = 1  # samples at every Nth evaluation (steps that are multiples of N x eval_interval) and at
     #                        the end, into RUN_DIR/samples.jsonl; 0: no samples
     sample_tokens: int = 48  # tokens each sample generates

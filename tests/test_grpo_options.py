@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from conftest import same_run
-from test_finetune import _losses, sft, write_jsonl  # noqa: F401 (sft: a fixture)
+from test_finetune import _losses, _run_config, sft, write_jsonl  # noqa: F401 (sft: a fixture)
 from test_rl import _grpo, _records, prompts  # noqa: F401 (prompts: a fixture)
 
 from gptkit.config import ModelConfig
@@ -230,3 +230,40 @@ def test_the_lora_reference_is_the_base_kl_zero_first_then_above(prompts, tmp_pa
                       train={"max_steps": 4}), progress=False)  # fmt: skip
     kl = [r["kl"] for r in _records(run.run_dir) if "kl" in r]
     assert kl[0] == 0.0 and kl[-1] > 0.0
+
+
+@pytest.mark.parametrize("objective", ["lm", "grpo"])
+def test_fine_tuning_and_rl_runs_are_measured_on_the_bases_own_text(objective, sft, prompts, tmp_path,
+                                                                    monkeypatch):  # noqa: F811
+    from gptkit.cli import main
+
+    text = tmp_path / "text.txt"  # held-out text of the base's own kind, prepared with its tokenizer
+    text.write_text(" ".join(["the apple and the river", "a stone, a cloud; the night"] * 200))
+    observed = tmp_path / "observed"
+    assert main(["prepare", "--input", str(text), "--tokenizer", "byte", "--out", str(observed)]) == 0
+    if objective == "lm":  # supervised conversations
+        base, data = sft
+        config = _run_config(data, tmp_path / "run", base, train={"observe_data": str(observed)})
+    else:
+        base, data = prompts
+        spec = _user_reward(tmp_path, monkeypatch, "return float(len(completion))")
+        config = _grpo(data, tmp_path / "run", base, reward=spec, train={"observe_data": str(observed)})
+    run = train(config, progress=False)
+    evaluations = [r for r in _records(run.run_dir) if "val_loss" in r or "val_reward" in r]
+    assert [r["step"] for r in evaluations] == [0, 3, 6]
+    for record in evaluations:
+        assert math.isfinite(record["icl_score"]) and 0 <= record["induction_score"] <= 1
+        assert math.isfinite(record["ablation_repeat_change"])
+    assert len((run.run_dir / "insight.jsonl").read_text().splitlines()) == 3
+
+
+def test_observe_data_of_another_vocabulary_is_refused_in_one_line(sft, tmp_path):  # noqa: F811
+    from gptkit.cli import main
+
+    base, data = sft
+    text = tmp_path / "text.txt"
+    text.write_text("abcdefgh " * 500)
+    assert main(["prepare", "--input", str(text), "--tokenizer", "char", "--out", str(tmp_path / "chars")]) == 0
+    with pytest.raises(Exception, match=r"^train.observe_data .* must be text prepared with the model's tokenizer"):
+        Trainer(_run_config(data, tmp_path / "run", base, train={"observe_data": str(tmp_path / "chars")}),
+                resume=False)  # fmt: skip

@@ -198,7 +198,10 @@ def test_cli_errors_are_one_line(gelu_dir, tmp_path, capsys):
 
 def test_report_writes_the_logit_lens_contributions_icl_and_induction_numbers(gelu_dir, tmp_path):
     """Each new picture has its JSON beside it, with the shapes drawn and the numbers of gptkit.observe.measures."""
-    from gptkit.observe.measures import chance_induction_score, head_contributions, induction_scores, logit_lens
+    from gptkit.observe.ablation import mean_ablated
+    from gptkit.observe.measures import (
+        chance_induction_score, head_contributions, induction_scores, induction_test, logit_lens,
+    )  # fmt: skip
 
     model, tokenizer = load(gelu_dir)
     prompt = "To be, or not to be: that is the question"
@@ -242,6 +245,14 @@ def test_report_writes_the_logit_lens_contributions_icl_and_induction_numbers(ge
     np.testing.assert_allclose(induction["scores"], induction_scores(model), atol=1e-6)
     assert induction["chance"] == pytest.approx(chance_induction_score(32))
     assert f"{chance_induction_score(32):.3f} (the chance level)" in by_file["induction.png"].caption
+    ablation = induction["ablation"]  # the strongest head, and each head of its layer, mean-ablated
+    strongest = np.unravel_index(np.argmax(induction["scores"]), (L, H))
+    assert (ablation["layer"], ablation["head"]) == tuple(int(i) for i in strongest)
+    assert [h["head"] for h in ablation["layer_heads"]] == list(range(H))
+    with mean_ablated(model, ablation["layer"], ablation["head"]):
+        ablated = induction_test(model).repeated_half_loss
+    assert ablation["repeat_change"] == pytest.approx(ablated - induction["repeated_half_loss"], abs=1e-6)
+    assert f"{ablation['repeat_change']:+.3f}" in by_file["induction.png"].caption
 
 
 def test_post_norm_report_skips_head_contributions_with_a_note(tmp_path):

@@ -80,6 +80,8 @@ def test_a_killed_and_resumed_run_gives_the_same_samples(data_dir, reference, tm
     assert sum(s["step"] == 8 for s in read_samples(run / SAMPLES_FILE)) == 4
     train(tiny(data_dir, run), resume=True, progress=False)
     assert read_samples(run / SAMPLES_FILE) == read_samples(reference / SAMPLES_FILE)
+    # what a live page reads: step 8's measures once, the same as the uninterrupted run's
+    assert (run / "insight.jsonl").read_text() == (reference / "insight.jsonl").read_text()
     losses = lambda d: [(m["step"], m.get("loss"), m.get("icl_score")) for m in metrics(d)]  # noqa: E731
     assert losses(run) == losses(reference)  # sampling and measuring left the global RNG alone
 
@@ -111,7 +113,18 @@ def test_measures_logged_at_evaluations_and_drawn(reference):
     assert not any(key in r for r in records if "val_loss" not in r for key in MEASURES)
     from PIL import Image
 
-    assert Image.open(reference / "loss.png").size == (700, 850)  # three panels: losses, ICL, induction
+    assert Image.open(reference / "loss.png").size == (700, 1075)  # losses, ICL, induction, ablation
+    assert all(np.isfinite(r["ablation_repeat_change"]) and np.isfinite(r["ablation_icl_change"]) for r in evals)
+    insight = [json.loads(line) for line in (reference / "insight.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in insight] == [0, 4, 8]
+    config = TINY_MODEL  # (the model of these runs)
+    for line, record in zip(insight, evals):
+        assert np.asarray(line["induction"]).shape == (config["n_layer"], config["n_head"])
+        assert max(map(max, line["induction"])) == pytest.approx(record["induction_score"])
+        assert len(line["position_loss"]) == config["block_size"]
+        ablation = line["ablation"]
+        assert [h["head"] for h in ablation["layer_heads"]] == list(range(config["n_head"]))
+        assert ablation["repeat_change"] == record["ablation_repeat_change"]
 
 
 def test_observe_false_and_sample_every_0_leave_them_out(data_dir, tmp_path):

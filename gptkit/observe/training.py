@@ -1,6 +1,9 @@
 """What a training run shows of its model at evaluations: the in-context learning score, the strongest induction
-head's score and the loss on a repeated random sequence (train.observe), and samples (train.sample_every); and
-loss.png with a panel for each.
+head's score and the loss on a repeated random sequence, what mean-ablating that head changes, and where the
+phase change happened (train.observe, into metrics.jsonl; each head's induction score, the loss at each position
+of the context and the ablation of each head of the strongest's layer into insight.jsonl), and samples
+(train.sample_every); and loss.png with a panel for each. A run on other data than text (supervised, preference,
+RL) is measured on held-out text of its own base's data given as train.observe_data.
 
 The Trainer makes one Observer and calls it at each evaluation; everything here reads the model in eval mode, under
 no_grad, with private generators, so that training (and its exact resume) is unchanged by it.
@@ -8,6 +11,7 @@ no_grad, with private generators, so that training (and its exact resume) is unc
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -18,7 +22,10 @@ import numpy as np
 from gptkit.atomic import atomic_write
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
-from gptkit.observe.measures import chance_induction_score, icl_score, induction_test
+from gptkit.data import SPLIT_FILES, load_tokens, read_meta
+from gptkit.observe.ablation import ablation_study
+from gptkit.observe.measures import chance_induction_score, icl_score_of, induction_test, position_losses
+from gptkit.observe.phase_change import phase_change_step
 from gptkit.train_config import TrainConfig
 from gptkit.observe.samples import (
     SAMPLES_FILE,
@@ -34,7 +41,7 @@ from gptkit.observe.samples import (
 
 logger = logging.getLogger(__name__)
 
-MEASURES = ("icl_score", "induction_score", "induction_loss", "induction_chance")
+INSIGHT_FILE = "insight.jsonl"  # per evaluation: each head's induction score, the loss by position, the ablations
 ICL_TOKENS = 1 << 20  # the ICL windows come from the validation split's first tokens (not all of a large split)
 # The longest sample, where the model's context is shorter: a sample is a glimpse at each evaluation, and past a
 # learned-position context every further token costs a forward pass over a whole window.
@@ -49,8 +56,11 @@ class Observer:
                  sharded: bool) -> None:  # fmt: skip
         """val_tokens: a text run's validation split (measured and sampled from); examples: a supervised run's
         validation examples (sampled from); objective names the run's in a log line."""
-        self.t, self.model, self.tokenizer, self.val_tokens = train, model, tokenizer, val_tokens
-        self.path = run_dir / SAMPLES_FILE
+        self.t, self.model, self.tokenizer = train, model, tokenizer
+        self.path, self.insight_path = run_dir / SAMPLES_FILE, run_dir / INSIGHT_FILE
+        self.val_tokens = val_tokens if val_tokens is not None or not is_main else _observe_tokens(train, model)
+        self.phase: int | None = None  # the phase change's step as last located (announced when it moves)
+        self.insight: dict[str, Any] | None = None  # the evaluation's insight.jsonl line, written with its samples
         longest = max(model.config.block_size, SAMPLE_TOKENS_CAP)
         if train.sample_every and train.sample_tokens > longest:  # checked before any work, on every rank
             raise ConfigError(f"train.sample_tokens {train.sample_tokens} is longer than a sample may be: at most "
@@ -64,14 +74,18 @@ class Observer:
             logger.info("no samples or ICL/induction measures under train.parallel fsdp (the weights are sharded)")
             return
         block = model.config.block_size
-        self.measures = train.observe and val_tokens is not None and block >= 4
+        self.measures = train.observe and self.val_tokens is not None and block >= 4
         if train.sample_every:
             self.prompts = self._prompts(val_tokens, examples, objective, block)
 
-    def keep_samples(self, resumed_at: int | None) -> None:
-        """Start samples.jsonl: empty for a new run; a resumed one keeps the lines up to its checkpoint's step."""
+    def keep_samples(self, resumed_at: int | None, history: list[dict[str, Any]] = ()) -> None:
+        """Start samples.jsonl and insight.jsonl: empty for a new run; a resumed one keeps the lines up to its
+        checkpoint's step (and the phase change its history located)."""
         if self.prompts:
             keep_samples(self.path, resumed_at)
+        if self.measures:
+            keep_samples(self.insight_path, resumed_at)
+            self.phase = next((r["phase_change_step"] for r in reversed(history) if "phase_change_step" in r), None)
 
     def _prompts(self, val_tokens: np.ndarray | None, examples: Any | None, objective: str,
                  block: int) -> list[list[int]]:  # fmt: skip
@@ -94,22 +108,39 @@ class Observer:
             logger.info("no samples during training: no validation prompt fits; set train.sample_prompts")
         return prompts
 
-    def measure(self) -> dict[str, float]:
-        """icl_score, induction_score (the strongest head's), induction_loss and the chance score ({} when not
-        measured)."""
+    def measure(self, step: int, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """icl_score, induction_score (the strongest head's), induction_loss, the chance score, what ablating the
+        strongest head changes, and phase_change_step once located from the run's history ({} when not measured);
+        the evaluation's insight.jsonl line is kept for append."""
         if not self.measures:
             return {}
         induction = induction_test(self.model)
-        icl = icl_score(self.model, self.val_tokens[:ICL_TOKENS])
-        return dict(icl_score=icl, induction_score=float(induction.scores.max()),
-                    induction_loss=induction.repeated_half_loss,
-                    induction_chance=chance_induction_score(induction.length))  # fmt: skip
+        tokens = self.val_tokens[:ICL_TOKENS]
+        positions = position_losses(self.model, tokens)
+        ablation = ablation_study(self.model, induction.scores, tokens)
+        chance = chance_induction_score(induction.length)
+        record = dict(icl_score=icl_score_of(positions), induction_score=float(induction.scores.max()),
+                      induction_loss=induction.repeated_half_loss, induction_chance=chance,
+                      ablation_repeat_change=ablation["repeat_change"], ablation_icl_change=ablation["icl_change"])
+        points = [(r["step"], r["icl_score"]) for r in history if r.get("icl_score") is not None]
+        phase = phase_change_step([*points, (step, record["icl_score"])])
+        if phase is not None:
+            record["phase_change_step"] = phase
+        self.insight = {"step": step, "induction": induction.scores.tolist(), "induction_chance": chance,
+                        "position_loss": positions.tolist(), "ablation": ablation}  # fmt: skip
+        return record
 
     def summary(self, record: dict[str, Any]) -> str:
-        """What the measures add to an evaluation's line ('' when not measured)."""
+        """What the measures add to an evaluation's line ('' when not measured); a phase change newly located (or
+        moved) is announced."""
         if record.get("icl_score") is None or record.get("induction_score") is None:
             return ""
-        return f", ICL {record['icl_score']:+.3f}, induction {record['induction_score']:.2f}"
+        line = f", ICL {record['icl_score']:+.3f}, induction {record['induction_score']:.2f}"
+        phase = record.get("phase_change_step")
+        if phase is not None and phase != self.phase:
+            line += f"; phase change at step {phase} (the ICL score's fastest fall)"
+        self.phase = phase if phase is not None else self.phase
+        return line
 
     def due(self, step: int) -> bool:
         """Whether step takes samples: every sample_every-th evaluation (steps that are multiples of
@@ -123,14 +154,34 @@ class Observer:
             return []
         return take_samples(self.model, self.tokenizer, self.prompts, self.t.sample_tokens, self.t.seed, step)
 
-    def append_samples(self, samples: list[Sample]) -> None:
-        """Append samples to samples.jsonl (nothing when there are none)."""
+    def append(self, samples: list[Sample]) -> None:
+        """Append samples to samples.jsonl and the evaluation's line to insight.jsonl (nothing when there are none)."""
         if samples:
             append_samples(self.path, samples)
+        if self.insight is not None:
+            with open(self.insight_path, "a") as file:  # flushed on close: a kill loses at most this line
+                file.write(json.dumps(self.insight) + "\n")
+            self.insight = None
 
     def lines(self, samples: list[Sample]) -> list[str]:
         """The samples' lines for above the progress bar."""
         return [note_line(s) for s in samples]
+
+
+def _observe_tokens(train: TrainConfig, model: GPT) -> np.ndarray | None:
+    """The validation tokens of train.observe_data (a prepared text data set of the model's vocabulary), or None."""
+    if train.observe_data is None:
+        return None
+    meta = read_meta(train.observe_data)
+    if meta.get("kind", "text") != "text" or meta["vocab_size"] != model.config.vocab_size:
+        raise ConfigError(f"train.observe_data {train.observe_data} must be text prepared with the model's tokenizer "
+                          f"(vocab_size {model.config.vocab_size}); it holds {meta.get('kind', 'text')} of vocab_size "
+                          f"{meta['vocab_size']}")  # fmt: skip
+    tokens = load_tokens(Path(train.observe_data) / SPLIT_FILES["val"], meta["dtype"])
+    if len(tokens) < model.config.block_size + 1:
+        raise ConfigError(f"train.observe_data {train.observe_data}: its validation split has {len(tokens)} tokens, "
+                          f"fewer than the model's block_size + 1; prepare it with more text or --val-fraction")
+    return tokens
 
 
 def _points(history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
@@ -174,6 +225,19 @@ def draw_induction(axes: Any, history: list[dict[str, Any]]) -> None:
         twin.legend(loc="upper right")
 
 
+def draw_ablation(axes: Any, history: list[dict[str, Any]]) -> None:
+    """What mean-ablating the strongest induction head changes over steps: the repeated-sequence loss (up: it
+    carried the copying) and the ICL score (up: it carried the context's help)."""
+    axes.plot(*zip(*_points(history, "ablation_repeat_change")), marker="o", markersize=3, color="tab:red",
+              label="repeated-half loss")  # fmt: skip
+    icl = _points(history, "ablation_icl_change")
+    if icl:
+        axes.plot(*zip(*icl), marker="o", markersize=3, color="tab:purple", label="ICL score")
+    axes.axhline(0.0, color="grey", linewidth=0.8)
+    axes.set_ylabel("change when the\nstrongest head is\nmean-ablated (nats)")
+    axes.legend(loc="upper left")
+
+
 def draw_metric(axes: Any, history: list[dict[str, Any]], key: str, trained_key: str | None) -> None:
     """One task metric over the evaluations (exact match, accuracy, reward, pass@k, ...), and beside it the
     training steps' statistic it pairs with, where there is one (val_reward with each step's reward)."""
@@ -197,6 +261,8 @@ def plot_run(history: list[dict[str, Any]], path: Path, task_metrics: dict[str, 
                 for key, twin in (task_metrics or {}).items() if _points(history, key)]
     if _points(history, "icl_score"):
         drawers += [lambda axes: draw_icl(axes, history), lambda axes: draw_induction(axes, history)]
+    if _points(history, "ablation_repeat_change"):
+        drawers.append(lambda axes: draw_ablation(axes, history))
     if not drawers:
         return
     figure = Figure(figsize=(7, 4 + 2.25 * (len(drawers) - 1)), dpi=100)
@@ -204,8 +270,14 @@ def plot_run(history: list[dict[str, Any]], path: Path, task_metrics: dict[str, 
     panels = figure.subplots(len(drawers), 1, sharex=True, squeeze=False)[:, 0]
     for draw, axes in zip(drawers, panels):
         draw(axes)
+    phase = _points(history, "phase_change_step")
     for axes in panels:
         axes.grid(alpha=0.3)
+        if phase:  # where it was last located
+            axes.axvline(phase[-1][1], color="tab:orange", linestyle=":", linewidth=1.2)
+    if phase:
+        panels[0].set_title(f"phase change (the ICL score's fastest fall): step {int(phase[-1][1])}", fontsize=9,
+                            color="tab:orange")  # fmt: skip
     panels[-1].set_xlabel("step")
     figure.tight_layout()
     atomic_write(path, lambda tmp: figure.savefig(tmp, format="png"))
