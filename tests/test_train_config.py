@@ -235,3 +235,28 @@ def test_weight_decay_only_on_matrices():
     assert sum(p.numel() for p in decay["params"] + no_decay["params"]) == sum(
         p.numel() for p in model.parameters())  # fmt: skip
     assert isinstance(decay["params"][0], torch.nn.Parameter)
+
+
+def test_each_part_declares_its_settings_once_and_help_names_the_part(capsys):
+    from gptkit.finetune.catalogue import METHODS, OBJECTIVES, part_keys, part_settings
+    from gptkit.train_config import FinetuneConfig
+
+    owners = part_settings()
+    keys = part_keys()
+    assert {f.name for f in fields(FinetuneConfig)} == {"method", "objective", "packing", "parts"}
+    assert {"lora_rank", "dpo_beta", "orpo_beta", "kto_beta", "loss_type", "lm_weight"} <= set(keys)
+    assert set(FinetuneConfig().parts) == set(owners)  # every part's settings, by class
+    for name, part in {**METHODS, **OBJECTIVES}.items():
+        if part.settings_type in owners:
+            assert owners[part.settings_type].endswith(f" {name}")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--finetune.orpo_beta VALUE orpo: weight of the odds-ratio term" in shown
+    assert "--finetune.lora_rank VALUE lora: r: the adapters' inner width" in shown
+
+
+def test_a_setting_of_a_part_the_run_does_not_use_is_warned_about(tmp_path, caplog):
+    config = from_sources(None, {"train": {"out_dir": str(tmp_path / "run")}, "finetune": {"dpo_beta": 0.3}})
+    config.validate()
+    assert "finetune.dpo_beta is a setting of finetune.objective dpo, which this run does not use" in caplog.text
