@@ -12,6 +12,11 @@ The GRPO configurations time one step of `gptkit train --finetune.objective grpo
 sampling a group of G completions of each of --batch prompts through the batch engine, scoring them, the policy
 gradient's forward and backward, AdamW) over GPT-2 small's blocks with the byte vocabulary (prompts need a
 tokenizer), --seq / 4 prompt tokens and --seq / 4 completion tokens; a random model rarely ends a completion early.
+They run together in one process: each is built and warmed up, then their timed steps alternate round by round
+(the order reversed every other round), so that a change in the machine's speed during the run falls on all of them
+alike and cannot bias their ratios. Each reports its median step and median sampling seconds (the trainer's
+sample_s); its peak memory is the high-water mark of its own steps (reset before each) and "above start" what a
+step added to the process's resident set.
 
     python benchmarks/bench_finetune.py                       # GPT-2 small, batch 4 x 256 tokens, rank 16
     python benchmarks/bench_finetune.py --batch 2 --seq 128 --steps 2 --json   # quicker
@@ -26,8 +31,10 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,10 +136,10 @@ def run_one(name: str, preset: str, batch: int, seq: int, rank: int, steps: int,
             device: str = "cpu") -> dict:  # fmt: skip
     """Time one configuration's training step in this process; return its figures."""
     config = CONFIGS[name]
+    if config["method"] == "grpo":
+        return run_grpo([name], preset, batch, seq, steps, warmup, device)[0][name]
     shape = ModelConfig.preset(preset)
     torch.manual_seed(0)
-    if config["method"] == "grpo":
-        return run_grpo(shape, batch, seq, config["group"], steps, warmup, device)
     start_kb = memory_kb("VmRSS")
     if config["library"] == "gptkit":
         model = gptkit_model(shape, config["method"], config["precision"], rank, config.get("checkpointing", False))
@@ -167,34 +174,68 @@ def run_one(name: str, preset: str, batch: int, seq: int, rank: int, steps: int,
             "trainable_params": sum(p.numel() for p in params)}  # fmt: skip
 
 
-def run_grpo(shape: ModelConfig, batch: int, seq: int, group: int, steps: int, warmup: int, device: str) -> dict:
-    """Time GRPO training steps (sampling included) in this process; return their figures."""
-    import tempfile
-
+def run_grpo(names: list[str], preset: str, batch: int, seq: int, steps: int, warmup: int,
+             device: str) -> tuple[dict[str, dict], list[str]]:  # fmt: skip
+    """Time the GRPO configurations' training steps (sampling included) in this process, their timed steps
+    alternating round by round; return each one's figures and the order the steps were timed in."""
+    shape = ModelConfig.preset(preset)
     with tempfile.TemporaryDirectory() as root:
-        trainer = grpo_trainer(shape, batch, seq, group, Path(root), device)
-        start_kb = memory_kb("VmRSS")
-        for _ in range(warmup):
-            trainer.train_step()
-        reset_peak()
-        times, sampling = [], []
-        for _ in range(steps):
-            begin = time.perf_counter()
-            loss, _, _ = trainer.train_step()
-            float(loss)  # (a CPU step is done when it returns; the read keeps a GPU's honest too)
-            times.append(time.perf_counter() - begin)
-            sampling.append(float(trainer.step_stats["sample_s"]))
-        completion = float(trainer.step_stats["completion_tokens"])
-        trainable = sum(p.numel() for p in trainer.params)
-    peak_kb = memory_kb("VmHWM")
-    seconds = sorted(times)[len(times) // 2]
-    tokens = batch * group * (seq // 4 + completion)
-    return {"seconds_per_step": seconds, "tokens_per_s": tokens / seconds, "peak_mb": peak_kb / 1024,
-            "peak_above_start_mb": (peak_kb - start_kb) / 1024, "trainable_params": trainable,
-            "completion_tokens": completion, "sampling_share": sum(sampling) / sum(times)}  # fmt: skip
+        trainers = {}
+        for name in names:
+            torch.manual_seed(0)
+            directory = Path(root) / f"G{CONFIGS[name]['group']}"
+            directory.mkdir()
+            trainers[name] = grpo_trainer(shape, batch, seq, CONFIGS[name]["group"], directory, device)
+        for trainer in trainers.values():
+            for _ in range(warmup):
+                trainer.train_step()
+        timed: dict[str, list[dict]] = {name: [] for name in names}
+        schedule = [name for round_ in range(steps) for name in (names if round_ % 2 == 0 else names[::-1])]
+        for name in schedule:
+            timed[name].append(timed_step(trainers[name]))
+        rows = {name: batch * CONFIGS[name]["group"] for name in names}
+        return {name: grpo_figures(trainers[name], timed[name], rows[name], seq) for name in names}, schedule
 
 
-def main() -> int:
+def timed_step(trainer: object) -> dict:
+    """One GRPO training step: its seconds, its sampling's seconds, and the resident set before and at its peak."""
+    before_kb = memory_kb("VmRSS")
+    reset_peak()
+    begin = time.perf_counter()
+    loss, _, _ = trainer.train_step()
+    float(loss)  # (a CPU step is done when it returns; the read keeps a GPU's honest too)
+    seconds = time.perf_counter() - begin
+    return {"seconds": seconds, "sample_s": float(trainer.step_stats["sample_s"]), "before_kb": before_kb,
+            "peak_kb": memory_kb("VmHWM")}  # fmt: skip
+
+
+def grpo_figures(trainer: object, steps: list[dict], rows: int, seq: int) -> dict:
+    """A GRPO configuration's figures from its timed steps (medians of the seconds) over rows completions a step."""
+    seconds = statistics.median(s["seconds"] for s in steps)
+    completion = float(trainer.step_stats["completion_tokens"])
+    peak_kb = max(s["peak_kb"] for s in steps)
+    return {"seconds_per_step": seconds, "sample_s": statistics.median(s["sample_s"] for s in steps),
+            "tokens_per_s": rows * (seq // 4 + completion) / seconds, "peak_mb": peak_kb / 1024,
+            "peak_above_start_mb": max(s["peak_kb"] - s["before_kb"] for s in steps) / 1024,
+            "trainable_params": sum(p.numel() for p in trainer.params), "completion_tokens": completion,
+            "sampling_share": sum(s["sample_s"] for s in steps) / sum(s["seconds"] for s in steps)}  # fmt: skip
+
+
+def run_process(flag: list[str], args: argparse.Namespace) -> dict | None:
+    """Run this script on flag's configuration(s) in a process of its own; its JSON line, or None (said why) if it
+    failed."""
+    command = [sys.executable, __file__, *flag, "--preset", args.preset, "--batch", str(args.batch), "--seq",
+               str(args.seq), "--rank", str(args.rank), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--device", args.device]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    if done.returncode != 0:
+        print(f"{' '.join(flag[1:])} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line (--one and --grpo run configurations inside the process main started for them)."""
     parser = argparse.ArgumentParser(description="Fine-tuning step time and peak memory: gptkit vs transformers+PEFT")
     parser.add_argument("--preset", default="gpt2", help="the model shape, a GPT-2-style gptkit preset (gpt2: GPT-2 "
                         "small; tiny for a smoke run)")
@@ -209,24 +250,28 @@ def main() -> int:
                         "compare CPU steps")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run a configuration in this process
-    args = parser.parse_args()
-    if args.one:
-        print(json.dumps(run_one(args.one, args.preset, args.batch, args.seq, args.rank, args.steps, args.warmup,
-                                 args.device)))  # fmt: skip
-        return 0
+    parser.add_argument("--grpo", nargs="+", help=argparse.SUPPRESS)  # internal: the GRPO ones, alternating
+    return parser.parse_args()
 
-    results = {}
-    for name in args.configs:
-        command = [sys.executable, __file__, "--one", name, "--preset", args.preset, "--batch", str(args.batch),
-                   "--seq", str(args.seq), "--rank", str(args.rank), "--steps", str(args.steps), "--warmup",
-                   str(args.warmup), "--device", args.device]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
-        if done.returncode != 0:
-            print(f"{name} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
-            return 1
-        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+
+def measure(args: argparse.Namespace) -> tuple[dict[str, dict], list[str]] | None:
+    """Every chosen configuration's figures, in the order given (each in a process of its own, the GRPO ones in one
+    process together), and the order the GRPO steps were timed in; None if one failed."""
+    grpo = [name for name in args.configs if CONFIGS[name]["method"] == "grpo"]
+    measured = {name: run_process(["--one", name], args) for name in args.configs if name not in grpo}
+    together = run_process(["--grpo", *grpo], args) if grpo else {"results": {}, "schedule": []}
+    if together is None or None in measured.values():
+        return None
+    measured.update(together["results"])
+    return {name: measured[name] for name in args.configs}, together["schedule"]
+
+
+def summary(results: dict[str, dict], schedule: list[str], args: argparse.Namespace) -> dict:
+    """The report: the figures and the ratios the targets read."""
     report = {"shape": f"{args.preset}, {args.batch} x {args.seq} tokens, rank {args.rank}, LoRA on attention and MLP",
               "cpu": cpu_capability(), "grpo_device": args.device, "results": results}  # fmt: skip
+    if schedule:
+        report["grpo_schedule"] = schedule  # the GRPO steps in the order they were timed
     peft, lora, full = results.get("hf+peft lora"), results.get("gptkit lora"), results.get("gptkit full")
     if peft and lora:
         report["lora_speedup_over_peft"] = peft["seconds_per_step"] / lora["seconds_per_step"]
@@ -237,22 +282,48 @@ def main() -> int:
         report["int8_lora_peak_above_start_vs_full"] = int8["peak_above_start_mb"] / full["peak_above_start_mb"]
     if full and results.get("gptkit lora int8 ckpt"):
         report["int8_ckpt_lora_peak_vs_full"] = results["gptkit lora int8 ckpt"]["peak_mb"] / full["peak_mb"]
-    if results.get("gptkit grpo G=1") and results.get("gptkit grpo G=8"):
-        report["grpo_g8_step_vs_g1"] = (results["gptkit grpo G=8"]["seconds_per_step"]
-                                        / results["gptkit grpo G=1"]["seconds_per_step"])  # fmt: skip
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return 0
+    g1, g8 = results.get("gptkit grpo G=1"), results.get("gptkit grpo G=8")
+    if g1 and g8:
+        report["grpo_g8_step_vs_g1"] = g8["seconds_per_step"] / g1["seconds_per_step"]
+        report["grpo_g8_sampling_vs_g1"] = g8["sample_s"] / g1["sample_s"]
+    return report
+
+
+def show(report: dict) -> None:
+    """The report as a table and its ratios."""
     print(f"{report['shape']}; {report['cpu']}")
-    print(f"{'configuration':24s} {'s/step':>8s} {'tokens/s':>9s} {'peak MB':>8s} {'above start':>12s} {'trainable':>11s}")
-    for name, r in results.items():
-        share = f"  (sampling {100 * r['sampling_share']:.0f}% of the step)" if "sampling_share" in r else ""
+    print(f"{'configuration':24s} {'s/step':>8s} {'tokens/s':>9s} {'peak MB':>8s} {'above start':>12s} "
+          f"{'trainable':>11s}")  # fmt: skip
+    for name, r in report["results"].items():
+        share = f"  (sampling {r['sample_s']:.2f} s median, {100 * r['sampling_share']:.0f}% of the steps)" \
+            if "sample_s" in r else ""  # fmt: skip
         print(f"{name:24s} {r['seconds_per_step']:8.2f} {r['tokens_per_s']:9.0f} {r['peak_mb']:8.0f} "
               f"{r['peak_above_start_mb']:12.0f} {r['trainable_params']:11,}{share}")
     for key in ("lora_speedup_over_peft", "lora_peak_vs_peft", "int8_lora_peak_vs_full",
-                "int8_lora_peak_above_start_vs_full", "int8_ckpt_lora_peak_vs_full", "grpo_g8_step_vs_g1"):  # fmt: skip
+                "int8_lora_peak_above_start_vs_full", "int8_ckpt_lora_peak_vs_full", "grpo_g8_step_vs_g1",
+                "grpo_g8_sampling_vs_g1"):  # fmt: skip
         if key in report:
             print(f"{key}: {report[key]:.2f}")
+
+
+def main() -> int:
+    args = parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args.preset, args.batch, args.seq, args.rank, args.steps, args.warmup,
+                                 args.device)))  # fmt: skip
+        return 0
+    if args.grpo:
+        figures, schedule = run_grpo(args.grpo, args.preset, args.batch, args.seq, args.steps, args.warmup, args.device)
+        print(json.dumps({"results": figures, "schedule": schedule}))
+        return 0
+    measured = measure(args)
+    if measured is None:
+        return 1
+    report = summary(*measured, args)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        show(report)
     return 0
 
 

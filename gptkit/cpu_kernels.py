@@ -5,11 +5,12 @@ int8 model should decode about four times as fast as an fp32 one. PyTorch 2.13's
 the memory's rate (measured over GPT-2-small matrices at batch 1: on a 2-core AVX-512 machine, fp32 F.linear 19-20
 GB/s of ~30, bf16 9, torch._weight_int8pack_mm 7; on a 2-core AVX2 EPYC, fp32 5.3 GB/s of ~11, bf16 2.9).
 csrc/ holds products for 1 to GEMV_MAX_ROWS rows of fp32, bf16, int8 and q4 weights (gemv.cpp, over kernels.h) and
-the whole decode step in one call (step.cpp, driven by gptkit.decoding.fused). The library is compiled for the
-widest instruction set of ISA_LEVELS this CPU has. Whether each product (fp32, bf16, int8 weights) and the fused
-step are used is decided by timing them against PyTorch on this machine, once, and kept in a small JSON file beside
-the built library: a CPU flag says what can run, never what is faster. The same measurement decides whether bf16
-inference over many rows (prefill, eval) runs in fp32, which is faster where bf16 matmul has no hardware behind it.
+the whole decode step in one call, for any number of rows (step.cpp, driven by gptkit.decoding.fused). The library
+is compiled for the widest instruction set of ISA_LEVELS this CPU has. Whether each product (fp32, bf16, int8
+weights) and the fused step (at one row, and at each batch size past GEMV_MAX_ROWS it is asked for) are used is
+decided by timing them against PyTorch on this machine, once, and kept in a small JSON file beside the built
+library: a CPU flag says what can run, never what is faster. The same measurement decides whether bf16 inference
+over many rows (prefill, eval) runs in fp32, which is faster where bf16 matmul has no hardware behind it.
 
 Delete choices.json to measure again (a measurement on a busy machine may choose wrong).
 Overrides: GPTKIT_CPU_KERNELS=0 keeps PyTorch's products (the kernels are not even built), =1 uses the kernels

@@ -7,15 +7,17 @@ import logging
 
 import pytest
 import torch
+from torch import nn
 
 from gptkit import cpu_kernels, kernel_cache
+from gptkit.adapters import add_lora
 from gptkit.config import ModelConfig
-from gptkit.decoding import fused
+from gptkit.decoding import batch, fused
 from gptkit.decoding.api import complete, generate_ids
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.step import decode_one_token, inference, prefill
 from gptkit.kv_cache import KVCache, quantize_rows
-from gptkit.model import GPT
+from gptkit.model import GPT, Linear
 from gptkit.quantization import quantize
 
 from conftest import TINY, VARIANTS
@@ -23,11 +25,15 @@ from conftest import TINY, VARIANTS
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="this CPU has neither AVX2 nor AVX-512")
 
 
+WIDE = {f"fused_step_{rows}_rows": True for rows in fused.WIDE_ROWS}
+
+
 @pytest.fixture(autouse=True)
 def fused_chosen(monkeypatch):
-    """The fused step as if measured faster here (it is chosen per machine; these tests check what it computes)."""
+    """The fused step as if measured faster here, at one row and at every batch size (it is chosen per machine;
+    these tests check what it computes)."""
     if cpu_kernels.load():
-        monkeypatch.setitem(cpu_kernels._STATE, "choices", dict(cpu_kernels.choices(), fused_step=True))
+        monkeypatch.setitem(cpu_kernels._STATE, "choices", dict(cpu_kernels.choices(), fused_step=True, **WIDE))
 COVERED = {name: v for name, v in VARIANTS.items()
            if v.get("norm_position", "pre") == "pre" and v.get("position") != "sinusoidal"}  # fmt: skip
 COVERED["relu"] = dict(TINY, activation="relu", n_kv_head=2, position="rope")
@@ -216,11 +222,79 @@ def test_what_the_fused_step_does_not_cover_decodes_eagerly_and_says_why_once(na
 
 
 @needs_kernels
-def test_more_rows_than_a_fused_step_takes_decode_eagerly():
+@pytest.mark.parametrize("rows, fused_steps", [(12, True), (20, False)])
+def test_a_batch_decodes_fused_up_to_the_rows_measured_faster_and_eagerly_past_them(rows, fused_steps, monkeypatch):
+    """Measured faster at 16 rows but not at 32: 12 rows decode fused (each row's tokens those it gets alone), 20
+    eagerly."""
+    choices = dict(cpu_kernels.choices(), fused_step_16_rows=True, fused_step_32_rows=False)
+    monkeypatch.setitem(cpu_kernels._STATE, "choices", choices)
+    assert [fused.covers(n) for n in (8, 9, 16, 17, 1000)] == [True, True, True, False, False]
+    eager = []
+    monkeypatch.setattr(batch, "decode_one_token", lambda *args: eager.append(1) or decode_one_token(*args))
     model = sharpened(ModelConfig(**dict(VARIANTS["gpt2"], block_size=64)))
-    prompts = [[i, i + 1] for i in range(fused.MAX_ROWS + 1)]
+    prompts = [[i % 50, (3 * i + 1) % 50] for i in range(rows)]
     batched = generate_ids(model, prompts, max_new_tokens=6, temperature=0)
+    assert bool(eager) != fused_steps
+    monkeypatch.setattr(batch, "decode_one_token", decode_one_token)
     assert batched == [generate_ids(model, p, max_new_tokens=6, temperature=0) for p in prompts]
+
+
+def test_batches_past_max_rows_are_measured_once_per_size_in_turn(monkeypatch):
+    """covers() times the fused step at each of WIDE_ROWS up to the batch's size, stopping at the first it loses."""
+    timed = []
+    faster_up_to = 32
+    monkeypatch.setattr(fused, "_faster_than_eager", lambda rows: timed.append(rows) or rows <= faster_up_to)
+    monkeypatch.setattr(cpu_kernels, "_record", lambda name, measure: measure())  # (not kept in choices.json)
+    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)  # =1 would choose without measuring
+    monkeypatch.setitem(cpu_kernels._STATE, "library", True)
+    monkeypatch.setitem(cpu_kernels._STATE, "choices", {"fused_step": True})
+    assert fused.covers(fused.MAX_ROWS) and timed == []  # never measured up to MAX_ROWS
+    assert fused.covers(20) and timed == [16, 32]
+    assert fused.covers(32) and not fused.covers(33) and timed == [16, 32, 64]  # 64 lost: not timed again
+    assert not fused.covers(500) and timed == [16, 32, 64]
+
+
+# Formats whose wide products take different paths in csrc/kernels.h: fp32 in register tiles, the others in slices of
+# 8 rows over each tile of 8 weight rows.
+WIDE_FORMATS = ["fp32", "bf16", "int8", "int4", "int8 cache"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("form", WIDE_FORMATS)
+def test_a_wide_batch_gives_each_row_the_logits_it_gets_alone(form, threads):
+    """19 rows (tiles of 3 rows and slices of 8 both end short; vocab 61 ends a tile of 4 weight rows short) at their
+    own positions over caches of random keys: each row's logits and cache are the same to the bit as that row
+    decoded alone (which the tests above hold to the eager step), and fp32's within TOLERANCE of the eager step's
+    (past 8 rows the eager step's own int8 and bf16 products round activations to bf16, further from both)."""
+    # fp32: rows of 72 and 40 values (the products' scalar tails run); the others: multiples of 32, as int4 needs.
+    widths = dict(n_embd=72, ffn_hidden=40) if form == "fp32" else dict(n_embd=64, ffn_hidden=96)
+    config = ModelConfig(**dict(VARIANTS["gpt2"], n_head=2, vocab_size=61, block_size=64, **widths))
+    model = sharpened(config)
+    model = model.to(torch.bfloat16) if form == "bf16" else quantize(model, form[:4]) if form != "fp32" else model
+    kv_dtype = torch.int8 if "cache" in form else None
+    rows = 19
+    eager_cache, wide_cache = filled_caches(model, rows, kv_dtype)
+    alone_cache = filled_caches(model, rows, kv_dtype)[0]
+    tokens = torch.randint(0, config.vocab_size, (rows, 1), generator=torch.Generator().manual_seed(0))
+    positions = 5 + 2 * torch.arange(rows)
+    step = fused.step_for(model)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with inference(model):
+            wide = step(model, tokens, wide_cache, positions)
+            alone = torch.cat([step(model, tokens[i : i + 1], alone_cache.row(i, 64), positions[i : i + 1])
+                               for i in range(rows)])  # fmt: skip
+            eager = decode_one_token(model, tokens, eager_cache, positions) if form == "fp32" else None
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(wide, alone)
+    assert all(torch.equal(a, b) for a, b in zip(wide_cache.tensors, alone_cache.tensors))
+    if form == "fp32":
+        written = torch.zeros(rows, config.block_size, dtype=torch.bool)
+        written[torch.arange(rows), positions] = True
+        assert_agree(eager[None], wide[None], eager_cache, wide_cache, written, "fp32")
 
 
 def test_an_int8_cache_stores_each_head_vector_with_its_own_scale():
@@ -306,6 +380,61 @@ def test_options_the_native_step_does_not_compute_are_refused_and_decode_eagerly
     model = sharpened(ModelConfig(**NOT_NATIVE[name]))
     reason = fused.uncovered(model)
     assert reason is not None and name in reason
+    assert fused.step_for(model) is None
+    prompt = [3, 1, 4, 1, 5]
+    assert generate_ids(model, prompt, max_new_tokens=8, temperature=0) == greedy_by_forward(model, prompt, 8)
+
+
+class PrefixTuning(nn.Module):
+    """A module a method adds to a block (learned prefix vectors): the fused step knows nothing of it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.prefix = nn.Parameter(torch.randn(4, width))
+
+
+class Offset(nn.Module):
+    """A layer wrapped from outside: its output shifted by a learned vector (the model's own forward changes)."""
+
+    def __init__(self, inner: nn.Module, width: int) -> None:
+        super().__init__()
+        self.inner, self.shift = inner, nn.Parameter(torch.full((width,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + self.shift
+
+
+def _set(module: nn.Module, name: str, value: object) -> None:
+    setattr(module, name, value)
+
+
+WIDTH = TINY["n_embd"]
+# How a method may change a model, and the reason the fused step gives for refusing it.
+CHANGED = {
+    "a module added to a block": (lambda m: _set(m.blocks[0].attn, "prefix", PrefixTuning(WIDTH)),
+                                  "blocks.0.attn.prefix (PrefixTuning)"),
+    "attn.proj wrapped": (lambda m: _set(m.blocks[1].attn, "proj", Offset(m.blocks[1].attn.proj, WIDTH)),
+                          "blocks.1.attn.proj (Offset)"),
+    "a norm wrapped": (lambda m: _set(m.blocks[0], "norm2", Offset(m.blocks[0].norm2, WIDTH)),
+                       "blocks.0.norm2 (Offset)"),
+    "LoRA": (lambda m: add_lora(m, 2, 4.0, 0.0, "attention"), "blocks.0.attn.qkv (LoRALinear)"),
+    "a parameter added to a block": (lambda m: _set(m.blocks[1], "gate", nn.Parameter(torch.ones(1))),
+                                     "the parameter blocks.1.gate, which it does not read"),
+    "a buffer added to a layer": (lambda m: m.blocks[0].mlp.register_buffer("scale", torch.ones(1)),
+                                  "the buffer blocks.0.mlp.scale, which it does not read"),
+    "a plain layer added to a block": (lambda m: _set(m.blocks[0].mlp, "extra", Linear(WIDTH, WIDTH)),
+                                       "the parameter blocks.0.mlp.extra.weight, which it does not read"),
+}  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", list(CHANGED))
+def test_a_model_holding_what_the_step_does_not_compute_is_refused_by_path_and_decodes_eagerly(name):
+    model = sharpened(ModelConfig(**dict(VARIANTS["gpt2"], block_size=64)))
+    assert fused.uncovered(model) is None and fused.step_for(model) is not None
+    change, reason = CHANGED[name]
+    change(model)
+    assert fused.uncovered(model) == reason
     assert fused.step_for(model) is None
     prompt = [3, 1, 4, 1, 5]
     assert generate_ids(model, prompt, max_new_tokens=8, temperature=0) == greedy_by_forward(model, prompt, 8)

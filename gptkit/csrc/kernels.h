@@ -300,6 +300,41 @@ inline void row_f32(const float* w, const float* x, int64_t K, float* out) {
   }
 }
 
+// NR weight rows against MR activation rows (out[m * ldo + n] = row n . x[m]), for batches past 8 rows, where the
+// products are bound by arithmetic rather than by reading the weights: each weight vector loaded serves MR rows and
+// each activation vector NR rows (row_f32 loads one activation vector per multiply-add). Every (m, n) sum takes
+// row_f32's operations in row_f32's order (two chains, then the tail), so its result is row_f32's to the bit.
+template <int NR, int MR>
+inline void tile_f32(const float* w, const float* x, int64_t K, float* out, int64_t ldo) {
+  constexpr int C = chains<MR>();
+  V acc[C][NR][MR];
+  for (int c = 0; c < C; ++c)
+    for (int n = 0; n < NR; ++n)
+      for (int m = 0; m < MR; ++m) acc[c][n][m] = vzero();
+  int64_t k = 0;
+  for (; k + C * kLanes <= K; k += C * kLanes)
+    for (int c = 0; c < C; ++c) {
+      V wv[NR];
+      for (int n = 0; n < NR; ++n) wv[n] = vload(w + n * K + k + c * kLanes);
+      for (int m = 0; m < MR; ++m) {
+        const V xv = vload(x + m * K + k + c * kLanes);
+        for (int n = 0; n < NR; ++n) acc[c][n][m] = vfma(wv[n], xv, acc[c][n][m]);
+      }
+    }
+  for (; k + kLanes <= K; k += kLanes)
+    for (int m = 0; m < MR; ++m) {
+      const V xv = vload(x + m * K + k);
+      for (int n = 0; n < NR; ++n) acc[0][n][m] = vfma(vload(w + n * K + k), xv, acc[0][n][m]);
+    }
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < MR; ++m) {
+      for (int c = 1; c < C; ++c) acc[0][n][m] = vadd(acc[0][n][m], acc[c][n][m]);
+      float s = vsum(acc[0][n][m]);
+      for (int64_t j = k; j < K; ++j) s += w[n * K + j] * x[m * K + j];
+      out[m * ldo + n] = s;
+    }
+}
+
 // bf16 weights: with AVX-512 BF16 against bf16 activations xb (pairs multiplied exactly, summed in fp32); else
 // widened to fp32 against the fp32 activations x.
 template <int M>
@@ -630,9 +665,84 @@ inline void with_rows(int64_t M, Fn&& fn) {
   }
 }
 
+constexpr int64_t kMaxRows = 8;  // activation rows one pass over a weight row computes (with_rows' largest)
+
+// The activations of rows m0.. of in (each form's rows K values apart, q8's scales K / 32 apart).
+inline Input rows_from(const Input& in, int64_t m0, int64_t K) {
+  Input out = in;
+  const int64_t blocks = K / kQ4Block;
+  if (in.x) out.x = in.x + m0 * K;
+  if (in.xb) out.xb = in.xb + m0 * K;
+  if (in.q8.q) out.q8 = {in.q8.q + m0 * K, in.q8.d + m0 * blocks, in.q8.dsum + m0 * blocks};
+  return out;
+}
+
+// Calls fn with (NR, MR) as compile-time constants, NR in 1..kTileN and MR in 1..kTileM. The tile's accumulators
+// (two chains each) and its loads fit the vector registers: 24 + 5 of AVX-512's 32, 12 + 3 of AVX2's 16.
+constexpr int64_t kTileN = kLanes == 16 ? 4 : 2, kTileM = 3;
+template <typename Fn>
+inline void with_tile(int64_t nr, int64_t mr, Fn&& fn) {
+  auto rows = [&](auto n) {
+    switch (mr) {
+      case 1: fn(n, std::integral_constant<int, 1>{}); break;
+      case 2: fn(n, std::integral_constant<int, 2>{}); break;
+      default: fn(n, std::integral_constant<int, 3>{}); break;
+    }
+  };
+  switch (nr) {
+    case 1: rows(std::integral_constant<int, 1>{}); break;
+    case 2: rows(std::integral_constant<int, 2>{}); break;
+    case 3: rows(std::integral_constant<int, 3>{}); break;
+    default: rows(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// fp32 weight rows [n0, n1) against M activation rows in register tiles (tile_f32), each tile of weight rows passed
+// by every activation row while it is in cache.
+inline void product_tiles_f32(const Weight& w, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0,
+                              int64_t n1, bool accumulate) {
+  const int64_t K = w.K;
+  float out[kTileM * kTileN];
+  for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
+    const int64_t nr = n1 - t0 < kTileN ? n1 - t0 : kTileN;
+    for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
+      const int64_t mr = M - m0 < kTileM ? M - m0 : kTileM;
+      with_tile(nr, mr, [&](auto n, auto m) {
+        tile_f32<decltype(n)::value, decltype(m)::value>(static_cast<const float*>(w.data) + t0 * K, x + m0 * K, K,
+                                                         out, kTileN);
+      });
+      for (int64_t m = 0; m < mr; ++m)
+        for (int64_t n = 0; n < nr; ++n) {
+          float* dst = y + (m0 + m) * ldy + t0 + n;
+          const float b = w.bias ? w.bias[t0 + n] : 0.0f;
+          *dst = (accumulate ? *dst : 0.0f) + (out[m * kTileN + n] + b);
+        }
+    }
+  }
+}
+
+// Past kMaxRows activation rows, a tile of kQ4Group weight rows is read from memory once and then, from cache, by
+// every slice of up to kMaxRows activation rows in turn: the weights stream once per step whatever the batch. Each
+// (row, output) sum is the one product_rows computes for that row at any M, so slicing changes no result.
 inline void product_range(const Weight& w, const Input& in, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1,
                           bool accumulate = false) {
-  with_rows(M, [&](auto rows) { product_rows<decltype(rows)::value>(w, in, y, ldy, n0, n1, accumulate); });
+  if (M <= kMaxRows) {
+    with_rows(M, [&](auto rows) { product_rows<decltype(rows)::value>(w, in, y, ldy, n0, n1, accumulate); });
+    return;
+  }
+  if (w.format == kF32) {
+    product_tiles_f32(w, in.x, M, y, ldy, n0, n1, accumulate);
+    return;
+  }
+  for (int64_t t0 = n0; t0 < n1; t0 += kQ4Group) {
+    const int64_t t1 = t0 + kQ4Group < n1 ? t0 + kQ4Group : n1;
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const Input part = rows_from(in, m0, w.K);
+      with_rows(M - m0 < kMaxRows ? M - m0 : kMaxRows, [&](auto rows) {
+        product_rows<decltype(rows)::value>(w, part, y + m0 * ldy, ldy, t0, t1, accumulate);
+      });
+    }
+  }
 }
 
 // [lo, hi) of n items for part t of T, in whole multiples of `align` (the last part takes the rest)

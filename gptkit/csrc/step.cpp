@@ -1,11 +1,11 @@
 // One decode step of a whole pre-norm GPT in one native call: gptkit.decoding.fused drives it.
 //
-// For B rows (1 to 8) of one new token each, at their own cache positions: embeddings, then per block the norm,
-// the fused q/k/v product, rotary positions, the keys and values written into the cache, attention over each row's
-// cached positions, the output projection and residual, the norm, the MLP (GELU, GELU tanh, ReLU or SwiGLU) and
-// residual; then the final norm and the LM head. Weights may be fp32, bf16, int8 or q4 (kernels.h) layer by layer;
-// the cache fp32, bf16 or int8 (one fp32 scale per row, head and position, for keys and values alike). Activations
-// stay fp32 between the products.
+// For B rows of one new token each (any number: kernels.h passes more than 8 over each tile of weights in slices),
+// at their own cache positions: embeddings, then per block the norm, the fused q/k/v product, rotary positions, the
+// keys and values written into the cache, attention over each row's cached positions, the output projection and
+// residual, the norm, the MLP (GELU, GELU tanh, ReLU or SwiGLU) and residual; then the final norm and the LM head.
+// Weights may be fp32, bf16, int8 or q4 (kernels.h) layer by layer; the cache fp32, bf16 or int8 (one fp32 scale
+// per row, head and position, for keys and values alike). Activations stay fp32 between the products.
 //
 // The step runs in one OpenMP region: every product is split into contiguous ranges of output rows, one per thread,
 // and threads meet at a barrier where the next stage reads what the last one wrote. That is the whole saving over
@@ -85,7 +85,7 @@ class DecodeStep : public torch::CustomClassHolder {
                   std::vector<at::Tensor> values, std::vector<at::Tensor> key_scales,
                   std::vector<at::Tensor> value_scales) {
     const int64_t B = tokens.numel();
-    TORCH_CHECK(B >= 1 && B <= 8 && positions.numel() == B, "DecodeStep: 1 to 8 tokens with one position each");
+    TORCH_CHECK(B >= 1 && positions.numel() == B, "DecodeStep: tokens with one position each expected");
     TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && tokens.is_contiguous() &&
                     positions.is_contiguous(),
                 "DecodeStep: int64 tokens and positions expected");

@@ -2,12 +2,14 @@
 
 add() prefills new requests into free rows (each prompt in chunks of step.PREFILL_CHUNK tokens, alone: identical
 prompts run once, and blocks a prefix cache holds are copied in rather than computed) and picks their first tokens;
-step() decodes one token for every request in one forward pass; a request that finishes leaves its row at once. Rows in use are always 0..k-1: when a row frees up, the last row's keys and values move into it, so
-an eager step runs the model on exactly k rows and attends over only the positions in use. A compiled step runs
+step() decodes one token for every request in one forward pass; a request that finishes leaves its row at once.
+Rows in use are always 0..k-1: when a row frees up, the last row's keys and values move into it, so an eager step
+runs the model on exactly k rows and attends over only the positions in use. A compiled step runs
 a fixed shape instead (rows rounded up to a power of two, the whole cache length), so that it compiles once per
-row bucket: the rows past k ride along with a dummy token written where nothing reads it. On a CPU, up to
-fused.MAX_ROWS rows decode through the fused step (gptkit.decoding.fused) where it covers the model, one native call
-a step; the first engine after a background build of gptkit's kernels switches to it at its next step.
+row bucket: the rows past k ride along with a dummy token written where nothing reads it. On a CPU, rows decode
+through the fused step (gptkit.decoding.fused) where it covers the model and the batch (fused.covers: up to
+fused.MAX_ROWS, more where measured faster), one native call a step; the first engine after a background build of
+gptkit's kernels switches to it at its next step.
 
 Context: a model with learned positions sees at most its last block_size tokens (once a row is full, each further
 token re-prefills that row's last block_size tokens, exactly as an uncached model cropped to block_size would see
@@ -254,7 +256,7 @@ class BatchEngine:
         if self.fused_later and not cpu_kernels.building():  # the kernels' background build has ended
             self.fused, self.fused_later = fused.step_for(self.model), False
         ids = torch.tensor(tokens, device=self.device)[:, None]
-        if self.fused is not None and k <= fused.MAX_ROWS:
+        if self.fused is not None and fused.covers(k):
             return self.fused(self.model, ids, self.cache.view(k, self.max_len), torch.tensor(positions))
         view = self.cache.view(k, max(positions) + 1)
         if len(set(positions)) == 1:  # an int position: attention reads the filled positions without a mask

@@ -9,15 +9,20 @@ It covers the models `gptkit convert --to-gguf` writes and more: pre-norm blocks
 (tanh or erf), ReLU or SwiGLU, learned, rotary or no positions, grouped-query attention, biases anywhere, a tied or
 own LM head with or without a bias, a padded vocabulary (the step computes every row of the head; the padded
 logits are dropped); fp32 or bf16 weights, int8 or int4 layers; an fp32, bf16 or int8 KV cache;
-1 to MAX_ROWS rows. Anything else decodes with the eager step, and the reason is logged once. Like gptkit's CPU
-kernels it is used where a measurement on this machine finds it faster than the eager step (cpu_kernels.measured)
-and where the kernels' library is loaded (a first build runs in the background: until it ends, the eager step).
+any number of rows. A model holding any module, parameter or buffer the step does not compute (an adapter around a
+layer, a module or parameter added to a block) is refused by what it holds, whatever its configuration says.
+Anything else decodes with the eager step, and the reason is logged once. Like gptkit's CPU kernels it is used
+where a measurement on this machine finds it faster than the eager step (cpu_kernels.measured: at one row, and for
+batches past MAX_ROWS at each of WIDE_ROWS in turn) and where the kernels' library is loaded (a first build runs in
+the background: until it ends, the eager step). A row's logits are the same to the bit whatever rows decode beside
+it (csrc/kernels.h).
 Its arithmetic is fp32 between the products (a bf16 model's activations are not rounded to bf16 between layers): an fp32
 model's logits agree with the eager step's within 1e-4 (tests/test_fused.py).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -27,17 +32,27 @@ from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.decoding.step import Step, base, decode_one_token, inference
 from gptkit.kv_cache import KVCache
-from gptkit.model import GPT, Linear
+from gptkit.model import GPT, Block, CausalSelfAttention, FeedForward, Linear, RMSNorm
 from gptkit.quantization import Int4Linear, Int8Linear
 
 log = logging.getLogger("gptkit.decoding")
 
-MAX_ROWS = cpu_kernels.GEMV_MAX_ROWS  # rows of one fused step; a larger batch decodes with the eager step
+MAX_ROWS = cpu_kernels.GEMV_MAX_ROWS  # rows a fused step takes wherever it is chosen (its weights' reading bound)
+# Past MAX_ROWS a step's products are bound by arithmetic, where PyTorch's GEMM may win: the fused step takes a batch of
+# up to WIDE_ROWS[i] rows where it measured faster than the eager step at WIDE_ROWS[0..i] rows, timed on the first
+# batch that needs it. A larger batch decodes with the eager step.
+WIDE_ROWS = (16, 32, 64, 128)
 MAX_HEAD_DIM = 512
 NORMS = {"layernorm": 0, "rmsnorm": 1}
 ACTIVATIONS = {"gelu_tanh": 0, "gelu": 1, "relu": 2, "swiglu": 3}
 POSITIONS = {"learned": 0, "rope": 1, "none": 2}
 _LOGGED: set[str] = set()
+
+
+# The modules the step computes, by exact type (a subclass may compute something else); a norm by config.norm.
+_COMPUTED = (GPT, Block, CausalSelfAttention, FeedForward, nn.ModuleList, nn.Embedding, nn.Dropout, Linear, nn.Linear,
+             Int8Linear, Int4Linear)  # fmt: skip
+_NORM_TYPES = {"layernorm": nn.LayerNorm, "rmsnorm": RMSNorm}
 
 
 def uncovered(model: GPT) -> str | None:
@@ -58,18 +73,28 @@ def uncovered(model: GPT) -> str | None:
     dtype = model.tok_emb.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         return f"{dtype} weights"
-    layers = [("lm_head", model.lm_head)] + [(f"blocks.{i}.{name}", layer) for i, block in enumerate(model.blocks)
-                                             for name, layer in (("attn.qkv", block.attn.qkv),
-                                                                 ("attn.proj", block.attn.proj),
-                                                                 ("mlp.fc", block.mlp.fc),
-                                                                 ("mlp.proj", block.mlp.proj))]  # fmt: skip
-    for name, layer in layers:
-        if isinstance(layer, (Int8Linear, Int4Linear)):
-            continue
-        if type(layer) not in (Linear, nn.Linear):
-            return f"its {name} layer, a {type(layer).__name__}"
-        if layer.weight.dtype != dtype:
-            return f"its {name} layer's {layer.weight.dtype} weight beside {dtype} embeddings"
+    return _unknown_part(model) or _layer_dtypes(model, dtype)
+
+
+def _unknown_part(model: GPT) -> str | None:
+    """The first module of a type the step does not compute, or parameter or buffer it does not read, named by path."""
+    computed = _COMPUTED + (_NORM_TYPES[model.config.norm],)
+    for name, module in model.named_modules():
+        if type(module) not in computed:
+            return f"{name or 'the model'} ({type(module).__name__})"
+    read = {id(t) for t in _read(model)}
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if id(tensor) not in read:
+                return f"the {kind} {name}, which it does not read"
+    return None
+
+
+def _layer_dtypes(model: GPT, dtype: torch.dtype) -> str | None:
+    """A float layer whose weight's dtype is not the embeddings' (the step reads one float format)."""
+    for name, module in model.named_modules():
+        if type(module) in (Linear, nn.Linear) and module.weight.dtype != dtype:
+            return f"its {name} layer's {module.weight.dtype} weight beside {dtype} embeddings"
     return None
 
 
@@ -93,7 +118,7 @@ def step_for(model: GPT) -> Step | None:
 
     def fused(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int) -> Tensor:
         rows = tokens.size(0)
-        if rows > MAX_ROWS:
+        if not covers(rows):
             return decode_one_token(model, tokens, cache, positions)
         if isinstance(positions, int):
             positions = torch.full((rows,), positions, dtype=torch.long)
@@ -105,6 +130,28 @@ def step_for(model: GPT) -> Step | None:
     return fused
 
 
+def covers(rows: int) -> bool:
+    """Whether a batch of `rows` rows decodes through the fused step (where step_for gave one): up to MAX_ROWS
+    always, more up to the first of WIDE_ROWS that the step did not measure faster at (timed once per machine)."""
+    if rows <= MAX_ROWS:
+        return True
+    for wide in WIDE_ROWS:
+        if not cpu_kernels.measured(f"fused_step_{wide}_rows", functools.partial(_faster_than_eager, wide)):
+            return False
+        if rows <= wide:
+            return True
+    return False
+
+
+def _read(model: GPT) -> list[Tensor]:
+    """The model's tensors the step reads, in the order DecodeStep takes them (_NONE where one is absent)."""
+    tensors = [model.tok_emb.weight, model.pos_emb.weight if model.pos_emb is not None else _NONE]
+    for block in model.blocks:
+        tensors += [*_norm(block.norm1), *_linear(block.attn.qkv), *_linear(block.attn.proj), *_norm(block.norm2),
+                    *_linear(block.mlp.fc), *_linear(block.mlp.proj)]  # fmt: skip
+    return tensors + [*_norm(model.norm_f), *_linear(model.lm_head)]
+
+
 def _plan(model: GPT) -> torch.ScriptObject:
     """The native step over model's weights (shared, not copied; norms and biases as fp32 copies)."""
     config = model.config
@@ -112,12 +159,7 @@ def _plan(model: GPT) -> torch.ScriptObject:
     settings = [config.n_layer, config.n_embd, config.n_head, config.n_kv_head, config.head_dim, config.ffn_hidden,
                 config.padded_vocab_size, NORMS[config.norm], ACTIVATIONS[config.activation],
                 POSITIONS[config.position], int(dtype == torch.bfloat16)]  # fmt: skip
-    tensors = [model.tok_emb.weight, model.pos_emb.weight if model.pos_emb is not None else _NONE]
-    for block in model.blocks:
-        tensors += [*_norm(block.norm1), *_linear(block.attn.qkv), *_linear(block.attn.proj), *_norm(block.norm2),
-                    *_linear(block.mlp.fc), *_linear(block.mlp.proj)]  # fmt: skip
-    tensors += [*_norm(model.norm_f), *_linear(model.lm_head)]
-    tensors = [t.detach() for t in tensors]
+    tensors = [t.detach() for t in _read(model)]
     if not model.__dict__.get("_gptkit_huge_pages"):  # once per model: its weights stream faster from 2 MiB pages
         model.__dict__["_gptkit_huge_pages"] = True
         cpu_kernels.back_with_huge_pages(tensors)
@@ -139,15 +181,18 @@ def _linear(layer: nn.Module) -> list[Tensor]:
 
 
 @torch.no_grad()
-def _faster_than_eager() -> bool:
-    """Whether 16 batch-1 steps of a small random model (4 layers, 512 wide) run faster fused than eager here."""
-    config = ModelConfig(vocab_size=4096, block_size=64, n_layer=4, n_head=8, n_embd=512)
+def _faster_than_eager(rows: int = 1) -> bool:
+    """Whether decode steps of a small random model (4 layers, 512 wide) run faster fused than eager here: 16 steps
+    of one row from position 0; of more rows, about 64 rows' worth (at least 2 steps) past position 96, where a
+    batch decodes after prompts of about a hundred tokens (the eager step's attention costs more there)."""
+    config = ModelConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=8, n_embd=512)
     model = GPT(config).eval()
-    cache = KVCache(config, 1, 64)
-    tokens = torch.zeros(1, 1, dtype=torch.long)
+    start, count = (0, 16) if rows == 1 else (96, max(2, 64 // rows))
+    cache = KVCache(config, rows, 64 if rows == 1 else 128)
+    tokens = torch.zeros(rows, 1, dtype=torch.long)
     plan = _plan(model)
-    positions = [torch.tensor([p]) for p in range(16)]
+    positions = [torch.full((rows,), p) for p in range(start, start + count)]
     with inference(model):
         return cpu_kernels.faster(
-            lambda: [plan.step(tokens[0], p, cache.keys, cache.values, [], []) for p in positions],
-            lambda: [decode_one_token(model, tokens, cache, p) for p in range(16)], rounds=3)
+            lambda: [plan.step(tokens[:, 0], p, cache.keys, cache.values, [], []) for p in positions],
+            lambda: [decode_one_token(model, tokens, cache, p) for p in range(start, start + count)], rounds=3)
