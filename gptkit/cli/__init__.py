@@ -14,7 +14,7 @@ from gptkit import __version__
 from gptkit.errors import GptkitError
 
 # Sub-command modules in the order `gptkit --help` lists them.
-COMMANDS = ["prepare", "train", "generate", "classify", "eval", "inspect", "plan", "info", "convert", "serve"]
+COMMANDS = ["prepare", "train", "generate", "classify", "eval", "inspect", "plan", "info", "convert", "serve", "watch"]
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
