@@ -490,7 +490,8 @@ def _write_examples(stage: Path, config: PrepareConfig, files: list[Path], forma
             _progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:  # fmt: skip
         for record, fmt, where in _rows(files, formats, config.errors, bar.update):
             examples, label = encoder.encode_row(record, fmt, where)
-            fitted = [fit(e, max_length, config.overlong, not spec.whole_input) for e in examples]  # type: ignore[arg-type]
+            fitted = [fit(e, max_length, config.overlong, not spec.whole_input)  # type: ignore[arg-type]
+                      for e in examples]  # fmt: skip
             if any(e is None for e in fitted):  # a pair is kept or dropped whole
                 dropped += 1
                 continue

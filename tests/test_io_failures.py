@@ -86,7 +86,7 @@ def check_failure(name: str, code: int, err: str, out: Path, reason: str) -> Non
     target = out / WRITERS[name][1]
     if name == "train":
         assert re.fullmatch(TRAIN_LINE.format(reason=reason), lines[0]), lines[0]
-        run = out / "run"  # the run's logs may stay (settings, metrics, samples, measures); no checkpoint, whole or half
+        run = out / "run"  # its logs may stay (settings, metrics, samples, measures); no checkpoint, whole or half
         logs = {"config.yaml", "metrics.jsonl", "samples.jsonl", "insight.jsonl"}
         assert not run.exists() or {p.name for p in run.iterdir()} <= logs, list(run.iterdir())
     else:

@@ -99,7 +99,8 @@ class PolicyLoss:
 
 
 def policy_gradient_loss(rule: PolicyLoss, logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                         reference: Tensor | None = None, old: Tensor | None = None) -> tuple[Tensor, dict]:  # fmt: skip
+                         reference: Tensor | None = None,
+                         old: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """(the micro-batch's loss under rule, its statistics: mean KL and clipped fraction over the trained tokens) of
     N completions (mask (N, T), one advantage each (N,)); old is the sampling policy's log-probabilities (default:
     logprobs, detached: one update per sampling)."""
