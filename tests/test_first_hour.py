@@ -186,11 +186,39 @@ def load_watch_it_learn():
 def test_watch_it_learn_draws_into_its_run_and_scales_the_schedule(run_dir, monkeypatch, capsys):
     watch = load_watch_it_learn()
     flags = watch.scaled_schedule(500)
-    assert flags == ["--train.max_steps", "500", "--optim.warmup_steps", "25", "--optim.decay_steps", "500",
-                     "--train.eval_interval", "62", "--train.checkpoint_interval", "250"]  # fmt: skip
+    # The recipe: 8000 steps, warm-up 50, decay over 8000, evaluations every 100, a checkpoint at the end.
+    assert flags == ["--train.max_steps", "500", "--optim.warmup_steps", "3", "--optim.decay_steps", "500",
+                     "--train.eval_interval", "6", "--train.checkpoint_interval", "500"]  # fmt: skip
     reference = (ROOT / "docs" / "watch_it_learn.png").read_bytes()
     monkeypatch.setattr("sys.argv", ["watch_it_learn.py", "--plot-only", "--out", str(run_dir)])
     watch.main()
     assert (run_dir / "watch_it_learn.png").stat().st_size > 0
     assert (ROOT / "docs" / "watch_it_learn.png").read_bytes() == reference
     assert f"wrote {run_dir / 'watch_it_learn.png'}" in capsys.readouterr().out
+
+
+def test_watch_it_learn_copy_documents_write_each_random_string_twice():
+    watch = load_watch_it_learn()
+    speeches = [f"Speaker {i}:\nWords, words, words." for i in range(200)]
+    text = "\n\n".join(speeches)
+    copied = watch.with_copies(text)
+    assert copied == watch.with_copies(text)  # seeded: the same data on every machine
+    parts = copied.split("\n\n")
+    documents = [p for p in parts if p not in speeches]
+    assert [p for p in parts if p in speeches] == speeches  # the text, in order, nothing lost
+    assert 0.2 < len(documents) / len(speeches) < 0.4  # after about COPY_CHANCE of the speeches
+    alphabet = set(text) - {"\n"}
+    for document in documents:
+        assert len(document) >= watch.COPY_DOCUMENT and set(document) <= alphabet
+        rest = document  # a document is spans, each written twice back to back, 8-32 characters long
+        while rest:
+            length = next(n for n in range(watch.SPAN[0], watch.SPAN[1] + 1) if rest[:n] == rest[n : 2 * n])
+            rest = rest[2 * length :]
+
+
+def test_watch_it_learn_shows_samples_either_side_of_the_phase_change():
+    watch = load_watch_it_learn()
+    steps = [0, 1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000]
+    assert watch.four_moments(steps, phase=4700) == [0, 4000, 5000, 8000]
+    assert watch.four_moments(steps, phase=None) == [0, 1000, 4000, 8000]
+    assert watch.four_moments(steps, phase=8000) == [0, 1000, 4000, 8000]  # no sample after it

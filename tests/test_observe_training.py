@@ -221,3 +221,26 @@ def test_supervised_examples_sample_their_validation_prompts(tmp_path):
     # The prompt is the rendered conversation up to the reply: the question, not the answer.
     assert all("Reverse: " in s["prompt"] and s["prompt"].endswith("assistant:") for s in samples), samples[0]
     assert not any(key in r for r in metrics(run) for key in MEASURES)  # the measures read a text split
+
+
+def test_olssons_map_draws_each_evaluation_at_its_step_and_each_position_on_a_log_axis():
+    from matplotlib.figure import Figure
+
+    from gptkit.observe.training import draw_position_map, mark_phase
+
+    insight = [{"step": 0, "position_loss": [4.0, 3.0, 2.0]}, {"step": 100, "position_loss": [4.0, 2.5, None]},
+               {"step": 300, "position_loss": [3.5, 1.0, 0.5]}, {"step": 350}]  # fmt: skip
+    figure = Figure()
+    panels = figure.subplots(2, 1, sharex=True)
+    draw_position_map(panels[1], insight)
+    mesh = panels[1].collections[0]
+    # Columns span halfway to their neighbours (the first and last as far out as their one neighbour's gap).
+    assert mesh.get_coordinates()[0, :, 0].tolist() == [-50.0, 50.0, 200.0, 400.0]
+    assert mesh.get_coordinates()[:, 0, 1].tolist() == [1.0, 2.0, 3.0, 4.0]  # position p spans p + 1 to p + 2
+    values = np.ma.filled(mesh.get_array(), np.nan).reshape(3, 3)  # (positions, evaluations)
+    np.testing.assert_array_equal(values, [[4.0, 4.0, 3.5], [3.0, 2.5, 1.0], [2.0, np.nan, 0.5]])
+    assert panels[1].get_yscale() == "log"
+    mark_phase(panels, [{"step": 100, "phase_change_step": 150}, {"step": 300, "phase_change_step": 250}])
+    for axes in panels:
+        assert [line.get_xdata()[0] for line in axes.lines] == [250]  # where it was last located
+    assert panels[0].get_title() == "phase change (the ICL score's fastest fall): step 250"

@@ -238,6 +238,39 @@ def draw_ablation(axes: Any, history: list[dict[str, Any]]) -> None:
     axes.legend(loc="upper left")
 
 
+def draw_position_map(axes: Any, insight: list[dict[str, Any]]) -> None:
+    """Olsson's map: the loss at each position of the context (rows, log scale) at each evaluation (columns, at
+    their steps), from insight.jsonl's records; the colour is the loss."""
+    rows = [r for r in insight if r.get("position_loss")]
+    if not rows:
+        return
+    width = max(len(r["position_loss"]) for r in rows)
+    losses = np.full((len(rows), width), np.nan)  # (evaluations, positions); a missing value stays blank
+    for i, r in enumerate(rows):
+        losses[i, : len(r["position_loss"])] = [np.nan if v is None else v for v in r["position_loss"]]
+    steps = np.array([r["step"] for r in rows], dtype=float)
+    gaps = np.diff(steps) if len(steps) > 1 else np.ones(1)
+    # Each column spans halfway to its neighbours; position p spans p + 1 to p + 2 (a log axis has no 0).
+    before = np.concatenate([gaps[:1], gaps])[: len(steps)]  # the gap before each column (the first: its next)
+    step_edges = np.concatenate([steps - before / 2, steps[-1:] + gaps[-1] / 2])
+    mesh = axes.pcolormesh(step_edges, np.arange(1, width + 2), losses.T, cmap="viridis", shading="flat")
+    axes.set_yscale("log")
+    axes.set_ylabel("position in the context\n(log scale)")
+    key = axes.inset_axes([1.01, 0.0, 0.015, 1.0])  # beside the panel, so that its width matches the others'
+    axes.figure.colorbar(mesh, cax=key, label="loss (nats)")
+
+
+def mark_phase(panels: Any, history: list[dict[str, Any]]) -> None:
+    """The phase change, where last located, as a dotted line on each panel, and named above the first."""
+    phase = _points(history, "phase_change_step")
+    if not phase:
+        return
+    for axes in panels:
+        axes.axvline(phase[-1][1], color="tab:orange", linestyle=":", linewidth=1.2)
+    panels[0].set_title(f"phase change (the ICL score's fastest fall): step {int(phase[-1][1])}", fontsize=9,
+                        color="tab:orange")  # fmt: skip
+
+
 def draw_metric(axes: Any, history: list[dict[str, Any]], key: str, trained_key: str | None) -> None:
     """One task metric over the evaluations (exact match, accuracy, reward, pass@k, ...), and beside it the
     training steps' statistic it pairs with, where there is one (val_reward with each step's reward)."""
@@ -270,14 +303,9 @@ def plot_run(history: list[dict[str, Any]], path: Path, task_metrics: dict[str, 
     panels = figure.subplots(len(drawers), 1, sharex=True, squeeze=False)[:, 0]
     for draw, axes in zip(drawers, panels):
         draw(axes)
-    phase = _points(history, "phase_change_step")
     for axes in panels:
         axes.grid(alpha=0.3)
-        if phase:  # where it was last located
-            axes.axvline(phase[-1][1], color="tab:orange", linestyle=":", linewidth=1.2)
-    if phase:
-        panels[0].set_title(f"phase change (the ICL score's fastest fall): step {int(phase[-1][1])}", fontsize=9,
-                            color="tab:orange")  # fmt: skip
+    mark_phase(panels, history)
     panels[-1].set_xlabel("step")
     figure.tight_layout()
     atomic_write(path, lambda tmp: figure.savefig(tmp, format="png"))
