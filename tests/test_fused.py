@@ -466,3 +466,62 @@ def test_a_padded_vocabulary_decodes_fused_as_eager_and_never_yields_a_padded_id
     assert greedy == greedy_by_forward(model, prompt, 8)
     sampled = generate_ids(model, [prompt] * 4, max_new_tokens=16, temperature=2.0, seed=0)
     assert max(max(row) for row in sampled) < model.config.vocab_size
+
+
+def _served(model: GPT, index: int, targets: str, rank: int, seed: int) -> None:
+    """Adapter `index` with random A and B over model's `targets` layers, as `gptkit serve --lora` adds one."""
+    from gptkit.adapters import target_paths
+    from gptkit.multi_lora import serve_adapter
+
+    generator, state = torch.Generator().manual_seed(seed), {}
+    for name, module in model.named_modules():
+        if any(name.endswith(path) for path in target_paths(targets)) and name.startswith("blocks."):
+            layer = getattr(module, "base", module)
+            state[f"{name}.lora_A"] = torch.randn(rank, layer.in_features, generator=generator) * 0.3
+            state[f"{name}.lora_B"] = torch.randn(layer.out_features, rank, generator=generator) * 0.3
+    serve_adapter(model, index, state, {"rank": rank, "alpha": 2.0 * rank, "targets": targets}, f"adapter {index}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_served_adapters_decode_in_the_fused_step_each_row_its_own(activation):
+    """Rows of base, adapter 1 (all layers) and adapter 2 (attention only) in one fused step: each row's logits and
+    cache agree with the eager step's (AdapterSet layers) within the fp32 tolerance, and are the same to the bit as
+    that row decoded alone; an adapter added after the step was made is used, not ignored."""
+    from gptkit.multi_lora import rows_using
+
+    config = ModelConfig(**dict(TINY, activation=activation, vocab_size=61, block_size=64))
+    model = sharpened(config)
+    _served(model, 1, "all", 4, seed=1)
+    step = fused.step_for(model)
+    assert step is not None
+    _served(model, 2, "attention", 2, seed=2)  # after the step was made
+    rows, choice = 7, [0, 1, 2, 1, 0, 2, 1]
+    eager_cache, fused_cache = filled_caches(model, rows, None)
+    alone_cache = filled_caches(model, rows, None)[0]
+    tokens = torch.randint(0, config.vocab_size, (rows, 1), generator=torch.Generator().manual_seed(0))
+    positions = 5 + 2 * torch.arange(rows)
+    with inference(model):
+        with rows_using(model, choice):
+            eager = decode_one_token(model, tokens, eager_cache, positions)
+            together = step(model, tokens, fused_cache, positions)
+        alone = []
+        for i in range(rows):
+            with rows_using(model, [choice[i]]):
+                alone.append(step(model, tokens[i : i + 1], alone_cache.row(i, 64), positions[i : i + 1]))
+        with rows_using(model, [0] * rows):
+            base_only = step(model, tokens, filled_caches(model, rows, None)[0], positions)
+    assert torch.equal(together, torch.cat(alone))
+    written = torch.zeros(rows, config.block_size, dtype=torch.bool)
+    written[torch.arange(rows), positions] = True
+    assert_agree(eager[None], together[None], eager_cache, fused_cache, written, "fp32")
+    changed = [not torch.equal(together[i], base_only[i]) for i in range(rows)]
+    assert changed == [c != 0 for c in choice]  # the adapters' rows moved, the base's did not
+
+
+def test_a_served_adapter_outside_the_block_layers_is_refused():
+    from gptkit.multi_lora import AdapterSet
+
+    model = sharpened(ModelConfig(**TINY))
+    model.lm_head = AdapterSet(model.lm_head)
+    assert fused.uncovered(model) == "an adapter on lm_head"

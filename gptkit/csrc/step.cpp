@@ -7,6 +7,8 @@
 // Weights may be fp32, bf16, int8 or q4 (kernels.h) layer by layer; the cache fp32, bf16 or int8 (one fp32 scale
 // per row, head and position, for keys and values alike). Activations stay fp32 between the products.
 //
+// Served LoRA adapters (low_rank.h) add each row's own adapter's update to the block layers it adapts.
+//
 // The step runs in one OpenMP region: every product is split into contiguous ranges of output rows, one per thread,
 // and threads meet at a barrier where the next stage reads what the last one wrote. That is the whole saving over
 // the eager step: no operator dispatch, no tensor allocation, no return to Python between operators.
@@ -19,9 +21,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <vector>
 
 #include "kernels.h"
+#include "low_rank.h"
 
 namespace {
 
@@ -33,6 +37,9 @@ enum Cache : int64_t { kCacheF32 = 0, kCacheBF16 = 1, kCacheI8 = 2 };
 enum Setting : int64_t {
   kLayers, kWidth, kHeads, kKvHeads, kHeadDim, kHidden, kVocab, kNorm, kActivation, kPosition, kLogitsBF16, kSettings
 };
+
+// The block layers an adapter may update, numbered layer * kAdapted + which (gptkit.decoding.fused's order).
+enum Adapted : int64_t { kQkv, kProj, kFc, kDown, kAdapted };
 
 struct Layer {
   const float *norm1_w, *norm1_b, *norm2_w, *norm2_b;
@@ -83,7 +90,7 @@ class DecodeStep : public torch::CustomClassHolder {
 
   at::Tensor step(const at::Tensor& tokens, const at::Tensor& positions, std::vector<at::Tensor> keys,
                   std::vector<at::Tensor> values, std::vector<at::Tensor> key_scales,
-                  std::vector<at::Tensor> value_scales) {
+                  std::vector<at::Tensor> value_scales, const at::Tensor& adapters) {
     const int64_t B = tokens.numel();
     TORCH_CHECK(B >= 1 && positions.numel() == B, "DecodeStep: tokens with one position each expected");
     TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && tokens.is_contiguous() &&
@@ -113,6 +120,7 @@ class DecodeStep : public torch::CustomClassHolder {
       kv[l] = view(keys[l], scaled ? &key_scales[l] : nullptr, cache);
       kv[L_ + l] = view(values[l], scaled ? &value_scales[l] : nullptr, cache);
     }
+    choose_adapters(adapters, B);
     const int T = at::get_num_threads();
     reserve(B, T, longest);
     if (position_ == kRope) rope_angles(pos, B);
@@ -131,8 +139,9 @@ class DecodeStep : public torch::CustomClassHolder {
         for (int64_t b = 0; b < B; ++b) {
           normalize(x_.data() + b * D_, h_.data() + b * D_, layer.norm1_w, layer.norm1_b);
           prepare(layer.qkv, h_.data(), b);
+          low_rank_in(l * kAdapted + kQkv, h_.data(), D_, b);
         }
-        product(layer.qkv, input(h_.data()), B, qkv_.data(), qkv_width(), false, t, nt);
+        product(layer.qkv, input(h_.data()), B, qkv_.data(), qkv_width(), false, t, nt, l * kAdapted + kQkv);
 #pragma omp barrier
 #pragma omp for collapse(2)
         for (int64_t b = 0; b < B; ++b)
@@ -141,19 +150,26 @@ class DecodeStep : public torch::CustomClassHolder {
         for (int64_t b = 0; b < B; ++b)
           for (int64_t hh = 0; hh < H_; ++hh) attend(kv[l], kv[L_ + l], cache, b, hh, pos[b], t);
 #pragma omp for
-        for (int64_t b = 0; b < B; ++b) prepare(layer.proj, att_.data(), b);
-        product(layer.proj, input(att_.data()), B, x_.data(), D_, true, t, nt);
+        for (int64_t b = 0; b < B; ++b) {
+          prepare(layer.proj, att_.data(), b);
+          low_rank_in(l * kAdapted + kProj, att_.data(), H_ * HD_, b);
+        }
+        product(layer.proj, input(att_.data()), B, x_.data(), D_, true, t, nt, l * kAdapted + kProj);
 #pragma omp barrier
 #pragma omp for
         for (int64_t b = 0; b < B; ++b) {
           normalize(x_.data() + b * D_, h_.data() + b * D_, layer.norm2_w, layer.norm2_b);
           prepare(layer.fc, h_.data(), b);
+          low_rank_in(l * kAdapted + kFc, h_.data(), D_, b);
         }
-        mlp_up(layer.fc, B, t, nt);
+        mlp_up(layer.fc, B, t, nt, l * kAdapted + kFc);
 #pragma omp barrier
 #pragma omp for
-        for (int64_t b = 0; b < B; ++b) prepare(layer.down, ff_.data(), b);
-        product(layer.down, input(ff_.data()), B, x_.data(), D_, true, t, nt);
+        for (int64_t b = 0; b < B; ++b) {
+          prepare(layer.down, ff_.data(), b);
+          low_rank_in(l * kAdapted + kDown, ff_.data(), F_, b);
+        }
+        product(layer.down, input(ff_.data()), B, x_.data(), D_, true, t, nt, l * kAdapted + kDown);
 #pragma omp barrier
       }
 #pragma omp for
@@ -161,9 +177,37 @@ class DecodeStep : public torch::CustomClassHolder {
         normalize(x_.data() + b * D_, h_.data() + b * D_, normf_w_, normf_b_);
         prepare(head_, h_.data(), b);
       }
-      product(head_, input(h_.data()), B, out, V_, false, t, nt);
+      product(head_, input(h_.data()), B, out, V_, false, t, nt, -1);
     }
     return logits_bf16_ ? logits.to(at::kBFloat16) : logits;
+  }
+
+  // Adapter `slot` (1, 2, ...): for each block layer in Adapted order, its A and B (fp32; both empty where the
+  // adapter leaves the layer alone) and its scale (alpha / rank).
+  void set_adapter(int64_t slot, std::vector<at::Tensor> tensors, std::vector<double> scales) {
+    TORCH_CHECK(slot >= 1 && int64_t(tensors.size()) == 2 * kAdapted * L_ &&
+                    int64_t(scales.size()) == kAdapted * L_,
+                "DecodeStep: an adapter number from 1, an A and a B and a scale per block layer expected");
+    std::vector<lowrank::Update> updates(kAdapted * L_);
+    auto& kept = adapter_keep_[slot];
+    kept.clear();
+    for (int64_t i = 0; i < kAdapted * L_; ++i) {
+      const at::Tensor &a = tensors[2 * i], &b = tensors[2 * i + 1];
+      if (a.numel() == 0 && b.numel() == 0) continue;
+      const Layer& layer = layers_[i / kAdapted];
+      const gk::Weight& w = i % kAdapted == kQkv    ? layer.qkv
+                            : i % kAdapted == kProj ? layer.proj
+                            : i % kAdapted == kFc   ? layer.fc
+                                                    : layer.down;
+      TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.is_contiguous() &&
+                      b.is_contiguous() && a.dim() == 2 && b.dim() == 2 && a.size(1) == w.K && b.size(0) == w.N &&
+                      a.size(0) == b.size(1) && a.size(0) >= 1,
+                  "DecodeStep: an adapter's A (rank, in) and B (out, rank) must be contiguous fp32 for its layer");
+      kept.push_back(a);
+      kept.push_back(b);
+      updates[i] = {a.data_ptr<float>(), b.data_ptr<float>(), a.size(0), float(scales[i])};
+    }
+    adapters_.set(slot, std::move(updates));
   }
 
  private:
@@ -296,16 +340,17 @@ class DecodeStep : public torch::CustomClassHolder {
     return in;
   }
 
-  // y[b, n] (= or +=) w[n] . x[b] for this thread's rows n
+  // y[b, n] (= or +=) w[n] . x[b] for this thread's rows n, plus each row's adapter's update of layer `adapted`
   void product(const gk::Weight& w, const gk::Input& in, int64_t B, float* y, int64_t ldy, bool accumulate, int t,
-               int nt) {
+               int nt, int64_t adapted) {
     int64_t lo, hi;
     gk::split(w.N, t, nt, 16, &lo, &hi);
     gk::product_range(w, in, B, y, ldy, lo, hi, accumulate);
+    low_rank_out(adapted, B, y, ldy, lo, hi);
   }
 
   // ff = act(h W_fc + b) over this thread's hidden units; SwiGLU's fc holds the gate rows, then the up rows.
-  void mlp_up(const gk::Weight& fc, int64_t B, int t, int nt) {
+  void mlp_up(const gk::Weight& fc, int64_t B, int t, int nt, int64_t adapted) {
     const gk::Input in = input(h_.data());
     int64_t lo, hi;
     gk::split(F_, t, nt, 16, &lo, &hi);
@@ -313,12 +358,43 @@ class DecodeStep : public torch::CustomClassHolder {
       float* raw = up_.data();  // (B, 2F): gate then up
       gk::product_range(fc, in, B, raw, 2 * F_, lo, hi);
       gk::product_range(fc, in, B, raw, 2 * F_, F_ + lo, F_ + hi);  // the up rows land after the gate rows
+      low_rank_out(adapted, B, raw, 2 * F_, lo, hi);
+      low_rank_out(adapted, B, raw, 2 * F_, F_ + lo, F_ + hi);
       for (int64_t b = 0; b < B; ++b)
         gk::swiglu(raw + b * 2 * F_ + lo, raw + b * 2 * F_ + F_ + lo, ff_.data() + b * F_ + lo, hi - lo);
       return;
     }
     gk::product_range(fc, in, B, ff_.data(), F_, lo, hi);
+    low_rank_out(adapted, B, ff_.data(), F_, lo, hi);
     for (int64_t b = 0; b < B; ++b) gk::activate(ff_.data() + b * F_ + lo, hi - lo, act_);
+  }
+
+  // ----- served adapters -----
+
+  void choose_adapters(const at::Tensor& adapters, int64_t B) {
+    slots_ = nullptr;
+    if (adapters.numel() == 0) return;
+    TORCH_CHECK(adapters.scalar_type() == at::kLong && adapters.is_contiguous() && adapters.numel() == B,
+                "DecodeStep: one int64 adapter number per row expected");
+    slots_ = adapters.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(slots_[b] == 0 || adapters_.has(slots_[b]), "DecodeStep: adapter ", slots_[b], " was not added");
+    if (rank_values_.size() < size_t(B * adapters_.max_rank())) rank_values_.resize(B * adapters_.max_rank());
+  }
+
+  // Row b's A x (x: rows of K values) for the update of layer `adapted` its adapter makes, if any.
+  void low_rank_in(int64_t adapted, const float* x, int64_t K, int64_t b) {
+    const lowrank::Update* u = slots_ ? adapters_.find(slots_[b], adapted) : nullptr;
+    if (u) lowrank::down(*u, x + b * K, K, rank_values_.data() + b * adapters_.max_rank());
+  }
+
+  // Each row's update of layer `adapted` added to its outputs [lo, hi) of y (rows ldy apart).
+  void low_rank_out(int64_t adapted, int64_t B, float* y, int64_t ldy, int64_t lo, int64_t hi) {
+    if (!slots_) return;
+    for (int64_t b = 0; b < B; ++b) {
+      const lowrank::Update* u = adapters_.find(slots_[b], adapted);
+      if (u) lowrank::up(*u, rank_values_.data() + b * adapters_.max_rank(), y + b * ldy, lo, hi);
+    }
   }
 
   void rope_angles(const int64_t* pos, int64_t B) {
@@ -433,6 +509,10 @@ class DecodeStep : public torch::CustomClassHolder {
   std::vector<int8_t> xq_;
   std::vector<float> dsum_;
   size_t scores_stride_ = 0;
+  lowrank::Adapters adapters_;
+  std::map<int64_t, std::vector<at::Tensor>> adapter_keep_;  // the tensors each adapter's pointers point into
+  const int64_t* slots_ = nullptr;  // this step's adapter number per row (nullptr: none)
+  std::vector<float> rank_values_;  // (B, max rank): each row's A x for the layer being computed
 };
 
 }  // namespace
@@ -440,5 +520,6 @@ class DecodeStep : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(gptkit, m) {
   m.class_<DecodeStep>("DecodeStep")
       .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>>())
-      .def("step", &DecodeStep::step);
+      .def("step", &DecodeStep::step)
+      .def("set_adapter", &DecodeStep::set_adapter);
 }

@@ -9,8 +9,9 @@ It covers the models `gptkit convert --to-gguf` writes and more: pre-norm blocks
 (tanh or erf), ReLU or SwiGLU, learned, rotary or no positions, grouped-query attention, biases anywhere, a tied or
 own LM head with or without a bias, a padded vocabulary (the step computes every row of the head; the padded
 logits are dropped); fp32 or bf16 weights, int8 or int4 layers; an fp32, bf16 or int8 KV cache;
-any number of rows. A model holding any module, parameter or buffer the step does not compute (an adapter around a
-layer, a module or parameter added to a block) is refused by what it holds, whatever its configuration says.
+any number of rows; served LoRA adapters (gptkit.multi_lora's AdapterSet layers), each row its own. A model holding
+any module, parameter or buffer the step does not compute (a training adapter around a layer, a module or parameter
+added to a block) is refused by what it holds, whatever its configuration says.
 Anything else decodes with the eager step, and the reason is logged once. Like gptkit's CPU kernels it is used
 where a measurement on this machine finds it faster than the eager step (cpu_kernels.measured: at one row, and for
 batches past MAX_ROWS at each of WIDE_ROWS in turn) and where the kernels' library is loaded (a first build runs in
@@ -33,6 +34,7 @@ from gptkit.config import ModelConfig
 from gptkit.decoding.step import Step, base, decode_one_token, inference
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT, Block, CausalSelfAttention, FeedForward, Linear, RMSNorm
+from gptkit.multi_lora import AdapterSet, adapter_sets
 from gptkit.quantization import Int4Linear, Int8Linear
 
 log = logging.getLogger("gptkit.decoding")
@@ -51,7 +53,7 @@ _LOGGED: set[str] = set()
 
 # The modules the step computes, by exact type (a subclass may compute something else); a norm by config.norm.
 _COMPUTED = (GPT, Block, CausalSelfAttention, FeedForward, nn.ModuleList, nn.Embedding, nn.Dropout, Linear, nn.Linear,
-             Int8Linear, Int4Linear)  # fmt: skip
+             Int8Linear, Int4Linear, AdapterSet)  # fmt: skip
 _NORM_TYPES = {"layernorm": nn.LayerNorm, "rmsnorm": RMSNorm}
 
 
@@ -73,7 +75,7 @@ def uncovered(model: GPT) -> str | None:
     dtype = model.tok_emb.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         return f"{dtype} weights"
-    return _unknown_part(model) or _layer_dtypes(model, dtype)
+    return _unknown_part(model) or _layer_dtypes(model, dtype) or _misplaced_adapter(model)
 
 
 def _unknown_part(model: GPT) -> str | None:
@@ -87,6 +89,22 @@ def _unknown_part(model: GPT) -> str | None:
         for name, tensor in named:
             if id(tensor) not in read:
                 return f"the {kind} {name}, which it does not read"
+    return None
+
+
+def _adapted_layers(model: GPT) -> list[nn.Module]:
+    """The block layers a served adapter may update, in the order the native step numbers them (csrc/step.cpp's
+    Adapted: per block q/k/v, output projection, MLP up, MLP down)."""
+    return [layer for block in model.blocks
+            for layer in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj)]  # fmt: skip
+
+
+def _misplaced_adapter(model: GPT) -> str | None:
+    """A served adapter's layer where the step does not apply updates (anywhere but the block layers above)."""
+    placed = {id(layer) for layer in _adapted_layers(model)}
+    for name, layer in adapter_sets(model).items():
+        if id(layer) not in placed:
+            return f"an adapter on {name}"
     return None
 
 
@@ -113,18 +131,21 @@ def step_for(model: GPT) -> Step | None:
         return None
     if not cpu_kernels.measured("fused_step", _faster_than_eager):
         return None
-    plan = _plan(model)
+    plan, planned = _plan(model), _adapters_now(model)
     vocab = model.config.vocab_size
 
     def fused(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int) -> Tensor:
+        nonlocal plan, planned
         rows = tokens.size(0)
         if not covers(rows):
             return decode_one_token(model, tokens, cache, positions)
         if isinstance(positions, int):
             positions = torch.full((rows,), positions, dtype=torch.long)
+        if _adapters_now(model) != planned:  # an adapter added or removed since the plan
+            plan, planned = _plan(model), _adapters_now(model)
         with torch.profiler.record_function("gptkit::fused_step"):  # one named entry in a profile (a few us)
             logits = plan.step(tokens.reshape(rows), positions.to(torch.long).contiguous(), cache.keys, cache.values,
-                               cache.key_scales, cache.value_scales)  # fmt: skip
+                               cache.key_scales, cache.value_scales, _row_adapters(model, rows))  # fmt: skip
         return logits[:, :vocab] if logits.size(-1) != vocab else logits  # (rows, V): a padded head's rows dropped
 
     return fused
@@ -163,10 +184,46 @@ def _plan(model: GPT) -> torch.ScriptObject:
     if not model.__dict__.get("_gptkit_huge_pages"):  # once per model: its weights stream faster from 2 MiB pages
         model.__dict__["_gptkit_huge_pages"] = True
         cpu_kernels.back_with_huge_pages(tensors)
-    return torch.classes.gptkit.DecodeStep(settings, [config.norm_eps, config.rope_theta], tensors)
+    plan = torch.classes.gptkit.DecodeStep(settings, [config.norm_eps, config.rope_theta], tensors)
+    _add_adapters(plan, model)
+    return plan
+
+
+def _add_adapters(plan: torch.ScriptObject, model: GPT) -> None:
+    """Each served adapter's updates of the block layers, by adapter number, into the native step."""
+    layers = _adapted_layers(model)
+    for slot in sorted({k for layer in adapter_sets(model).values() for k in layer.updates}):
+        tensors, scales = [], []
+        for layer in layers:
+            update = layer.updates.get(slot) if isinstance(layer, AdapterSet) else None
+            a, b, scale = update if update is not None else (_NONE, _NONE, 0.0)
+            tensors += [a.contiguous(), b.contiguous()]
+            scales.append(scale)
+        plan.set_adapter(slot, tensors, scales)
+
+
+def _adapters_now(model: GPT) -> tuple:
+    """What the model's served adapters are now (which tensors, by identity, and scales): a plan made under another
+    answer is stale."""
+    return tuple((name, slot, id(a), id(b), scale) for name, layer in adapter_sets(model).items()
+                 for slot, (a, b, scale) in sorted(layer.updates.items()))  # fmt: skip
+
+
+def _row_adapters(model: GPT, rows: int) -> Tensor:
+    """Each row's adapter number for the forward under way (multi_lora.rows_using; 0: the base), or an empty
+    tensor when no row has one."""
+    layers = adapter_sets(model)
+    groups = next(iter(layers.values())).groups if layers else []
+    if not groups:
+        return _NO_ADAPTERS
+    slots = torch.zeros(rows, dtype=torch.long)
+    for adapter, chosen in groups:
+        slots[chosen.cpu()] = adapter
+    return slots
 
 
 _NONE = torch.empty(0)
+_NO_ADAPTERS = torch.empty(0, dtype=torch.long)
 
 
 def _norm(norm: nn.Module) -> list[Tensor]:
@@ -174,6 +231,7 @@ def _norm(norm: nn.Module) -> list[Tensor]:
 
 
 def _linear(layer: nn.Module) -> list[Tensor]:
+    layer = layer.base if isinstance(layer, AdapterSet) else layer  # (its updates: _add_adapters)
     bias = layer.bias if layer.bias is not None else _NONE
     if isinstance(layer, (Int8Linear, Int4Linear)):
         return [layer.weight, layer.scales, bias]
@@ -194,5 +252,5 @@ def _faster_than_eager(rows: int = 1) -> bool:
     positions = [torch.full((rows,), p) for p in range(start, start + count)]
     with inference(model):
         return cpu_kernels.faster(
-            lambda: [plan.step(tokens[:, 0], p, cache.keys, cache.values, [], []) for p in positions],
+            lambda: [plan.step(tokens[:, 0], p, cache.keys, cache.values, [], [], _NO_ADAPTERS) for p in positions],
             lambda: [decode_one_token(model, tokens, cache, p) for p in range(start, start + count)], rounds=3)
