@@ -306,8 +306,9 @@ inline void in_register(V& v) { asm volatile("" : "+v"(v)); }
 
 // NR weight rows against MR activation rows (out[m * ldo + n] = row n . x[m]), for fp32 batches of kTilesFromRows
 // rows or more, where the products are bound by arithmetic rather than by reading the weights: each weight vector
-// loaded serves MR rows and each activation vector NR rows (row_f32 loads one activation vector per multiply-add). Every (m, n) sum takes
-// row_f32's operations in row_f32's order (two chains, then the tail), so its result is row_f32's to the bit.
+// loaded serves MR rows and each activation vector NR rows (row_f32 loads one activation vector per multiply-add).
+// Every (m, n) sum takes row_f32's operations in row_f32's order (two chains, then the tail), so its result is
+// row_f32's to the bit.
 template <int NR, int MR>
 inline void tile_f32(const float* w, const float* x, int64_t K, float* out, int64_t ldo) {
   constexpr int C = chains<MR>();

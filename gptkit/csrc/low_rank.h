@@ -38,21 +38,37 @@ class Adapters {
     return u.a ? &u : nullptr;
   }
 
-  int64_t max_rank() const { return max_rank_; }
+  // This step's adapter number per row (nullptr: no row has one; each number checked with has()).
+  void choose(const int64_t* slots, int64_t rows) {
+    slots_ = slots;
+    if (slots && values_.size() < size_t(rows * max_rank_)) values_.resize(rows * max_rank_);
+  }
+
+  // Row b's A x (x: rows of K values) for its adapter's update of layer `index`, if it has one.
+  void down(int64_t index, const float* x, int64_t K, int64_t b) {
+    const Update* u = slots_ ? find(slots_[b], index) : nullptr;
+    if (!u) return;
+    float* t = values_.data() + b * max_rank_;
+    for (int64_t r = 0; r < u->rank; ++r) t[r] = gk::dot(u->a + r * K, x + b * K, K);
+  }
+
+  // y[b, n] += scale * (B[n] . A x[b]) for each row b with an update of layer `index`, outputs n in [lo, hi)
+  // (y's rows ldy apart): after down() for every row.
+  void up(int64_t index, int64_t rows, float* y, int64_t ldy, int64_t lo, int64_t hi) const {
+    if (!slots_) return;
+    for (int64_t b = 0; b < rows; ++b) {
+      const Update* u = find(slots_[b], index);
+      if (!u) continue;
+      const float* t = values_.data() + b * max_rank_;
+      for (int64_t n = lo; n < hi; ++n) y[b * ldy + n] += gk::dot(u->b + n * u->rank, t, u->rank) * u->scale;
+    }
+  }
 
  private:
   std::vector<std::vector<Update>> by_slot_;
   int64_t max_rank_ = 0;
+  const int64_t* slots_ = nullptr;
+  std::vector<float> values_;  // (rows, max rank): each row's A x for the layer being computed
 };
-
-// t = A x for one row (K inputs, rank outputs).
-inline void down(const Update& u, const float* x, int64_t K, float* t) {
-  for (int64_t r = 0; r < u.rank; ++r) t[r] = gk::dot(u.a + r * K, x, K);
-}
-
-// y[n] += scale * (B[n] . t) for the outputs n in [lo, hi) of one row.
-inline void up(const Update& u, const float* t, float* y, int64_t lo, int64_t hi) {
-  for (int64_t n = lo; n < hi; ++n) y[n] += gk::dot(u.b + n * u.rank, t, u.rank) * u.scale;
-}
 
 }  // namespace lowrank

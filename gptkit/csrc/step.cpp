@@ -139,7 +139,7 @@ class DecodeStep : public torch::CustomClassHolder {
         for (int64_t b = 0; b < B; ++b) {
           normalize(x_.data() + b * D_, h_.data() + b * D_, layer.norm1_w, layer.norm1_b);
           prepare(layer.qkv, h_.data(), b);
-          low_rank_in(l * kAdapted + kQkv, h_.data(), D_, b);
+          adapters_.down(l * kAdapted + kQkv, h_.data(), D_, b);
         }
         product(layer.qkv, input(h_.data()), B, qkv_.data(), qkv_width(), false, t, nt, l * kAdapted + kQkv);
 #pragma omp barrier
@@ -152,7 +152,7 @@ class DecodeStep : public torch::CustomClassHolder {
 #pragma omp for
         for (int64_t b = 0; b < B; ++b) {
           prepare(layer.proj, att_.data(), b);
-          low_rank_in(l * kAdapted + kProj, att_.data(), H_ * HD_, b);
+          adapters_.down(l * kAdapted + kProj, att_.data(), H_ * HD_, b);
         }
         product(layer.proj, input(att_.data()), B, x_.data(), D_, true, t, nt, l * kAdapted + kProj);
 #pragma omp barrier
@@ -160,14 +160,14 @@ class DecodeStep : public torch::CustomClassHolder {
         for (int64_t b = 0; b < B; ++b) {
           normalize(x_.data() + b * D_, h_.data() + b * D_, layer.norm2_w, layer.norm2_b);
           prepare(layer.fc, h_.data(), b);
-          low_rank_in(l * kAdapted + kFc, h_.data(), D_, b);
+          adapters_.down(l * kAdapted + kFc, h_.data(), D_, b);
         }
         mlp_up(layer.fc, B, t, nt, l * kAdapted + kFc);
 #pragma omp barrier
 #pragma omp for
         for (int64_t b = 0; b < B; ++b) {
           prepare(layer.down, ff_.data(), b);
-          low_rank_in(l * kAdapted + kDown, ff_.data(), F_, b);
+          adapters_.down(l * kAdapted + kDown, ff_.data(), F_, b);
         }
         product(layer.down, input(ff_.data()), B, x_.data(), D_, true, t, nt, l * kAdapted + kDown);
 #pragma omp barrier
@@ -346,7 +346,7 @@ class DecodeStep : public torch::CustomClassHolder {
     int64_t lo, hi;
     gk::split(w.N, t, nt, 16, &lo, &hi);
     gk::product_range(w, in, B, y, ldy, lo, hi, accumulate);
-    low_rank_out(adapted, B, y, ldy, lo, hi);
+    adapters_.up(adapted, B, y, ldy, lo, hi);
   }
 
   // ff = act(h W_fc + b) over this thread's hidden units; SwiGLU's fc holds the gate rows, then the up rows.
@@ -358,43 +358,27 @@ class DecodeStep : public torch::CustomClassHolder {
       float* raw = up_.data();  // (B, 2F): gate then up
       gk::product_range(fc, in, B, raw, 2 * F_, lo, hi);
       gk::product_range(fc, in, B, raw, 2 * F_, F_ + lo, F_ + hi);  // the up rows land after the gate rows
-      low_rank_out(adapted, B, raw, 2 * F_, lo, hi);
-      low_rank_out(adapted, B, raw, 2 * F_, F_ + lo, F_ + hi);
+      adapters_.up(adapted, B, raw, 2 * F_, lo, hi);
+      adapters_.up(adapted, B, raw, 2 * F_, F_ + lo, F_ + hi);
       for (int64_t b = 0; b < B; ++b)
         gk::swiglu(raw + b * 2 * F_ + lo, raw + b * 2 * F_ + F_ + lo, ff_.data() + b * F_ + lo, hi - lo);
       return;
     }
     gk::product_range(fc, in, B, ff_.data(), F_, lo, hi);
-    low_rank_out(adapted, B, ff_.data(), F_, lo, hi);
+    adapters_.up(adapted, B, ff_.data(), F_, lo, hi);
     for (int64_t b = 0; b < B; ++b) gk::activate(ff_.data() + b * F_ + lo, hi - lo, act_);
   }
 
   // ----- served adapters -----
 
   void choose_adapters(const at::Tensor& adapters, int64_t B) {
-    slots_ = nullptr;
-    if (adapters.numel() == 0) return;
+    if (adapters.numel() == 0) return adapters_.choose(nullptr, B);
     TORCH_CHECK(adapters.scalar_type() == at::kLong && adapters.is_contiguous() && adapters.numel() == B,
                 "DecodeStep: one int64 adapter number per row expected");
-    slots_ = adapters.data_ptr<int64_t>();
+    const int64_t* slots = adapters.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK(slots_[b] == 0 || adapters_.has(slots_[b]), "DecodeStep: adapter ", slots_[b], " was not added");
-    if (rank_values_.size() < size_t(B * adapters_.max_rank())) rank_values_.resize(B * adapters_.max_rank());
-  }
-
-  // Row b's A x (x: rows of K values) for the update of layer `adapted` its adapter makes, if any.
-  void low_rank_in(int64_t adapted, const float* x, int64_t K, int64_t b) {
-    const lowrank::Update* u = slots_ ? adapters_.find(slots_[b], adapted) : nullptr;
-    if (u) lowrank::down(*u, x + b * K, K, rank_values_.data() + b * adapters_.max_rank());
-  }
-
-  // Each row's update of layer `adapted` added to its outputs [lo, hi) of y (rows ldy apart).
-  void low_rank_out(int64_t adapted, int64_t B, float* y, int64_t ldy, int64_t lo, int64_t hi) {
-    if (!slots_) return;
-    for (int64_t b = 0; b < B; ++b) {
-      const lowrank::Update* u = adapters_.find(slots_[b], adapted);
-      if (u) lowrank::up(*u, rank_values_.data() + b * adapters_.max_rank(), y + b * ldy, lo, hi);
-    }
+      TORCH_CHECK(slots[b] == 0 || adapters_.has(slots[b]), "DecodeStep: adapter ", slots[b], " was not added");
+    adapters_.choose(slots, B);
   }
 
   void rope_angles(const int64_t* pos, int64_t B) {
@@ -511,8 +495,6 @@ class DecodeStep : public torch::CustomClassHolder {
   size_t scores_stride_ = 0;
   lowrank::Adapters adapters_;
   std::map<int64_t, std::vector<at::Tensor>> adapter_keep_;  // the tensors each adapter's pointers point into
-  const int64_t* slots_ = nullptr;  // this step's adapter number per row (nullptr: none)
-  std::vector<float> rank_values_;  // (B, max rank): each row's A x for the layer being computed
 };
 
 }  // namespace
