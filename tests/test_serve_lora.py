@@ -58,7 +58,8 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(dirs):
-    options = ServeOptions(max_batch_size=8, api_key=KEY, lora=(f"a={dirs['a']}", f"b={dirs['b']}"))
+    # (c, beside the base, is left for the run-time loading test.)
+    options = ServeOptions(max_batch_size=8, api_key=KEY, lora=(f"a={dirs['a']}", f"b={dirs['b']}"), lora_beside=False)
     app = build_app(dirs["base"], options)
     with live_server(app) as url:
         yield url, app.state.gptkit
@@ -166,3 +167,27 @@ def test_an_adapter_trained_on_another_base_is_refused_in_one_line(dirs, tmp_pat
         build_app(other, ServeOptions(lora=(f"a={dirs['a']}",)))
     with pytest.raises(GptkitError, match="NAME=DIR"):
         build_app(dirs["base"], ServeOptions(lora=(str(dirs["a"]),)))
+
+
+def test_adapters_beside_the_base_are_served_under_their_names(dirs, tmp_path, caplog):
+    # In the base's folder: a, b and c (trained on it), "x y" (a copy of a whose name no request could send) and
+    # other/ (a LoRA directory trained on another base): the three are served, the other two skipped in one line each.
+    import shutil
+
+    root = dirs["base"].parent
+    shutil.copytree(dirs["a"], root / "x y")
+    torch.manual_seed(5)
+    other_base = save_model_dir(GPT(ModelConfig(vocab_size=257, block_size=256, n_layer=2, n_head=2, n_embd=32)),
+                                tmp_path / "other-base", tokenizer=ByteTokenizer())  # fmt: skip
+    _lora(other_base, root / "other", 4, "all", 2)
+    try:
+        with caplog.at_level("INFO", logger="gptkit"):
+            state = build_app(dirs["base"], ServeOptions(lora=(f"mine={dirs['a']}", f"c={dirs['b']}"))).state.gptkit
+        served = {name: Path(adapter.path).name for name, adapter in state.adapters.adapters.items()}
+        assert served == {"mine": "a", "c": "b", "a": "a", "b": "b"}  # --lora's c wins over the c beside it
+        skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("not serving")]
+        assert len(skipped) == 2 and "trained on another base" in " ".join(skipped), skipped
+        assert build_app(dirs["base"], ServeOptions(lora_beside=False)).state.gptkit.adapters is None
+    finally:
+        shutil.rmtree(root / "x y")
+        shutil.rmtree(root / "other")

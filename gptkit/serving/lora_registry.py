@@ -74,3 +74,14 @@ class AdapterRegistry:
     def indices(self) -> set[int]:
         """The numbers in use."""
         return {adapter.index for adapter in self.adapters.values()}
+
+
+def adapters_beside(model_dir: str | Path) -> dict[str, Path]:
+    """The LoRA directories in the folder holding model_dir, by directory name (whether each was trained on this
+    base is AdapterRegistry.add's check); none where model_dir is not a path on disk."""
+    base = Path(model_dir)
+    if not base.exists():
+        return {}
+    base = base.resolve()
+    return {path.name: path for path in sorted(base.parent.iterdir())
+            if path != base and path.is_dir() and is_lora_dir(path)}  # fmt: skip

@@ -25,7 +25,7 @@ from gptkit.serving.middleware import is_loopback
 from gptkit.serving.state import ServerState
 from gptkit.adapters import fingerprint
 from gptkit.serving.embeddings import POOLINGS
-from gptkit.serving.lora_registry import AdapterRegistry
+from gptkit.serving.lora_registry import AdapterRegistry, adapters_beside
 from gptkit.weights import model_state
 from gptkit.serving.engine import Engine
 
@@ -82,6 +82,9 @@ class ServeOptions:
         "help": "also serve a LoRA fine-tune of this base under a name of its own: requests naming it in `model` "
                 "decode through its adapters, in the same batches as the base and other adapters; repeatable",
         "repeatable": True, "metavar": "NAME=DIR"})  # fmt: skip
+    lora_beside: bool = field(default=True, metadata={
+        "help": "also serve each LoRA directory found beside the base (in the folder that holds it) that was "
+                "trained on it, under the directory's name"})  # fmt: skip
     pooling: str = field(default="mean", metadata={
         "help": "how /v1/embeddings makes one vector of a text's final hidden states: mean (every token) or last "
                 "(the last token's)", "choices": ("mean", "last")})  # fmt: skip
@@ -108,13 +111,11 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     dtype = getattr(torch, options.dtype)
     model, tokenizer = load(model_dir, device=pick_device(options.device), dtype=dtype)  # float or saved-quantised
     served_name = options.model_name or Path(model_dir).resolve().name
-    adapters = _adapter_registry(model, options, served_name)  # fingerprinted before quantisation changes the weights
+    beside = _found_beside(model_dir, options)
+    adapters = _adapter_registry(model, options, served_name, bool(beside))  # hashed before quantisation
     if options.quantize is not None and not is_quantized(model):
         model = quantize(model, options.quantize)
-    for spec in options.lora:
-        name, _, path = spec.partition("=")
-        adapters.add(model, name, path)
-        log.info("serving adapter %r from %s", name, path)
+    _add_adapters(model, adapters, options, beside)
     if tokenizer is None:
         raise GptkitError(f"{model_dir} has no tokenizer files; the server needs one to read and write text")
     engine = Engine(model, tokenizer, options.max_batch_size, options.max_queue, options.compile, options.max_context,
@@ -170,16 +171,45 @@ def _check_options(options: ServeOptions) -> None:
         raise GptkitError(f"--quantize must be one of {', '.join(METHODS)}, got {options.quantize!r}")
 
 
-def _adapter_registry(model: Any, options: ServeOptions, name: str) -> AdapterRegistry | None:
-    """Where served adapters are kept: present when --lora is given, or adapters may be loaded at run time (an API
-    key guards that); None otherwise, sparing the weights' hash."""
+def _found_beside(model_dir: str | Path, options: ServeOptions) -> dict[str, Path]:
+    """The LoRA directories beside the base that may be served: none named like a --lora adapter (that one wins),
+    none at all under --compile or --no-lora-beside (said in a log line)."""
+    named = {spec.partition("=")[0] for spec in options.lora}
+    beside = {name: path for name, path in adapters_beside(model_dir).items() if name not in named}
+    if beside and (options.compile or not options.lora_beside):
+        log.info("not serving the LoRA directories beside the base (%s): %s", ", ".join(beside),
+                 "--compile takes no adapters" if options.lora_beside else "--no-lora-beside")  # fmt: skip
+        return {}
+    return beside
+
+
+def _add_adapters(model: Any, adapters: AdapterRegistry | None, options: ServeOptions,
+                  beside: dict[str, Path]) -> None:  # fmt: skip
+    """Serve each --lora adapter (an error if it cannot be) and each one found beside the base (skipped, in a log
+    line, if it cannot be: it was not asked for)."""
+    for spec in options.lora:
+        name, _, path = spec.partition("=")
+        adapters.add(model, name, path)
+        log.info("serving adapter %r from %s", name, path)
+    for name, path in beside.items():
+        try:
+            adapters.add(model, name, path)
+        except GptkitError as err:  # trained on another base, or a name a request cannot send
+            log.info("not serving %s, found beside the base: %s", path, err)
+            continue
+        log.info("serving adapter %r found beside the base (%s)", name, path)
+
+
+def _adapter_registry(model: Any, options: ServeOptions, name: str, found: bool) -> AdapterRegistry | None:
+    """Where served adapters are kept: present when --lora is given, adapters were found beside the base, or
+    adapters may be loaded at run time (an API key guards that); None otherwise, sparing the weights' hash."""
     bad = next((spec for spec in options.lora if "=" not in spec), None)
     if bad is not None:
         raise GptkitError(f"--lora {bad!r}: give NAME=DIR, the name requests send as `model` and a LoRA directory")
     if options.lora and options.compile:
         raise GptkitError("--lora cannot be used with --compile: each batch applies its rows' adapters, which a "
                           "compiled step cannot follow; leave out --compile")  # fmt: skip
-    if not options.lora and not options.api_key:
+    if not options.lora and not found and not options.api_key:
         return None
     return AdapterRegistry(name, fingerprint(model_state(model)))
 
