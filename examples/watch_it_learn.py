@@ -17,8 +17,8 @@ Run: python examples/watch_it_learn.py [--out runs/watch-it-learn] [--steps 8000
      python examples/watch_it_learn.py --plot-only --out runs/watch-it-learn   # redraw from an existing run
 The page goes to RUN_DIR/watch_it_learn.png unless --figure names another file: a run never changes the
 repository's own files (docs/watch_it_learn.png is the reference run's page). --steps N runs the recipe's schedule
-scaled to N steps (warm-up, decay, evaluations and checkpoints at the same fractions of the run); the change comes
-at about step 4,600 whatever the schedule, so a much shorter run ends before it.
+scaled to N steps (warm-up, decay, evaluations and checkpoints at the same fractions of the run); the reference
+run's change came at about step 4,600, so a much shorter run can be expected to end before it.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def scaled_schedule(steps: int, recipe: Path = CONFIG) -> list[str]:
     """The flags that run the recipe's schedule in `steps` steps: its warm-up, decay, evaluations and checkpoints at
-    the same fractions of the run (2000 steps evaluated every 250: 500 steps every 62)."""
+    the same fractions of the run (8000 steps evaluated every 100: 500 steps every 6)."""
     settings = yaml.safe_load(recipe.read_text())
     scale = steps / settings["train"]["max_steps"]
     flags = ["--train.max_steps", str(steps)]
@@ -221,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
+    """Prepare the data if missing, train the recipe (unless --plot-only), print the figures and draw the page."""
     args = build_parser().parse_args()
     if not args.plot_only:
         if not (DATA / "meta.json").is_file():

@@ -68,29 +68,58 @@ def serve_adapter(model: nn.Module, index: int, state: dict[str, Tensor], settin
         layer.updates[index] = (a.to(device, torch.float32), b.to(device, torch.float32), scaling)
         return layer
 
+    _changed(model)
     wrap_block_layers(model, target_paths(str(settings["targets"])), add)
 
 
 def remove_adapter(model: nn.Module, index: int) -> None:
     """Drop adapter `index` from every layer (its number may be reused)."""
+    _changed(model)
     for layer in adapter_sets(model).values():
         layer.updates.pop(index, None)
+
+
+# Kept in the model's __dict__ (not attributes: a module's attributes are its parameters and children), so that the
+# fused decode step reads them in constant time at every step instead of walking the model's modules.
+_VERSION, _ROWS = "_gptkit_adapters_version", "_gptkit_row_adapters"
+
+
+def _changed(model: nn.Module) -> None:
+    gpt = _module(model)
+    gpt.__dict__[_VERSION] = gpt.__dict__.get(_VERSION, 0) + 1
+
+
+def adapters_version(model: nn.Module) -> int:
+    """A number that changes whenever an adapter is served or removed (0: never)."""
+    return _module(model).__dict__.get(_VERSION, 0)
+
+
+def row_adapters(model: nn.Module) -> Tensor | None:
+    """Each row's adapter number (int64, on the CPU) within rows_using, where some row has one; else None."""
+    return _module(model).__dict__.get(_ROWS)
 
 
 @contextlib.contextmanager
 def rows_using(model: nn.Module, adapters: list[int]) -> Iterator[None]:
     """Within the block, row i of model's forward passes applies adapter adapters[i] (0: none)."""
-    layers = list(adapter_sets(model).values())
-    if not layers or not any(adapters):
+    if not any(adapters):
         yield
         return
-    device = _module(model).tok_emb.weight.device
+    layers = list(adapter_sets(model).values())
+    served = {k for layer in layers for k in layer.updates}
+    unknown = sorted(set(adapters) - served - {0})
+    if unknown:  # else its rows would silently decode on the base
+        raise GptkitError(f"adapter {unknown[0]} is not served on this model (served: {sorted(served)})")
+    gpt = _module(model)
     chosen = torch.tensor(adapters)
-    groups = [(int(k), (chosen == k).nonzero()[:, 0].to(device)) for k in chosen.unique().tolist() if k != 0]
+    groups = [(int(k), (chosen == k).nonzero()[:, 0].to(gpt.tok_emb.weight.device))
+              for k in chosen.unique().tolist() if k != 0]  # fmt: skip
     for layer in layers:
         layer.groups = groups
+    gpt.__dict__[_ROWS] = chosen
     try:
         yield
     finally:
         for layer in layers:
             layer.groups = []
+        gpt.__dict__.pop(_ROWS, None)

@@ -11,6 +11,7 @@ from torch import nn
 
 from gptkit import cpu_kernels, kernel_cache
 from gptkit.adapters import add_lora
+from gptkit.errors import GptkitError
 from gptkit.config import ModelConfig
 from gptkit.decoding import batch, fused
 from gptkit.decoding.api import complete, generate_ids
@@ -483,40 +484,54 @@ def _served(model: GPT, index: int, targets: str, rank: int, seed: int) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_served_adapters_decode_in_the_fused_step_each_row_its_own(activation):
-    """Rows of base, adapter 1 (all layers) and adapter 2 (attention only) in one fused step: each row's logits and
-    cache agree with the eager step's (AdapterSet layers) within the fp32 tolerance, and are the same to the bit as
-    that row decoded alone; an adapter added after the step was made is used, not ignored."""
-    from gptkit.multi_lora import rows_using
+@pytest.mark.parametrize("activation, threads", [("gelu", 1), ("swiglu", 3)])
+def test_served_adapters_decode_in_the_fused_step_each_row_its_own(activation, threads):
+    """Rows of base, adapter 1 (all layers, rank 17: past one vector of the step's rank dots) and adapter 2
+    (attention only) in one fused step, 40 wide (a vector tail): each row's logits and cache agree with the eager
+    step's (AdapterSet layers) within the fp32 tolerance, and are the same to the bit as that row decoded alone; an
+    adapter added, or removed and served again, after the step was made is used; an unknown one is an error."""
+    from gptkit.multi_lora import remove_adapter, rows_using
 
-    config = ModelConfig(**dict(TINY, activation=activation, vocab_size=61, block_size=64))
+    config = ModelConfig(**dict(TINY, n_embd=40, activation=activation, vocab_size=61, block_size=64))
     model = sharpened(config)
-    _served(model, 1, "all", 4, seed=1)
+    _served(model, 1, "all", 17, seed=1)
     step = fused.step_for(model)
     assert step is not None
     _served(model, 2, "attention", 2, seed=2)  # after the step was made
     rows, choice = 7, [0, 1, 2, 1, 0, 2, 1]
-    eager_cache, fused_cache = filled_caches(model, rows, None)
-    alone_cache = filled_caches(model, rows, None)[0]
     tokens = torch.randint(0, config.vocab_size, (rows, 1), generator=torch.Generator().manual_seed(0))
     positions = 5 + 2 * torch.arange(rows)
-    with inference(model):
-        with rows_using(model, choice):
+    written = torch.zeros(rows, config.block_size, dtype=torch.bool)
+    written[torch.arange(rows), positions] = True
+
+    def decode(adapters: list[int]) -> tuple[torch.Tensor, ...]:
+        eager_cache, fused_cache = filled_caches(model, rows, None)
+        alone_cache = filled_caches(model, rows, None)[0]
+        with inference(model), rows_using(model, adapters):
             eager = decode_one_token(model, tokens, eager_cache, positions)
             together = step(model, tokens, fused_cache, positions)
         alone = []
         for i in range(rows):
-            with rows_using(model, [choice[i]]):
+            with inference(model), rows_using(model, [adapters[i]]):
                 alone.append(step(model, tokens[i : i + 1], alone_cache.row(i, 64), positions[i : i + 1]))
-        with rows_using(model, [0] * rows):
-            base_only = step(model, tokens, filled_caches(model, rows, None)[0], positions)
-    assert torch.equal(together, torch.cat(alone))
-    written = torch.zeros(rows, config.block_size, dtype=torch.bool)
-    written[torch.arange(rows), positions] = True
-    assert_agree(eager[None], together[None], eager_cache, fused_cache, written, "fp32")
-    changed = [not torch.equal(together[i], base_only[i]) for i in range(rows)]
-    assert changed == [c != 0 for c in choice]  # the adapters' rows moved, the base's did not
+        assert torch.equal(together, torch.cat(alone))
+        assert_agree(eager[None], together[None], eager_cache, fused_cache, written, "fp32")
+        return together
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together, base_only = decode(choice), decode([0] * rows)
+        changed = [not torch.equal(together[i], base_only[i]) for i in range(rows)]
+        assert changed == [c != 0 for c in choice]  # the adapters' rows moved, the base's did not
+        remove_adapter(model, 2)
+        _served(model, 2, "attention", 2, seed=3)  # the same number, other weights
+        again = decode(choice)
+        assert [not torch.equal(again[i], together[i]) for i in range(rows)] == [c == 2 for c in choice]
+        with pytest.raises(GptkitError, match="adapter 5 is not served"), rows_using(model, [0, 5]):
+            pass
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_served_adapter_outside_the_block_layers_is_refused():

@@ -169,9 +169,10 @@ def test_an_adapter_trained_on_another_base_is_refused_in_one_line(dirs, tmp_pat
         build_app(dirs["base"], ServeOptions(lora=(str(dirs["a"]),)))
 
 
-def test_adapters_beside_the_base_are_served_under_their_names(dirs, tmp_path, caplog):
-    # In the base's folder: a, b and c (trained on it), "x y" (a copy of a whose name no request could send) and
-    # other/ (a LoRA directory trained on another base): the three are served, the other two skipped in one line each.
+def test_adapters_beside_the_base_are_served_under_their_names_when_asked(dirs, tmp_path, caplog):
+    # In the base's folder: a (also given by --lora), b and c (trained on it), "x y" (a copy of a whose name no
+    # request could send) and other/ (trained on another base): b and c are served beside --lora's, the last two
+    # are skipped in one line each, and nothing is searched for without --lora-beside.
     import shutil
 
     root = dirs["base"].parent
@@ -182,12 +183,37 @@ def test_adapters_beside_the_base_are_served_under_their_names(dirs, tmp_path, c
     _lora(other_base, root / "other", 4, "all", 2)
     try:
         with caplog.at_level("INFO", logger="gptkit"):
-            state = build_app(dirs["base"], ServeOptions(lora=(f"mine={dirs['a']}", f"c={dirs['b']}"))).state.gptkit
+            options = ServeOptions(lora=(f"mine={dirs['a']}",), lora_beside=True)
+            state = build_app(dirs["base"], options).state.gptkit
         served = {name: Path(adapter.path).name for name, adapter in state.adapters.adapters.items()}
-        assert served == {"mine": "a", "c": "b", "a": "a", "b": "b"}  # --lora's c wins over the c beside it
+        assert served == {"mine": "a", "b": "b", "c": "c"}  # a: already served as mine
         skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("not serving")]
         assert len(skipped) == 2 and "trained on another base" in " ".join(skipped), skipped
-        assert build_app(dirs["base"], ServeOptions(lora_beside=False)).state.gptkit.adapters is None
+        assert build_app(dirs["base"], ServeOptions()).state.gptkit.adapters is None
     finally:
         shutil.rmtree(root / "x y")
         shutil.rmtree(root / "other")
+
+
+def test_the_search_beside_a_symlinked_base_looks_in_its_own_folder_and_skips_what_it_cannot_read(
+        dirs, tmp_path, monkeypatch, caplog):  # fmt: skip
+    from gptkit.serving.lora_registry import adapters_beside
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "base").symlink_to(dirs["base"])
+    (models / "alice").symlink_to(dirs["a"])
+    (models / "private").mkdir()
+    assert adapters_beside(models / "base") == {"alice": models / "alice"}  # not the real base's neighbours
+    assert adapters_beside("gpt2") == {} and adapters_beside(tmp_path / "missing") == {}
+    is_dir = Path.is_dir
+
+    def unreadable(path: Path) -> bool:
+        if path.name == "private":
+            raise PermissionError(13, "Permission denied", str(path))
+        return is_dir(path)
+
+    monkeypatch.setattr(Path, "is_dir", unreadable)
+    with caplog.at_level("INFO", logger="gptkit"):
+        assert adapters_beside(models / "base") == {"alice": models / "alice"}
+    assert any("Permission denied" in r.getMessage() for r in caplog.records)

@@ -706,8 +706,9 @@ inline void with_tile(int64_t nr, int64_t mr, Fn&& fn) {
 }
 
 // From this many activation rows fp32 products run in register tiles: a GPT-2-small decode step of 6 rows took
-// 20-22 ms in tiles against 24-26 ms a row at a time, 4 rows 19 against 16-18 (2-core AVX-512 EPYC).
-constexpr int64_t kTilesFromRows = 6;
+// 20-22 ms in tiles against 24-26 ms a row at a time, 4 rows 19 against 16-18 (2-core AVX-512 EPYC). Not measured
+// with AVX2's narrower tiles: there past kMaxRows only, as before.
+constexpr int64_t kTilesFromRows = kLanes == 16 ? 6 : kMaxRows + 1;
 
 // fp32 weight rows [n0, n1) against M activation rows in register tiles (tile_f32), each tile of weight rows passed
 // by every activation row while it is in cache.

@@ -180,8 +180,8 @@ class BatchEngine:
         return namespace_for(self.fingerprint, self.cache.kv_dtype, self.adapter + adapter)
 
     def model_changed(self) -> None:
-        """Choose the decode step again after the model's layers changed (an adapter served or removed): the fused
-        step covers plain layers only."""
+        """Choose the decode step again after the model's layers changed (an adapter served or removed: the first
+        one wraps layers in AdapterSet layers, which the fused step must see)."""
         self.fused = None if self.compile else fused.step_for(self.model)
 
     def cancel(self, request: Request) -> None:

@@ -32,9 +32,10 @@ from torch import Tensor, nn
 from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.decoding.step import Step, base, decode_one_token, inference
+from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT, Block, CausalSelfAttention, FeedForward, Linear, RMSNorm
-from gptkit.multi_lora import AdapterSet, adapter_sets
+from gptkit.multi_lora import AdapterSet, adapter_sets, adapters_version, row_adapters
 from gptkit.quantization import Int4Linear, Int8Linear
 
 log = logging.getLogger("gptkit.decoding")
@@ -131,7 +132,7 @@ def step_for(model: GPT) -> Step | None:
         return None
     if not cpu_kernels.measured("fused_step", _faster_than_eager):
         return None
-    plan, planned = _plan(model), _adapters_now(model)
+    plan, planned = _plan(model), adapters_version(model)
     vocab = model.config.vocab_size
 
     def fused(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int) -> Tensor:
@@ -141,8 +142,10 @@ def step_for(model: GPT) -> Step | None:
             return decode_one_token(model, tokens, cache, positions)
         if isinstance(positions, int):
             positions = torch.full((rows,), positions, dtype=torch.long)
-        if _adapters_now(model) != planned:  # an adapter added or removed since the plan
-            plan, planned = _plan(model), _adapters_now(model)
+        if adapters_version(model) != planned:  # an adapter served or removed since the plan
+            if _misplaced_adapter(model) is not None:
+                return decode_one_token(model, tokens, cache, positions)
+            plan, planned = _plan(model), adapters_version(model)
         with torch.profiler.record_function("gptkit::fused_step"):  # one named entry in a profile (a few us)
             logits = plan.step(tokens.reshape(rows), positions.to(torch.long).contiguous(), cache.keys, cache.values,
                                cache.key_scales, cache.value_scales, _row_adapters(model, rows))  # fmt: skip
@@ -202,24 +205,15 @@ def _add_adapters(plan: torch.ScriptObject, model: GPT) -> None:
         plan.set_adapter(slot, tensors, scales)
 
 
-def _adapters_now(model: GPT) -> tuple:
-    """What the model's served adapters are now (which tensors, by identity, and scales): a plan made under another
-    answer is stale."""
-    return tuple((name, slot, id(a), id(b), scale) for name, layer in adapter_sets(model).items()
-                 for slot, (a, b, scale) in sorted(layer.updates.items()))  # fmt: skip
-
-
 def _row_adapters(model: GPT, rows: int) -> Tensor:
     """Each row's adapter number for the forward under way (multi_lora.rows_using; 0: the base), or an empty
     tensor when no row has one."""
-    layers = adapter_sets(model)
-    groups = next(iter(layers.values())).groups if layers else []
-    if not groups:
+    chosen = row_adapters(model)
+    if chosen is None:
         return _NO_ADAPTERS
-    slots = torch.zeros(rows, dtype=torch.long)
-    for adapter, chosen in groups:
-        slots[chosen.cpu()] = adapter
-    return slots
+    if chosen.numel() != rows:
+        raise InputError(f"rows_using named adapters for {chosen.numel()} rows, the step has {rows}")
+    return chosen.contiguous()
 
 
 _NONE = torch.empty(0)

@@ -8,6 +8,7 @@ loaded, before any quantisation. Adapters are numbered from 1 (0 is the base) an
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from gptkit.formats.lora import WEIGHTS_FILE, is_lora_dir, read_lora_config
 from gptkit.multi_lora import remove_adapter, serve_adapter
 from gptkit.tensors import load_tensors
 from gptkit.weights import check_finite
+
+log = logging.getLogger(__name__)
 
 NAME_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/")
 
@@ -77,11 +80,22 @@ class AdapterRegistry:
 
 
 def adapters_beside(model_dir: str | Path) -> dict[str, Path]:
-    """The LoRA directories in the folder holding model_dir, by directory name (whether each was trained on this
-    base is AdapterRegistry.add's check); none where model_dir is not a path on disk."""
-    base = Path(model_dir)
-    if not base.exists():
+    """The LoRA directories in the folder holding model_dir (as given: a symlinked base's own folder), by directory
+    name; whether each was trained on this base is AdapterRegistry.add's check. An entry that cannot be read is
+    skipped in a log line; none where model_dir is not a path on disk or its folder cannot be listed."""
+    given = Path(model_dir).absolute()
+    if not given.exists():
         return {}
-    base = base.resolve()
-    return {path.name: path for path in sorted(base.parent.iterdir())
-            if path != base and path.is_dir() and is_lora_dir(path)}  # fmt: skip
+    try:
+        entries = sorted(given.parent.iterdir())
+    except OSError as err:
+        log.info("not looking for adapters beside the base: %s", err)
+        return {}
+    found = {}
+    for path in entries:
+        try:
+            if path.resolve() != given.resolve() and path.is_dir() and is_lora_dir(path):
+                found[path.name] = path
+        except OSError as err:  # a folder this user may not read
+            log.info("not looking in %s for an adapter: %s", path, err)
+    return found

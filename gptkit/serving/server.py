@@ -82,9 +82,10 @@ class ServeOptions:
         "help": "also serve a LoRA fine-tune of this base under a name of its own: requests naming it in `model` "
                 "decode through its adapters, in the same batches as the base and other adapters; repeatable",
         "repeatable": True, "metavar": "NAME=DIR"})  # fmt: skip
-    lora_beside: bool = field(default=True, metadata={
+    lora_beside: bool = field(default=False, metadata={
         "help": "also serve each LoRA directory found beside the base (in the folder that holds it) that was "
-                "trained on it, under the directory's name"})  # fmt: skip
+                "trained on it, under the directory's name (off by default: whoever can write in that folder would "
+                "choose what the server serves)"})  # fmt: skip
     pooling: str = field(default="mean", metadata={
         "help": "how /v1/embeddings makes one vector of a text's final hidden states: mean (every token) or last "
                 "(the last token's)", "choices": ("mean", "last")})  # fmt: skip
@@ -172,15 +173,17 @@ def _check_options(options: ServeOptions) -> None:
 
 
 def _found_beside(model_dir: str | Path, options: ServeOptions) -> dict[str, Path]:
-    """The LoRA directories beside the base that may be served: none named like a --lora adapter (that one wins),
-    none at all under --compile or --no-lora-beside (said in a log line)."""
-    named = {spec.partition("=")[0] for spec in options.lora}
-    beside = {name: path for name, path in adapters_beside(model_dir).items() if name not in named}
-    if beside and (options.compile or not options.lora_beside):
-        log.info("not serving the LoRA directories beside the base (%s): %s", ", ".join(beside),
-                 "--compile takes no adapters" if options.lora_beside else "--no-lora-beside")  # fmt: skip
+    """With --lora-beside, the LoRA directories beside the base to serve: none named like a --lora adapter or
+    given to one (--lora wins), none at all under --compile (said in a log line)."""
+    if not options.lora_beside:
         return {}
-    return beside
+    if options.compile:
+        log.warning("--lora-beside: not serving adapters found beside the base, since --compile takes none")
+        return {}
+    names = {spec.partition("=")[0] for spec in options.lora}
+    paths = {Path(spec.partition("=")[2]).resolve() for spec in options.lora}
+    return {name: path for name, path in adapters_beside(model_dir).items()
+            if name not in names and path.resolve() not in paths}  # fmt: skip
 
 
 def _add_adapters(model: Any, adapters: AdapterRegistry | None, options: ServeOptions,
