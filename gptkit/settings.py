@@ -9,6 +9,7 @@ follow in check_run() (needs model.init_from, not under FSDP). gptkit.finetune.c
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import math
 import textwrap
@@ -118,6 +119,11 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
 def field_comments(cls: type) -> dict[str, str]:
     """Each field's comment in cls's source (after `name: type = value  # `, with its indented continuation lines
     `#   ...`), joined into one line: the description `gptkit train --help` shows, kept in one place."""
+    return dict(_field_comments(cls))  # a copy: callers extend it
+
+
+@functools.cache  # finding a class's source parses its whole module: once per class per process, not per flag
+def _field_comments(cls: type) -> dict[str, str]:
     lines, _ = inspect.getsourcelines(cls)
     comments = {}
     for node in ast.parse(textwrap.dedent("".join(lines))).body[0].body:  # type: ignore[attr-defined]
