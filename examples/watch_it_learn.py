@@ -202,6 +202,9 @@ def summary(run_dir: Path) -> None:
         # A uniformly random next token costs any prediction at least ln(vocab) nats on average: the first copy's
         # floor, which the metrics do not log.
         print(f"(the first copy of a random sequence costs at least ln {vocab} = {math.log(vocab):.2f} nats)")
+    phase = evals[-1].get("phase_change_step")
+    print(f"phase change (the ICL score's fastest fall) at step {phase}" if phase is not None else
+          "no phase change located (the ICL score never fell fast enough: a run that ends too soon shows none)")
     before, after = max(zip(evals, evals[1:]), key=lambda p: p[1]["induction_score"] - p[0]["induction_score"])
     print(f"steepest rise of the induction score, step {before['step']} -> {after['step']}: induction "
           f"{before['induction_score']:.3f} -> {after['induction_score']:.3f}, repeated-half loss "
