@@ -133,45 +133,7 @@ class DecodeStep : public torch::CustomClassHolder {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
 #pragma omp for
       for (int64_t b = 0; b < B; ++b) embed(b, tok[b], pos[b]);
-      for (int64_t l = 0; l < L_; ++l) {
-        const Layer& layer = layers_[l];
-#pragma omp for
-        for (int64_t b = 0; b < B; ++b) {
-          normalize(x_.data() + b * D_, h_.data() + b * D_, layer.norm1_w, layer.norm1_b);
-          prepare(layer.qkv, h_.data(), b);
-          adapters_.down(l * kAdapted + kQkv, h_.data(), D_, b);
-        }
-        product(layer.qkv, input(h_.data()), B, qkv_.data(), qkv_width(), false, t, nt, l * kAdapted + kQkv);
-#pragma omp barrier
-#pragma omp for collapse(2)
-        for (int64_t b = 0; b < B; ++b)
-          for (int64_t g = 0; g < KV_; ++g) store(kv[l], kv[L_ + l], cache, b, g, pos[b]);
-#pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; ++b)
-          for (int64_t hh = 0; hh < H_; ++hh) attend(kv[l], kv[L_ + l], cache, b, hh, pos[b], t);
-#pragma omp for
-        for (int64_t b = 0; b < B; ++b) {
-          prepare(layer.proj, att_.data(), b);
-          adapters_.down(l * kAdapted + kProj, att_.data(), H_ * HD_, b);
-        }
-        product(layer.proj, input(att_.data()), B, x_.data(), D_, true, t, nt, l * kAdapted + kProj);
-#pragma omp barrier
-#pragma omp for
-        for (int64_t b = 0; b < B; ++b) {
-          normalize(x_.data() + b * D_, h_.data() + b * D_, layer.norm2_w, layer.norm2_b);
-          prepare(layer.fc, h_.data(), b);
-          adapters_.down(l * kAdapted + kFc, h_.data(), D_, b);
-        }
-        mlp_up(layer.fc, B, t, nt, l * kAdapted + kFc);
-#pragma omp barrier
-#pragma omp for
-        for (int64_t b = 0; b < B; ++b) {
-          prepare(layer.down, ff_.data(), b);
-          adapters_.down(l * kAdapted + kDown, ff_.data(), F_, b);
-        }
-        product(layer.down, input(ff_.data()), B, x_.data(), D_, true, t, nt, l * kAdapted + kDown);
-#pragma omp barrier
-      }
+      for (int64_t l = 0; l < L_; ++l) block(l, B, kv, cache, pos, t, nt);
 #pragma omp for
       for (int64_t b = 0; b < B; ++b) {
         normalize(x_.data() + b * D_, h_.data() + b * D_, normf_w_, normf_b_);
@@ -289,6 +251,49 @@ class DecodeStep : public torch::CustomClassHolder {
   int64_t qkv_width() const { return (H_ + 2 * KV_) * HD_; }
 
   // ----- the stages -----
+
+  // Block l for rows 0..B-1, called by every thread of step()'s parallel region (its worksharing loops and
+  // barriers bind to that region).
+  void block(int64_t l, int64_t B, const std::vector<CacheView>& kv, int64_t cache, const int64_t* pos, int t,
+             int nt) {
+    const Layer& layer = layers_[l];
+#pragma omp for
+    for (int64_t b = 0; b < B; ++b) {
+      normalize(x_.data() + b * D_, h_.data() + b * D_, layer.norm1_w, layer.norm1_b);
+      prepare(layer.qkv, h_.data(), b);
+      adapters_.down(l * kAdapted + kQkv, h_.data(), D_, b);
+    }
+    product(layer.qkv, input(h_.data()), B, qkv_.data(), qkv_width(), false, t, nt, l * kAdapted + kQkv);
+#pragma omp barrier
+#pragma omp for collapse(2)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < KV_; ++g) store(kv[l], kv[L_ + l], cache, b, g, pos[b]);
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t hh = 0; hh < H_; ++hh) attend(kv[l], kv[L_ + l], cache, b, hh, pos[b], t);
+#pragma omp for
+    for (int64_t b = 0; b < B; ++b) {
+      prepare(layer.proj, att_.data(), b);
+      adapters_.down(l * kAdapted + kProj, att_.data(), H_ * HD_, b);
+    }
+    product(layer.proj, input(att_.data()), B, x_.data(), D_, true, t, nt, l * kAdapted + kProj);
+#pragma omp barrier
+#pragma omp for
+    for (int64_t b = 0; b < B; ++b) {
+      normalize(x_.data() + b * D_, h_.data() + b * D_, layer.norm2_w, layer.norm2_b);
+      prepare(layer.fc, h_.data(), b);
+      adapters_.down(l * kAdapted + kFc, h_.data(), D_, b);
+    }
+    mlp_up(layer.fc, B, t, nt, l * kAdapted + kFc);
+#pragma omp barrier
+#pragma omp for
+    for (int64_t b = 0; b < B; ++b) {
+      prepare(layer.down, ff_.data(), b);
+      adapters_.down(l * kAdapted + kDown, ff_.data(), F_, b);
+    }
+    product(layer.down, input(ff_.data()), B, x_.data(), D_, true, t, nt, l * kAdapted + kDown);
+#pragma omp barrier
+  }
 
   void embed(int64_t b, int64_t token, int64_t position) {
     float* x = x_.data() + b * D_;
