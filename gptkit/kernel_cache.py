@@ -29,9 +29,9 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 import torch
 
@@ -46,6 +46,7 @@ BUSY = 3  # the builder process's exit status where a live process is building a
 WORK_PREFIX = ".build-"  # + the building process's id
 # A build takes about a minute on 2 busy cores: a lock held ten times as long is a builder that will not finish.
 STALE_AFTER_S = 600.0
+T = TypeVar("T")
 _LIBRARY_NAME = re.compile(r"kernels-[0-9a-f]{16}\.so")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _WARNED: set[str] = set()  # one line per file per process (a waiting process looks again every second)
@@ -148,6 +149,46 @@ def saved_choices(path: Path) -> dict[str, dict[str, bool]]:
                          "measuring them again and rewriting it")  # fmt: skip
         return {}
     return saved
+
+
+# Other programs using more than this many cores while a choice is measured make it a guess, not kept: contention
+# slows the kernels' many-barrier OpenMP regions far more than PyTorch's products (a fused-step choice measured
+# beside another job chose the eager step, which then stayed on a quiet machine, 1.5x slower at 4 rows).
+BUSY_CORES = 0.25
+QUIET_WINDOW_S = 0.2  # how long the check watches the machine, this process asleep (/proc/stat counts 100 ticks a second)
+
+
+def others_busy(window: float = QUIET_WINDOW_S) -> float | None:
+    """Cores' worth of CPU time that other processes used over `window` seconds (from /proc/stat, less this
+    process's own); None where /proc/stat cannot be read (not Linux)."""
+
+    def ticks() -> tuple[int, int] | None:
+        try:
+            values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        idle = values[3] + values[4]  # idle and waiting for I/O; the rest is busy (guest time is within user)
+        return sum(values) - idle, sum(values)
+
+    start, own_start = ticks(), sum(os.times()[:2])
+    time.sleep(window)
+    end, own_end = ticks(), sum(os.times()[:2])
+    if start is None or end is None or end[1] == start[1]:
+        return None
+    cores = (end[0] - start[0]) / (end[1] - start[1]) * (os.cpu_count() or 1)
+    return max(0.0, cores - (own_end - own_start) / window)
+
+
+def measure_quietly(what: str, measure: Callable[[], T]) -> tuple[T, bool]:
+    """measure()'s answer, and whether it may be kept: no other program was busy (BUSY_CORES) just before or just
+    after it. One that may not holds for this process only; the next measures again (said in a log line)."""
+    before = others_busy()
+    answer = measure()
+    busy = max(before or 0.0, others_busy() or 0.0)
+    if busy > BUSY_CORES:
+        log.info("other programs used %.1f cores while gptkit timed %s: the choice holds for this process only and "
+                 "is timed again next time", busy, what)  # fmt: skip
+    return answer, busy <= BUSY_CORES
 
 
 def keep_choices(path: Path, saved: dict[str, dict[str, bool]]) -> None:

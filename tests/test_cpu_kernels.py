@@ -27,6 +27,8 @@ from gptkit.quantization import Int8Linear, quantize_weight
 
 from conftest import VARIANTS
 
+REAL_OTHERS_BUSY = kernel_cache.others_busy  # (conftest's _quiet_machine replaces it within each test)
+
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="this CPU has neither AVX2 nor AVX-512")
 ALL = {"fp32": True, "bf16": True, "int8": True, "bf16_upcast": False}
 
@@ -181,6 +183,41 @@ def test_int8_linear_uses_the_kernel_for_decoding_only(monkeypatch, chosen, dtyp
         torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
         module(torch.randn(2, 40, 64).to(dtype))  # prefill: 80 rows
     assert calls == [(3, 64)]
+
+
+def test_a_choice_timed_while_other_programs_are_busy_holds_for_this_process_only(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
+    monkeypatch.delenv(cpu_kernels.UPCAST_VARIABLE, raising=False)
+    measured, readings = [], iter([1.0, 0.0, 0.0, 0.0])  # busy before the first timing, quiet after it and then
+    monkeypatch.setattr(kernel_cache, "others_busy", lambda window=0.2: next(readings))
+    monkeypatch.setattr(cpu_kernels, "_measure", lambda: measured.append(1) or dict(ALL, fp32=False))
+    path = cpu_kernels.build_directory() / cpu_kernels.CHOICES_FILE
+    monkeypatch.setattr(cpu_kernels, "_STATE", {"library": True})
+    with caplog.at_level(logging.INFO, logger="gptkit.cpu_kernels"):
+        assert cpu_kernels.choices()["fp32"] is False and measured == [1]
+    assert not path.exists() and "holds for this process only" in caplog.text
+    assert cpu_kernels.choices()["fp32"] is False and measured == [1]  # this process keeps it
+    monkeypatch.setattr(cpu_kernels, "_STATE", {"library": True})  # the next process times again, quietly: kept
+    assert cpu_kernels.choices()["fp32"] is False and measured == [1, 1]
+    assert list(json.loads(path.read_text()).values()) == [dict(ALL, fp32=False)]
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
+def test_other_programs_busy_are_counted_and_this_process_is_not():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # (started and spinning)
+        assert REAL_OTHERS_BUSY() >= 0.5  # one core's worth, read at 100 ticks a second over 0.2 s
+    finally:
+        busy.kill()
+        busy.wait()
+    own = threading.Thread(target=lambda: [torch.randn(1500, 1500) @ torch.randn(1500, 1500) for _ in range(20)])
+    own.start()
+    try:
+        assert REAL_OTHERS_BUSY() < 0.5  # this process's own threads are subtracted
+    finally:
+        own.join()
 
 
 def test_the_choices_are_measured_once_and_kept(monkeypatch, tmp_path):
