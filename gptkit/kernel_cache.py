@@ -155,7 +155,7 @@ def saved_choices(path: Path) -> dict[str, dict[str, bool]]:
 # slows the kernels' many-barrier OpenMP regions far more than PyTorch's products (a fused-step choice measured
 # beside another job chose the eager step, which then stayed on a quiet machine, 1.5x slower at 4 rows).
 BUSY_CORES = 0.25
-QUIET_WINDOW_S = 0.2  # how long the check watches the machine, this process asleep (/proc/stat counts 100 ticks a second)
+QUIET_WINDOW_S = 0.2  # how long the check watches, this process asleep (/proc/stat counts 100 ticks a second)
 
 
 def others_busy(window: float = QUIET_WINDOW_S) -> float | None:
