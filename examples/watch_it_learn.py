@@ -24,7 +24,6 @@ run's change came at about step 4,600, so a much shorter run can be expected to 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import shlex
@@ -36,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from gptkit.observe.samples import SAMPLES_FILE, read_samples
+from gptkit.observe.run_log import METRICS_FILE
 from gptkit.observe.run_reader import parse_records
 from gptkit.observe.training import (
     INSIGHT_FILE,
@@ -98,15 +98,11 @@ def prepare_data(data: Path) -> None:
     gptkit_cli("prepare", "--input", str(source), "--tokenizer", "char", "--out", str(data))
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    """The run's metrics records (a line cut short by a kill is skipped)."""
-    records = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
+def read_records(run_dir: Path, name: str) -> list[dict]:
+    """The records of one of the run's JSON-lines files, as `gptkit watch` reads them (a line cut short by a kill
+    is skipped); none where the file is missing."""
+    path = run_dir / name
+    return parse_records(path.read_bytes())[0] if path.is_file() else []
 
 
 def scaled_schedule(steps: int, recipe: Path = CONFIG) -> list[str]:
@@ -154,9 +150,8 @@ def draw(run_dir: Path, figure_path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    history, samples = read_metrics(run_dir), read_samples(run_dir / SAMPLES_FILE)
-    insight_file = run_dir / INSIGHT_FILE
-    insight = parse_records(insight_file.read_bytes())[0] if insight_file.is_file() else []
+    history, samples = read_records(run_dir, METRICS_FILE), read_samples(run_dir / SAMPLES_FILE)
+    insight = read_records(run_dir, INSIGHT_FILE)
     evals = [r for r in history if "val_loss" in r]
     figure = Figure(figsize=(8.5, 15), dpi=110)
     FigureCanvasAgg(figure)
@@ -190,7 +185,7 @@ def draw(run_dir: Path, figure_path: Path) -> None:
 
 def summary(run_dir: Path) -> None:
     """The curves' numbers at each evaluation, from metrics.jsonl, and the steepest rise of the induction score."""
-    evals = [r for r in read_metrics(run_dir) if r.get("icl_score") is not None]
+    evals = [r for r in read_records(run_dir, METRICS_FILE) if r.get("icl_score") is not None]
     print("step  val_loss  icl_score  induction_score (chance)  repeated-half loss")
     for r in evals:
         print(f"{r['step']:5d}  {r['val_loss']:.4f}  {r['icl_score']:+.4f}    {r['induction_score']:.3f} "
