@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 
 MUON, ADAMW = "muon", "adamw"  # the value of each parameter group's "optimizer" key
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
+# A batch of same-shape updates orthogonalised together holds at most this many entries: its copies (the stack and
+# its products) then stay within a few hundred MB, where a large model's whole layer stack would not.
+MAX_BATCH_ELEMENTS = 1 << 24
 
 
 def param_groups(model: nn.Module, weight_decay: float, exclude: set[nn.Parameter] = frozenset()) -> list[dict]:
@@ -80,27 +83,35 @@ def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype,
     return x.mT if tall else x
 
 
-def orthogonalise_all(updates: list[Tensor], steps: int, dtype: torch.dtype,
-                      coefficients: tuple[float, float, float], eps: float) -> list[Tensor]:
-    """orthogonalise of each update, the plain matrices of one shape (a tall one by its transpose) as one batch.
-
-    A batch runs each round's products as one call: on 2 CPU threads the CPU speed record's 8 matrices took 5.3 ms
-    a step instead of 7.9, the same bf16 values bit for bit. A DTensor (FSDP2's row shard) goes alone: its products
-    gather what they need.
-    """
-    result: list[Tensor | None] = [None] * len(updates)
-    batches: dict[tuple, list[int]] = {}
-    for index, update in enumerate(updates):
-        if type(update) is not Tensor:
-            result[index] = orthogonalise(update, steps, dtype, coefficients, eps)
+def same_shape_batches(matrices: list[Tensor]) -> list[list[int]]:
+    """Indices of matrices in batches to orthogonalise together: plain tensors of one shape (a tall one counted by its
+    transpose), dtype and device, at most MAX_BATCH_ELEMENTS entries a batch; a DTensor (FSDP2's row shard) alone,
+    since its products gather what they need."""
+    batches: list[list[int]] = []
+    shapes: dict[tuple, list[int]] = {}
+    for index, matrix in enumerate(matrices):
+        if type(matrix) is not Tensor:
+            batches.append([index])
         else:
-            batches.setdefault((min(update.shape), max(update.shape), update.dtype, update.device), []).append(index)
-    for indices in batches.values():
-        tall = [updates[i].size(0) > updates[i].size(1) for i in indices]
-        wide = torch.stack([updates[i].mT if t else updates[i] for i, t in zip(indices, tall)])  # (batch, short, long)
-        for i, t, matrix in zip(indices, tall, orthogonalise(wide, steps, dtype, coefficients, eps)):
-            result[i] = matrix.mT if t else matrix
-    return result
+            shapes.setdefault((min(matrix.shape), max(matrix.shape), matrix.dtype, matrix.device), []).append(index)
+    for same in shapes.values():
+        per_batch = max(1, MAX_BATCH_ELEMENTS // matrices[same[0]].numel())
+        batches += [same[start:start + per_batch] for start in range(0, len(same), per_batch)]
+    return batches
+
+
+def orthogonalise_batch(updates: list[Tensor], steps: int, dtype: torch.dtype,
+                        coefficients: tuple[float, float, float], eps: float) -> list[Tensor]:
+    """orthogonalise of each of one batch's updates (same_shape_batches'), as one stack where there are several.
+
+    A stack runs each round's products as one call: on 2 CPU threads the CPU speed record's 8 matrices took 5.3 ms
+    a step instead of 7.9, the same bf16 values bit for bit.
+    """
+    if len(updates) == 1:
+        return [orthogonalise(updates[0], steps, dtype, coefficients, eps)]
+    tall = [update.size(0) > update.size(1) for update in updates]
+    wide = torch.stack([u.mT if t else u for u, t in zip(updates, tall)])  # (batch, short side, long side)
+    return [m.mT if t else m for m, t in zip(orthogonalise(wide, steps, dtype, coefficients, eps), tall)]
 
 
 def newton_schulz_dtype(device: torch.device) -> str:
@@ -139,14 +150,15 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             dtype, momentum = getattr(torch, group["ns_dtype"]), group["momentum"]
             params = [p for p in group["params"] if p.grad is not None]
-            updates = [self.momentum_update(p, momentum, group["nesterov"]) for p in params]
-            updates = orthogonalise_all(updates, group["ns_steps"], dtype, group["ns_coefficients"], group["eps"])
-            for p, update in zip(params, updates):
-                rows, cols = p.shape
-                scale = 0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr_fn"] == "match_rms_adamw" else \
-                    math.sqrt(max(1, rows / cols))  # fmt: skip
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-group["lr"] * scale)
+            for batch in same_shape_batches([p.grad for p in params]):  # one batch's temporaries alive at a time
+                updates = [self.momentum_update(params[i], momentum, group["nesterov"]) for i in batch]
+                updates = orthogonalise_batch(updates, group["ns_steps"], dtype, group["ns_coefficients"], group["eps"])
+                for p, update in zip((params[i] for i in batch), updates):
+                    rows, cols = p.shape
+                    scale = 0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr_fn"] == "match_rms_adamw" else \
+                        math.sqrt(max(1, rows / cols))  # fmt: skip
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                    p.add_(update, alpha=-group["lr"] * scale)
 
     def momentum_update(self, p: nn.Parameter, momentum: float, nesterov: bool) -> Tensor:
         """p's momentum buffer moved toward its gradient, and the update it gives (Nesterov's look-ahead or itself)."""
