@@ -20,13 +20,15 @@ Three more parts (issue 9), each optional:
                command (the record; then configs/shakespeare-char-cpu-fast.yaml, the AdamW one) on the bundled corpus (char tokenizer, `gptkit prepare`'s validation split), its final
                validation loss, and the same model scored by `gptkit eval` over every token of val.bin, against
                the target 1.8857 (nanoGPT's CPU recipe); --speedrun-baseline also times
-               configs/shakespeare-char-cpu.yaml.
+               configs/shakespeare-char-cpu.yaml (nanoGPT's recipe in gptkit), and --nanogpt NANOGPT nanoGPT's own
+               train.py on its README's CPU command (benchmarks/nanogpt_peer.py), both in the same rounds.
   --ddp        data-parallel throughput of a ~20M-parameter model under torchrun: tokens/s of 1 process x 1 thread,
                1 process x all threads, and N processes x 1 thread (the same per-process batch).
 
     python benchmarks/bench_train.py                       # both shapes, default step counts
     python benchmarks/bench_train.py --steps 5 --gpt2-steps 1 --warmup 1   # a quick smoke run
     python benchmarks/bench_train.py --shapes --speedrun --ddp --json       # only the speed run and DDP
+    python benchmarks/bench_train.py --shapes --speedrun --speedrun-baseline --nanogpt NANOGPT   # and the peers
     python benchmarks/bench_train.py --shapes cpu-recipe --compile          # also gptkit with train.compile
     python benchmarks/bench_train.py --shapes --breakdown --compile         # where the recipe step's time goes
 Run it on a quiet machine: timings share the CPU with everything else running.
@@ -35,6 +37,7 @@ Run it on a quiet machine: timings share the CPU with everything else running.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -57,6 +60,9 @@ from gptkit.model import GPT
 from gptkit.devices import measured_cpu_matmul_flops
 from gptkit.train import train
 from gptkit.train_config import from_sources
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import nanogpt_peer  # noqa: E402
 
 SHAPES = {
     "cpu-recipe": dict(preset="shakespeare-char-cpu", overrides={"dropout": 0.0}, batch_size=12, block_size=64),
@@ -274,27 +280,32 @@ def _time_to_target(records: list[dict], wall: float) -> float | None:
     return None
 
 
-def bench_speedrun(tmp: Path, baseline: bool, steps: int | None, rounds: int) -> dict:
-    """The record recipe and the fast one (and optionally nanoGPT's) from scratch on freshly prepared char data, in
-    `rounds` interleaved rounds: each recipe's figures are those of its median-time round (runs are deterministic, so
-    only the times differ), and the ratios are of the median times."""
+def bench_speedrun(tmp: Path, baseline: bool, steps: int | None, rounds: int, nanogpt: Path | None = None) -> dict:
+    """The record recipe and the fast one (and optionally nanoGPT's recipe, and nanoGPT's own train.py) from scratch
+    on freshly prepared char data, in `rounds` interleaved rounds: each recipe's figures are those of its median-time
+    round (runs are deterministic, so only the times differ), and the ratios are of the median times."""
     data = tmp / "shakespeare_char"
     subprocess.run([*GPTKIT, "prepare", "--out", str(data), "--tokenizer", "char"], check=True,
                    capture_output=True)  # fmt: skip
-    recipes = {"record": RECORD_CONFIG, "fast": SPEEDRUN_CONFIG, **({"baseline": BASELINE_CONFIG} if baseline else {})}
+    configs = {"record": RECORD_CONFIG, "fast": SPEEDRUN_CONFIG, **({"baseline": BASELINE_CONFIG} if baseline else {})}
+    recipes = {key: functools.partial(timed_train, config, data, steps=steps) for key, config in configs.items()}
+    if nanogpt is not None:
+        recipes["nanogpt"] = functools.partial(nanogpt_peer.timed_run, nanogpt_peer.prepared_copy(nanogpt, tmp),
+                                               steps=steps)  # fmt: skip
     runs: dict[str, list[dict]] = {key: [] for key in recipes}
     for round_index in range(rounds):
-        for key, config in recipes.items():
+        for key, run in recipes.items():
             print(f"speed run: {key}, round {round_index + 1} of {rounds}", file=sys.stderr)
-            runs[key].append(timed_train(config, data, tmp / f"{key}-{round_index}", steps))
+            runs[key].append(run(tmp / f"{key}-{round_index}"))
     result: dict[str, Any] = {"target_val_loss": TARGET_VAL_LOSS, "rounds": rounds}
     for key, results in runs.items():
         times = sorted(r["wall_s"] for r in results)
         median = statistics.median(times)
         result[key] = {**min(results, key=lambda r: abs(r["wall_s"] - median)), "wall_s": median, "wall_s_all": times}
-    if baseline:
-        for key in ("record", "fast"):
-            result[f"{key}_over_baseline_time"] = result[key]["wall_s"] / result["baseline"]["wall_s"]
+    for reference in ("baseline", "nanogpt"):
+        if reference in result:
+            for key in ("record", "fast"):
+                result[f"{key}_over_{reference}_time"] = result[key]["wall_s"] / result[reference]["wall_s"]
     return result
 
 
@@ -370,6 +381,9 @@ def main() -> int:
                         "does)")  # fmt: skip
     parser.add_argument("--speedrun", action="store_true", help="time the CPU speed-run recipe end to end")
     parser.add_argument("--speedrun-baseline", action="store_true", help="also time nanoGPT's CPU recipe")
+    parser.add_argument("--nanogpt", type=Path, metavar="NANOGPT",
+                        help="a nanoGPT checkout: also time its own train.py on the README's CPU command in the speed "
+                        "run")  # fmt: skip
     parser.add_argument("--speedrun-steps", type=int, help="cut the recipes to this many steps (smoke runs only)")
     parser.add_argument("--speedrun-rounds", type=int, default=3,
                         help="interleaved rounds of the recipes; the median time of each counts (default 3)")  # fmt: skip
@@ -425,8 +439,8 @@ def main() -> int:
             shape = SHAPES["cpu-recipe"]
             breakdown = bench_breakdown(shape, shape["batch_size"], shape["block_size"], args.breakdown_steps,
                                         args.compile)  # fmt: skip
-        speedrun = bench_speedrun(Path(tmp), args.speedrun_baseline, args.speedrun_steps, args.speedrun_rounds) \
-            if args.speedrun else None  # fmt: skip
+        speedrun = bench_speedrun(Path(tmp), args.speedrun_baseline, args.speedrun_steps, args.speedrun_rounds,
+                                  args.nanogpt) if args.speedrun else None  # fmt: skip
         ddp = bench_ddp(Path(tmp), args.ddp_processes, args.ddp_steps, args.ddp_batch) if args.ddp else None
     report = {"cpu": cpu_kernels.capability(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "peak_flops": args.peak_flops,
@@ -459,9 +473,15 @@ def main() -> int:
                 print(f"  {r['config']}: {r['wall_s']:.1f} s for the whole command ({rounds}), {r['steps']} steps, "
                       f"val loss {r['val_loss']:.4f} (full val.bin pass {r['val_loss_full_pass']:.4f}), target "
                       f"{'reached' if r['reached_target'] else 'NOT reached'}")  # fmt: skip
+        if "nanogpt" in speedrun:
+            r = speedrun["nanogpt"]
+            rounds = ", ".join(f"{t:.1f}" for t in r["wall_s_all"])
+            print(f"  {r['config']}: {r['wall_s']:.1f} s for the whole command ({rounds}), {r['steps']} steps, "
+                  f"val loss {r['val_loss']:.4f} (its own 20-batch estimate)")  # fmt: skip
         for key in ("record", "fast"):
-            if f"{key}_over_baseline_time" in speedrun:
-                print(f"  {key} time / nanoGPT's recipe's time: {speedrun[f'{key}_over_baseline_time']:.2f}x")
+            for reference, name in (("baseline", "nanoGPT's recipe in gptkit"), ("nanogpt", "nanoGPT's train.py")):
+                if f"{key}_over_{reference}_time" in speedrun:
+                    print(f"  {key} time / {name}'s time: {speedrun[f'{key}_over_{reference}_time']:.2f}x")
     if ddp:
         print(f"data parallel, {ddp['model']} x batch {ddp['batch_size_per_process']} per process:")
         for name, value in ddp.items():

@@ -199,3 +199,52 @@ def test_bench_generate_smoke_run_decodes_the_tokens_transformers_decodes(capsys
     assert all(row["same_tokens_as_hf"] is True for row in decode), decode
     assert all(row["gptkit"] > 0 and row["hf"] > 0 for row in report["rows"])
     assert report["timing_notes"] == []  # (said only where llama.cpp was timed)
+
+
+
+def _bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FAKE_PREPARE = """
+from pathlib import Path
+text = Path("input.txt").read_text()
+Path("train.bin").write_bytes(b"t" * 8)
+Path("val.bin").write_bytes(b"v" * 8)
+Path("prepared_chars.txt").write_text(str(len(text)))
+"""
+FAKE_TRAIN = """
+import json, sys
+from pathlib import Path
+Path("args.json").write_text(json.dumps(sys.argv[1:]))
+print("step 0: train loss 4.1700, val loss 4.1650")
+print("iter 0: loss 4.1700, time 10.00ms")
+print("step 20: train loss 2.5000, val loss 2.6123")
+"""
+
+
+def test_nanogpt_peer_runs_its_own_prepare_and_the_readme_command_in_a_copy(tmp_path):
+    from gptkit.prepare import DEFAULT_CORPUS
+
+    nanogpt_peer = _bench_module("nanogpt_peer")
+    checkout = tmp_path / "nanoGPT"
+    for name, text in {"train.py": FAKE_TRAIN, "model.py": "", "configurator.py": "",
+                       "config/train_shakespeare_char.py": "", "data/shakespeare_char/prepare.py": FAKE_PREPARE,
+                       "out-old/ckpt.pt": "stale"}.items():  # fmt: skip
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / name).write_text(text)
+    copy = nanogpt_peer.prepared_copy(checkout, tmp_path / "work")
+    data = copy / "data" / "shakespeare_char"
+    assert (data / "input.txt").read_bytes() == DEFAULT_CORPUS.read_bytes()  # the bundled corpus, not a download
+    assert (data / "prepared_chars.txt").read_text() == str(len(DEFAULT_CORPUS.read_text()))
+    assert not (copy / "out-old").exists() and not (checkout / "data" / "shakespeare_char" / "input.txt").exists()
+    run = nanogpt_peer.timed_run(copy, tmp_path / "out", steps=20)
+    assert run["steps"] == 20 and run["val_loss"] == 2.6123 and run["wall_s"] > 0  # the last evaluation's
+    assert json.loads((copy / "args.json").read_text()) == [
+        *nanogpt_peer.README_CPU_ARGS, "--max_iters=20", "--lr_decay_iters=20", "--eval_interval=20",
+        "--warmup_iters=10", f"--out_dir={tmp_path / 'out'}"]  # fmt: skip
+    with pytest.raises(SystemExit, match="not a nanoGPT checkout .no train.py"):
+        nanogpt_peer.prepared_copy(tmp_path / "work", tmp_path / "elsewhere")

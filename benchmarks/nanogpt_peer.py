@@ -1,0 +1,61 @@
+"""nanoGPT's own train.py as the CPU speed run's peer: its README's CPU command on gptkit's bundled corpus, timed as a
+whole command, as bench_train.py times gptkit's recipes.
+
+It runs in a copy of a nanoGPT checkout (`git clone https://github.com/karpathy/nanoGPT NANOGPT`), whose own
+data/shakespeare_char/prepare.py turns the bundled corpus (placed as its input.txt, so nothing is downloaded) into
+train.bin, val.bin and meta.pkl: the same 90/10 split and character ids as `gptkit prepare --tokenizer char`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gptkit.prepare import DEFAULT_CORPUS
+
+# nanoGPT README's "I only have a macbook" command (karpathy/nanoGPT, README.md): 2,000 steps of a 4-layer,
+# 128-wide model on 12 x 64 characters, evaluating 20 batches every 250 steps.
+README_CPU_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+                   "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
+                   "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]  # fmt: skip
+_EVALUATION = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)$", re.MULTILINE)
+
+
+def prepared_copy(checkout: Path, work: Path) -> Path:
+    """A copy of the nanoGPT checkout under work, its shakespeare_char data prepared by its own prepare.py from the
+    bundled corpus; SystemExit naming the problem where checkout is not a nanoGPT checkout."""
+    needed = ["train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
+              "data/shakespeare_char/prepare.py"]  # fmt: skip
+    missing = [name for name in needed if not (checkout / name).is_file()]
+    if missing:
+        raise SystemExit(f"--nanogpt {checkout}: not a nanoGPT checkout (no {', '.join(missing)}); clone it with "
+                         "`git clone https://github.com/karpathy/nanoGPT NANOGPT`")  # fmt: skip
+    copy = work / "nanogpt"
+    shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns(".git", "out*", "assets", "*.bin", "*.pkl"))
+    data = copy / "data" / "shakespeare_char"
+    shutil.copyfile(DEFAULT_CORPUS, data / "input.txt")
+    subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
+    return copy
+
+
+def timed_run(copy: Path, out: Path, steps: int | None = None) -> dict:
+    """Wall time of nanoGPT's README CPU command in copy (start-up included), its steps and its last evaluation.
+
+    steps (for smoke runs only) cuts the run short, with the warm-up cut to fit.
+    """
+    short = [f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}",
+             f"--warmup_iters={steps // 2}"] if steps else []  # fmt: skip
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "train.py", *README_CPU_ARGS, *short, f"--out_dir={out}"], cwd=copy,
+                         check=True, capture_output=True, text=True)  # fmt: skip
+    wall = time.perf_counter() - start
+    evaluations = _EVALUATION.findall(run.stdout)
+    if not evaluations:
+        raise SystemExit(f"nanoGPT's train.py printed no evaluation line; its output ended:\n{run.stdout[-500:]}")
+    step, _, val_loss = evaluations[-1]
+    return {"config": "nanoGPT train.py, README CPU command", "wall_s": wall, "steps": int(step),
+            "val_loss": float(val_loss)}  # fmt: skip
