@@ -221,7 +221,7 @@ def training_memory(config: ModelConfig, batch_size: int, block_size: int, dtype
     n = param_breakdown(config).total
     weights = gradients = FP32 * n  # fp32 master weights in every mode here
     # Muon keeps one momentum buffer per block matrix (its Newton-Schulz temporaries are one batch's of same-shape
-    # matrices, at most gptkit.optim.MAX_BATCH_ELEMENTS entries or one matrix, in bf16);
+    # matrices, at most gptkit.optim.MAX_BATCH_ELEMENTS entries or one matrix, in its Newton-Schulz dtype);
     # AdamW two moments for every parameter it steps.
     matrices = block_matrix_params(config) if optimizer_name == "muon" else 0
     optimizer = FP32 * matrices + 2 * FP32 * (n - matrices)
