@@ -38,8 +38,17 @@ def prepared_copy(checkout: Path, work: Path) -> Path:
     shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns(".git", "out*", "assets", "*.bin", "*.pkl"))
     data = copy / "data" / "shakespeare_char"
     shutil.copyfile(DEFAULT_CORPUS, data / "input.txt")
-    subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
+    _run([sys.executable, "prepare.py"], data)
     return copy
+
+
+def _run(command: list[str], cwd: Path) -> str:
+    """command's standard output; SystemExit with the end of its error output where it fails."""
+    run = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"nanoGPT's {Path(command[1]).name} failed (exit {run.returncode}) in {cwd}; its error "
+                         f"output ended:\n{run.stderr[-800:]}")  # fmt: skip
+    return run.stdout
 
 
 def timed_run(copy: Path, out: Path, steps: int | None = None) -> dict:
@@ -50,12 +59,11 @@ def timed_run(copy: Path, out: Path, steps: int | None = None) -> dict:
     short = [f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}",
              f"--warmup_iters={steps // 2}"] if steps else []  # fmt: skip
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "train.py", *README_CPU_ARGS, *short, f"--out_dir={out}"], cwd=copy,
-                         check=True, capture_output=True, text=True)  # fmt: skip
+    output = _run([sys.executable, "train.py", *README_CPU_ARGS, *short, f"--out_dir={out}"], copy)
     wall = time.perf_counter() - start
-    evaluations = _EVALUATION.findall(run.stdout)
+    evaluations = _EVALUATION.findall(output)
     if not evaluations:
-        raise SystemExit(f"nanoGPT's train.py printed no evaluation line; its output ended:\n{run.stdout[-500:]}")
+        raise SystemExit(f"nanoGPT's train.py printed no evaluation line; its output ended:\n{output[-500:]}")
     step, _, val_loss = evaluations[-1]
     return {"config": "nanoGPT train.py, README CPU command", "wall_s": wall, "steps": int(step),
             "val_loss": float(val_loss)}  # fmt: skip

@@ -248,3 +248,6 @@ def test_nanogpt_peer_runs_its_own_prepare_and_the_readme_command_in_a_copy(tmp_
         "--warmup_iters=10", f"--out_dir={tmp_path / 'out'}"]  # fmt: skip
     with pytest.raises(SystemExit, match="not a nanoGPT checkout .no train.py"):
         nanogpt_peer.prepared_copy(tmp_path / "work", tmp_path / "elsewhere")
+    (copy / "train.py").write_text("import sys\nsys.exit('no CUDA here')\n")
+    with pytest.raises(SystemExit, match=r"nanoGPT's train.py failed \(exit 1\)(.|\n)*no CUDA here"):
+        nanogpt_peer.timed_run(copy, tmp_path / "out")
