@@ -398,6 +398,10 @@ def main() -> int:
     parser.add_argument("--breakdown-steps", type=int, default=30, help="profiled steps per loop (default 30)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    if args.nanogpt is not None:
+        if not args.speedrun:
+            parser.error("--nanogpt times nanoGPT in the speed run: add --speedrun")
+        nanogpt_peer.check_checkout(args.nanogpt)
     if args.peak_flops is None:
         args.peak_flops = measured_cpu_matmul_flops(torch.float32)
 

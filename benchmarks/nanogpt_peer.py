@@ -25,15 +25,20 @@ README_CPU_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compil
 _EVALUATION = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)$", re.MULTILINE)
 
 
-def prepared_copy(checkout: Path, work: Path) -> Path:
-    """A copy of the nanoGPT checkout under work, its shakespeare_char data prepared by its own prepare.py from the
-    bundled corpus; SystemExit naming the problem where checkout is not a nanoGPT checkout."""
+def check_checkout(checkout: Path) -> None:
+    """SystemExit naming what is missing where checkout is not a nanoGPT checkout."""
     needed = ["train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
               "data/shakespeare_char/prepare.py"]  # fmt: skip
     missing = [name for name in needed if not (checkout / name).is_file()]
     if missing:
         raise SystemExit(f"--nanogpt {checkout}: not a nanoGPT checkout (no {', '.join(missing)}); clone it with "
                          "`git clone https://github.com/karpathy/nanoGPT NANOGPT`")  # fmt: skip
+
+
+def prepared_copy(checkout: Path, work: Path) -> Path:
+    """A copy of the nanoGPT checkout under work, its shakespeare_char data prepared by its own prepare.py from the
+    bundled corpus."""
+    check_checkout(checkout)
     copy = work / "nanogpt"
     shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns(".git", "out*", "assets", "*.bin", "*.pkl"))
     data = copy / "data" / "shakespeare_char"
