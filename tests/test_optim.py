@@ -126,9 +126,10 @@ def test_muon_adamw_steps_as_torch_muon_and_adamw_side_by_side():
     bound = 0.0
     for step in range(3):
         lr = set_learning_rates(combined, step, config, max_steps=3)
-        bound += 0.03 * lr / 3e-3 * math.sqrt(3) * 2**-8  # see below
+        muon_lr = 0.03 * lr / 3e-3  # muon_lr follows lr's schedule
+        bound += muon_lr * math.sqrt(3) * 2**-8  # see below
         for group in muon.param_groups:
-            group["lr"] = 0.03 * lr / 3e-3
+            group["lr"] = muon_lr
         for group in adamw.param_groups:
             group["lr"] = lr
         for model in (ours, reference):
