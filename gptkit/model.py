@@ -116,6 +116,8 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.dropout = config.dropout
         self.resid_drop = nn.Dropout(config.dropout)
+        # softmax(QK^T)V in fp32 under autocast: the trainer sets it where a CPU's bf16 kernel measures slower.
+        self.fp32_attention = False
 
     def forward(
         self, x: Tensor, rope: tuple[Tensor, Tensor] | None, kv: LayerKV | None, mask: Tensor | None,
@@ -144,12 +146,20 @@ class CausalSelfAttention(nn.Module):
             y, weights = plain_attention(q, k, v, mask, dropout)
             trace.attentions.append(weights)
         else:
-            is_causal = mask is None and T > 1
-            # enable_gqa lets each group of query heads read its shared key/value head without copying the cache.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
-                                               enable_gqa=grouped)
+            y = self.attend(q, k, v, mask, dropout, grouped)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H*hd)
         return self.resid_drop(self.proj(y))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, grouped: bool) -> Tensor:
+        """PyTorch's fused attention (B, H, T, hd), causal unless given a mask; in fp32 with fp32_attention."""
+        is_causal = mask is None and q.size(-2) > 1
+        if self.fp32_attention and q.dtype != torch.float32:
+            with torch.autocast(q.device.type, enabled=False):  # autocast would cast the fp32 inputs back
+                y = self.attend(q.float(), k.float(), v.float(), mask, dropout, grouped)
+            return y.to(q.dtype)
+        # enable_gqa lets each group of query heads read its shared key/value head without copying the cache.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                              enable_gqa=grouped)
 
 
 class FeedForward(nn.Module):
@@ -281,6 +291,11 @@ class GPT(nn.Module):
         if logits_at is not None:
             x = x[torch.arange(x.size(0), device=x.device), logits_at][:, None]  # (B, 1, d)
         return self.logits(x)  # (B, T, V)
+
+    def attend_in_fp32(self, on: bool) -> None:
+        """Every block's attention in fp32 under autocast (on) or in autocast's dtype (off, the default)."""
+        for block in self.blocks:
+            block.attn.fp32_attention = on
 
     def logits(self, x: Tensor) -> Tensor:
         """Next-token logits (..., vocab_size) of final hidden states x (..., n_embd): the LM head over the real

@@ -29,10 +29,14 @@ from gptkit.atomic import atomic_write_text
 from gptkit.chat import TOKENIZER_CONFIG
 from gptkit.checkpoint import (
     CheckpointError, checkpoint_name, full_tensor, local_tensor, latest_checkpoint, load_checkpoint,
-    remove_stale_temporaries, resume_point, rewind, rng_state, save_checkpoint, saved_world, set_rng_state,
+    read_trainer_state, remove_stale_temporaries, resume_point, rewind, rng_state, save_checkpoint, saved_world,
+    set_rng_state,
 )  # fmt: skip
 from gptkit.data import Batches, load_run_data
-from gptkit.devices import attention_backends, autocast_for, check_precision, gpu_recipe_on_cpu, peak_flops, pick_device
+from gptkit.devices import (
+    attention_backends, attention_faster_in_fp32, autocast_for, check_precision, gpu_recipe_on_cpu, peak_flops,
+    pick_device, training_dtype,
+)  # fmt: skip
 from gptkit.distributed import (
     RankBatches, World, all_mean, any_rank, barrier, device_for, gather_objects, init_process_group,
     resumed_grad_accum, sync_context, world_from_env, wrap,
@@ -108,6 +112,7 @@ class Trainer:
         check_precision(self.t.dtype, self.device)
         self.method = method_for(config)
         self.build_model(checkpoint)
+        self.choose_precision(checkpoint)
         self.build_objective()
         self.build_optimizer()
         self.open_run_directory(checkpoint, resume_from)
@@ -133,6 +138,31 @@ class Trainer:
         self.tokenizer_config = tokenizer_config.read_bytes() if tokenizer_config.is_file() else None
         self.gpt = run.gpt
         self.block_size = self.gpt.config.block_size
+
+    def choose_precision(self, checkpoint: Path | None) -> None:
+        """train.dtype auto made the fastest here, and under a CPU's bf16 attention in fp32 where that measures faster
+        at the run's shape: each measured alike on every rank, or kept from the resumed run (so it replays exactly)."""
+        saved = read_trainer_state(checkpoint).get("precision") if checkpoint is not None else None
+        saved = saved if isinstance(saved, dict) and saved.get("device") == self.device.type else {}
+        self.requested_dtype = self.t.dtype
+        if self.t.dtype == "auto" and saved.get("dtype") in ("float32", "bfloat16", "float16"):
+            self.t.dtype = saved["dtype"]
+        elif self.t.dtype == "auto":
+            dtype = training_dtype("auto", self.device)
+            if self.device.type == "cpu":  # a measurement: every rank takes bf16 if any measured it faster
+                dtype = "bfloat16" if any_rank(self.world, dtype == "bfloat16", self.device) else "float32"
+            self.t.dtype = dtype
+        self.fp32_attention = False
+        if self.device.type == "cpu" and self.t.dtype == "bfloat16":
+            if saved.get("dtype") == "bfloat16" and isinstance(saved.get("fp32_attention"), bool):
+                self.fp32_attention = saved["fp32_attention"]
+            else:
+                config = self.gpt.config
+                faster = attention_faster_in_fp32(self.t.batch_size, config.n_head, self.block_size, config.head_dim)
+                self.fp32_attention = any_rank(self.world, faster, self.device)
+        self.gpt.attend_in_fp32(self.fp32_attention)
+        if self.requested_dtype == "auto" and self.world.is_main:
+            logger.info(f"train.dtype auto: training in {self.t.dtype} on {self.device.type}")
 
     def build_objective(self) -> None:
         """The objective over the data and model, the module that trains, and what watches the run."""
@@ -211,7 +241,7 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(self.gpt.config)
         self.peak = peak_flops(self.device, self.t.dtype, self.t.peak_flops)
         per_step = self.t.batch_size * self.t.grad_accum * self.world.world_size * self.block_size
-        warning = gpu_recipe_on_cpu(self.t.device, self.device, self.t.dtype, self.t.compile,
+        warning = gpu_recipe_on_cpu(self.t.device, self.device, self.requested_dtype, self.t.compile,
                                     self.t.max_steps * per_step * self.flops_per_token, self.peak)  # fmt: skip
         if warning and self.world.is_main:
             logger.warning(warning)
@@ -354,7 +384,8 @@ class Trainer:
         trainer = {"loader": self.batches.state_dict(), "elapsed_s": self.elapsed(), "skipped_steps": self.skipped,
                    "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                    "objective": self.objective.state_dict(), "world_size": self.world.world_size,
-                   "grad_accum": self.t.grad_accum}  # fmt: skip
+                   "grad_accum": self.t.grad_accum, "precision": {"device": self.device.type, "dtype": self.t.dtype,
+                                                                  "fp32_attention": self.fp32_attention}}  # fmt: skip
         # Each rank's generators, so that every rank's dropout resumes exactly (rank 0's keys unprefixed).
         rngs = gather_objects(self.world, rng_state())
         rng = {(f"rank{r}." if r else "") + k: v for r, state in enumerate(rngs) for k, v in state.items()}

@@ -32,7 +32,7 @@ Schedule = Literal["cosine", "constant", "wsd"]
 OptimizerName = Literal["adamw", "muon"]
 MuonLrScale = Literal["original", "match_rms_adamw"]
 Device = Literal["auto", "cpu", "cuda", "mps"]
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 Parallel = Literal["ddp", "fsdp"]
 MethodName = Literal[tuple(METHODS)]  # type: ignore[valid-type]  # the catalogue's names
 ObjectiveName = Literal[tuple(OBJECTIVES)]  # type: ignore[valid-type]
@@ -98,7 +98,8 @@ class TrainConfig:
     keep_checkpoints: int = 3  # keep the newest K checkpoints
     seed: int = 1337  # initial weights, the batches' order and the samples' draws
     device: Device = "auto"  # auto picks cuda, then mps, then cpu
-    dtype: Dtype = "float32"  # bfloat16 autocasts (CPU, CUDA); float16 autocasts with a gradient scaler (CUDA)
+    dtype: Dtype = "float32"  # bfloat16 autocasts (CPU, CUDA); float16 autocasts with a gradient scaler (CUDA);
+    #   auto: bfloat16 on a GPU that has it (else float16), and on a CPU whose bf16 products measure 1.5x fp32's
     compile: bool = False  # torch.compile the model
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 slower
     parallel: Parallel = "ddp"  # under torchrun: ddp replicates the model, fsdp shards it per block (FSDP2)

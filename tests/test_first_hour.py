@@ -166,6 +166,9 @@ def test_a_gpu_recipe_on_a_cpu_warns_with_what_it_costs(tmp_path, caplog):
     assert gpu_recipe_on_cpu("cpu", torch.device("cpu"), "bfloat16", True, 1e12, 1e9) is None  # asked for a CPU
     assert gpu_recipe_on_cpu("auto", torch.device("cpu"), "float32", False, 1e12, 1e9) is None  # a CPU recipe
     assert "at least 17 min" in gpu_recipe_on_cpu("auto", torch.device("cpu"), "float32", True, 1e12, 1e9)
+    # dtype auto trains in bfloat16 on a CPU only where that is faster: nothing to warn about, unless compiled.
+    assert gpu_recipe_on_cpu("auto", torch.device("cpu"), "auto", False, 1e12, 1e9) is None
+    assert "(device auto, compile)" in gpu_recipe_on_cpu("auto", torch.device("cpu"), "auto", True, 1e12, 1e9)
 
 
 def test_make_run_installs_no_test_extras_and_shows_its_progress(tmp_path):

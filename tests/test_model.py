@@ -52,6 +52,33 @@ def test_fast_and_plain_attention_agree(variant_config, device):
     assert len(trace.hidden_states) == 1 + variant_config.n_layer + extra_final_norm
 
 
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_attention_in_fp32_under_bf16_autocast(n_kv_head, monkeypatch):
+    # The trainer's choice where a CPU's bf16 attention kernel is the slower: the kernel gets fp32 q, k, v even
+    # under bf16 autocast, and the block its output back in bf16. Without autocast the switch changes nothing.
+    model = GPT(ModelConfig(**dict(TINY, n_kv_head=n_kv_head)))
+    ids = torch.randint(0, 50, (2, 16))
+    seen, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append(q.dtype) or sdpa(q, k, v, **kw))  # fmt: skip
+    outputs, fp32 = {}, {}
+    for on in (False, True):
+        model.attend_in_fp32(on)
+        fp32[on] = model(ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs[on] = model(ids)
+        assert seen[-model.config.n_layer:] == [torch.float32 if on else torch.bfloat16] * model.config.n_layer
+        outputs[on].float().sum().backward()  # gradients flow back through the casts
+        assert model.blocks[0].attn.qkv.weight.grad.isfinite().all()
+        model.zero_grad()
+    # The two differ by where attention's output is rounded to bf16: the bf16 logits (below 1 here, where a bf16
+    # step is 2^-8 at most) end at most a step apart (measured over 6 seeds: 2^-8); 2^-7 allows two.
+    assert outputs[False].abs().max() < 1
+    torch.testing.assert_close(outputs[True], outputs[False], atol=2**-7, rtol=0)
+    assert not torch.equal(outputs[True], outputs[False])
+    assert torch.equal(fp32[True], fp32[False])
+
+
 @pytest.mark.parametrize("n_kv_head", [1, 2, 4])
 def test_grouped_query_attention_shares_kv_heads(n_kv_head):
     config = ModelConfig(**dict(TINY, n_kv_head=n_kv_head, position="rope"))
