@@ -68,7 +68,6 @@ def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype,
 
     update is one matrix, or a stack of same-shape matrices (batch, rows, cols), each orthogonalised alone.
     """
-    a, b, c = coefficients
     x = update.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
@@ -77,10 +76,40 @@ def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype,
         x, product = x / x.norm().clamp(min=eps), torch.addmm
     else:
         x, product = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps), torch.baddbmm
+    on_gram = dtype == torch.float32 and steps > 1 and x.size(-1) > 1.5 * x.size(-2)
+    x = (iterate_on_gram if on_gram else iterate)(x, steps, coefficients, product)
+    return x.mT if tall else x
+
+
+def iterate(x: Tensor, steps: int, coefficients: tuple[float, float, float], product: Any) -> Tensor:
+    """orthogonalise's rounds on a normalised wide x, as written: X <- aX + (bA + cA^2) X, A = X X^T."""
+    a, b, c = coefficients
     for _ in range(steps):
         gram = x @ x.mT
         x = product(x, product(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if tall else x
+    return x
+
+
+def iterate_on_gram(x: Tensor, steps: int, coefficients: tuple[float, float, float], product: Any) -> Tensor:
+    """orthogonalise's rounds for a wide x (r rows, n > 1.5 r columns), run on r x r matrices: each round is
+    X <- h(A) X with h(A) = aI + bA + cA^2, so X_k = Q_k X_0 with Q_{k+1} = h(A_k) Q_k and A_{k+1} = h(A_k) A_k h(A_k),
+    and X_0 is multiplied once at the end.
+
+    4 r^2 n + (8 steps - 6) r^3 FLOPs against steps (4 r^2 n + 2 r^3), fewer where n > 1.5 r. In float32 on 2
+    threads of an AMD EPYC (`python benchmarks/bench_muon.py`) the CPU record's four 512 x 128 matrices took 2.8 ms
+    instead of 5.0, all eight 0.66x the time, as close to float64's iteration (5e-7). float32 only: in bfloat16 it
+    drifts further (5.0e-3 against 3.9e-3 at 384 x 128), and the bf16 products stay PyTorch's own.
+    """
+    a, b, c = coefficients
+    gram = x @ x.mT  # A_0
+    q = None
+    for step in range(steps):
+        h = product(gram, gram, gram, beta=b, alpha=c)  # bA + cA^2
+        h.diagonal(dim1=-2, dim2=-1).add_(a)
+        q = h if q is None else h @ q
+        if step < steps - 1:
+            gram = h @ gram @ h
+    return q @ x
 
 
 def same_shape_batches(matrices: list[Tensor]) -> list[list[int]]:

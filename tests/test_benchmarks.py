@@ -133,6 +133,20 @@ def test_bench_gpu_smoke_run_on_the_cpu_reports_every_part(tmp_path):
     assert "| gptkit eager |" in markdown and "Muon against AdamW" in markdown and "| kind of kernel |" in markdown
 
 
+def test_bench_muon_smoke_run_times_each_way_on_the_records_batches():
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_muon.py"), "--rounds", "1", "--json"],
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    # The CPU record's 8 matrices in 3 stacks, each wide side up; float32 either way within float32's rounding of
+    # float64's iteration (measured at most 6e-6), bfloat16 within its own (measured 6e-3).
+    assert sorted(r["shape"] for r in report["batches"]) == [[2, 128, 128], [2, 128, 384], [4, 128, 512]]
+    for r in report["batches"]:
+        assert r["float32"]["max_error"] < 2e-5 and r["float32 on the Gram matrix"]["max_error"] < 2e-5
+        assert 1e-4 < r["bfloat16"]["max_error"] < 2e-2
+        assert all(r[way]["ms"] > 0 for way in ("float32", "float32 on the Gram matrix", "bfloat16"))
+
+
 def test_bench_kernels_smoke_run_times_every_format_on_both_sides():
     from gptkit import cpu_kernels
 
