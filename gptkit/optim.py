@@ -76,7 +76,9 @@ def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype,
         x, product = x / x.norm().clamp(min=eps), torch.addmm
     else:
         x, product = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps), torch.baddbmm
-    on_gram = dtype == torch.float32 and steps > 1 and x.size(-1) > 1.5 * x.size(-2)
+    # Not a DTensor (FSDP2's row shard): adding a to a partial sum's diagonal counts it once per rank (two processes'
+    # float32 run went non-finite by step 3).
+    on_gram = type(x) is Tensor and dtype == torch.float32 and steps > 1 and x.size(-1) > 1.5 * x.size(-2)
     x = (iterate_on_gram if on_gram else iterate)(x, steps, coefficients, product)
     return x.mT if tall else x
 

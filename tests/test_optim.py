@@ -99,6 +99,33 @@ def test_float32_iterates_on_the_gram_matrix_where_that_is_cheaper_and_agrees_wi
     torch.testing.assert_close(ours, expected, atol=2e-6, rtol=0)
 
 
+def test_a_dtensor_shard_takes_the_rounds_as_written(monkeypatch):
+    # FSDP2 hands Muon row-sharded DTensors: their products gather what they need, but the Gram iteration's in-place
+    # add to a diagonal would count once per rank of a partial sum (a two-process float32 run went non-finite).
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        update = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+        shard = distribute_tensor(update, init_device_mesh("cpu", (1,)), [Shard(0)])
+        calls = []
+        monkeypatch.setattr(optim, "iterate_on_gram", lambda *args: calls.append(1) or iterate_on_gram(*args))
+        ours = orthogonalise(shard, 5, torch.float32).full_tensor()
+        assert calls == []
+        torch.testing.assert_close(ours, orthogonalise(update, 5, torch.float32), atol=2e-6, rtol=0)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("flags, expected", [({"avx2", "fma"}, "float32"), ({"avx2", "avx512f", "avx512_bf16"},
                                              "bfloat16"), ({"avx2", "amx_bf16"}, "bfloat16")])  # fmt: skip
 def test_the_newton_schulz_dtype_is_bfloat16_on_a_gpu_or_bf16_hardware_and_float32_elsewhere(monkeypatch, flags,
