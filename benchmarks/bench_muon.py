@@ -48,6 +48,7 @@ def time_batch(x: torch.Tensor, steps: int, rounds: int) -> dict[str, dict[str, 
 
 
 def main() -> int:
+    """Time each way on the chosen model's batches and print a table (or --json)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="shakespeare-char-cpu", choices=sorted(PRESETS),
                         help="the model whose block matrices to orthogonalise (default: the CPU recipe's)")  # fmt: skip

@@ -5,11 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
 import time
 
 import torch
-import torch.nn.functional as F
 
 from gptkit.errors import ConfigError
 
@@ -138,51 +136,6 @@ def _duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds / 60:.0f} min"
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
-
-
-# train.dtype auto trains in bfloat16 on a CPU whose bf16 products measure at least this many times its fp32 ones.
-# The casts autocast adds and bf16's slower elementwise kernels eat part of the gain: on the CPU record's step
-# (configs/shakespeare-char-cpu-muon.yaml, 2-core AVX512-BF16 EPYC, bf16 products 2.1x fp32) the products went from
-# 11.8 to 6.1 ms and the casts and GELU's backward added 1.9 ms, so bf16 pays from about 1.3x; 1.5 leaves a margin.
-CPU_BF16_MIN_SPEEDUP = 1.5
-
-
-def training_dtype(requested: str, device: torch.device) -> str:
-    """The dtype a run trains in: the requested one, or for auto the fastest that trains alike: bfloat16 on a GPU
-    that has it (float16, with its scaler, on an older one), on a CPU whose bf16 products are CPU_BF16_MIN_SPEEDUP
-    times its fp32 ones (measured here), else float32."""
-    if requested != "auto":
-        return requested
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if device.type == "cpu":
-        speedup = measured_cpu_matmul_flops(torch.bfloat16) / measured_cpu_matmul_flops(torch.float32)
-        return "bfloat16" if speedup >= CPU_BF16_MIN_SPEEDUP else "float32"
-    return "float32"
-
-
-def attention_faster_in_fp32(batch: int, n_head: int, block_size: int, head_dim: int, rounds: int = 3) -> bool:
-    """Whether causal attention, forward and backward, runs faster in fp32 than in bf16 on this CPU at this shape
-    (best of rounds, over at most a few sequences: the rate per sequence is what differs).
-
-    PyTorch 2.13's CPU flash-attention backward in bf16 is slow at short contexts: 5.1 ms against 1.9 in fp32 at
-    12 x 4 heads x 64 x 32 on a 2-core AVX512-BF16 EPYC, but 203 against 246 ms at 4 x 12 x 1024 x 64.
-    """
-    own = torch.Generator().manual_seed(0)  # the global RNG stays untouched: resumed runs replay it exactly
-    rows = min(batch, max(1, math.ceil(16 / n_head)))  # enough heads to keep every thread of a small CPU busy
-    q, k, v, grad = torch.randn(4, rows, n_head, block_size, head_dim, generator=own).bfloat16()
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-
-    def seconds(dtype: torch.dtype) -> float:  # from bf16 inputs to bf16 gradients, casts included
-        best = math.inf
-        for _ in range(rounds + 1):  # the first call sets up the kernel's buffers
-            start = time.perf_counter()
-            out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True)
-            out.to(torch.bfloat16).backward(grad)
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    return seconds(torch.float32) < seconds(torch.bfloat16)
 
 
 def check_precision(dtype: str, device: torch.device) -> None:

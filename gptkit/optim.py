@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +22,11 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch
 # A batch of same-shape updates orthogonalised together holds at most this many entries: its copies (the stack and
 # its products) then stay within a few hundred MB, where a large model's whole layer stack would not.
 MAX_BATCH_ELEMENTS = 1 << 24
+# iterate_on_gram rebuilds A from X after this many rounds: carried along, A's float32 rounding grows about
+# a^2 = 11.9 times a round where X has no weight, and a rank-30 512 x 128 update went to 3e10 in 10 rounds, NaN in
+# 12. Rebuilt every 5, it stays as close to float64's iteration as the rounds as written (6e-4 against 1e-3 at 10
+# rounds, where float32 itself loses it), and the default 5 rounds need no rebuild.
+GRAM_ROUNDS = 5
 
 
 def param_groups(model: nn.Module, weight_decay: float, exclude: set[nn.Parameter] = frozenset()) -> list[dict]:
@@ -64,7 +70,8 @@ def adamw(groups: list[dict], config: OptimConfig) -> tuple[torch.optim.AdamW, b
 def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype,
                   coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = 1e-7) -> Tensor:
     """Newton-Schulz's quintic iteration X <- aX + (bA + cA^2) X, A = X X^T, from X = update / ||update||_F, in dtype:
-    about U V^T of update = U S V^T (Keller Jordan's coefficients; torch.optim.Muon's products, in any dtype).
+    about U V^T of update = U S V^T (Keller Jordan's coefficients; torch.optim.Muon's products in bfloat16, and in
+    float32 the same rounds, on the Gram matrix where a matrix is over 1.5x as wide as tall: iterate_on_gram).
 
     update is one matrix, or a stack of same-shape matrices (batch, rows, cols), each orthogonalised alone.
     """
@@ -83,7 +90,7 @@ def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype,
     return x.mT if tall else x
 
 
-def iterate(x: Tensor, steps: int, coefficients: tuple[float, float, float], product: Any) -> Tensor:
+def iterate(x: Tensor, steps: int, coefficients: tuple[float, float, float], product: Callable[..., Tensor]) -> Tensor:
     """orthogonalise's rounds on a normalised wide x, as written: X <- aX + (bA + cA^2) X, A = X X^T."""
     a, b, c = coefficients
     for _ in range(steps):
@@ -92,26 +99,32 @@ def iterate(x: Tensor, steps: int, coefficients: tuple[float, float, float], pro
     return x
 
 
-def iterate_on_gram(x: Tensor, steps: int, coefficients: tuple[float, float, float], product: Any) -> Tensor:
+
+def iterate_on_gram(x: Tensor, steps: int, coefficients: tuple[float, float, float],
+                    product: Callable[..., Tensor]) -> Tensor:
     """orthogonalise's rounds for a wide x (r rows, n > 1.5 r columns), run on r x r matrices: each round is
     X <- h(A) X with h(A) = aI + bA + cA^2, so X_k = Q_k X_0 with Q_{k+1} = h(A_k) Q_k and A_{k+1} = h(A_k) A_k h(A_k),
-    and X_0 is multiplied once at the end.
+    and X_0 is multiplied once at the end (of each GRAM_ROUNDS rounds).
 
-    4 r^2 n + (8 steps - 6) r^3 FLOPs against steps (4 r^2 n + 2 r^3), fewer where n > 1.5 r. In float32 on 2
+    4 r^2 n + (8 k - 6) r^3 FLOPs for k rounds against k (4 r^2 n + 2 r^3), fewer where n > 1.5 r. In float32 on 2
     threads of an AMD EPYC (`python benchmarks/bench_muon.py`) the CPU record's four 512 x 128 matrices took 2.8 ms
-    instead of 5.0, all eight 0.66x the time, as close to float64's iteration (5e-7). float32 only: in bfloat16 it
-    drifts further (5.0e-3 against 3.9e-3 at 384 x 128), and the bf16 products stay PyTorch's own.
+    instead of 5.0, all eight 0.66x the time, as close to float64's iteration (5e-7; 3e-5 for an update whose
+    singular values fall to 1e-5, against 1.3e-6). float32 only: in bfloat16 it drifts further (5.0e-3 against
+    3.9e-3 at 384 x 128), and the bf16 products stay PyTorch's own.
     """
     a, b, c = coefficients
-    gram = x @ x.mT  # A_0
-    q = None
-    for step in range(steps):
-        h = product(gram, gram, gram, beta=b, alpha=c)  # bA + cA^2
-        h.diagonal(dim1=-2, dim2=-1).add_(a)
-        q = h if q is None else h @ q
-        if step < steps - 1:
-            gram = h @ gram @ h
-    return q @ x
+    for start in range(0, steps, GRAM_ROUNDS):
+        rounds = min(GRAM_ROUNDS, steps - start)
+        gram = x @ x.mT  # A, from X
+        q = None
+        for step in range(rounds):
+            h = product(gram, gram, gram, beta=b, alpha=c)  # bA + cA^2
+            h.diagonal(dim1=-2, dim2=-1).add_(a)
+            q = h if q is None else h @ q
+            if step < rounds - 1:
+                gram = h @ gram @ h
+        x = q @ x
+    return x
 
 
 def same_shape_batches(matrices: list[Tensor]) -> list[list[int]]:

@@ -33,10 +33,7 @@ from gptkit.checkpoint import (
     set_rng_state,
 )  # fmt: skip
 from gptkit.data import Batches, load_run_data
-from gptkit.devices import (
-    attention_backends, attention_faster_in_fp32, autocast_for, check_precision, gpu_recipe_on_cpu, peak_flops,
-    pick_device, training_dtype,
-)  # fmt: skip
+from gptkit.devices import attention_backends, autocast_for, check_precision, gpu_recipe_on_cpu, peak_flops, pick_device
 from gptkit.distributed import (
     RankBatches, World, all_mean, any_rank, barrier, device_for, gather_objects, init_process_group,
     resumed_grad_accum, sync_context, world_from_env, wrap,
@@ -49,6 +46,7 @@ from gptkit.observe.run_log import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, Run
 from gptkit.observe.training import Observer
 from gptkit.stopping import EvaluationStopped, stop_on_signals
 from gptkit.optim import make_optimizer, set_learning_rates
+from gptkit.precision import choose_precision
 from gptkit.tokenizer import check_same_tokenizer
 from gptkit.train_config import RunConfig
 
@@ -140,26 +138,14 @@ class Trainer:
         self.block_size = self.gpt.config.block_size
 
     def choose_precision(self, checkpoint: Path | None) -> None:
-        """train.dtype auto made the fastest here, and under a CPU's bf16 attention in fp32 where that measures faster
-        at the run's shape: each measured alike on every rank, or kept from the resumed run (so it replays exactly)."""
+        """train.dtype made concrete (auto: the fastest here), and attention's precision under it (or the resumed
+        run's choices)."""
         saved = read_trainer_state(checkpoint).get("precision") if checkpoint is not None else None
-        saved = saved if isinstance(saved, dict) and saved.get("device") == self.device.type else {}
+        config = self.gpt.config
+        shape = (self.t.batch_size, config.n_head, self.block_size, config.head_dim)
         self.requested_dtype = self.t.dtype
-        if self.t.dtype == "auto" and saved.get("dtype") in ("float32", "bfloat16", "float16"):
-            self.t.dtype = saved["dtype"]
-        elif self.t.dtype == "auto":
-            dtype = training_dtype("auto", self.device)
-            if self.device.type == "cpu":  # a measurement: every rank takes bf16 if any measured it faster
-                dtype = "bfloat16" if any_rank(self.world, dtype == "bfloat16", self.device) else "float32"
-            self.t.dtype = dtype
-        self.fp32_attention = False
-        if self.device.type == "cpu" and self.t.dtype == "bfloat16":
-            if saved.get("dtype") == "bfloat16" and isinstance(saved.get("fp32_attention"), bool):
-                self.fp32_attention = saved["fp32_attention"]
-            else:
-                config = self.gpt.config
-                faster = attention_faster_in_fp32(self.t.batch_size, config.n_head, self.block_size, config.head_dim)
-                self.fp32_attention = any_rank(self.world, faster, self.device)
+        self.precision = choose_precision(self.t.dtype, self.device, self.world, shape, saved)
+        self.t.dtype, self.fp32_attention = self.precision.dtype, self.precision.fp32_attention
         self.gpt.attend_in_fp32(self.fp32_attention)
         if self.requested_dtype == "auto" and self.world.is_main:
             logger.info(f"train.dtype auto: training in {self.t.dtype} on {self.device.type}")
@@ -224,6 +210,10 @@ class Trainer:
         init_from = {"init_from": self.config.model.init_from} if self.config.model.init_from else {}
         resolved["model"] = {**init_from, **self.gpt.config.to_dict()}
         header = "# The resolved settings of this run, written by gptkit train.\n"
+        if self.requested_dtype == "auto":  # kept as asked: a resume reads it and takes the checkpoint's choice
+            resolved["train"]["dtype"] = "auto"
+            attention = ", attention in float32" if self.fp32_attention else ""
+            header += f"# train.dtype auto: this run trains in {self.t.dtype} on {self.device.type}{attention}.\n"
         # Records after the checkpoint belong to steps this run is about to redo; a new run starts a new file.
         history = read_history(self.run_dir / METRICS_FILE, self.step) if checkpoint is not None else []
         self.log = RunLog(self.run_dir, history, self.world.is_main, self.objective.task_metrics,
@@ -384,8 +374,7 @@ class Trainer:
         trainer = {"loader": self.batches.state_dict(), "elapsed_s": self.elapsed(), "skipped_steps": self.skipped,
                    "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                    "objective": self.objective.state_dict(), "world_size": self.world.world_size,
-                   "grad_accum": self.t.grad_accum, "precision": {"device": self.device.type, "dtype": self.t.dtype,
-                                                                  "fp32_attention": self.fp32_attention}}  # fmt: skip
+                   "grad_accum": self.t.grad_accum, "precision": self.precision.state(self.device)}  # fmt: skip
         # Each rank's generators, so that every rank's dropout resumes exactly (rank 0's keys unprefixed).
         rngs = gather_objects(self.world, rng_state())
         rng = {(f"rank{r}." if r else "") + k: v for r, state in enumerate(rngs) for k, v in state.items()}

@@ -688,52 +688,69 @@ def test_the_cpu_peak_grows_its_product_only_while_the_next_stays_quick(monkeypa
 
 
 def test_dtype_auto_takes_bfloat16_where_it_is_measured_or_known_faster(monkeypatch):
-    from gptkit import devices
+    from gptkit import precision
 
     rates = {torch.float32: 1e11}
-    monkeypatch.setattr(devices, "measured_cpu_matmul_flops", lambda dtype: rates[dtype])
+    monkeypatch.setattr(precision, "measured_cpu_matmul_flops", lambda dtype: rates[dtype])
     cpu = torch.device("cpu")
     for bf16_rate, chosen in [(2.1e11, "bfloat16"), (1.5e11, "bfloat16"), (1.4e11, "float32"), (1e9, "float32")]:
         rates[torch.bfloat16] = bf16_rate  # 2.1x: AVX512-BF16 here; 1e9: emulated, on an AVX2-only CPU
-        assert devices.training_dtype("auto", cpu) == chosen, bf16_rate
+        assert precision.training_dtype("auto", cpu) == chosen, bf16_rate
     for asked in ("float32", "bfloat16", "float16"):
-        assert devices.training_dtype(asked, cpu) == asked  # an explicit dtype is never second-guessed
+        assert precision.training_dtype(asked, cpu) == asked  # an explicit dtype is never second-guessed
     for has_bf16, chosen in [(True, "bfloat16"), (False, "float16")]:
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda has=has_bf16: has)
-        assert devices.training_dtype("auto", torch.device("cuda")) == chosen
-    assert devices.training_dtype("auto", torch.device("mps")) == "float32"
+        assert precision.training_dtype("auto", torch.device("cuda")) == chosen
+    assert precision.training_dtype("auto", torch.device("mps")) == "float32"
 
 
 def test_cpu_attention_choice_times_both_precisions(monkeypatch):
     # Which is faster is this CPU's business; that the slower precision loses, and the global RNG is left alone
     # (a resumed run replays it), is the function's.
-    from gptkit import devices
+    from gptkit import precision
 
-    sdpa = devices.F.scaled_dot_product_attention
+    sdpa = precision.F.scaled_dot_product_attention
     for slow, fp32_wins in [(torch.bfloat16, True), (torch.float32, False)]:
         def timed(q, k, v, slow=slow, **kwargs):
             time.sleep(0.01 if q.dtype == slow else 0)
             return sdpa(q, k, v, **kwargs)
 
-        monkeypatch.setattr(devices.F, "scaled_dot_product_attention", timed)
+        monkeypatch.setattr(precision.F, "scaled_dot_product_attention", timed)
         state = torch.get_rng_state()
-        assert devices.attention_faster_in_fp32(batch=12, n_head=4, block_size=16, head_dim=8) is fp32_wins
+        assert precision.attention_faster_in_fp32(batch=12, n_head=4, block_size=16, head_dim=8) is fp32_wins
         assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_bf16_asked_for_on_a_cpu_also_times_attention_and_a_saved_choice_holds_on_its_device_kind(monkeypatch):
+    from gptkit import precision
+    from gptkit.distributed import World
+
+    monkeypatch.setattr(precision, "attention_faster_in_fp32", lambda *shape: True)
+    cpu, shape, Precision = torch.device("cpu"), (12, 4, 64, 32), precision.Precision
+    assert precision.choose_precision("bfloat16", cpu, World(), shape) == Precision("bfloat16", True)
+    assert precision.choose_precision("float32", cpu, World(), shape) == Precision("float32", False)
+    saved = Precision("bfloat16", False).state(cpu)
+    assert precision.choose_precision("bfloat16", cpu, World(), shape, saved) == Precision("bfloat16", False)
+    assert precision.choose_precision("auto", cpu, World(), shape, saved) == Precision("bfloat16", False)
+    elsewhere = {**saved, "device": "cuda"}  # a checkpoint from a GPU is measured afresh on a CPU
+    assert precision.choose_precision("bfloat16", cpu, World(), shape, elsewhere) == Precision("bfloat16", True)
 
 
 @pytest.mark.parametrize("bf16_faster", [True, False])
 def test_a_run_with_dtype_auto_trains_and_records_the_dtype_it_chose(data_dir, tmp_path, monkeypatch, caplog,
                                                                      bf16_faster):  # fmt: skip
-    from gptkit import devices, train as train_module
+    from gptkit import precision
 
     rates = {torch.float32: 1e11, torch.bfloat16: 3e11 if bf16_faster else 1e11}
-    monkeypatch.setattr(devices, "measured_cpu_matmul_flops", rates.get)
-    monkeypatch.setattr(train_module, "attention_faster_in_fp32", lambda *shape: True)
+    monkeypatch.setattr(precision, "measured_cpu_matmul_flops", rates.get)
+    monkeypatch.setattr(precision, "attention_faster_in_fp32", lambda *shape: True)
     with caplog.at_level(logging.INFO, logger="gptkit"):
         trainer = Trainer(tiny(data_dir, tmp_path / "run", max_steps=2, dtype="auto"), resume=False)
     chosen = "bfloat16" if bf16_faster else "float32"
     assert trainer.t.dtype == chosen and f"train.dtype auto: training in {chosen} on cpu" in caplog.text
-    assert "dtype: " + chosen in (trainer.run_dir / "config.yaml").read_text()
+    # config.yaml keeps what was asked (a resume from it takes the checkpoint's choice) and says what it became.
+    written = (trainer.run_dir / "config.yaml").read_text()
+    assert "dtype: auto" in written and f"# train.dtype auto: this run trains in {chosen} on cpu" in written
     # Attention in fp32 is a bf16-autocast choice (the patched measurement says fp32 is faster).
     assert [block.attn.fp32_attention for block in trainer.gpt.blocks] == [bf16_faster] * 2
     trainer.run(progress=False)
@@ -743,17 +760,19 @@ def test_a_run_with_dtype_auto_trains_and_records_the_dtype_it_chose(data_dir, t
 def test_a_resumed_run_keeps_the_precision_it_chose(data_dir, tmp_path, monkeypatch):
     # The measurements may come out the other way at a resume (another load on the machine): the run keeps what it
     # chose, and replays its interrupted steps exactly.
-    from gptkit import devices, train as train_module
+    from gptkit import precision
 
-    monkeypatch.setattr(devices, "measured_cpu_matmul_flops", {torch.float32: 1e11, torch.bfloat16: 3e11}.get)
-    monkeypatch.setattr(train_module, "attention_faster_in_fp32", lambda *shape: True)
+    monkeypatch.setattr(precision, "measured_cpu_matmul_flops", {torch.float32: 1e11, torch.bfloat16: 3e11}.get)
+    monkeypatch.setattr(precision, "attention_faster_in_fp32", lambda *shape: True)
     config = functools.partial(tiny, data_dir, dtype="auto", max_steps=6, checkpoint_interval=3)
     whole = losses(train(config(tmp_path / "whole"), progress=False).run_dir)
     train(config(tmp_path / "resumed", max_steps=3), progress=False)
-    monkeypatch.setattr(devices, "measured_cpu_matmul_flops", {torch.float32: 1e11, torch.bfloat16: 1e11}.get)
-    monkeypatch.setattr(train_module, "attention_faster_in_fp32", lambda *shape: pytest.fail("measured again"))
-    trainer = Trainer(config(tmp_path / "resumed"), resume=True)
-    assert trainer.t.dtype == "bfloat16" and all(block.attn.fp32_attention for block in trainer.gpt.blocks)
+    monkeypatch.setattr(precision, "measured_cpu_matmul_flops", {torch.float32: 1e11, torch.bfloat16: 1e11}.get)
+    monkeypatch.setattr(precision, "attention_faster_in_fp32", lambda *shape: pytest.fail("measured again"))
+    # As --resume reads it: the run directory's config.yaml, here with more steps.
+    trainer = Trainer(from_sources(tmp_path / "resumed" / "config.yaml", {"train": {"max_steps": 6}}), resume=True)
+    assert trainer.requested_dtype == "auto" and trainer.t.dtype == "bfloat16"
+    assert all(block.attn.fp32_attention for block in trainer.gpt.blocks)
     trainer.run(progress=False)
     assert losses(trainer.run_dir) == whole
 
