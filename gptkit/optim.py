@@ -83,11 +83,15 @@ def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype,
         x, product = x / x.norm().clamp(min=eps), torch.addmm
     else:
         x, product = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps), torch.baddbmm
-    # Not a DTensor (FSDP2's row shard): adding a to a partial sum's diagonal counts it once per rank (two processes'
-    # float32 run went non-finite by step 3).
-    on_gram = type(x) is Tensor and dtype == torch.float32 and steps > 1 and x.size(-1) > 1.5 * x.size(-2)
-    x = (iterate_on_gram if on_gram else iterate)(x, steps, coefficients, product)
+    x = (iterate_on_gram if on_gram(x, steps, dtype) else iterate)(x, steps, coefficients, product)
     return x.mT if tall else x
+
+
+def on_gram(x: Tensor, steps: int, dtype: torch.dtype) -> bool:
+    """Whether orthogonalise iterates a wide x (or stack) on its Gram matrix: float32, more than one round, over 1.5x
+    as wide as tall (where that takes fewer FLOPs), and not a DTensor (FSDP2's row shard: adding a to a partial sum's
+    diagonal counts it once per rank; two processes' float32 run went non-finite by step 3)."""
+    return type(x) is Tensor and dtype == torch.float32 and steps > 1 and x.size(-1) > 1.5 * x.size(-2)
 
 
 def iterate(x: Tensor, steps: int, coefficients: tuple[float, float, float], product: Callable[..., Tensor]) -> Tensor:
@@ -97,7 +101,6 @@ def iterate(x: Tensor, steps: int, coefficients: tuple[float, float, float], pro
         gram = x @ x.mT
         x = product(x, product(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x
-
 
 
 def iterate_on_gram(x: Tensor, steps: int, coefficients: tuple[float, float, float],

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from gptkit.devices import measured_cpu_matmul_flops
 from gptkit.distributed import World, any_rank
+from gptkit.plan import TRAIN_DTYPES
 
-DTYPES = ("float32", "bfloat16", "float16")
 # train.dtype auto trains in bfloat16 on a CPU whose bf16 products measure at least this many times its fp32 ones.
 # The casts autocast adds and bf16's slower elementwise kernels eat part of the gain: on the CPU record's step
 # (configs/shakespeare-char-cpu-muon.yaml, 2-core AVX512-BF16 EPYC, bf16 products 2.1x fp32) the products went from
@@ -41,7 +41,7 @@ def choose_precision(requested: str, device: torch.device, world: World, attenti
     Precision.state on the same kind of device, is kept instead, so that a resumed run replays exactly."""
     saved = saved if isinstance(saved, dict) and saved.get("device") == device.type else {}
     dtype = requested
-    if requested == "auto" and saved.get("dtype") in DTYPES:
+    if requested == "auto" and saved.get("dtype") in TRAIN_DTYPES:
         dtype = saved["dtype"]
     elif requested == "auto":
         dtype = training_dtype("auto", device)
