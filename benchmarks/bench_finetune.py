@@ -116,7 +116,7 @@ def grpo_trainer(shape: ModelConfig, batch: int, seq: int, group: int, root: Pat
     from gptkit.prepare import PrepareConfig, prepare
     from gptkit.tokenizer import ByteTokenizer
     from gptkit.train import Trainer
-    from gptkit.train_config import from_sources
+    from gptkit.run_sources import from_sources
 
     model = GPT(ModelConfig(**{**shape.to_dict(), "vocab_size": 257, "block_size": max(shape.block_size, seq)}))
     save_model_dir(model, root / "model", tokenizer=ByteTokenizer())

@@ -65,7 +65,7 @@ from gptkit.devices import attention_backends, autocast_for, gpu_peak_flops, pic
 from gptkit.model import GPT  # noqa: E402
 from gptkit.optim import param_groups  # noqa: E402
 from gptkit.train import train  # noqa: E402
-from gptkit.train_config import from_sources  # noqa: E402
+from gptkit.run_sources import from_sources  # noqa: E402
 
 PARTS = ("env", "attention", "loss", "train", "profile", "decode", "lora", "muon")
 LOOPS = ("gptkit eager", "hf eager", "gptkit compiled", "hf compiled")

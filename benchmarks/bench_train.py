@@ -59,7 +59,7 @@ from gptkit.loss import next_token_loss
 from gptkit.model import GPT
 from gptkit.devices import measured_cpu_matmul_flops
 from gptkit.train import train
-from gptkit.train_config import from_sources
+from gptkit.run_sources import from_sources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanogpt_peer  # noqa: E402

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gptkit.config import ModelConfig
 from gptkit.train import train
-from gptkit.train_config import from_sources
+from gptkit.run_sources import from_sources
 
 REPO = Path(__file__).resolve().parent.parent
 MUON_CONFIG = REPO / "configs" / "shakespeare-char.yaml"  # nanoGPT's GPU recipe: 6 layers, 384 wide, 256 context

@@ -2,8 +2,8 @@
 
 A part of a training run (a method or an objective in gptkit/finetune) declares its settings as a PartSettings
 dataclass in its own file: each field a flat key of the finetune section (finetune.lora_rank), described by its
-comment (`gptkit train --help` shows it), with its ranges in validate() and the rules a run using the part must
-follow in check_run() (needs model.init_from, not under FSDP). gptkit.finetune.catalogue collects them.
+comment (`gptkit train --help` shows it), with its ranges in validate() and, as class attributes, the rules a run
+using the part must follow (needs model.init_from, not under FSDP). gptkit.finetune.catalogue collects them.
 """
 
 from __future__ import annotations
@@ -16,12 +16,9 @@ import textwrap
 import types
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args, get_origin
+from typing import Any, ClassVar, Literal, get_args, get_origin
 
 from gptkit.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gptkit.train_config import RunConfig
 
 
 @dataclass
@@ -30,24 +27,13 @@ class PartSettings:
 
     # Settings a resumed run may change (the others shaped the weights it continues).
     may_change_on_resume: ClassVar[tuple[str, ...]] = ()
+    # The part needs a model to start from (model.init_from), for this reason; None: it does not.
+    needs_base: ClassVar[str | None] = None
+    # The part trains under train.parallel ddp only (each rank holds the whole model), never sharded by fsdp.
+    data_parallel_only: ClassVar[bool] = False
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of its range (whether or not the run uses the part)."""
-
-    def check_run(self, run: RunConfig) -> None:
-        """Raise ConfigError when a run that uses this part breaks one of its rules."""
-
-
-def require_base(run: RunConfig, part: str, why: str) -> None:
-    """A ConfigError unless the run starts from a model (model.init_from): part needs one, for the reason why."""
-    if run.model.init_from is None:
-        raise ConfigError(f"{part} {why}: set model.init_from")
-
-
-def require_ddp(run: RunConfig, part: str) -> None:
-    """A ConfigError when the run shards its weights (train.parallel fsdp), which part does not train under."""
-    if run.train.parallel == "fsdp":
-        raise ConfigError(f"{part} trains under train.parallel ddp; use ddp")
 
 
 def check_range(name: str, value: float, low: float, high: float | None = None, low_open: bool = False,

@@ -39,7 +39,7 @@ from gptkit.distributed import (
     resumed_grad_accum, sync_context, world_from_env, wrap,
 )  # fmt: skip
 from gptkit.errors import ConfigError, GptkitError, StepAbandoned
-from gptkit.finetune.catalogue import method_for, objective_for
+from gptkit.finetune.catalogue import check_parts, method_for, objective_for
 from gptkit.finetune.parts import Setup
 from gptkit.model import GPT
 from gptkit.observe.run_log import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, RunLog, read_history
@@ -102,6 +102,7 @@ class Trainer:
         self.config, self.t, self.o = config, config.train, config.optim
         self.world = world if world is not None else World()
         self.run_dir = config.run_dir()
+        check_parts(config)  # the run's method's and objective's rules
         self.data = load_run_data(self.t.data_dir)
         checkpoint = resume_point(self.run_dir, resume or resume_from is not None, resume_from)
         if checkpoint is not None:  # another process count keeps the global batch through grad_accum

@@ -21,7 +21,7 @@ from gptkit.errors import ConfigError
 from gptkit.formats.modeldir import load_model_dir
 from gptkit.tensors import load_tensors
 from gptkit.train import train
-from gptkit.train_config import from_sources
+from gptkit.run_sources import from_sources
 
 from conftest import same_run, write_char_data_dir
 

@@ -27,7 +27,8 @@ from gptkit.formats.modeldir import save_model_dir
 from gptkit.loading import load
 from gptkit.tokenizer import EOT, BPETokenizer, ByteTokenizer, load_tokenizer
 from gptkit.train import train
-from gptkit.train_config import from_sources
+from gptkit.finetune.catalogue import check_parts
+from gptkit.run_sources import from_sources
 from gptkit.weights import model_state
 
 CHATML = (
@@ -436,4 +437,4 @@ def test_examples_rendered_with_another_template_are_refused(sft, tmp_path):
     with pytest.raises(GptkitError, match="rendered with the default chat template than the model's"):
         train(_run_config(data, tmp_path / "run", templated), progress=False)
     with pytest.raises(GptkitError, match="model.init_from"):
-        _run_config(data, tmp_path / "run2", None, method="lora").validate()
+        check_parts(_run_config(data, tmp_path / "run2", None, method="lora"))

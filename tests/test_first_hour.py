@@ -25,7 +25,8 @@ from gptkit.model import GPT
 from gptkit.observe.training import Observer, _draw_losses, plot_run
 from gptkit.tokenizer import CharTokenizer
 from gptkit.train import Trainer, train
-from gptkit.train_config import TrainConfig, from_sources
+from gptkit.train_config import TrainConfig
+from gptkit.run_sources import from_sources
 
 from conftest import write_char_data_dir
 

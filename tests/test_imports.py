@@ -35,19 +35,15 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, k
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules it imports anywhere in its source (inside functions too: that hides no dependency), but
-    for the names it imports only for type hints (under `if TYPE_CHECKING:`, never run), as the shared
-    tools/import_cycles.py counts them."""
+    """Module -> the modules it imports anywhere in its source: inside functions too, and for type hints only (under
+    `if TYPE_CHECKING:`), since a reader follows those as well and a hint-only import hides a dependency as much as
+    a function-local one."""
     files = {_module(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for module, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        hints_only = {id(sub) for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in
-                      ast.unparse(node.test) for sub in ast.walk(node)}  # fmt: skip
-        graph[module] = set().union(*[
-            _targets(node, module, path.name == "__init__.py", set(files))
-            for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in hints_only
-        ])  # fmt: skip
+        imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+        graph[module] = set().union(*[_targets(node, module, path.name == "__init__.py", set(files)) for node in imports])
     return graph
 
 
@@ -198,3 +194,37 @@ def test_the_training_loop_names_no_method_or_objective():
     graph = import_graph()
     assert {m for m in graph["gptkit.train"] if m.startswith("gptkit.finetune")} == {"gptkit.finetune.catalogue",
                                                                                     "gptkit.finetune.parts"}
+
+
+def _under(module: str, packages: tuple[str, ...]) -> bool:
+    """Whether module is one of packages or inside one (gptkit.train is not gptkit.train_config)."""
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+# The floors below the training loop: what each may never import, hint-only imports included. The run's settings
+# are data the method catalogue's parts name in their hints, so they import no part; composing them from YAML and
+# flags (gptkit.run_sources) sits above the catalogue.
+ABOVE_THE_MODEL = ("gptkit.train", "gptkit.run_sources", "gptkit.finetune", "gptkit.decoding", "gptkit.formats",
+                   "gptkit.loading", "gptkit.serving", "gptkit.cli", "gptkit.observe")
+LAYER_RULES = {
+    ("gptkit.config", "gptkit.model", "gptkit.kv_cache", "gptkit.loss", "gptkit.errors"): ABOVE_THE_MODEL,
+    ("gptkit.settings", "gptkit.train_config", "gptkit.optim"): ("gptkit.train", "gptkit.run_sources",
+                                                                 "gptkit.finetune", "gptkit.cli"),
+    ("gptkit.finetune",): ("gptkit.train", "gptkit.run_sources", "gptkit.cli"),
+}
+
+
+def test_each_floor_imports_nothing_above_it_hint_only_imports_included():
+    graph = import_graph()
+    assert "gptkit.train_config" in graph["gptkit.finetune.parts"]  # a hint-only import is counted
+    for floor, forbidden in LAYER_RULES.items():
+        for module in (m for m in graph if _under(m, floor)):
+            assert not {m for m in graph[module] if _under(m, forbidden)}, module
+
+
+def test_importing_the_optimiser_loads_few_gptkit_modules():
+    """The optimiser needs its settings, not the method catalogue they were once composed with."""
+    script = "import sys, gptkit.optim; print(len([m for m in sys.modules if m.split('.')[0] == 'gptkit']))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) <= 15

@@ -17,7 +17,7 @@ from gptkit.errors import ConfigError
 from gptkit.observe.samples import SAMPLES_FILE, example_prompts, read_samples
 from gptkit.tokenizer import load_tokenizer
 from gptkit.train import train
-from gptkit.train_config import add_flags, flag_overrides, from_sources
+from gptkit.run_sources import add_flags, flag_overrides, from_sources
 
 from conftest import write_char_data_dir
 

@@ -11,7 +11,7 @@ import pytest
 
 from gptkit.checkpoint import write_manifest
 from gptkit.train import train
-from gptkit.train_config import from_sources
+from gptkit.run_sources import from_sources
 
 FIXTURES = Path(__file__).parent / "fixtures" / "old_runs"
 # run -> (data directory, starts from the base model, finetune settings), as make_old_runs.py trained them

@@ -144,7 +144,7 @@ def _train_paths(args, runs: dict[str, object]) -> tuple[list[str], list[str]]:
     """(paths read, paths made) of a `gptkit train`: the data, the model it starts from, the run resumed; the run
     directory and the checkpoints the run keeps."""
     from gptkit.cli.train import ALIASES
-    from gptkit.train_config import flag_overrides, from_sources
+    from gptkit.run_sources import flag_overrides, from_sources
 
     flags = flag_overrides(args)
     for option, key in ALIASES.items():

@@ -16,7 +16,7 @@ from gptkit.distributed import resumed_grad_accum
 from gptkit.errors import ConfigError
 from gptkit.tensors import load_tensors, save_tensors
 from gptkit.train import train
-from gptkit.train_config import from_sources
+from gptkit.run_sources import from_sources
 
 from conftest import write_char_data_dir
 

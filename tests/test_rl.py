@@ -29,7 +29,7 @@ from gptkit.finetune.policy_loss import PolicyLoss, group_advantages, pass_at_k,
 from gptkit.loading import load
 from gptkit.loss import IGNORE_INDEX
 from gptkit.train import Trainer, train
-from gptkit.train_config import from_sources
+from gptkit.run_sources import from_sources
 
 # ---------------------------------------------------------------- the loss
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gptkit.checkpoint import latest_checkpoint
 from gptkit.train import Trainer
-from gptkit.train_config import from_sources
+from gptkit.run_sources import from_sources
 
 from conftest import write_char_data_dir
 

@@ -28,7 +28,7 @@ from gptkit.loading import load
 from gptkit.tokenizer import load_tokenizer
 from gptkit.devices import measured_cpu_matmul_flops, peak_flops
 from gptkit.train import Trainer, TrainingStopped, train
-from gptkit.train_config import from_sources
+from gptkit.run_sources import from_sources
 
 from conftest import same_run, write_char_data_dir
 

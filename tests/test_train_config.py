@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -13,11 +14,13 @@ import torch
 
 from gptkit.cli import build_parser, main
 from gptkit.config import ModelConfig
+from gptkit.errors import ConfigError
 from gptkit.model import GPT
 from gptkit.optim import lr_at, param_groups
 from gptkit.tokenizer import CharTokenizer
 from gptkit.config import resolve_model
-from gptkit.train_config import OptimConfig, RunConfig, TrainConfig, from_sources
+from gptkit.train_config import OptimConfig, RunConfig, TrainConfig
+from gptkit.run_sources import from_sources
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -239,13 +242,14 @@ def test_weight_decay_only_on_matrices():
 
 def test_each_part_declares_its_settings_once_and_help_names_the_part(capsys):
     from gptkit.finetune.catalogue import METHODS, OBJECTIVES, part_keys, part_settings
+    from gptkit.run_sources import new_run_config
     from gptkit.train_config import FinetuneConfig
 
     owners = part_settings()
     keys = part_keys()
     assert {f.name for f in fields(FinetuneConfig)} == {"method", "objective", "packing", "parts"}
     assert {"lora_rank", "dpo_beta", "orpo_beta", "kto_beta", "loss_type", "lm_weight"} <= set(keys)
-    assert set(FinetuneConfig().parts) == set(owners)  # every part's settings, by class
+    assert set(new_run_config().finetune.parts) == set(owners)  # every part's settings, by class
     for name, part in {**METHODS, **OBJECTIVES}.items():
         if part.settings_type in owners:
             assert owners[part.settings_type].endswith(f" {name}")
@@ -257,6 +261,27 @@ def test_each_part_declares_its_settings_once_and_help_names_the_part(capsys):
 
 
 def test_a_setting_of_a_part_the_run_does_not_use_is_warned_about(tmp_path, caplog):
+    from gptkit.finetune.catalogue import check_parts
+
     config = from_sources(None, {"train": {"out_dir": str(tmp_path / "run")}, "finetune": {"dpo_beta": 0.3}})
-    config.validate()
+    check_parts(config)
     assert "finetune.dpo_beta is a setting of finetune.objective dpo, which this run does not use" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "finetune, train, message",
+    [
+        ({"method": "lora"}, {}, "finetune.method lora trains adapters over a base model: set model.init_from"),
+        ({"objective": "dpo"}, {"parallel": "fsdp"}, "finetune.objective dpo aligns an existing model"),
+        ({"objective": "orpo"}, {"parallel": "fsdp"}, "finetune.objective orpo trains under train.parallel ddp; use ddp"),
+    ],
+)
+def test_a_part_declares_its_run_rules_and_the_catalogue_enforces_them(tmp_path, finetune, train, message):
+    from gptkit.finetune.catalogue import check_parts
+
+    config = from_sources(None, {"train": {"out_dir": str(tmp_path / "run"), **train}, "finetune": finetune})
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        check_parts(config)
+    config.model.init_from = str(tmp_path / "base")
+    config.train.parallel = "ddp"
+    check_parts(config)  # both rules kept: nothing to refuse

@@ -22,7 +22,7 @@ HELP = "train or fine-tune a model on prepared data, with checkpoints and exact 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `train` sub-command, with one flag per config key."""
-    from gptkit.train_config import add_flags
+    from gptkit.run_sources import add_flags
 
     parser = subparsers.add_parser(
         "train",
@@ -54,7 +54,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     from gptkit.errors import ConfigError
     from gptkit.train import CONFIG_FILE
     from gptkit.finetune.catalogue import resume_may_change
-    from gptkit.train_config import flag_overrides, from_sources
+    from gptkit.run_sources import flag_overrides, from_sources
 
     flags = flag_overrides(args)
     for option, field in ALIASES.items():

@@ -83,7 +83,7 @@ def check_parts(run: RunConfig) -> None:
     for kind, owner in part_settings().items():
         settings = f.of(kind)
         if kind in used:
-            settings.check_run(run)
+            check_rules(kind, owner, run)
             continue
         changed = [field.name for field in dataclasses.fields(kind) if getattr(settings, field.name) !=
                    getattr(kind(), field.name)]  # fmt: skip
@@ -91,6 +91,14 @@ def check_parts(run: RunConfig) -> None:
             logger.warning("finetune.%s %s a setting of %s, which this run does not use (finetune.method %s, "
                            "finetune.objective %s): it has no effect", ", finetune.".join(changed),
                            "is" if len(changed) == 1 else "are", owner, f.method, f.objective)  # fmt: skip
+
+
+def check_rules(kind: type[PartSettings], owner: str, run: RunConfig) -> None:
+    """A ConfigError naming owner (e.g. 'finetune.method lora') when run breaks a rule its settings class declares."""
+    if kind.needs_base is not None and run.model.init_from is None:
+        raise ConfigError(f"{owner} {kind.needs_base}: set model.init_from")
+    if kind.data_parallel_only and run.train.parallel == "fsdp":
+        raise ConfigError(f"{owner} trains under train.parallel ddp; use ddp")
 
 
 def method_for(config: RunConfig) -> Method:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +20,7 @@ from gptkit.data import Batch
 from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
 from gptkit.loss import IGNORE_INDEX
-from gptkit.settings import PartSettings, check_range, require_base, require_ddp
-
-if TYPE_CHECKING:
-    from gptkit.train_config import RunConfig
+from gptkit.settings import PartSettings, check_range
 
 
 def sequence_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
@@ -48,6 +45,10 @@ def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: T
 class DpoSettings(PartSettings):
     """DPO's settings."""
 
+    # The reference is the model the run starts from.
+    needs_base = "aligns an existing model (its frozen copy is the reference)"
+    data_parallel_only = True
+
     dpo_beta: float = 0.1  # how far the policy may move from the reference (TRL's default)
     dpo_nll_weight: float = 0.0  # weight of the chosen replies' per-token NLL added (TRL's rpo_alpha; 0: off)
 
@@ -55,11 +56,6 @@ class DpoSettings(PartSettings):
         """beta > 0, the NLL weight >= 0."""
         check_range("finetune.dpo_beta", self.dpo_beta, low=0.0, low_open=True)
         check_range("finetune.dpo_nll_weight", self.dpo_nll_weight, low=0.0)
-
-    def check_run(self, run: RunConfig) -> None:
-        """The reference is the model the run starts from."""
-        require_base(run, "finetune.objective dpo", "aligns an existing model (its frozen copy is the reference)")
-        require_ddp(run, "finetune.objective dpo")
 
 
 class Preference(ObjectiveBase):

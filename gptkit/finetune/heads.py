@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +30,8 @@ from gptkit.evaluate import classification_scores
 from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
 from gptkit.loss import IGNORE_INDEX
-from gptkit.settings import PartSettings, check_range, require_ddp
+from gptkit.settings import PartSettings, check_range
 from gptkit.tensors import load_tensors, save_tensors
-
-if TYPE_CHECKING:
-    from gptkit.train_config import RunConfig
 
 HEAD_CONFIG = "classifier.json"
 HEAD_WEIGHTS = "classifier.safetensors"
@@ -133,15 +130,14 @@ def predict(classifier: SequenceClassifier, rows: list[list[int]], batch_size: i
 class ClassifySettings(PartSettings):
     """The classification head's settings."""
 
+    # The head trains beside a whole model on every rank.
+    data_parallel_only = True
+
     lm_weight: float = 0.5  # weight of the language-modelling loss beside the label's (GPT-1: 0.5)
 
     def validate(self) -> None:
         """A weight >= 0."""
         check_range("finetune.lm_weight", self.lm_weight, low=0.0)
-
-    def check_run(self, run: RunConfig) -> None:
-        """The head trains beside a whole model on every rank."""
-        require_ddp(run, "finetune.objective classify")
 
 
 class Classification(ObjectiveBase):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,15 +24,16 @@ from gptkit.data import Batch
 from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
 from gptkit.loss import IGNORE_INDEX
-from gptkit.settings import PartSettings, check_range, require_base, require_ddp
-
-if TYPE_CHECKING:
-    from gptkit.train_config import RunConfig
+from gptkit.settings import PartSettings, check_range
 
 
 @dataclass
 class KtoSettings(PartSettings):
     """KTO's settings."""
+
+    # The reference is the model the run starts from.
+    needs_base = "aligns an existing model (its frozen copy is the reference)"
+    data_parallel_only = True
 
     kto_beta: float = 0.1  # how far the policy may move from the reference (TRL's default)
     desirable_weight: float = 1.0  # weight of a desirable completion's loss (raise it when they are the fewer)
@@ -42,11 +43,6 @@ class KtoSettings(PartSettings):
         """beta > 0, weights > 0."""
         for key in ("kto_beta", "desirable_weight", "undesirable_weight"):
             check_range(f"finetune.{key}", getattr(self, key), low=0.0, low_open=True)
-
-    def check_run(self, run: RunConfig) -> None:
-        """The reference is the model the run starts from."""
-        require_base(run, "finetune.objective kto", "aligns an existing model (its frozen copy is the reference)")
-        require_ddp(run, "finetune.objective kto")
 
 
 def summed_logprobs(logits: Tensor, targets: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ from gptkit.formats.lora import WEIGHTS_FILE, adapt, is_lora_dir, read_lora_conf
 from gptkit.loading import adapted_model, load_base
 from gptkit.model import GPT
 from gptkit.tensors import load_tensors
-from gptkit.settings import PartSettings, require_base, require_ddp
+from gptkit.settings import PartSettings
 
 if TYPE_CHECKING:
     from gptkit.train_config import RunConfig
@@ -38,6 +38,10 @@ LoraTargets = Literal["attention", "mlp", "all"]
 class LoraSettings(PartSettings):
     """LoRA's settings."""
 
+    # Adapters need a base; FSDP would shard only their small updates.
+    needs_base = "trains adapters over a base model"
+    data_parallel_only = True
+
     lora_rank: int = 8  # r: the adapters' inner width
     lora_alpha: float = 16.0  # the update is scaled by alpha / r, as in PEFT
     lora_dropout: float = 0.0  # dropout on an adapter's input (PEFT's default is none)
@@ -47,11 +51,6 @@ class LoraSettings(PartSettings):
     def validate(self) -> None:
         """The adapters' ranges, checked where a LoRA directory's are."""
         check_lora(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
-
-    def check_run(self, run: RunConfig) -> None:
-        """Adapters need a base; FSDP would shard only their small updates."""
-        require_base(run, "finetune.method lora", "trains adapters over a base model")
-        require_ddp(run, "finetune.method lora")
 
 
 class Lora:

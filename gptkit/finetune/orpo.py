@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,25 +25,21 @@ from gptkit.data import Batch
 from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
 from gptkit.loss import IGNORE_INDEX
-from gptkit.settings import PartSettings, check_range, require_ddp
-
-if TYPE_CHECKING:
-    from gptkit.train_config import RunConfig
+from gptkit.settings import PartSettings, check_range
 
 
 @dataclass
 class OrpoSettings(PartSettings):
     """ORPO's settings."""
 
+    # Pairs are whole on every rank.
+    data_parallel_only = True
+
     orpo_beta: float = 0.1  # weight of the odds-ratio term beside the chosen replies' NLL (the paper's lambda)
 
     def validate(self) -> None:
         """beta > 0."""
         check_range("finetune.orpo_beta", self.orpo_beta, low=0.0, low_open=True)
-
-    def check_run(self, run: RunConfig) -> None:
-        """Pairs are whole on every rank."""
-        require_ddp(run, "finetune.objective orpo")
 
 
 def mean_logprobs(logits: Tensor, targets: Tensor) -> Tensor:

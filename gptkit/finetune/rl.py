@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,10 +42,7 @@ from gptkit.finetune.policy_loss import LossType, PolicyLoss, group_advantages, 
 from gptkit.finetune.rewards import RewardError, RewardProcess
 from gptkit.loss import IGNORE_INDEX
 from gptkit.plan import GIB, training_memory
-from gptkit.settings import PartSettings, check_range, require_base, require_ddp
-
-if TYPE_CHECKING:
-    from gptkit.train_config import RunConfig
+from gptkit.settings import PartSettings, check_range
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +50,11 @@ logger = logging.getLogger(__name__)
 @dataclass
 class GrpoSettings(PartSettings):
     """GRPO's settings."""
+
+    # The policy starts from a model that can attempt the task.
+    needs_base = ("improves a model that can already attempt the task (its sampled completions are the "
+                  "data)")
+    data_parallel_only = True
 
     may_change_on_resume = ("reward_timeout",)  # a reward that timed out can be given longer
 
@@ -104,12 +106,6 @@ class GrpoSettings(PartSettings):
                                   f"{len(self.reward)} reward(s) in finetune.reward: give one per reward")  # fmt: skip
             for i, weight in enumerate(self.reward_weights):
                 check_range(f"finetune.reward_weights[{i}]", weight, low=-math.inf)
-
-    def check_run(self, run: RunConfig) -> None:
-        """The policy starts from a model that can attempt the task."""
-        require_base(run, "finetune.objective grpo", "improves a model that can already attempt the task (its "
-                     "sampled completions are the data)")  # fmt: skip
-        require_ddp(run, "finetune.objective grpo")
 
     def weights(self) -> list[float]:
         """Each reward's weight."""
