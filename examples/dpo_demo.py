@@ -32,7 +32,7 @@ from finetune_demo import TASK, gptkit_cli, task_words
 import gptkit
 from gptkit.chat import eos_text, load_chat_template
 from gptkit.data import example_batches, load_examples, read_meta
-from gptkit.finetune.dpo import sequence_logprobs
+from gptkit.loss import row_logprobs
 
 # Every run: the same steps of 16 pairs (or of 32 marked completions: the same replies, unpaired).
 COMMON = ["--train.batch_size", "16", "--optim.warmup_steps", "10", "--optim.weight_decay", "0.0",
@@ -72,7 +72,7 @@ def completion_logprobs(model_dir: Path, pairs_dir: Path) -> np.ndarray:
     model, _ = gptkit.load(model_dir)
     meta = read_meta(pairs_dir)
     examples = load_examples(pairs_dir, "train", meta)
-    out = [sequence_logprobs(model.eval()(b.x), b.y) for b in example_batches(examples, model.config.block_size, 32)]
+    out = [row_logprobs(model.eval()(b.x), b.y, "sum") for b in example_batches(examples, model.config.block_size, 32)]
     return torch.cat(out).view(-1, 2).numpy()
 
 

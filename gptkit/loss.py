@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -148,3 +150,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.spent = True
         grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors]
         return *grads, None, None, None, None, None  # targets, ignore_index, grads, softcap and vocab_size have none
+
+
+RowReduction = Literal["none", "sum", "mean"]
+
+
+def row_logprobs(logits: Tensor, targets: Tensor, reduction: RowReduction) -> Tensor:
+    """The log-probability of each target under logits (B, T, V), IGNORE_INDEX positions counting nothing: per token
+    (B, T) with 0 at those positions ("none"), summed over each row (B,) ("sum"), or averaged over each row's
+    targets (B,) ("mean"; a row with none gives 0)."""
+    B, T, V = logits.shape
+    nll = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+    logprobs = -nll.view(B, T)  # (B, T)
+    if reduction == "none":
+        return logprobs
+    summed = logprobs.sum(dim=1)  # (B,)
+    return summed if reduction == "sum" else summed / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)

@@ -14,7 +14,8 @@ from test_rl import _grpo, _records, prompts  # noqa: F401 (prompts: a fixture)
 
 from gptkit.config import ModelConfig
 from gptkit.finetune.groups import Group, completion_rows
-from gptkit.finetune.policy_loss import PolicyLoss, group_advantages, policy_gradient_loss, token_logprobs
+from gptkit.loss import row_logprobs
+from gptkit.finetune.policy_loss import PolicyLoss, group_advantages, policy_gradient_loss
 from gptkit.loading import load
 from gptkit.model import GPT
 from gptkit.train import Trainer, train
@@ -99,11 +100,11 @@ def test_one_update_raises_the_best_completions_log_probability():
     x, y = completion_rows(group, samples=4)
 
     def sequence_logprobs() -> torch.Tensor:
-        return token_logprobs(model(x), y).sum(dim=1)
+        return row_logprobs(model(x), y, "none").sum(dim=1)
 
     before = sequence_logprobs().detach()
     advantages = group_advantages(group.rewards, scale=True).reshape(-1)
-    loss, _ = policy_gradient_loss(PolicyLoss(), token_logprobs(model(x), y), advantages, y != -100)
+    loss, _ = policy_gradient_loss(PolicyLoss(), row_logprobs(model(x), y, "none"), advantages, y != -100)
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
@@ -164,7 +165,7 @@ def test_mask_truncated_leaves_cut_completions_out_of_the_loss(prompts, tmp_path
     x, y = completion_rows(alone, 4)
     advantages = group_advantages(alone.rewards, True, alone.scored).reshape(-1)
     rule = trainer.objective.rule
-    want, _ = policy_gradient_loss(rule, token_logprobs(trainer.forward(x), y), advantages, y != -100)
+    want, _ = policy_gradient_loss(rule, row_logprobs(trainer.forward(x), y, "none"), advantages, y != -100)
     want.backward()
     for name, param in trainer.model.named_parameters():
         if param.grad is not None:
@@ -193,7 +194,7 @@ def test_grad_accum_weighs_micro_batches_as_the_loss_type_defines(loss_type, pro
         x, y = completion_rows(half, 4)
         advantages = group_advantages(half.rewards, True, half.scored).reshape(-1)
         with torch.no_grad():
-            per_micro.append(policy_gradient_loss(PolicyLoss("bnpo"), token_logprobs(two.forward(x), y), advantages,
+            per_micro.append(policy_gradient_loss(PolicyLoss("bnpo"), row_logprobs(two.forward(x), y, "none"), advantages,
                                                   y != -100)[0])  # fmt: skip
     loss_one, norm_one, _ = one.train_step()
     loss_two, norm_two, _ = two.train_step()

@@ -129,3 +129,19 @@ def test_fused_loss_with_softcap_and_padding_equals_autograd_of_the_plain_formul
     assert not got[1][vocab:].any() and not got[2][vocab:].any()  # exactly zero: the padded rows never counted
     if softcap is not None:  # the cap did change the loss (its scale is near the logits')
         assert abs(float(fused.detach()) - float(next_token_loss(z, targets).detach())) > 1e-3
+
+
+def test_row_logprobs_per_token_summed_and_averaged_against_a_hand_computation():
+    from gptkit.loss import row_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5)
+    targets = torch.tensor([[1, IGNORE_INDEX, 4], [IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]])
+    logp = logits.log_softmax(-1)
+    per_token = row_logprobs(logits, targets, "none")
+    torch.testing.assert_close(per_token[0], torch.stack([logp[0, 0, 1], torch.tensor(0.0), logp[0, 2, 4]]))
+    assert per_token[1].abs().sum() == 0  # a row of ignored targets counts nothing
+    torch.testing.assert_close(row_logprobs(logits, targets, "sum"), torch.stack([logp[0, 0, 1] + logp[0, 2, 4],
+                                                                                   torch.tensor(0.0)]))
+    torch.testing.assert_close(row_logprobs(logits, targets, "mean"), torch.stack([(logp[0, 0, 1] + logp[0, 2, 4]) / 2,
+                                                                                    torch.tensor(0.0)]))

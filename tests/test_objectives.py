@@ -17,7 +17,8 @@ from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.data import ExampleBatches, example_batches, load_examples, read_meta
 from gptkit.evaluate import classification_scores
-from gptkit.finetune.dpo import dpo_loss, sequence_logprobs
+from gptkit.finetune.dpo import dpo_loss
+from gptkit.loss import row_logprobs
 from gptkit.finetune.heads import SequenceClassifier, is_classifier_dir, load_head, predict
 from gptkit.adapters import adapters
 from gptkit.finetune.dpo import preference_loss
@@ -154,7 +155,7 @@ def test_dpo_loss_equals_the_formula_from_two_models_token_logprobs():
     y[1, 9:] = IGNORE_INDEX  # padding
     beta = 0.3
     with torch.no_grad():
-        got = dpo_loss(*sequence_logprobs(policy(x), y).view(2, 2).T, *sequence_logprobs(reference(x), y).view(2, 2).T, beta)
+        got = dpo_loss(*row_logprobs(policy(x), y, "sum").view(2, 2).T, *row_logprobs(reference(x), y, "sum").view(2, 2).T, beta)
 
     def summed(model: GPT, row: int) -> float:  # the completion's log-probability, one token at a time
         with torch.no_grad():

@@ -25,7 +25,8 @@ from gptkit.cli import main
 from gptkit.decoding.api import Completion
 from gptkit.errors import ConfigError, StepAbandoned
 from gptkit.finetune.groups import Group, completion_rows
-from gptkit.finetune.policy_loss import PolicyLoss, group_advantages, pass_at_k, policy_gradient_loss, token_logprobs
+from gptkit.loss import row_logprobs
+from gptkit.finetune.policy_loss import PolicyLoss, group_advantages, pass_at_k, policy_gradient_loss
 from gptkit.loading import load
 from gptkit.loss import IGNORE_INDEX
 from gptkit.train import Trainer, train
@@ -85,7 +86,7 @@ def test_only_completion_tokens_are_targets():
     assert x.tolist()[2][:3] == [9, 4, 4] and y.tolist()[2][:3] == [4, 4, 4]
     assert y.tolist()[3][0] == 8 and (y[3, 1:] == IGNORE_INDEX).all()
     logits = torch.randn(4, x.size(1), 11)
-    logprobs = token_logprobs(logits, y)
+    logprobs = row_logprobs(logits, y, "none")
     assert (logprobs[y == IGNORE_INDEX] == 0).all()
     assert logprobs[0, 2].item() == pytest.approx(logits[0, 2].log_softmax(-1)[1].item(), rel=1e-6)
 

@@ -19,16 +19,8 @@ from torch import Tensor
 from gptkit.data import Batch
 from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
-from gptkit.loss import IGNORE_INDEX
+from gptkit.loss import IGNORE_INDEX, row_logprobs
 from gptkit.settings import PartSettings, check_range
-
-
-def sequence_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """Each row's summed log-probability (B,) of its targets (positions holding IGNORE_INDEX count nothing)."""
-    B, T, V = logits.shape
-    nll = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                          reduction="none")  # fmt: skip
-    return -nll.view(B, T).sum(dim=1)
 
 
 def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: Tensor, reference_rejected: Tensor,
@@ -99,8 +91,8 @@ def preference_loss(policy_logits: Tensor, reference_logits: Tensor, targets: Te
                     nll_weight: float = 0.0) -> tuple[Tensor, Stats]:  # fmt: skip
     """The mean DPO loss over rows that alternate chosen and rejected completions (targets IGNORE_INDEX outside
     the completions), plus nll_weight x the chosen completions' mean token loss; and the statistics to log."""
-    policy = sequence_logprobs(policy_logits, targets)  # (2P,): chosen, rejected, chosen, ...
-    reference = sequence_logprobs(reference_logits, targets).detach()
+    policy = row_logprobs(policy_logits, targets, "sum")  # (2P,): chosen, rejected, chosen, ...
+    reference = row_logprobs(reference_logits, targets, "sum").detach()
     out = dpo_loss(policy[0::2], policy[1::2], reference[0::2], reference[1::2], beta)
     stats = {name: out[name].detach().mean() for name in ("chosen_reward", "rejected_reward", "margin", "accuracy")}
     if not nll_weight:

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from gptkit.data import Batch
 from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
-from gptkit.loss import IGNORE_INDEX
+from gptkit.loss import IGNORE_INDEX, row_logprobs
 from gptkit.settings import PartSettings, check_range
 
 
@@ -43,14 +42,6 @@ class KtoSettings(PartSettings):
         """beta > 0, weights > 0."""
         for key in ("kto_beta", "desirable_weight", "undesirable_weight"):
             check_range(f"finetune.{key}", getattr(self, key), low=0.0, low_open=True)
-
-
-def summed_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """Each row's summed log-probability (B,) of its targets (IGNORE_INDEX positions count nothing)."""
-    B, T, V = logits.shape
-    nll = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                          reduction="none")  # fmt: skip
-    return -nll.view(B, T).sum(dim=1)
 
 
 def mismatched(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -103,11 +94,11 @@ class Unpaired(ObjectiveBase):
 
     def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
         """The batch's mean KTO loss, with the KL estimate, the implicit rewards and how many agree with their label."""
-        policy = summed_logprobs(forward(batch.x), batch.y)
+        policy = row_logprobs(forward(batch.x), batch.y, "sum")
         with torch.no_grad():
-            reference = summed_logprobs(self.reference(batch.x), batch.y)
+            reference = row_logprobs(self.reference(batch.x), batch.y, "sum")
             kl_x, kl_y = mismatched(batch.x, batch.y)
-            kl = (summed_logprobs(forward(kl_x), kl_y) - summed_logprobs(self.reference(kl_x), kl_y)).mean()
+            kl = (row_logprobs(forward(kl_x), kl_y, "sum") - row_logprobs(self.reference(kl_x), kl_y, "sum")).mean()
             kl = kl.clamp(min=0)
         desirable = batch.labels == self.desirable
         out = kto_loss(policy, reference, kl, desirable, self.settings)

@@ -24,7 +24,7 @@ from torch import Tensor
 from gptkit.data import Batch
 from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
-from gptkit.loss import IGNORE_INDEX
+from gptkit.loss import IGNORE_INDEX, row_logprobs
 from gptkit.settings import PartSettings, check_range
 
 
@@ -42,18 +42,10 @@ class OrpoSettings(PartSettings):
         check_range("finetune.orpo_beta", self.orpo_beta, low=0.0, low_open=True)
 
 
-def mean_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """Each row's mean log-probability (B,) over its targets (positions holding IGNORE_INDEX count nothing)."""
-    B, T, V = logits.shape
-    nll = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                          reduction="none").view(B, T)  # fmt: skip
-    return -nll.sum(dim=1) / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
-
-
 def orpo_loss(logits: Tensor, targets: Tensor, beta: float) -> tuple[Tensor, Stats]:
     """The mean ORPO loss over rows that alternate chosen and rejected completions (targets IGNORE_INDEX outside the
     completions), and the statistics to log."""
-    mean = mean_logprobs(logits, targets)  # (2P,): chosen, rejected, chosen, ...
+    mean = row_logprobs(logits, targets, "mean")  # (2P,): chosen, rejected, chosen, ...
     chosen, rejected = mean[0::2], mean[1::2]
     # log odds = log p - log(1 - p), with log(1 - p) = log1p(-exp(log p)) (p < 1 for any finite logits)
     log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))

@@ -30,10 +30,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from gptkit.loss import IGNORE_INDEX
 
 LossType = Literal["dapo", "grpo", "bnpo", "dr_grpo"]
 # Added to a group's standard deviation before dividing by it (TRL's value): a group of nearly equal rewards
@@ -54,15 +52,6 @@ def group_advantages(rewards: Tensor, scale: bool, scored: Tensor | None = None)
         return centred
     variance = (centred**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
     return centred / (variance.sqrt() + STD_EPS)
-
-
-def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """(B, T) log-probability of each target under the logits (0 where the target is IGNORE_INDEX)."""
-    B, T, V = logits.shape
-    nll = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                          reduction="none")  # fmt: skip
-    return -nll.view(B, T)
-
 
 @dataclass
 class PolicyLoss:

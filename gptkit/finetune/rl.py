@@ -37,10 +37,9 @@ from gptkit.errors import ConfigError, GptkitError
 from gptkit.finetune.groups import Group, PromptBatches, completion_rows
 from gptkit.finetune.objectives import check_template
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats, evaluation_mode
-from gptkit.finetune.policy_loss import LossType, PolicyLoss, group_advantages, pass_at_k, policy_gradient_loss, \
-    token_logprobs  # fmt: skip
+from gptkit.finetune.policy_loss import LossType, PolicyLoss, group_advantages, pass_at_k, policy_gradient_loss
 from gptkit.finetune.rewards import RewardError, RewardProcess
-from gptkit.loss import IGNORE_INDEX
+from gptkit.loss import IGNORE_INDEX, row_logprobs
 from gptkit.plan import GIB, training_memory
 from gptkit.settings import PartSettings, check_range
 
@@ -298,7 +297,7 @@ class GroupPolicyGradient(ObjectiveBase):
         x, y = x.to(device), y.to(device)
         trains = group.scored & ~group.truncated if self.settings.mask_truncated else group.scored
         mask = (y != IGNORE_INDEX) & trains.reshape(-1, 1).to(device)
-        logprobs = token_logprobs(forward(x), y)
+        logprobs = row_logprobs(forward(x), y, "none")
         if group.old_logprobs is None:  # the first update of this sampling: the policy that sampled is this one
             old = logprobs.detach()
             if self.settings.num_iterations > 1:  # (kept on the host, in checkpoints: the one sync this costs)
@@ -309,7 +308,7 @@ class GroupPolicyGradient(ObjectiveBase):
         reference = None
         if self.reference is not None:
             with torch.no_grad():
-                reference = token_logprobs(self.reference(x), y)
+                reference = row_logprobs(self.reference(x), y, "none")
         loss, stats = policy_gradient_loss(self.rule, logprobs, advantages, mask, reference, old)
         if self.rule.loss_type == "dapo":  # a sum here; update_scale divides by the update's tokens
             loss = loss * mask.sum() / self._dapo_unit()
