@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gptkit.data import Batch
-from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
-from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
+from gptkit.finetune.objectives import ExampleObjective
+from gptkit.finetune.parts import Setup, Stats
 from gptkit.loss import IGNORE_INDEX, row_logprobs
 from gptkit.settings import PartSettings, check_range
 
@@ -50,7 +50,7 @@ class DpoSettings(PartSettings):
         check_range("finetune.dpo_nll_weight", self.dpo_nll_weight, low=0.0)
 
 
-class Preference(ObjectiveBase):
+class Preference(ExampleObjective):
     """DPO over rows that alternate chosen and rejected completions of the same prompt.
 
     The reference is the starting model, frozen (the method's: with LoRA, the same base with the adapters off).
@@ -63,16 +63,11 @@ class Preference(ObjectiveBase):
     step_shown = ("accuracy",)
 
     def __init__(self, setup: Setup) -> None:
+        super().__init__(setup)
         settings = setup.config.finetune.of(DpoSettings)
-        check_examples(setup)
-        self.setup = setup
         self.beta = settings.dpo_beta
         self.nll_weight = settings.dpo_nll_weight
         self.reference = setup.method.reference(setup.gpt, setup.config, setup.device)
-
-    def stream(self, per_update: int) -> Any:
-        """Whole pairs, chosen then rejected."""
-        return example_stream(self.setup, per_update)
 
     def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
         """The mean DPO loss over the batch's pairs, with the implicit rewards, margin and preference accuracy."""
@@ -80,11 +75,6 @@ class Preference(ObjectiveBase):
         with torch.no_grad():
             reference = self.reference(batch.x)
         return preference_loss(policy, reference, batch.y, self.beta, self.nll_weight)
-
-    def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
-        """Train and validation loss, and on validation pairs the rewards, margin and preference accuracy."""
-        train_loss, val_loss, stats = evaluate_examples(self.loss, forward, self.setup)
-        return {"train_eval_loss": train_loss, "val_loss": val_loss, **stats}
 
 
 def preference_loss(policy_logits: Tensor, reference_logits: Tensor, targets: Tensor, beta: float,

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from gptkit.data import Batch
-from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
-from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
+from gptkit.finetune.objectives import ExampleObjective
+from gptkit.finetune.parts import Setup, Stats
 from gptkit.loss import IGNORE_INDEX, row_logprobs
 from gptkit.settings import PartSettings, check_range
 
@@ -73,7 +73,7 @@ def kto_loss(policy: Tensor, reference: Tensor, kl: Tensor, desirable: Tensor, s
             "agrees": torch.where(desirable, reward > kl, reward < kl).float()}  # fmt: skip
 
 
-class Unpaired(ObjectiveBase):
+class Unpaired(ExampleObjective):
     """KTO: completions marked desirable or not, one by one."""
 
     settings_type = KtoSettings
@@ -82,15 +82,10 @@ class Unpaired(ObjectiveBase):
     step_shown = ("accuracy",)
 
     def __init__(self, setup: Setup) -> None:
-        check_examples(setup)
-        self.setup = setup
+        super().__init__(setup)
         self.settings = setup.config.finetune.of(KtoSettings)
         self.desirable = setup.data.meta["labels"].index("true")
         self.reference = setup.method.reference(setup.gpt, setup.config, setup.device)
-
-    def stream(self, per_update: int) -> Any:
-        """Whole examples, padded."""
-        return example_stream(self.setup, per_update)
 
     def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
         """The batch's mean KTO loss, with the KL estimate, the implicit rewards and how many agree with their label."""
@@ -107,8 +102,3 @@ class Unpaired(ObjectiveBase):
                  "desirable_reward": (out["reward"].detach() * good).sum() / good.sum().clamp(min=1),
                  "undesirable_reward": (out["reward"].detach() * bad).sum() / bad.sum().clamp(min=1)}  # fmt: skip
         return out["loss"].mean(), stats
-
-    def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
-        """Train and validation loss, and on validation completions the KL, the rewards and how many agree."""
-        train_loss, val_loss, stats = evaluate_examples(self.loss, forward, self.setup)
-        return {"train_eval_loss": train_loss, "val_loss": val_loss, **stats}

@@ -87,6 +87,25 @@ class LanguageModeling(ObjectiveBase):
         return metrics
 
 
+class ExampleObjective(ObjectiveBase):
+    """What every objective over whole examples shares (preference pairs, marked completions): its data checked at
+    start, batches of whole examples, and an evaluation that averages its own loss and statistics over the same
+    held-out examples each time. A subclass gives settings_type, data_kinds and loss."""
+
+    def __init__(self, setup: Setup) -> None:
+        check_examples(setup)
+        self.setup = setup
+
+    def stream(self, per_update: int) -> Any:
+        """Whole examples (a pair's chosen then rejected rows stay together), batched as finetune.packing says."""
+        return example_stream(self.setup, per_update)
+
+    def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
+        """Train and validation loss, and the loss's statistics on validation examples (val_accuracy, ...)."""
+        train_loss, val_loss, stats = evaluate_examples(self.loss, forward, self.setup)  # type: ignore[attr-defined]
+        return {"train_eval_loss": train_loss, "val_loss": val_loss, **stats}
+
+
 def example_stream(setup: Setup, per_update: int) -> ExampleBatches:
     """Whole examples (pairs, labelled texts), batched as finetune.packing says; per_update micro-batches an update."""
     t = setup.config.train

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gptkit.data import Batch
-from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
-from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
+from gptkit.finetune.objectives import ExampleObjective
+from gptkit.finetune.parts import Setup, Stats
 from gptkit.loss import IGNORE_INDEX, row_logprobs
 from gptkit.settings import PartSettings, check_range
 
@@ -59,7 +59,7 @@ def orpo_loss(logits: Tensor, targets: Tensor, beta: float) -> tuple[Tensor, Sta
     return nll - beta * ratio.mean(), stats
 
 
-class OddsRatioPreference(ObjectiveBase):
+class OddsRatioPreference(ExampleObjective):
     """ORPO: preference pairs, no reference model."""
 
     settings_type = OrpoSettings
@@ -68,19 +68,9 @@ class OddsRatioPreference(ObjectiveBase):
     step_shown = ("accuracy",)
 
     def __init__(self, setup: Setup) -> None:
-        check_examples(setup)
-        self.setup = setup
+        super().__init__(setup)
         self.beta = setup.config.finetune.of(OrpoSettings).orpo_beta
-
-    def stream(self, per_update: int) -> Any:
-        """Whole pairs, chosen then rejected."""
-        return example_stream(self.setup, per_update)
 
     def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
         """The batch's ORPO loss, with the chosen NLL, the log odds (ratio), the margin and preference accuracy."""
         return orpo_loss(forward(batch.x), batch.y, self.beta)
-
-    def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
-        """Train and validation loss, and on validation pairs the log odds, margin and preference accuracy."""
-        train_loss, val_loss, stats = evaluate_examples(self.loss, forward, self.setup)
-        return {"train_eval_loss": train_loss, "val_loss": val_loss, **stats}
