@@ -166,11 +166,16 @@ class BatchEngine:
         for b, block in enumerate(cached):
             self.cache.write_span(row, b * PREFILL_CHUNK, block)
         start = len(cached) * PREFILL_CHUNK
+        blocks: list[list[Tensor]] = []
+
+        def keep(b: int) -> None:
+            # Read as soon as computed: a windowed layer's ring may overwrite the block later in the prompt.
+            blocks.append(self.cache.read_span(row, b * PREFILL_CHUNK, (b + 1) * PREFILL_CHUNK))
+
+        on_block = keep if self.prefix_cache is not None else None
         with rows_using(self.model, [request.adapter]):
-            logits = prefill_chunks(self.model, self.cache, row, seq, start)
+            logits = prefill_chunks(self.model, self.cache, row, seq, start, on_block)
         if self.prefix_cache is not None:
-            blocks = [self.cache.read_span(row, b * PREFILL_CHUNK, (b + 1) * PREFILL_CHUNK)
-                      for b in range(len(cached), len(seq) // PREFILL_CHUNK)]  # fmt: skip
             self.prefix_cache.insert(namespace, seq, len(cached), blocks)
         return logits
 

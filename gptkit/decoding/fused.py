@@ -71,12 +71,36 @@ def uncovered(model: GPT) -> str | None:
         return "q/k norms (qk_norm)"
     if config.logit_softcap is not None:
         return "soft-capped logits (logit_softcap)"
+    switch = _uncovered_switch(config)
+    if switch is not None:
+        return switch
     if config.head_dim > MAX_HEAD_DIM:
         return f"heads of {config.head_dim} values (at most {MAX_HEAD_DIM})"
     dtype = model.tok_emb.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         return f"{dtype} weights"
     return _unknown_part(model) or _layer_dtypes(model, dtype) or _misplaced_adapter(model)
+
+
+def _uncovered_switch(config: ModelConfig) -> str | None:
+    """The first of the model-family switches (issue 54) set away from its default that the native step lacks."""
+    head_dim = config.head_dim * config.n_head != config.n_embd
+    checks = [
+        (head_dim, f"heads of {config.head_dim} values beside width {config.n_embd} (head_dim)"),
+        (config.rotary_dim != config.head_dim, "partial rotary (rotary_dim)"),
+        (config.rope_scaling is not None, "scaled RoPE (rope_scaling)"),
+        (config.rope_local_theta is not None, "a local RoPE base (rope_local_theta)"),
+        (config.sliding_window is not None, "sliding-window attention (sliding_window)"),
+        (bool(config.nope_layers), "layers without RoPE (nope_layers)"),
+        (config.parallel_residual, "parallel residual blocks (parallel_residual)"),
+        (config.norm_gain_offset != 0.0, "a norm gain offset (norm_gain_offset)"),
+        (config.embedding_scale is not None, "scaled embeddings (embedding_scale)"),
+        (config.residual_scale != 1.0, "scaled residuals (residual_scale)"),
+        (config.attn_scale is not None, "an attention scale (attn_scale)"),
+        (config.attn_softcap is not None, "soft-capped attention scores (attn_softcap)"),
+        (config.logit_scale != 1.0, "scaled logits (logit_scale)"),
+    ]
+    return next((reason for hit, reason in checks if hit), None)
 
 
 def _unknown_part(model: GPT) -> str | None:

@@ -120,9 +120,17 @@ def prefill(model: GPT, ids: Tensor, cache: KVCache, lengths: Tensor) -> Tensor:
     return model(ids, cache=cache, start_pos=0, logits_at=lengths - 1)[:, 0]
 
 
-def prefill_chunks(model: GPT, cache: KVCache, row: int, seq: Sequence[int], start: int = 0) -> Tensor:
+def prefill_chunks(
+    model: GPT,
+    cache: KVCache,
+    row: int,
+    seq: Sequence[int],
+    start: int = 0,
+    on_block: Callable[[int], None] | None = None,
+) -> Tensor:
     """Run seq[start:] into cache row `row` at positions start.., PREFILL_CHUNK tokens per forward; logits (V,) at
     seq's last token. start must be a multiple of PREFILL_CHUNK (positions before it are already in the row).
+    on_block(b) runs right after each full chunk b is computed, while a windowed layer's ring still holds it.
 
     Each chunk runs alone (batch 1, its own positions) so that its result never depends on what else is prefilled
     or on where an earlier computation stopped: the keys, values and logits are the same bit for bit whether the
@@ -135,9 +143,14 @@ def prefill_chunks(model: GPT, cache: KVCache, row: int, seq: Sequence[int], sta
     for begin in range(start, last, PREFILL_CHUNK):  # keys and values only: no LM head
         ids = torch.tensor([seq[begin : begin + PREFILL_CHUNK]], device=device)
         base(model).hidden(ids, cache.row(row, begin + PREFILL_CHUNK), begin)
+        if on_block is not None:
+            on_block(begin // PREFILL_CHUNK)
     ids = torch.tensor([seq[last:]], device=device)
     at = torch.tensor([len(seq) - last - 1], device=device)
-    return model(ids, cache=cache.row(row, len(seq)), start_pos=last, logits_at=at)[0, 0]
+    logits = model(ids, cache=cache.row(row, len(seq)), start_pos=last, logits_at=at)[0, 0]
+    if on_block is not None and len(seq) % PREFILL_CHUNK == 0:
+        on_block(last // PREFILL_CHUNK)
+    return logits
 
 
 def extend(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int) -> Tensor:
