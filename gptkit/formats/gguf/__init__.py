@@ -44,6 +44,29 @@ from gptkit.tokenizer import Tokenizer
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 LLAMA_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 EMBEDDINGS = ("token_embd.weight", "position_embd.weight")
+LLAMA_FUSED = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")  # llama's tensors that gptkit holds fused
+# Reading refuses any metadata key it does not map (a key dropped is a model computed otherwise: Llama 3's RoPE
+# scaling, a sliding window). Accepted unread: the file's description (general.*) and the tokenizer's keys, which
+# change no logit (vocab reads the tokens, merges, types, pre-tokenizer and end-of-text id).
+TOKENIZER_GGML_KEYS = (
+    "model pre tokens token_type merges eos_token_id bos_token_id add_bos_token add_eos_token padding_token_id "
+    "unknown_token_id seperator_token_id eot_token_id eom_token_id"
+).split()
+TOKENIZER_KEYS = frozenset({f"tokenizer.ggml.{key}" for key in TOKENIZER_GGML_KEYS} | {"tokenizer.chat_template"})
+# The hyperparameters _config reads, per architecture (the key after "<arch>.").
+SHAPE_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count")
+ARCH_KEYS = {
+    "gpt2": frozenset({*SHAPE_KEYS, "attention.layer_norm_epsilon", "vocab_size"}),
+    "llama": frozenset(
+        {
+            *SHAPE_KEYS,
+            *("attention.head_count_kv", "attention.layer_norm_rms_epsilon", "attention.key_length"),
+            *("attention.value_length", "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "vocab_size"),
+        }
+    ),
+}
+
+
 def _gguf() -> Any:
     try:
         import gguf
@@ -378,6 +401,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None,
     arch = fields.get("general.architecture")
     if arch not in ("gpt2", "llama"):
         raise GGUFError(f"{path} holds a {arch!r} model; gptkit reads GGUF's gpt2 and llama architectures")
+    _check_keys(fields, arch, path)
     tensors, q4 = {}, {}
     for tensor in reader.tensors:
         shape = tuple(int(n) for n in reversed(tensor.shape))
@@ -445,6 +469,19 @@ def gguf_chat_template(path: str | Path) -> str | None:
     return _fields(open_gguf(path), Path(path), (key,)).get(key)
 
 
+def _check_keys(fields: dict[str, Any], arch: str, path: Path) -> None:
+    """Refuse, naming it, the first metadata key that is neither mapped onto the model nor inert."""
+    for key in fields:
+        if key.startswith(("GGUF.", "general.")) or key in TOKENIZER_KEYS:  # GGUF.*: the reader's header fields
+            continue
+        if key.startswith(f"{arch}.") and key.removeprefix(f"{arch}.") in ARCH_KEYS[arch]:
+            continue
+        raise GGUFError(
+            f"{path}: metadata {key!r} is not one gptkit maps onto a GGUF {arch} model; read without it "
+            "the model would compute something else, so the file is refused"
+        )
+
+
 def _field(fields: dict[str, Any], key: str, path: Path, default: Any = None) -> Any:
     value = fields.get(key, default)
     if value is None:
@@ -472,12 +509,17 @@ def _config(fields: dict[str, Any], tensors: dict[str, torch.Tensor], arch: str,
             common["tie_embeddings"] = True  # llama.cpp's converter writes GPT-2's tied head a second time
         return ModelConfig(**common, activation="gelu_tanh", norm="layernorm", position="learned",
                            norm_eps=_decimal(get("attention.layer_norm_epsilon")), lm_head_bias=False)  # fmt: skip
-    if fields.get("llama.rope.scaling.type") not in (None, "none") or fields.get("llama.expert_count"):
-        raise GGUFError(f"{path} uses RoPE scaling or experts, which gptkit does not compute")
+    if fields.get("llama.rope.scaling.type") not in (None, "none"):
+        scaling = fields["llama.rope.scaling.type"]
+        raise GGUFError(f"{path}: metadata 'llama.rope.scaling.type' is {scaling!r}; gptkit reads llama without it")
     n_kv = int(get("attention.head_count_kv", n_head))
     head_dim = common["n_embd"] // n_head
-    if int(get("rope.dimension_count", head_dim)) != head_dim or "blk.0.attn_q.bias" in tensors:
-        raise GGUFError(f"{path} rotates part of each head or has attention biases, which gptkit's llama does not")
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        if int(get(key, head_dim)) != head_dim:
+            raise GGUFError(
+                f"{path}: metadata 'llama.{key}' is {int(get(key))}, not the head size {head_dim} "
+                "(embedding_length / head_count), which gptkit's llama needs"
+            )
     return ModelConfig(**common, n_kv_head=n_kv, activation="swiglu", norm="rmsnorm", position="rope",
                        norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
                        rope_theta=_decimal(get("rope.freq_base", 10000.0)),
@@ -487,6 +529,13 @@ def _config(fields: dict[str, Any], tensors: dict[str, torch.Tensor], arch: str,
 def _gptkit_state(tensors: dict[str, torch.Tensor], config: ModelConfig, arch: str, path: Path) -> dict[str, torch.Tensor]:
     """GGUF's tensors under gptkit's names and layout (q/k rows back to rotate-half pairs, q/k/v fused)."""
     names = {theirs: ours for ours, theirs in _tensor_names(config, arch).items()}
+    fused = {f"blk.{i}.{part}.weight" for i in range(config.n_layer) for part in LLAMA_FUSED} if arch == "llama" else ()
+    unmapped = [name for name in tensors if name not in names and name not in fused]
+    if unmapped:  # dropped, it would leave the model computing something else (Llama 3's rope_freqs.weight)
+        raise GGUFError(
+            f"{path} holds tensor {unmapped[0]}, which gptkit does not map onto a GGUF {arch} model; "
+            "the file is refused rather than read without it"
+        )
     state: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if name in names:
@@ -497,7 +546,7 @@ def _gptkit_state(tensors: dict[str, torch.Tensor], config: ModelConfig, arch: s
     if arch == "llama":
         for i in range(config.n_layer):
             get = lambda part: tensors.get(f"blk.{i}.{part}.weight")  # noqa: E731
-            missing = [part for part in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up") if get(part) is None]
+            missing = [part for part in LLAMA_FUSED if get(part) is None]
             if missing:
                 raise GGUFError(f"{path} has no tensor blk.{i}.{missing[0]}.weight")
             q, k = _rope_rows(get("attn_q"), config.n_head, False), _rope_rows(get("attn_k"), config.n_kv_head, False)

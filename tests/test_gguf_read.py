@@ -1,0 +1,88 @@
+"""Reading GGUF: a tensor or metadata key that gptkit does not map to its model is refused by name, never dropped
+(a Llama 3 file's rope_freqs.weight dropped is Llama 3 without its RoPE scaling)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import VARIANTS
+
+from gptkit.cli import main
+from gptkit.config import ModelConfig
+from gptkit.formats.gguf import GGUFError, export_gguf, load_gguf
+from gptkit.model import GPT
+from gptkit.tokenizer import ByteTokenizer
+
+gguf = pytest.importorskip("gguf")
+
+
+def tiny_llama_file(folder: Path) -> Path:
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**{**VARIANTS["llama-gqa"], "vocab_size": 257})).eval()
+    return export_gguf(model, folder / "m.gguf", ByteTokenizer(), "f32")
+
+
+def rewritten(source: Path, out: Path, fields: dict[str, tuple[Any, Any]], tensors: dict[str, np.ndarray]) -> Path:
+    """source with fields (key -> (value, GGUFValueType)) and f32 tensors added, through the gguf package."""
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":  # the header's own, written by the writer
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    for name, (value, kind) in fields.items():
+        writer.add_key_value(name, value, kind)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_a_copy_of_an_exported_file_loads_as_the_original(tmp_path):
+    path = tiny_llama_file(tmp_path)
+    copy = rewritten(path, tmp_path / "copy.gguf", {}, {})
+    ids = torch.randint(0, 257, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(load_gguf(copy)[0](ids), load_gguf(path)[0](ids))
+
+
+def test_llama_3s_rope_freqs_tensor_is_refused_by_name_not_dropped(tmp_path, capsys):
+    # llama.cpp's converter writes Llama 3.1's RoPE scaling as per-frequency divisors (head_dim / 2 of them)
+    path = rewritten(tiny_llama_file(tmp_path), tmp_path / "l3.gguf", {}, {"rope_freqs.weight": np.ones(4)})
+    with pytest.raises(GGUFError, match=r"tensor rope_freqs\.weight"):
+        load_gguf(path)
+    assert main(["convert", "--from-gguf", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "rope_freqs.weight" in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key, value, kind", [
+    ("llama.rope.scaling.type", "linear", "STRING"),
+    ("llama.rope.scaling.factor", 8.0, "FLOAT32"),
+    ("llama.attention.sliding_window", 4, "UINT32"),
+    ("llama.expert_count", 4, "UINT32"),
+])  # fmt: skip
+def test_metadata_gptkit_does_not_map_is_refused_by_name(key, value, kind, tmp_path, capsys):
+    path = rewritten(tiny_llama_file(tmp_path), tmp_path / "x.gguf", {key: (value, gguf.GGUFValueType[kind])}, {})
+    with pytest.raises(GGUFError, match=f"metadata '{key}'"):
+        load_gguf(path)
+    assert main(["generate", str(path), "--prompt", "a", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert key in err and err.count("\n") == 1
+
+
+def test_metadata_that_changes_nothing_computed_is_accepted(tmp_path):
+    inert = {"general.license": ("mit", gguf.GGUFValueType.STRING),
+             "tokenizer.ggml.padding_token_id": (0, gguf.GGUFValueType.UINT32)}  # fmt: skip
+    path = rewritten(tiny_llama_file(tmp_path), tmp_path / "x.gguf", inert, {})
+    assert load_gguf(path)[0].config.n_layer == VARIANTS["llama-gqa"]["n_layer"]
