@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
-from gptkit.config import ModelConfig
+from gptkit.config import GATED, ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
@@ -18,7 +18,7 @@ class ParamBreakdown:
     position_embedding: int
     attention: int  # all blocks
     mlp: int  # all blocks
-    norms: int  # all blocks plus the final norm (and the q/k norms of qk_norm)
+    norms: int  # all blocks plus the final norm (and the q/k norms of qk_norm, the post-norms of sandwich)
     lm_head: int  # 0 when tied, except for a head bias
     total: int
 
@@ -37,7 +37,7 @@ def attention_params(config: ModelConfig) -> int:
 
 def mlp_params(config: ModelConfig) -> int:
     """Parameters of one block's feed-forward network."""
-    fc_width = config.ffn_hidden * (2 if config.activation == "swiglu" else 1)
+    fc_width = config.ffn_hidden * (2 if config.activation in GATED else 1)
     biases = (fc_width + config.n_embd) if config.mlp_bias else 0
     return config.n_embd * fc_width + config.ffn_hidden * config.n_embd + biases
 
@@ -48,6 +48,20 @@ def norm_params(config: ModelConfig) -> int:
     return config.n_embd * (2 if has_shift else 1)
 
 
+def block_norm_count(config: ModelConfig) -> int:
+    """Norms over the width in one block: two, four with sandwich norms (before and after each sublayer)."""
+    return 4 if config.norm_position == "sandwich" else 2
+
+
+def qk_norm_params(config: ModelConfig) -> int:
+    """Gains of one block's q and k norms: a head's width each (scope head) or all of q's and k's (scope width)."""
+    if not config.qk_norm:
+        return 0
+    if config.qk_norm_scope == "width":
+        return (config.n_head + config.n_kv_head) * config.head_dim
+    return 2 * config.head_dim
+
+
 def param_breakdown(config: ModelConfig) -> ParamBreakdown:
     """The exact parameter count by part, equal to the numel of GPT(config)'s distinct parameters (a padded
     vocabulary's rows included: they are held, trained and saved)."""
@@ -56,8 +70,8 @@ def param_breakdown(config: ModelConfig) -> ParamBreakdown:
     position_embedding = config.block_size * config.n_embd if config.position == "learned" else 0
     attention = config.n_layer * attention_params(config)
     mlp = config.n_layer * mlp_params(config)
-    norm_count = 2 * config.n_layer + (1 if config.norm_position == "pre" else 0)
-    norms = norm_count * norm_params(config) + (2 * config.n_layer * config.head_dim if config.qk_norm else 0)
+    norms = config.n_layer * block_norm_count(config) + (0 if config.norm_position == "post" else 1)
+    norms = norms * norm_params(config) + config.n_layer * qk_norm_params(config)
     lm_head = (0 if config.tie_embeddings else vocab * config.n_embd) + (vocab if config.lm_head_bias else 0)
     total = token_embedding + position_embedding + attention + mlp + norms + lm_head
     return ParamBreakdown(token_embedding, position_embedding, attention, mlp, norms, lm_head, total)
@@ -75,12 +89,15 @@ def matmul_params(config: ModelConfig) -> int:
 
 
 def forward_flops_per_token(config: ModelConfig, context: int | None = None) -> int:
-    """FLOPs of one forward pass per token: 2 N plus 4 L T d for QK^T and AV (PaLM, Chowdhery et al. 2022, app. B).
+    """FLOPs of one forward pass per token: 2 N plus 4 L T d for QK^T and AV (PaLM, Chowdhery et al. 2022, app. B),
+    with min(T, W) in place of T for a layer with sliding window W.
 
     N counts the real vocabulary only: a padded LM head's extra rows are multiplied, but they are no useful work.
     """
     T = config.block_size if context is None else context
-    attention = 4 * config.n_layer * T * config.n_head * config.head_dim
+    # A layer with sliding window W scores min(T, W) keys per query.
+    keys = sum(kv_positions(config, i, T) for i in range(config.n_layer))
+    attention = 4 * keys * config.n_head * config.head_dim
     return 2 * matmul_params(dataclasses.replace(config, vocab_multiple=1)) + attention
 
 
@@ -94,8 +111,16 @@ KV_SCALE_BYTES = {"int8": 4}
 
 
 def kv_cache_bytes(config: ModelConfig, batch_size: int, context: int, dtype: str = "float16") -> int:
-    """2 (keys and values) x L x B x T x n_kv_head x (head_dim x bytes per element + a scale's bytes for int8)."""
+    """2 (keys and values) x B x n_kv_head x (head_dim x bytes per element + a scale's bytes for int8), summed
+    over the layers' positions: T for a full layer, min(T, W) for one with sliding window W (its ring)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}; got {dtype!r}")
-    vectors = 2 * config.n_layer * batch_size * context * config.n_kv_head
+    positions = sum(kv_positions(config, i, context) for i in range(config.n_layer))
+    vectors = 2 * batch_size * positions * config.n_kv_head
     return vectors * (config.head_dim * DTYPE_BYTES[dtype] + KV_SCALE_BYTES.get(dtype, 0))
+
+
+def kv_positions(config: ModelConfig, layer_index: int, context: int) -> int:
+    """Positions layer layer_index's KV cache holds for a context of `context` tokens (gptkit.kv_cache)."""
+    window = config.layer_window(layer_index)
+    return context if window is None else min(context, window)

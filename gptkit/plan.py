@@ -27,6 +27,7 @@ from typing import Any
 from gptkit.accounting import (
     DTYPE_BYTES,
     attention_params,
+    block_norm_count,
     kv_cache_bytes,
     matmul_params,
     mlp_params,
@@ -139,7 +140,7 @@ class Plan:
     memory: Memory
     fits: bool | None  # None when no device memory was given
     fits_checkpointed: bool | None
-    kv_cache: dict[str, int]  # context, batch, bytes
+    kv_cache: dict[str, Any]  # context, batch, dtype, bytes, windowed_layers, window
     wall_seconds: float | None  # None when no FLOP/s was given
     notes: list[str] = field(default_factory=list)
 
@@ -171,18 +172,18 @@ def _norm_bytes(config: ModelConfig, compute: int) -> int:
 
 def _attention_bytes(config: ModelConfig, compute: int) -> int:
     """Per token: what one attention sublayer keeps for backward (SDPA with a fused kernel)."""
-    d, kv = config.n_embd, config.n_kv_head * config.head_dim
+    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
     rope = config.position == "rope"
     # RoPE makes new q and k tensors; v stays a view of the fused qkv output, which it keeps alive. Grouped
     # heads add nothing: SDPA reads the shared key/value heads in place (enable_gqa).
-    rotated = d + kv if rope else 0
-    elements = rotated + (d + 2 * kv) + d  # + the fused qkv output + SDPA's output
+    rotated = q + kv if rope else 0
+    elements = rotated + (q + 2 * kv) + q  # + the fused qkv output + SDPA's output
     return compute * elements + FP32 * config.n_head  # log-sum-exp per head
 
 
 def _mlp_bytes(config: ModelConfig, compute: int) -> int:
     """Per token: what one feed-forward sublayer keeps for backward."""
-    per_hidden = {"relu": 1, "relu2": 2, "gelu": 2, "gelu_tanh": 2, "swiglu": 4}[config.activation]
+    per_hidden = {"relu": 1, "relu2": 2, "gelu": 2, "gelu_tanh": 2, "swiglu": 4, "geglu": 4}[config.activation]
     return compute * per_hidden * config.ffn_hidden
 
 
@@ -190,9 +191,8 @@ def layer_activation_bytes(config: ModelConfig, dtype: str = "float32") -> int:
     """Bytes one block keeps per token for backward (dropout 0)."""
     compute = DTYPE_BYTES[dtype]
     dropout_masks = 2 * config.n_embd if config.dropout > 0 else 0  # two residual-branch masks, one byte each
-    return 2 * _norm_bytes(config, compute) + _attention_bytes(config, compute) + _mlp_bytes(config, compute) + (
-        dropout_masks
-    )
+    norms = block_norm_count(config) * _norm_bytes(config, compute)
+    return norms + _attention_bytes(config, compute) + _mlp_bytes(config, compute) + dropout_masks
 
 
 def head_activation_bytes(config: ModelConfig, dtype: str = "float32") -> int:
@@ -261,6 +261,9 @@ def make_plan(config: ModelConfig, settings: PlanSettings) -> Plan:
         "batch": settings.kv_batch,
         "dtype": kv_dtype,
         "bytes": kv_cache_bytes(config, settings.kv_batch, kv_context, kv_dtype),
+        # Layers holding at most sliding_window positions (the bytes above count min(context, W) for them).
+        "windowed_layers": sum(config.layer_window(i) is not None for i in range(config.n_layer)),
+        "window": config.sliding_window,
     }
     wall = flops / (settings.flops * 1e12 * settings.mfu) if settings.flops is not None else None
     return Plan(

@@ -15,8 +15,16 @@ TOL = 1e-5
 
 
 def _config(window: int | None, n_layer: int = 1, layer_types: list[str] | None = None) -> ModelConfig:
-    return ModelConfig(vocab_size=16, block_size=256, n_layer=n_layer, n_head=KV, n_embd=KV * HD, position="rope",
-                       sliding_window=window, layer_types=layer_types)
+    return ModelConfig(
+        vocab_size=16,
+        block_size=256,
+        n_layer=n_layer,
+        n_head=KV,
+        n_embd=KV * HD,
+        position="rope",
+        sliding_window=window,
+        layer_types=layer_types,
+    )
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, window: int) -> torch.Tensor:
@@ -27,14 +35,21 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, wi
     return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - window))
 
 
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as an int8 cache gives it back."""
+    values, scales = quantize_rows(x)
+    return values.float() * scales[..., None]
+
+
 def _run(cache: KVCache, q, k, v, chunks: list[int], window: int) -> None:
     """Feed k, v through layer 0 of cache in chunks and check each chunk's attention against the reference."""
     start = 0
     for size in chunks:
         part = slice(start, start + size)
         keys, values, mask = cache.layer(0, start).update(k[:, :, part], v[:, :, part])
-        got = F.scaled_dot_product_attention(q[:, :, part], keys, values, attn_mask=mask,
-                                             is_causal=mask is None and size > 1)
+        got = F.scaled_dot_product_attention(
+            q[:, :, part], keys, values, attn_mask=mask, is_causal=mask is None and size > 1
+        )
         want = _reference(q[:, :, part], k[:, :, : start + size], v[:, :, : start + size], start, window)
         torch.testing.assert_close(got, want, atol=TOL, rtol=0)
         start += size
@@ -64,7 +79,10 @@ def test_ring_with_per_row_positions() -> None:
     for size in (1, 4, 1, 7, 1):
         positions = torch.tensor(starts)
         new = torch.stack([torch.arange(s, s + size) for s in starts])  # (B, size)
-        take = lambda x: torch.stack([x[b, :, new[b]] for b in range(B)])  # noqa: E731
+
+        def take(x: torch.Tensor, new: torch.Tensor = new) -> torch.Tensor:
+            return torch.stack([x[b, :, new[b]] for b in range(B)])  # (B, KV, size, HD)
+
         keys, values, mask = cache.layer(0, positions).update(take(k), take(v))
         got = F.scaled_dot_product_attention(take(q), keys, values, attn_mask=mask)
         for b, s in enumerate(starts):
@@ -78,7 +96,6 @@ def test_int8_ring_matches_banded_attention_over_rounded_keys() -> None:
     torch.manual_seed(2)
     q, k, v = (torch.randn(1, KV, 3 * W, HD) for _ in range(3))
     cache = KVCache(_config(W), 1, 3 * W, kv_dtype=torch.int8)
-    rounded = lambda x: (lambda qs: qs[0].float() * qs[1][..., None])(quantize_rows(x))  # noqa: E731
     start = 0
     for size in (1, 1, 7, 1, 3, 1, 1, 1):
         part = slice(start, start + size)
@@ -102,8 +119,9 @@ def test_window_larger_than_cache_grows_with_it() -> None:
     for size in (1, 12, 1, 9, 1, 5, 1, 5, 1, 1, 1, 1):
         part = slice(start, start + size)
         keys, values, mask = cache.layer(0, start).update(k[:, :, part], v[:, :, part])
-        got = F.scaled_dot_product_attention(q[:, :, part], keys, values, attn_mask=mask,
-                                             is_causal=mask is None and size > 1)
+        got = F.scaled_dot_product_attention(
+            q[:, :, part], keys, values, attn_mask=mask, is_causal=mask is None and size > 1
+        )
         want = _reference(q[:, :, part], k[:, :, : start + size], v[:, :, : start + size], start, W)
         torch.testing.assert_close(got, want, atol=TOL, rtol=0)
         start += size

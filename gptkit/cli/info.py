@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gptkit.config import ModelConfig
 
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
 HELP = "parameter breakdown, FLOPs per token and KV-cache size of a model"
+LONG_CONTEXT = 8192  # the second context the KV cache's size is given at
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,7 +57,45 @@ def describe(name: str, context: int | None = None) -> dict[str, Any]:
         "kv_cache_bytes_per_1024_tokens": {
             dtype: kv_cache_bytes(config, batch_size=1, context=1024, dtype=dtype) for dtype in DTYPE_BYTES
         },
+        # Not 8 x the above where layers have sliding windows: a windowed layer holds at most W positions.
+        f"kv_cache_bytes_at_{LONG_CONTEXT}_tokens": {
+            dtype: kv_cache_bytes(config, batch_size=1, context=LONG_CONTEXT, dtype=dtype) for dtype in DTYPE_BYTES
+        },
+        "layer_windows": [config.layer_window(i) for i in range(config.n_layer)],
+        "switches": switches(config),
     }
+
+
+def switches(config: ModelConfig) -> list[str]:
+    """The model-family settings of config that differ from a GPT-2-style block, in words."""
+    c, found = config, []
+    if c.head_dim * c.n_head != c.n_embd:
+        found.append(f"head_dim {c.head_dim}")
+    if c.rotary_dim != c.head_dim:
+        found.append(f"rotary_dim {c.rotary_dim}")
+    if c.rope_scaling is not None:
+        found.append(f"rope_scaling {json.dumps(c.rope_scaling.to_dict())}")
+    if c.rope_local_theta is not None:
+        found.append(f"sliding layers' rope_theta {c.rope_local_theta:g}")
+    windowed = sum(c.layer_window(i) is not None for i in range(c.n_layer))
+    if windowed:
+        found.append(f"sliding window {c.sliding_window} on {windowed} of {c.n_layer} layers")
+    if c.nope_layers:
+        found.append(f"no RoPE on layers {c.nope_layers}")
+    if c.parallel_residual:
+        found.append("parallel residual")
+    if c.qk_norm and c.qk_norm_scope == "width":
+        found.append("q/k norms over the whole width")
+    scales = [
+        ("norm gain offset", c.norm_gain_offset, 0.0),
+        ("embedding scale", c.embedding_scale, None),
+        ("residual scale", c.residual_scale, 1.0),
+        ("attention scale", c.attn_scale, None),
+        ("attention softcap", c.attn_softcap, None),
+        ("logit scale", c.logit_scale, 1.0),
+    ]
+    found += [f"{name} {value:g}" for name, value, default in scales if value != default]
+    return found
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -91,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         f"ffn {c['ffn_hidden']} {c['activation']}, {c['norm']} {c['norm_position']}-norm, {c['position']} positions, "
         f"context {c['block_size']}, vocab {c['vocab_size']}{extras}"
     )
+    if report["switches"]:
+        print(f"  {'; '.join(report['switches'])}")
     print()
     for part, count in p.items():
         share = f"{100 * count / p['total']:5.1f}%" if part != "total" else ""
@@ -104,4 +148,7 @@ def run(args: argparse.Namespace) -> int:
     kv = report["kv_cache_bytes_per_1024_tokens"]
     sizes = ", ".join(f"{_human_bytes(nbytes)} {dtype}" for dtype, nbytes in kv.items())
     print(f"KV cache per 1,024 tokens (batch 1): {sizes}")
+    kv = report[f"kv_cache_bytes_at_{LONG_CONTEXT}_tokens"]
+    sizes = ", ".join(f"{_human_bytes(nbytes)} {dtype}" for dtype, nbytes in kv.items())
+    print(f"KV cache at {LONG_CONTEXT:,} tokens (batch 1): {sizes}")
     return 0

@@ -90,7 +90,10 @@ def run(args: argparse.Namespace) -> int:
                                             else "does not fit, even with activation checkpointing")  # fmt: skip
         print(f"  {settings.device_memory:g} GiB device: {verdict}")
     kv = plan.kv_cache
-    print(f"KV cache for inference ({kv['batch']} x {kv['context']} tokens, {kv['dtype']}): {_gib(kv['bytes'])}")
+    windows = f"; {kv['windowed_layers']} layers keep their last {kv['window']}" if kv["windowed_layers"] else ""
+    print(
+        f"KV cache for inference ({kv['batch']} x {kv['context']} tokens, {kv['dtype']}{windows}): {_gib(kv['bytes'])}"
+    )
     if plan.wall_seconds is not None:
         print(
             f"wall time on one device at {settings.flops:g} TFLOP/s and {settings.mfu:.0%} MFU: "
