@@ -5,6 +5,10 @@ and a signal handler waits for it. A process can be killed. Its parent writes on
 each a JSON line over the child's pipes (nothing pickled), with a deadline for the whole exchange; past it, or when
 the child dies, the parent learns it at once (TimeoutError, EOFError) and kills what is left.
 
+The child leads a process group of its own (a new session), and every kill ends the whole group: user code that
+starts processes of its own (a reward that forks a helper) leaves none behind when its call times out, when the
+worker is closed, or when the parent dies. A process that starts a session of its own again is beyond reach.
+
 Both sides live here: LineWorker is the parent's end; child_pipes(), exit_with_parent() and send_line() the child's.
 """
 
@@ -39,7 +43,8 @@ class LineWorker:
 
     def __init__(self, command: Sequence[str], cwd: Path, show_errors: bool = False) -> None:
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, cwd=cwd,
-                                        stderr=None if show_errors else subprocess.DEVNULL)  # fmt: skip
+                                        stderr=None if show_errors else subprocess.DEVNULL,
+                                        start_new_session=True)  # fmt: skip
         self.requests, self.answers = self.process.stdin, self.process.stdout
         os.set_blocking(self.requests.fileno(), False)  # a child that stops reading must not block the parent
 
@@ -69,8 +74,9 @@ class LineWorker:
         return json.loads(answer)
 
     def kill(self) -> None:
-        """End the process now (it may be deep in code that would never read another request) and reap it."""
-        self.process.kill()
+        """End the process and every process it started now (it may be deep in code that would never read another
+        request), and reap it."""
+        kill_group(self.process.pid)
         self.process.wait()
         self.requests.close()
         self.answers.close()
@@ -90,6 +96,14 @@ class LineWorker:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
+
+
+def kill_group(leader: int) -> None:
+    """SIGKILL the process group that process `leader` leads (it and what it started), if any of it is left."""
+    try:
+        os.killpg(leader, signal.SIGKILL)
+    except ProcessLookupError:  # the whole group has ended already
+        pass
 
 
 @contextlib.contextmanager
@@ -131,13 +145,16 @@ def child_pipes() -> tuple[BinaryIO, BinaryIO]:
 
 
 def exit_with_parent() -> None:
-    """In the child: end this process when its parent is gone (killed with SIGKILL, say), even while user code
-    runs; a daemon thread polls, so a child stuck in a loop does not outlive the run that started it."""
+    """In the child: end this process, and the processes it started (its group, where it leads one), when its
+    parent is gone (killed with SIGKILL, say), even while user code runs; a daemon thread polls, so a child stuck in
+    a loop does not outlive the run that started it."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
+        if os.getpgrp() == os.getpid():  # LineWorker's children lead their group: it ends with them
+            kill_group(os.getpid())
         os._exit(1)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
