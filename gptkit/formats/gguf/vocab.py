@@ -137,8 +137,7 @@ def tokenizer_from_fields(fields: dict[str, Any], path: Path) -> Tokenizer:
         if eos_id is not None and tokenizer.eos_id != eos_id:
             tokenizer.eos_id = int(eos_id)
         return tokenizer
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
-    from tokenizers import Regex
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
     pre = fields.get("tokenizer.ggml.pre", "gpt-2")

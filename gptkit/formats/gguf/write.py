@@ -1,0 +1,165 @@
+"""A gptkit model written as a GGUF file llama.cpp runs: its tensors under llama.cpp's names and layout, its
+hyperparameters, tokenizer and chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gptkit.atomic import atomic_write
+from gptkit.formats.gguf.archs import architecture, rope_rows, tensor_names
+from gptkit.formats.gguf.header import gguf_package
+from gptkit.formats.gguf.q4_0 import q4_0_blocks
+from gptkit.formats.gguf.vocab import GGUFError, inert_merge, tokenizer_vocab
+from gptkit.model import GPT
+from gptkit.quantization import Int4Linear, dequantized_state, is_quantized, quantize_q4
+from gptkit.tokenizer import Tokenizer
+from gptkit.weights import real_vocab_state
+
+FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+LLAMA_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+EMBEDDINGS = ("token_embd.weight", "position_embd.weight")
+
+
+def gguf_tensors(model: GPT, q4_blocks: bool = False, added_tokens: int = 0) -> dict[str, torch.Tensor]:
+    """The model's weights under llama.cpp's names and layout (float32, on the CPU; quantised layers dequantised).
+
+    q4_blocks: int4 layers come as their own Q4_0 blocks instead (uint8, a row of bytes per weight row), so that
+    writing them is a repacking: quantising their dequantised values again would change weights whose scales
+    were fitted (llama-quantize with an importance matrix) rather than taken from each block's largest value.
+    added_tokens: zero rows appended to the embedding and the output for tokens the file adds (a zero output row
+    gives its token the logit 0 whatever the input)."""
+    config = model.config
+    arch = architecture(config)
+    state = {name: t.detach().float().cpu() for name, t in dequantized_state(model).items()}
+    if q4_blocks:
+        for module_name, module in model.named_modules():
+            if isinstance(module, Int4Linear):
+                packed, scales = module.plain()
+                state[f"{module_name}.weight"] = torch.from_numpy(q4_0_blocks(packed.cpu(), scales.cpu()))
+    state = real_vocab_state(state, config)  # a padded vocabulary's extra rows are never used: not written
+    if config.tie_embeddings and arch == "llama" and not is_quantized(model):
+        state.pop("lm_head.weight")  # llama.cpp's llama reads the embedding as the output when output is absent
+    if arch == "gpt2":  # llama.cpp's gpt2 has every bias: absent ones are zeros
+        for name, t in list(state.items()):
+            if (
+                name.endswith(".weight")
+                and name.replace(".weight", ".bias") not in state
+                and t.dim() <= 2
+                and not name.startswith(("tok_emb", "pos_emb", "lm_head"))
+            ):
+                state[name.replace(".weight", ".bias")] = torch.zeros(t.shape[0])
+    names = tensor_names(config, arch)
+    out = {}
+    for name, tensor in state.items():
+        if name in names:
+            out[names[name]] = tensor
+            continue
+        block, _, rest = name.partition(".")[2].partition(".")
+        if rest == "attn.qkv.weight":
+            hd = config.head_dim
+            q, k, v = tensor.split([config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd])
+            out[f"blk.{block}.attn_q.weight"] = rope_rows(q, config.n_head, to_gguf=True)
+            out[f"blk.{block}.attn_k.weight"] = rope_rows(k, config.n_kv_head, to_gguf=True)
+            out[f"blk.{block}.attn_v.weight"] = v
+        elif rest == "mlp.fc.weight":
+            gate, up = tensor.chunk(2)
+            out[f"blk.{block}.ffn_gate.weight"], out[f"blk.{block}.ffn_up.weight"] = gate, up
+        else:
+            raise GGUFError(f"tensor {name} has no place in a GGUF {arch} model")
+    for name in ("token_embd.weight", "output.weight"):
+        if added_tokens and name in out:
+            rows = out[name]
+            out[name] = torch.cat([rows, rows.new_zeros(added_tokens, rows.shape[1])])
+    return out
+
+
+def export_gguf(
+    model: GPT,
+    path: str | Path,
+    tokenizer: Tokenizer | None,
+    file_type: str = "f32",
+    chat_template: str | None = None,
+    name: str = "gptkit",
+) -> Path:
+    """Write model (and its tokenizer, end-of-text id and chat template) as a GGUF file llama.cpp runs."""
+    gguf = gguf_package()
+    if file_type not in FILE_TYPES:
+        raise GGUFError(f"--type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
+    if tokenizer is None:
+        raise GGUFError("the model has no tokenizer to embed; llama.cpp needs one in the file")
+    config = model.config
+    arch = architecture(config)
+    vocab = tokenizer_vocab(tokenizer)
+    tokens, types, merges = vocab.tokens, vocab.types, vocab.merges
+    if len(tokens) - vocab.added != config.vocab_size:
+        raise GGUFError(
+            f"the tokenizer has {len(tokens) - vocab.added} tokens and the model {config.vocab_size} "
+            "embeddings; llama.cpp needs one token per embedding"
+        )
+    tensors = gguf_tensors(model, q4_blocks=file_type == "q4_0", added_tokens=vocab.added)
+    path = Path(path)
+
+    def write(tmp: Path) -> None:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        writer.add_name(name)
+        writer.add_file_type(LLAMA_FILE_TYPES[file_type])
+        writer.add_context_length(config.block_size)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_block_count(config.n_layer)
+        writer.add_feed_forward_length(config.ffn_hidden)
+        writer.add_head_count(config.n_head)
+        if arch == "gpt2":
+            writer.add_layer_norm_eps(config.norm_eps)
+        else:
+            writer.add_head_count_kv(config.n_kv_head)
+            writer.add_layer_norm_rms_eps(config.norm_eps)
+            writer.add_rope_freq_base(config.rope_theta)
+            writer.add_rope_dimension_count(config.head_dim)
+            writer.add_vocab_size(len(tokens))
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(vocab.pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges or [inert_merge(tokens, types)])
+        if vocab.eos_id is not None:
+            writer.add_eos_token_id(vocab.eos_id)
+        bos = tokenizer.prompt_bos_id()
+        writer.add_add_bos_token(bos is not None)
+        if bos is not None:
+            writer.add_bos_token_id(bos)
+        if chat_template:
+            writer.add_chat_template(chat_template)
+        quantized = is_quantized(model)
+        for tensor_name, tensor in tensors.items():
+            kind = "f32" if quantized and tensor_name in EMBEDDINGS else file_type  # looked up, never multiplied
+            data, raw_type = _encoded(gguf, tensor.numpy(), kind)
+            writer.add_tensor(tensor_name, data, raw_dtype=raw_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    atomic_write(path, write)
+    return path
+
+
+def _encoded(gguf: Any, array: np.ndarray, file_type: str) -> tuple[np.ndarray, Any]:
+    """A tensor's data in the file's type: vectors stay float32 (as llama.cpp's converter keeps norms and biases),
+    matrices take the file type (q8_0 and q4_0 where rows are whole 32-value blocks, else float16)."""
+    kinds = gguf.GGMLQuantizationType
+    if array.dtype == np.uint8:  # an int4 layer's own Q4_0 blocks (gguf_tensors' q4_blocks)
+        return array, kinds.Q4_0
+    if array.ndim == 1 or file_type == "f32":
+        return array.astype(np.float32), kinds.F32
+    target = {"f16": kinds.F16, "bf16": kinds.BF16, "q8_0": kinds.Q8_0, "q4_0": kinds.Q4_0}[file_type]
+    if target in (kinds.Q8_0, kinds.Q4_0) and array.shape[-1] % 32:
+        target = kinds.F16
+    if target == kinds.F16:
+        return array.astype(np.float16), kinds.F16
+    if target == kinds.Q4_0:  # gptkit's own Q4_0 (what an int4 model holds), in GGUF's blocks
+        return q4_0_blocks(*quantize_q4(torch.from_numpy(array))), target
+    return gguf.quants.quantize(array.astype(np.float32), target), target
