@@ -1,6 +1,6 @@
 """The kinds of prepared data set (meta.json "kind") and the JSON row formats they are made from, each described
 once: what `gptkit prepare` recognises a row by, and how a run reads the data set. prepare.py, data.py,
-finetune/examples.py and the objectives ask these tables rather than name a kind, so a new kind is an entry here.
+prepare/rows.py and the objectives ask these tables rather than name a kind, so a new kind is an entry here.
 """
 
 from __future__ import annotations

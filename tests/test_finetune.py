@@ -18,7 +18,7 @@ from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.data import EXAMPLE_FILES, ExampleBatches, Examples, _example_rows, load_examples, read_meta
 from gptkit.errors import GptkitError, InputError
-from gptkit.finetune.examples import ExampleEncoder, row_format
+from gptkit.prepare.rows import ExampleEncoder, row_format
 from gptkit.formats.hf import hf_block_modules
 from gptkit.formats.lora import is_lora_dir, write_lora_dir, write_peft_dir
 from gptkit.loss import IGNORE_INDEX

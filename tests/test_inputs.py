@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gptkit.inputs as inputs
+import gptkit.prepare.inputs as inputs
 from gptkit.cli import main
 from gptkit.data import load_tokens, read_meta
 from gptkit.errors import InputError
@@ -188,7 +188,7 @@ def test_a_directory_skips_binary_files_and_names_them_when_nothing_else_is_left
         _prepare(tmp_path, folder)
     (folder / "notes.md").write_text("some text")
     (folder / "more.txt.gz").write_bytes(gzip.compress(b" and more"))
-    with caplog.at_level("WARNING", logger="gptkit.inputs"):
+    with caplog.at_level("WARNING", logger="gptkit.prepare.inputs"):
         stream, meta = _prepare(tmp_path, folder)
     assert [Path(i["path"]).name for i in meta["inputs"]] == ["more.txt.gz", "notes.md"]
     assert bytes(t for t in stream if t < 256) == b" and moresome text"

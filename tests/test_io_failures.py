@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import TINY, write_char_data_dir
 
-import gptkit.inputs as inputs
+import gptkit.prepare.inputs as inputs
 from gptkit.adapters import add_lora, fingerprint
 from gptkit.cli import main
 from gptkit.config import ModelConfig

@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gptkit.inputs as inputs
+import gptkit.prepare.inputs as inputs
 import gptkit.prepare as prep
+import gptkit.prepare.encoding as encoding
+import gptkit.prepare.text as prep_text
 from gptkit.cli import main
 from gptkit.data import load_tokens, read_meta
 from gptkit.errors import GptkitError, InputError
@@ -22,7 +24,7 @@ from gptkit.prepare import DEFAULT_CORPUS, PrepareConfig, prepare
 from gptkit.tokenizer import EOT, load_tokenizer
 
 SHAKESPEARE = DEFAULT_CORPUS.read_text(encoding="utf-8")
-PACKAGE = Path(prep.__file__).parent
+PACKAGE = Path(prep.__file__).parents[1]  # gptkit/
 
 
 def _tokens(out: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -74,8 +76,8 @@ def test_bpe_trained_on_a_directory_of_source_files_round_trips_every_file(tmp_p
 
 def test_cut_stream_equals_whole_document_encoding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With small pieces and batches the text is cut hundreds of times; the tokens must not change."""
-    monkeypatch.setattr(prep, "PIECE_CHARS", 1000)
-    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
+    monkeypatch.setattr(encoding, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(encoding, "BATCH_CHARS", 20_000)
     monkeypatch.setattr(inputs, "READ_CHUNK", 7_777)
     corpus = tmp_path / "play.txt"
     corpus.write_text(SHAKESPEARE[:150_000] + "\nnaïve café 日本語 🌍\n" * 50)
@@ -220,7 +222,7 @@ def test_an_interrupted_run_leaves_the_previous_data_set_whole(tmp_path: Path, m
     for leftover in (".tokens.killed.tmp", ".val.bin.x1y2.tmp", ".meta.json.x3.tmp"):  # what older versions' kills left
         (out / leftover).write_bytes(b"\0" * 10)
     calls = {"n": 0}
-    real = prep._encode_batch
+    real = encoding.encode_batch
 
     def interrupted(*args):
         calls["n"] += 1
@@ -228,8 +230,8 @@ def test_an_interrupted_run_leaves_the_previous_data_set_whole(tmp_path: Path, m
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(prep, "_encode_batch", interrupted)
-    monkeypatch.setattr(prep, "BATCH_CHARS", 100_000)
+    monkeypatch.setattr(encoding, "encode_batch", interrupted)
+    monkeypatch.setattr(encoding, "BATCH_CHARS", 100_000)
     with pytest.raises(KeyboardInterrupt):
         prepare(PrepareConfig(out=str(out), tokenizer="char"))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == files  # no temporary file either
@@ -241,6 +243,7 @@ KILL_CHILD = textwrap.dedent(
     import errno, os, sys
     import gptkit.atomic as atomic
     import gptkit.prepare as prep
+    import gptkit.prepare.encoding as encoding
 
     stage, corpus, out = sys.argv[1:4]
 
@@ -248,12 +251,12 @@ KILL_CHILD = textwrap.dedent(
         os._exit(9)
 
     if stage == "encoding":  # before the swap: the staging directory is half written
-        real, calls = prep._encode_batch, []
+        real, calls = encoding.encode_batch, []
         def encode(*args):
             calls.append(1)
             return die() if len(calls) == 2 else real(*args)
-        prep._encode_batch = encode
-        prep.BATCH_CHARS = 50_000
+        encoding.encode_batch = encode
+        encoding.BATCH_CHARS = 50_000
     elif stage == "staged":  # before the swap: the new data set is complete beside the old one
         atomic.replace_dir = die
     elif stage == "exchanged":  # during the swap: exchanged, the user's files not yet carried over
@@ -351,7 +354,7 @@ def test_a_full_disk_while_preparing_is_one_line_and_keeps_the_old_data(tmp_path
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(prep, "_split_tail", full)
+    monkeypatch.setattr(prep_text, "_split_tail", full)
     assert main(["prepare", "--tokenizer", "char", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == (f"gptkit prepare: error: cannot write {out}: No space left on device (the existing data set is "

@@ -9,7 +9,7 @@ import pytest
 
 from gptkit.chat import ChatTemplate
 from gptkit.errors import InputError
-from gptkit.finetune.examples import ExampleEncoder
+from gptkit.prepare.rows import ExampleEncoder
 from gptkit.serving.schemas import ChatMessage
 from gptkit.serving.tools import template_message
 from gptkit.tokenizer import ByteTokenizer
