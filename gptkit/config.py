@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from gptkit.errors import ConfigError
+from gptkit.presets import PRESETS
 
 # relu2: relu(x)^2 (Primer); geglu: GELU(tanh)(x W_gate) * (x W_up) (Gemma), swiglu with SiLU (Llama)
 Activation = Literal["relu", "relu2", "gelu", "gelu_tanh", "swiglu", "geglu"]
@@ -340,45 +341,6 @@ def _field_types() -> dict[str, Any]:
         args = [a for a in get_args(hint) if a is not type(None)]
         types[name] = args[0] if type(None) in get_args(hint) else hint
     return types
-
-
-_GPT2 = dict(vocab_size=50257, block_size=1024, activation="gelu_tanh", norm="layernorm", position="learned")
-_LLAMA = dict(
-    norm="rmsnorm", norm_eps=1e-5, position="rope", activation="swiglu", attn_bias=False, mlp_bias=False,
-    norm_bias=False, tie_embeddings=False,
-)  # fmt: skip
-_NANOGPT_CHAR = dict(
-    vocab_size=65, activation="gelu", attn_bias=False, mlp_bias=False, norm_bias=False, position="learned",
-)  # fmt: skip
-
-# Sizes from the papers and model cards they are named after.
-PRESETS: dict[str, dict[str, Any]] = {
-    "gpt2": dict(_GPT2, n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(_GPT2, n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(_GPT2, n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(_GPT2, n_layer=48, n_head=25, n_embd=1600),
-    # Llama-style family: the first two follow llama2.c's story models (with GQA), then TinyLlama and Llama 2 7B.
-    "llama-tiny": dict(_LLAMA, vocab_size=32000, block_size=512, n_layer=6, n_head=6, n_kv_head=2, n_embd=288,
-                       ffn_hidden=768),
-    "llama-110m": dict(_LLAMA, vocab_size=32000, block_size=1024, n_layer=12, n_head=12, n_kv_head=4, n_embd=768,
-                       ffn_hidden=2048),
-    "tinyllama-1.1b": dict(_LLAMA, vocab_size=32000, block_size=2048, n_layer=22, n_head=32, n_kv_head=4,
-                           n_embd=2048, ffn_hidden=5632),
-    "llama2-7b": dict(_LLAMA, vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096,
-                      ffn_hidden=11008),
-    # Vaswani et al. 2017 base model as a decoder only (shared 37k vocabulary, tied embeddings).
-    "transformer-decoder": dict(vocab_size=37000, block_size=512, n_layer=6, n_head=8, n_embd=512, ffn_hidden=2048,
-                                activation="relu", norm_position="post", position="sinusoidal", dropout=0.1),
-    # Radford et al. 2018: 12 layers, 768 wide, 512 context, 40,478 BPE tokens, GELU, learned positions.
-    "gpt1-style": dict(vocab_size=40478, block_size=512, n_layer=12, n_head=12, n_embd=768, activation="gelu",
-                       norm_position="post", position="learned", dropout=0.1),
-    # nanoGPT's character-level Shakespeare models: the GPU recipe and its README's CPU override.
-    "shakespeare-char": dict(_NANOGPT_CHAR, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.2),
-    "shakespeare-char-cpu": dict(_NANOGPT_CHAR, block_size=64, n_layer=4, n_head=4, n_embd=128),
-    # Small models for demos and tests: seconds to train on a laptop CPU.
-    "tiny": dict(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64),
-    "tiny-llama": dict(_LLAMA, vocab_size=256, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=64),
-}  # fmt: skip
 
 
 @dataclass

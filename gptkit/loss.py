@@ -41,10 +41,10 @@ def soft_cap(logits: Tensor, cap: float | None) -> Tensor:
 
 def linear_cross_entropy(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int = IGNORE_INDEX,
-    softcap: float | None = None, vocab_size: int | None = None,
+    softcap: float | None = None, vocab_size: int | None = None, scale: float = 1.0,
 ) -> Tensor:  # fmt: skip
-    """next_token_loss(soft_cap(F.linear(hidden, weight, bias)[..., :vocab_size], softcap), targets), without ever
-    holding every row's logits.
+    """next_token_loss(soft_cap(scale * F.linear(hidden, weight, bias)[..., :vocab_size], softcap), targets), without
+    ever holding every row's logits.
 
     hidden (..., d) and targets (...) are taken a slice of rows at a time; a training step keeps no (rows, V)
     tensor for its backward pass (GPT-2's vocabulary at 12 x 1024 tokens: 2.5 GB of fp32 logits, as much again
@@ -56,25 +56,30 @@ def linear_cross_entropy(
     vocab_size = weight.size(0) if vocab_size is None else vocab_size
     if rows.size(0) * weight.size(0) <= slice_logits(hidden.device):  # logits this small cost no memory worth saving
         logits = F.linear(rows, weight, bias)  # and PyTorch's kernels take fewer steps
-        logits = soft_cap(logits[:, :vocab_size] if vocab_size < weight.size(0) else logits, softcap)
+        logits = logits[:, :vocab_size] if vocab_size < weight.size(0) else logits
+        logits = soft_cap(logits if scale == 1.0 else logits * scale, softcap)
         return next_token_loss(logits, targets, ignore_index)
     # Under no_grad the function's needs_input_grad still says True: it is told here instead.
     grads = torch.is_grad_enabled()
-    return _LinearCrossEntropy.apply(rows, weight, bias, targets.reshape(-1), ignore_index, grads, softcap, vocab_size)
+    return _LinearCrossEntropy.apply(
+        rows, weight, bias, targets.reshape(-1), ignore_index, grads, softcap, vocab_size, scale
+    )
 
 
 def _slice_logits(
-    h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None, vocab_size: int
-) -> tuple[Tensor, torch.dtype, Tensor | None]:
-    """(fp32 logits of a slice of rows, soft-capped, the padded columns -inf; the product's dtype; the soft-cap's
-    derivative 1 - tanh^2 (z / cap) at each logit, or None without a cap)."""
+    h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None, vocab_size: int, scale: float
+) -> tuple[Tensor, torch.dtype, Tensor | float | None]:
+    """(fp32 logits of a slice of rows, scaled, soft-capped, the padded columns -inf; the product's dtype; the
+    derivative of the scale and soft-cap, scale * (1 - tanh^2 (z / cap)) at each logit, or the scale, or None)."""
     logits = F.linear(h, weight, bias)  # bf16 under autocast: the gradient products then are too
     compute = logits.dtype
     logits = logits.float()
-    slope = None
+    slope = None if scale == 1.0 else scale
+    if scale != 1.0:
+        logits.mul_(scale)
     if softcap is not None:
         logits.div_(softcap).tanh_()
-        slope = 1.0 - logits.square()
+        slope = (1.0 - logits.square()) * scale
         logits.mul_(softcap)
     if vocab_size < logits.size(1):
         logits[:, vocab_size:] = float("-inf")  # exp gives 0: out of the softmax, and out of the gradient
@@ -100,6 +105,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads: bool,
         softcap: float | None,
         vocab_size: int,
+        scale: float,
     ) -> Tensor:
         want_hidden, want_weight = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         want_bias = grads and bias is not None and ctx.needs_input_grad[2]
@@ -113,7 +119,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         step = max(1, slice_logits(hidden.device) // weight.size(0))
         for start in range(0, hidden.size(0), step):
             h, t, keep = hidden[start : start + step], safe_targets[start : start + step], valid[start : start + step]
-            logits, compute, slope = _slice_logits(h, weight, bias, softcap, vocab_size)
+            logits, compute, slope = _slice_logits(h, weight, bias, softcap, vocab_size, scale)
             # log-sum-exp and softmax in place: a slice-sized temporary costs as much as the product here
             target_logit = logits.gather(1, t[:, None])[:, 0]
             row_max = logits.amax(dim=-1, keepdim=True)
@@ -126,7 +132,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad[torch.arange(len(t), device=grad.device), t] -= 1.0
             grad.mul_(keep[:, None] / count)  # the gradient of the mean: backward then only scales by its input
             if slope is not None:
-                grad.mul_(slope)  # through the soft-cap to the product's logits
+                grad.mul_(slope)  # through the soft-cap and the scale to the product's logits
             grad = grad.to(compute)
             if grad_hidden is not None:
                 grad_hidden[start : start + step] = grad @ weight.to(compute)
@@ -149,7 +155,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("the fused LM-head loss supports one backward pass (its saved gradients are used up)")
         ctx.spent = True
         grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors]
-        return *grads, None, None, None, None, None  # targets, ignore_index, grads, softcap and vocab_size have none
+        return *grads, None, None, None, None, None, None  # targets, ignore_index, grads, softcap, vocab_size, scale
 
 
 RowReduction = Literal["none", "sum", "mean"]

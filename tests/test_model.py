@@ -8,7 +8,8 @@ from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache
 from gptkit.loss import IGNORE_INDEX, next_token_loss
-from gptkit.model import GPT, Trace, apply_rope, rope_cos_sin, sinusoidal_embedding
+from gptkit.model import GPT, Trace
+from gptkit.positions import apply_rope, rope_cos_sin, sinusoidal_embedding
 
 from conftest import TINY, VARIANTS
 

@@ -3,7 +3,7 @@
 import torch
 
 from gptkit.loss import next_token_loss
-from gptkit.model import plain_attention
+from gptkit.attention import plain_attention
 
 
 def test_cross_entropy_worked_number():
