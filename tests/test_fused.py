@@ -362,9 +362,9 @@ def test_a_first_decode_does_not_wait_for_the_kernels_to_build(monkeypatch, tmp_
 
 
 # What the C++ step does not compute: each is refused by name, and decoding falls back to the eager step.
-NOT_NATIVE = {"qk_norm": dict(TINY, norm="rmsnorm", position="rope", qk_norm=True),
+NOT_NATIVE = {"dynamic": dict(TINY, position="rope", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
               "relu2": dict(TINY, activation="relu2"),
-              "logit_softcap": dict(TINY, logit_softcap=0.5)}  # fmt: skip
+              "sinusoidal": dict(TINY, position="sinusoidal")}  # fmt: skip
 
 
 def greedy_by_forward(model: GPT, prompt: list[int], n: int) -> list[int]:

@@ -1,9 +1,13 @@
-// One decode step of a whole pre-norm GPT in one native call: gptkit.decoding.fused drives it.
+// One decode step of a whole GPT in one native call: gptkit.decoding.fused drives it.
 //
 // For B rows of one new token each (any number: kernels.h passes more than 8 over each tile of weights in slices),
-// at their own cache positions: embeddings, then per block the norm, the fused q/k/v product, rotary positions, the
-// keys and values written into the cache, attention over each row's cached positions, the output projection and
-// residual, the norm, the MLP (GELU, GELU tanh, ReLU or SwiGLU) and residual; then the final norm and the LM head.
+// at their own cache positions: embeddings (scaled), then per block the norm, the fused q/k/v product, q/k norms,
+// rotary positions (each layer its own frequencies, partial or none), the keys and values written into the cache,
+// attention over each row's cached positions (a sliding-window layer's ring: slot = position mod its size), the
+// output projection and residual, the norm, the MLP (GELU, GELU tanh, ReLU, SwiGLU or GeGLU) and residual; then the
+// final norm and the LM head (scaled, soft-capped). Norms sit before each sublayer, around it (sandwich) or after it
+// (sublayer_post); a sublayer's output may be scaled before its residual add, and both may read the same input
+// (parallel residual).
 // Weights may be fp32, bf16, int8 or q4 (kernels.h) layer by layer; the cache fp32, bf16 or int8 (one fp32 scale
 // per row, head and position, for keys and values alike). Activations stay fp32 between the products.
 //
@@ -26,66 +30,96 @@
 
 #include "kernels.h"
 #include "low_rank.h"
+#include "weights.h"
+#include "kv_rows.h"
+#include "step_parts.h"
 
 namespace {
 
+using kvrows::CacheView;
+using kvrows::kCacheBF16;
+using kvrows::kCacheF32;
+using kvrows::kCacheI8;
+
 enum Norm : int64_t { kLayerNorm = 0, kRmsNorm = 1 };
 enum Position : int64_t { kLearned = 0, kRope = 1, kNoPosition = 2 };
-enum Cache : int64_t { kCacheF32 = 0, kCacheBF16 = 1, kCacheI8 = 2 };
+enum NormPosition : int64_t { kPre = 0, kSandwich = 1, kSublayerPost = 2 };
+enum QkNorm : int64_t { kNoQkNorm = 0, kQkPerHead = 1, kQkWidth = 2 };
+constexpr int64_t kGeglu = 4;  // beside kernels.h's activations: GELU (tanh) of the gate times the up rows
 
-// The order of DecodeStep's integer settings (gptkit/decoding/fused.py writes them in this order).
+// The order of DecodeStep's integer settings (gptkit/decoding/fused.py writes them in this order); then one
+// sliding window per layer (0: full attention).
 enum Setting : int64_t {
-  kLayers, kWidth, kHeads, kKvHeads, kHeadDim, kHidden, kVocab, kNorm, kActivation, kPosition, kLogitsBF16, kSettings
+  kLayers, kWidth, kHeads, kKvHeads, kHeadDim, kHidden, kVocab, kNorm, kActivation, kPosition, kLogitsBF16,
+  kNormPosition, kParallel, kQkNormKind, kRotaryDim, kSettings
 };
+// Its numbers, in this order (a soft-cap of 0: none).
+enum Number : int64_t { kEps, kEmbeddingScale, kResidualScale, kAttnScale, kAttnSoftcap, kLogitScale, kLogitSoftcap,
+                        kNumbers };
+constexpr int64_t kLayerTensors = 22;  // per block: 2 norms, 4 linears of 3 tensors, 2 post-norms, q and k norms
 
 // The block layers an adapter may update, numbered layer * kAdapted + which (gptkit.decoding.fused's order).
 enum Adapted : int64_t { kQkv, kProj, kFc, kDown, kAdapted };
 
 struct Layer {
-  const float *norm1_w, *norm1_b, *norm2_w, *norm2_b;
+  const float *norm1_w, *norm1_b, *norm2_w, *norm2_b, *post1_w, *post1_b, *post2_w, *post2_b, *q_norm, *k_norm;
   gk::Weight qkv, proj, fc, down;
-};
-
-struct CacheView {  // one layer's keys or values: element (b, g, s, i) at data + b * sb + g * sg + s * ss + i
-  void* data;
-  const float* scales;  // int8: (b, g, s) at b * scb + g * scg + s * scs
-  int64_t sb, sg, ss, scb, scg, scs;
+  int64_t window;  // 0: full attention
+  const float* inv_freq;  // rotary_dim / 2 frequencies; null: no RoPE in this layer
+  float rope_factor;
+  int64_t rope_group;  // layers of one group share their angles (computed once per row)
 };
 
 class DecodeStep : public torch::CustomClassHolder {
  public:
   DecodeStep(std::vector<int64_t> settings, std::vector<double> numbers, std::vector<at::Tensor> tensors) {
-    TORCH_CHECK(settings.size() == kSettings && numbers.size() == 2, "DecodeStep: settings of another gptkit");
+    TORCH_CHECK(settings.size() >= kSettings && numbers.size() == kNumbers, "DecodeStep: settings of another gptkit");
     L_ = settings[kLayers], D_ = settings[kWidth], H_ = settings[kHeads], KV_ = settings[kKvHeads];
     HD_ = settings[kHeadDim], F_ = settings[kHidden], V_ = settings[kVocab];
     norm_ = settings[kNorm], act_ = settings[kActivation], position_ = settings[kPosition];
     logits_bf16_ = settings[kLogitsBF16] != 0;
-    eps_ = float(numbers[0]);
-    rope_theta_ = float(numbers[1]);
-    TORCH_CHECK(int64_t(tensors.size()) == 2 + 16 * L_ + 5, "DecodeStep: ", tensors.size(), " tensors for ", L_,
-                " layers");
+    norm_position_ = settings[kNormPosition], parallel_ = settings[kParallel] != 0;
+    qk_norm_ = settings[kQkNormKind], rotary_ = settings[kRotaryDim];
+    eps_ = float(numbers[kEps]), embedding_scale_ = float(numbers[kEmbeddingScale]);
+    residual_scale_ = float(numbers[kResidualScale]), attn_scale_ = float(numbers[kAttnScale]);
+    attn_softcap_ = float(numbers[kAttnSoftcap]), logit_scale_ = float(numbers[kLogitScale]);
+    logit_softcap_ = float(numbers[kLogitSoftcap]);
+    // The residual add straight from the products (accumulate) where nothing comes between: pre-norm, unscaled.
+    direct_ = norm_position_ == kPre && residual_scale_ == 1.0f;
+    TORCH_CHECK(int64_t(settings.size()) == kSettings + L_, "DecodeStep: one window per layer expected");
+    TORCH_CHECK(int64_t(tensors.size()) == 2 + kLayerTensors * L_ + 7, "DecodeStep: ", tensors.size(), " tensors for ",
+                L_, " layers");
     size_t i = 0;
     tok_emb_ = tensors[i++];
     pos_emb_ = tensors[i++];
     TORCH_CHECK(tok_emb_.is_contiguous() && tok_emb_.size(0) == V_ && tok_emb_.size(1) == D_,
                 "DecodeStep: the token embedding must be a contiguous (vocab, width) matrix");
     for (int64_t l = 0; l < L_; ++l) {
-      Layer layer;
-      layer.norm1_w = vector(tensors[i++]);
-      layer.norm1_b = vector(tensors[i++]);
-      layer.qkv = weight(tensors, i, (H_ + 2 * KV_) * HD_, D_);
-      layer.proj = weight(tensors, i, D_, H_ * HD_);
-      layer.norm2_w = vector(tensors[i++]);
-      layer.norm2_b = vector(tensors[i++]);
-      layer.fc = weight(tensors, i, act_ == gk::kSwiglu ? 2 * F_ : F_, D_);
-      layer.down = weight(tensors, i, D_, F_);
+      Layer layer{};  // no RoPE until rope_tables says otherwise
+      layer.norm1_w = weights::vector(tensors[i++], keep_);
+      layer.norm1_b = weights::vector(tensors[i++], keep_);
+      layer.qkv = weights::weight(tensors, i, (H_ + 2 * KV_) * HD_, D_, keep_);
+      layer.proj = weights::weight(tensors, i, D_, H_ * HD_, keep_);
+      layer.norm2_w = weights::vector(tensors[i++], keep_);
+      layer.norm2_b = weights::vector(tensors[i++], keep_);
+      layer.fc = weights::weight(tensors, i, gated() ? 2 * F_ : F_, D_, keep_);
+      layer.down = weights::weight(tensors, i, D_, F_, keep_);
+      layer.post1_w = weights::vector(tensors[i++], keep_);
+      layer.post1_b = weights::vector(tensors[i++], keep_);
+      layer.post2_w = weights::vector(tensors[i++], keep_);
+      layer.post2_b = weights::vector(tensors[i++], keep_);
+      layer.q_norm = weights::vector(tensors[i++], keep_);
+      layer.k_norm = weights::vector(tensors[i++], keep_);
+      layer.window = settings[kSettings + l];
       layers_.push_back(layer);
     }
-    normf_w_ = vector(tensors[i++]);
-    normf_b_ = vector(tensors[i++]);
-    head_ = weight(tensors, i, V_, D_);
+    normf_w_ = weights::vector(tensors[i++], keep_);
+    normf_b_ = weights::vector(tensors[i++], keep_);
+    head_ = weights::weight(tensors, i, V_, D_, keep_);
+    rope_tables(tensors[i], tensors[i + 1]);
     max_k_ = std::max({D_, F_, H_ * HD_});
-    TORCH_CHECK(HD_ <= 512 && HD_ % 2 == 0 && H_ % KV_ == 0, "DecodeStep: heads of up to 512 values expected");
+    TORCH_CHECK(HD_ <= 512 && rotary_ <= HD_ && rotary_ % 2 == 0 && H_ % KV_ == 0,
+                "DecodeStep: heads of up to 512 values and an even rotary width expected");
   }
 
   at::Tensor step(const at::Tensor& tokens, const at::Tensor& positions, std::vector<at::Tensor> keys,
@@ -103,7 +137,6 @@ class DecodeStep : public torch::CustomClassHolder {
                                                                    : kCacheI8;
     TORCH_CHECK(cache != kCacheI8 || (keys[0].scalar_type() == at::kChar && scaled),
                 "DecodeStep: an int8 cache needs its scales");
-    const int64_t capacity = keys[0].size(2);
     TORCH_CHECK(keys[0].size(0) >= B && keys[0].size(1) == KV_ && keys[0].size(3) == HD_,
                 "DecodeStep: the cache does not fit this model and batch");
     const int64_t* tok = tokens.data_ptr<int64_t>();
@@ -111,19 +144,23 @@ class DecodeStep : public torch::CustomClassHolder {
     int64_t longest = 0;
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(tok[b] >= 0 && tok[b] < V_, "DecodeStep: token id ", tok[b], " outside the vocabulary");
-      TORCH_CHECK(pos[b] >= 0 && pos[b] < capacity, "DecodeStep: position ", pos[b], " outside the cache");
+      TORCH_CHECK(pos[b] >= 0, "DecodeStep: negative position ", pos[b]);
       TORCH_CHECK(position_ != kLearned || pos[b] < pos_emb_.size(0), "DecodeStep: position past block_size");
       longest = std::max(longest, pos[b] + 1);
     }
+    for (int64_t l = 0; l < L_; ++l) {  // a full layer holds every position; a ring of W slots any
+      const int64_t slots = keys[l].size(2), window = layers_[l].window;
+      TORCH_CHECK(longest <= slots || (window > 0 && slots >= window), "DecodeStep: position ", longest - 1,
+                  " outside the cache of layer ", l);
+    }
     std::vector<CacheView> kv(2 * L_);
     for (int64_t l = 0; l < L_; ++l) {
-      kv[l] = view(keys[l], scaled ? &key_scales[l] : nullptr, cache);
-      kv[L_ + l] = view(values[l], scaled ? &value_scales[l] : nullptr, cache);
+      kv[l] = kvrows::view(keys[l], scaled ? &key_scales[l] : nullptr, cache);
+      kv[L_ + l] = kvrows::view(values[l], scaled ? &value_scales[l] : nullptr, cache);
     }
     choose_adapters(adapters, B);
     const int T = at::get_num_threads();
     reserve(B, T, longest);
-    if (position_ == kRope) rope_angles(pos, B);
 
     at::Tensor logits = at::empty({B, V_}, tokens.options().dtype(at::kFloat));
     float* out = logits.data_ptr<float>();
@@ -140,6 +177,11 @@ class DecodeStep : public torch::CustomClassHolder {
         prepare(head_, h_.data(), b);
       }
       product(head_, input(h_.data()), B, out, V_, false, t, nt, -1);
+      if (logit_scale_ != 1.0f || logit_softcap_ > 0.0f) {
+#pragma omp barrier
+#pragma omp for
+        for (int64_t b = 0; b < B; ++b) parts::scale_and_cap(out + b * V_, V_, logit_scale_, logit_softcap_);
+      }
     }
     return logits_bf16_ ? logits.to(at::kBFloat16) : logits;
   }
@@ -175,58 +217,30 @@ class DecodeStep : public torch::CustomClassHolder {
  private:
   // ----- building -----
 
-  const float* vector(const at::Tensor& t) {  // a norm gain or bias as fp32 (none: nullptr)
-    if (!t.defined() || t.numel() == 0) return nullptr;
-    keep_.push_back(t.to(at::kFloat).contiguous());
-    return keep_.back().data_ptr<float>();
-  }
-
-  // The (N, K) product of one linear layer; a q4 one is held in groups of 8 rows (kernels.h).
-  gk::Weight weight(const std::vector<at::Tensor>& tensors, size_t& i, int64_t N, int64_t K) {
-    const at::Tensor& w = tensors[i];
-    const at::Tensor& scales = tensors[i + 1];
-    const at::Tensor& bias = tensors[i + 2];
-    i += 3;
-    TORCH_CHECK(w.is_contiguous() && (w.dim() == 2 ? w.size(0) == N && w.size(1) == K : w.dim() == 3),
-                "DecodeStep: a weight is not the contiguous (", N, ", ", K, ") matrix the model needs");
-    gk::Weight out;
-    out.N = N;
-    out.K = K;
-    out.data = w.data_ptr();
-    keep_.push_back(w);
-    if (w.scalar_type() == at::kFloat) {
-      out.format = gk::kF32;
-    } else if (w.scalar_type() == at::kBFloat16) {
-      out.format = gk::kBF16;
-    } else if (w.scalar_type() == at::kChar) {
-      out.format = gk::kI8;
-      TORCH_CHECK(scales.numel() == out.N, "DecodeStep: int8 weights need one scale per row");
-      keep_.push_back(scales.to(at::kFloat).contiguous());
-      out.scales = keep_.back().data_ptr<float>();
-    } else {
-      const int64_t groups = (N + gk::kQ4Group - 1) / gk::kQ4Group;
-      TORCH_CHECK(w.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
-                  "DecodeStep: unknown weight format ", w.scalar_type());
-      TORCH_CHECK(K % gk::kQ4Block == 0 && w.numel() == groups * (K / gk::kQ4Block) * gk::kQ4GroupBytes &&
-                      scales.numel() == groups * (K / gk::kQ4Block) * gk::kQ4Group,
-                  "DecodeStep: q4 weights must be groups of 8 rows with a scale per block");
-      out.format = gk::kQ4;
-      keep_.push_back(scales);
-      out.scales = scales.data_ptr();
+  // Each layer's RoPE: freqs (L, rotary / 2) fp32, factors (L,) fp32 with 0 for a layer without RoPE; layers with
+  // equal frequencies and factor share a group, whose angles a row computes once.
+  void rope_tables(const at::Tensor& freqs, const at::Tensor& factors) {
+    if (position_ != kRope) return;
+    TORCH_CHECK(freqs.scalar_type() == at::kFloat && freqs.dim() == 2 && freqs.size(0) == L_ &&
+                    freqs.size(1) == rotary_ / 2 && factors.scalar_type() == at::kFloat && factors.numel() == L_,
+                "DecodeStep: RoPE frequencies (layers, rotary_dim / 2) and factors (layers,) in fp32 expected");
+    keep_.push_back(freqs.contiguous());
+    keep_.push_back(factors.contiguous());
+    const float* f = keep_[keep_.size() - 2].data_ptr<float>();
+    const float* factor = keep_.back().data_ptr<float>();
+    const int64_t half = rotary_ / 2;
+    for (int64_t l = 0; l < L_; ++l) {
+      Layer& layer = layers_[l];
+      layer.inv_freq = factor[l] != 0.0f ? f + l * half : nullptr;
+      layer.rope_factor = factor[l];
+      layer.rope_group = l;
+      for (int64_t m = 0; m < l; ++m)
+        if (layer.inv_freq && layers_[m].inv_freq && layers_[m].rope_factor == factor[l] &&
+            std::equal(f + m * half, f + (m + 1) * half, f + l * half)) {
+          layer.rope_group = layers_[m].rope_group;
+          break;
+        }
     }
-    out.bias = vector(bias);
-    return out;
-  }
-
-  static CacheView view(const at::Tensor& t, const at::Tensor* scales, int64_t cache) {
-    TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "DecodeStep: cache tensors (B, KV, S, head_dim) expected");
-    CacheView v{t.data_ptr(), nullptr, t.stride(0), t.stride(1), t.stride(2), 0, 0, 0};
-    if (cache == kCacheI8) {
-      TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->dim() == 3, "DecodeStep: fp32 cache scales expected");
-      v.scales = scales->data_ptr<float>();
-      v.scb = scales->stride(0), v.scg = scales->stride(1), v.scs = scales->stride(2);
-    }
-    return v;
   }
 
   void reserve(int64_t B, int T, int64_t longest) {
@@ -243,6 +257,7 @@ class DecodeStep : public torch::CustomClassHolder {
       dx_.resize(rows * (max_k_ / gk::kQ4Block + 1));
       dsum_.resize(rows * (max_k_ / gk::kQ4Block + 1));
       rope_.resize(rows * HD_);
+      if (parallel_) h2_.resize(rows * D_);
     }
     if (scores_.size() < size_t(T) * (longest + HD_)) scores_.resize(size_t(T) * (longest + HD_) * 2);
     scores_stride_ = scores_.size() / T;
@@ -252,35 +267,54 @@ class DecodeStep : public torch::CustomClassHolder {
 
   // ----- the stages -----
 
+  bool gated() const { return act_ == gk::kSwiglu || act_ == kGeglu; }
+
   // Block l for rows 0..B-1, called by every thread of step()'s parallel region (its worksharing loops and
   // barriers bind to that region).
   void block(int64_t l, int64_t B, const std::vector<CacheView>& kv, int64_t cache, const int64_t* pos, int t,
              int nt) {
     const Layer& layer = layers_[l];
+    const bool angles = layer.inv_freq && (l == 0 || layers_[l - 1].rope_group != layer.rope_group ||
+                                           !layers_[l - 1].inv_freq);
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
-      normalize(x_.data() + b * D_, h_.data() + b * D_, layer.norm1_w, layer.norm1_b);
+      sublayer_input(x_.data() + b * D_, h_.data() + b * D_, layer.norm1_w, layer.norm1_b);
+      if (parallel_) sublayer_input(x_.data() + b * D_, h2_.data() + b * D_, layer.norm2_w, layer.norm2_b);
+      if (angles) parts::rope_angles(pos[b], layer.inv_freq, layer.rope_factor, rotary_, rope_.data() + b * HD_);
       prepare(layer.qkv, h_.data(), b);
       adapters_.down(l * kAdapted + kQkv, h_.data(), D_, b);
     }
     product(layer.qkv, input(h_.data()), B, qkv_.data(), qkv_width(), false, t, nt, l * kAdapted + kQkv);
 #pragma omp barrier
+    if (qk_norm_ != kNoQkNorm) {
+#pragma omp for
+      for (int64_t b = 0; b < B; ++b)
+        parts::qk_norm(qkv_.data() + b * qkv_width(), H_, KV_, HD_, qk_norm_ == kQkWidth, layer.q_norm,
+                       layer.k_norm, eps_);
+    }
 #pragma omp for collapse(2)
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t g = 0; g < KV_; ++g) store(kv[l], kv[L_ + l], cache, b, g, pos[b]);
+      for (int64_t g = 0; g < KV_; ++g) store(layer, kv[l], kv[L_ + l], cache, b, g, pos[b]);
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t hh = 0; hh < H_; ++hh) attend(kv[l], kv[L_ + l], cache, b, hh, pos[b], t);
+      for (int64_t hh = 0; hh < H_; ++hh) attend(layer, kv[l], kv[L_ + l], cache, b, hh, pos[b], t);
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
       prepare(layer.proj, att_.data(), b);
       adapters_.down(l * kAdapted + kProj, att_.data(), H_ * HD_, b);
     }
-    product(layer.proj, input(att_.data()), B, x_.data(), D_, true, t, nt, l * kAdapted + kProj);
+    // The attention's output goes to x (its residual add) or, to be normed or scaled first, to h.
+    float* attn_out = direct_ ? x_.data() : h_.data();
+    product(layer.proj, input(att_.data()), B, attn_out, D_, direct_, t, nt, l * kAdapted + kProj);
 #pragma omp barrier
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
-      normalize(x_.data() + b * D_, h_.data() + b * D_, layer.norm2_w, layer.norm2_b);
+      if (!direct_) residual_add(x_.data() + b * D_, h_.data() + b * D_, layer.norm1_w, layer.norm1_b,
+                                 layer.post1_w, layer.post1_b);
+      if (parallel_)
+        std::copy(h2_.data() + b * D_, h2_.data() + (b + 1) * D_, h_.data() + b * D_);
+      else
+        sublayer_input(x_.data() + b * D_, h_.data() + b * D_, layer.norm2_w, layer.norm2_b);
       prepare(layer.fc, h_.data(), b);
       adapters_.down(l * kAdapted + kFc, h_.data(), D_, b);
     }
@@ -291,13 +325,37 @@ class DecodeStep : public torch::CustomClassHolder {
       prepare(layer.down, ff_.data(), b);
       adapters_.down(l * kAdapted + kDown, ff_.data(), F_, b);
     }
-    product(layer.down, input(ff_.data()), B, x_.data(), D_, true, t, nt, l * kAdapted + kDown);
+    product(layer.down, input(ff_.data()), B, direct_ ? x_.data() : h_.data(), D_, direct_, t, nt,
+            l * kAdapted + kDown);
 #pragma omp barrier
+    if (!direct_) {
+#pragma omp for
+      for (int64_t b = 0; b < B; ++b)
+        residual_add(x_.data() + b * D_, h_.data() + b * D_, layer.norm2_w, layer.norm2_b, layer.post2_w,
+                     layer.post2_b);
+    }
+  }
+
+  // A sublayer's input from the residual stream x: its norm's output (pre, sandwich), or x itself (sublayer_post).
+  void sublayer_input(const float* x, float* h, const float* w, const float* bias) const {
+    if (norm_position_ == kSublayerPost)
+      std::copy(x, x + D_, h);
+    else
+      normalize(x, h, w, bias);
+  }
+
+  // x += residual_scale * out, out first normed after the sublayer: by the block's norm (sublayer_post) or its
+  // post-norm (sandwich). out is overwritten.
+  void residual_add(float* x, float* out, const float* norm_w, const float* norm_b, const float* post_w,
+                    const float* post_b) const {
+    if (norm_position_ == kSublayerPost) normalize(out, out, norm_w, norm_b);
+    if (norm_position_ == kSandwich) normalize(out, out, post_w, post_b);
+    for (int64_t i = 0; i < D_; ++i) x[i] += residual_scale_ * out[i];
   }
 
   void embed(int64_t b, int64_t token, int64_t position) {
     float* x = x_.data() + b * D_;
-    for (int64_t i = 0; i < D_; ++i) x[i] = element(tok_emb_, token * D_ + i);
+    for (int64_t i = 0; i < D_; ++i) x[i] = element(tok_emb_, token * D_ + i) * embedding_scale_;
     if (position_ == kLearned)
       for (int64_t i = 0; i < D_; ++i) x[i] += element(pos_emb_, position * D_ + i);
   }
@@ -308,20 +366,10 @@ class DecodeStep : public torch::CustomClassHolder {
   }
 
   void normalize(const float* x, float* y, const float* w, const float* bias) const {
-    if (norm_ == kLayerNorm) {
-      float mean = 0.0f;
-      for (int64_t i = 0; i < D_; ++i) mean += x[i];
-      mean /= float(D_);
-      float var = 0.0f;
-      for (int64_t i = 0; i < D_; ++i) var += (x[i] - mean) * (x[i] - mean);
-      const float inv = 1.0f / std::sqrt(var / float(D_) + eps_);
-      for (int64_t i = 0; i < D_; ++i) y[i] = (x[i] - mean) * inv * w[i] + (bias ? bias[i] : 0.0f);
-    } else {
-      float squares = 0.0f;
-      for (int64_t i = 0; i < D_; ++i) squares += x[i] * x[i];
-      const float inv = 1.0f / std::sqrt(squares / float(D_) + eps_);
-      for (int64_t i = 0; i < D_; ++i) y[i] = w[i] * (x[i] * inv);
-    }
+    if (norm_ == kLayerNorm)
+      parts::layer_norm(x, y, D_, w, bias, eps_);
+    else
+      parts::rms_norm(x, y, D_, w, eps_);
   }
 
   // Row b of x (K values of the weight's input width) in the form w's product reads.
@@ -354,19 +402,27 @@ class DecodeStep : public torch::CustomClassHolder {
     adapters_.up(adapted, B, y, ldy, lo, hi);
   }
 
-  // ff = act(h W_fc + b) over this thread's hidden units; SwiGLU's fc holds the gate rows, then the up rows.
+  // ff = act(h W_fc + b) over this thread's hidden units; a gated activation's fc holds the gate rows, then the up
+  // rows (SwiGLU: silu(gate) * up; GeGLU: gelu_tanh(gate) * up).
   void mlp_up(const gk::Weight& fc, int64_t B, int t, int nt, int64_t adapted) {
     const gk::Input in = input(h_.data());
     int64_t lo, hi;
     gk::split(F_, t, nt, 16, &lo, &hi);
-    if (act_ == gk::kSwiglu) {
+    if (gated()) {
       float* raw = up_.data();  // (B, 2F): gate then up
       gk::product_range(fc, in, B, raw, 2 * F_, lo, hi);
       gk::product_range(fc, in, B, raw, 2 * F_, F_ + lo, F_ + hi);  // the up rows land after the gate rows
       adapters_.up(adapted, B, raw, 2 * F_, lo, hi);
       adapters_.up(adapted, B, raw, 2 * F_, F_ + lo, F_ + hi);
-      for (int64_t b = 0; b < B; ++b)
-        gk::swiglu(raw + b * 2 * F_ + lo, raw + b * 2 * F_ + F_ + lo, ff_.data() + b * F_ + lo, hi - lo);
+      for (int64_t b = 0; b < B; ++b) {
+        float *gate = raw + b * 2 * F_ + lo, *up = gate + F_, *out = ff_.data() + b * F_ + lo;
+        if (act_ == gk::kSwiglu) {
+          gk::swiglu(gate, up, out, hi - lo);
+        } else {
+          gk::activate(gate, hi - lo, gk::kGeluTanh);
+          for (int64_t i = 0; i < hi - lo; ++i) out[i] = gate[i] * up[i];
+        }
+      }
       return;
     }
     gk::product_range(fc, in, B, ff_.data(), F_, lo, hi);
@@ -386,69 +442,32 @@ class DecodeStep : public torch::CustomClassHolder {
     adapters_.choose(slots, B);
   }
 
-  void rope_angles(const int64_t* pos, int64_t B) {
-    const int64_t half = HD_ / 2;
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t i = 0; i < half; ++i) {
-        // as gptkit.model.rope_cos_sin: inv_freq = 1 / theta^(2i / d) and the angle in fp32
-        const float inv_freq = 1.0f / std::pow(rope_theta_, float(2 * i) / float(HD_));
-        const float angle = float(pos[b]) * inv_freq;
-        rope_[b * HD_ + i] = std::cos(angle);
-        rope_[b * HD_ + half + i] = std::sin(angle);
-      }
-    }
-  }
-
-  void rotate(float* v, int64_t b) const {  // (v_i, v_{i + d/2}) rotated by row b's angle i
-    const int64_t half = HD_ / 2;
-    const float* c = rope_.data() + b * HD_;
-    const float* s = c + half;
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = v[i], z = v[i + half];
-      v[i] = a * c[i] - z * s[i];
-      v[i + half] = z * c[i] + a * s[i];
-    }
-  }
-
-  // Key and value head g of row b into the cache at position p (the key rotated first).
-  void store(const CacheView& keys, const CacheView& values, int64_t cache, int64_t b, int64_t g, int64_t p) {
+  // Key and value head g of row b into the cache at position p's slot (the key rotated first).
+  void store(const Layer& layer, const CacheView& keys, const CacheView& values, int64_t cache, int64_t b, int64_t g,
+             int64_t p) {
     float k[512];
     const float* qkv = qkv_.data() + b * qkv_width();
     std::copy(qkv + (H_ + g) * HD_, qkv + (H_ + g + 1) * HD_, k);
-    if (position_ == kRope) rotate(k, b);
-    write(keys, cache, b, g, p, k);
-    write(values, cache, b, g, p, qkv + (H_ + KV_ + g) * HD_);
+    if (layer.inv_freq) parts::rotate(k, rope_.data() + b * HD_, rotary_);
+    kvrows::write(keys, cache, HD_, b, g, p % keys.slots, k);
+    kvrows::write(values, cache, HD_, b, g, p % values.slots, qkv + (H_ + KV_ + g) * HD_);
   }
 
-  void write(const CacheView& c, int64_t cache, int64_t b, int64_t g, int64_t p, const float* v) const {
-    const int64_t at = b * c.sb + g * c.sg + p * c.ss;
-    if (cache == kCacheF32) {
-      std::copy(v, v + HD_, static_cast<float*>(c.data) + at);
-    } else if (cache == kCacheBF16) {
-      gk::bf16* dst = static_cast<gk::bf16*>(c.data) + at;
-      for (int64_t i = 0; i < HD_; ++i) dst[i] = gk::float_to_bf16(v[i]);
-    } else {  // as gptkit.kv_cache quantises: scale = max|v| / 127, q = round(v / scale)
-      float amax = 0.0f;
-      for (int64_t i = 0; i < HD_; ++i) amax = std::fmax(amax, std::fabs(v[i]));
-      const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int8_t* dst = static_cast<int8_t*>(c.data) + at;
-      for (int64_t i = 0; i < HD_; ++i) dst[i] = int8_t(std::nearbyint(v[i] * inv));
-      const_cast<float*>(c.scales)[b * c.scb + g * c.scg + p * c.scs] = scale;
-    }
-  }
-
-  // Attention of query head hh of row b over its positions 0..p (softmax(q k / sqrt(d)) v) into att_.
-  void attend(const CacheView& keys, const CacheView& values, int64_t cache, int64_t b, int64_t hh, int64_t p,
-              int t) {
+  // Attention of query head hh of row b over the keys its layer holds for position p (softmax(q k * scale) v) into
+  // att_: positions 0..p, or a windowed layer's ring of its last W (once written, its first min(p + 1, W) slots).
+  void attend(const Layer& layer, const CacheView& keys, const CacheView& values, int64_t cache, int64_t b,
+              int64_t hh, int64_t p, int t) {
     float q[512];
     const float* src = qkv_.data() + b * qkv_width() + hh * HD_;
     std::copy(src, src + HD_, q);
-    if (position_ == kRope) rotate(q, b);
-    const int64_t g = hh / (H_ / KV_), S = p + 1;
-    const float scale = 1.0f / std::sqrt(float(HD_));
+    if (layer.inv_freq) parts::rotate(q, rope_.data() + b * HD_, rotary_);
+    const int64_t g = hh / (H_ / KV_), S = std::min(p + 1, keys.slots);
+    const float scale = attn_scale_ > 0.0f ? attn_scale_ : 1.0f / std::sqrt(float(HD_));
     float* scores = scores_.data() + size_t(t) * scores_stride_;
     float* row = scores + S;  // one dequantised key or value row
-    for (int64_t s = 0; s < S; ++s) scores[s] = gk::dot(q, cached(keys, cache, b, g, s, row), HD_) * scale;
+    for (int64_t s = 0; s < S; ++s)
+      scores[s] = gk::dot(q, kvrows::cached(keys, cache, HD_, b, g, s, row), HD_) * scale;
+    if (attn_softcap_ > 0.0f) parts::soft_cap(scores, S, attn_softcap_);
     float top = -INFINITY;
     for (int64_t s = 0; s < S; ++s) top = std::fmax(top, scores[s]);
     int64_t s = 0;
@@ -465,35 +484,20 @@ class DecodeStep : public torch::CustomClassHolder {
     }
     float* out = att_.data() + b * H_ * HD_ + hh * HD_;
     std::fill(out, out + HD_, 0.0f);
-    for (int64_t j = 0; j < S; ++j) gk::axpy(scores[j], cached(values, cache, b, g, j, row), out, HD_);
+    for (int64_t j = 0; j < S; ++j) gk::axpy(scores[j], kvrows::cached(values, cache, HD_, b, g, j, row), out, HD_);
     const float inv = 1.0f / sum;
     for (int64_t i = 0; i < HD_; ++i) out[i] *= inv;
   }
 
-  // Cached row (b, g, s) as fp32: the cache itself when it is fp32, else converted into buffer.
-  const float* cached(const CacheView& c, int64_t cache, int64_t b, int64_t g, int64_t s, float* buffer) const {
-    const int64_t at = b * c.sb + g * c.sg + s * c.ss;
-    if (cache == kCacheF32) return static_cast<const float*>(c.data) + at;
-    if (cache == kCacheBF16) {
-      const gk::bf16* v = static_cast<const gk::bf16*>(c.data) + at;
-      for (int64_t i = 0; i < HD_; ++i) buffer[i] = gk::bf16_to_float(v[i]);
-    } else {
-      const int8_t* v = static_cast<const int8_t*>(c.data) + at;
-      const float scale = c.scales[b * c.scb + g * c.scg + s * c.scs];
-      for (int64_t i = 0; i < HD_; ++i) buffer[i] = float(v[i]) * scale;
-    }
-    return buffer;
-  }
-
-  int64_t L_, D_, H_, KV_, HD_, F_, V_, norm_, act_, position_, max_k_;
-  bool logits_bf16_;
-  float eps_, rope_theta_;
+  int64_t L_, D_, H_, KV_, HD_, F_, V_, norm_, act_, position_, max_k_, norm_position_, qk_norm_, rotary_;
+  bool logits_bf16_, parallel_, direct_;
+  float eps_, embedding_scale_, residual_scale_, attn_scale_, attn_softcap_, logit_scale_, logit_softcap_;
   at::Tensor tok_emb_, pos_emb_;
   std::vector<Layer> layers_;
   const float *normf_w_, *normf_b_;
   gk::Weight head_;
   std::vector<at::Tensor> keep_;  // every tensor the raw pointers above point into
-  std::vector<float> x_, h_, qkv_, att_, up_, ff_, dx_, rope_, scores_;
+  std::vector<float> x_, h_, h2_, qkv_, att_, up_, ff_, dx_, rope_, scores_;
   std::vector<gk::bf16> xb_;
   std::vector<int8_t> xq_;
   std::vector<float> dsum_;

@@ -5,10 +5,14 @@ between them, a third of a small model's step on a CPU, on top of reading the we
 layer in one OpenMP region with only barriers between the stages (cpu_kernels' products, norms, rotary positions,
 attention over the cache, activations and residuals), so a step costs little more than streaming the weights.
 
-It covers the models `gptkit convert --to-gguf` writes and more: pre-norm blocks with LayerNorm or RMSNorm, GELU
-(tanh or erf), ReLU or SwiGLU, learned, rotary or no positions, grouped-query attention, biases anywhere, a tied or
-own LM head with or without a bias, a padded vocabulary (the step computes every row of the head; the padded
-logits are dropped); fp32 or bf16 weights, int8 or int4 layers; an fp32, bf16 or int8 KV cache;
+It covers the models `gptkit convert --to-gguf` writes and more: pre-norm, sandwich or sublayer-post blocks with
+LayerNorm or RMSNorm (with a gain offset), plain or parallel residuals (scaled or not), GELU (tanh or erf), ReLU,
+SwiGLU or GeGLU, learned, rotary or no positions (RoPE per layer from gptkit.positions: scaled, partial, a local
+base for sliding layers, none in NoPE layers), grouped-query attention with any head_dim up to MAX_HEAD_DIM, q/k
+norms per head or over the width, a score scale and soft-cap, sliding-window layers (their KV cache a ring), scaled
+embeddings and logits, soft-capped logits, biases anywhere, a tied or own LM head with or without a bias, a padded
+vocabulary (the step computes every row of the head; the padded logits are dropped); fp32 or bf16 weights, int8 or
+int4 layers; an fp32, bf16 or int8 KV cache;
 any number of rows; served LoRA adapters (gptkit.multi_lora's AdapterSet layers), each row its own. A model holding
 any module, parameter or buffer the step does not compute (a training adapter around a layer, a module or parameter
 added to a block) is refused by what it holds, whatever its configuration says.
@@ -35,6 +39,7 @@ from gptkit.decoding.step import Step, base, decode_one_token, inference
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT, Block, CausalSelfAttention, FeedForward, Linear, RMSNorm
+from gptkit.positions import layer_rope, scaled_frequencies, scaling_attention_factor
 from gptkit.multi_lora import AdapterSet, adapter_sets, adapters_version, row_adapters
 from gptkit.quantization import Int4Linear, Int8Linear
 
@@ -47,8 +52,12 @@ MAX_ROWS = cpu_kernels.GEMV_MAX_ROWS  # rows a fused step takes wherever it is c
 WIDE_ROWS = (16, 32, 64, 128)
 MAX_HEAD_DIM = 512
 NORMS = {"layernorm": 0, "rmsnorm": 1}
-ACTIVATIONS = {"gelu_tanh": 0, "gelu": 1, "relu": 2, "swiglu": 3}
+ACTIVATIONS = {"gelu_tanh": 0, "gelu": 1, "relu": 2, "swiglu": 3, "geglu": 4}
 POSITIONS = {"learned": 0, "rope": 1, "none": 2}
+NORM_POSITIONS = {"pre": 0, "sandwich": 1, "sublayer_post": 2}
+QK_NORMS = {"head": 1, "width": 2}  # 0: no q/k norms
+# RoPE rules whose frequencies follow the length of each pass (the step reads one table made in advance).
+PER_PASS_ROPE = ("dynamic", "longrope")
 _LOGGED: set[str] = set()
 
 
@@ -61,19 +70,14 @@ _NORM_TYPES = {"layernorm": nn.LayerNorm, "rmsnorm": RMSNorm}
 def uncovered(model: GPT) -> str | None:
     """Why the fused step cannot run model, or None when it can."""
     config = model.config
-    if config.norm_position != "pre":
-        return "post-norm blocks"
+    if config.norm_position not in NORM_POSITIONS:
+        return f"{config.norm_position}-norm blocks"
     if config.position not in POSITIONS:
         return f"{config.position} positions"
     if config.activation not in ACTIVATIONS:
         return f"the {config.activation} activation"
-    if config.qk_norm:
-        return "q/k norms (qk_norm)"
-    if config.logit_softcap is not None:
-        return "soft-capped logits (logit_softcap)"
-    switch = _uncovered_switch(config)
-    if switch is not None:
-        return switch
+    if config.rope_scaling is not None and config.rope_scaling.rope_type in PER_PASS_ROPE:
+        return f"{config.rope_scaling.rope_type} RoPE scaling (its frequencies change with the length)"
     if config.head_dim > MAX_HEAD_DIM:
         return f"heads of {config.head_dim} values (at most {MAX_HEAD_DIM})"
     dtype = model.tok_emb.weight.dtype
@@ -82,30 +86,9 @@ def uncovered(model: GPT) -> str | None:
     return _unknown_part(model) or _layer_dtypes(model, dtype) or _misplaced_adapter(model)
 
 
-def _uncovered_switch(config: ModelConfig) -> str | None:
-    """The first of the model-family switches (issue 54) set away from its default that the native step lacks."""
-    head_dim = config.head_dim * config.n_head != config.n_embd
-    checks = [
-        (head_dim, f"heads of {config.head_dim} values beside width {config.n_embd} (head_dim)"),
-        (config.rotary_dim != config.head_dim, "partial rotary (rotary_dim)"),
-        (config.rope_scaling is not None, "scaled RoPE (rope_scaling)"),
-        (config.rope_local_theta is not None, "a local RoPE base (rope_local_theta)"),
-        (config.sliding_window is not None, "sliding-window attention (sliding_window)"),
-        (bool(config.nope_layers), "layers without RoPE (nope_layers)"),
-        (config.parallel_residual, "parallel residual blocks (parallel_residual)"),
-        (config.norm_gain_offset != 0.0, "a norm gain offset (norm_gain_offset)"),
-        (config.embedding_scale is not None, "scaled embeddings (embedding_scale)"),
-        (config.residual_scale != 1.0, "scaled residuals (residual_scale)"),
-        (config.attn_scale is not None, "an attention scale (attn_scale)"),
-        (config.attn_softcap is not None, "soft-capped attention scores (attn_softcap)"),
-        (config.logit_scale != 1.0, "scaled logits (logit_scale)"),
-    ]
-    return next((reason for hit, reason in checks if hit), None)
-
-
 def _unknown_part(model: GPT) -> str | None:
     """The first module of a type the step does not compute, or parameter or buffer it does not read, named by path."""
-    computed = _COMPUTED + (_NORM_TYPES[model.config.norm],)
+    computed = _COMPUTED + (_NORM_TYPES[model.config.norm],) + ((RMSNorm,) if model.config.qk_norm else ())
     for name, module in model.named_modules():
         if type(module) not in computed:
             return f"{name or 'the model'} ({type(module).__name__})"
@@ -191,12 +174,16 @@ def covers(rows: int) -> bool:
     return False
 
 
-def _read(model: GPT) -> list[Tensor]:
-    """The model's tensors the step reads, in the order DecodeStep takes them (_NONE where one is absent)."""
+def _read(model: GPT, gains: bool = False) -> list[Tensor]:
+    """The model's tensors the step reads, in the order DecodeStep takes them (_NONE where one is absent); with
+    gains, each RMSNorm's gain as it multiplies (its gain offset added, a new fp32 tensor) in place of its weight."""
+    _norm = functools.partial(_norm_tensors, gains=gains)
     tensors = [model.tok_emb.weight, model.pos_emb.weight if model.pos_emb is not None else _NONE]
     for block in model.blocks:
         tensors += [*_norm(block.norm1), *_linear(block.attn.qkv), *_linear(block.attn.proj), *_norm(block.norm2),
                     *_linear(block.mlp.fc), *_linear(block.mlp.proj)]  # fmt: skip
+        tensors += [*_norm(block.norm1_post), *_norm(block.norm2_post)]
+        tensors += [_norm(block.attn.q_norm)[0], _norm(block.attn.k_norm)[0]]
     return tensors + [*_norm(model.norm_f), *_linear(model.lm_head)]
 
 
@@ -207,13 +194,43 @@ def _plan(model: GPT) -> torch.ScriptObject:
     settings = [config.n_layer, config.n_embd, config.n_head, config.n_kv_head, config.head_dim, config.ffn_hidden,
                 config.padded_vocab_size, NORMS[config.norm], ACTIVATIONS[config.activation],
                 POSITIONS[config.position], int(dtype == torch.bfloat16)]  # fmt: skip
-    tensors = [t.detach() for t in _read(model)]
+    qk_norm = QK_NORMS[config.qk_norm_scope] if config.qk_norm else 0
+    settings += [NORM_POSITIONS[config.norm_position], int(config.parallel_residual), qk_norm, config.rotary_dim]
+    settings += [config.layer_window(i) or 0 for i in range(config.n_layer)]  # csrc/step.cpp: 0 is full attention
+    tensors = [t.detach() for t in _read(model, gains=True)]
     if not model.__dict__.get("_gptkit_huge_pages"):  # once per model: its weights stream faster from 2 MiB pages
         model.__dict__["_gptkit_huge_pages"] = True
         cpu_kernels.back_with_huge_pages(tensors)
-    plan = torch.classes.gptkit.DecodeStep(settings, [config.norm_eps, config.rope_theta], tensors)
+    tensors += _rope_tables(config)
+    plan = torch.classes.gptkit.DecodeStep(settings, _numbers(config, dtype), tensors)
     _add_adapters(plan, model)
     return plan
+
+
+def _numbers(config: ModelConfig, dtype: torch.dtype) -> list[float]:
+    """The step's numbers in csrc/step.cpp's Number order (a soft-cap of 0: none; an attention scale of 0: the
+    default 1/sqrt(head_dim))."""
+    # The eager model rounds the embedding scale to the weights' dtype first (as Gemma does).
+    embedding_scale = 1.0
+    if config.embedding_scale is not None:
+        embedding_scale = torch.tensor(config.embedding_scale, dtype=dtype).item()
+    attention = [config.attn_scale or 0.0, config.attn_softcap or 0.0]
+    logits = [config.logit_scale, config.logit_softcap or 0.0]
+    return [config.norm_eps, embedding_scale, config.residual_scale, *attention, *logits]
+
+
+def _rope_tables(config: ModelConfig) -> list[Tensor]:
+    """Each layer's RoPE inverse frequencies (n_layer, rotary_dim / 2) and cos/sin factor (n_layer,), fp32, from
+    gptkit.positions; a factor of 0 marks a layer without RoPE."""
+    half = config.rotary_dim // 2
+    freqs, factors = torch.zeros(config.n_layer, half), torch.zeros(config.n_layer)
+    for index in range(config.n_layer):
+        rope = layer_rope(config, index) if config.position == "rope" else None
+        if rope is not None:
+            base, scaling = rope
+            freqs[index] = scaled_frequencies(base, config.rotary_dim, scaling, config.block_size)
+            factors[index] = 1.0 if scaling is None else scaling_attention_factor(scaling, config.block_size)
+    return [freqs, factors]
 
 
 def _add_adapters(plan: torch.ScriptObject, model: GPT) -> None:
@@ -244,8 +261,15 @@ _NONE = torch.empty(0)
 _NO_ADAPTERS = torch.empty(0, dtype=torch.long)
 
 
-def _norm(norm: nn.Module) -> list[Tensor]:
-    return [norm.weight, norm.bias if getattr(norm, "bias", None) is not None else _NONE]
+def _norm_tensors(norm: nn.Module | None, gains: bool) -> list[Tensor]:
+    """A norm's weight (with gains: as it multiplies, an RMSNorm's gain offset added) and shift, _NONE for what it
+    lacks."""
+    if norm is None:
+        return [_NONE, _NONE]
+    gain = norm.weight
+    if gains and isinstance(norm, RMSNorm) and norm.gain_offset:
+        gain = norm.weight.float() + norm.gain_offset  # as RMSNorm computes it: (offset + w) in fp32
+    return [gain, norm.bias if getattr(norm, "bias", None) is not None else _NONE]
 
 
 def _linear(layer: nn.Module) -> list[Tensor]:

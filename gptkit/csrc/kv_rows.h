@@ -1,0 +1,70 @@
+// One layer's keys or values in the KV cache as the fused decode step (step.cpp) reads and writes them: fp32, bf16,
+// or int8 with one fp32 scale per row, head and position (gptkit.kv_cache's layout, quantised as it quantises).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace kvrows {
+
+enum Cache : int64_t { kCacheF32 = 0, kCacheBF16 = 1, kCacheI8 = 2 };
+
+struct CacheView {  // one layer's keys or values: element (b, g, s, i) at data + b * sb + g * sg + s * ss + i
+  void* data;
+  const float* scales;  // int8: (b, g, s) at b * scb + g * scg + s * scs
+  int64_t sb, sg, ss, scb, scg, scs;
+  int64_t slots;  // positions held: max_len, or a windowed layer's ring (position p in slot p mod slots)
+};
+
+inline CacheView view(const at::Tensor& t, const at::Tensor* scales, int64_t cache) {
+  TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "DecodeStep: cache tensors (B, KV, S, head_dim) expected");
+  CacheView v{t.data_ptr(), nullptr, t.stride(0), t.stride(1), t.stride(2), 0, 0, 0, t.size(2)};
+  if (cache == kCacheI8) {
+    TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->dim() == 3, "DecodeStep: fp32 cache scales expected");
+    v.scales = scales->data_ptr<float>();
+    v.scb = scales->stride(0), v.scg = scales->stride(1), v.scs = scales->stride(2);
+  }
+  return v;
+}
+
+// Row (b, g, p) := v (head_dim values), rounded to the cache's type.
+inline void write(const CacheView& c, int64_t cache, int64_t head_dim, int64_t b, int64_t g, int64_t p,
+                  const float* v) {
+  const int64_t at = b * c.sb + g * c.sg + p * c.ss;
+  if (cache == kCacheF32) {
+    std::copy(v, v + head_dim, static_cast<float*>(c.data) + at);
+  } else if (cache == kCacheBF16) {
+    gk::bf16* dst = static_cast<gk::bf16*>(c.data) + at;
+    for (int64_t i = 0; i < head_dim; ++i) dst[i] = gk::float_to_bf16(v[i]);
+  } else {  // as gptkit.kv_cache quantises: scale = max|v| / 127, q = round(v / scale)
+    float amax = 0.0f;
+    for (int64_t i = 0; i < head_dim; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int8_t* dst = static_cast<int8_t*>(c.data) + at;
+    for (int64_t i = 0; i < head_dim; ++i) dst[i] = int8_t(std::nearbyint(v[i] * inv));
+    const_cast<float*>(c.scales)[b * c.scb + g * c.scg + p * c.scs] = scale;
+  }
+}
+
+// Cached row (b, g, s) as fp32: the cache itself when it is fp32, else converted into buffer.
+inline const float* cached(const CacheView& c, int64_t cache, int64_t head_dim, int64_t b, int64_t g, int64_t s,
+                           float* buffer) {
+  const int64_t at = b * c.sb + g * c.sg + s * c.ss;
+  if (cache == kCacheF32) return static_cast<const float*>(c.data) + at;
+  if (cache == kCacheBF16) {
+    const gk::bf16* v = static_cast<const gk::bf16*>(c.data) + at;
+    for (int64_t i = 0; i < head_dim; ++i) buffer[i] = gk::bf16_to_float(v[i]);
+  } else {
+    const int8_t* v = static_cast<const int8_t*>(c.data) + at;
+    const float scale = c.scales[b * c.scb + g * c.scg + s * c.scs];
+    for (int64_t i = 0; i < head_dim; ++i) buffer[i] = float(v[i]) * scale;
+  }
+  return buffer;
+}
+
+}  // namespace kvrows
