@@ -29,6 +29,7 @@ RopeType = Literal["linear", "dynamic", "llama3", "yarn", "longrope"]
 NULLABLE = frozenset(
     {"logit_softcap", "rope_scaling", "rope_local_theta", "sliding_window", "layer_types", "nope_layers"}
     | {"embedding_scale", "attn_scale", "attn_softcap"}
+    | {"n_experts", "moe_ffn_hidden", "moe_shared_hidden", "moe_dense_layers"}  # mixture of experts (issue 55)
 )
 # Scales and bases that must be > 0 where set.
 POSITIVE = ("rope_local_theta", "embedding_scale", "residual_scale", "attn_scale", "attn_softcap", "logit_scale")
@@ -171,6 +172,17 @@ class ModelConfig:
     attn_softcap: float | None = None  # scores -> c * tanh(scores / c) before the mask (Gemma 2)
     logit_scale: float = 1.0  # logits times this before logit_softcap (Granite: 1 / logits_scaling)
     qk_norm_scope: QKNormScope = "head"  # qk_norm over each head's head_dim (Qwen3) or q's and k's whole width (OLMo 2)
+    # Mixture of experts (gptkit issue 55, gptkit.moe): n_experts None keeps every feed-forward dense.
+    n_experts: int | None = None  # E expert MLPs in each MoE layer, a linear router choosing among them
+    n_experts_per_token: int = 2  # k: each token's output sums its top-k experts' outputs, weighted by the router
+    moe_ffn_hidden: int | None = None  # each expert's hidden size (HF's moe_intermediate_size); None: ffn_hidden
+    moe_renormalize: bool = True  # top-k weights divided by their sum (Mixtral, Qwen3-MoE); false: softmax's own
+    moe_shared_hidden: int | None = None  # hidden size of a shared expert every token passes (Qwen2-MoE); None: none
+    moe_shared_gate: bool = False  # the shared expert's output times sigmoid(x w) (Qwen2-MoE)
+    moe_layer_step: int = 1  # layers i with (i + 1) % step == 0 are MoE (Qwen2-MoE's decoder_sparse_step)
+    moe_dense_layers: list[int] | None = None  # layers kept dense (Qwen2-MoE's mlp_only_layers)
+    moe_aux_loss: float = 0.0  # Switch Transformer load-balancing loss coefficient (alpha), added when training
+    moe_z_loss: float = 0.0  # router z-loss coefficient (ST-MoE: mean logsumexp(router logits)^2), when training
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -242,6 +254,7 @@ class ModelConfig:
         if self.n_head % self.n_kv_head:
             raise ConfigError(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
         self._validate_families()
+        self._validate_experts()
         if self.position == "sinusoidal" and self.n_embd % 2:
             raise ConfigError(f"position sinusoidal needs an even n_embd, got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:
@@ -287,6 +300,35 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be > 0, got {value}")
         if self.parallel_residual and self.norm_position == "post":
             raise ConfigError("parallel_residual needs norm_position pre, sandwich or sublayer_post, not post")
+
+    def _validate_experts(self) -> None:
+        """The mixture-of-experts fields: k within E, non-negative loss coefficients, settings that need experts."""
+        if self.n_experts is None:
+            moe_only = ("moe_ffn_hidden", "moe_shared_hidden", "moe_dense_layers")
+            if any(getattr(self, name) is not None for name in moe_only) or self.moe_shared_gate:
+                raise ConfigError("the moe_* settings need n_experts; set n_experts or unset them")
+            return
+        if self.n_experts_per_token > self.n_experts:
+            raise ConfigError(
+                f"n_experts_per_token ({self.n_experts_per_token}) must be at most n_experts ({self.n_experts})"
+            )
+        for name in ("moe_aux_loss", "moe_z_loss"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+        if self.moe_shared_gate and self.moe_shared_hidden is None:
+            raise ConfigError("moe_shared_gate gates a shared expert: set moe_shared_hidden too")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer index's feed-forward is a mixture of experts (Qwen2-MoE's rule: every moe_layer_step-th layer
+        counting from 1, except moe_dense_layers)."""
+        if self.n_experts is None or index in (self.moe_dense_layers or ()):
+            return False
+        return (index + 1) % self.moe_layer_step == 0
+
+    @property
+    def expert_hidden(self) -> int:
+        """Each expert's hidden size: moe_ffn_hidden, or ffn_hidden when unset."""
+        return self.ffn_hidden if self.moe_ffn_hidden is None else self.moe_ffn_hidden
 
     def to_dict(self) -> dict[str, Any]:
         """All fields, with derived defaults resolved, as plain JSON-able values (rope_scaling as HF's dict)."""

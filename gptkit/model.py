@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache, LayerKV
 from gptkit.layers import Linear, RMSNorm, make_norm
 from gptkit.loss import linear_cross_entropy, soft_cap
+from gptkit.moe import MoEFeedForward, auxiliary_loss
 from gptkit.positions import document_positions, rope_tables, sinusoidal_embedding
 
 
@@ -56,6 +57,14 @@ class FeedForward(nn.Module):
         return self.drop(self.proj(h))
 
 
+def feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
+    """Layer layer_index's feed-forward: dense, or a mixture of experts (gptkit.moe) where config.is_moe_layer."""
+    if not config.is_moe_layer(layer_index):
+        return FeedForward(config)
+    hidden = config.moe_shared_hidden
+    return MoEFeedForward(config, FeedForward(replace(config, ffn_hidden=hidden)) if hidden is not None else None)
+
+
 class Block(nn.Module):
     """Attention then feed-forward, each in a residual connection, normalised as norm_position says (SPEC section 1):
     pre x + f(norm(x)); post norm(x + f(x)); sandwich x + norm_post(f(norm(x))); sublayer_post x + norm(f(x)). Each
@@ -66,7 +75,7 @@ class Block(nn.Module):
         self.norm_position, self.parallel = config.norm_position, config.parallel_residual
         self.residual_scale = config.residual_scale
         self.norm1, self.attn = make_norm(config), CausalSelfAttention(config, layer_index)
-        self.norm2, self.mlp = make_norm(config), FeedForward(config)
+        self.norm2, self.mlp = make_norm(config), feed_forward(config, layer_index)
         sandwich = config.norm_position == "sandwich"
         self.norm1_post = make_norm(config) if sandwich else None
         self.norm2_post = make_norm(config) if sandwich else None
@@ -188,7 +197,10 @@ class GPT(nn.Module):
                 raise InputError(f"logits_at must hold one index in [0, {ids.size(1)}) per row of ids, got {logits_at}")
         x = self.hidden(ids, cache, start_pos, trace, document_ids)  # (B, T, d)
         if targets is not None:
-            return self.loss(x, targets)
+            loss = self.loss(x, targets)
+            # A mixture of experts' balance and z losses (gptkit.moe) reach the optimiser with the loss they train.
+            extra = auxiliary_loss(self) if self.training and self.config.n_experts is not None else None
+            return loss if extra is None else loss + extra
         if logits_at is not None:
             x = x[torch.arange(x.size(0), device=x.device), logits_at][:, None]  # (B, 1, d)
         return self.logits(x)  # (B, T, V)
