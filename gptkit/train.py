@@ -42,6 +42,7 @@ from gptkit.errors import ConfigError, GptkitError, StepAbandoned
 from gptkit.finetune.catalogue import check_parts, method_for, objective_for
 from gptkit.finetune.parts import Setup
 from gptkit.model import GPT
+from gptkit.moe import routing_metrics, start_routing_count
 from gptkit.observe.run_log import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, RunLog, read_history
 from gptkit.observe.training import Observer
 from gptkit.stopping import EvaluationStopped, stop_on_signals
@@ -339,7 +340,9 @@ class Trainer:
         try:  # the flag is cleared inside the try: a signal raises EvaluationStopped only where it is caught
             self.cut_short = not self.world.distributed  # a rank cannot leave a collective on its own
             with self.log.evaluating(self.gpt, self.step):
+                start_routing_count(self.gpt)  # a mixture of experts' routing over the evaluation's batches
                 record.update(self.objective.evaluate(self.forward))
+                record.update(routing_metrics(self.gpt))  # {} for a dense model
                 observing = time.perf_counter()
                 record.update(self.observer.measure(self.step, self.log.history))
                 samples = self.observer.take_samples(self.step)
