@@ -27,7 +27,7 @@ from torch import Tensor
 from gptkit import cpu_kernels
 from gptkit.decoding import fused
 from gptkit.decoding.grammar import Grammar
-from gptkit.decoding.prefix_cache import PrefixCache, model_fingerprint, namespace_for
+from gptkit.decoding.prefix_cache import PrefixCache, block_layout, model_fingerprint, namespace_for
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
 from gptkit.decoding.step import (
@@ -162,7 +162,9 @@ class BatchEngine:
     def _prefill(self, row: int, seq: list[int], request: Request) -> Tensor:
         """Fill a row with seq's keys and values, cached blocks copied and the rest computed; logits (V,) at its end."""
         namespace = self.namespace(request.adapter_name) if self.prefix_cache is not None else ""
-        cached = self.prefix_cache.match(namespace, seq) if self.prefix_cache is not None else []
+        cached: list[list[Tensor]] = []
+        if self.prefix_cache is not None:  # a block read from disk must fit this cache (block_layout)
+            cached = self.prefix_cache.match(namespace, seq, block_layout(self.cache))
         for b, block in enumerate(cached):
             self.cache.write_span(row, b * PREFILL_CHUNK, block)
         start = len(cached) * PREFILL_CHUNK

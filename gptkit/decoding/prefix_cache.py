@@ -31,8 +31,10 @@ import torch
 from torch import Tensor
 
 from gptkit import cpu_kernels
-from gptkit.decoding.kv_store import KVStore, chain_name, tensor_bytes
+from gptkit.decoding.kv_dir import chain_name
+from gptkit.decoding.kv_store import BlockLayout, KVStore, tensor_bytes
 from gptkit.decoding.step import PREFILL_CHUNK
+from gptkit.kv_cache import KVCache
 
 FORMAT = "gptkit-prefix-cache-1"  # in every namespace: a change of block layout or hashing starts afresh
 
@@ -87,6 +89,12 @@ def block_names(namespace: str, tokens: Sequence[int], count: int) -> list[bytes
     return names
 
 
+def block_layout(cache: KVCache) -> BlockLayout:
+    """What each block of cache's keys and values is: per tensor, its dtype and (n_kv_head, PREFILL_CHUNK, ...)."""
+    shapes = tuple((t.size(1), PREFILL_CHUNK, *t.shape[3:]) for t in cache.tensors)  # each t: (B, H, T, ...)
+    return BlockLayout(tuple(t.dtype for t in cache.tensors), shapes)
+
+
 @dataclass
 class CacheStats:
     """What the cache has done since the server started."""
@@ -115,9 +123,10 @@ class PrefixCache:
         self.stats = CacheStats()
         self.lock = threading.Lock()
 
-    def match(self, namespace: str, tokens: Sequence[int]) -> list[list[Tensor]]:
+    def match(self, namespace: str, tokens: Sequence[int], layout: BlockLayout | None = None) -> list[list[Tensor]]:
         """The cached blocks that begin tokens, at most those before its last token (whose logits must be
-        computed); each block is one tensor per cache tensor, (n_kv_head, PREFILL_CHUNK, ...)."""
+        computed); each block is one tensor per cache tensor, (n_kv_head, PREFILL_CHUNK, ...). layout: the
+        model's (block_layout), which a block read from disk must have."""
         usable = (len(tokens) - 1) // PREFILL_CHUNK
         found: list[list[Tensor]] = []
         with self.lock:
@@ -126,7 +135,7 @@ class PrefixCache:
             for name in names:
                 block = self.blocks.get(name)
                 if block is None and self.store is not None:
-                    block = self.store.get(namespace, name)
+                    block = self.store.get(namespace, name, layout)
                     if block is not None:
                         self.stats.disk_hits += 1
                         self._keep(name, block)
@@ -134,7 +143,8 @@ class PrefixCache:
                     break
                 found.append(block)
             for name in reversed(names[: len(found)]):  # the chain's head ends most recent: tails leave first
-                self.blocks.move_to_end(name)
+                if name in self.blocks:  # a block read from disk may not fit the RAM budget (0: RAM off)
+                    self.blocks.move_to_end(name)
             self.stats.hits += bool(found)
             self.stats.hit_tokens += len(found) * PREFILL_CHUNK
             self.stats.computed_tokens += len(tokens) - len(found) * PREFILL_CHUNK

@@ -109,6 +109,7 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
 
     _check_options(options)
     kv_dtype = kv_dtype_of(options.kv_cache)  # checked before the (slow) model load
+    cache = prefix_cache(options)  # a --cache-dir the cache cannot own is refused before the load, too
     dtype = getattr(torch, options.dtype)
     model, tokenizer = load(model_dir, device=pick_device(options.device), dtype=dtype)  # float or saved-quantised
     served_name = options.model_name or Path(model_dir).resolve().name
@@ -120,7 +121,7 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     if tokenizer is None:
         raise GptkitError(f"{model_dir} has no tokenizer files; the server needs one to read and write text")
     engine = Engine(model, tokenizer, options.max_batch_size, options.max_queue, options.compile, options.max_context,
-                    kv_dtype, prefix_cache(options))  # fmt: skip
+                    kv_dtype, cache)  # fmt: skip
     if options.compile:
         log.info("compiling the decode step for batches of %s rows", engine.batch.row_buckets())
         log.info("compiled in %.1f s", engine.warm_up())
@@ -224,12 +225,7 @@ def prefix_cache(options: ServeOptions) -> PrefixCache | None:
         raise GptkitError("--cache-ram and --cache-disk must be >= 0 bytes")
     store = None
     if options.cache_dir is not None:
-        try:
-            Path(options.cache_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise GptkitError(f"--cache-dir {options.cache_dir}: cannot make it ({err.strerror or err}); give a "
-                              "writable directory") from None  # fmt: skip
-        store = KVStore(options.cache_dir, options.cache_disk)
+        store = KVStore(options.cache_dir, options.cache_disk)  # made if missing; refused if it holds other files
     if ram == 0 and store is None:
         return None
     log.info("prefix cache: %.1f GiB of RAM%s", ram / (1 << 30),
