@@ -74,7 +74,8 @@ class ServeOptions:
         "parse": parse_size, "metavar": "BYTES"})  # fmt: skip
     cache_dir: str | None = field(default=None, metadata={
         "help": "also keep the prefix cache's blocks in this directory: evicted blocks are read back from it, and a "
-                "restarted server finds them (default: RAM only)", "metavar": "DIR"})  # fmt: skip
+                "restarted server finds them (default: RAM only); a new or empty directory, which the cache then "
+                "owns: one holding other files is refused", "metavar": "DIR"})  # fmt: skip
     cache_disk: int = field(default=DEFAULT_CACHE_DISK, metadata={
         "help": "most bytes --cache-dir may hold (least recently used blocks are removed first)", "parse": parse_size,
         "metavar": "BYTES"})  # fmt: skip
