@@ -195,13 +195,11 @@ def test_zero_bias_of_edited_model_is_kept_when_nonzero(tmp_path) -> None:
         ("gpt1-style", "norm_position"),
         ("mqa-no-position", "position 'none'"),
         ("untied-head-bias", "lm_head_bias"),
-        ("rmsnorm-post-rope", "norm 'layernorm'"),
+        ("rmsnorm-post-rope", "norm_position 'post'"),
     ],
 )
-def test_export_refuses_what_neither_family_computes(name, reason, tmp_path) -> None:
+def test_export_refuses_what_no_family_computes(name, reason, tmp_path) -> None:
     config = dict(VARIANTS[name])
-    if name == "rmsnorm-post-rope":
-        config.update(norm="layernorm", norm_position="pre")  # rope + layernorm: not Llama
     with pytest.raises(GptkitError, match=reason) as err:
         export_hf(GPT(ModelConfig(**config)), tmp_path / "hf")
     assert "\n" not in str(err.value)
@@ -211,7 +209,7 @@ def test_export_refuses_what_neither_family_computes(name, reason, tmp_path) -> 
 @pytest.mark.parametrize(
     "changes, match",
     [
-        (dict(VARIANTS["llama-gqa"], logit_softcap=30.0), "logit_softcap 30.0 cannot be exported: .*Gemma 2"),
+        (dict(VARIANTS["llama-gqa"], logit_softcap=30.0), "logit_softcap 30.0 cannot be exported as llama: .*Gemma 2"),
         (dict(VARIANTS["gpt2"], logit_softcap=30.0), "logit_softcap 30.0 cannot be exported"),
         (dict(VARIANTS["gpt2"], qk_norm=True), "qk_norm cannot be exported as gpt2"),
         (dict(VARIANTS["llama-gqa"], activation="relu2"), "activation 'relu2' cannot be exported as llama"),
@@ -265,22 +263,20 @@ def hf_config_error(tmp_path: Path, name: str, match: str, **changes) -> None:
 @pytest.mark.parametrize(
     "name, changes, match",
     [
-        ("llama-gqa-untied", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
-         "RoPE scaling 'linear'"),
+        ("llama-gqa-untied", dict(rope_parameters={"rope_type": "proportional", "factor": 2.0, "rope_theta": 1e4}),
+         "RoPE scaling 'proportional'"),
         ("llama-gqa-untied", dict(rope_parameters=None, rope_theta=1e4, rope_scaling={"rope_type": "llama3"}),
-         "RoPE scaling 'llama3'"),
+         "rope_scaling.factor is required for rope_type llama3"),
         # Beside a plain rope_parameters: transformers reads rope_scaling first.
-        ("llama-gqa-untied", dict(rope_scaling={"rope_type": "linear", "factor": 4.0}), "RoPE scaling 'linear'"),
+        ("llama-gqa-untied", dict(rope_scaling={"rope_type": "linear", "factor": 4.0, "mrope_section": [2, 2]}),
+         "unknown rope_scaling field 'mrope_section'"),
+        ("llama-gqa-untied", dict(rope_parameters={"rope_type": "default", "factor": 4.0}), "RoPE setting 'factor'"),
         ("llama-gqa-untied", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-        ("llama-gqa-untied", dict(head_dim=32), "head_dim 32"),
         ("llama-gqa-untied", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-        ("mistral", dict(sliding_window=16), "sliding_window 16"),
-        # As long as the context still binds: gptkit runs RoPE models past max_position_embeddings.
-        ("mistral", dict(sliding_window=64), "sliding_window 64.*full causal at any length"),
-        ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0, layer_types=None),
-         "sliding_window 8"),
-        ("qwen2", dict(use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]),
-         "sliding_window 64"),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "chunked_attention"]),
+         "layer type 'chunked_attention'"),
+        ("qwen2", dict(use_sliding_window=False, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
+         "layer_types names sliding layers but no window is set"),
         ("gpt2-tied", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
         ("gpt2-tied", dict(activation_function="quick_gelu"), "activation_function 'quick_gelu'"),
         ("gpt2-tied", dict(architectures=["GPT2DoubleHeadsModel"]), "architecture GPT2DoubleHeadsModel"),

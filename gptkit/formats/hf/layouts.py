@@ -5,9 +5,9 @@ One description of each layout drives import and export alike (see reading.py an
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,8 +29,15 @@ def _qkv_rows(config: ModelConfig) -> tuple[int, ...]:
 
 
 def _gate_up_rows(config: ModelConfig) -> tuple[int, ...]:
-    """Rows of gate and up inside gptkit's fused SwiGLU input projection."""
+    """Rows of gate and up inside gptkit's fused gated input projection (SwiGLU, GeGLU)."""
     return (config.ffn_hidden, config.ffn_hidden)
+
+
+def _per_head_qkv_order(config: ModelConfig) -> Tensor:
+    """For each row of gptkit's [q; k; v], its row in GPT-NeoX's query_key_value, which stacks q, k, v per head."""
+    heads, hd = config.n_head, config.head_dim
+    theirs = torch.arange(3 * heads * hd).view(heads, 3, hd)  # (head, q/k/v, dim): NeoX's row numbers
+    return theirs.transpose(0, 1).reshape(-1)  # (q/k/v, head, dim) flattened: gptkit's row order
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class BlockTensor:
     theirs: tuple[str, ...]  # module paths inside the HF layer; several are stacked row-wise in this order
     transposed: bool = False  # GPT-2's Conv1D stores weights as (in, out)
     rows: Callable[[ModelConfig], tuple[int, ...]] | None = None  # row split when theirs has several modules
+    order: Callable[[ModelConfig], Tensor] | None = None  # HF's row of each of ours, when HF orders rows otherwise
 
 
 @dataclass(frozen=True)
@@ -56,8 +64,8 @@ class Layout:
     final_norm: str
     block: tuple[BlockTensor, ...]
     no_bias: frozenset[str] = frozenset()  # block modules whose bias HF never stores (it is zero)
-    forced: tuple[tuple[str, Any], ...] = ()  # ModelConfig fields the architecture fixes, whatever the config says
     buffers: tuple[str, ...] = ()  # per-layer non-weights older checkpoints carry, safe to skip
+    head: str = "lm_head"  # the untied LM head's name in files (transformers' in-memory models call it lm_head)
 
 
 GPT2 = Layout(
@@ -79,31 +87,90 @@ GPT2 = Layout(
     buffers=("attn.bias", "attn.masked_bias"),  # the causal mask old GPT-2 checkpoints saved as a tensor
 )
 
-_LLAMA_BLOCK = (
-    BlockTensor("norm1", ("input_layernorm",)),
-    BlockTensor("attn.qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), rows=_qkv_rows),
-    BlockTensor("attn.proj", ("self_attn.o_proj",)),
-    BlockTensor("norm2", ("post_attention_layernorm",)),
-    BlockTensor("mlp.fc", ("mlp.gate_proj", "mlp.up_proj"), rows=_gate_up_rows),
-    BlockTensor("mlp.proj", ("mlp.down_proj",)),
+_QKV = BlockTensor("attn.qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), rows=_qkv_rows)
+_O = BlockTensor("attn.proj", ("self_attn.o_proj",))
+_GATE_UP = BlockTensor("mlp.fc", ("mlp.gate_proj", "mlp.up_proj"), rows=_gate_up_rows)
+_DOWN = BlockTensor("mlp.proj", ("mlp.down_proj",))
+_QK_NORMS = (BlockTensor("attn.q_norm", ("self_attn.q_norm",)), BlockTensor("attn.k_norm", ("self_attn.k_norm",)))
+_INPUT_NORM = BlockTensor("norm1", ("input_layernorm",))
+_LLAMA_BLOCK = (_INPUT_NORM, _QKV, _O, BlockTensor("norm2", ("post_attention_layernorm",)), _GATE_UP, _DOWN)
+# Gemma 2 and 3: a norm before and after each sublayer (gptkit's sandwich).
+_GEMMA_BLOCK = (
+    _INPUT_NORM,
+    _QKV,
+    _O,
+    BlockTensor("norm1_post", ("post_attention_layernorm",)),
+    BlockTensor("norm2", ("pre_feedforward_layernorm",)),
+    BlockTensor("norm2_post", ("post_feedforward_layernorm",)),
+    _GATE_UP,
+    _DOWN,
 )
-_LLAMA_LIKE = dict(base="model.", embed="embed_tokens", positions=None, layers="layers", final_norm="norm",
-                   block=_LLAMA_BLOCK, buffers=("self_attn.rotary_emb.inv_freq",))  # fmt: skip
-LLAMA = Layout(architecture="LlamaForCausalLM", model_type="llama", **_LLAMA_LIKE)
-MISTRAL = Layout(architecture="MistralForCausalLM", model_type="mistral",
-                 forced=(("attn_bias", False), ("mlp_bias", False)), **_LLAMA_LIKE)  # fmt: skip
+# OLMo 2: norms on the sublayer outputs only (gptkit's sublayer_post), q/k norms over the whole width.
+_OLMO2_BLOCK = (
+    _QKV,
+    _O,
+    BlockTensor("norm1", ("post_attention_layernorm",)),
+    BlockTensor("norm2", ("post_feedforward_layernorm",)),
+    _GATE_UP,
+    _DOWN,
+    *_QK_NORMS,
+)
+# Phi-3: q, k, v in one projection and gate, up in another, in gptkit's own row order.
+_PHI3_BLOCK = (
+    _INPUT_NORM,
+    BlockTensor("attn.qkv", ("self_attn.qkv_proj",)),
+    _O,
+    BlockTensor("norm2", ("post_attention_layernorm",)),
+    BlockTensor("mlp.fc", ("mlp.gate_up_proj",)),
+    _DOWN,
+)
+_NEOX_BLOCK = (
+    _INPUT_NORM,
+    BlockTensor("attn.qkv", ("attention.query_key_value",), order=_per_head_qkv_order),
+    BlockTensor("attn.proj", ("attention.dense",)),
+    BlockTensor("norm2", ("post_attention_layernorm",)),
+    BlockTensor("mlp.fc", ("mlp.dense_h_to_4h",)),
+    BlockTensor("mlp.proj", ("mlp.dense_4h_to_h",)),
+)
+_ROTARY_BUFFER = ("self_attn.rotary_emb.inv_freq",)  # saved by transformers before 4.36
+
+
+def _llama_like(architecture: str, model_type: str, block: tuple[BlockTensor, ...] = _LLAMA_BLOCK) -> Layout:
+    """A layout with Llama's names outside the blocks (model.embed_tokens, model.layers, model.norm, lm_head)."""
+    return Layout(
+        architecture, model_type, "model.", "embed_tokens", None, "layers", "norm", block, buffers=_ROTARY_BUFFER
+    )
+
+
+LLAMA = _llama_like("LlamaForCausalLM", "llama")
+MISTRAL = _llama_like("MistralForCausalLM", "mistral")
 # Qwen2 has biases on q, k, v but none on the output projection: gptkit holds that one as zeros.
-QWEN2 = Layout(architecture="Qwen2ForCausalLM", model_type="qwen2", no_bias=frozenset({"attn.proj"}),
-               forced=(("attn_bias", True), ("mlp_bias", False)), **_LLAMA_LIKE)  # fmt: skip
+QWEN2 = dataclasses.replace(_llama_like("Qwen2ForCausalLM", "qwen2"), no_bias=frozenset({"attn.proj"}))
+# Qwen3: an RMSNorm over head_dim on each head's q and k before RoPE (gptkit's qk_norm).
+QWEN3 = _llama_like("Qwen3ForCausalLM", "qwen3", _LLAMA_BLOCK + _QK_NORMS)
+GEMMA2 = _llama_like("Gemma2ForCausalLM", "gemma2", _GEMMA_BLOCK)
+GEMMA3 = _llama_like("Gemma3ForCausalLM", "gemma3_text", _GEMMA_BLOCK + _QK_NORMS)
+PHI3 = _llama_like("Phi3ForCausalLM", "phi3", _PHI3_BLOCK)
+SMOLLM3 = _llama_like("SmolLM3ForCausalLM", "smollm3")
+OLMO2 = _llama_like("Olmo2ForCausalLM", "olmo2", _OLMO2_BLOCK)
+GRANITE = _llama_like("GraniteForCausalLM", "granite")
+GPT_NEOX = Layout(
+    "GPTNeoXForCausalLM",
+    "gpt_neox",
+    "gpt_neox.",
+    "embed_in",
+    None,
+    "layers",
+    "final_layer_norm",
+    _NEOX_BLOCK,
+    buffers=("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq"),
+    head="embed_out",  # transformers 5 still writes GPT-NeoX's head under its original name
+)
 
-# Qwen3: Llama's layout, biases on all four attention projections or none, and an RMSNorm over head_dim on each
-# head's q and k before RoPE (gptkit's qk_norm).
-_QWEN3_BLOCK = _LLAMA_BLOCK + (BlockTensor("attn.q_norm", ("self_attn.q_norm",)),
-                               BlockTensor("attn.k_norm", ("self_attn.k_norm",)))  # fmt: skip
-QWEN3 = Layout(architecture="Qwen3ForCausalLM", model_type="qwen3", forced=(("mlp_bias", False), ("qk_norm", True)),
-               **dict(_LLAMA_LIKE, block=_QWEN3_BLOCK))  # fmt: skip
-
-LAYOUTS = {layout.architecture: layout for layout in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)}
+LAYOUTS = {
+    layout.architecture: layout
+    for layout in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2, GPT_NEOX, GRANITE)
+}
 
 
 @dataclass(frozen=True)
@@ -115,6 +182,7 @@ class Rule:
     theirs: tuple[str, ...]  # empty: HF stores nothing, the tensor is zero
     their_shapes: tuple[tuple[int, ...], ...]
     transposed: bool
+    order: Tensor | None = None  # HF's row of each of gptkit's rows, when HF orders them otherwise
 
 
 def weight_rules(config: ModelConfig, layout: Layout, base: str | None = None) -> list[Rule]:
@@ -128,7 +196,7 @@ def weight_rules(config: ModelConfig, layout: Layout, base: str | None = None) -
     for i in range(config.n_layer):
         layer = f"{base}{layout.layers}.{i}."
         modules += [(f"blocks.{i}.{b.ours}", tuple(layer + t for t in b.theirs), b) for b in layout.block]
-    modules += [("norm_f", (base + layout.final_norm,), None), ("lm_head", ("lm_head",), None)]
+    modules += [("norm_f", (base + layout.final_norm,), None), ("lm_head", (layout.head,), None)]
     rules = []
     for module, theirs, spec in modules:
         for param in ("weight", "bias"):
@@ -144,18 +212,19 @@ def weight_rules(config: ModelConfig, layout: Layout, base: str | None = None) -
                 continue
             rows = spec.rows(config) if spec is not None and spec.rows is not None else (stored[0],)
             their_shapes = tuple((r, *stored[1:]) for r in rows)
-            rules.append(Rule(ours, shape, tuple(f"{t}.{param}" for t in theirs), their_shapes, transposed))
+            order = spec.order(config) if spec is not None and spec.order is not None else None
+            rules.append(Rule(ours, shape, tuple(f"{t}.{param}" for t in theirs), their_shapes, transposed, order))
     return rules
 
 
 def ignorable_names(config: ModelConfig, layout: Layout, base: str) -> set[str]:
     """HF tensors an import may skip: per-layer buffers of older checkpoints, the second name of a tied head.
 
-    A tied config's lm_head.weight is only skipped when it equals the embedding (see untied_if_head_differs).
+    A tied config's head is only skipped when it equals the embedding (see untied_if_head_differs).
     """
     names = {f"{base}{layout.layers}.{i}.{b}" for i in range(config.n_layer) for b in layout.buffers}
     if config.tie_embeddings:
-        names.add("lm_head.weight")
+        names.add(f"{layout.head}.weight")
     return names
 
 
@@ -174,6 +243,8 @@ def import_tensor(rule: Rule, get: Callable[[str], Tensor], source: str) -> Tens
             raise ConversionError(f"{source}: tensor {name!r} has shape {found}, the config needs {shape}")
         parts.append(tensor)
     tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if rule.order is not None:
+        tensor = tensor[rule.order]
     return tensor.t().contiguous() if rule.transposed else tensor
 
 
@@ -185,6 +256,8 @@ def export_tensor(rule: Rule, tensor: Tensor) -> dict[str, Tensor]:
         return {}
     if rule.transposed:
         tensor = tensor.t()
+    if rule.order is not None:
+        tensor = tensor[torch.argsort(rule.order)]
     parts = tensor.split([shape[0] for shape in rule.their_shapes]) if len(rule.theirs) > 1 else (tensor,)
     return dict(zip(rule.theirs, parts))
 

@@ -157,16 +157,17 @@ def untied_if_head_differs(
     source: str,
     dtype: torch.dtype | None = None,
 ) -> ModelConfig:
-    """config, untied when it ties the head but the file holds an lm_head.weight that is not the embedding."""
+    """config, untied when it ties the head but the file holds a head weight that is not the embedding."""
     embed = _base_prefix(layout, set(loaders)) + layout.embed + ".weight"
-    if not config.tie_embeddings or "lm_head.weight" not in loaders or embed not in loaders:
+    head_name = f"{layout.head}.weight"
+    if not config.tie_embeddings or head_name not in loaders or embed not in loaders:
         return config
-    head, embedding = loaders["lm_head.weight"](), loaders[embed]()
+    head, embedding = loaders[head_name](), loaders[embed]()
     dtype = embedding.dtype if dtype is None else dtype  # compared as imported, like transformers after loading
     if head.shape == embedding.shape and torch.equal(head.to(dtype), embedding.to(dtype)):
         return config
     # transformers then keeps both tensors (with a warning): the model computes with the file's head.
-    log.warning("%s: lm_head.weight differs from the embedding although the config ties them; keeping both", source)
+    log.warning("%s: %s differs from the embedding although the config ties them; keeping both", source, head_name)
     return dataclasses.replace(config, tie_embeddings=False)
 
 
@@ -180,6 +181,10 @@ def model_from_hf_state(
 ) -> GPT:
     """The GPT equal to an HF model given as its config dict and its tensors (lazily loaded)."""
     layout = detect_layout(hf, source, class_name)
+    head = f"{layout.head}.weight"
+    if head != "lm_head.weight" and head not in loaders and "lm_head.weight" in loaders:
+        # transformers' in-memory models (and files saved from them by hand) name every head lm_head.
+        loaders = {head if name == "lm_head.weight" else name: load for name, load in loaders.items()}
     derived = untied_if_head_differs(config_from_hf(hf, layout, source), layout, loaders, source, dtype)
     state = state_from_hf(derived, layout, loaders, source, dtype, device)
     config = config_with_hint(derived, hf)

@@ -20,12 +20,15 @@ from gptkit.tensors import CONFIG_FILE, WEIGHTS_FILE, save_tensors
 from gptkit.weights import model_state, real_vocab_state
 
 
-def hf_checkpoint(model: GPT, tokenizer: Any | None = None) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The HF config.json dict and state dict equal to model, or a ConversionError saying why none is."""
+def hf_checkpoint(
+    model: GPT, tokenizer: Any | None = None, family: str | None = None
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The HF config.json dict and state dict equal to model, as family (a model_type such as "mistral"; by default
+    the one the model's settings call for), or a ConversionError saying why none is."""
     module = getattr(model, "_orig_mod", model)
     config: ModelConfig = module.config
     eos_ids = list(tokenizer.eos_ids) if tokenizer is not None else []
-    hf = hf_config_from_gptkit(config, eos_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids or None)
+    hf = hf_config_from_gptkit(config, eos_ids[0] if len(eos_ids) == 1 else eos_ids or None, family)
     layout = LAYOUTS[hf["architectures"][0]]
     target = config_from_hf(hf, layout, "export")  # the config HF's model will have (e.g. with zero biases)
     state = with_biases(real_vocab_state(model_state(module), config), config, target)  # a padded head's rows cut
@@ -43,7 +46,13 @@ CLASSIFIER_ARCHITECTURES = {"GPT2LMHeadModel": "GPT2ForSequenceClassification",
                             "LlamaForCausalLM": "LlamaForSequenceClassification",
                             "MistralForCausalLM": "MistralForSequenceClassification",
                             "Qwen2ForCausalLM": "Qwen2ForSequenceClassification",
-                            "Qwen3ForCausalLM": "Qwen3ForSequenceClassification"}  # fmt: skip
+                            "Qwen3ForCausalLM": "Qwen3ForSequenceClassification",
+                            "Gemma2ForCausalLM": "Gemma2ForSequenceClassification",
+                            "Gemma3ForCausalLM": "Gemma3TextForSequenceClassification",
+                            "Phi3ForCausalLM": "Phi3ForSequenceClassification",
+                            "SmolLM3ForCausalLM": "SmolLM3ForSequenceClassification",
+                            "Olmo2ForCausalLM": "Olmo2ForSequenceClassification",
+                            "GPTNeoXForCausalLM": "GPTNeoXForSequenceClassification"}  # fmt: skip
 
 
 def hf_classifier_checkpoint(hf: dict[str, Any], hf_state: dict[str, Tensor], labels: list[str], score: Tensor,
@@ -53,10 +62,11 @@ def hf_classifier_checkpoint(hf: dict[str, Any], hf_state: dict[str, Tensor], la
     architecture = CLASSIFIER_ARCHITECTURES.get(hf["architectures"][0])
     if architecture is None:
         raise ConversionError(f"transformers has no sequence classifier for {hf['architectures'][0]} here")
+    head = f"{LAYOUTS[hf['architectures'][0]].head}.weight"
     hf = dict(hf, architectures=[architecture], id2label=dict(enumerate(labels)),
               label2id={label: i for i, label in enumerate(labels)}, pad_token_id=pad_id,
               problem_type="single_label_classification")  # fmt: skip
-    state = {name: tensor for name, tensor in hf_state.items() if name != "lm_head.weight"}
+    state = {name: tensor for name, tensor in hf_state.items() if name != head}
     state["score.weight"] = score.detach().to(next(iter(hf_state.values())).dtype)
     return hf, state
 
@@ -70,17 +80,23 @@ def hf_block_modules(config: ModelConfig) -> tuple[dict[str, list[tuple[str, int
     for i in range(config.n_layer):
         layer = f"{layout.base}{layout.layers}.{i}."
         for spec in layout.block:
+            if spec.order is not None:
+                why = f"{layout.model_type} orders the rows of {spec.theirs[0]} per head, which adapters cannot cut"
+                raise ConversionError(f"{spec.ours} cannot be mapped to Hugging Face modules: {why}")
             rows = spec.rows(config) if spec.rows is not None else (None,)
             modules[f"blocks.{i}.{spec.ours}"] = [(layer + their, r) for their, r in zip(spec.theirs, rows)]
     return modules, any(spec.transposed for spec in layout.block)
 
 
-def hf_model_from_gpt(model: GPT) -> Any:
-    """An in-memory transformers model (GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM) computing what model
-    does."""
+def hf_model_from_gpt(model: GPT, family: str | None = None) -> Any:
+    """An in-memory transformers model (GPT2LMHeadModel, LlamaForCausalLM, ... as hf_checkpoint chooses) computing
+    what model does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf, hf_state = hf_checkpoint(model)
+    hf, hf_state = hf_checkpoint(model, family=family)
+    head = f"{LAYOUTS[hf['architectures'][0]].head}.weight"
+    if head in hf_state:  # the in-memory model names every head lm_head
+        hf_state = {"lm_head.weight" if name == head else name: tensor for name, tensor in hf_state.items()}
     fields = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "dtype", "torch_dtype")}
     hf_config = AutoConfig.for_model(hf["model_type"], **fields)
     hf_config.architectures = hf["architectures"]
@@ -101,6 +117,7 @@ def export_hf(
     tokenizer: Any | None = None,
     tokenizer_config: dict[str, Any] | None = None,
     head: tuple[list[str], Tensor] | None = None,
+    family: str | None = None,
 ) -> Path:
     """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) equal to the model.
 
@@ -111,7 +128,7 @@ def export_hf(
     """
     if isinstance(model, (str, Path)):
         raise ConfigError(f"export_hf takes a GPT; export the directory {model} with gptkit.export_hf")
-    hf, hf_state = hf_checkpoint(model, tokenizer)
+    hf, hf_state = hf_checkpoint(model, tokenizer, family)
     if head is not None:
         pad_id = tokenizer.eos_id if tokenizer is not None else None
         hf, hf_state = hf_classifier_checkpoint(hf, hf_state, head[0], head[1], pad_id)
