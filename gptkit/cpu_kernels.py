@@ -12,8 +12,9 @@ decided by timing them against PyTorch on this machine, once, and kept in a smal
 library: a CPU flag says what can run, never what is faster. The same measurement decides whether bf16 inference
 over many rows (prefill, eval) runs in fp32, which is faster where bf16 matmul has no hardware behind it.
 
-A choice timed while other programs kept more than a quarter of a core busy is not kept (it holds for that
-process, and the next one times it again: kernel_cache.measure_quietly); delete choices.json to measure again.
+A choice timed while other programs kept more than a quarter of a core busy is kept all the same, with a log
+line (kernel_cache.timed_choice): a busy machine does not time it again at every start; delete choices.json to
+measure again.
 Overrides: GPTKIT_CPU_KERNELS=0 keeps PyTorch's products (the kernels are not even built), =1 uses the kernels
 without measuring; GPTKIT_BF16_UPCAST=1 or 0 forces the many-row bf16 choice. Everything runs on CPU inference
 only (autograd off); training, CUDA and MPS keep PyTorch's products.
@@ -325,15 +326,14 @@ def measured(name: str, measure: Callable[[], bool]) -> bool:
 
 
 def _record(name: str, measure: Callable[[], bool]) -> bool:
-    """Run measure() and keep its answer in choices.json under this machine's key (where measured quietly)."""
+    """Run measure() and keep its answer in choices.json under this machine's key."""
     path = build_directory() / CHOICES_FILE
     saved = kernel_cache.saved_choices(path)
     entry = saved.setdefault(_machine_key(), {})
     if name not in entry:
         log.info("timing gptkit's %s against PyTorch on this machine (once)", name.replace("_", " "))
-        entry[name], quiet = kernel_cache.measure_quietly(name.replace("_", " "), lambda: bool(measure()))
-        if quiet:
-            kernel_cache.keep_choices(path, saved)
+        entry[name] = kernel_cache.timed_choice(name.replace("_", " "), lambda: bool(measure()))
+        kernel_cache.keep_choices(path, saved)
     return entry[name]
 
 
@@ -349,10 +349,9 @@ def _decide() -> dict[str, bool]:
     saved = kernel_cache.saved_choices(path)
     if not MEASURED <= saved.get(key, {}).keys():
         log.info("timing gptkit's CPU kernels against PyTorch's products on this machine (once)")
-        measured, quiet = kernel_cache.measure_quietly("its CPU kernels", _measure)
+        measured = kernel_cache.timed_choice("its CPU kernels", _measure)
         saved[key] = {**saved.get(key, {}), **measured}
-        if quiet:
-            kernel_cache.keep_choices(path, saved)
+        kernel_cache.keep_choices(path, saved)
     chosen = dict(saved[key])
     if upcast in ("0", "1"):
         chosen["bf16_upcast"] = upcast == "1"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import time
 
 import torch
@@ -67,16 +68,24 @@ def autocast_for(device: torch.device, dtype: str) -> contextlib.AbstractContext
     return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
-# On CPU, MFU is measured against this CPU's own matmul (CPUs differ too much for one table of peaks): the best of
-# a few square products of up to this size, about 0.1 s at start. The 2-core reference machine gives fp32 260 GFLOP/s
-# and bf16 135 (PyTorch 2.13 without AMX); a fixed 146 / 349 used before overstated fp32 MFU about twice. A GPU of
-# gptkit.devices.GPU_PEAK_FLOPS is measured against its datasheet; other devices show MFU only when train.peak_flops
-# is set.
+# On CPU, MFU is measured against this CPU's own matmul (CPUs differ too much for one table of peaks): the best rate
+# over square products of doubling sizes up to this one, about 0.1 s at start. The 2-core reference machine gives
+# fp32 260 GFLOP/s and bf16 135 (PyTorch 2.13 without AMX); a fixed 146 / 349 used before overstated fp32 MFU about
+# twice. A GPU of gptkit.devices.GPU_PEAK_FLOPS is measured against its datasheet; other devices show MFU only when
+# train.peak_flops is set.
 PEAK_MATMUL_SIZE = 1024
-# A product grows (doubling its side) only while the next would take at most this long: where a dtype has no
-# hardware behind it (bf16 on an AVX2-only CPU: about 1 GFLOP/s) a 1,024-wide product takes 2 s, and the
-# measurement, 25 s at every training start; it stays at 256 there and takes half a second.
+# A product grows (doubling its side) while the next would take at most this long: where a dtype has no hardware
+# behind it (bf16 on an AVX2-only CPU: about 1 GFLOP/s) a 1,024-wide product takes 2 s, and the measurement, 25 s
+# at every training start; it stays at 256 there and takes half a second.
 PEAK_MATMUL_SECONDS = 0.05
+# It also grows while its time does not follow its work: a product twice as wide takes 8 times as long where time
+# is the work's, but about as long where it is waiting (two threads of a loaded 2-core machine: each product from
+# 64 to 512 wide took 60 ms, waiting at OpenMP's barriers for the other thread to be scheduled), so that waiting
+# does not pass for a slow CPU. Each size is timed PEAK_REPEATS times and its best kept: one slow timing stopped
+# the growth at 128 x 128 on a busy machine, and the peak, a tenth of the 1,024-wide rate, showed MFU of 5196%.
+PEAK_FIRST_SIZE = 64
+PEAK_WAITING_GROWTH = 2.0  # a doubling whose time less than doubled (8x where it is the work's) was waiting
+PEAK_REPEATS = 5
 
 
 def peak_flops(device: torch.device, dtype: str, override: float | None) -> float | None:
@@ -89,30 +98,36 @@ def peak_flops(device: torch.device, dtype: str, override: float | None) -> floa
     return gpu_peak_flops(device, getattr(torch, dtype))
 
 
+def mfu(achieved_flops: float, peak: float) -> float:
+    """Model FLOPs utilisation, at most 1: a rate past the peak means the peak was measured too low (another program
+    slowed every timing), and 100% says that better than 5000%."""
+    return min(1.0, achieved_flops / peak)
+
+
 def measured_cpu_matmul_flops(dtype: torch.dtype) -> float:
-    """This CPU's dense matmul FLOP/s in dtype at the current thread count: the best of a few square products, as
-    wide as PEAK_MATMUL_SIZE where that stays quick (PEAK_MATMUL_SECONDS); measured once per process and count."""
+    """This CPU's dense matmul FLOP/s in dtype at the current thread count: the best rate over square products of
+    doubling width, up to PEAK_MATMUL_SIZE where that stays quick (PEAK_MATMUL_SECONDS), each the best of
+    PEAK_REPEATS timings; measured once per process and count."""
     return _cpu_matmul_flops(dtype, torch.get_num_threads())
 
 
 @functools.cache
-def _cpu_matmul_flops(dtype: torch.dtype, threads: int, repeats: int = 10) -> float:
+def _cpu_matmul_flops(dtype: torch.dtype, threads: int) -> float:
     own = torch.Generator().manual_seed(0)  # the global RNG stays untouched: resumed runs replay it exactly
-    n = 128
+    n, rate, previous = PEAK_FIRST_SIZE, 0.0, math.inf
     while True:
         a, b = torch.randn(n, n, generator=own).to(dtype), torch.randn(n, n, generator=own).to(dtype)
         a @ b  # first-call set-up (thread pool, packing buffers) is not the rate
-        start = time.perf_counter()
-        a @ b
-        best = time.perf_counter() - start
-        if n >= PEAK_MATMUL_SIZE or 8 * best > PEAK_MATMUL_SECONDS:  # twice as wide takes 8 times as long
-            break
-        n *= 2
-    for _ in range(repeats - 1):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+        best = math.inf
+        for _ in range(PEAK_REPEATS):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+        rate = max(rate, 2 * n**3 / best)
+        waiting = best < PEAK_WAITING_GROWTH * previous
+        if n >= PEAK_MATMUL_SIZE or (8 * best > PEAK_MATMUL_SECONDS and not waiting):
+            return rate
+        n, previous = 2 * n, best
 
 
 def gpu_recipe_on_cpu(requested: str, device: torch.device, dtype: str, compiled: bool, total_flops: float,

@@ -151,44 +151,60 @@ def saved_choices(path: Path) -> dict[str, dict[str, bool]]:
     return saved
 
 
-# Other programs using more than this many cores while a choice is measured make it a guess, not kept: contention
-# slows the kernels' many-barrier OpenMP regions far more than PyTorch's products (a fused-step choice measured
-# beside another job chose the eager step, which then stayed on a quiet machine, 1.5x slower at 4 rows).
+# Other programs using more than this many cores while a choice is timed make it a guess under contention, which
+# slows the kernels' many-barrier OpenMP regions far more than PyTorch's products (a fused-step choice timed beside
+# another job chose the eager step, 1.5x slower at 4 rows on a quiet machine). It is kept all the same, with a log
+# line saying so: timing again at every start on a busy machine cost each `gptkit serve` 40 s before it was ready,
+# and a busy machine gives no better answer the next time. Deleting choices.json times everything again.
 BUSY_CORES = 0.25
 QUIET_WINDOW_S = 0.2  # how long the check watches, this process asleep (/proc/stat counts 100 ticks a second)
+PROC_STAT = Path("/proc/stat")
 
 
 def others_busy(window: float = QUIET_WINDOW_S) -> float | None:
     """Cores' worth of CPU time that other processes used over `window` seconds (from /proc/stat, less this
     process's own); None where /proc/stat cannot be read (not Linux)."""
-
-    def ticks() -> tuple[int, int] | None:
-        try:
-            values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        except (OSError, ValueError):
-            return None
-        idle = values[3] + values[4]  # idle and waiting for I/O; the rest is busy (guest time is within user)
-        return sum(values) - idle, sum(values)
-
-    start, own_start = ticks(), sum(os.times()[:2])
+    start, own_start = busy_ticks(), sum(os.times()[:2])
     time.sleep(window)
-    end, own_end = ticks(), sum(os.times()[:2])
-    if start is None or end is None or end[1] == start[1]:
+    end, own_end = busy_ticks(), sum(os.times()[:2])
+    if start is None or end is None:
         return None
-    cores = (end[0] - start[0]) / (end[1] - start[1]) * (os.cpu_count() or 1)
-    return max(0.0, cores - (own_end - own_start) / window)
+    return others_cores(start, end, (own_end - own_start) / window, os.cpu_count() or 1)
 
 
-def measure_quietly(what: str, measure: Callable[[], T]) -> tuple[T, bool]:
-    """measure()'s answer, and whether it may be kept: no other program was busy (BUSY_CORES) just before or just
-    after it. One that may not holds for this process only; the next measures again (said in a log line)."""
+def others_cores(start: tuple[int, int], end: tuple[int, int], own_cores: float, cores: int) -> float | None:
+    """Cores' worth of CPU that others used between two readings of (busy ticks, all ticks) of a machine with
+    `cores` cores, over which this process used own_cores; None where no tick passed."""
+    if end[1] == start[1]:
+        return None
+    busy = (end[0] - start[0]) / (end[1] - start[1]) * cores
+    return max(0.0, busy - own_cores)
+
+
+def busy_ticks() -> tuple[int, int] | None:
+    """(busy, all) ticks of every core since boot, from the first line of /proc/stat; None where it cannot be read."""
+    try:
+        values = [int(v) for v in PROC_STAT.read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    idle = values[3] + values[4]  # idle and waiting for I/O; the rest is busy (guest time is within user)
+    return sum(values) - idle, sum(values)
+
+
+def timed_choice(what: str, measure: Callable[[], T]) -> T:
+    """measure()'s answer, with one log line where other programs were busy (BUSY_CORES) just before or after it:
+    the answer is kept all the same (see BUSY_CORES)."""
     before = others_busy()
     answer = measure()
     busy = max(before or 0.0, others_busy() or 0.0)
     if busy > BUSY_CORES:
-        log.info("other programs used %.1f cores while gptkit timed %s: the choice holds for this process only and "
-                 "is timed again next time", busy, what)  # fmt: skip
-    return answer, busy <= BUSY_CORES
+        log.info(
+            "other programs used %.1f cores while gptkit timed %s: the choice is kept all the same (delete "
+            "choices.json in the kernel cache to time it again on a quieter machine)",
+            busy,
+            what,
+        )
+    return answer
 
 
 def keep_choices(path: Path, saved: dict[str, dict[str, bool]]) -> None:

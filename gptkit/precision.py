@@ -1,93 +1,112 @@
-"""A run's training precision: train.dtype auto made concrete, and where attention runs under a CPU's bf16."""
+"""A run's training precision: train.dtype auto made concrete, and where attention runs under a CPU's bf16.
+
+Both choices change a run's numbers from its first step, so neither depends on a timing: one taken while other
+programs load the machine chose bf16 for one run and float32 for the same command minutes later. They follow
+from what the hardware has (a CPU's bf16 instructions, a GPU's bf16 support) and the run's shape, so that one
+command on one machine gives one run; a checkpoint keeps them (a resume replays them), and config.yaml and
+`gptkit info` of a checkpoint say what was chosen and why.
+"""
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from gptkit.devices import measured_cpu_matmul_flops
+from gptkit.cpu_kernels import cpu_flags
 from gptkit.distributed import World, any_rank
 from gptkit.plan import TRAIN_DTYPES
 
-# train.dtype auto trains in bfloat16 on a CPU whose bf16 products measure at least this many times its fp32 ones.
-# The casts autocast adds and bf16's slower elementwise kernels eat part of the gain: on the CPU record's step
-# (configs/shakespeare-char-cpu-muon.yaml, 2-core AVX512-BF16 EPYC, bf16 products 2.1x fp32) the products went from
-# 11.8 to 6.1 ms and the casts and GELU's backward added 1.9 ms, so bf16 pays from about 1.3x; 1.5 leaves a margin.
-CPU_BF16_MIN_SPEEDUP = 1.5
+# The /proc/cpuinfo flags of x86 CPUs with bf16 matmul instructions that PyTorch's CPU matmul (oneDNN) uses: AMX
+# (Sapphire Rapids on) and AVX512-BF16 (Cooper Lake, Zen 4 on). On the CPU record's 2-core AVX512-BF16 EPYC bf16
+# products measured 2.1x fp32 and the record's step trained 1.3x faster in bf16 after autocast's casts
+# (configs/shakespeare-char-cpu-muon.yaml); without them bf16 is emulated, about 1 GFLOP/s on an AVX2-only CPU.
+BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")
+# Under a CPU's bf16 autocast, attention runs in fp32 up to this context. PyTorch 2.13's CPU flash-attention
+# backward in bf16 is slow at short contexts: on a 2-core AVX512-BF16 EPYC, 5.1 ms against 1.9 in fp32 at 12 x 4
+# heads x 64 x 32, but 203 against 246 ms at 4 x 12 x 1024 x 64. The crossing lies between the two measured
+# contexts; 256 is their geometric middle (not measured itself).
+FP32_ATTENTION_MAX_CONTEXT = 256
 
 
 @dataclass(frozen=True)
 class Precision:
-    """How a run trains: dtype (autocast's, or float32) and whether attention runs in fp32 under it."""
+    """How a run trains: dtype (autocast's, or float32), whether attention runs in fp32 under it, and why."""
 
     dtype: str
     fp32_attention: bool = False
+    reason: str = ""
 
     def state(self, device: torch.device) -> dict[str, Any]:
         """What a checkpoint keeps, so that a resumed run trains alike (choose_precision's saved)."""
-        return {"device": device.type, "dtype": self.dtype, "fp32_attention": self.fp32_attention}
+        return {
+            "device": device.type,
+            "dtype": self.dtype,
+            "fp32_attention": self.fp32_attention,
+            "reason": self.reason,
+        }
+
+    def describe(self) -> str:
+        """One line for config.yaml and `gptkit info`: the dtype, attention's, and why."""
+        attention = ", attention in float32" if self.fp32_attention else ""
+        return f"{self.dtype}{attention}" + (f" ({self.reason})" if self.reason else "")
 
 
 def choose_precision(requested: str, device: torch.device, world: World, attention_shape: tuple[int, int, int, int],
                      saved: Any = None) -> Precision:  # fmt: skip
     """The precision of a run asked for requested (train.dtype): auto made training_dtype's choice, and under a
-    CPU's bf16 attention in fp32 where that measures faster at attention_shape (batch, heads, block, head_dim). Each
-    measurement is taken alike on every rank (any_rank: every rank must call this); saved, a checkpoint's
-    Precision.state on the same kind of device, is kept instead, so that a resumed run replays exactly."""
+    CPU's bf16 attention in fp32 at contexts up to FP32_ATTENTION_MAX_CONTEXT (attention_shape: batch, heads,
+    block, head_dim). saved, a checkpoint's Precision.state on the same kind of device, is kept instead, so that a
+    resumed run replays exactly. Every rank must call this (any_rank): ranks on unlike machines agree."""
     saved = saved if isinstance(saved, dict) and saved.get("device") == device.type else {}
-    dtype = requested
+    kept = saved.get("reason") if isinstance(saved.get("reason"), str) else "chosen by the run"
+    dtype, reasons = requested, []
     if requested == "auto" and saved.get("dtype") in TRAIN_DTYPES:
         dtype = saved["dtype"]
+        reasons.append(f"train.dtype auto, kept from the checkpoint: {kept}")
     elif requested == "auto":
-        dtype = training_dtype("auto", device)
-        if device.type == "cpu":  # a measurement: every rank takes bf16 if any measured it faster
+        dtype, why = training_dtype_and_reason(device)
+        if device.type == "cpu":  # every rank takes bf16 if any has it
             dtype = "bfloat16" if any_rank(world, dtype == "bfloat16", device) else "float32"
+        reasons.append(f"train.dtype auto: {why}")
     if device.type != "cpu" or dtype != "bfloat16":
-        return Precision(dtype)
+        return Precision(dtype, reason="; ".join(reasons))
     if saved.get("dtype") == "bfloat16" and isinstance(saved.get("fp32_attention"), bool):
-        return Precision(dtype, saved["fp32_attention"])
-    return Precision(dtype, any_rank(world, attention_faster_in_fp32(*attention_shape), device))
-
+        if not reasons:
+            reasons.append(f"kept from the checkpoint: {kept}")
+        return Precision(dtype, saved["fp32_attention"], "; ".join(reasons))
+    block = attention_shape[2]
+    fp32 = any_rank(world, attention_in_fp32(block), device)
+    side = "<=" if fp32 else ">"
+    reasons.append(
+        f"attention in {'float32' if fp32 else 'bfloat16'}: context {block} {side} {FP32_ATTENTION_MAX_CONTEXT}"
+    )
+    return Precision(dtype, fp32, "; ".join(reasons))
 
 
 def training_dtype(requested: str, device: torch.device) -> str:
-    """The dtype a run trains in: the requested one, or for auto the fastest that trains alike: bfloat16 on a GPU
-    that has it (float16, with its scaler, on an older one), on a CPU whose bf16 products are CPU_BF16_MIN_SPEEDUP
-    times its fp32 ones (measured here), else float32."""
-    if requested != "auto":
-        return requested
+    """The dtype a run trains in: the requested one, or for auto training_dtype_and_reason's."""
+    return requested if requested != "auto" else training_dtype_and_reason(device)[0]
+
+
+def training_dtype_and_reason(device: torch.device) -> tuple[str, str]:
+    """The dtype train.dtype auto trains in, and why in words: bfloat16 on a GPU that has it (float16, with its
+    scaler, on an older one) and on a CPU with bf16 matmul instructions (BF16_MATMUL_FLAGS), else float32."""
     if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if device.type == "cpu":
-        speedup = measured_cpu_matmul_flops(torch.bfloat16) / measured_cpu_matmul_flops(torch.float32)
-        return "bfloat16" if speedup >= CPU_BF16_MIN_SPEEDUP else "float32"
-    return "float32"
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", "this GPU supports bfloat16"
+        return "float16", "this GPU lacks bfloat16"
+    if device.type != "cpu":
+        return "float32", f"no mixed precision on {device.type}"
+    flags = cpu_flags()
+    found = [flag for flag in BF16_MATMUL_FLAGS if flag in flags]
+    if found:
+        return "bfloat16", f"this CPU lists {found[0]} (bf16 matmul in hardware)"
+    return "float32", f"this CPU lists none of {', '.join(BF16_MATMUL_FLAGS)} (bf16 matmul would be emulated)"
 
 
-def attention_faster_in_fp32(batch: int, n_head: int, block_size: int, head_dim: int, rounds: int = 3) -> bool:
-    """Whether causal attention, forward and backward, runs faster in fp32 than in bf16 on this CPU at this shape
-    (best of rounds, over at most a few sequences: the rate per sequence is what differs).
-
-    PyTorch 2.13's CPU flash-attention backward in bf16 is slow at short contexts: 5.1 ms against 1.9 in fp32 at
-    12 x 4 heads x 64 x 32 on a 2-core AVX512-BF16 EPYC, but 203 against 246 ms at 4 x 12 x 1024 x 64.
-    """
-    own = torch.Generator().manual_seed(0)  # the global RNG stays untouched: resumed runs replay it exactly
-    rows = min(batch, max(1, math.ceil(16 / n_head)))  # enough heads to keep every thread of a small CPU busy
-    q, k, v, grad = torch.randn(4, rows, n_head, block_size, head_dim, generator=own).bfloat16()
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-
-    def seconds(dtype: torch.dtype) -> float:  # from bf16 inputs to bf16 gradients, casts included
-        best = math.inf
-        for _ in range(rounds + 1):  # the first call sets up the kernel's buffers
-            start = time.perf_counter()
-            out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True)
-            out.to(torch.bfloat16).backward(grad)
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    return seconds(torch.float32) < seconds(torch.bfloat16)
+def attention_in_fp32(block_size: int) -> bool:
+    """Whether causal attention runs in fp32 under a CPU's bf16 autocast at this context (a rule, not a timing:
+    FP32_ATTENTION_MAX_CONTEXT says where it comes from)."""
+    return block_size <= FP32_ATTENTION_MAX_CONTEXT

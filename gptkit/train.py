@@ -33,7 +33,15 @@ from gptkit.checkpoint import (
     set_rng_state,
 )  # fmt: skip
 from gptkit.data import Batches, load_run_data
-from gptkit.devices import attention_backends, autocast_for, check_precision, gpu_recipe_on_cpu, peak_flops, pick_device
+from gptkit.devices import (
+    attention_backends,
+    autocast_for,
+    check_precision,
+    gpu_recipe_on_cpu,
+    mfu,
+    peak_flops,
+    pick_device,
+)
 from gptkit.distributed import (
     RankBatches, World, all_mean, any_rank, barrier, device_for, gather_objects, init_process_group,
     resumed_grad_accum, sync_context, world_from_env, wrap,
@@ -149,8 +157,8 @@ class Trainer:
         self.precision = choose_precision(self.t.dtype, self.device, self.world, shape, saved)
         self.t.dtype, self.fp32_attention = self.precision.dtype, self.precision.fp32_attention
         self.gpt.attend_in_fp32(self.fp32_attention)
-        if self.requested_dtype == "auto" and self.world.is_main:
-            logger.info(f"train.dtype auto: training in {self.t.dtype} on {self.device.type}")
+        if self.precision.reason and self.world.is_main:
+            logger.info(f"training in {self.precision.describe()} on {self.device.type}")
 
     def build_objective(self) -> None:
         """The objective over the data and model, the module that trains, and what watches the run."""
@@ -214,8 +222,8 @@ class Trainer:
         header = "# The resolved settings of this run, written by gptkit train.\n"
         if self.requested_dtype == "auto":  # kept as asked: a resume reads it and takes the checkpoint's choice
             resolved["train"]["dtype"] = "auto"
-            attention = ", attention in float32" if self.fp32_attention else ""
-            header += f"# train.dtype auto: this run trains in {self.t.dtype} on {self.device.type}{attention}.\n"
+        if self.precision.reason:  # what was chosen for this machine, and why (trainer.json keeps it too)
+            header += f"# precision: this run trains in {self.precision.describe()} on {self.device.type}.\n"
         # Records after the checkpoint belong to steps this run is about to redo; a new run starts a new file.
         history = read_history(self.run_dir / METRICS_FILE, self.step) if checkpoint is not None else []
         self.log = RunLog(self.run_dir, history, self.world.is_main, self.objective.task_metrics,
@@ -315,7 +323,7 @@ class Trainer:
             values = all_mean(self.world, torch.stack([v.float() for v in self.step_stats.values()])).tolist()
             record.update(zip(self.step_stats, values))
         if self.peak:  # per device: the peak is one device's (one process's)
-            record["mfu"] = tokens_per_s * self.flops_per_token / (self.peak * self.world.world_size)
+            record["mfu"] = mfu(tokens_per_s * self.flops_per_token / self.world.world_size, self.peak)
         skipped = self.skipped_before + int(self.bad_count.item())
         if skipped != self.skipped:
             record["skipped_steps"] = skipped

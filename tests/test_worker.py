@@ -81,14 +81,17 @@ def test_a_process_a_reward_started_ends_when_the_call_times_out(forking_reward:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads Linux's /proc")
-def test_a_process_a_reward_started_ends_when_the_training_process_is_killed(forking_reward: str,
-                                                                             tmp_path: Path) -> None:  # fmt: skip
+def test_a_process_a_reward_started_ends_when_the_training_process_is_killed(
+    forking_reward: str, tmp_path: Path
+) -> None:
     # The training process dies by SIGKILL (no finaliser runs): the reward's process sees its parent gone and ends
     # its group.
     pid_file = tmp_path / "grandchild.pid"
-    script = (f"from gptkit.finetune.rewards import RewardProcess\n"
-              f"RewardProcess({forking_reward!r}, 60)('p', 'c', {{'pid_file': {str(pid_file)!r}}})\n"
-              "import time; time.sleep(600)\n")  # fmt: skip
+    script = (
+        f"from gptkit.finetune.rewards import RewardProcess\n"
+        f"RewardProcess({forking_reward!r}, 60)('p', 'c', {{'pid_file': {str(pid_file)!r}}})\n"
+        "import time; time.sleep(600)\n"
+    )
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
     try:
         grandchild = _grandchild(pid_file)

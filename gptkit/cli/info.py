@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -63,7 +64,24 @@ def describe(name: str, context: int | None = None) -> dict[str, Any]:
         },
         "layer_windows": [config.layer_window(i) for i in range(config.n_layer)],
         "switches": switches(config),
+        "training_precision": training_precision(name),
     }
+
+
+def training_precision(name: str) -> str | None:
+    """What a checkpoint trained in and why (its trainer.json's precision, as the run's config.yaml says it), or
+    None for anything else."""
+    from gptkit.checkpoint import TRAINER_FILE
+    from gptkit.precision import Precision
+
+    try:
+        saved = json.loads((Path(name) / TRAINER_FILE).read_text()).get("precision")
+    except (OSError, ValueError, AttributeError):  # not a checkpoint (a preset, a JSON file), or not gptkit's
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("dtype"), str):
+        return None
+    reason = saved.get("reason") if isinstance(saved.get("reason"), str) else ""
+    return Precision(saved["dtype"], saved.get("fp32_attention") is True, reason).describe()
 
 
 def switches(config: ModelConfig) -> list[str]:
@@ -135,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if report["switches"]:
         print(f"  {'; '.join(report['switches'])}")
+    if report["training_precision"]:
+        print(f"  trained in {report['training_precision']}")
     print()
     for part, count in p.items():
         share = f"{100 * count / p['total']:5.1f}%" if part != "total" else ""
