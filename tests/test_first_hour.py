@@ -20,7 +20,8 @@ from gptkit.cli import build_parser, main
 from gptkit.config import ModelConfig
 from gptkit.devices import gpu_recipe_on_cpu
 from gptkit.formats.modeldir import save_model_dir
-from gptkit.insight import _icl_picture, draw_induction
+from gptkit.observe.report import icl_picture
+from gptkit.observe.figures import draw_induction
 from gptkit.model import GPT
 from gptkit.observe.training import Observer, _draw_losses, plot_run
 from gptkit.tokenizer import CharTokenizer
@@ -137,7 +138,7 @@ def test_the_icl_pictures_titles_fit_the_figure():
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, **dict(MODEL, block_size=64))).eval()
     data = np.asarray(tokenizer.encode(TEXT), dtype=np.int64)
-    figure, *_ = _icl_picture(model, tokenizer, "ROMEO: But soft", "cat cat\ndog dog\nsun ", data, 48)
+    figure, *_ = icl_picture(model, tokenizer, "ROMEO: But soft", "cat cat\ndog dog\nsun ", data, 48)
     FigureCanvasAgg(figure)
     figure.canvas.draw()
     for axes in figure.axes:

@@ -18,7 +18,7 @@ from gptkit.accounting import param_breakdown
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
-from gptkit.insight import (
+from gptkit.observe.prompt import (
     attention_maps,
     causal_mask,
     hidden_state_norms,
@@ -29,8 +29,8 @@ from gptkit.insight import (
     token_label,
     token_labels,
     token_probabilities,
-    write_report,
 )
+from gptkit.observe.report import write_report
 from gptkit.loading import load
 from gptkit.model import GPT
 from gptkit.formats.modeldir import save_model_dir
@@ -151,16 +151,16 @@ def test_report_pictures_are_valid_pngs_referenced_by_index(gelu_dir, tmp_path, 
 def test_the_attention_drawn_is_the_models_own_softmax_of_queries_and_keys(gelu_dir, tmp_path, monkeypatch):
     """The numbers attention_layer0.png is drawn from, against layer 0's attention computed directly from the
     weights: softmax(q k^T / sqrt(d_k)) under the causal mask, q and k from the normed embeddings (no trace)."""
-    import gptkit.insight
+    import gptkit.observe.report as report
 
     drawn = {}
-    real = gptkit.insight.draw_attention
+    real = report.draw_attention
 
     def recording(weights: torch.Tensor, labels: list[str], layer: int):
         drawn[layer] = weights.clone()
         return real(weights, labels, layer)
 
-    monkeypatch.setattr(gptkit.insight, "draw_attention", recording)
+    monkeypatch.setattr(report, "draw_attention", recording)
     prompt = "To be, or not to be: that is the question"
     assert main(["inspect", str(gelu_dir), "--prompt", prompt, "--out", str(tmp_path), "--max-tokens", "8"]) == 0
     model, tokenizer = load(gelu_dir)
@@ -268,7 +268,7 @@ def test_post_norm_report_skips_head_contributions_with_a_note(tmp_path):
 
 
 def test_default_icl_prompt_uses_what_the_tokenizer_encodes():
-    from gptkit.insight import default_icl_prompt
+    from gptkit.observe.prompt import default_icl_prompt
     from gptkit.tokenizer import CharTokenizer
 
     assert default_icl_prompt("one two", ByteTokenizer()) == ("one one\ntwo ", "two")

@@ -12,7 +12,7 @@ HELP = "pictures of what is inside a model (attention, hidden states, logit lens
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `inspect` sub-command."""
-    from gptkit.insight import DEFAULT_PROMPT, MAX_HEATMAP_TOKENS
+    from gptkit.observe.prompt import DEFAULT_PROMPT, MAX_HEATMAP_TOKENS
 
     parser = subparsers.add_parser(
         "inspect",
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     """Write the pictures and print where index.html is."""
     from gptkit.atomic import building_dir
     from gptkit.errors import InputError
-    from gptkit.insight import write_report
+    from gptkit.observe.report import write_report
     from gptkit.loading import load, resolve_model_path
     from gptkit.devices import pick_device
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gptkit.insight import attention_maps, prompt_insight, state_labels, token_probabilities
+from gptkit.observe.prompt import attention_maps, prompt_insight, state_labels, token_probabilities
 from gptkit.model import GPT
 from gptkit.observe.measures import chance_induction_score, induction_test, logit_lens_top
 
