@@ -9,6 +9,7 @@ using the part must follow (needs model.init_from, not under FSDP). gptkit.finet
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import inspect
 import math
@@ -60,7 +61,11 @@ def describe(kind: Any) -> str:
     if get_origin(kind) is Literal:
         return "one of " + ", ".join(map(str, args))
     if get_origin(kind) is list:
-        return "a list of " + {str: "strings", float: "numbers"}[get_args(kind)[0]]
+        inner = get_args(kind)[0]
+        plural = {str: "strings", float: "numbers", int: "integers", bool: "true or false values"}
+        return "a list of " + plural.get(inner, f"values, each {describe(inner)}")
+    if dataclasses.is_dataclass(kind):
+        return f"a mapping of {kind.__name__}'s fields"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, str(kind))
 
 
@@ -94,6 +99,8 @@ def coerce(key: str, value: Any, kind: Any) -> Any:
         ok = isinstance(value, str)
     elif get_origin(kind) is Literal:
         ok = value in args
+    elif dataclasses.is_dataclass(kind):  # a nested setting (a model's rope_scaling): its class checks each field
+        ok = isinstance(value, dict)
     elif get_origin(kind) is list:  # one item alone stands for a list of it (a recipe written before it was a list)
         items = value if isinstance(value, list) else [value]
         return [coerce(f"{key}[{i}]", item, args[0]) for i, item in enumerate(items)]

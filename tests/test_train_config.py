@@ -285,3 +285,22 @@ def test_a_part_declares_its_run_rules_and_the_catalogue_enforces_them(tmp_path,
     config.model.init_from = str(tmp_path / "base")
     config.train.parallel = "ddp"
     check_parts(config)  # both rules kept: nothing to refuse
+
+
+def test_list_and_nested_model_settings_take_flags_and_describe_themselves():
+    from gptkit.run_sources import section_types
+    from gptkit.settings import coerce, describe
+
+    kinds = section_types("model")
+    assert describe(kinds["layer_types"]) == "a list of values, each one of full, sliding or null"
+    assert coerce("model.layer_types", ["full", "sliding"], kinds["layer_types"]) == ["full", "sliding"]
+    with pytest.raises(ConfigError, match=r"^model.layer_types must be a list of values, each one of full, sliding or "
+                       r"null, got \['full', 'local'\]$"):
+        coerce("model.layer_types", ["full", "local"], kinds["layer_types"])
+    assert describe(kinds["nope_layers"]) == "a list of integers or null"
+    rope = {"rope_type": "linear", "factor": 2.0}
+    assert coerce("model.rope_scaling", rope, kinds["rope_scaling"]) == rope  # ModelConfig checks its fields
+    with pytest.raises(ConfigError, match=r"^model.rope_scaling must be a mapping of RopeScaling's fields or null"):
+        coerce("model.rope_scaling", "linear", kinds["rope_scaling"])
+    config = from_sources(None, {"model": {"preset": "tiny-llama", "rope_scaling": rope, "layer_types": ["full"] * 2}})
+    assert config.model.fields["rope_scaling"] == rope
