@@ -77,7 +77,7 @@ def contents_problem(tensors: Sequence[Tensor], tokens: int) -> str | None:
         return "no tensors"
     for i, t in enumerate(tensors):
         if t.dim() < 2 or t.size(1) != tokens:
-            return f"tensor {i} has shape {tuple(t.shape)}, not (heads, {tokens} tokens, ...) for its {tokens} tokens"
+            return f"tensor {i} has shape {tuple(t.shape)}, not (heads, {tokens}, ...) for its {tokens} tokens"
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return f"tensor {i} holds values that are not finite"
     return None
