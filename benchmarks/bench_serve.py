@@ -18,6 +18,11 @@ benchmarks/serve_workloads.py:
 
     .venv/bin/python benchmarks/bench_serve.py --llama-server LLAMA_CPP/build/bin
 
+--busy N: N neighbour processes each keep a core busy (a Python loop) while the clients run, as other programs on
+a shared machine do; the load average is printed with the figures:
+
+    .venv/bin/python benchmarks/bench_serve.py --n-layer 12 --n-embd 768 --concurrency 1 --busy 2
+
 --adapters N: 8 clients over N LoRA adapters of one base, served together, against 8 clients on one merged model
 (benchmarks/serve_lora.py):
 
@@ -27,8 +32,10 @@ benchmarks/serve_workloads.py:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import concurrent.futures
+import os
 import re
 import socket
 import statistics
@@ -37,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -149,6 +157,18 @@ def run_clients(url: str, model: str | list[str], clients: int, requests: int,
     return time.perf_counter() - start, clients * requests, tokens
 
 
+@contextlib.contextmanager
+def busy_neighbours(count: int) -> Iterator[None]:
+    """count processes, each spinning on a core, for the block's duration."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=None, help="serve this model instead of a random one")
@@ -161,6 +181,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="the server's --threads (default: the server's)")
     parser.add_argument("--compile", action="store_true", help="serve with --compile (compiled decode step)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument(
+        "--busy", type=int, default=0, metavar="N", help="N neighbour processes keep a core busy each while clients run"
+    )
     parser.add_argument("--adversarial", action="store_true",
                         help="latency alone vs under 300 half-open connections and a looping chat template")  # fmt: skip
     parser.add_argument("--llama-server", type=Path, default=None, metavar="DIR",
@@ -204,16 +227,19 @@ def main() -> None:
                     print(json.dumps({"model": model, "adversarial": result}, indent=2))
                 return
             show(f"model {model}; {args.requests} requests per client, {args.max_tokens} max tokens each, "
-                  f"server threads: {args.threads or 'server default'}")
-            show(f"{'clients':>8} {'requests/s':>11} {'tokens/s':>10} {'speed-up':>9}")
+                  f"server threads: {args.threads or 'server default'}; {args.busy} busy neighbour(s)")
+            show(f"{'clients':>8} {'requests/s':>11} {'tokens/s':>10} {'speed-up':>9} {'load 1 min':>11}")
             base = None
             for clients in args.concurrency:
-                seconds, requests, tokens = run_clients(url, model, clients, args.requests, args.max_tokens)
+                with busy_neighbours(args.busy):
+                    seconds, requests, tokens = run_clients(url, model, clients, args.requests, args.max_tokens)
+                    load = os.getloadavg()[0]
                 rate = tokens / seconds
                 base = base or rate
-                show(f"{clients:>8} {requests / seconds:>11.2f} {rate:>10.1f} {rate / base:>8.2f}x", flush=True)
-                rows.append({"clients": clients, "requests_per_s": requests / seconds, "tokens_per_s": rate,
-                             "speedup": rate / base})  # fmt: skip
+                line = f"{clients:>8} {requests / seconds:>11.2f} {rate:>10.1f} {rate / base:>8.2f}x {load:>11.2f}"
+                show(line, flush=True)
+                row = {"clients": clients, "requests_per_s": requests / seconds, "tokens_per_s": rate}
+                rows.append({**row, "speedup": rate / base, "load": load, "busy": args.busy})
             if args.json:
                 print(json.dumps({"model": model, "requests_per_client": args.requests,
                                   "max_tokens": args.max_tokens, "threads": args.threads, "rows": rows}, indent=2))

@@ -27,6 +27,7 @@ from gptkit.multi_lora import rows_using
 
 if TYPE_CHECKING:
     from gptkit.serving.metrics import Metrics
+    from gptkit.serving.threads import ThreadGovernor
 
 log = logging.getLogger("gptkit.serve")
 CONTEXT_BLOCKS = 4  # default longest request, in block_size units (a learned-position window slides past one)
@@ -94,6 +95,8 @@ class Engine:
         self.metrics: Metrics | None = None  # where latencies and token counts go (the server's /metrics)
         self.queued_at: dict[Request, float] = {}  # time.monotonic() when each request was submitted
         self.first_token_at: dict[Request, float] = {}
+        # Set by `gptkit serve` without --threads: the decode threads follow the cores other programs leave free.
+        self.governor: ThreadGovernor | None = None
 
     @property
     def active(self) -> list[Request]:
@@ -209,6 +212,8 @@ class Engine:
                 self.jobs.clear()
             for fn, future in jobs:
                 self._run_job(fn, future)
+            if self.governor is not None:
+                self.governor.adjust()
             self._step()
         for request in self.active + list(self.waiting):
             self._end(request, "cancelled")

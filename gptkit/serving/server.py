@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import socket
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from gptkit.serving.embeddings import POOLINGS
 from gptkit.serving.lora_registry import AdapterRegistry, adapters_beside
 from gptkit.weights import model_state
 from gptkit.serving.engine import Engine
+from gptkit.serving.threads import ThreadGovernor
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_CACHE_DISK = 10 << 30
@@ -235,9 +237,10 @@ def prefix_cache(options: ServeOptions) -> PrefixCache | None:
 
 
 def default_threads() -> int:
-    """Model threads when --threads is not given: every core this process may run on. The HTTP side sleeps while a
-    step runs, so leaving it a core costs the model that core (GPT-2 small, 2-core EPYC: see the README's serving
-    section for tokens/s at 1 and 8 clients with 1 and 2 threads)."""
+    """Model threads when --threads is not given: at most every core this process may run on, fewer while other
+    programs keep cores busy (gptkit.serving.threads). The HTTP side sleeps while a step runs, so leaving it a core
+    costs the model that core (GPT-2 small, 2-core EPYC: see the README's serving section for tokens/s at 1 and 8
+    clients with 1 and 2 threads)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -254,7 +257,7 @@ def serve(model_dir: str | Path, options: ServeOptions) -> None:
     if options.max_connections < 1:
         raise GptkitError(f"--max-connections must be >= 1, got {options.max_connections}")
     app = _load_on_engine_thread(model_dir, options, options.threads or default_threads())
-    uvicorn.Server(uvicorn_config(app, options)).run()
+    announcing_server(uvicorn_config(app, options)).run()
 
 
 def _load_on_engine_thread(model_dir: str | Path, options: ServeOptions, threads: int) -> FastAPI:
@@ -268,10 +271,29 @@ def _load_on_engine_thread(model_dir: str | Path, options: ServeOptions, threads
         except BaseException as err:  # noqa: BLE001  (handed to the main thread, which reports it)
             loaded.set_exception(err)
             return
-        app.state.gptkit.engine.run(ready=lambda: loaded.set_result(app))
+        engine = app.state.gptkit.engine
+        if options.threads is None:  # asked for a count: it is kept; else it follows the cores left free
+            engine.governor = ThreadGovernor(threads)
+        engine.run(ready=lambda: loaded.set_result(app))
 
     threading.Thread(target=work, name="gptkit-engine", daemon=True).start()
     return loaded.result()
+
+
+def announcing_server(config: Any) -> Any:
+    """A uvicorn server that logs one line once it listens: the URL requests go to (the port the system gave, for
+    --port 0)."""
+    import uvicorn
+
+    class Announcing(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and self.servers and self.servers[0].sockets:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                host = f"[{host}]" if ":" in host else host
+                log.info("ready at http://%s:%d/ (the playground; the API under /v1)", host, port)
+
+    return Announcing(config)
 
 
 def uvicorn_config(app: FastAPI, options: ServeOptions, log_level: str = "info") -> Any:

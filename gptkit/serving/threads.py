@@ -1,0 +1,63 @@
+"""How many threads the model's decode step runs on: as many as the cores other programs leave free.
+
+A decode step of the fused CPU kernel meets at about 75 OpenMP barriers a token. While other programs keep the
+cores busy, one of the step's threads is often descheduled, and every barrier waits for it: on a 2-core machine
+with a load of 7, two threads took 60 ms for each product that one thread did in 0.1 ms, and serving fell to 1.3
+tokens/s, far below the share of the machine it had. One thread never waits for another; it gets its share of a
+core and decodes in proportion to it. So ThreadGovernor looks at /proc/stat between decode steps, every CHECK_S
+seconds, and sets the engine thread's torch thread count to the cores the other programs left idle since the last
+look (at least 1, at most the count the server started with). A thread count changes only the order of a few sums,
+not the tokens a seeded request draws beyond float rounding, as any --threads does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from gptkit import kernel_cache
+
+log = logging.getLogger("gptkit.serve")
+
+CHECK_S = 1.0  # how often the load is looked at: /proc/stat counts 100 ticks a second, so a second is 100 per core
+# A core counts as free where other programs used less than this much of it: a shell's or a monitor's blips must
+# not take a thread from the model, and a core that is half used makes its thread wait at every barrier.
+SPARE = 0.25
+
+
+class ThreadGovernor:
+    """Sets torch's thread count, on the thread that calls adjust(), to the cores others leave free (1 to most)."""
+
+    def __init__(self, most: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.most, self.clock = most, clock
+        self.threads = torch.get_num_threads()
+        self.last = self._reading()
+
+    def _reading(self) -> tuple[float, tuple[int, int] | None, float]:
+        """(when, the machine's busy and all ticks, this process's CPU seconds)."""
+        return self.clock(), kernel_cache.busy_ticks(), sum(os.times()[:2])
+
+    def adjust(self) -> int:
+        """Look at the load if CHECK_S passed since the last look, set the thread count it allows; return the count
+        in use."""
+        now, ticks, own = self._reading()
+        when, last_ticks, last_own = self.last
+        if now - when < CHECK_S:
+            return self.threads
+        self.last = (now, ticks, own)
+        if ticks is None or last_ticks is None:  # no /proc/stat (not Linux): the count the server started with
+            return self.threads
+        cores = os.cpu_count() or 1
+        others = kernel_cache.others_cores(last_ticks, ticks, (own - last_own) / (now - when), cores)
+        if others is None:
+            return self.threads
+        wanted = max(1, min(self.most, int(cores - others + SPARE)))  # cores with less than SPARE of others' use
+        if wanted != self.threads:
+            log.info("other programs use %.1f of %d cores: decoding on %d thread(s)", others, cores, wanted)
+            torch.set_num_threads(wanted)
+            self.threads = wanted
+        return self.threads
