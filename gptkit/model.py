@@ -91,8 +91,8 @@ class Block(nn.Module):
         """x (B, T, n_embd) -> (B, T, n_embd)."""
         weights = trace.attentions if trace is not None else None
         if self.norm_position == "post":
-            x = self.norm1(x + self.attn(x, rope, kv, document_ids, weights))
-            return self.norm2(x + self.mlp(x))
+            x = self.norm1(x + self.scaled(self.attn(x, rope, kv, document_ids, weights)))
+            return self.norm2(x + self.scaled(self.mlp(x)))
 
         def attn(h: Tensor) -> Tensor:
             return self.attn(h, rope, kv, document_ids, weights)
@@ -114,6 +114,10 @@ class Block(nn.Module):
             out = sublayer(norm(x))
             if post_norm is not None:
                 out = post_norm(out)
+        return self.scaled(out)
+
+    def scaled(self, out: Tensor) -> Tensor:
+        """A sublayer's output times residual_scale (Granite's residual_multiplier)."""
         return out if self.residual_scale == 1.0 else out * self.residual_scale
 
 

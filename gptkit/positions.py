@@ -64,7 +64,7 @@ def inv_frequencies(
     """Layer layer_index's RoPE inverse frequencies (rotary_dim / 2,) in fp32, scaled by its rule.
 
     seq_len is one past the largest position of the pass: dynamic and longrope choose their frequencies by it (as HF
-    does per forward call); the other rules ignore it.
+    does per forward call); the other rules ignore it. A layer without RoPE (layer_rope None) gets rope_theta's.
     """
     base, scaling = layer_rope(config, layer_index) or (config.rope_theta, None)
     return scaled_frequencies(base, config.rotary_dim, scaling, config.block_size, seq_len, device)

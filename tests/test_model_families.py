@@ -415,3 +415,11 @@ def test_head_dim_frees_the_width_from_the_heads():
     assert model(torch.randint(0, 50, (1, 5))).shape == (1, 5, 50)
     with pytest.raises(ConfigError, match="head_dim"):
         ModelConfig(**dict(TINY, n_embd=36, n_head=5))
+
+
+def test_residual_scale_applies_in_a_post_norm_block_too():
+    config = ModelConfig(**dict(TINY, norm_position="post", position="none", residual_scale=0.5))
+    block = seeded(config).blocks[0]
+    x = torch.randn(2, 5, 32)
+    h = block.norm1(x + 0.5 * block.attn(x, None, None, None, None))
+    torch.testing.assert_close(block(x, None, None, None, None), block.norm2(h + 0.5 * block.mlp(h)), atol=0, rtol=0)

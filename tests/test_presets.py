@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptkit.config import ModelConfig
+from gptkit.config import PRESETS, ModelConfig
 from gptkit.model import GPT
 
 PUBLISHED = json.loads((Path(__file__).parent / "fixtures" / "published_configs.json").read_text())
@@ -96,3 +96,10 @@ def test_a_family_preset_builds_and_runs_at_a_small_width():
             fields["rope_scaling"]["original_max_position_embeddings"] = 16
         logits = GPT(ModelConfig.from_dict(fields))(torch.randint(0, 64, (1, 12)))
         assert logits.shape == (1, 12, 64) and logits.isfinite().all(), name
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_round_trips_through_json(name):
+    # rope_scaling goes out as HF's dict and comes back as RopeScaling; layer lists stay lists.
+    config = ModelConfig.preset(name)
+    assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
