@@ -60,11 +60,11 @@ def choose_precision(requested: str, device: torch.device, world: World, attenti
     block, head_dim). saved, a checkpoint's Precision.state on the same kind of device, is kept instead, so that a
     resumed run replays exactly. Every rank must call this (any_rank): ranks on unlike machines agree."""
     saved = saved if isinstance(saved, dict) and saved.get("device") == device.type else {}
-    kept = saved.get("reason") if isinstance(saved.get("reason"), str) else "chosen by the run"
+    kept = saved.get("reason") if isinstance(saved.get("reason"), str) else "kept from the checkpoint"
     dtype, reasons = requested, []
     if requested == "auto" and saved.get("dtype") in TRAIN_DTYPES:
         dtype = saved["dtype"]
-        reasons.append(f"train.dtype auto, kept from the checkpoint: {kept}")
+        reasons.append(kept)  # the checkpoint's own reason, as its run chose (however many resumes ago)
     elif requested == "auto":
         dtype, why = training_dtype_and_reason(device)
         if device.type == "cpu":  # every rank takes bf16 if any has it
@@ -73,9 +73,7 @@ def choose_precision(requested: str, device: torch.device, world: World, attenti
     if device.type != "cpu" or dtype != "bfloat16":
         return Precision(dtype, reason="; ".join(reasons))
     if saved.get("dtype") == "bfloat16" and isinstance(saved.get("fp32_attention"), bool):
-        if not reasons:
-            reasons.append(f"kept from the checkpoint: {kept}")
-        return Precision(dtype, saved["fp32_attention"], "; ".join(reasons))
+        return Precision(dtype, saved["fp32_attention"], kept)
     block = attention_shape[2]
     fp32 = any_rank(world, attention_in_fp32(block), device)
     side = "<=" if fp32 else ">"

@@ -118,7 +118,7 @@ def test_a_saved_choice_holds_on_its_device_kind(flags):
     saved = Precision("bfloat16", False, "train.dtype auto: this CPU lists avx512_bf16").state(CPU)
     kept = choose_precision("auto", CPU, World(), SHAPE, saved)
     assert (kept.dtype, kept.fp32_attention) == ("bfloat16", False)
-    assert kept.reason == "train.dtype auto, kept from the checkpoint: train.dtype auto: this CPU lists avx512_bf16"
+    assert kept.reason == "train.dtype auto: this CPU lists avx512_bf16"  # the run's own, however many resumes on
     assert choose_precision("bfloat16", CPU, World(), SHAPE, saved).fp32_attention is False
     elsewhere = {**saved, "device": "cuda"}  # a checkpoint from a GPU is chosen afresh on a CPU
     assert choose_precision("bfloat16", CPU, World(), SHAPE, elsewhere).fp32_attention is True
