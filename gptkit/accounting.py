@@ -42,6 +42,39 @@ def mlp_params(config: ModelConfig) -> int:
     return config.n_embd * fc_width + config.ffn_hidden * config.n_embd + biases
 
 
+def expert_params(config: ModelConfig) -> int:
+    """Parameters of one routed expert of a mixture-of-experts layer (gptkit.moe): its fc and proj, with biases."""
+    hidden = config.expert_hidden
+    fc_width = hidden * (2 if config.activation in GATED else 1)
+    biases = (fc_width + config.n_embd) if config.mlp_bias else 0
+    return config.n_embd * fc_width + hidden * config.n_embd + biases
+
+
+def layer_mlp_params(config: ModelConfig, index: int) -> int:
+    """Parameters of layer index's feed-forward: dense, or a mixture of experts' router, experts and shared expert
+    (with its gate)."""
+    if not config.is_moe_layer(index):
+        return mlp_params(config)
+    shared = 0
+    if config.moe_shared_hidden is not None:
+        shared = mlp_params(dataclasses.replace(config, ffn_hidden=config.moe_shared_hidden))
+        shared += config.n_embd if config.moe_shared_gate else 0
+    return config.n_embd * config.n_experts + config.n_experts * expert_params(config) + shared
+
+
+def inactive_params(config: ModelConfig) -> int:
+    """Parameters a token does not use: the routed experts outside its top k, in every MoE layer (0 when dense)."""
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.n_layer))
+    if not moe_layers:
+        return 0
+    return moe_layers * (config.n_experts - config.n_experts_per_token) * expert_params(config)
+
+
+def active_params(config: ModelConfig) -> int:
+    """The parameters one token uses: the total less the experts its router did not choose (the total when dense)."""
+    return param_breakdown(config).total - inactive_params(config)
+
+
 def norm_params(config: ModelConfig) -> int:
     """Parameters of one normalisation layer: a gain, plus a shift for LayerNorm with norm_bias."""
     has_shift = config.norm == "layernorm" and config.norm_bias
@@ -69,7 +102,7 @@ def param_breakdown(config: ModelConfig) -> ParamBreakdown:
     token_embedding = vocab * config.n_embd
     position_embedding = config.block_size * config.n_embd if config.position == "learned" else 0
     attention = config.n_layer * attention_params(config)
-    mlp = config.n_layer * mlp_params(config)
+    mlp = sum(layer_mlp_params(config, i) for i in range(config.n_layer))
     norms = config.n_layer * block_norm_count(config) + (0 if config.norm_position == "post" else 1)
     norms = norms * norm_params(config) + config.n_layer * qk_norm_params(config)
     lm_head = (0 if config.tie_embeddings else vocab * config.n_embd) + (vocab if config.lm_head_bias else 0)
@@ -92,13 +125,15 @@ def forward_flops_per_token(config: ModelConfig, context: int | None = None) -> 
     """FLOPs of one forward pass per token: 2 N plus 4 L T d for QK^T and AV (PaLM, Chowdhery et al. 2022, app. B),
     with min(T, W) in place of T for a layer with sliding window W.
 
-    N counts the real vocabulary only: a padded LM head's extra rows are multiplied, but they are no useful work.
+    N counts the real vocabulary only: a padded LM head's extra rows are multiplied, but they are no useful work; and
+    only the experts a token chose: the active parameters of a mixture of experts.
     """
     T = config.block_size if context is None else context
     # A layer with sliding window W scores min(T, W) keys per query.
     keys = sum(kv_positions(config, i, T) for i in range(config.n_layer))
     attention = 4 * keys * config.n_head * config.head_dim
-    return 2 * matmul_params(dataclasses.replace(config, vocab_multiple=1)) + attention
+    # A mixture of experts multiplies by the k experts each token chose, not by all of them.
+    return 2 * (matmul_params(dataclasses.replace(config, vocab_multiple=1)) - inactive_params(config)) + attention
 
 
 def training_flops_per_token(config: ModelConfig, context: int | None = None) -> int:

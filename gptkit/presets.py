@@ -77,4 +77,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smollm3-3b": dict(_LLAMA, vocab_size=128256, block_size=65536, n_layer=36, n_head=16, n_kv_head=4, n_embd=2048,
                        ffn_hidden=11008, norm_eps=1e-6, rope_theta=5000000.0, tie_embeddings=True,
                        nope_layers=list(range(3, 36, 4))),
+    # Mixtures of experts (tests/fixtures/moe_configs.json holds the config.json fields these follow).
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of hidden 14336 in every layer, top-2 renormalised.
+    "mixtral-8x7b": dict(_LLAMA, vocab_size=32000, block_size=32768, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+                         ffn_hidden=14336, rope_theta=1000000.0, n_experts=8, n_experts_per_token=2),
+    # Qwen/Qwen3-30B-A3B: 128 experts of hidden 768, top-8 renormalised (norm_topk_prob), heads 128 wide, q/k norms.
+    "qwen3-30b-a3b": dict(_LLAMA, vocab_size=151936, block_size=40960, n_layer=48, n_head=32, n_kv_head=4,
+                          n_embd=2048, head_dim=128, ffn_hidden=6144, norm_eps=1e-6, rope_theta=1000000.0,
+                          qk_norm=True, n_experts=128, n_experts_per_token=8, moe_ffn_hidden=768),
+    # allenai/OLMoE-1B-7B-0924: 64 experts of hidden 1024, top-8 not renormalised, q/k norms over the whole width.
+    "olmoe-1b-7b": dict(_LLAMA, vocab_size=50304, block_size=4096, n_layer=16, n_head=16, n_embd=2048,
+                        ffn_hidden=1024, qk_norm=True, qk_norm_scope="width", n_experts=64, n_experts_per_token=8,
+                        moe_renormalize=False),
+    # A character-level mixture of experts for the bundled corpus: shakespeare-char-cpu's shape with 8 experts of
+    # hidden 128, top 2, and the balance and z losses on.
+    "moe-tiny": dict(_NANOGPT_CHAR, block_size=64, n_layer=4, n_head=4, n_embd=128, activation="swiglu",
+                     n_experts=8, n_experts_per_token=2, moe_ffn_hidden=128, moe_aux_loss=0.01, moe_z_loss=0.001),
 }  # fmt: skip

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gptkit import moe
+from gptkit.accounting import active_params, forward_flops_per_token, param_breakdown
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError
 from gptkit.model import GPT, FeedForward
@@ -343,3 +344,91 @@ def test_training_logs_routing_statistics(tmp_path: Path) -> None:
         # Both splits' eval_iters x batch_size windows of block_size tokens, k slots each, in each of the 2 layers.
         assert [sum(counts) for counts in per_layer] == [2 * 2 * 4 * 16 * 2] * 2
         assert 0 <= record["moe_load_cv"] and 0 < record["moe_router_entropy"] <= math.log(4) + 1e-6
+
+
+PUBLISHED = json.loads((Path(__file__).parent / "fixtures" / "moe_configs.json").read_text())
+MOE_PRESETS = [name for name in PUBLISHED if not name.startswith("_")]
+
+
+def counts_by_hand(hf: dict) -> tuple[int, int]:
+    """(total, active) parameters of a Llama-style MoE decoder from its config.json: embeddings and head, per layer
+    q, k, v, o, q/k norms (Qwen3-MoE per head, OLMoE over the width), the router, E experts of three matrices (k of
+    them active) and two norms, and the final norm."""
+    d, layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
+    hd, kv = hf.get("head_dim", d // heads), hf["num_key_value_heads"]
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    expert = 3 * d * hf.get("moe_intermediate_size", hf["intermediate_size"])
+    attention = 2 * d * heads * hd + 2 * d * kv * hd
+    qk_norms = 2 * hd if "head_dim" in hf else (heads + kv) * hd if "norm_topk_prob" in hf else 0
+    shared = attention + qk_norms + d * experts + 2 * d
+    embeddings = hf["vocab_size"] * d * (1 if hf["tie_word_embeddings"] else 2)
+    total = embeddings + layers * (shared + experts * expert) + d
+    return total, embeddings + layers * (shared + hf["num_experts_per_tok"] * expert) + d
+
+
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_moe_presets_have_the_published_counts(name: str) -> None:
+    entry = PUBLISHED[name]
+    assert counts_by_hand(entry["config"]) == (entry["parameters"], entry["active"])
+    config = ModelConfig.preset(name)
+    assert param_breakdown(config).total == entry["parameters"]
+    assert active_params(config) == entry["active"]
+    for key, count in (("total", entry["parameters"]), ("active", entry["active"])):
+        # The published figures in billions, within one unit of their last digit (Qwen's 3.3B is 3.35 truncated).
+        published = entry["published"][key]
+        assert abs(count / 1e9 - float(published[:-1])) < 10.0 ** -len(published[:-1].split(".")[1])
+    with torch.device("meta"):
+        assert sum(p.numel() for p in GPT(config).parameters()) == entry["parameters"]
+
+
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_moe_preset_shapes_follow_the_published_config(name: str) -> None:
+    hf, config = PUBLISHED[name]["config"], ModelConfig.preset(name)
+    assert config.n_experts == hf.get("num_experts", hf.get("num_local_experts"))
+    assert config.n_experts_per_token == hf["num_experts_per_tok"]
+    assert config.expert_hidden == hf.get("moe_intermediate_size", hf["intermediate_size"])
+    assert config.moe_renormalize == hf.get("norm_topk_prob", True)  # Mixtral always renormalises
+    pairs = {
+        "n_embd": "hidden_size",
+        "n_layer": "num_hidden_layers",
+        "n_head": "num_attention_heads",
+        "n_kv_head": "num_key_value_heads",
+        "vocab_size": "vocab_size",
+        "block_size": "max_position_embeddings",
+        "norm_eps": "rms_norm_eps",
+        "rope_theta": "rope_theta",
+        "tie_embeddings": "tie_word_embeddings",
+    }
+    assert {ours: getattr(config, ours) for ours in pairs} == {ours: hf[theirs] for ours, theirs in pairs.items()}
+
+
+def test_accounting_of_an_moe_model() -> None:
+    config = moe_config(moe_shared_hidden=12, moe_shared_gate=True, mlp_bias=True, activation="gelu", moe_layer_step=2)
+    with torch.device("meta"):
+        model = GPT(config)
+    assert param_breakdown(config).total == sum(p.numel() for p in model.parameters())
+    expert = sum(
+        p[0].numel()
+        for p in (
+            model.blocks[1].mlp.fc.weight,
+            model.blocks[1].mlp.fc.bias,
+            model.blocks[1].mlp.proj.weight,
+            model.blocks[1].mlp.proj.bias,
+        )
+    )
+    assert active_params(config) == param_breakdown(config).total - (4 - 2) * expert
+    dense = ModelConfig.preset("tiny-llama")
+    assert active_params(dense) == param_breakdown(dense).total
+    # 2 N with N the active parameters (the LM head counted, the untied embedding only looked up) plus attention.
+    mixtral = ModelConfig.preset("mixtral-8x7b")
+    attention = 4 * mixtral.block_size * mixtral.n_layer * mixtral.n_head * mixtral.head_dim
+    embedding = mixtral.vocab_size * mixtral.n_embd
+    assert forward_flops_per_token(mixtral) == 2 * (active_params(mixtral) - embedding) + attention
+
+
+def test_info_gives_total_and_active_parameters() -> None:
+    from gptkit.cli.info import describe
+
+    report = describe("olmoe-1b-7b")
+    assert (report["total"], report["active"]) == (PUBLISHED["olmoe-1b-7b"]["parameters"], 1282017280)
+    assert "64 experts of hidden 1024, top 8, on 16 of 16 layers" in report["switches"]
