@@ -34,6 +34,7 @@ def describe(name: str, context: int | None = None) -> dict[str, Any]:
     """Everything `info` reports, as a JSON-able dict."""
     from gptkit.accounting import (
         DTYPE_BYTES,
+        active_params,
         forward_flops_per_token,
         kv_cache_bytes,
         param_breakdown,
@@ -50,6 +51,7 @@ def describe(name: str, context: int | None = None) -> dict[str, Any]:
         "padded_vocab_size": config.padded_vocab_size,  # the embedding's and the LM head's rows
         "params": params,
         "total": params["total"],
+        "active": active_params(config),  # per token: the total less the experts a router did not choose
         "flops_per_token": {
             "context": context,
             "forward": forward_flops_per_token(config, context),
@@ -102,6 +104,13 @@ def switches(config: ModelConfig) -> list[str]:
         found.append(f"no RoPE on layers {c.nope_layers}")
     if c.parallel_residual:
         found.append("parallel residual")
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.n_layer))
+    if moe_layers:
+        shared = f", a shared expert of hidden {c.moe_shared_hidden}" if c.moe_shared_hidden is not None else ""
+        found.append(
+            f"{c.n_experts} experts of hidden {c.expert_hidden}, top {c.n_experts_per_token}, on {moe_layers} of "
+            f"{c.n_layer} layers{shared}"
+        )
     if c.qk_norm and c.qk_norm_scope == "width":
         found.append("q/k norms over the whole width")
     scales = [
@@ -159,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
     for part, count in p.items():
         share = f"{100 * count / p['total']:5.1f}%" if part != "total" else ""
         print(f"  {part.replace('_', ' '):<20} {count:>15,} {share}")
+    if report["active"] != p["total"]:
+        print(f"  {'active per token':<20} {report['active']:>15,} {100 * report['active'] / p['total']:5.1f}%")
     f = report["flops_per_token"]
     print()
     print(
