@@ -9,7 +9,7 @@ windows.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from gptkit.formats.hf.extras import (
     Reader,
@@ -89,6 +89,9 @@ _GEMMA_FIXED = {
 }
 
 
+WindowRule = Literal["none", "all", "qwen", "layer_types", "smollm3"]
+
+
 @dataclass(frozen=True)
 class Family:
     """One Hugging Face model family, as far as the config mapping needs it."""
@@ -99,7 +102,7 @@ class Family:
     defaults: dict[str, Any]  # the config class's defaults for keys a config.json may omit
     activations: dict[str, str] = field(default_factory=lambda: SWIGLU_ACTIVATIONS)  # HF name -> gptkit activation
     activation_key: str = "hidden_act"
-    windows: str = "none"  # which layers attend in a window: none, all (one key), qwen, layer_types, smollm3
+    windows: WindowRule = "none"  # which layers attend in a window, and how config.json says so (windows.py)
     partial_rotary: bool = False  # the family's RoPE honours partial_rotary_factor (else it must be 1)
     per_layer_rope: bool = False  # rope_parameters may be nested by layer type (Gemma 3)
     head_dim_key: bool = True  # the modeling code reads head_dim from config.json (GPT-NeoX derives it)

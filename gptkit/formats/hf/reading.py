@@ -231,7 +231,7 @@ def hf_eos_ids(path: Path, hf: dict[str, Any]) -> list[int]:
 
 
 def gpt_from_hf_model(hf_model: Any) -> GPT:
-    """The GPT equal to an in-memory transformers model (GPT2LMHeadModel or a Llama-family *ForCausalLM)."""
+    """The GPT equal to an in-memory transformers model (GPT2LMHeadModel or another family's *ForCausalLM)."""
     state = hf_model.state_dict()
     loaders = {name: (lambda t=t: t.detach().clone()) for name, t in state.items()}  # no storage shared
     param = next(hf_model.parameters())
