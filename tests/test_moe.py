@@ -432,3 +432,10 @@ def test_info_gives_total_and_active_parameters() -> None:
     report = describe("olmoe-1b-7b")
     assert (report["total"], report["active"]) == (PUBLISHED["olmoe-1b-7b"]["parameters"], 1282017280)
     assert "64 experts of hidden 1024, top 8, on 16 of 16 layers" in report["switches"]
+
+
+def test_the_fused_decode_step_leaves_moe_models_to_the_eager_step() -> None:
+    from gptkit.decoding.fused import uncovered
+
+    reason = uncovered(tiny_moe_model().eval())
+    assert reason is not None and "MoEFeedForward" in reason
