@@ -16,7 +16,7 @@ from gptkit.adapters import adapters, adapters_disabled, add_lora, fingerprint, 
 from gptkit.chat import ChatTemplate, eos_text, load_chat_template
 from gptkit.cli import main
 from gptkit.config import ModelConfig
-from gptkit.data import EXAMPLE_FILES, ExampleBatches, Examples, _example_rows, load_examples, read_meta
+from gptkit.data import EXAMPLE_FILES, ExampleBatches, Examples, example_rows, load_examples, read_meta
 from gptkit.errors import GptkitError, InputError
 from gptkit.prepare.rows import ExampleEncoder, row_format
 from gptkit.formats.hf import hf_block_modules
@@ -198,7 +198,7 @@ def _examples(lengths: list[int], vocab: int = 50, seed: int = 0) -> Examples:
 
 @torch.no_grad()
 def _nll(model: GPT, examples: Examples, rows: list[list[int]], packed: bool) -> tuple[float, int]:
-    batch = _example_rows(examples, rows, model.config.block_size, packed)
+    batch = example_rows(examples, rows, model.config.block_size, packed)
     x, y, docs = batch.x, batch.y, batch.document_ids
     count = int((y != IGNORE_INDEX).sum())
     return float(model(x, targets=y, document_ids=docs)) * count, count
@@ -227,7 +227,7 @@ def test_document_ids_give_each_document_its_own_forward(variant_config):
 def test_the_loss_ignores_exactly_the_untrained_tokens():
     examples = _examples([6, 11, 4])
     model = GPT(ModelConfig(**VARIANTS["gpt2"])).eval()
-    batch = _example_rows(examples, [[0], [1], [2]], 16, packed=False)
+    batch = example_rows(examples, [[0], [1], [2]], 16, packed=False)
     x, y = batch.x, batch.y
     logprobs = model(x).log_softmax(-1)
     picked = [(-logprobs[r, t, y[r, t]]).item() for r in range(3) for t in range(x.size(1)) if y[r, t] != IGNORE_INDEX]
