@@ -7,7 +7,9 @@ cache as one way long contexts fit; its cost in loss is measured in the README.
 
 A sliding-window layer (config.layer_window(i) = W: query i sees keys i - W < j <= i) keeps a ring of
 R = min(W, max_len) slots instead of max_len positions, position p in slot p mod R (Mistral's rolling buffer): SPEC
-section 4's memory with min(T, W) in place of T for that layer. Full layers keep max_len positions.
+section 4's memory with min(T, W) in place of T for that layer. Full layers keep max_len positions. A caller that
+writes tokens it may take back (speculative decoding's rejected drafts, overwritten by the next pass) asks for
+`spare` more slots, min(W + spare, max_len): its writes then never reach a position the next queries still see.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class LayerKV:
         Attending before writing lets a T-token extend that wraps the ring still give every query its W previous keys.
         """
         R, W, T = self.keys.size(2), self.window, k.size(2)
-        if isinstance(self.start_pos, int) and T == 1:
+        if isinstance(self.start_pos, int) and T == 1 and R <= W:
             # One token: once written, the ring's first min(p + 1, R) slots hold exactly the window p - R < j <= p.
             slot = self.start_pos % R
             self._write((slice(None), slice(None), slice(slot, slot + 1)), k, v)
@@ -153,12 +155,14 @@ class KVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         kv_dtype: torch.dtype | None = None,
+        spare: int = 0,
     ) -> None:
         self.windows = layer_windows(config)
         self._max_len = max_len
+        self.spare = spare
         stored = dtype if kv_dtype is None else kv_dtype
         self.dtype = dtype
-        shapes = [(batch_size, config.n_kv_head, self._slots(w, max_len), config.head_dim) for w in self.windows]
+        shapes = [(batch_size, config.n_kv_head, self._slots(w, max_len, spare), config.head_dim) for w in self.windows]
         self.keys = [torch.zeros(shape, device=device, dtype=stored) for shape in shapes]
         self.values = [torch.zeros(shape, device=device, dtype=stored) for shape in shapes]
         self.key_scales: list[Tensor] = []
@@ -168,9 +172,9 @@ class KVCache:
             self.value_scales = [torch.zeros(shape[:3], device=device) for shape in shapes]
 
     @staticmethod
-    def _slots(window: int | None, max_len: int) -> int:
-        """Positions a layer holds: max_len, or a windowed layer's ring of min(W, max_len)."""
-        return max_len if window is None else min(window, max_len)
+    def _slots(window: int | None, max_len: int, spare: int = 0) -> int:
+        """Positions a layer holds: max_len, or a windowed layer's ring of min(W + spare, max_len)."""
+        return max_len if window is None else min(window + spare, max_len)
 
     @classmethod
     def of(cls, keys: list[Tensor], values: list[Tensor], key_scales: list[Tensor] | None = None,
@@ -184,6 +188,7 @@ class KVCache:
         cache.key_scales, cache.value_scales = key_scales or [], value_scales or []
         cache.windows = list(windows) if windows is not None else [None] * len(keys)
         cache._max_len = max_len if max_len is not None else keys[0].size(2)
+        cache.spare = 0  # only grow reads it, and a view of another cache's storage never grows
         stored = keys[0].dtype
         cache.dtype = dtype if dtype is not None else (torch.float32 if stored == torch.int8 else stored)
         return cache
@@ -278,12 +283,12 @@ class KVCache:
 
     def grow(self, max_len: int) -> None:
         """Hold max_len positions per row from now on, keeping what is stored (new positions are zero); a ring
-        grows to min(W, max_len) slots (one shorter than W never wrapped, so its positions keep their slots)."""
+        grows to min(W + spare, max_len) slots (a shorter one never wrapped, so its positions keep their slots)."""
         if max_len <= self._max_len:
             return
 
         def pad(t: Tensor, window: int | None) -> Tensor:
-            extra = self._slots(window, max_len) - t.size(2)
+            extra = self._slots(window, max_len, self.spare) - t.size(2)
             return torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2) if extra > 0 else t
 
         self.keys = [pad(t, w) for t, w in zip(self.keys, self.windows)]

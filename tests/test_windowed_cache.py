@@ -150,3 +150,27 @@ def test_spans_restore_a_ring() -> None:
         restored.write_span(0, i * chunk, span)
     for a, b in zip(cache.tensors, restored.tensors):
         assert torch.equal(a, b)
+
+
+def test_spare_slots_keep_the_window_when_written_tokens_are_taken_back() -> None:
+    """Speculative decoding writes k + 1 tokens and keeps some: with k + 1 spare slots the rejected ones never
+    overwrite a position the next queries see (without them, this test's second extend reads a clobbered key)."""
+    W, k = 6, 3
+    torch.manual_seed(5)
+    q, k_all, v_all = (torch.randn(1, KV, 40, HD) for _ in range(3))
+    junk = torch.randn(1, KV, k + 1, HD)
+    cache = KVCache(_config(W), 1, 40, spare=k + 1)
+    assert cache.keys[0].size(2) == W + k + 1
+    start = 0
+    for accepted in (4, 1, 2, 4, 1, 3, 2, 4):
+        # Write k + 1 tokens whose last ones are junk (rejected), then continue after the accepted ones.
+        keys = torch.cat([k_all[:, :, start : start + accepted], junk[:, :, : k + 1 - accepted]], dim=2)
+        values = torch.cat([v_all[:, :, start : start + accepted], junk[:, :, : k + 1 - accepted]], dim=2)
+        cache.layer(0, start).update(keys[:, :, : k + 1], values[:, :, : k + 1])
+        start += min(accepted, k + 1)
+        part = slice(start, start + 1)
+        got_k, got_v, mask = cache.layer(0, start).update(k_all[:, :, part], v_all[:, :, part])
+        got = F.scaled_dot_product_attention(q[:, :, part], got_k, got_v, attn_mask=mask)
+        want = _reference(q[:, :, part], k_all[:, :, : start + 1], v_all[:, :, : start + 1], start, W)
+        torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+        start += 1

@@ -8,11 +8,12 @@ import torch
 
 from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
+from gptkit.decoding import speculative
 from gptkit.decoding.batch import BatchEngine
 from gptkit.decoding.prefix_cache import PrefixCache
 from gptkit.decoding.request import Request
 from gptkit.decoding.sampling import SamplingParams
-from gptkit.decoding.step import PREFILL_CHUNK, inference
+from gptkit.decoding.step import PREFILL_CHUNK, extend, inference
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 
@@ -145,3 +146,33 @@ def test_engine_decodes_past_the_window_as_recomputation(step_kind: str) -> None
             seq = torch.tensor(req.prompt + req.generated)[None]
             want = model(seq)[0, len(req.prompt) - 1 : -1].argmax(-1).tolist()
             assert req.generated == want
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_speculative_decoding_of_a_windowed_model_reads_an_intact_window(k: int, monkeypatch) -> None:
+    """A draft that is always wrong: every target pass writes k rejected tokens into the rings, which the spare
+    slots keep away from the window (without them this model's checked logits lie 7e-2 from recomputation)."""
+    target = windowed_model()
+    prompt = [3, 1, 4, 1, 5]
+    draft = GPT(ModelConfig(**dict(MIXED, n_layer=1, layer_types=None, lm_head_bias=True))).eval()
+    with torch.no_grad():  # always proposes token 95, which the target never picks here
+        draft.lm_head.weight.zero_()
+        draft.lm_head.bias.zero_()
+        draft.lm_head.bias[95] = 10.0
+    checks = []
+
+    def recorded(model: GPT, tokens: torch.Tensor, cache: KVCache, position: int) -> torch.Tensor:
+        logits = extend(model, tokens, cache, position)
+        if model is target:
+            checks.append((position, tokens[0].tolist(), logits[0]))
+        return logits
+
+    monkeypatch.setattr(speculative, "extend", recorded)
+    req = Request(prompt, SamplingParams(max_new_tokens=3 * W, temperature=0.0))
+    stats = speculative.speculative_generate(target, draft, req, k=k)
+    assert stats.accepted == 0 and len(checks) > W
+    seq = prompt + req.generated
+    with inference(target):
+        for position, tokens, logits in checks:  # the first checked token is the target's own: its logits count
+            full = target(torch.tensor([seq[:position] + tokens]))[0, position]
+            assert relative(logits[0], full) < TOLERANCE

@@ -152,6 +152,7 @@ class DecodeStep : public torch::CustomClassHolder {
       const int64_t slots = keys[l].size(2), window = layers_[l].window;
       TORCH_CHECK(longest <= slots || (window > 0 && slots >= window), "DecodeStep: position ", longest - 1,
                   " outside the cache of layer ", l);
+      TORCH_CHECK(window == 0 || slots <= window, "DecodeStep: a ring of more slots than its window (spare)");
     }
     std::vector<CacheView> kv(2 * L_);
     for (int64_t l = 0; l < L_; ++l) {

@@ -6,7 +6,8 @@ probability min(1, p(x) / q(x)), on rejection draw from max(0, p - q) renormalis
 target's (filtered) distribution.
 
 Both caches are written at explicit positions, so rejected tokens need no undo: the next pass overwrites them and
-attention never reads a position past the query's. With compile, the draft's one-token step and the target's
+attention never reads a position past the query's (a sliding-window layer's ring holds k + 1 spare slots, so that
+rejected tokens never overwrite a position still in the window). With compile, the draft's one-token step and the target's
 (k + 1)-token check run compiled at fixed shapes (a short check is padded; its padding lands past every position
 read before the next pass overwrites it).
 """
@@ -89,7 +90,7 @@ class _Model:
         self.device, _ = device_dtype(model)
         if compile:
             length = COMPILE_CACHE_MULTIPLE * -(-length // COMPILE_CACHE_MULTIPLE)
-        self.cache = new_cache(model, 1, length)
+        self.cache = new_cache(model, 1, length, spare=k + 1)
 
     def feed(self, tokens: list[int], position: int) -> Tensor:
         """Logits (len(tokens), V) of tokens written from position on."""

@@ -106,10 +106,13 @@ def cache_len(model: GPT, need: int, compile: bool = False) -> int:
     return min(need, limit) if limit else need
 
 
-def new_cache(model: GPT, batch_size: int, max_len: int, kv_dtype: torch.dtype | None = None) -> KVCache:
-    """A zeroed KV cache for model, on its device and in its dtype (or storing kv_dtype: torch.int8)."""
+def new_cache(
+    model: GPT, batch_size: int, max_len: int, kv_dtype: torch.dtype | None = None, spare: int = 0
+) -> KVCache:
+    """A zeroed KV cache for model, on its device and in its dtype (or storing kv_dtype: torch.int8); spare: ring
+    slots beyond a window for tokens written and then taken back (gptkit.kv_cache)."""
     device, dtype = device_dtype(model)
-    return KVCache(base(model).config, batch_size, max_len, device=device, dtype=dtype, kv_dtype=kv_dtype)
+    return KVCache(base(model).config, batch_size, max_len, device=device, dtype=dtype, kv_dtype=kv_dtype, spare=spare)
 
 
 # ----- the model calls -----
