@@ -397,3 +397,26 @@ def test_export_as_a_family_that_cannot_hold_the_model_is_refused(name, family, 
         export_hf(model, tmp_path / "out", family=family)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    "name, dropped, field, value",
+    [
+        ("smollm3", ("rope_parameters",), "rope_theta", 2e6),
+        ("gemma3", ("rope_parameters",), "rope_local_theta", 1e4),
+        ("qwen2.5-window", ("sliding_window",), "sliding_window", 4096),
+        (
+            "gemma2",
+            ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"),
+            "attn_softcap",
+            50.0,
+        ),
+        ("phi3", ("rms_norm_eps",), "norm_eps", 1e-5),
+        ("pythia", ("rope_parameters", "use_parallel_residual"), "rotary_dim", 4),
+    ],
+)
+def test_omitted_keys_take_the_config_class_defaults(name, dropped, field, value, tmp_path) -> None:
+    path = rewritten(tmp_path, name, edit(dropped))
+    model, _ = load_hf(path)
+    assert getattr(model.config, field) == value
+    assert_same_logits(AutoModelForCausalLM.from_pretrained(path).eval(), model)

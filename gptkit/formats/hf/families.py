@@ -11,6 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gptkit.formats.hf.experts import (
+    read_mixtral,
+    read_olmoe,
+    read_qwen2_moe,
+    read_qwen3_moe,
+    write_mixtral,
+    write_olmoe,
+    write_qwen2_moe,
+    write_qwen3_moe,
+)
 from gptkit.formats.hf.extras import (
     Reader,
     Writer,
@@ -29,10 +39,14 @@ from gptkit.formats.hf.layouts import (
     GRANITE,
     LLAMA,
     MISTRAL,
+    MIXTRAL,
     OLMO2,
+    OLMOE,
     PHI3,
     QWEN2,
+    QWEN2_MOE,
     QWEN3,
+    QWEN3_MOE,
     SMOLLM3,
     Layout,
 )
@@ -174,7 +188,7 @@ _QWEN_DEFAULTS = {
     **_LLAMA_DEFAULTS,
     "max_position_embeddings": 32768,
     "use_sliding_window": False,
-    "sliding_window": None,
+    "sliding_window": 4096,
     "max_window_layers": 28,
 }
 QWEN2_FAMILY = Family(
@@ -250,6 +264,7 @@ SMOLLM3_FAMILY = Family(
     defaults={
         **_LLAMA_DEFAULTS,
         "max_position_embeddings": 32768,
+        "rope_theta": 2000000.0,  # SmolLM3Config.default_theta
         "tie_word_embeddings": True,
         "attention_bias": False,
         "mlp_bias": False,
@@ -317,6 +332,82 @@ GRANITE_FAMILY = Family(
     write_extra=write_granite,
 )
 
+# Mixtures of experts (gptkit.moe; their config entries in experts.py).
+_MOE_DEFAULTS = {**_LLAMA_DEFAULTS, "output_router_logits": False}
+MIXTRAL_FAMILY = Family(
+    MIXTRAL,
+    keys=_CORE_KEYS,
+    fixed={**_ROPE_MODEL, "attn_bias": False, "mlp_bias": False, "moe_renormalize": True},
+    defaults={
+        **_MOE_DEFAULTS,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": None,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    windows="all",
+    read_extra=read_mixtral,
+    write_extra=write_mixtral,
+)
+_QWEN_MOE_DEFAULTS = {
+    **_MOE_DEFAULTS,
+    "max_position_embeddings": 32768,
+    "use_sliding_window": False,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": False,
+    "mlp_only_layers": None,
+}
+QWEN2_MOE_FAMILY = Family(
+    QWEN2_MOE,
+    keys={**_CORE_KEYS, "qkv_bias": "attn_bias"},
+    fixed={**_ROPE_MODEL, "mlp_bias": False, "moe_shared_gate": True},
+    defaults={
+        **_QWEN_MOE_DEFAULTS,
+        "intermediate_size": 5632,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "qkv_bias": True,
+    },
+    read_extra=read_qwen2_moe,
+    write_extra=write_qwen2_moe,
+)
+QWEN3_MOE_FAMILY = Family(
+    QWEN3_MOE,
+    keys={**_CORE_KEYS, "attention_bias": "attn_bias"},
+    fixed={**_ROPE_MODEL, "mlp_bias": False, "qk_norm": True},
+    defaults={
+        **_QWEN_MOE_DEFAULTS,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "attention_bias": False,
+    },
+    read_extra=read_qwen3_moe,
+    write_extra=write_qwen3_moe,
+)
+OLMOE_FAMILY = Family(
+    OLMOE,
+    keys={**_CORE_KEYS, "attention_bias": "attn_bias"},
+    fixed={**_ROPE_MODEL, "mlp_bias": False, "qk_norm": True, "qk_norm_scope": "width"},
+    defaults={
+        **_MOE_DEFAULTS,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "intermediate_size": 2048,
+        "attention_bias": False,
+        "clip_qkv": None,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+    },
+    read_extra=read_olmoe,
+    write_extra=write_olmoe,
+)
+
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
@@ -332,6 +423,10 @@ FAMILIES: dict[str, Family] = {
         OLMO2_FAMILY,
         GPT_NEOX_FAMILY,
         GRANITE_FAMILY,
+        MIXTRAL_FAMILY,
+        QWEN2_MOE_FAMILY,
+        QWEN3_MOE_FAMILY,
+        OLMOE_FAMILY,
     )
 }
 # Defaults of transformers' config classes for keys a config.json may omit, by model_type.

@@ -30,7 +30,7 @@ def read_rope(hf: dict[str, Any], family: Family, source: str, head_dim: int, ha
     """The ModelConfig fields rope_theta, rotary_dim, rope_scaling and rope_local_theta of an HF config."""
     if family.per_layer_rope:
         return _read_per_layer(hf, source, head_dim, has_sliding)
-    theta = hf.get(family.theta_key, DEFAULT_THETA)
+    theta = hf.get(family.theta_key, family.defaults.get(family.theta_key, DEFAULT_THETA))
     partial = hf.get(family.partial_key, family.default_partial)
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(params, dict):
