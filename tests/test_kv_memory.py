@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from gptkit.accounting import kv_cache_bytes
@@ -11,7 +12,9 @@ from gptkit.cli import main
 from gptkit.cli.info import describe
 from gptkit.config import ModelConfig
 from gptkit.kv_cache import KVCache
+from gptkit.model import GPT
 from gptkit.plan import PlanSettings, make_plan
+from gptkit.presets import PRESETS
 
 # A Gemma-3-shaped miniature: five sliding layers of window 16 to each full one, decoupled head_dim.
 LAYERS = ["sliding"] * 5 + ["full"] + ["sliding"] * 2
@@ -90,3 +93,21 @@ def test_plan_kv_cache_counts_windows(capsys) -> None:
     plan = make_plan(config, PlanSettings(kv_context=4096, kv_batch=2))
     assert plan.kv_cache["bytes"] == kv_cache_bytes(config, 2, 4096, "float32") == 2 * 2 * 32 * 4 * (7 * 16 + 4096)
     assert plan.kv_cache["windowed_layers"] == 7 and plan.kv_cache["window"] == 16
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_info_on_every_preset_counts_the_models_parameters(name: str, capsys) -> None:
+    """gptkit info PRESET: its total is the numel of the model that preset builds (on the meta device: no memory),
+    and its KV figures follow the formula, windows included."""
+    config = ModelConfig.preset(name)
+    with torch.device("meta"):
+        model = GPT(config)
+    distinct = {id(p): p for p in model.parameters()}.values()  # tied weights once
+    report = describe(name)
+    assert report["total"] == sum(p.numel() for p in distinct)
+    assert report["kv_cache_bytes_at_8192_tokens"]["bfloat16"] == kv_cache_bytes(config, 1, 8192, "bfloat16")
+    assert main(["info", name]) == 0
+    out = capsys.readouterr().out
+    assert f"{report['total']:,}" in out and "KV cache at 8,192 tokens" in out
+    for words in report["switches"]:
+        assert words in out

@@ -10,8 +10,9 @@ from gptkit.config import ModelConfig
 from gptkit.kv_cache import KVCache, quantize_rows
 
 KV, HD = 2, 8
-# Ring attention and the full reference sum the same terms in another order: fp32 rounding, measured below 1e-6.
-TOL = 1e-5
+# Ring attention and the full reference sum the same terms in another order (fp32, values of size ~1): measured up
+# to 3.6e-7 apart over these tests; the limit is about 6 times that.
+TOL = 2e-6
 
 
 def _config(window: int | None, n_layer: int = 1, layer_types: list[str] | None = None) -> ModelConfig:
