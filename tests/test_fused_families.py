@@ -131,3 +131,26 @@ def test_uncovered_rope_rule_falls_back_with_one_log_line(caplog) -> None:
         assert fused.step_for(model) is None
     lines = [r.getMessage() for r in caplog.records if "dynamic" in r.getMessage()]
     assert len(lines) == 1 and "eager" in lines[0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["gemma-3-like", "llama-3.2-like", "sandwich", "parallel residual"])
+def test_bf16_weights_decode_as_the_eager_step(name: str) -> None:
+    """bf16 weights: the eager step rounds activations to bf16 after every operator, the fused step keeps fp32.
+    Measured over 30 steps of 3 rows: logits up to 2.2e-2 of the largest apart (the Gemma-like model, with four
+    norms a block), 1 greedy token in 90 differing; the limits are about twice and three times those."""
+    model = family_model(FAMILIES[name]).to(torch.bfloat16)
+    step = fused.step_for(model)
+    assert step is not None
+    caches = [KVCache(model.config, 3, 48, dtype=torch.bfloat16) for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    worst, differ = 0.0, 0
+    with inference(model):
+        for t in range(30):
+            tokens = torch.randint(0, 64, (3, 1), generator=g)
+            positions = torch.tensor([t, t + 3, 2 * t // 3 + 1])
+            eager = decode_one_token(model, tokens, caches[0], positions).float()
+            native = step(model, tokens, caches[1], positions).float()
+            worst = max(worst, float((native - eager).abs().max() / eager.abs().max()))
+            differ += int((native.argmax(-1) != eager.argmax(-1)).sum())
+    assert worst < 4.5e-2 and differ <= 3, (worst, differ)
