@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gptkit.config import ModelConfig
 from gptkit.errors import GptkitError
 from gptkit.formats.hf import export_family, export_hf, gpt_from_hf_model, hf_model_from_gpt, load_hf
 from gptkit.model import GPT
@@ -420,3 +421,69 @@ def test_omitted_keys_take_the_config_class_defaults(name, dropped, field, value
     model, _ = load_hf(path)
     assert getattr(model.config, field) == value
     assert_same_logits(AutoModelForCausalLM.from_pretrained(path).eval(), model)
+
+
+NATIVE = {
+    "vocab_size": 128,
+    "block_size": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_kv_head": 2,
+    "n_embd": 64,
+    "ffn_hidden": 96,
+    "position": "rope",
+    "norm": "rmsnorm",
+    "activation": "swiglu",
+    "attn_bias": False,
+    "mlp_bias": False,
+    "norm_bias": False,
+}
+# gptkit configs (as a run trains them) -> the family their export picks
+NATIVE_EXPORTS = [
+    (dict(NATIVE, rope_scaling=LLAMA3_SCALING, rope_theta=500000.0), "llama"),
+    (dict(NATIVE, sliding_window=5), "mistral"),
+    (dict(NATIVE, sliding_window=5, layer_types=["full", "sliding"]), "qwen2"),
+    (dict(NATIVE, qk_norm=True, sliding_window=5, layer_types=["sliding", "full"]), "qwen3"),
+    (dict(NATIVE, rotary_dim=8), "phi3"),
+    (dict(NATIVE, nope_layers=[1]), "smollm3"),
+    (dict(NATIVE, residual_scale=0.5, logit_scale=0.25), "granite"),
+    (dict(NATIVE, qk_norm=True, qk_norm_scope="width", norm_position="sublayer_post"), "olmo2"),
+    (
+        dict(
+            NATIVE,
+            norm_position="sandwich",
+            activation="geglu",
+            norm_gain_offset=1.0,
+            embedding_scale=8.0,
+            attn_softcap=20.0,
+            logit_softcap=10.0,
+        ),
+        "gemma2",
+    ),
+    (
+        dict(
+            NATIVE,
+            n_kv_head=4,
+            norm="layernorm",
+            norm_bias=True,
+            parallel_residual=True,
+            activation="gelu",
+            rotary_dim=4,
+        ),
+        "gpt_neox",
+    ),
+]
+
+
+@pytest.mark.parametrize("changes, model_type", NATIVE_EXPORTS, ids=[m for _, m in NATIVE_EXPORTS])
+def test_gptkit_models_export_to_the_family_their_settings_call_for(changes, model_type, tmp_path) -> None:
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**changes)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    export_hf(model, tmp_path / "out")
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert hf_model.config.model_type == model_type
+    assert_same_logits(hf_model, model)
+    assert load_hf(tmp_path / "out")[0].config == model.config

@@ -45,11 +45,12 @@ def write_gemma(config: ModelConfig) -> dict[str, Any]:
 
 def read_granite(hf: dict[str, Any], get: Get, fields: dict[str, Any], source: str) -> dict[str, Any]:
     """Granite's four multipliers; its logits are divided by logits_scaling."""
-    embedding = get("embedding_multiplier")
+    embedding, attention = get("embedding_multiplier"), get("attention_multiplier")
     return {
         "embedding_scale": None if embedding == 1.0 else embedding,
         "residual_scale": get("residual_multiplier"),
-        "attn_scale": get("attention_multiplier"),  # the whole score scale, not a factor on 1/sqrt(head_dim)
+        # The whole score scale, not a factor on 1/sqrt(head_dim); that value is gptkit's default (None).
+        "attn_scale": None if attention == fields["head_dim"] ** -0.5 else attention,
         "logit_scale": 1.0 / get("logits_scaling"),
     }
 

@@ -84,6 +84,8 @@ def write_windows(config: ModelConfig, family: Family) -> dict[str, Any]:
             )
         return {"sliding_window": window}
     types = [SLIDING if s else FULL for s in sliding]
+    if window is None and family.windows == "layer_types":
+        window = family.defaults["sliding_window"]  # Gemma builds its sliding mask even when no layer uses it
     entries: dict[str, Any] = {"sliding_window": window, "layer_types": types}
     if family.windows in ("qwen", "smollm3"):
         entries["use_sliding_window"] = window is not None
