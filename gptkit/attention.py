@@ -84,7 +84,7 @@ def windowed_attention(
     W = window
     chunks = -(-T // W)
     tail = chunks * W - T
-    q = F.pad(q, (0, 0, 0, tail)).view(B, H, chunks, W, d).transpose(1, 2)  # (B, C, H, W, d)
+    q = F.pad(q, (0, 0, 0, tail)).reshape(B, H, chunks, W, d).transpose(1, 2)  # (B, C, H, W, d)
     keys, values = (_chunk_pairs(F.pad(t, (0, 0, W, tail)), chunks, W) for t in (k, v))  # (B, C, KV, 2W, d)
     row = torch.arange(W, device=q.device)[:, None]  # query i = c W + row
     col = torch.arange(2 * W, device=q.device)[None, :]  # key j = (c - 1) W + col
@@ -105,7 +105,7 @@ def windowed_attention(
 def _chunk_pairs(t: Tensor, chunks: int, W: int) -> Tensor:
     """(B, KV, (C+1) W, d) padded keys -> (B, C, KV, 2W, d): each chunk's previous and own W keys."""
     B, KV, _, d = t.shape
-    blocks = t.view(B, KV, chunks + 1, W, d)  # (B, KV, C+1, W, d)
+    blocks = t.reshape(B, KV, chunks + 1, W, d)  # (B, KV, C+1, W, d)
     return torch.cat([blocks[:, :, :-1], blocks[:, :, 1:]], dim=3).transpose(1, 2)  # (B, C, KV, 2W, d)
 
 
