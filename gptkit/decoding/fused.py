@@ -39,8 +39,8 @@ from gptkit.decoding.step import Step, base, decode_one_token, inference
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT, Block, CausalSelfAttention, FeedForward, Linear, RMSNorm
-from gptkit.positions import layer_rope, scaled_frequencies, scaling_attention_factor
 from gptkit.multi_lora import AdapterSet, adapter_sets, adapters_version, row_adapters
+from gptkit.positions import layer_rope, scaled_frequencies, scaling_attention_factor
 from gptkit.quantization import Int4Linear, Int8Linear
 
 log = logging.getLogger("gptkit.decoding")
