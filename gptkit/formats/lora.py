@@ -16,17 +16,21 @@ Face module names the PEFT export needs (gptkit.formats.hf.hf_block_modules) are
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from safetensors import SafetensorError
+from safetensors.torch import load as tensors_from_bytes
+from torch import Tensor, nn
 
 from gptkit.adapters import (TARGETS, add_lora, load_lora_state, lora_state, merge_lora, peft_adapter,
                              wrap_block_layers)
 from gptkit.atomic import atomic_write_text
 from gptkit.errors import GptkitError
-from gptkit.tensors import load_tensors, read_versioned_json, save_tensors
+from gptkit.tensors import check_version, save_tensors
 from gptkit.weights import check_finite
 
 FORMAT = "gptkit-lora"
@@ -35,6 +39,14 @@ CONFIG_FILE = "lora_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 PRECISIONS = ("float32", "bfloat16", "int8")
+CONFIG_LIMIT = 1 << 20  # bytes: a LoRA config is a dozen fields
+_KINDS = {
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 def is_lora_dir(path: str | Path) -> bool:
@@ -45,7 +57,15 @@ def is_lora_dir(path: str | Path) -> bool:
 def read_lora_config(path: str | Path) -> dict[str, Any]:
     """The checked lora_config.json of a LoRA directory."""
     file = Path(path) / CONFIG_FILE
-    data = read_versioned_json(file, FORMAT, FORMAT_VERSION, "gptkit LoRA config")
+    try:
+        data = json.loads(read_regular_file(file, CONFIG_LIMIT, "LoRA config"))
+    except RecursionError:
+        raise GptkitError(f"{file} nests too deep to be a LoRA config; save the fine-tune's config again") from None
+    except ValueError as err:  # not UTF-8, or not JSON
+        raise GptkitError(f"cannot read {file}: {err}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise GptkitError(f'{file} is not a gptkit LoRA config (no "format": "{FORMAT}")')
+    check_version(data, file, FORMAT_VERSION)
     kinds = {"base": str, "base_fingerprint": str, "rank": int, "alpha": (int, float), "dropout": (int, float),
              "targets": str, "base_precision": str}  # fmt: skip
     for key, kind in kinds.items():
@@ -54,6 +74,47 @@ def read_lora_config(path: str | Path) -> dict[str, Any]:
     if data["base_precision"] not in PRECISIONS:
         raise GptkitError(f"{file}: base_precision must be one of {', '.join(PRECISIONS)}")
     return data
+
+
+def read_lora_weights(path: str | Path, limit: int | None = None) -> dict[str, Tensor]:
+    """The adapters of a LoRA directory (on the CPU, as stored), their file checked first: a regular file of at
+    most limit bytes (None: any size), whole and finite."""
+    file = Path(path) / WEIGHTS_FILE
+    data = read_regular_file(file, limit, "set of adapters for this base")
+    try:
+        state = tensors_from_bytes(data)
+    except (SafetensorError, ValueError) as err:
+        raise GptkitError(f"{file} is not a readable safetensors file (truncated or corrupt?): {err}") from None
+    check_finite(state, str(file))
+    return state
+
+
+def read_regular_file(file: Path, limit: int | None, what: str) -> bytes:
+    """file's bytes, read only once it is known to be a regular file of at most limit bytes (None: any size): a
+    FIFO or a device opened as a file holds its reader for ever, or streams without end."""
+    try:
+        _check_regular(file, os.stat(file), limit, what)
+        # Non-blocking: a FIFO swapped in since the stat cannot hold the open either; fstat then tells.
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as err:
+        raise GptkitError(f"cannot read {file}: {err.strerror or err}") from None
+    with os.fdopen(fd, "rb") as f:
+        _check_regular(file, os.fstat(f.fileno()), limit, what)
+        try:
+            data = f.read() if limit is None else f.read(limit + 1)
+        except OSError as err:
+            raise GptkitError(f"cannot read {file}: {err.strerror or err}") from None
+    if limit is not None and len(data) > limit:  # it grew since the stat
+        raise GptkitError(f"{file} is larger than the {limit:,} bytes a {what} may be")
+    return data
+
+
+def _check_regular(file: Path, info: os.stat_result, limit: int | None, what: str) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a file")
+        raise GptkitError(f"{file} is {kind}, not a regular file; give a LoRA directory as gptkit wrote it")
+    if limit is not None and info.st_size > limit:
+        raise GptkitError(f"{file} is {info.st_size:,} bytes, more than the {limit:,} a {what} may be")
 
 
 def base_chain(path: str | Path) -> list[Path]:
@@ -110,8 +171,8 @@ def merged(model: nn.Module, path: str | Path, dtype: torch.dtype | None = None)
     directory used like a model directory (an int8-trained run's adapters too, over the float base)."""
     settings = read_lora_config(path)
     add_lora(model, settings["rank"], float(settings["alpha"]), float(settings["dropout"]), settings["targets"])
-    state = load_tensors(Path(path) / WEIGHTS_FILE, next(model.parameters()).device)
-    check_finite(state, str(Path(path) / WEIGHTS_FILE))  # a NaN adapter would make the merged weights NaN
+    device = next(model.parameters()).device
+    state = {name: t.to(device) for name, t in read_lora_weights(path).items()}  # finite: NaN would spread
     load_lora_state(model, state, str(path))
     model = merge_lora(model)
     for param in model.parameters():
@@ -131,8 +192,7 @@ def write_peft_dir(path: str | Path, out: str | Path, hf_modules: dict[str, list
     peft.PeftModel.from_pretrained(that HF base, out) computes what the merged model does. hf_modules and
     fan_in_fan_out describe that HF base (gptkit.formats.hf.hf_block_modules of the base's config)."""
     settings = read_lora_config(path)
-    config, tensors = peft_adapter(load_tensors(Path(path) / WEIGHTS_FILE), hf_modules, settings, settings["base"],
-                                   fan_in_fan_out)  # fmt: skip
+    config, tensors = peft_adapter(read_lora_weights(path), hf_modules, settings, settings["base"], fan_in_fan_out)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_tensors(tensors, out / PEFT_WEIGHTS, metadata={"format": "pt"})
