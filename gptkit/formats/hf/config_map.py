@@ -24,10 +24,14 @@ from gptkit.formats.hf.families import (
     GRANITE_FAMILY,
     LLAMA_FAMILY,
     MISTRAL_FAMILY,
+    MIXTRAL_FAMILY,
     OLMO2_FAMILY,
+    OLMOE_FAMILY,
     PHI3_FAMILY,
     QWEN2_FAMILY,
+    QWEN2_MOE_FAMILY,
     QWEN3_FAMILY,
+    QWEN3_MOE_FAMILY,
     SMOLLM3_FAMILY,
     Family,
 )
@@ -66,10 +70,19 @@ WHY = {
     "residual_scale": _SCALES,
     "attn_scale": _SCALES + " (gemma2 and gemma3_text a query_pre_attn_scalar)",
     "logit_scale": _SCALES,
+    "n_experts": "mixtral, qwen2_moe, qwen3_moe and olmoe have experts, the other families dense MLPs",
+    "moe_renormalize": "mixtral always renormalises its top-k weights; qwen2_moe, qwen3_moe and olmoe say whether",
+    "moe_shared_gate": "qwen2_moe gates its shared expert by sigmoid(x w); no other family has a shared expert",
 }
 _UNSCALED = (None, 1.0, None, 1.0)  # embedding_scale, residual_scale, attn_scale, logit_scale of a plain model
 # The family an export picks by default: the first whose signature setting the config has, else llama.
 _BY_SETTING: tuple[tuple[Callable[[ModelConfig], bool], Family], ...] = (
+    # A mixture of experts: a shared expert (Qwen2-MoE), q/k norms over the width (OLMoE) or per head (Qwen3-MoE),
+    # else Mixtral.
+    (lambda c: c.n_experts is not None and c.moe_shared_hidden is not None, QWEN2_MOE_FAMILY),
+    (lambda c: c.n_experts is not None and c.qk_norm and c.qk_norm_scope == "width", OLMOE_FAMILY),
+    (lambda c: c.n_experts is not None and c.qk_norm, QWEN3_MOE_FAMILY),
+    (lambda c: c.n_experts is not None, MIXTRAL_FAMILY),
     (lambda c: c.position == "learned", GPT2_FAMILY),
     (lambda c: c.parallel_residual or c.norm == "layernorm", GPT_NEOX_FAMILY),
     (lambda c: c.norm_position == "sandwich" and c.qk_norm, GEMMA3_FAMILY),

@@ -49,6 +49,20 @@ class BlockTensor:
     transposed: bool = False  # GPT-2's Conv1D stores weights as (in, out)
     rows: Callable[[ModelConfig], tuple[int, ...]] | None = None  # row split when theirs has several modules
     order: Callable[[ModelConfig], Tensor] | None = None  # HF's row of each of ours, when HF orders rows otherwise
+    # Mixture of experts: which layers hold it (all, the MoE layers, the dense ones), and whether theirs names one
+    # expert's modules with {e}: ours (E, out, in) stacks every expert's, in expert order, each as theirs stacks them.
+    layers: str = "all"
+    per_expert: bool = False
+
+    def applies(self, config: ModelConfig, index: int) -> bool:
+        """Whether layer index holds this tensor: all layers, or only the MoE (or only the dense) ones."""
+        return self.layers == "all" or (self.layers == "moe") == config.is_moe_layer(index)
+
+    def their_modules(self, config: ModelConfig) -> tuple[str, ...]:
+        """theirs, with {e} filled in for every expert when per_expert."""
+        if not self.per_expert:
+            return self.theirs
+        return tuple(name.format(e=e) for e in range(config.n_experts) for name in self.theirs)
 
 
 @dataclass(frozen=True)
@@ -167,9 +181,59 @@ GPT_NEOX = Layout(
     head="embed_out",  # transformers 5 still writes GPT-NeoX's head under its original name
 )
 
+
+# Mixtures of experts, as save_pretrained writes them (transformers 5 fuses each layer's experts into 3-D tensors in
+# memory, gate_up_proj and down_proj, but writes and reads one module per expert).
+def _moe_mlp(moe: str, gate: str, up: str, down: str) -> tuple[BlockTensor, ...]:
+    """A layer's router and experts under moe (e.g. "mlp"), and the dense MLP of the layers without experts."""
+
+    def gate_up_rows(config: ModelConfig) -> tuple[int, ...]:
+        return (config.expert_hidden,) * 2 * config.n_experts
+
+    def down_rows(config: ModelConfig) -> tuple[int, ...]:
+        return (config.n_embd,) * config.n_experts
+
+    return (
+        dataclasses.replace(_GATE_UP, layers="dense"),
+        dataclasses.replace(_DOWN, layers="dense"),
+        BlockTensor("mlp.router", (f"{moe}.gate",), layers="moe"),
+        BlockTensor(
+            "mlp.fc",
+            (f"{moe}.experts.{{e}}.{gate}", f"{moe}.experts.{{e}}.{up}"),
+            rows=gate_up_rows,
+            layers="moe",
+            per_expert=True,
+        ),
+        BlockTensor("mlp.proj", (f"{moe}.experts.{{e}}.{down}",), rows=down_rows, layers="moe", per_expert=True),
+    )
+
+
+def _shared_rows(config: ModelConfig) -> tuple[int, ...]:
+    return (config.moe_shared_hidden, config.moe_shared_hidden)
+
+
+_MOE_NORMS = (_INPUT_NORM, _QKV, _O, BlockTensor("norm2", ("post_attention_layernorm",)))
+_QWEN_MOE_MLP = _moe_mlp("mlp", "gate_proj", "up_proj", "down_proj")
+# Qwen2-MoE: a shared expert beside the routed ones, its output gated by sigmoid(shared_expert_gate x).
+_SHARED_EXPERT = (
+    BlockTensor(
+        "mlp.shared.fc", ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), rows=_shared_rows, layers="moe"
+    ),
+    BlockTensor("mlp.shared.proj", ("mlp.shared_expert.down_proj",), layers="moe"),
+    BlockTensor("mlp.shared_gate", ("mlp.shared_expert_gate",), layers="moe"),
+)
+MIXTRAL = _llama_like("MixtralForCausalLM", "mixtral", _MOE_NORMS + _moe_mlp("block_sparse_moe", "w1", "w3", "w2"))
+QWEN2_MOE = dataclasses.replace(
+    _llama_like("Qwen2MoeForCausalLM", "qwen2_moe", _MOE_NORMS + _QWEN_MOE_MLP + _SHARED_EXPERT),
+    no_bias=frozenset({"attn.proj"}),
+)
+QWEN3_MOE = _llama_like("Qwen3MoeForCausalLM", "qwen3_moe", _MOE_NORMS + _QWEN_MOE_MLP + _QK_NORMS)
+OLMOE = _llama_like("OlmoeForCausalLM", "olmoe", _MOE_NORMS + _QWEN_MOE_MLP + _QK_NORMS)
+
 LAYOUTS = {
     layout.architecture: layout
     for layout in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, SMOLLM3, OLMO2, GPT_NEOX, GRANITE)
+    + (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE)
 }
 
 
@@ -195,7 +259,9 @@ def weight_rules(config: ModelConfig, layout: Layout, base: str | None = None) -
         modules.append(("pos_emb", (base + layout.positions,), None))
     for i in range(config.n_layer):
         layer = f"{base}{layout.layers}.{i}."
-        modules += [(f"blocks.{i}.{b.ours}", tuple(layer + t for t in b.theirs), b) for b in layout.block]
+        for b in layout.block:
+            if b.applies(config, i):
+                modules.append((f"blocks.{i}.{b.ours}", tuple(layer + t for t in b.their_modules(config)), b))
     modules += [("norm_f", (base + layout.final_norm,), None), ("lm_head", (layout.head,), None)]
     rules = []
     for module, theirs, spec in modules:
@@ -204,6 +270,8 @@ def weight_rules(config: ModelConfig, layout: Layout, base: str | None = None) -
             if ours not in shapes:
                 continue  # e.g. no biases, or the tied head stored once as tok_emb.weight
             shape = stored = shapes[ours]
+            if len(shape) == 3:  # experts' (E, out, in): HF's tensors stacked row-wise, expert by expert
+                stored = (shape[0] * shape[1], shape[2])
             transposed = spec is not None and spec.transposed and param == "weight"
             if transposed:
                 stored = (shape[1], shape[0])
@@ -245,6 +313,8 @@ def import_tensor(rule: Rule, get: Callable[[str], Tensor], source: str) -> Tens
     tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
     if rule.order is not None:
         tensor = tensor[rule.order]
+    if len(rule.shape) == 3:
+        return tensor.reshape(rule.shape)  # (E * out, in) -> (E, out, in)
     return tensor.t().contiguous() if rule.transposed else tensor
 
 
@@ -256,6 +326,8 @@ def export_tensor(rule: Rule, tensor: Tensor) -> dict[str, Tensor]:
         return {}
     if rule.transposed:
         tensor = tensor.t()
+    if tensor.dim() == 3:
+        tensor = tensor.flatten(0, 1)  # (E, out, in) -> (E * out, in): every expert's rows in turn
     if rule.order is not None:
         tensor = tensor[torch.argsort(rule.order)]
     parts = tensor.split([shape[0] for shape in rule.their_shapes]) if len(rule.theirs) > 1 else (tensor,)

@@ -80,6 +80,8 @@ def hf_block_modules(config: ModelConfig) -> tuple[dict[str, list[tuple[str, int
     for i in range(config.n_layer):
         layer = f"{layout.base}{layout.layers}.{i}."
         for spec in layout.block:
+            if not spec.applies(config, i) or spec.per_expert:
+                continue  # experts are no nn.Linear modules an adapter wraps
             if spec.order is not None:
                 why = f"{layout.model_type} orders the rows of {spec.theirs[0]} per head, which adapters cannot cut"
                 raise ConversionError(f"{spec.ours} cannot be mapped to Hugging Face modules: {why}")
