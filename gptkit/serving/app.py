@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gptkit.chat import eos_text
@@ -16,7 +17,8 @@ from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import GptkitError
 from gptkit.serving import chat, completions, embeddings, playground, responses
 from gptkit.serving.metrics import RequestCounter
-from gptkit.serving.middleware import BearerAuth, BodyLimit, HostGuard
+from gptkit.serving.middleware import BODY_KEY, BearerAuth, BodyLimit, HostGuard
+from gptkit.serving.nesting import deepest, field_name
 from gptkit.serving.lora_registry import AdapterRegistry
 from gptkit.serving.schemas import (DetokenizeRequest, LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest,
                                     error_body)
@@ -170,8 +172,22 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        if isinstance(err.__cause__, RecursionError):  # FastAPI's "error parsing the body": nested past the parser
+            return _too_deep(request)
         message = f"no route {request.method} {request.url.path}" if err.status_code in (404, 405) else err.detail
         return JSONResponse(error_body(str(message)), err.status_code, headers=getattr(err, "headers", None))
+
+
+def _too_deep(request: Request) -> JSONResponse:
+    """A 400 naming the field of the request's body that nests deeper than the JSON parser goes."""
+    path, depth = deepest(request.scope.get(BODY_KEY, b""))
+    route = request.scope.get("route")
+    body_field = getattr(route, "body_field", None)
+    model = body_field.field_info.annotation if body_field is not None else None
+    param = field_name(path, model) if isinstance(model, type) and issubclass(model, BaseModel) else None
+    what = param or "the request body"
+    message = f"{what} is nested {depth} levels deep, deeper than this server parses JSON; send it less deeply nested"
+    return JSONResponse(error_body(message, param=param or None, code="invalid_value"), 400)
 
 
 def _validation_error(err: RequestValidationError) -> JSONResponse:

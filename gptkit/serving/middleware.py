@@ -11,11 +11,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gptkit.serving.schemas import error_body
 
 
+BODY_KEY = "gptkit.body"  # where BodyLimit leaves the request's body in its ASGI scope
+
+
 class BodyLimit:
     """ASGI middleware: a request body larger than limit bytes gets 413 before the app parses it.
 
     The body is read here in full (it is at most limit bytes) and handed on as one message, so that a chunked
-    upload without a Content-Length is refused as soon as it passes the limit.
+    upload without a Content-Length is refused as soon as it passes the limit; it is also left in the scope under
+    BODY_KEY.
     """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
@@ -39,13 +43,14 @@ class BodyLimit:
             if len(body) > self.limit:
                 await self._reject(scope, receive, send)
                 return
+        body = scope[BODY_KEY] = bytes(body)  # kept for the error handlers (a body too deeply nested to parse)
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # later calls wait for the disconnect, as streaming responses expect
 
         await self.app(scope, replay, send)
