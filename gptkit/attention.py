@@ -91,15 +91,15 @@ def windowed_attention(
     mask = (col > row) & (col <= row + W)  # (W, 2W): i - W < j <= i
     first = torch.arange(chunks, device=q.device)[:, None, None] > 0
     mask = mask & (first | (col >= W))  # (C, W, 2W): chunk 0's previous chunk is padding
-    if document_ids is None:
-        mask = mask[:, None]  # (C, 1, W, 2W)
-    else:
+    if document_ids is not None:
         ids = F.pad(document_ids, (W, tail), value=-1)  # (B, (C+1) W)
         query_ids = ids[:, W:].view(B, chunks, W)  # (B, C, W)
         key_ids = torch.cat([ids[:, :-W].view(B, chunks, W), query_ids], dim=-1)  # (B, C, 2W)
-        mask = (mask & (query_ids[..., :, None] == key_ids[..., None, :]))[:, :, None]  # (B, C, 1, W, 2W)
-    out = attend(q, keys, values, mask)  # (B, C, H, W, d)
-    return out.transpose(1, 2).reshape(B, H, chunks * W, d)[:, :, :T]  # (B, H, T, d)
+        mask = mask & (query_ids[..., :, None] == key_ids[..., None, :])  # (B, C, W, 2W)
+    # Rows and chunks as one batch dimension: the 4-D inputs every fused attention kernel takes.
+    mask = mask.expand(B, chunks, W, 2 * W).reshape(B * chunks, 1, W, 2 * W)  # (B C, 1, W, 2W)
+    out = attend(*(t.flatten(0, 1) for t in (q, keys, values)), mask)  # (B C, H, W, d)
+    return out.view(B, chunks, H, W, d).transpose(1, 2).reshape(B, H, chunks * W, d)[:, :, :T]  # (B, H, T, d)
 
 
 def _chunk_pairs(t: Tensor, chunks: int, W: int) -> Tensor:
