@@ -14,6 +14,7 @@ from gptkit.formats.hf import (
     ConversionError,
     export_family,
     export_hf,
+    gpt_from_hf_model,
     hf_block_modules,
     hf_config_from_gptkit,
     load_hf,
@@ -131,3 +132,11 @@ def test_adapters_see_the_dense_modules_of_an_moe_export() -> None:
     rows = config.ffn_hidden
     assert modules["blocks.0.mlp.fc"] == [("model.layers.0.mlp.gate_proj", rows), ("model.layers.0.mlp.up_proj", rows)]
     assert "blocks.1.mlp.fc" not in modules and "blocks.1.attn.qkv" in modules
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
+def test_import_of_an_in_memory_model(family: str) -> None:
+    hf = hf_model(family)  # its experts fused in memory (gate_up_proj, down_proj), unlike its files
+    ids = torch.randint(0, TINY["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(gpt_from_hf_model(hf)(ids), hf(ids).logits, rtol=0, atol=1e-4)

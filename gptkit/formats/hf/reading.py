@@ -232,7 +232,11 @@ def hf_eos_ids(path: Path, hf: dict[str, Any]) -> list[int]:
 
 def gpt_from_hf_model(hf_model: Any) -> GPT:
     """The GPT equal to an in-memory transformers model (GPT2LMHeadModel or another family's *ForCausalLM)."""
-    state = hf_model.state_dict()
+    from transformers.core_model_loading import revert_weight_conversion
+
+    # The names save_pretrained writes, which the layouts describe: transformers 5 holds some families' tensors
+    # otherwise in memory (a mixture of experts' as 3-D gate_up_proj and down_proj).
+    state = revert_weight_conversion(hf_model, hf_model.state_dict())
     loaders = {name: (lambda t=t: t.detach().clone()) for name, t in state.items()}  # no storage shared
     param = next(hf_model.parameters())
     return model_from_hf_state(
