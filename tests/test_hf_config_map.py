@@ -115,6 +115,7 @@ def test_import_refuses_what_gptkit_does_not_compute(name, change, match, tmp_pa
         ("olmo2", "qwen3", "norm_position 'sublayer_post' cannot be exported as qwen3"),
         ("gemma2", "gemma3_text", "qk_norm False cannot be exported as gemma3_text"),
         ("llama-3.1", "falcon", "unknown Hugging Face family 'falcon'"),
+        ("llama-3.1", "phi3", "rope_scaling 'llama3' cannot be exported as phi3: its config takes longrope only"),
     ],
 )
 def test_export_as_a_family_that_cannot_hold_the_model_is_refused(name, family, match, tmp_path) -> None:

@@ -124,6 +124,7 @@ class Family:
     partial_key: str = "partial_rotary_factor"  # likewise for the rotated fraction of each head
     default_partial: float = 1.0  # the rotated fraction when config.json names none
     rope_aliases: dict[str, str] = field(default_factory=dict)  # early rope_type names the config class renames
+    rope_types: frozenset[str] | None = None  # the scaling rules the config class accepts (None: all of them)
     window_period: int | None = None  # layer_types by default: a full layer every this many (None: config's key)
     read_extra: Reader | None = None  # the family's settings beyond one key per field (extras.py)
     write_extra: Writer | None = None
@@ -256,6 +257,7 @@ PHI3_FAMILY = Family(
     windows="all",
     partial_rotary=True,
     rope_aliases={"su": "longrope", "yarn": "longrope"},  # Phi3Config's reading of its early LongRoPE names
+    rope_types=frozenset({"longrope"}),  # Phi3Config.validate_rope refuses the others
 )
 SMOLLM3_FAMILY = Family(
     SMOLLM3,

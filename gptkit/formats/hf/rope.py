@@ -105,6 +105,12 @@ def write_rope(config: ModelConfig, family: Family) -> dict[str, Any]:
     """The config.json entries of config's RoPE for family, or a ConversionError naming what family cannot hold."""
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
+        kind = config.rope_scaling.rope_type
+        if family.rope_types is not None and kind not in family.rope_types:
+            raise ConversionError(
+                f"rope_scaling {kind!r} cannot be exported as {family.model_type}: its config takes "
+                f"{', '.join(sorted(family.rope_types))} only"
+            )
         params.update(config.rope_scaling.to_dict())
     if config.rotary_dim != config.head_dim:
         factor = config.rotary_dim / config.head_dim
