@@ -138,10 +138,10 @@ class MoEFeedForward(nn.Module):
         logits = self.router(flat).float()  # (N, E)
         weights, experts = route(logits, self.k, self.renormalize)  # (N, k) each
         out = self.drop(self.experts(flat, weights.to(flat.dtype), experts))  # (N, d)
+        self.aux_loss = None  # nothing left from an earlier forward for GPT's loss to read
         if self.training and torch.is_grad_enabled() and (self.aux_coefficient or self.z_coefficient):
-            probs = logits.softmax(dim=-1)
-            self.aux_loss = self.aux_coefficient * load_balance(probs, experts, self.n_experts)
-            self.aux_loss = self.aux_loss + self.z_coefficient * router_z_loss(logits)
+            balance = load_balance(logits.softmax(dim=-1), experts, self.n_experts)
+            self.aux_loss = self.aux_coefficient * balance + self.z_coefficient * router_z_loss(logits)
         if self.counts is not None:
             self.count(logits.detach(), experts)
         if self.shared is not None:
