@@ -213,3 +213,19 @@ def test_gptkit_models_export_to_the_family_their_settings_call_for(changes, mod
     assert hf_model.config.model_type == model_type
     assert_same_logits(hf_model, model)
     assert load_hf(tmp_path / "out")[0].config == model.config
+
+
+@pytest.mark.parametrize("name", ["gemma3", "pythia", "phi4-mini"])
+def test_a_classifier_exports_as_the_family_s_sequence_classifier(name, tmp_path) -> None:
+    from gptkit.finetune.heads import SequenceClassifier
+
+    torch.manual_seed(0)
+    classifier = SequenceClassifier(gpt_from_hf_model(make_hf(name)), ["neg", "pos"]).eval()
+    export_hf(classifier.gpt, tmp_path / "out", head=(classifier.labels, classifier.score.weight))
+    hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    assert type(hf_model).__name__.endswith("ForSequenceClassification")
+    tokens = torch.randint(0, 128, (1, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # without a pad id transformers scores the last token of a single row
+        want = hf_model(input_ids=tokens).logits
+        got, _ = classifier(tokens, torch.tensor([10]))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
