@@ -90,6 +90,11 @@ def test_older_config_keys_read_as_transformers_reads_them(name, tmp_path) -> No
             ),
             "RoPE scaling 'linear' on sliding layers",
         ),
+        (
+            "gemma3",
+            edit(rope_parameters={"full_attention": {"rope_type": "default", "partial_rotary_factor": 0.5}}),
+            "RoPE setting 'partial_rotary_factor' is not supported: Gemma 3 rotates the full head",
+        ),
         ("gemma2", edit((), hidden_activation="gelu"), "hidden_activation 'gelu'"),
         ("gemma2", edit((), layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "'chunked"),
         ("pythia", edit((), head_dim=8), "head_dim 8 is not supported: gpt_neox's heads are"),

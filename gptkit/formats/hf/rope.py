@@ -53,8 +53,10 @@ def _read_per_layer(hf: dict[str, Any], source: str, head_dim: int, has_sliding:
     full.update(hf.get("rope_scaling") or {})
     full_theta = hf.get("rope_theta", GEMMA3_GLOBAL_THETA)
     local_theta = hf.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)
-    theta, _, scaling = _read_params(full, hf, None, source, full_theta, 1.0)
-    local, _, local_scaling = _read_params(sliding, hf, None, source, local_theta, 1.0)
+    theta, partial, scaling = _read_params(full, hf, None, source, full_theta, 1.0)
+    local, local_partial, local_scaling = _read_params(sliding, hf, None, source, local_theta, 1.0)
+    if (partial, local_partial) != (1.0, 1.0):
+        raise _refuse(source, "RoPE setting 'partial_rotary_factor'", "Gemma 3 rotates the full head")
     fields = {"rope_theta": theta, "rotary_dim": head_dim, "rope_scaling": scaling, "rope_local_theta": None}
     if has_sliding and (local, local_scaling) != (theta, scaling):
         if local_scaling is not None:
