@@ -12,9 +12,9 @@ decided by timing them against PyTorch on this machine, once, and kept in a smal
 library: a CPU flag says what can run, never what is faster. The same measurement decides whether bf16 inference
 over many rows (prefill, eval) runs in fp32, which is faster where bf16 matmul has no hardware behind it.
 
-A choice timed while other programs kept more than a quarter of a core busy is kept all the same, with a log
-line (kernel_cache.timed_choice): a busy machine does not time it again at every start; delete choices.json to
-measure again.
+A choice timed while other programs kept more than a quarter of a core busy is kept all the same, marked so, with
+a log line (kernel_cache.timed_choice): a busy machine does not time it again at every start, and the first
+process that starts on a quiet machine times it again, once; delete choices.json to measure again.
 Overrides: GPTKIT_CPU_KERNELS=0 keeps PyTorch's products (the kernels are not even built), =1 uses the kernels
 without measuring; GPTKIT_BF16_UPCAST=1 or 0 forces the many-row bf16 choice. Everything runs on CPU inference
 only (autograd off); training, CUDA and MPS keep PyTorch's products.
@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import platform
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +81,9 @@ COMPILED_INT8_MIN_ROWS = 5
 ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512", 3: "avx512_vnni", 4: "avx512_bf16"}
 CHOICES_FILE = "choices.json"
 MEASURED = {"fp32", "bf16", "int8", "bf16_upcast"}  # what _measure decides; choices.json entries may hold more
+# An entry's mark that one of its choices was timed while other programs were busy: kept, so that a busy machine
+# does not time it again at every start, and timed again by the first process that finds the machine quiet.
+TIMED_BUSY = "timed_while_busy"
 
 # State decided in eager code only (a compiled graph reads the answers): "library" (bool), "choices" (dict); and
 # "background" (the thread that awaits a build and measures) and "builder" (this process's builder process).
@@ -332,7 +334,9 @@ def _record(name: str, measure: Callable[[], bool]) -> bool:
     entry = saved.setdefault(_machine_key(), {})
     if name not in entry:
         log.info("timing gptkit's %s against PyTorch on this machine (once)", name.replace("_", " "))
-        entry[name] = kernel_cache.timed_choice(name.replace("_", " "), lambda: bool(measure()))
+        entry[name], busy = kernel_cache.timed_choice(name.replace("_", " "), lambda: bool(measure()))
+        if busy:
+            entry[TIMED_BUSY] = True
         kernel_cache.keep_choices(path, saved)
     return entry[name]
 
@@ -347,12 +351,18 @@ def _decide() -> dict[str, bool]:
     path = build_directory() / CHOICES_FILE
     key = _machine_key()
     saved = kernel_cache.saved_choices(path)
+    if saved.get(key, {}).get(TIMED_BUSY) and kernel_cache.quiet():
+        log.info(
+            "timing gptkit's CPU kernels again: the kept choices were timed while other programs were busy, "
+            "and the machine is quiet now"
+        )
+        del saved[key]
     if not MEASURED <= saved.get(key, {}).keys():
         log.info("timing gptkit's CPU kernels against PyTorch's products on this machine (once)")
-        measured = kernel_cache.timed_choice("its CPU kernels", _measure)
-        saved[key] = {**saved.get(key, {}), **measured}
+        measured, busy = kernel_cache.timed_choice("its CPU kernels", _measure)
+        saved[key] = {**saved.get(key, {}), **measured, **({TIMED_BUSY: True} if busy else {})}
         kernel_cache.keep_choices(path, saved)
-    chosen = dict(saved[key])
+    chosen = {name: value for name, value in saved[key].items() if name != TIMED_BUSY}
     if upcast in ("0", "1"):
         chosen["bf16_upcast"] = upcast == "1"
     return chosen

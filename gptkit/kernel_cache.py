@@ -153,9 +153,10 @@ def saved_choices(path: Path) -> dict[str, dict[str, bool]]:
 
 # Other programs using more than this many cores while a choice is timed make it a guess under contention, which
 # slows the kernels' many-barrier OpenMP regions far more than PyTorch's products (a fused-step choice timed beside
-# another job chose the eager step, 1.5x slower at 4 rows on a quiet machine). It is kept all the same, with a log
-# line saying so: timing again at every start on a busy machine cost each `gptkit serve` 40 s before it was ready,
-# and a busy machine gives no better answer the next time. Deleting choices.json times everything again.
+# another job chose the eager step, 1.5x slower at 4 rows on a quiet machine). It is kept all the same, marked as
+# timed while busy, with a log line: timing again at every start on a busy machine cost each `gptkit serve` 40 s
+# before it was ready, and a busy machine gives no better answer the next time; the first process that finds the
+# machine quiet times it again (cpu_kernels). Deleting choices.json times everything again.
 BUSY_CORES = 0.25
 QUIET_WINDOW_S = 0.2  # how long the check watches, this process asleep (/proc/stat counts 100 ticks a second)
 PROC_STAT = Path("/proc/stat")
@@ -191,20 +192,25 @@ def busy_ticks() -> tuple[int, int] | None:
     return sum(values) - idle, sum(values)
 
 
-def timed_choice(what: str, measure: Callable[[], T]) -> T:
-    """measure()'s answer, with one log line where other programs were busy (BUSY_CORES) just before or after it:
-    the answer is kept all the same (see BUSY_CORES)."""
+def timed_choice(what: str, measure: Callable[[], T]) -> tuple[T, bool]:
+    """measure()'s answer, and whether other programs were busy (BUSY_CORES) just before or after it (then said in
+    a log line): the answer is kept all the same (see BUSY_CORES)."""
     before = others_busy()
     answer = measure()
     busy = max(before or 0.0, others_busy() or 0.0)
     if busy > BUSY_CORES:
         log.info(
-            "other programs used %.1f cores while gptkit timed %s: the choice is kept all the same (delete "
-            "choices.json in the kernel cache to time it again on a quieter machine)",
+            "other programs used %.1f cores while gptkit timed %s: the choice is kept all the same, and timed again "
+            "when a process starts on a quiet machine",
             busy,
             what,
         )
-    return answer
+    return answer, busy > BUSY_CORES
+
+
+def quiet() -> bool:
+    """Whether other programs use at most BUSY_CORES now (True where /proc/stat cannot be read)."""
+    return (others_busy() or 0.0) <= BUSY_CORES
 
 
 def keep_choices(path: Path, saved: dict[str, dict[str, bool]]) -> None:
