@@ -154,3 +154,11 @@ def test_bf16_weights_decode_as_the_eager_step(name: str) -> None:
             worst = max(worst, float((native - eager).abs().max() / eager.abs().max()))
             differ += int((native.argmax(-1) != eager.argmax(-1)).sum())
     assert worst < 4.5e-2 and differ <= 3, (worst, differ)
+
+
+@needs_kernels
+def test_odd_head_width_without_rope_decodes_fused() -> None:
+    """Heads of 15 values with learned positions: nothing rotates, so an odd width is no obstacle."""
+    settings = dict(BASE, position="learned", n_embd=60, head_dim=15, norm="layernorm", activation="gelu_tanh")
+    logits, cache = run_steps(family_model(settings))
+    assert logits <= LOGITS_TOLERANCE and cache <= CACHE_TOLERANCE, (logits, cache)

@@ -195,7 +195,8 @@ def _plan(model: GPT) -> torch.ScriptObject:
                 config.padded_vocab_size, NORMS[config.norm], ACTIVATIONS[config.activation],
                 POSITIONS[config.position], int(dtype == torch.bfloat16)]  # fmt: skip
     qk_norm = QK_NORMS[config.qk_norm_scope] if config.qk_norm else 0
-    settings += [NORM_POSITIONS[config.norm_position], int(config.parallel_residual), qk_norm, config.rotary_dim]
+    rotary = config.rotary_dim if config.position == "rope" else 0  # (a head of any width rotates nothing)
+    settings += [NORM_POSITIONS[config.norm_position], int(config.parallel_residual), qk_norm, rotary]
     settings += [config.layer_window(i) or 0 for i in range(config.n_layer)]  # csrc/step.cpp: 0 is full attention
     tensors = [t.detach() for t in _read(model, gains=True)]
     if not model.__dict__.get("_gptkit_huge_pages"):  # once per model: its weights stream faster from 2 MiB pages
@@ -222,7 +223,7 @@ def _numbers(config: ModelConfig, dtype: torch.dtype) -> list[float]:
 def _rope_tables(config: ModelConfig) -> list[Tensor]:
     """Each layer's RoPE inverse frequencies (n_layer, rotary_dim / 2) and cos/sin factor (n_layer,), fp32, from
     gptkit.positions; a factor of 0 marks a layer without RoPE."""
-    half = config.rotary_dim // 2
+    half = config.rotary_dim // 2 if config.position == "rope" else 0
     freqs, factors = torch.zeros(config.n_layer, half), torch.zeros(config.n_layer)
     for index in range(config.n_layer):
         rope = layer_rope(config, index) if config.position == "rope" else None
