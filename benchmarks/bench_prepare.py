@@ -182,11 +182,11 @@ def formats(megabytes: float, seed: int) -> dict:
         for name, path in paths.items():
             out = tmp_path / f"out-{name.replace(' ', '-')}"
             seconds, rss, meta = prepare_in_child(["--input", str(path), "--tokenizer", "byte", "--out", str(out)])
-            text_mb = (meta["train_bytes"] + meta["val_bytes"]) / 1e6
-            results[name] = {"file_mb": round(sum(i["bytes"] for i in meta["inputs"]) / 1e6, 1),
+            text_mb = (meta.train_bytes + meta.val_bytes) / 1e6
+            results[name] = {"file_mb": round(sum(i["bytes"] for i in meta.inputs) / 1e6, 1),
                              "text_mb_per_s": round(text_mb / seconds, 2), "seconds": round(seconds, 2),
-                             "max_rss_mb": round(rss / 2**20, 1), "documents": meta["documents"]}  # fmt: skip
-            tokens.add(meta["train_tokens"] + meta["val_tokens"])
+                             "max_rss_mb": round(rss / 2**20, 1), "documents": meta.documents}  # fmt: skip
+            tokens.add(meta.train_tokens + meta.val_tokens)
             shutil.rmtree(out)
     plain = results["jsonl"]["text_mb_per_s"]
     for entry in results.values():
@@ -226,17 +226,17 @@ def main() -> None:
         )  # fmt: skip
         raw_after, _ = raw_encode(files, tmp_path / "trained")
         raw_seconds = min(raw_before, raw_after)  # the faster raw run: the ratio errs against prepare
-        pipeline_tokens = meta["train_tokens"] + meta["val_tokens"] - (meta["documents"] - 1)  # minus separators
+        pipeline_tokens = meta.train_tokens + meta.val_tokens - (meta.documents - 1)  # minus separators
 
     report = {
         "corpus_mb": round(megabytes, 1),
         "cores": os.cpu_count(),
-        "vocab_size": full_meta["vocab_size"],
+        "vocab_size": full_meta.vocab_size,
         "raw_tokenizers_mb_per_s": round(megabytes / raw_seconds, 2),
         "prepare_encode_mb_per_s_wall": round(megabytes / wall, 2),
-        "prepare_encode_mb_per_s_in_process": round(megabytes / meta["seconds"], 2),
+        "prepare_encode_mb_per_s_in_process": round(megabytes / meta.seconds, 2),
         "ratio_wall": round(raw_seconds / wall, 3),
-        "ratio_in_process": round(raw_seconds / meta["seconds"], 3),
+        "ratio_in_process": round(raw_seconds / meta.seconds, 3),
         "target_ratio": 0.8,
         "prepare_bpe_train_and_encode_mb_per_s_wall": round(megabytes / full_wall, 2),
         "same_token_count": pipeline_tokens == raw_tokens,

@@ -38,7 +38,7 @@ def tokens_of(args: argparse.Namespace, tokenizer) -> tuple[np.ndarray, np.ndarr
     """The ids to score, the byte length of each token id (for bits per byte), and what they are."""
     if args.data:
         meta = read_meta(args.data)
-        ids = load_tokens(Path(args.data) / "val.bin", meta["dtype"])
+        ids = load_tokens(Path(args.data) / "val.bin", meta.dtype)
         return ids, tokenizer.token_byte_lengths() if tokenizer is not None else None, f"{args.data}/val.bin"
     text = Path(args.input).read_bytes().decode("utf-8")
     return encode_text(tokenizer, text), tokenizer.token_byte_lengths(), args.input

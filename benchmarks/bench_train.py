@@ -132,7 +132,7 @@ def bench_hf(
     model = hf_model(config, block)
     optimizer = hf_optimizer(model)
     meta = json.loads((data / "meta.json").read_text())
-    batches = TrainBatches(load_tokens(data / "train.bin", meta["dtype"]), block, batch, seed=0)
+    batches = TrainBatches(load_tokens(data / "train.bin", meta.dtype), block, batch, seed=0)
     times = []
     for step in range(warmup + steps):
         start = time.perf_counter()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptkit.data import TrainBatches, load_tokens, read_meta, sequential_batches
+from gptkit.data import DataMeta, TrainBatches, load_tokens, read_meta, sequential_batches
 from gptkit.errors import GptkitError, InputError
 
 
@@ -25,8 +25,8 @@ def test_read_meta_and_load_tokens_give_the_written_data(tmp_path: Path) -> None
     train, val = np.arange(100, dtype=np.uint16), np.arange(7, dtype=np.uint16) + 500
     _write_data_dir(tmp_path, train, val, tokenizer="char")
     meta = read_meta(tmp_path)
-    assert meta["train_tokens"] == 100 and meta["tokenizer"] == "char"
-    tokens = load_tokens(tmp_path / "train.bin", meta["dtype"])
+    assert meta.train_tokens == 100 and meta.tokenizer == "char"
+    tokens = load_tokens(tmp_path / "train.bin", meta.dtype)
     assert isinstance(tokens, np.memmap) and np.array_equal(tokens, train)
     with pytest.raises(ValueError):
         tokens[0] = 1  # read-only
@@ -149,7 +149,7 @@ def test_batches_from_a_memory_mapped_file(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- prompts
 
 
-def _prompt_data(path: Path) -> dict:
+def _prompt_data(path: Path) -> DataMeta:
     from gptkit.prepare import PrepareConfig, prepare
 
     rows = path.parent / "rows.jsonl"
@@ -163,7 +163,7 @@ def test_a_prompt_data_set_is_checked_and_loaded(tmp_path: Path) -> None:
     data = tmp_path / "data"
     _prompt_data(data)
     meta = read_meta(data)
-    assert meta["kind"] == PROMPT_KIND and PROMPT_KIND not in EXAMPLE_KINDS and not is_examples(meta)
+    assert meta.kind == PROMPT_KIND and PROMPT_KIND not in EXAMPLE_KINDS and not is_examples(meta)
     prompts = load_prompts(data, "val", meta)
     assert len(prompts) == 2 and prompts.offsets.dtype == np.int64 and len(prompts.offsets) == 3
     assert prompts.prompt(1) == list(prompts.texts[1].encode()) and prompts.rows[1]["answer"] % 2 == 0
@@ -187,8 +187,25 @@ def test_a_prompt_data_set_is_checked_and_loaded(tmp_path: Path) -> None:
 
 def test_read_meta_of_prompts_needs_their_counts(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    meta = _prompt_data(data)
+    meta = dict(_prompt_data(data).raw)  # meta.json as written
     del meta["val_prompts"]
     (data / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(GptkitError, match="field 'val_prompts' must be a non-negative integer, got None"):
+        read_meta(data)
+
+
+def test_meta_json_is_read_typed_and_what_prepare_returns_is_what_readers_see(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    written = _prompt_data(data)
+    read = read_meta(data)
+    assert isinstance(read, DataMeta) and read == written and read.kind == "prompts"
+    assert (read.train_prompts, read.val_prompts, read.vocab_size, read.labels) == (8, 2, 257, None)
+    raw = json.loads((data / "meta.json").read_text())
+    assert read.raw == raw and read.files == raw["files"]
+    raw["written_by_a_newer_gptkit"] = 1  # a key this version does not know is kept, not refused
+    (data / "meta.json").write_text(json.dumps(raw))
+    assert read_meta(data).raw["written_by_a_newer_gptkit"] == 1
+    raw["vocab_size"] = "257"
+    (data / "meta.json").write_text(json.dumps(raw))
+    with pytest.raises(GptkitError, match="field 'vocab_size' must be a non-negative integer, got '257'"):
         read_meta(data)

@@ -146,9 +146,9 @@ def test_cli_on_prepared_val_bin(model_dir, model, tmp_path, capsys):
     meta = prepare(PrepareConfig(out=str(tmp_path / "data"), inputs=[str(corpus)], tokenizer="byte", val_fraction=0.5))
     assert main(["eval", str(model_dir), "--data", str(tmp_path / "data"), "--json", "--quiet"]) == 0
     report = json.loads(capsys.readouterr().out)
-    val = load_tokens(tmp_path / "data" / "val.bin", meta["dtype"])
+    val = load_tokens(tmp_path / "data" / "val.bin", meta.dtype)
     assert report["tokens"] == len(val) - 1
-    assert report["bytes"] == meta["val_bytes"] - 1  # every byte of the split but the first token's
+    assert report["bytes"] == meta.val_bytes - 1  # every byte of the split but the first token's
     assert report["loss"] == pytest.approx(evaluate_ids(model, np.asarray(val), None).loss, rel=1e-6)
 
 
@@ -171,7 +171,7 @@ def test_cli_errors_are_one_line_exit_2(model_dir, tmp_path, capsys, extra, mess
 
         meta = prepare(PrepareConfig(out=str(tmp_path / "bpe-data"), inputs=[str(tmp_path / "t.txt")],
                                      tokenizer="bpe", vocab_size=257, val_fraction=0.5))  # fmt: skip
-        assert meta["vocab_size"] == 257
+        assert meta.vocab_size == 257
     argv = ["eval", str(model_dir), "--quiet", *[a.format(tmp=tmp_path) for a in extra]]
     assert main(argv) == 2
     err = capsys.readouterr().err

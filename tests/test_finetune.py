@@ -168,12 +168,12 @@ def test_prepare_examples_split_truncation_and_files(tmp_path, capsys):
     assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(out), "--max-length", "48"]) == 0
     meta = read_meta(out)
     # The long prompt leaves nothing trained once cut to 48 tokens (dropped); the long reply is cut (truncated).
-    assert (meta["kind"], meta["dropped"], meta["truncated"], meta["max_length"]) == ("examples", 1, 1, 48)
-    assert (meta["train_examples"], meta["val_examples"]) == (37, 4)  # round(41 * 0.1) held out
+    assert (meta.kind, meta.dropped, meta.truncated, meta.max_length) == ("examples", 1, 1, 48)
+    assert (meta.train_examples, meta.val_examples) == (37, 4)  # round(41 * 0.1) held out
     assert "41 examples" in capsys.readouterr().out
     train_split, val_split = load_examples(out, "train", meta), load_examples(out, "val", meta)
-    assert train_split.lengths().max() <= 48 and int(train_split.targets().sum()) == meta["train_targets"]
-    assert int(val_split.targets().sum()) == meta["val_targets"]
+    assert train_split.lengths().max() <= 48 and int(train_split.targets().sum()) == meta.train_targets
+    assert int(val_split.targets().sum()) == meta.val_targets
     tokenizer = ByteTokenizer()
     texts = {tokenizer.decode(train_split.ids[a:b].tolist()) for a, b in zip(train_split.offsets, train_split.offsets[1:])}
     assert "user: Reverse: apple\n\nassistant: elppa<|endoftext|>\n\n" in texts  # the template's whole text
@@ -182,7 +182,7 @@ def test_prepare_examples_split_truncation_and_files(tmp_path, capsys):
     again = tmp_path / "again"
     assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(again), "--max-length", "48",
                  "--overlong", "drop"]) == 0  # fmt: skip
-    assert (read_meta(again)["dropped"], read_meta(again)["truncated"]) == (2, 0)
+    assert (read_meta(again).dropped, read_meta(again).truncated) == (2, 0)
     assert np.array_equal(np.fromfile(out / "val.bin", np.uint16), np.fromfile(tmp_path / "data" / "val.bin", np.uint16))
 
 
@@ -404,7 +404,7 @@ def test_a_lora_checkpoint_is_used_like_a_model_directory(sft, tmp_path, capsys)
     assert torch.equal(plain(sample), merged(sample))
     assert main(["eval", str(lora), "--data", str(data), "--json", "--quiet"]) == 0
     scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert scored["tokens"] == read_meta(data)["val_targets"]
+    assert scored["tokens"] == read_meta(data).val_targets
     assert main(["inspect", str(lora), "--prompt", "user: hi", "--out", str(tmp_path / "inspect")]) == 0
 
 

@@ -40,7 +40,7 @@ COMPRESS[".zst"] = _zstd
 
 def _stream(out: Path) -> list[int]:
     meta = read_meta(out)
-    parts = [load_tokens(out / name, meta["dtype"]) for name in ("train.bin", "val.bin")]
+    parts = [load_tokens(out / name, meta.dtype) for name in ("train.bin", "val.bin")]
     return np.concatenate(parts).tolist()
 
 
@@ -70,7 +70,7 @@ def plain(tmp_path: Path) -> list[int]:
     for i, doc in enumerate(DOCS):
         (folder / f"doc{i}.txt").write_bytes(doc.encode())
     stream, meta = _prepare(tmp_path, folder)
-    assert meta["documents"] == len(DOCS)
+    assert meta.documents == len(DOCS)
     return stream
 
 
@@ -82,11 +82,11 @@ def test_jsonl_csv_tsv_plain_and_compressed_give_the_plain_text_stream(tmp_path,
         path.write_bytes(COMPRESS[suffix](data) if suffix else data)
         stream, meta = _prepare(tmp_path, path, text_field="body")
         assert stream == plain, name + suffix
-        assert meta["documents"] == len(DOCS)
-        assert meta["inputs"][0]["bytes"] == path.stat().st_size  # the file's own size, compressed or not
+        assert meta.documents == len(DOCS)
+        assert meta.inputs[0]["bytes"] == path.stat().st_size  # the file's own size, compressed or not
         import hashlib
 
-        assert meta["inputs"][0]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert meta.inputs[0]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.mark.parametrize("suffix", list(COMPRESS))
@@ -115,7 +115,7 @@ def test_parquet_is_streamed_row_group_by_row_group(tmp_path, plain, monkeypatch
     monkeypatch.setattr(pq, "read_table", whole)
     monkeypatch.setattr(inputs, "PARQUET_BATCH_ROWS", 1)
     stream, meta = _prepare(tmp_path, path, text_field="content")
-    assert stream == plain and meta["documents"] == len(DOCS)
+    assert stream == plain and meta.documents == len(DOCS)
     # A directory holding it reads it too (Parquet holds NUL bytes, but its magic says what it is).
     folder = tmp_path / "dir"
     folder.mkdir()
@@ -141,7 +141,7 @@ def test_csv_errors_name_the_column_and_row(tmp_path):
     with pytest.raises(InputError, match=r'a.csv row 2 has no string field "text" .*; its fields: \'id\', \'body\''):
         _prepare(tmp_path, tmp_path / "a.csv")
     (tmp_path / "b.csv").write_text("body,id\nfine,1\n\n2\n")  # row 4 lacks nothing: column 0 is there
-    assert _prepare(tmp_path, tmp_path / "b.csv", text_field="body")[1]["documents"] == 2
+    assert _prepare(tmp_path, tmp_path / "b.csv", text_field="body")[1].documents == 2
     (tmp_path / "c.csv").write_text("id,body\n1,fine\n2\n")
     with pytest.raises(InputError, match='c.csv row 3 has no string field "body"'):
         _prepare(tmp_path, tmp_path / "c.csv", text_field="body")
@@ -150,7 +150,7 @@ def test_csv_errors_name_the_column_and_row(tmp_path):
     stream, _ = _prepare(tmp_path, tmp_path / "d.csv")
     assert len(stream) == 300_000
     (tmp_path / "e.csv").write_bytes("\ufefftext\nwith a byte-order mark\n".encode())  # as Excel writes
-    assert _prepare(tmp_path, tmp_path / "e.csv")[1]["documents"] == 1
+    assert _prepare(tmp_path, tmp_path / "e.csv")[1].documents == 1
 
 
 def _minimal_png() -> bytes:
@@ -190,7 +190,7 @@ def test_a_directory_skips_binary_files_and_names_them_when_nothing_else_is_left
     (folder / "more.txt.gz").write_bytes(gzip.compress(b" and more"))
     with caplog.at_level("WARNING", logger="gptkit.prepare.inputs"):
         stream, meta = _prepare(tmp_path, folder)
-    assert [Path(i["path"]).name for i in meta["inputs"]] == ["more.txt.gz", "notes.md"]
+    assert [Path(i["path"]).name for i in meta.inputs] == ["more.txt.gz", "notes.md"]
     assert bytes(t for t in stream if t < 256) == b" and moresome text"
     assert "skipped 2 x a PDF document, 1 x a PNG image" in caplog.text
 
@@ -248,7 +248,7 @@ def test_supervised_examples_read_from_compressed_jsonl_and_parquet(tmp_path):
     def example_files(path: Path) -> dict[str, bytes]:
         out = tmp_path / f"out-{path.name}"
         meta = prepare(PrepareConfig(out=str(out), inputs=[str(path)], tokenizer="byte", val_fraction=0.2))
-        assert meta["kind"] == "examples" and meta["train_examples"] + meta["val_examples"] == 5
+        assert meta.kind == "examples" and meta.train_examples + meta.val_examples == 5
         return {p.name: p.read_bytes() for p in out.iterdir() if p.suffix == ".bin"}
 
     expected = example_files(plain)

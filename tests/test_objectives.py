@@ -68,7 +68,7 @@ def prepared(tmp_path_factory) -> tuple[Path, Path, Path]:
 def test_preference_pairs_are_stored_chosen_then_rejected_and_batched_whole(prepared):
     _, pairs, _ = prepared
     meta = read_meta(pairs)
-    assert meta["kind"] == "preferences" and meta["train_examples"] % 2 == 0 and meta["val_examples"] > 0
+    assert meta.kind == "preferences" and meta.train_examples % 2 == 0 and meta.val_examples > 0
     examples = load_examples(pairs, "train", meta)
     tokenizer = ByteTokenizer()
     for pair in range(examples.items()):
@@ -87,14 +87,14 @@ def test_preference_pairs_are_stored_chosen_then_rejected_and_batched_whole(prep
 def test_labelled_texts_keep_their_labels_and_are_read_at_their_last_token(prepared):
     _, _, texts = prepared
     meta = read_meta(texts)
-    assert meta["kind"] == "labelled" and meta["labels"] == ["fruit", "other"]
+    assert meta.kind == "labelled" and meta.labels == ["fruit", "other"]
     examples = load_examples(texts, "train", meta)
     tokenizer = ByteTokenizer()
     batch = next(example_batches(examples, 64, 5))
     for r in range(5):
         a, b = examples.offsets[r], examples.offsets[r + 1]
         text = tokenizer.decode(examples.ids[a:b].tolist())
-        assert meta["labels"][int(batch.labels[r])] == ("fruit" if text.split()[1] in FRUIT else "other")
+        assert meta.labels[int(batch.labels[r])] == ("fruit" if text.split()[1] in FRUIT else "other")
         assert int(batch.last[r]) == b - a - 1 and int(batch.x[r, batch.last[r]]) == int(examples.ids[b - 1])
         assert torch.equal(batch.y[r, : b - a - 1], torch.as_tensor(examples.ids[a + 1 : b], dtype=torch.long))
         assert int(batch.y[r, b - a - 1]) == IGNORE_INDEX
@@ -123,7 +123,7 @@ def test_pairs_with_the_same_reply_twice_are_counted_in_one_warning(tmp_path, ca
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gptkit: ")]
     assert warnings == [f"gptkit: 2 preference pair(s) have the same chosen and rejected reply, from which DPO learns "
                         f"nothing (the first at {path} line 4); fix or drop them"]  # fmt: skip
-    assert read_meta(tmp_path / "out")["train_examples"] + read_meta(tmp_path / "out")["val_examples"] == 2 * 7
+    assert read_meta(tmp_path / "out").train_examples + read_meta(tmp_path / "out").val_examples == 2 * 7
 
 
 def test_one_label_mixed_kinds_and_the_wrong_objective_are_refused(prepared, tmp_path, capsys):

@@ -121,7 +121,7 @@ def unpaired(prepared, tmp_path_factory) -> Path:  # noqa: F811
 
 def test_unpaired_rows_are_stored_with_true_and_false_labels(unpaired):
     meta = read_meta(unpaired)
-    assert meta["kind"] == "unpaired" and meta["labels"] == ["false", "true"]
+    assert meta.kind == "unpaired" and meta.labels == ["false", "true"]
     examples = load_examples(unpaired, "train", meta)
     assert set(examples.labels.tolist()) == {0, 1} and len(examples.labels) == len(examples)
     assert (examples.targets() > 0).all()  # each completion is trained on, its prompt not

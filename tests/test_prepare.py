@@ -18,7 +18,7 @@ import gptkit.prepare as prep
 import gptkit.prepare.encoding as encoding
 import gptkit.prepare.text as prep_text
 from gptkit.cli import main
-from gptkit.data import load_tokens, read_meta
+from gptkit.data import DataMeta, load_tokens, read_meta
 from gptkit.errors import GptkitError, InputError
 from gptkit.prepare import DEFAULT_CORPUS, PrepareConfig, prepare
 from gptkit.tokenizer import EOT, load_tokenizer
@@ -29,7 +29,7 @@ PACKAGE = Path(prep.__file__).parents[1]  # gptkit/
 
 def _tokens(out: Path) -> tuple[np.ndarray, np.ndarray]:
     meta = read_meta(out)
-    return load_tokens(out / "train.bin", meta["dtype"]), load_tokens(out / "val.bin", meta["dtype"])
+    return load_tokens(out / "train.bin", meta.dtype), load_tokens(out / "val.bin", meta.dtype)
 
 
 def _documents(out: Path) -> list[str]:
@@ -48,11 +48,11 @@ def _documents(out: Path) -> list[str]:
 
 def test_char_on_the_default_corpus_matches_nanogpt(tmp_path: Path) -> None:
     assert main(["prepare", "--tokenizer", "char", "--out", str(tmp_path)]) == 0
-    meta = json.loads((tmp_path / "meta.json").read_text())
-    assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (65, 1003854, 111540)
-    assert meta["dtype"] == "uint16" and meta["tokenizer"] == "char" and meta["separator"] is None
-    assert meta["inputs"][0]["bytes"] == 1115394 and len(meta["inputs"][0]["sha256"]) == 64
-    assert (meta["train_bytes"], meta["val_bytes"]) == (1003854, 111540)
+    meta = read_meta(tmp_path)
+    assert (meta.vocab_size, meta.train_tokens, meta.val_tokens) == (65, 1003854, 111540)
+    assert meta.dtype == "uint16" and meta.tokenizer == "char" and meta.separator is None
+    assert meta.inputs[0]["bytes"] == 1115394 and len(meta.inputs[0]["sha256"]) == 64
+    assert (meta.train_bytes, meta.val_bytes) == (1003854, 111540)
     train, val = _tokens(tmp_path)
     tok = load_tokenizer(tmp_path)
     assert tok.decode(train.tolist()) == SHAKESPEARE[:1003854] and tok.decode(val.tolist()) == SHAKESPEARE[1003854:]
@@ -65,13 +65,13 @@ def test_bpe_trained_on_a_directory_of_source_files_round_trips_every_file(tmp_p
     out = tmp_path / "data"
     meta = prepare(PrepareConfig(out=str(out), inputs=[str(source)], tokenizer="bpe", vocab_size=700))
     files = sorted(p for p in source.rglob("*") if p.is_file())
-    assert meta["documents"] == len(files) == len(meta["inputs"]) and meta["vocab_size"] == 700
+    assert meta.documents == len(files) == len(meta.inputs) and meta.vocab_size == 700
     tok = load_tokenizer(out)
     texts = [f.read_text(encoding="utf-8") for f in files]
     for text in texts:
         assert tok.decode(tok.encode(text)) == text
     assert _documents(out) == texts  # the prepared stream is exactly the files, separated by <|endoftext|>
-    assert meta["train_bytes"] + meta["val_bytes"] == sum(len(t.encode()) for t in texts)
+    assert meta.train_bytes + meta.val_bytes == sum(len(t.encode()) for t in texts)
 
 
 def test_cut_stream_equals_whole_document_encoding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,7 +85,7 @@ def test_cut_stream_equals_whole_document_encoding(tmp_path: Path, monkeypatch: 
     tok = load_tokenizer(tmp_path / "a")
     assert np.concatenate(_tokens(tmp_path / "a")).tolist() == tok.encode(corpus.read_text())
     meta = prepare(PrepareConfig(out=str(tmp_path / "b"), inputs=[str(corpus)], tokenizer=str(tmp_path / "a")))
-    assert meta["forced_cuts"] == 0 and meta["tokenizer"] == "bpe"
+    assert meta.forced_cuts == 0 and meta.tokenizer == "bpe"
     assert np.concatenate(_tokens(tmp_path / "b")).tolist() == tok.encode(corpus.read_text())
 
 
@@ -95,10 +95,10 @@ def test_jsonl_documents_are_separated_by_the_end_of_text_token(tmp_path: Path) 
     (tmp_path / "d.jsonl").write_text("\ufeff" + lines, encoding="utf-8")  # with a byte-order mark, as some editors
     meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "d.jsonl")], tokenizer="byte",
                                  val_fraction=0.2))  # fmt: skip
-    assert meta["documents"] == 4 and meta["separator"] == EOT
+    assert meta.documents == 4 and meta.separator == EOT
     assert _documents(tmp_path / "o") == docs
     total = sum(len(d.encode()) for d in docs) + 3
-    assert (meta["train_tokens"], meta["val_tokens"]) == (int(total * 0.8), total - int(total * 0.8))
+    assert (meta.train_tokens, meta.val_tokens) == (int(total * 0.8), total - int(total * 0.8))
 
 
 def test_char_on_several_files_adds_the_eot_token(tmp_path: Path) -> None:
@@ -106,7 +106,7 @@ def test_char_on_several_files_adds_the_eot_token(tmp_path: Path) -> None:
     (tmp_path / "in" / "a.txt").write_text("abc")
     (tmp_path / "in" / "b.txt").write_text("cd")
     meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "in")], val_fraction=0.0))
-    assert meta["vocab_size"] == 5 and meta["eos_id"] == 4 and meta["val_tokens"] == 0
+    assert meta.vocab_size == 5 and meta.eos_id == 4 and meta.val_tokens == 0
     assert np.concatenate(_tokens(tmp_path / "o")).tolist() == [0, 1, 2, 4, 2, 3]
 
 
@@ -120,9 +120,9 @@ def test_directory_inputs_glob_skip_binary_and_hidden_files(tmp_path: Path) -> N
     (root / "blob.bin").write_bytes(b"\x00\x01binary")
     (root / ".git" / "config").write_text("hidden\n")
     meta = prepare(PrepareConfig(out=str(tmp_path / "all"), inputs=[str(root)], tokenizer="byte"))
-    assert [Path(i["path"]).name for i in meta["inputs"]] == ["a.py", "b.txt", "c.py"]
+    assert [Path(i["path"]).name for i in meta.inputs] == ["a.py", "b.txt", "c.py"]
     meta = prepare(PrepareConfig(out=str(tmp_path / "py"), inputs=[str(root)], tokenizer="byte", glob="*.py"))
-    assert [Path(i["path"]).name for i in meta["inputs"]] == ["a.py", "c.py"]
+    assert [Path(i["path"]).name for i in meta.inputs] == ["a.py", "c.py"]
     assert _documents(tmp_path / "py") == ["print(1)\n", "x = 2\n"]
 
 
@@ -130,7 +130,7 @@ def test_a_large_vocabulary_is_stored_as_uint32(tmp_path: Path) -> None:
     chars = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 70_000) if not 0xD800 <= c < 0xE000)
     (tmp_path / "wide.txt").write_text(chars)
     meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "wide.txt")]))
-    assert meta["vocab_size"] == len(chars) > 65536 and meta["dtype"] == "uint32"
+    assert meta.vocab_size == len(chars) > 65536 and meta.dtype == "uint32"
     train, val = _tokens(tmp_path / "o")
     assert np.concatenate([train, val]).tolist() == list(range(len(chars)))
 
@@ -148,7 +148,7 @@ def test_invalid_utf8_names_file_and_byte_offset_and_replace_mode(tmp_path: Path
     with pytest.raises(InputError, match="cut.txt: invalid UTF-8 at byte offset 3"):
         prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(truncated)], tokenizer="byte"))
     meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(bad)], tokenizer="char", errors="replace"))
-    assert _documents(tmp_path / "o") == [good + "ab\ufffdcd"] and meta["errors"] == "replace"
+    assert _documents(tmp_path / "o") == [good + "ab\ufffdcd"] and meta.errors == "replace"
 
 
 def test_jsonl_errors_name_file_and_line(tmp_path: Path) -> None:
@@ -235,7 +235,7 @@ def test_an_interrupted_run_leaves_the_previous_data_set_whole(tmp_path: Path, m
     with pytest.raises(KeyboardInterrupt):
         prepare(PrepareConfig(out=str(out), tokenizer="char"))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == files  # no temporary file either
-    assert read_meta(out)["tokenizer"] == before["tokenizer"] == "byte"
+    assert read_meta(out).tokenizer == before.tokenizer == "byte"
 
 
 KILL_CHILD = textwrap.dedent(
@@ -287,7 +287,7 @@ KILL_CHILD = textwrap.dedent(
 def _data_set(out: Path) -> tuple[str, list[int]]:
     """(tokenizer kind, token stream) of a data directory, checked whole by read_meta."""
     meta = read_meta(out)
-    return meta["tokenizer"], np.concatenate(_tokens(out)).tolist()
+    return meta.tokenizer, np.concatenate(_tokens(out)).tolist()
 
 
 @pytest.mark.parametrize("stage", ["encoding", "staged", "exchanged", "cleanup", "moving"])
@@ -341,7 +341,7 @@ def test_a_symlinked_data_directory_is_replaced_where_it_lives(tmp_path: Path) -
     (tmp_path / "link").symlink_to(real)
     prepare(PrepareConfig(out=str(tmp_path / "link"), tokenizer="byte"))
     assert (tmp_path / "link").is_symlink() and (real / "meta.json").is_file()
-    assert read_meta(tmp_path / "link")["tokenizer"] == "byte"
+    assert read_meta(tmp_path / "link").tokenizer == "byte"
 
 
 def test_a_full_disk_while_preparing_is_one_line_and_keeps_the_old_data(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -386,7 +386,7 @@ MEMORY_CHILD = textwrap.dedent(
     except MemoryError:
         pass
     meta = prepare(PrepareConfig(out=out, inputs=[corpus], tokenizer=tokenizer))
-    print(json.dumps(meta))
+    print(json.dumps(meta.raw))
     """
 )
 
@@ -403,22 +403,22 @@ def _prepare_under_memory_limit(tmp_path: Path, tokenizer: str, budget_mb: int, 
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    meta = json.loads(result.stdout.strip().splitlines()[-1])
-    assert meta["inputs"][0]["bytes"] == corpus.stat().st_size >= times * budget_mb * 2**20
+    meta = DataMeta.from_dict(json.loads(result.stdout.strip().splitlines()[-1]), tmp_path / "meta.json")
+    assert meta.inputs[0]["bytes"] == corpus.stat().st_size >= times * budget_mb * 2**20
     return meta
 
 
 def test_memory_stays_flat_on_a_corpus_four_times_the_memory_limit(tmp_path: Path) -> None:
     meta = _prepare_under_memory_limit(tmp_path, "char", budget_mb=24, times=4)
-    size = meta["inputs"][0]["bytes"]
-    assert meta["train_tokens"] + meta["val_tokens"] == size and meta["vocab_size"] == 65
+    size = meta.inputs[0]["bytes"]
+    assert meta.train_tokens + meta.val_tokens == size and meta.vocab_size == 65
 
 
 @pytest.mark.slow
 def test_memory_stays_flat_for_bpe_on_a_corpus_several_times_the_memory_limit(tmp_path: Path) -> None:
     prepare(PrepareConfig(out=str(tmp_path / "tok"), tokenizer="bpe", vocab_size=2000))
     meta = _prepare_under_memory_limit(tmp_path, str(tmp_path / "tok"), budget_mb=64, times=3)
-    assert meta["train_tokens"] + meta["val_tokens"] > 0 and meta["tokenizer"] == "bpe"
+    assert meta.train_tokens + meta.val_tokens > 0 and meta.tokenizer == "bpe"
 
 
 @pytest.mark.slow
@@ -449,8 +449,8 @@ def test_memory_stays_flat_for_compressed_jsonl_and_parquet(tmp_path: Path, kind
     result = subprocess.run([sys.executable, "-c", MEMORY_CHILD, "byte", str(budget), str(corpus), str(tmp_path / "o"),
                              str(warm), str(text_size)], capture_output=True, text=True, timeout=900)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    meta = json.loads(result.stdout.strip().splitlines()[-1])
-    assert meta["documents"] == rounds * len(docs) and meta["train_bytes"] + meta["val_bytes"] == text_size
+    meta = DataMeta.from_dict(json.loads(result.stdout.strip().splitlines()[-1]), tmp_path / "meta.json")
+    assert meta.documents == rounds * len(docs) and meta.train_bytes + meta.val_bytes == text_size
 
 
 def test_an_unwritable_parent_stages_inside_the_data_directory(tmp_path: Path, monkeypatch) -> None:
@@ -473,7 +473,7 @@ def test_an_unwritable_parent_stages_inside_the_data_directory(tmp_path: Path, m
     monkeypatch.setattr(atomic.tempfile, "mkdtemp", mkdtemp)
     prepare(PrepareConfig(out=str(out), tokenizer="char"))
     assert places == [tmp_path, out]
-    assert read_meta(out)["tokenizer"] == "char" and (out / "notes.txt").read_text() == "mine"
+    assert read_meta(out).tokenizer == "char" and (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in out.iterdir()) == ["gptkit_tokenizer.json", "meta.json", "notes.txt", "train.bin",
                                                      "val.bin"]  # fmt: skip
 
@@ -500,7 +500,7 @@ def test_prompt_rows_make_a_prompt_data_set_with_every_field_kept(tmp_path: Path
                  "0.2"]) == 0  # fmt: skip
     assert "20 prompts (train 16, val 4)" in capsys.readouterr().out
     meta = read_meta(out)
-    assert (meta["kind"], meta["train_prompts"], meta["val_prompts"], meta["dropped"]) == ("prompts", 16, 4, 0)
+    assert (meta.kind, meta.train_prompts, meta.val_prompts, meta.dropped) == ("prompts", 16, 4, 0)
     splits = {split: load_prompts(out, split, meta) for split in ("train", "val")}
     assert (len(splits["train"]), len(splits["val"])) == (16, 4)
     seen = []
@@ -512,7 +512,7 @@ def test_prompt_rows_make_a_prompt_data_set_with_every_field_kept(tmp_path: Path
             seen.append(row)
         assert not np.fromfile(out / PROMPT_FILES[split]["mask"], np.uint8).any()  # nothing in a prompt is trained
     assert sorted(seen, key=lambda r: r["id"]) == PROMPT_ROWS  # every row once, every field as it was
-    assert meta["train_tokens"] == sum(len(r["prompt"]) for r in splits["train"].rows)
+    assert meta.train_tokens == sum(len(r["prompt"]) for r in splits["train"].rows)
     # A data set of another kind in its place leaves none of the prompt files behind (they are the data set's).
     (out / "notes.txt").write_text("mine")
     prepare(PrepareConfig(out=str(out), tokenizer="byte"))
@@ -546,7 +546,7 @@ def test_a_conversation_ending_with_a_user_turn_is_the_prompt_the_server_renders
     path = _write_rows(tmp_path / "chat.jsonl", [{"messages": m, "answer": "4"} for m in conversations])
     meta = prepare(PrepareConfig(out=str(tmp_path / "data"), inputs=[str(path)], tokenizer=tokenizer_name,
                                  val_fraction=0.0))  # fmt: skip
-    assert meta["kind"] == "prompts" and meta["train_prompts"] == 2
+    assert meta.kind == "prompts" and meta.train_prompts == 2
     tokenizer = load_tokenizer(tmp_path / "data")
     server_template = chat_template(tokenizer_name, tokenizer)  # what gptkit serve renders a chat request with
     prompts = load_prompts(tmp_path / "data", "train", meta)
@@ -558,7 +558,7 @@ def test_a_conversation_ending_with_a_user_turn_is_the_prompt_the_server_renders
         assert prompts.texts[0] == "system: Be brief.\n\nuser: What is two plus two?\n\nassistant:"
     else:
         assert prompts.texts[0].endswith("<|im_start|>assistant\n")
-        assert meta["chat_template"] == server_template.source  # training checks the model's template against it
+        assert meta.chat_template == server_template.source  # training checks the model's template against it
         assert (tmp_path / "data" / "tokenizer_config.json").is_file()
     # TRL's conversational prompt ({"prompt": messages}) is the same prompt.
     trl = _write_rows(tmp_path / "trl.jsonl", [{"prompt": conversations[0]}])
@@ -569,7 +569,7 @@ def test_a_conversation_ending_with_a_user_turn_is_the_prompt_the_server_renders
     answered = [*conversations[0], {"role": "assistant", "content": "Four."}]
     supervised = _write_rows(tmp_path / "sft.jsonl", [{"messages": answered}])
     assert prepare(PrepareConfig(out=str(tmp_path / "sft"), inputs=[str(supervised)], tokenizer=tokenizer_name,
-                                 val_fraction=0.0))["kind"] == "examples"  # fmt: skip
+                                 val_fraction=0.0)).kind == "examples"  # fmt: skip
 
 
 @pytest.mark.parametrize("rows, message", [
@@ -594,7 +594,7 @@ def test_a_row_that_is_not_a_prompt_in_a_prompt_file_is_one_line(tmp_path: Path,
 def test_an_explicit_text_field_still_reads_prompts_as_text(tmp_path: Path) -> None:
     path = _write_rows(tmp_path / "p.jsonl", PROMPT_ROWS[:3])
     meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(path)], tokenizer="byte", text_field="prompt"))
-    assert "kind" not in meta and _documents(tmp_path / "o") == ["10+40=", "11+41=", "12+42="]
+    assert "kind" not in meta.raw and _documents(tmp_path / "o") == ["10+40=", "11+41=", "12+42="]
 
 
 def test_prompts_beside_examples_are_refused(tmp_path: Path) -> None:
@@ -616,7 +616,7 @@ def test_an_overlong_prompt_is_dropped_not_cut_and_counted(tmp_path: Path, caplo
     with caplog.at_level(logging.WARNING, logger="gptkit.prepare"):
         meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(path)], tokenizer="byte", max_length=10,
                                      val_fraction=0.0))  # fmt: skip
-    assert (meta["dropped"], meta["train_prompts"], meta["max_length"], meta["longest_prompt"]) == (2, 2, 10, 5)
+    assert (meta.dropped, meta.train_prompts, meta.max_length, meta.longest_prompt) == (2, 2, 10, 5)
     assert [r["answer"] for r in load_prompts(tmp_path / "o", "train", meta).rows] == [1, 3]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "2 prompt(s) longer than 10 tokens were dropped" in warnings[0]

@@ -61,10 +61,10 @@ def _val_tokens(data_dir: str, model_tokenizer, model_dir: str):  # -> (np.ndarr
     from gptkit.tokenizer import check_same_tokenizer, tokenizer_or_none
 
     meta = read_meta(data_dir)
-    if meta.get("kind") == PROMPT_KIND:
+    if meta.kind == PROMPT_KIND:
         raise InputError(f"{data_dir} holds prompts (a GRPO data set), with no text or replies to score; a GRPO run "
                          "measures held-out reward and pass@k at its evaluations (val_pass_at_1 in metrics.jsonl)")
-    tokens = load_tokens(Path(data_dir) / "val.bin", meta["dtype"])
+    tokens = load_tokens(Path(data_dir) / "val.bin", meta.dtype)
     tokenizer = tokenizer_or_none(data_dir) or model_tokenizer
     if tokenizer is not None and model_tokenizer is not None:
         check_same_tokenizer(tokenizer, model_tokenizer, data_dir, model_dir)
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         if options.kv_cache is not None and is_examples(meta):
             raise InputError("--kv-cache scores a text (--input, or a data directory of text); examples are scored "
                              "without a cache")  # fmt: skip
-        if meta.get("kind") == "labelled" and is_classifier_dir(args.model_dir):
+        if meta.kind == "labelled" and is_classifier_dir(args.model_dir):
             return _classify_report(args, model, meta, options.batch_size)
         if is_examples(meta):  # supervised examples: each scored alone, on its trained tokens
             examples = load_examples(args.data, "val", meta)
@@ -181,7 +181,7 @@ def _classify_report(args: argparse.Namespace, model, meta: dict, batch_size: in
     from gptkit.finetune.heads import load_head, predict
 
     classifier = load_head(model, args.model_dir)
-    unknown = sorted(set(meta["labels"]) - set(classifier.labels))
+    unknown = sorted(set(meta.labels) - set(classifier.labels))
     if unknown:
         raise InputError(f"{args.data} has label(s) {', '.join(map(repr, unknown))} that the classifier "
                          f"{args.model_dir} does not know (it knows {', '.join(map(repr, classifier.labels))})")
@@ -191,7 +191,7 @@ def _classify_report(args: argparse.Namespace, model, meta: dict, batch_size: in
     rows = [examples.ids[a:b].tolist() for a, b in zip(examples.offsets[:-1], examples.offsets[1:])]
     with tqdm(total=len(rows), unit="text", desc="eval", file=sys.stderr, disable=args.quiet) as bar:
         probabilities = predict(classifier, rows, batch_size, bar.update)
-    truth = np.asarray([classifier.labels.index(meta["labels"][i]) for i in examples.labels])
+    truth = np.asarray([classifier.labels.index(meta.labels[i]) for i in examples.labels])
     scores = classification_scores(truth, probabilities.argmax(1).numpy(), classifier.labels)
     if args.json:
         print(json.dumps(scores))

@@ -45,29 +45,29 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     meta = prepare(config, progress=True)
     seconds = time.perf_counter() - started
-    read = sum(i["bytes"] for i in meta["inputs"])
-    kind = DATA_KINDS.get(meta.get("kind", "text"))
+    read = sum(i["bytes"] for i in meta.inputs)
+    kind = DATA_KINDS.get(meta.kind)
     if kind is not None and kind.examples:
         noun, per = kind.noun, kind.items_of
-        train, val = meta["train_examples"] // per, meta["val_examples"] // per
-        rows = ", ".join(sorted({row_format(i["format"]).title for i in meta["inputs"] if i["format"]}))
-        labels = f" of the labels {', '.join(meta['labels'])}" if meta.get("labels") else ""
-        cut = f"; longer than {meta['max_length']} tokens: {meta['truncated']} truncated, {meta['dropped']} dropped"
+        train, val = meta.train_examples // per, meta.val_examples // per
+        rows = ", ".join(sorted({row_format(i["format"]).title for i in meta.inputs if i["format"]}))
+        labels = f" of the labels {', '.join(meta.labels)}" if meta.labels else ""
+        cut = f"; longer than {meta.max_length} tokens: {meta.truncated} truncated, {meta.dropped} dropped"
         print(f"wrote {config.out}: recognised {rows} rows: {train + val:,} {noun}{labels} (train {train:,}, val "
-              f"{val:,}); {meta['tokenizer']} vocabulary {meta['vocab_size']:,}, {meta['train_targets']:,} trained "
-              f"tokens of {meta['train_tokens']:,} in train{cut if meta['truncated'] or meta['dropped'] else ''}")
+              f"{val:,}); {meta.tokenizer} vocabulary {meta.vocab_size:,}, {meta.train_targets:,} trained "
+              f"tokens of {meta.train_tokens:,} in train{cut if meta.truncated or meta.dropped else ''}")
         return 0
-    if meta.get("kind") == "prompts":
-        kept = meta["train_prompts"] + meta["val_prompts"]
-        dropped = f"; longer than {meta['max_length']} tokens: {meta['dropped']} dropped" if meta["dropped"] else ""
-        print(f"wrote {config.out}: {meta['tokenizer']} vocabulary {meta['vocab_size']:,}, {kept:,} prompts "
-              f"(train {meta['train_prompts']:,}, val {meta['val_prompts']:,}), {meta['train_tokens']:,} tokens in "
-              f"train, the longest {meta['longest_prompt']:,}{dropped}")
+    if meta.kind == "prompts":
+        kept = meta.train_prompts + meta.val_prompts
+        dropped = f"; longer than {meta.max_length} tokens: {meta.dropped} dropped" if meta.dropped else ""
+        print(f"wrote {config.out}: {meta.tokenizer} vocabulary {meta.vocab_size:,}, {kept:,} prompts "
+              f"(train {meta.train_prompts:,}, val {meta.val_prompts:,}), {meta.train_tokens:,} tokens in "
+              f"train, the longest {meta.longest_prompt:,}{dropped}")
         return 0
     print(
-        f"wrote {config.out}: {meta['tokenizer']} vocabulary {meta['vocab_size']:,}, "
-        f"train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens ({meta['dtype']}), "
-        f"{len(meta['inputs'])} file(s), {read / 1e6:.1f} MB in {seconds:.1f} s ({read / 1e6 / seconds:.1f} MB/s)",
+        f"wrote {config.out}: {meta.tokenizer} vocabulary {meta.vocab_size:,}, "
+        f"train {meta.train_tokens:,} tokens, val {meta.val_tokens:,} tokens ({meta.dtype}), "
+        f"{len(meta.inputs)} file(s), {read / 1e6:.1f} MB in {seconds:.1f} s ({read / 1e6 / seconds:.1f} MB/s)",
         file=sys.stdout,
     )
     return 0

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 from gptkit.data.batch import Batch
-from gptkit.data.meta import EXAMPLE_FILES
+from gptkit.data.meta import DataMeta, EXAMPLE_FILES
 from gptkit.data.tokens import load_tokens, map_array
 
 from gptkit.data_kinds import DATA_KINDS
@@ -69,22 +69,22 @@ class Examples:
         return self.lengths() - (not DATA_KINDS[self.kind].whole_input)
 
 
-def load_examples(data_dir: str | Path, split: str, meta: dict[str, Any]) -> Examples:
+def load_examples(data_dir: str | Path, split: str, meta: DataMeta) -> Examples:
     """The memory-mapped examples of a split of a data set read_meta has checked."""
     files = EXAMPLE_FILES[split]
     data_dir = Path(data_dir)
-    ids = load_tokens(data_dir / files["ids"], meta["dtype"])
+    ids = load_tokens(data_dir / files["ids"], meta.dtype)
     trained = map_array(data_dir / files["mask"], "uint8")
     offsets = np.fromfile(data_dir / files["offsets"], dtype=np.int64)
     if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
         raise GptkitError(f"{data_dir / files['offsets']} does not describe {split}'s examples; rerun gptkit prepare")
     labels = None
-    if DATA_KINDS[meta["kind"]].labels:
+    if DATA_KINDS[meta.kind].labels:
         labels = np.fromfile(data_dir / files["labels"], dtype=np.int64)
-        if len(labels) and (labels.min() < 0 or labels.max() >= len(meta["labels"])):
+        if len(labels) and (labels.min() < 0 or labels.max() >= len(meta.labels)):
             raise GptkitError(f"{data_dir / files['labels']} holds a label outside meta.json's labels; rerun gptkit "
                               "prepare")  # fmt: skip
-    return Examples(ids, trained, offsets, meta["kind"], labels)
+    return Examples(ids, trained, offsets, meta.kind, labels)
 
 
 def example_rows(examples: Examples, rows: list[list[int]], block_size: int, packed: bool) -> Batch:

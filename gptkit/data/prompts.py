@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gptkit.data.meta import PROMPT_FILES
+from gptkit.data.meta import DataMeta, PROMPT_FILES
 from gptkit.data.tokens import load_tokens
 
 from gptkit.errors import GptkitError
@@ -34,11 +34,11 @@ class Prompts:
         return self.ids[self.offsets[i] : self.offsets[i + 1]].tolist()
 
 
-def load_prompts(data_dir: str | Path, split: str, meta: dict[str, Any]) -> Prompts:
+def load_prompts(data_dir: str | Path, split: str, meta: DataMeta) -> Prompts:
     """The prompts of a split of a prompt data set read_meta has checked (their ids memory-mapped)."""
     files = PROMPT_FILES[split]
     data_dir = Path(data_dir)
-    ids = load_tokens(data_dir / files["ids"], meta["dtype"])
+    ids = load_tokens(data_dir / files["ids"], meta.dtype)
     offsets = np.fromfile(data_dir / files["offsets"], dtype=np.int64)
     if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
         raise GptkitError(f"{data_dir / files['offsets']} does not describe {split}'s prompts; rerun gptkit prepare")

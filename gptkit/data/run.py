@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from gptkit.data.batch import Batch
 from gptkit.data.examples import load_examples
-from gptkit.data.meta import PROMPT_KIND, SPLIT_FILES, read_meta
+from gptkit.data.meta import PROMPT_KIND, SPLIT_FILES, DataMeta, read_meta
 from gptkit.data.prompts import load_prompts
 from gptkit.data.tokens import load_tokens
 from torch import Tensor
@@ -24,7 +24,7 @@ class RunData:
     """A prepared data directory as a run reads it: its splits are token arrays (text), Examples or Prompts."""
 
     directory: str
-    meta: dict[str, Any]
+    meta: DataMeta
     kind: str  # "text", one of EXAMPLE_KINDS, or PROMPT_KIND
     train: Any
     val: Any
@@ -38,14 +38,14 @@ def load_run_data(data_dir: str | None) -> RunData:
     if data_dir is None:
         raise ConfigError("no data: pass --data DIR (a directory made by `gptkit prepare`) or set train.data_dir")
     meta = read_meta(data_dir)
-    kind = meta.get("kind", "text")
+    kind = meta.kind
     if DATA_KINDS[kind].examples:
         train, val = load_examples(data_dir, "train", meta), load_examples(data_dir, "val", meta)
     elif kind == PROMPT_KIND:
         train, val = load_prompts(data_dir, "train", meta), load_prompts(data_dir, "val", meta)
     else:
-        train = load_tokens(Path(data_dir) / SPLIT_FILES["train"], meta["dtype"])
-        val = load_tokens(Path(data_dir) / SPLIT_FILES["val"], meta["dtype"])
+        train = load_tokens(Path(data_dir) / SPLIT_FILES["train"], meta.dtype)
+        val = load_tokens(Path(data_dir) / SPLIT_FILES["val"], meta.dtype)
     return RunData(str(data_dir), meta, kind, train, val, tokenizer_or_none(data_dir))
 
 

@@ -152,7 +152,7 @@ class Classification(ObjectiveBase):
         check_examples(setup)
         self.setup = setup
         self.lm_weight = setup.config.finetune.of(ClassifySettings).lm_weight
-        self.labels = setup.data.meta["labels"]
+        self.labels = setup.data.meta.labels
 
     def wrap(self, gpt: nn.Module) -> nn.Module:
         """The GPT with a fresh head (the optimiser and checkpoints hold both)."""

@@ -84,7 +84,7 @@ class Unpaired(ExampleObjective):
     def __init__(self, setup: Setup) -> None:
         super().__init__(setup)
         self.settings = setup.config.finetune.of(KtoSettings)
-        self.desirable = setup.data.meta["labels"].index("true")
+        self.desirable = setup.data.meta.labels.index("true")
         self.reference = setup.method.reference(setup.gpt, setup.config, setup.device)
 
     def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from gptkit.chat import load_chat_template
-from gptkit.data import Batch, Examples, ExampleBatches, TrainBatches, example_batches
+from gptkit.data import Batch, DataMeta, Examples, ExampleBatches, TrainBatches, example_batches
 from gptkit.decoding.api import complete
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.devices import autocast_for
@@ -48,8 +48,8 @@ class LanguageModeling(ObjectiveBase):
         self.block_size = setup.gpt.config.block_size
         data = setup.data
         if data.kind == "text":
-            check_tokens("train.bin", data.train, data.meta["vocab_size"], self.block_size)
-            check_tokens("val.bin", data.val, data.meta["vocab_size"], self.block_size)
+            check_tokens("train.bin", data.train, data.meta.vocab_size, self.block_size)
+            check_tokens("val.bin", data.val, data.meta.vocab_size, self.block_size)
             self.val_bytes_per_token = bytes_per_token(data.meta, "val", data.val, setup.tokenizer)
         else:
             check_examples(setup)
@@ -221,7 +221,7 @@ def check_tokens(name: str, tokens: np.ndarray, vocab_size: int, block_size: int
 def check_examples(setup: Setup) -> None:
     """Examples must hold ids of the vocabulary, and have been rendered with the run's chat template (the one it
     will be served with)."""
-    vocab_size = setup.data.meta["vocab_size"]
+    vocab_size = setup.data.meta.vocab_size
     for name, split in (("train", setup.data.train), ("val", setup.data.val)):
         if len(split) == 0 and name == "val":
             raise GptkitError("the data set has no validation examples (prepared with --val-fraction 0): training "
@@ -236,16 +236,17 @@ def check_template(setup: Setup) -> None:
     """Examples (and prompts) must have been rendered with the run's chat template (the one it is served with)."""
     meta = setup.data.meta
     own = load_chat_template(setup.template_dir).source
-    if meta.get("chat_template") != own:
-        which = "a different" if meta.get("chat_template") else "the default"
+    if meta.chat_template != own:
+        which = "a different" if meta.chat_template else "the default"
         raise GptkitError(f"the {setup.data.kind} were rendered with {which} chat template than the model's "
                           f"({setup.template_dir}); prepare them again with --tokenizer {setup.template_dir}")
 
 
-def bytes_per_token(meta: dict[str, Any], split: str, tokens: np.ndarray, tokenizer: Any | None) -> float | None:
+def bytes_per_token(meta: DataMeta, split: str, tokens: np.ndarray, tokenizer: Any | None) -> float | None:
     """UTF-8 bytes of text per token of a split, for bits per byte (SPEC section 3): from meta.json or counted."""
-    if isinstance(meta.get(f"{split}_bytes"), int) and len(tokens):
-        return meta[f"{split}_bytes"] / len(tokens)
+    text_bytes = meta.train_bytes if split == "train" else meta.val_bytes
+    if isinstance(text_bytes, int) and len(tokens):
+        return text_bytes / len(tokens)
     if tokenizer is None or not len(tokens):
         return None
     lengths = np.asarray(tokenizer.token_byte_lengths(), dtype=np.float64)

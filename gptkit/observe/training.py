@@ -173,11 +173,11 @@ def _observe_tokens(train: TrainConfig, model: GPT) -> np.ndarray | None:
     if train.observe_data is None:
         return None
     meta = read_meta(train.observe_data)
-    if meta.get("kind", "text") != "text" or meta["vocab_size"] != model.config.vocab_size:
+    if meta.kind != "text" or meta.vocab_size != model.config.vocab_size:
         raise ConfigError(f"train.observe_data {train.observe_data} must be text prepared with the model's tokenizer "
-                          f"(vocab_size {model.config.vocab_size}); it holds {meta.get('kind', 'text')} of vocab_size "
-                          f"{meta['vocab_size']}")  # fmt: skip
-    tokens = load_tokens(Path(train.observe_data) / SPLIT_FILES["val"], meta["dtype"])
+                          f"(vocab_size {model.config.vocab_size}); it holds {meta.kind} of vocab_size "
+                          f"{meta.vocab_size}")  # fmt: skip
+    tokens = load_tokens(Path(train.observe_data) / SPLIT_FILES["val"], meta.dtype)
     if len(tokens) < model.config.block_size + 1:
         raise ConfigError(f"train.observe_data {train.observe_data}: its validation split has {len(tokens)} tokens, "
                           f"fewer than the model's block_size + 1; prepare it with more text or --val-fraction")

@@ -19,11 +19,10 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from gptkit.atomic import building_dir, sweep_staging
 from gptkit.chat import TOKENIZER_CONFIG
-from gptkit.data import EXAMPLE_FILES, META_FILE, PROMPT_FILES, PROMPT_KIND, SPLIT_FILES
+from gptkit.data import EXAMPLE_FILES, META_FILE, PROMPT_FILES, PROMPT_KIND, SPLIT_FILES, DataMeta
 from gptkit.data_kinds import SUPERVISED
 from gptkit.errors import InputError
 from gptkit.prepare.encoding import tokenizer_for
@@ -66,7 +65,7 @@ def _sweep(out: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
-def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
+def prepare(config: PrepareConfig, progress: bool = False) -> DataMeta:
     """Tokenize the configured inputs into config.out; returns the meta.json written there.
 
     The new data set is built in a staging directory and swapped in only once complete (see the module's
@@ -94,7 +93,7 @@ def prepare(config: PrepareConfig, progress: bool = False) -> dict[str, Any]:
                                                                    total_input, started))  # fmt: skip
 
 
-def _publish(out: Path, name: str, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+def _publish(out: Path, name: str, write: Callable[[Path], DataMeta]) -> DataMeta:
     """Have write() build a data set in a staging directory (meta.json last), then swap it in for out's.
 
     A failed write (a full disk, say) leaves the previous data set untouched and is one line naming `name`."""

@@ -27,7 +27,6 @@ from gptkit.tokenizer import (
     newline_cuts,
 )
 
-
 PIECE_CHARS = 1 << 14  # target size of one piece handed to the encoder (small enough to spread over cores)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from gptkit.chat import TOKENIZER_CONFIG, ChatTemplate
-from gptkit.data import EXAMPLE_FILES
+from gptkit.data import EXAMPLE_FILES, DataMeta
 from gptkit.data_kinds import DATA_KINDS, SUPERVISED
 from gptkit.data_kinds import row_format as row_format_spec
 from gptkit.errors import InputError
@@ -103,7 +103,7 @@ def context_of(tokenizer_source: str) -> int | None:
 
 
 def write_examples(stage: Path, config: PrepareConfig, files: list[Path], formats: dict[Path, str | None],
-                    started: float, progress: bool) -> dict[str, Any]:  # fmt: skip
+                    started: float, progress: bool) -> DataMeta:  # fmt: skip
     """Encode supervised examples into stage's train/val token, trained-token and offset files (see gptkit.data)."""
     kind = example_kind(files, formats)
     spec = DATA_KINDS[kind]

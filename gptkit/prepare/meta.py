@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gptkit.atomic import atomic_write_text
-from gptkit.data import META_FILE
+from gptkit.data import META_FILE, DataMeta
 from gptkit.prepare.options import PrepareConfig
 from gptkit.tokenizer import Tokenizer
 
@@ -19,9 +19,9 @@ META_VERSION = 1
 
 
 def write_meta(stage: Path, own: dict[str, Any], tokenizer: Tokenizer, dtype: str, config: PrepareConfig,
-               started: float) -> dict[str, Any]:
+               started: float) -> DataMeta:
     """Write stage's meta.json: the fields every data set has, its kind's own fields (own), the options it was made
-    with and the list of its files; returns the meta."""
+    with and the list of its files; returns it as readers will see it (DataMeta checks it before it is written)."""
     meta = {
         "format": META_FORMAT,
         "format_version": META_VERSION,
@@ -36,5 +36,6 @@ def write_meta(stage: Path, own: dict[str, Any], tokenizer: Tokenizer, dtype: st
         "seconds": round(time.perf_counter() - started, 3),
     }
     meta["files"] = sorted([*os.listdir(stage), META_FILE])
+    typed = DataMeta.from_dict(meta, stage / META_FILE)
     atomic_write_text(stage / META_FILE, json.dumps(meta, indent=2) + "\n")
-    return meta
+    return typed

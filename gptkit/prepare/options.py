@@ -8,7 +8,6 @@ from typing import Any
 
 from gptkit.errors import InputError
 
-
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "corpora" / "tinyshakespeare.txt"
 
 

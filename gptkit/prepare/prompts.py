@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gptkit.data import PROMPT_FILES, PROMPT_KIND
+from gptkit.data import PROMPT_FILES, PROMPT_KIND, DataMeta
 from gptkit.errors import InputError
 from gptkit.prepare.encoding import progress_bar, token_dtype
 from gptkit.prepare.examples import (
@@ -28,7 +28,7 @@ from gptkit.prepare.rows import ExampleEncoder
 logger = logging.getLogger(__name__)
 
 def write_prompts(stage: Path, config: PrepareConfig, files: list[Path], formats: dict[Path, str | None],
-                   started: float, progress: bool) -> dict[str, Any]:  # fmt: skip
+                   started: float, progress: bool) -> DataMeta:  # fmt: skip
     """Encode prompt rows into stage: per split, the token, mask (all zeros) and offset files examples have, and
     the rows file, one {"text", "row"} JSON line per prompt (see gptkit.data.PROMPT_FILES)."""
     tokenizer, template = example_tokenizer(config, lambda: example_rows(files, formats, config.errors), progress)

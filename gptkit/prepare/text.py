@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from gptkit.data import DataMeta
 from gptkit.prepare.encoding import Cutter, encode_stream, no_text, progress_bar, token_dtype
 from gptkit.prepare.inputs import READ_CHUNK, Piece, Reader
 from gptkit.prepare.meta import write_meta
@@ -37,7 +37,7 @@ def _split_tail(stage: Path, dtype: str, total: int, val_fraction: float, length
 
 
 def write_text_set(stage: Path, files: list[Path], reader: Reader, tokenizer: Tokenizer, config: PrepareConfig,
-                    progress: bool, total_input: int, started: float) -> dict[str, Any]:  # fmt: skip
+                    progress: bool, total_input: int, started: float) -> DataMeta:  # fmt: skip
     """Encode the input into stage: train.bin, val.bin, the tokenizer, and meta.json last; returns the meta."""
     dtype = token_dtype(tokenizer.vocab_size)
     cutter = Cutter(tokenizer.cut_points)
