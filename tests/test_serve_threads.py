@@ -64,6 +64,16 @@ def test_the_decode_threads_follow_the_cores_other_programs_leave_free(machine):
     assert capped.adjust() == 1  # never past the count the server started with
 
 
+def test_at_start_the_count_follows_the_load_at_once(machine, monkeypatch):
+    # Before the model loads, so that the kernels' choices are timed at the count decoding will use.
+    monkeypatch.setattr(kernel_cache, "others_busy", lambda window=kernel_cache.QUIET_WINDOW_S: 1.5)
+    assert ThreadGovernor(most=2, clock=machine.clock).settle() == 1 and torch.get_num_threads() == 1
+    monkeypatch.setattr(kernel_cache, "others_busy", lambda window=kernel_cache.QUIET_WINDOW_S: 0.0)
+    assert ThreadGovernor(most=2, clock=machine.clock).settle() == 2 and torch.get_num_threads() == 2
+    monkeypatch.setattr(kernel_cache, "others_busy", lambda window=kernel_cache.QUIET_WINDOW_S: None)  # not Linux
+    assert ThreadGovernor(most=2, clock=machine.clock).settle() == 2
+
+
 def test_without_proc_stat_the_count_stays(machine, monkeypatch, tmp_path):
     monkeypatch.setattr(kernel_cache, "PROC_STAT", tmp_path / "missing")
     governor = ThreadGovernor(most=2, clock=machine.clock)

@@ -266,14 +266,18 @@ def _load_on_engine_thread(model_dir: str | Path, options: ServeOptions, threads
 
     def work() -> None:
         torch.set_num_threads(threads)  # process-wide, so only here and not in build_app
+        # A count asked for is kept; else it follows the cores other programs leave free, from before the model
+        # loads (the kernels' choices are timed at the count in use).
+        governor = ThreadGovernor(threads) if options.threads is None else None
+        if governor is not None:
+            governor.settle()
         try:
             app = build_app(model_dir, options)
         except BaseException as err:  # noqa: BLE001  (handed to the main thread, which reports it)
             loaded.set_exception(err)
             return
         engine = app.state.gptkit.engine
-        if options.threads is None:  # asked for a count: it is kept; else it follows the cores left free
-            engine.governor = ThreadGovernor(threads)
+        engine.governor = governor
         engine.run(ready=lambda: loaded.set_result(app))
 
     threading.Thread(target=work, name="gptkit-engine", daemon=True).start()

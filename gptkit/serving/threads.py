@@ -41,6 +41,15 @@ class ThreadGovernor:
         """(when, the machine's busy and all ticks, this process's CPU seconds)."""
         return self.clock(), kernel_cache.busy_ticks(), sum(os.times()[:2])
 
+    def settle(self) -> int:
+        """Look at the load now (over kernel_cache.QUIET_WINDOW_S) and set the thread count it allows: at start,
+        before the kernels' choices are timed and kept for that count; return the count in use."""
+        others = kernel_cache.others_busy()
+        if others is not None:
+            self._set(others)
+        self.last = self._reading()
+        return self.threads
+
     def adjust(self) -> int:
         """Look at the load if CHECK_S passed since the last look, set the thread count it allows; return the count
         in use."""
@@ -51,13 +60,16 @@ class ThreadGovernor:
         self.last = (now, ticks, own)
         if ticks is None or last_ticks is None:  # no /proc/stat (not Linux): the count the server started with
             return self.threads
+        others = kernel_cache.others_cores(last_ticks, ticks, (own - last_own) / (now - when), os.cpu_count() or 1)
+        if others is not None:
+            self._set(others)
+        return self.threads
+
+    def _set(self, others: float) -> None:
+        """Take as many threads as cores are free of others' use (less than SPARE of each), 1 to most."""
         cores = os.cpu_count() or 1
-        others = kernel_cache.others_cores(last_ticks, ticks, (own - last_own) / (now - when), cores)
-        if others is None:
-            return self.threads
-        wanted = max(1, min(self.most, int(cores - others + SPARE)))  # cores with less than SPARE of others' use
+        wanted = max(1, min(self.most, int(cores - others + SPARE)))
         if wanted != self.threads:
             log.info("other programs use %.1f of %d cores: decoding on %d thread(s)", others, cores, wanted)
             torch.set_num_threads(wanted)
             self.threads = wanted
-        return self.threads
