@@ -274,6 +274,13 @@ class DecodeStep : public torch::CustomClassHolder {
   // barriers bind to that region).
   void block(int64_t l, int64_t B, const std::vector<CacheView>& kv, int64_t cache, const int64_t* pos, int t,
              int nt) {
+    attention(l, B, kv, cache, pos, t, nt);
+    feed_forward(l, B, t, nt);
+  }
+
+  // The attention sublayer of block l, its output in x (added) or in h (for residual_add).
+  void attention(int64_t l, int64_t B, const std::vector<CacheView>& kv, int64_t cache, const int64_t* pos, int t,
+                 int nt) {
     const Layer& layer = layers_[l];
     const bool angles = layer.inv_freq && (l == 0 || layers_[l - 1].rope_group != layer.rope_group ||
                                            !layers_[l - 1].inv_freq);
@@ -308,6 +315,11 @@ class DecodeStep : public torch::CustomClassHolder {
     float* attn_out = direct_ ? x_.data() : h_.data();
     product(layer.proj, input(att_.data()), B, attn_out, D_, direct_, t, nt, l * kAdapted + kProj);
 #pragma omp barrier
+  }
+
+  // The feed-forward sublayer of block l (after the attention's residual add, where it was left in h).
+  void feed_forward(int64_t l, int64_t B, int t, int nt) {
+    const Layer& layer = layers_[l];
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
       if (!direct_) residual_add(x_.data() + b * D_, h_.data() + b * D_, layer.norm1_w, layer.norm1_b,
