@@ -203,6 +203,7 @@ def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
     """One decode request per prompt and choice (choice i of n seeded seed + i), queued on the engine; model: the
     request's `model`, naming the base or one of its adapters."""
     adapter = check_model(state, model or state.model_name)
+    key = state.adapters.key_of(adapter) if adapter else ""  # its weights' hash: the name may be reloaded with others
     count, capacity = len(prompts) * params.num_samples, state.engine.max_batch_size + state.engine.max_queue
     if count > capacity:
         raise APIError(400, f"n x prompts = {count} sequences exceed the {capacity} this server can hold "
@@ -213,7 +214,7 @@ def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
             choice = dataclasses.replace(params, seed=row_seed(params.seed, i), num_samples=1)
             request = DecodeRequest(prompt, choice, state.tokenizer.eos_ids, state.tokenizer.decode, seed=choice.seed,
                                     top_logprobs=top, constraint=grammar.start() if grammar else None,
-                                    adapter=adapter, adapter_name=model if adapter else "")  # fmt: skip
+                                    adapter=adapter, adapter_name=key)  # fmt: skip
             sequences.append((request, collector.sink(p * params.num_samples + i)))
     try:
         state.engine.submit(sequences, stream=collector.stream)

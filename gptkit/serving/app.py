@@ -16,10 +16,10 @@ from gptkit.chat import eos_text
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import GptkitError
 from gptkit.serving import chat, completions, embeddings, playground, responses
+from gptkit.serving.lora_registry import AdapterError, AdapterRegistry, ReadAdapter
 from gptkit.serving.metrics import RequestCounter
 from gptkit.serving.middleware import BODY_KEY, BearerAuth, BodyLimit, HostGuard
 from gptkit.serving.nesting import deepest, field_name
-from gptkit.serving.lora_registry import AdapterRegistry
 from gptkit.serving.schemas import (DetokenizeRequest, LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest,
                                     error_body)
 from gptkit.serving.state import APIError, ServerState, check_model, model_cards
@@ -51,7 +51,11 @@ def _register_adapter_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_adapter(body: LoadAdapterRequest) -> dict[str, Any]:
         registry = _runtime_registry(state)
-        return await _on_engine(state, lambda: _load(state, registry, body.lora_name, body.lora_path))
+        try:  # the files are read off the engine thread (and off the event loop), under a deadline
+            read = await asyncio.to_thread(registry.read, body.lora_name, body.lora_path)
+        except GptkitError as err:
+            raise APIError(400, str(err), param=_param(err, "lora_path")) from None
+        return await _on_engine(state, lambda: _load(state, registry, body.lora_name, read))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_adapter(body: UnloadAdapterRequest) -> dict[str, Any]:
@@ -67,15 +71,20 @@ def _runtime_registry(state: ServerState) -> AdapterRegistry:
 
 
 async def _on_engine(state: ServerState, work: Any) -> dict[str, Any]:
-    """work() on the engine thread (between two steps); a GptkitError is a 400."""
+    """work() on the engine thread (between two steps); a GptkitError is a 400 on the field it names (lora_name
+    unless it says)."""
     try:
         return await asyncio.wrap_future(state.engine.call(work))
     except GptkitError as err:
-        raise APIError(400, str(err), param="lora_name") from None
+        raise APIError(400, str(err), param=_param(err, "lora_name")) from None
 
 
-def _load(state: ServerState, registry: AdapterRegistry, name: str, path: str) -> dict[str, Any]:
-    adapter = registry.add(state.engine.model, name, path)
+def _param(err: GptkitError, otherwise: str) -> str:
+    return err.param if isinstance(err, AdapterError) else otherwise
+
+
+def _load(state: ServerState, registry: AdapterRegistry, name: str, read: ReadAdapter) -> dict[str, Any]:
+    adapter = registry.add(state.engine.model, name, read)
     state.engine.batch.model_changed()
     return {"object": "lora_adapter", "id": name, "index": adapter.index, "root": adapter.path}
 

@@ -24,10 +24,8 @@ from gptkit.kv_cache import kv_dtype_of
 from gptkit.serving.app import create_app
 from gptkit.serving.middleware import is_loopback
 from gptkit.serving.state import ServerState
-from gptkit.adapters import fingerprint
 from gptkit.serving.embeddings import POOLINGS
-from gptkit.serving.lora_registry import AdapterRegistry, adapters_beside
-from gptkit.weights import model_state
+from gptkit.serving.lora_registry import AdapterMisfit, AdapterRegistry, adapters_beside, resolved
 from gptkit.serving.engine import Engine
 from gptkit.serving.threads import ThreadGovernor
 
@@ -185,25 +183,27 @@ def _found_beside(model_dir: str | Path, options: ServeOptions) -> dict[str, Pat
         log.warning("--lora-beside: not serving adapters found beside the base, since --compile takes none")
         return {}
     names = {spec.partition("=")[0] for spec in options.lora}
-    paths = {Path(spec.partition("=")[2]).resolve() for spec in options.lora}
+    paths = {resolved(spec.partition("=")[2]) for spec in options.lora}
     return {name: path for name, path in adapters_beside(model_dir).items()
-            if name not in names and path.resolve() not in paths}  # fmt: skip
+            if name not in names and resolved(path) not in paths}  # fmt: skip
 
 
 def _add_adapters(model: Any, adapters: AdapterRegistry | None, options: ServeOptions,
                   beside: dict[str, Path]) -> None:  # fmt: skip
-    """Serve each --lora adapter (an error if it cannot be) and each one found beside the base (skipped, in a log
-    line, if it cannot be: it was not asked for)."""
+    """Serve each --lora adapter (an error if it cannot be) and each one found beside the base: skipped, in a log
+    line, when it is sound but not for this server (it was not asked for); an error when it is damaged."""
     for spec in options.lora:
         name, _, path = spec.partition("=")
-        adapters.add(model, name, path)
+        adapters.add(model, name, adapters.read(name, path))
         log.info("serving adapter %r from %s", name, path)
     for name, path in beside.items():
         try:
-            adapters.add(model, name, path)
-        except GptkitError as err:  # trained on another base, or a name a request cannot send
+            adapters.add(model, name, adapters.read(name, path))
+        except AdapterMisfit as err:  # trained on another base, or a name a request cannot send
             log.info("not serving %s, found beside the base: %s", path, err)
             continue
+        except GptkitError as err:
+            raise GptkitError(f"--lora-beside: {err}; repair or move {path}, or leave out --lora-beside") from None
         log.info("serving adapter %r found beside the base (%s)", name, path)
 
 
@@ -218,7 +218,7 @@ def _adapter_registry(model: Any, options: ServeOptions, name: str, found: bool)
                           "compiled step cannot follow; leave out --compile")  # fmt: skip
     if not options.lora and not found and not options.api_key:
         return None
-    return AdapterRegistry(name, fingerprint(model_state(model)))
+    return AdapterRegistry.for_base(model, name)
 
 
 def prefix_cache(options: ServeOptions) -> PrefixCache | None:
