@@ -68,8 +68,9 @@ def router_z_loss(logits: Tensor) -> Tensor:
 
 
 def _uses_grouped_mm(x: Tensor, weight: Tensor) -> bool:
-    """Whether torch._grouped_mm takes these operands: it exists, on a CPU (any float dtype) or a Hopper-or-later GPU
-    in bf16, with every row stride a multiple of 16 bytes (its own requirement, measured on torch 2.13's CPU)."""
+    """Whether torch._grouped_mm takes these operands: it exists, on a CPU (any float dtype; bf16 under torch.compile)
+    or a Hopper-or-later GPU in bf16, with every row stride a multiple of 16 bytes (its own requirement, measured on
+    torch 2.13's CPU)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cuda":
@@ -77,6 +78,8 @@ def _uses_grouped_mm(x: Tensor, weight: Tensor) -> bool:
             return False
     elif x.device.type != "cpu":
         return False
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return False  # the shape function torch.compile traces it with takes bf16 only (torch 2.13)
     return all(size * x.element_size() % 16 == 0 for size in (weight.size(1), weight.size(2)))
 
 
