@@ -27,6 +27,7 @@ import torch
 import xxhash
 
 import gptkit.checkpoint as checkpoint
+import gptkit.manifest as manifest
 from gptkit.config import ModelConfig
 from gptkit.model import GPT
 from gptkit.optim import make_optimizer
@@ -129,7 +130,7 @@ def main() -> None:
         "preset": args.preset,
         "parameters": sum(p.numel() for p in model.parameters()),
         "checkpoint_gb": round(size / 1e9, 3),
-        "checksum": checkpoint.CHECKSUM,
+        "checksum": manifest.CHECKSUM,
         "save_s": {kind: [round(t, 3) for t in values] for kind, values in times.items()},
         "save_best_s": {kind: round(t, 3) for kind, t in best.items()},
         "manifest_overhead": round(best["manifest"] / best["fsync only"] - 1, 4),

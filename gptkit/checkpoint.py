@@ -22,21 +22,27 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from gptkit.atomic import atomic_write_text, fsync_dir, make_parents, remove_empty
+from gptkit.distributed import full_module, full_tensor, shard_like
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.formats.modeldir import save_model_dir
+from gptkit.manifest import (
+    MANIFEST_FILE,
+    Checksums,
+    DamagedFiles,
+    has_manifest,
+    verify_manifest,
+    write_manifest,
+)
 from gptkit.tensors import WEIGHTS_FILE, load_tensors, save_tensors
 
 logger = logging.getLogger(__name__)
@@ -46,12 +52,6 @@ CHECKPOINTS = "checkpoints"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 TRAINER_FILE = "trainer.json"
-MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = "gptkit-checkpoint-manifest"
-# xxh3 hashes ~12 GB/s through a memory map on the 2-core reference machine (zlib's crc32 3, blake2b 0.6): with the
-# checksums in a background thread a GPT-2-small save took 3.23 s against 3.15 s without (+2.6%), and --resume's
-# check of its 1.5 GB 0.22 s (benchmarks/bench_checkpoint.py).
-CHECKSUM = "xxh3_64"
 TMP_PREFIX = ".tmp-"
 STEP_DIR = re.compile(r"step-(\d+)")
 RANK_KEY = re.compile(r"rank(\d+)\.")  # rng.safetensors: rank r > 0's generators, "rank<r>.<name>"
@@ -116,11 +116,6 @@ def unverifiable(path: Path) -> str:
     return f"{path} has no {MANIFEST_FILE}, so its files cannot be verified (a damaged byte would go unnoticed)"
 
 
-def has_manifest(path: Path) -> bool:
-    """Whether a checkpoint directory holds a manifest to verify its files against."""
-    return (path / MANIFEST_FILE).is_file()
-
-
 def read_latest(run_dir: str | Path) -> Path | None:
     """The checkpoint the `latest` file names, or None when it is missing or names nothing inside checkpoints/."""
     try:
@@ -131,97 +126,20 @@ def read_latest(run_dir: str | Path) -> Path | None:
     return Path(run_dir) / CHECKPOINTS / step if folder == CHECKPOINTS and STEP_DIR.fullmatch(step) else None
 
 
-def _checksum(path: Path) -> tuple[int, str]:
-    """(size, checksum) of a file, hashed through a memory map: no copy, about 3x the rate of read() here."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:  # (an empty file cannot be mapped)
-            return 0, xxhash.xxh3_64().hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return size, xxhash.xxh3_64(mapped).hexdigest()
-
-
-class Checksums:
-    """Checksums of a directory's files, computed in a background thread while the save writes the next ones
-    (xxhash releases the GIL), so that the manifest adds little to a save's time."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum")
-        self.started: dict[Path, Future] = {}
-
-    def update(self) -> None:
-        """Start on every file of the directory written since the last call (each file is written whole)."""
-        for path in _files(self.directory):
-            if path not in self.started:
-                self.started[path] = self.pool.submit(_checksum, path)
-
-    def get(self, path: Path) -> tuple[int, str]:
-        """(size, checksum) of a file: the background result if it was started, else computed now."""
-        return self.started[path].result() if path in self.started else _checksum(path)
-
-    def close(self) -> None:
-        """Stop the thread (after the checksums under way)."""
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
-
-
-def write_manifest(directory: Path, checksums: Checksums | None = None) -> None:
-    """fsync every file under directory and list it, with its size and checksum, in manifest.json (written last).
-
-    checksums holds those already computed while the files were written (the rest are computed here)."""
-    files: dict[str, dict[str, Any]] = {}
-    for path in _files(directory):
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-        size, checksum = checksums.get(path) if checksums is not None else _checksum(path)
-        files[path.relative_to(directory).as_posix()] = {"bytes": size, CHECKSUM: checksum}
-    record = {"format": MANIFEST_FORMAT, "format_version": 1, "checksum": CHECKSUM, "files": files}
-    # A plain write: the directory is renamed into place only after this, so the manifest needs no rename of its own.
-    with open(directory / MANIFEST_FILE, "w", encoding="utf-8") as f:
-        f.write(json.dumps(record, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    for root, _, _ in os.walk(directory):
-        fsync_dir(Path(root))
-
-
 def verify_checkpoint(path: Path) -> bool:
     """Raise CheckpointError naming the first thing wrong with a checkpoint: a manifest that does not match the
     files (missing, truncated, changed), no manifest and no trainer.json (incomplete), or a trainer.json without
     what a resume needs. Returns whether the files were checked: False for a checkpoint without a manifest (an older
     gptkit's, or one whose manifest was deleted), of which only trainer.json could be."""
-    manifest = path / MANIFEST_FILE
-    if manifest.is_file():
+    if has_manifest(path):
         try:
-            record = json.loads(manifest.read_bytes())
-            files = record["files"]
-            checksum_kind = record["checksum"]
-            if not isinstance(files, dict) or TRAINER_FILE not in files:
-                raise ValueError(f"it lists no {TRAINER_FILE}")
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{manifest} is unreadable ({err})") from None
-        if checksum_kind != CHECKSUM:
-            raise CheckpointError(f"{manifest} uses checksum {checksum_kind!r}, which this gptkit does not know")
-        for name, expected in files.items():
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"{file} is missing")
-            try:
-                size, checksum = _checksum(file)
-            except OSError as err:
-                raise CheckpointError(f"cannot read {file}: {err.strerror or err}") from None
-            if not isinstance(expected, dict) or size != expected.get("bytes"):
-                raise CheckpointError(f"{file} has {size} bytes, the manifest says {expected.get('bytes')} (truncated?)")
-            if checksum != expected.get(CHECKSUM):
-                raise CheckpointError(f"{file} does not match its checksum in the manifest (changed or damaged)")
+            verify_manifest(path, required=TRAINER_FILE)
+        except DamagedFiles as err:
+            raise CheckpointError(str(err)) from None
     elif not (path / TRAINER_FILE).is_file():
         raise CheckpointError(f"{path} is incomplete (no {MANIFEST_FILE})")
     read_trainer_state(path)
-    return manifest.is_file()
+    return has_manifest(path)
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -275,39 +193,6 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
     if "torch_mps" in state and torch.backends.mps.is_available():
         torch.mps.set_rng_state(state["torch_mps"])
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A sharded (FSDP2 DTensor) tensor gathered whole on every rank (a collective); any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor: this rank's shard of an FSDP2 DTensor (a replicated one's whole value), else itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def full_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with whole weights: itself, or for an FSDP2-sharded GPT an unsharded copy (a collective)."""
-    from torch.distributed.tensor import DTensor
-
-    from gptkit.model import GPT
-
-    module = getattr(model, "_orig_mod", model)
-    state = module.state_dict()
-    if not any(isinstance(t, DTensor) for t in state.values()):
-        return module
-    full = {name: full_tensor(t) for name, t in state.items()}
-    with torch.device("meta"):
-        copy = GPT(module.config)
-    copy.load_state_dict(full, assign=True)
-    if module.config.tie_embeddings:
-        copy.lm_head.weight = copy.tok_emb.weight
-    return copy
 
 
 def optimizer_state(
@@ -500,7 +385,7 @@ def load_checkpoint(
 
 def load_weights(module: torch.nn.Module, path: Path) -> None:
     """Copy a checkpoint's full weights into the run's model, in place (the optimiser holds these parameters)."""
-    weights = _shard_like(module, load_tensors(path / WEIGHTS_FILE, next(module.parameters()).device))
+    weights = shard_like(module, load_tensors(path / WEIGHTS_FILE, next(module.parameters()).device))
     try:
         result = module.load_state_dict(weights, strict=False)
     except RuntimeError as err:  # a tensor of another shape
@@ -510,18 +395,6 @@ def load_weights(module: torch.nn.Module, path: Path) -> None:
     if missing or result.unexpected_keys:
         first = sorted(missing or result.unexpected_keys)[0]
         raise CheckpointError(f"{path} does not match the run's model (tensor {first!r})")
-
-
-def _shard_like(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole saved weights cut to this rank's shards where the module is FSDP2-sharded (else unchanged)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    own = module.state_dict()
-    return {
-        name: distribute_tensor(w, own[name].device_mesh, own[name].placements)
-        if isinstance(own.get(name), DTensor) else w
-        for name, w in weights.items()
-    }  # fmt: skip
 
 
 def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = None) -> Path | None:

@@ -225,3 +225,48 @@ def sync_context(wrapped: nn.Module, sync: bool) -> Any:
     if hasattr(wrapped, "set_requires_gradient_sync"):  # an FSDP2 module
         wrapped.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP2 DTensor) tensor gathered whole on every rank (a collective); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: this rank's shard of an FSDP2 DTensor (a replicated one's whole value), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with whole weights: itself, or for an FSDP2-sharded GPT an unsharded copy (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    from gptkit.model import GPT
+
+    module = getattr(model, "_orig_mod", model)
+    state = module.state_dict()
+    if not any(isinstance(t, DTensor) for t in state.values()):
+        return module
+    full = {name: full_tensor(t) for name, t in state.items()}
+    with torch.device("meta"):
+        copy = GPT(module.config)
+    copy.load_state_dict(full, assign=True)
+    if module.config.tie_embeddings:
+        copy.lm_head.weight = copy.tok_emb.weight
+    return copy
+
+
+def shard_like(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole saved weights cut to this rank's shards where the module is FSDP2-sharded (else unchanged)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    own = module.state_dict()
+    return {
+        name: distribute_tensor(w, own[name].device_mesh, own[name].placements)
+        if isinstance(own.get(name), DTensor) else w
+        for name, w in weights.items()
+    }  # fmt: skip

@@ -28,9 +28,8 @@ from gptkit.accounting import training_flops_per_token
 from gptkit.atomic import atomic_write_text
 from gptkit.chat import TOKENIZER_CONFIG
 from gptkit.checkpoint import (
-    CheckpointError, checkpoint_name, full_tensor, local_tensor, latest_checkpoint, load_checkpoint,
-    read_trainer_state, remove_stale_temporaries, resume_point, rewind, rng_state, save_checkpoint, saved_world,
-    set_rng_state,
+    CheckpointError, checkpoint_name, latest_checkpoint, load_checkpoint, read_trainer_state,
+    remove_stale_temporaries, resume_point, rewind, rng_state, save_checkpoint, saved_world, set_rng_state,
 )  # fmt: skip
 from gptkit.data import Batches, load_run_data
 from gptkit.devices import (
@@ -43,7 +42,8 @@ from gptkit.devices import (
     pick_device,
 )
 from gptkit.distributed import (
-    RankBatches, World, all_mean, any_rank, barrier, device_for, gather_objects, init_process_group,
+    RankBatches, World, all_mean, any_rank, barrier, device_for, full_tensor, gather_objects, init_process_group,
+    local_tensor,
     resumed_grad_accum, sync_context, world_from_env, wrap,
 )  # fmt: skip
 from gptkit.errors import ConfigError, GptkitError, StepAbandoned
@@ -131,7 +131,7 @@ class Trainer:
     def build_model(self, checkpoint: Path | None) -> None:
         """The model (a fresh one, the one to fine-tune, or the checkpoint's), its tokenizer and chat template."""
         torch.manual_seed(self.t.seed)  # initial weights and dropout; a resumed run restores its generator state
-        vocab_size = self.data.meta["vocab_size"]
+        vocab_size = self.data.meta.vocab_size
         run = self.method.resume(checkpoint) if checkpoint is not None else self.method.build(self.config, vocab_size)
         if run.gpt.config.vocab_size != vocab_size:
             raise ConfigError(f"the run's model has vocab_size {run.gpt.config.vocab_size}, the data {vocab_size}")

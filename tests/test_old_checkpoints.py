@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gptkit.checkpoint import write_manifest
+from gptkit.manifest import write_manifest
 from gptkit.train import train
 from gptkit.run_sources import from_sources
 

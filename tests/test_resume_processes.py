@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptkit.checkpoint import LATEST, RNG_FILE, TRAINER_FILE, saved_world, write_manifest
+from gptkit.checkpoint import LATEST, RNG_FILE, TRAINER_FILE, saved_world
+from gptkit.manifest import write_manifest
 from gptkit.cli.train import resume_command
 from gptkit.distributed import resumed_grad_accum
 from gptkit.errors import ConfigError

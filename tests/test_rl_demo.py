@@ -66,7 +66,7 @@ def test_a_quick_run_of_two_seeds_keeps_each_apart_and_summarises_both(tmp_path)
 
 
 def test_a_run_stopped_early_resumes_and_a_finished_one_is_taken_as_it_is(tmp_path, monkeypatch):
-    from gptkit.checkpoint import MANIFEST_FILE
+    from gptkit.manifest import MANIFEST_FILE
 
     module, calls = demo(), []
     monkeypatch.setattr(module, "gptkit_cli", lambda *args: calls.append(args))

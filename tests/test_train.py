@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptkit.checkpoint import CHECKPOINTS, checkpoint_dirs, latest_checkpoint, read_latest, verify_checkpoint, write_manifest
+from gptkit.checkpoint import CHECKPOINTS, checkpoint_dirs, latest_checkpoint, read_latest, verify_checkpoint
+from gptkit.manifest import write_manifest
 from gptkit.cli import main
 from gptkit.errors import ConfigError
 from gptkit.formats.modeldir import load_model_dir
