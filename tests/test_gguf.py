@@ -213,15 +213,15 @@ def test_unwritable_tokenizers_and_unreadable_files_are_one_line_errors(tmp_path
     not_gguf.write_bytes(b"GGUF" + b"\x00" * 10)
     assert main(["convert", "--from-gguf", str(not_gguf), "--out", str(tmp_path / "o")]) == 2
     assert "not a readable GGUF file" in capsys.readouterr().err
-    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer = gguf.GGUFWriter(str(tmp_path / "bloom.gguf"), "bloom")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert main(["generate", str(tmp_path / "phi.gguf"), "--prompt", "a"]) == 2
+    assert main(["generate", str(tmp_path / "bloom.gguf"), "--prompt", "a"]) == 2
     err = capsys.readouterr().err
-    assert "'phi3' model" in err and err.count("\n") == 1
+    assert "'bloom' model" in err and err.count("\n") == 1
 
 
 def test_the_default_chat_template_written_as_jinja_renders_the_same_text():

@@ -56,19 +56,25 @@ def test_a_copy_of_an_exported_file_loads_as_the_original(tmp_path):
         assert torch.equal(load_gguf(copy)[0](ids), load_gguf(path)[0](ids))
 
 
-def test_llama_3s_rope_freqs_tensor_is_refused_by_name_not_dropped(tmp_path, capsys):
-    # llama.cpp's converter writes Llama 3.1's RoPE scaling as per-frequency divisors (head_dim / 2 of them)
-    path = rewritten(tiny_llama_file(tmp_path), tmp_path / "l3.gguf", {}, {"rope_freqs.weight": np.ones(4)})
-    with pytest.raises(GGUFError, match=r"tensor rope_freqs\.weight"):
+@pytest.mark.parametrize("name, rows", [("blk.0.ffn_gate_inp.weight", 4), ("rope_freqs.weight", 4)])
+def test_a_tensor_gptkit_does_not_map_is_refused_by_name_not_dropped(name, rows, tmp_path, capsys):
+    # an expert router (a MoE llama) is no tensor gptkit's llama has; rope_freqs.weight (Llama 3's RoPE scaling as
+    # per-frequency divisors) is one llama.cpp's gpt2 never reads
+    variant = "llama-gqa" if name.startswith("blk") else "gpt2"
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**{**VARIANTS[variant], "vocab_size": 257})).eval()
+    source = export_gguf(model, tmp_path / "m.gguf", ByteTokenizer(), "f32")
+    path = rewritten(source, tmp_path / "x.gguf", {}, {name: np.ones((rows, 32) if name.startswith("blk") else rows)})
+    with pytest.raises(GGUFError, match=f"tensor {name}"):
         load_gguf(path)
     assert main(["convert", "--from-gguf", str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "rope_freqs.weight" in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
+    assert name in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("key, value, kind", [
-    ("llama.rope.scaling.type", "linear", "STRING"),
-    ("llama.rope.scaling.factor", 8.0, "FLOAT32"),
+    ("llama.rope.scaling.type", "yarn", "STRING"),
+    ("llama.rope.scaling.attn_factor", 0.5, "FLOAT32"),
     ("llama.attention.sliding_window", 4, "UINT32"),
     ("llama.expert_count", 4, "UINT32"),
 ])  # fmt: skip

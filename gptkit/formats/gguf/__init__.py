@@ -2,12 +2,15 @@
 
 GGUF (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) holds key-value metadata (architecture,
 hyperparameters, tokenizer) and named tensors; the `gguf` package maintained with llama.cpp reads and writes
-it. Two of llama.cpp's architectures compute what a gptkit model computes, and only those are written:
-- gpt2: learned positions, LayerNorm, GELU (tanh approximation), pre-norm blocks, fused q/k/v, multi-head;
-- llama: RoPE (rotate-half pairs), RMSNorm, SwiGLU, pre-norm, grouped-query attention, no biases.
-llama.cpp's llama rotates interleaved pairs (x_{2i}, x_{2i+1}) where gptkit, like Hugging Face's Llama, rotates
-(x_i, x_{i+d/2}); the rows of the q and k weights are reordered per head so that both compute the same scores,
-as llama.cpp's own converter reorders Hugging Face's.
+it. gptkit writes and reads the llama.cpp architectures whose graph computes what a gptkit model computes (archs.py
+lists each one's fixed switches): gpt2, llama (Mistral too: llama.cpp's converter writes it as llama, without its
+window), qwen2, qwen3, smollm3, granite, phi3, gptneox, olmo2, gemma2 and gemma3, with their keys for head sizes,
+partial rotary, windows and their layer pattern, soft-caps, scales and RoPE scaling (linear, or Llama 3's rule as
+the rope_freqs tensor of per-frequency divisors). Writing refuses a config an architecture would compute otherwise,
+naming the field; reading refuses any tensor or metadata key it does not map, naming it. In llama, smollm3 and
+granite llama.cpp rotates interleaved pairs (x_{2i}, x_{2i+1}) where gptkit, like Hugging Face, rotates
+(x_i, x_{i+d/2}); the rows of the q and k weights are reordered per head so that both compute the same scores, as
+llama.cpp's own converter reorders Hugging Face's.
 
 The tokenizer goes in as llama.cpp's byte-level BPE ("gpt2" model), written and read by its vocab module.
 A token that vocabulary adds (a char tokenizer's end-of-text token) gets a zero row in the embedding and the output,
@@ -22,12 +25,12 @@ its bits, and reading a Q4_0 file keeps every layer whose weights are all Q4_0 a
 gptkit's int4 kernels); other tensors are dequantised. A quantised model keeps its own LM head (output.weight) and
 writes its embedding tables in f32, as gptkit holds them, so that llama.cpp computes what gptkit computes.
 
-The package by direction: archs (which architecture computes a config, tensor names, the keys read), write, read,
+The package by direction: archs (the architectures, tensor names), hparams (metadata <-> config), write, read,
 header (a file opened with its layout checked), q4_0 (the int4 blocks) and vocab (the tokenizer).
 """
 
-from gptkit.formats.gguf.archs import architecture
 from gptkit.formats.gguf.header import is_gguf_file, open_gguf
+from gptkit.formats.gguf.hparams import architecture
 from gptkit.formats.gguf.q4_0 import q4_0_blocks, q4_0_parts
 from gptkit.formats.gguf.read import gguf_chat_template, gguf_tokenizer, load_gguf
 from gptkit.formats.gguf.vocab import GGUFError

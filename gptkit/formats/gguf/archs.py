@@ -1,17 +1,31 @@
-"""llama.cpp's GGUF architectures as gptkit maps them: which one computes a ModelConfig, the tensor names, the
-q/k row order, and the metadata keys the reader maps (any other is refused)."""
+"""llama.cpp's GGUF architectures as gptkit maps them: what each one's graph fixes (norms, activation, block layout,
+RoPE pair order), which "<arch>.*" metadata keys it reads, and its tensor names.
+
+The graphs are llama.cpp's src/models/*.cpp; the names and keys its gguf-py constants and convert_hf_to_gguf.py.
+llama.cpp rotates interleaved pairs (x_2i, x_2i+1) in the llama-like architectures (its rope type NORM) and
+rotate-half pairs (x_i, x_i+d/2), as gptkit and Hugging Face do, in the others (NEOX): for the first kind the rows of
+the q and k weights are reordered per head, as llama.cpp's converter does.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from gptkit.config import ModelConfig
-from gptkit.formats.gguf.vocab import GGUFError
 
-LLAMA_FUSED = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")  # llama's tensors that gptkit holds fused
-# Reading refuses any metadata key it does not map (a key dropped is a model computed otherwise: Llama 3's RoPE
-# scaling, a sliding window). Accepted unread: the file's description (general.*) and the tokenizer's keys, which
-# change no logit (vocab reads the tokens, merges, types, pre-tokenizer and end-of-text id).
+# Keys any architecture below reads (after "<arch>."): the shapes.
+SHAPE_KEYS = frozenset(
+    {"context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count"}
+    | {"attention.head_count_kv", "attention.key_length", "attention.value_length", "vocab_size"}
+)
+ROPE_KEYS = frozenset({"rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor"})
+RMS = frozenset({"attention.layer_norm_rms_epsilon"})
+WINDOW_KEYS = frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})
+# Metadata accepted unread: the file's description (general.*) and the tokenizer's keys, which change no logit
+# (vocab reads the tokens, merges, types, pre-tokenizer and end-of-text id).
 TOKENIZER_KEYS = frozenset(
     {
         *("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"),
@@ -21,78 +35,149 @@ TOKENIZER_KEYS = frozenset(
         *("tokenizer.ggml.eom_token_id", "tokenizer.chat_template"),
     }
 )
-# The hyperparameters _config reads, per architecture (the key after "<arch>.").
-SHAPE_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count")
-ARCH_KEYS = {
-    "gpt2": frozenset({*SHAPE_KEYS, "attention.layer_norm_epsilon", "vocab_size"}),
-    "llama": frozenset(
-        {
-            *SHAPE_KEYS,
-            *("attention.head_count_kv", "attention.layer_norm_rms_epsilon", "attention.key_length"),
-            *("attention.value_length", "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "vocab_size"),
-        }
-    ),
+_NO_BIASES = {"attn_bias": False, "mlp_bias": False, "norm_bias": False}
+_LLAMA_FIXED = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "norm_position": "pre", **_NO_BIASES}
+_GEMMA_FIXED = {**_LLAMA_FIXED, "activation": "geglu", "norm_position": "sandwich"}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One llama.cpp architecture: the ModelConfig fields its graph fixes, the keys it reads, its tensor layout."""
+
+    name: str
+    fixed: dict[str, Any]  # fields every model of the architecture has (biases: True where it has the tensors)
+    keys: frozenset[str]  # the "<arch>." metadata keys read
+    interleaved: bool = False  # llama.cpp's rope type NORM: q/k rows reordered per head
+    fused_qkv: bool = False  # one attn_qkv tensor ([q; k; v] rows) instead of attn_q, attn_k, attn_v
+    fused_gate_up: bool = False  # a gated MLP's [gate; up] as one ffn_up (Phi-3)
+    no_proj_bias: bool = False  # q/k/v have biases, the output projection none (Qwen2)
+    rope_freqs: bool = False  # reads a rope_freqs tensor: per-frequency divisors (Llama 3's scaling)
+    window_pattern: int = 0  # llama.cpp's default: layer i is sliding iff i % n < n - 1 (0: no sliding layers)
+    extras: dict[str, Any] = field(default_factory=dict)  # per-architecture constants (tied: no output tensor)
+
+
+ARCHS = {
+    arch.name: arch
+    for arch in (
+        Arch(
+            "gpt2",
+            {"position": "learned", "norm": "layernorm", "activation": "gelu_tanh", "norm_position": "pre"}
+            | {"attn_bias": True, "mlp_bias": True, "norm_bias": True},
+            SHAPE_KEYS | {"attention.layer_norm_epsilon"},
+            fused_qkv=True,
+        ),
+        Arch("llama", _LLAMA_FIXED, SHAPE_KEYS | ROPE_KEYS | RMS, interleaved=True, rope_freqs=True),
+        Arch("qwen2", _LLAMA_FIXED | {"attn_bias": True}, SHAPE_KEYS | ROPE_KEYS | RMS, no_proj_bias=True),
+        Arch("qwen3", _LLAMA_FIXED | {"qk_norm": True}, SHAPE_KEYS | ROPE_KEYS | RMS),
+        Arch(
+            "smollm3", _LLAMA_FIXED, SHAPE_KEYS | ROPE_KEYS | RMS, interleaved=True, extras={"no_rope_every": 4}
+        ),  # llama.cpp fixes SmolLM3's NoPE layers: every 4th (its n_no_rope_layer_step)
+        Arch(
+            "granite",
+            _LLAMA_FIXED,
+            SHAPE_KEYS | ROPE_KEYS | RMS | {"attention.scale", "embedding_scale", "residual_scale", "logit_scale"},
+            interleaved=True,
+            rope_freqs=True,
+        ),
+        Arch(
+            "phi3",
+            _LLAMA_FIXED,
+            SHAPE_KEYS | ROPE_KEYS | RMS | {"attention.sliding_window", "rope.scaling.original_context_length"},
+            fused_qkv=True,
+            fused_gate_up=True,
+        ),
+        Arch(
+            "gptneox",
+            {"norm": "layernorm", "activation": "gelu_tanh", "position": "rope", "norm_position": "pre"}
+            | {"attn_bias": True, "mlp_bias": True, "norm_bias": True},
+            SHAPE_KEYS | ROPE_KEYS | {"attention.layer_norm_epsilon", "use_parallel_residual"},
+            fused_qkv=True,
+        ),
+        Arch(
+            "olmo2",
+            dict(_LLAMA_FIXED, norm_position="sublayer_post", qk_norm=True, qk_norm_scope="width"),
+            SHAPE_KEYS | ROPE_KEYS | RMS | WINDOW_KEYS,
+            window_pattern=4,
+        ),
+        Arch(
+            "gemma2",
+            _GEMMA_FIXED,
+            SHAPE_KEYS | ROPE_KEYS | RMS | WINDOW_KEYS | {"attn_logit_softcapping", "final_logit_softcapping"},
+            window_pattern=2,
+            extras={
+                "wide_scale_layers": 46,
+                "tied": True,
+            },  # Gemma 2 27B: scores scaled by n_embd / n_head, not head_dim
+        ),
+        Arch(
+            "gemma3",
+            _GEMMA_FIXED | {"qk_norm": True},
+            SHAPE_KEYS
+            | RMS
+            | WINDOW_KEYS
+            | {"rope.freq_base", "rope.freq_base_swa", "rope.dimension_count"}
+            | {"final_logit_softcapping"},
+            window_pattern=6,
+            extras={"wide_scale_layers": 62, "tied": True},  # Gemma 3 27B, as above
+        ),
+    )
 }
 
 
-def architecture(config: ModelConfig) -> str:
-    """The llama.cpp architecture computing exactly what config does, or a GGUFError saying why none does."""
-
-    def refuse(field: str, why: str) -> GGUFError:
-        return GGUFError(f"{field} {getattr(config, field)!r} cannot be written as GGUF: {why}")
-
-    if config.norm_position != "pre":
-        raise refuse("norm_position", "llama.cpp's gpt2 and llama normalise before attention and MLP (pre-norm)")
-    if config.lm_head_bias:
-        raise refuse("lm_head_bias", "llama.cpp's gpt2 and llama have no output bias")
-    if config.logit_softcap is not None:
-        raise refuse(
-            "logit_softcap",
-            "llama.cpp's gpt2 and llama do not soft-cap their logits (only its gemma2 does, which differs in more)",
-        )
-    if config.qk_norm:
-        raise refuse("qk_norm", "llama.cpp's gpt2 and llama have no q/k norms")
-    if config.position == "learned":
-        if config.norm != "layernorm":
-            raise refuse("norm", "llama.cpp's gpt2 (learned positions) uses LayerNorm")
-        if config.activation == "gelu":
-            raise refuse(
-                "activation",
-                "llama.cpp computes GELU as its tanh approximation in every architecture "
-                "(no erf GELU); train with --model.activation gelu_tanh to export to llama.cpp",
-            )
-        if config.activation != "gelu_tanh":
-            raise refuse("activation", "llama.cpp's gpt2 computes GELU's tanh approximation (gelu_tanh)")
-        if config.n_kv_head != config.n_head:
-            raise refuse("n_kv_head", "llama.cpp's gpt2 has no grouped-query attention")
-        return "gpt2"
-    if config.position == "rope":
-        for field, value, why in (("norm", "rmsnorm", "RMSNorm"), ("activation", "swiglu", "SwiGLU")):
-            if getattr(config, field) != value:
-                raise refuse(field, f"llama.cpp's llama (RoPE) uses {why}")
-        for field in ("attn_bias", "mlp_bias"):
-            if getattr(config, field):
-                raise refuse(field, "llama.cpp's llama has no biases in its projections")
-        return "llama"
-    raise refuse("position", "llama.cpp computes learned positions (gpt2) or RoPE (llama) only")
-
-
-def tensor_names(config: ModelConfig, arch: str) -> dict[str, str]:
-    """gptkit's tensor name -> GGUF's, for the names that map one to one (q/k/v and gate/up are split)."""
+def tensor_names(config: ModelConfig, arch: Arch) -> dict[str, str]:
+    """gptkit's tensor name -> GGUF's, for the tensors that map one to one (weights and biases alike); attn.qkv and
+    mlp.fc are in split_tensors unless the architecture keeps them fused."""
     names = {
         "tok_emb.weight": "token_embd.weight",
+        "pos_emb.weight": "position_embd.weight",
         "norm_f.weight": "output_norm.weight",
+        "norm_f.bias": "output_norm.bias",
         "lm_head.weight": "output.weight",
     }
-    per_block = {"norm1": "attn_norm", "attn.proj": "attn_output", "norm2": "ffn_norm", "mlp.proj": "ffn_down"}
-    if arch == "gpt2":
-        names.update({"pos_emb.weight": "position_embd.weight", "norm_f.bias": "output_norm.bias"})
-        per_block.update({"attn.qkv": "attn_qkv", "mlp.fc": "ffn_up"})
+    per_block = {
+        "norm1": "attn_norm",
+        "norm2": "ffn_norm",
+        "norm1_post": "post_attention_norm",
+        "norm2_post": "post_ffw_norm",
+        "attn.proj": "attn_output",
+        "attn.q_norm": "attn_q_norm",
+        "attn.k_norm": "attn_k_norm",
+        "mlp.proj": "ffn_down",
+    }
+    if config.norm_position == "sublayer_post":  # OLMo 2 normalises each sublayer's output only
+        per_block.update({"norm1": "post_attention_norm", "norm2": "post_ffw_norm"})
+        del per_block["norm1_post"], per_block["norm2_post"]
+    if arch.fused_qkv:
+        per_block["attn.qkv"] = "attn_qkv"
+    if config.activation not in ("swiglu", "geglu") or arch.fused_gate_up:
+        per_block["mlp.fc"] = "ffn_up"
     for i in range(config.n_layer):
         for ours, theirs in per_block.items():
-            for part in ("weight", "bias") if arch == "gpt2" else ("weight",):
+            for part in ("weight", "bias"):
                 names[f"blocks.{i}.{ours}.{part}"] = f"blk.{i}.{theirs}.{part}"
     return names
+
+
+def split_tensors(config: ModelConfig, arch: Arch) -> dict[str, list[tuple[str, int, int]]]:
+    """gptkit's fused tensors that GGUF holds in pieces: name -> [(GGUF name, rows, heads whose rows are reordered
+    for interleaved RoPE (0: none))], the pieces stacked in order."""
+    hd, split = config.head_dim, {}
+    q, kv = config.n_head * hd, config.n_kv_head * hd
+    heads = (config.n_head, config.n_kv_head) if arch.interleaved else (0, 0)
+    for i in range(config.n_layer):
+        for part in ("weight", "bias"):
+            if not arch.fused_qkv:
+                split[f"blocks.{i}.attn.qkv.{part}"] = [
+                    (f"blk.{i}.attn_q.{part}", q, heads[0]),
+                    (f"blk.{i}.attn_k.{part}", kv, heads[1]),
+                    (f"blk.{i}.attn_v.{part}", kv, 0),
+                ]
+            if config.activation in ("swiglu", "geglu") and not arch.fused_gate_up:
+                split[f"blocks.{i}.mlp.fc.{part}"] = [
+                    (f"blk.{i}.ffn_gate.{part}", config.ffn_hidden, 0),
+                    (f"blk.{i}.ffn_up.{part}", config.ffn_hidden, 0),
+                ]
+    return split
 
 
 def rope_rows(weight: torch.Tensor, heads: int, to_gguf: bool) -> torch.Tensor:

@@ -11,8 +11,9 @@ import torch
 
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError
-from gptkit.formats.gguf.archs import ARCH_KEYS, LLAMA_FUSED, TOKENIZER_KEYS, rope_rows, tensor_names
+from gptkit.formats.gguf.archs import ARCHS, TOKENIZER_KEYS, Arch, rope_rows, split_tensors, tensor_names
 from gptkit.formats.gguf.header import gguf_package, open_gguf, read_fields
+from gptkit.formats.gguf.hparams import config_from_keys
 from gptkit.formats.gguf.q4_0 import q4_0_parts
 from gptkit.formats.gguf.vocab import GGUFError, tokenizer_from_fields
 from gptkit.model import GPT
@@ -24,15 +25,16 @@ from gptkit.weights import load_state_into
 def load_gguf(
     path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
 ) -> tuple[GPT, Tokenizer]:
-    """(model, tokenizer) of a GGUF file of llama.cpp's gpt2 or llama architecture: layers whose weights are Q4_0 as
-    Int4Linear, every other tensor dequantised."""
+    """(model, tokenizer) of a GGUF file of one of the llama.cpp architectures gptkit maps (archs.ARCHS): layers whose
+    weights are Q4_0 as Int4Linear, every other tensor dequantised."""
     gguf = gguf_package()
     path = Path(path)
     reader = open_gguf(path)
     fields = read_fields(reader, path)
-    arch = fields.get("general.architecture")
-    if arch not in ("gpt2", "llama"):
-        raise GGUFError(f"{path} holds a {arch!r} model; gptkit reads GGUF's gpt2 and llama architectures")
+    name = fields.get("general.architecture")
+    if name not in ARCHS:
+        raise GGUFError(f"{path} holds a {name!r} model; gptkit reads GGUF's {', '.join(ARCHS)} architectures")
+    arch = ARCHS[name]
     _check_keys(fields, arch, path)
     tensors, q4 = {}, {}
     for tensor in reader.tensors:
@@ -64,23 +66,20 @@ def load_gguf(
     return model.eval(), tokenizer_from_fields(fields, path)
 
 
-def _int4_layers(model: GPT, q4: dict[str, tuple[torch.Tensor, torch.Tensor]], arch: str) -> None:
+def _int4_layers(model: GPT, q4: dict[str, tuple[torch.Tensor, torch.Tensor]], arch: Arch) -> None:
     """Replace each linear layer whose GGUF tensors are all Q4_0 by an Int4Linear over those bits, its rows arranged
     as _gptkit_state arranges the float weights."""
     config = model.config
-    names = {ours: theirs for ours, theirs in tensor_names(config, arch).items()}
+    names, split = tensor_names(config, arch), split_tensors(config, arch)
     head = "output.weight" if not config.tie_embeddings else "token_embd.weight"
     parts: dict[str, list[tuple[str, int]]] = {"lm_head": [(head, 0)]}  # layer -> (GGUF tensor, heads to reorder)
     for i in range(config.n_layer):
-        for layer in ("attn.proj", "mlp.proj") + (("attn.qkv", "mlp.fc") if arch == "gpt2" else ()):
-            parts[f"blocks.{i}.{layer}"] = [(names[f"blocks.{i}.{layer}.weight"], 0)]
-        if arch == "llama":
-            parts[f"blocks.{i}.attn.qkv"] = [
-                (f"blk.{i}.attn_q.weight", config.n_head),
-                (f"blk.{i}.attn_k.weight", config.n_kv_head),
-                (f"blk.{i}.attn_v.weight", 0),
-            ]
-            parts[f"blocks.{i}.mlp.fc"] = [(f"blk.{i}.ffn_gate.weight", 0), (f"blk.{i}.ffn_up.weight", 0)]
+        for layer in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"):
+            weight = f"blocks.{i}.{layer}.weight"
+            pieces = (
+                [(names[weight], 0)] if weight in names else [(theirs, heads) for theirs, _, heads in split[weight]]
+            )
+            parts[f"blocks.{i}.{layer}"] = pieces
     for layer, pieces in parts.items():
         if not all(name in q4 for name, _ in pieces):
             continue
@@ -106,115 +105,79 @@ def gguf_chat_template(path: str | Path) -> str | None:
     return read_fields(open_gguf(path), Path(path), (key,)).get(key)
 
 
-def _check_keys(fields: dict[str, Any], arch: str, path: Path) -> None:
+def _check_keys(fields: dict[str, Any], arch: Arch, path: Path) -> None:
     """Refuse, naming it, the first metadata key that is neither mapped onto the model nor inert."""
     for key in fields:
         if key.startswith(("GGUF.", "general.")) or key in TOKENIZER_KEYS:  # GGUF.*: the reader's header fields
             continue
-        if key.startswith(f"{arch}.") and key.removeprefix(f"{arch}.") in ARCH_KEYS[arch]:
+        if key.startswith(f"{arch.name}.") and key.removeprefix(f"{arch.name}.") in arch.keys:
             continue
         raise GGUFError(
-            f"{path}: metadata {key!r} is not one gptkit maps onto a GGUF {arch} model; read without it "
+            f"{path}: metadata {key!r} is not one gptkit maps onto a GGUF {arch.name} model; read without it "
             "the model would compute something else, so the file is refused"
         )
 
 
-def _field(fields: dict[str, Any], key: str, path: Path, default: Any = None) -> Any:
-    value = fields.get(key, default)
-    if value is None:
-        raise GGUFError(f"{path} has no {key!r}")
-    return value
-
-
-def _decimal(value: Any) -> float:
-    """A float32 from the file as the shortest decimal that rounds to it (1e-05, not 9.9999997e-06)."""
-    return float(str(np.float32(value)))
-
-
-def _config(fields: dict[str, Any], tensors: dict[str, torch.Tensor], arch: str, path: Path) -> ModelConfig:
-    """The ModelConfig a GGUF file's hyperparameters describe, refusing what gptkit cannot compute alike."""
-    get = lambda key, default=None: _field(fields, f"{arch}.{key}", path, default)
+def _config(fields: dict[str, Any], tensors: dict[str, torch.Tensor], arch: Arch, path: Path) -> ModelConfig:
+    """The ModelConfig a GGUF file's hyperparameters and tensors describe."""
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path} has no tensor token_embd.weight (the token embedding)")
-    n_head = int(get("attention.head_count"))
-    common = dict(
-        vocab_size=int(tensors["token_embd.weight"].shape[0]),
-        block_size=int(get("context_length")),
-        n_layer=int(get("block_count")),
-        n_head=n_head,
-        n_embd=int(get("embedding_length")),
-        ffn_hidden=int(get("feed_forward_length")),
-        norm_position="pre",
-        tie_embeddings="output.weight" not in tensors,
-    )
-    if arch == "gpt2":
-        if "output.weight" in tensors and torch.equal(tensors["output.weight"], tensors["token_embd.weight"]):
-            common["tie_embeddings"] = True  # llama.cpp's converter writes GPT-2's tied head a second time
-        return ModelConfig(
-            **common,
-            activation="gelu_tanh",
-            norm="layernorm",
-            position="learned",
-            norm_eps=_decimal(get("attention.layer_norm_epsilon")),
-            lm_head_bias=False,
-        )
-    if fields.get("llama.rope.scaling.type") not in (None, "none"):
-        scaling = fields["llama.rope.scaling.type"]
-        raise GGUFError(f"{path}: metadata 'llama.rope.scaling.type' is {scaling!r}; gptkit reads llama without it")
-    n_kv = int(get("attention.head_count_kv", n_head))
-    head_dim = common["n_embd"] // n_head
-    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
-        if int(get(key, head_dim)) != head_dim:
-            raise GGUFError(
-                f"{path}: metadata 'llama.{key}' is {int(get(key))}, not the head size {head_dim} "
-                "(embedding_length / head_count), which gptkit's llama needs"
-            )
-    return ModelConfig(
-        **common,
-        n_kv_head=n_kv,
-        activation="swiglu",
-        norm="rmsnorm",
-        position="rope",
-        norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=_decimal(get("rope.freq_base", 10000.0)),
-        attn_bias=False,
-        mlp_bias=False,
-        norm_bias=False,
-        lm_head_bias=False,
-    )
+    tie = "output.weight" not in tensors
+    if not tie and arch.extras.get("tied"):
+        raise GGUFError(f"{path} holds output.weight, which llama.cpp's {arch.name} never reads (it ties the output)")
+    if arch.name == "gpt2" and not tie and torch.equal(tensors["output.weight"], tensors["token_embd.weight"]):
+        tie = True  # llama.cpp's converter writes GPT-2's tied head a second time
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch.name}.{key}", default)
+        if value is None:
+            raise GGUFError(f"{path} has no {arch.name + '.' + key!r}")
+        return value
+
+    divisors = tensors["rope_freqs.weight"].tolist() if "rope_freqs.weight" in tensors else None
+    vocab_size = int(tensors["token_embd.weight"].shape[0])
+    try:
+        return config_from_keys(arch, get, vocab_size, tie, divisors)
+    except GGUFError as err:
+        raise GGUFError(f"{path}: {err}") if not str(err).startswith(str(path)) else err from None
 
 
 def _gptkit_state(
-    tensors: dict[str, torch.Tensor], config: ModelConfig, arch: str, path: Path
+    tensors: dict[str, torch.Tensor], config: ModelConfig, arch: Arch, path: Path
 ) -> dict[str, torch.Tensor]:
-    """GGUF's tensors under gptkit's names and layout (q/k rows back to rotate-half pairs, q/k/v fused)."""
+    """GGUF's tensors under gptkit's names and layout (split tensors stacked, q/k rows back to rotate-half pairs)."""
     names = {theirs: ours for ours, theirs in tensor_names(config, arch).items()}
-    fused = {f"blk.{i}.{part}.weight" for i in range(config.n_layer) for part in LLAMA_FUSED} if arch == "llama" else ()
-    unmapped = [name for name in tensors if name not in names and name not in fused]
+    split = split_tensors(config, arch)
+    pieces = {theirs for parts in split.values() for theirs, _, _ in parts}
+    used = {"rope_freqs.weight"} if arch.rope_freqs else set()
+    unmapped = [name for name in tensors if name not in names and name not in pieces and name not in used]
     if unmapped:  # dropped, it would leave the model computing something else (Llama 3's rope_freqs.weight)
         raise GGUFError(
-            f"{path} holds tensor {unmapped[0]}, which gptkit does not map onto a GGUF {arch} model; "
+            f"{path} holds tensor {unmapped[0]}, which gptkit does not map onto a GGUF {arch.name} model; "
             "the file is refused rather than read without it"
         )
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if name in names:
-            state[names[name]] = tensor
+    state = {names[name]: tensor for name, tensor in tensors.items() if name in names}
+    for ours, parts in split.items():
+        found = [tensors.get(theirs) for theirs, _, _ in parts]
+        if all(t is None for t in found) and ours.endswith(".bias"):
+            continue
+        missing = [theirs for (theirs, _, _), t in zip(parts, found) if t is None]
+        if missing:
+            raise GGUFError(f"{path} has no tensor {missing[0]}")
+        state[ours] = torch.cat([rope_rows(t, heads, False) if heads else t for (_, _, heads), t in zip(parts, found)])
     if config.tie_embeddings:
         state.pop("lm_head.weight", None)
         state["lm_head.weight"] = state["tok_emb.weight"]
-    if arch == "llama":
-        for i in range(config.n_layer):
-            get = lambda part: tensors.get(f"blk.{i}.{part}.weight")
-            missing = [part for part in LLAMA_FUSED if get(part) is None]
-            if missing:
-                raise GGUFError(f"{path} has no tensor blk.{i}.{missing[0]}.weight")
-            q, k = rope_rows(get("attn_q"), config.n_head, False), rope_rows(get("attn_k"), config.n_kv_head, False)
-            state[f"blocks.{i}.attn.qkv.weight"] = torch.cat([q, k, get("attn_v")])
-            state[f"blocks.{i}.mlp.fc.weight"] = torch.cat([get("ffn_gate"), get("ffn_up")])
-    with torch.device("meta"):  # the names only
-        expected = set(GPT(config).state_dict())
-    missing = sorted(expected - set(state))
+    with torch.device("meta"):  # the names and shapes only
+        expected = GPT(config).state_dict()
+    for i in range(config.n_layer):  # a bias the architecture lacks (Qwen2's output projection) is zero
+        bias = f"blocks.{i}.attn.proj.bias"
+        if arch.no_proj_bias and bias in expected and bias not in state:
+            state[bias] = torch.zeros(expected[bias].shape)
+    missing = sorted(set(expected) - set(state))
     if missing:
         raise GGUFError(f"{path} lacks the tensor gptkit calls {missing[0]!r}")
+    extra = sorted(set(state) - set(expected))
+    if extra:  # a bias or norm the architecture allows but this model's config has no place for
+        raise GGUFError(f"{path} holds {extra[0]!r}, which a gptkit {arch.name} model of this shape does not have")
     return {name: state[name] for name in expected}

@@ -120,13 +120,17 @@ def tokenizer_from_fields(fields: dict[str, Any], path: Path) -> Tokenizer:
     model = fields.get("tokenizer.ggml.model")
     tokens = fields.get("tokenizer.ggml.tokens")
     if model != "gpt2" or not tokens:
-        raise GGUFError(f"{path} has a {model!r} tokenizer; gptkit reads GGUF's byte-level BPE (\"gpt2\") tokenizers")
+        raise GGUFError(f'{path} has a {model!r} tokenizer; gptkit reads GGUF\'s byte-level BPE ("gpt2") tokenizers')
     types = fields.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
     eos_id = fields.get("tokenizer.ggml.eos_token_id")
     specials = [t for t, kind in zip(tokens, types) if kind == TOKEN_CONTROL]
     inert = {f"{a} {b}" for a in specials for b in specials}  # see inert_merge
     merges = [m for m in fields.get("tokenizer.ggml.merges") or [] if m not in inert]
-    if not merges and tokens[:256] == [BYTE_LEVEL_SYMBOLS[b] for b in range(256)] and len(specials) == len(tokens) - 256:
+    if (
+        not merges
+        and tokens[:256] == [BYTE_LEVEL_SYMBOLS[b] for b in range(256)]
+        and len(specials) == len(tokens) - 256
+    ):
         tokenizer: Tokenizer = ByteTokenizer(specials)
         if eos_id is not None and tokenizer.eos_id != eos_id:
             tokenizer.eos_id = int(eos_id)

@@ -10,10 +10,13 @@ import numpy as np
 import torch
 
 from gptkit.atomic import atomic_write
-from gptkit.formats.gguf.archs import architecture, rope_rows, tensor_names
+from gptkit.config import ModelConfig
+from gptkit.formats.gguf.archs import Arch, rope_rows, split_tensors, tensor_names
 from gptkit.formats.gguf.header import gguf_package
+from gptkit.formats.gguf.hparams import FLOAT_KEYS, architecture, config_keys, rope_divisors
 from gptkit.formats.gguf.q4_0 import q4_0_blocks
 from gptkit.formats.gguf.vocab import GGUFError, inert_merge, tokenizer_vocab
+from gptkit.layers import RMSNorm
 from gptkit.model import GPT
 from gptkit.quantization import Int4Linear, dequantized_state, is_quantized, quantize_q4
 from gptkit.tokenizer import Tokenizer
@@ -41,40 +44,51 @@ def gguf_tensors(model: GPT, q4_blocks: bool = False, added_tokens: int = 0) -> 
                 packed, scales = module.plain()
                 state[f"{module_name}.weight"] = torch.from_numpy(q4_0_blocks(packed.cpu(), scales.cpu()))
     state = real_vocab_state(state, config)  # a padded vocabulary's extra rows are never used: not written
-    if config.tie_embeddings and arch == "llama" and not is_quantized(model):
-        state.pop("lm_head.weight")  # llama.cpp's llama reads the embedding as the output when output is absent
-    if arch == "gpt2":  # llama.cpp's gpt2 has every bias: absent ones are zeros
-        for name, t in list(state.items()):
-            if (
-                name.endswith(".weight")
-                and name.replace(".weight", ".bias") not in state
-                and t.dim() <= 2
-                and not name.startswith(("tok_emb", "pos_emb", "lm_head"))
-            ):
-                state[name.replace(".weight", ".bias")] = torch.zeros(t.shape[0])
-    names = tensor_names(config, arch)
+    if config.tie_embeddings and arch.name != "gpt2" and not is_quantized(model):
+        state.pop("lm_head.weight")  # llama.cpp reads the embedding as the output when output is absent
+    for module_name, module in model.named_modules():
+        if isinstance(module, RMSNorm) and config.norm_gain_offset:  # llama.cpp multiplies by the stored gain
+            state[f"{module_name}.weight"] = state[f"{module_name}.weight"] + config.norm_gain_offset
+    _zero_biases(state, config, arch)
+    names, split = tensor_names(config, arch), split_tensors(config, arch)
     out = {}
     for name, tensor in state.items():
         if name in names:
             out[names[name]] = tensor
-            continue
-        block, _, rest = name.partition(".")[2].partition(".")
-        if rest == "attn.qkv.weight":
-            hd = config.head_dim
-            q, k, v = tensor.split([config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd])
-            out[f"blk.{block}.attn_q.weight"] = rope_rows(q, config.n_head, to_gguf=True)
-            out[f"blk.{block}.attn_k.weight"] = rope_rows(k, config.n_kv_head, to_gguf=True)
-            out[f"blk.{block}.attn_v.weight"] = v
-        elif rest == "mlp.fc.weight":
-            gate, up = tensor.chunk(2)
-            out[f"blk.{block}.ffn_gate.weight"], out[f"blk.{block}.ffn_up.weight"] = gate, up
+        elif name in split:
+            rows = tensor.split([piece_rows for _, piece_rows, _ in split[name]])
+            for (theirs, _, heads), piece in zip(split[name], rows):
+                out[theirs] = rope_rows(piece, heads, to_gguf=True) if heads else piece
         else:
-            raise GGUFError(f"tensor {name} has no place in a GGUF {arch} model")
+            raise GGUFError(f"tensor {name} has no place in a GGUF {arch.name} model")
+    divisors = rope_divisors(config) if arch.rope_freqs else None
+    if divisors is not None:
+        out["rope_freqs.weight"] = torch.tensor(divisors, dtype=torch.float32)
     for name in ("token_embd.weight", "output.weight"):
         if added_tokens and name in out:
             rows = out[name]
             out[name] = torch.cat([rows, rows.new_zeros(added_tokens, rows.shape[1])])
     return out
+
+
+def _zero_biases(state: dict[str, torch.Tensor], config: ModelConfig, arch: Arch) -> None:
+    """Biases the architecture has and the model lacks written as zeros (gpt2 and GPT-NeoX have every one, Qwen2
+    q/k/v's); one the architecture lacks must be zero (Qwen2's output projection) and is left out."""
+    for i in range(config.n_layer):
+        for layer, flag in (("attn.qkv", "attn_bias"), ("attn.proj", "attn_bias"), ("mlp.fc", "mlp_bias")):
+            bias = f"blocks.{i}.{layer}.bias"
+            if layer == "attn.proj" and arch.no_proj_bias:
+                if bias in state and state.pop(bias).any():
+                    raise GGUFError(f"{bias} is not zero: llama.cpp's {arch.name} has no output projection bias")
+            elif arch.fixed.get(flag) and bias not in state:
+                state[bias] = torch.zeros(state[f"blocks.{i}.{layer}.weight"].shape[0])
+        if arch.fixed.get("norm_bias"):
+            for norm in ("norm1", "norm2"):
+                state.setdefault(f"blocks.{i}.{norm}.bias", torch.zeros(config.n_embd))
+        if arch.fixed.get("mlp_bias") and f"blocks.{i}.mlp.proj.bias" not in state:
+            state[f"blocks.{i}.mlp.proj.bias"] = torch.zeros(config.n_embd)
+    if arch.fixed.get("norm_bias"):
+        state.setdefault("norm_f.bias", torch.zeros(config.n_embd))
 
 
 def export_gguf(
@@ -104,21 +118,12 @@ def export_gguf(
     path = Path(path)
 
     def write(tmp: Path) -> None:
-        writer = gguf.GGUFWriter(str(tmp), arch)
+        writer = gguf.GGUFWriter(str(tmp), arch.name)
         writer.add_name(name)
         writer.add_file_type(LLAMA_FILE_TYPES[file_type])
-        writer.add_context_length(config.block_size)
-        writer.add_embedding_length(config.n_embd)
-        writer.add_block_count(config.n_layer)
-        writer.add_feed_forward_length(config.ffn_hidden)
-        writer.add_head_count(config.n_head)
-        if arch == "gpt2":
-            writer.add_layer_norm_eps(config.norm_eps)
-        else:
-            writer.add_head_count_kv(config.n_kv_head)
-            writer.add_layer_norm_rms_eps(config.norm_eps)
-            writer.add_rope_freq_base(config.rope_theta)
-            writer.add_rope_dimension_count(config.head_dim)
+        for key, value in config_keys(config, arch).items():
+            _add_key(gguf, writer, f"{arch.name}.{key}", value)
+        if arch.name != "gpt2":
             writer.add_vocab_size(len(tokens))
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(vocab.pre)
@@ -145,6 +150,21 @@ def export_gguf(
 
     atomic_write(path, write)
     return path
+
+
+def _add_key(gguf: Any, writer: Any, key: str, value: Any) -> None:
+    """One metadata key in GGUF's type for it: float32 for the floats, uint32 for counts, a list of flags as bools."""
+    kinds = gguf.GGUFValueType
+    if isinstance(value, list):
+        writer.add_key_value(key, value, kinds.ARRAY, sub_type=kinds.BOOL)
+    elif isinstance(value, bool):
+        writer.add_key_value(key, value, kinds.BOOL)
+    elif isinstance(value, str):
+        writer.add_key_value(key, value, kinds.STRING)
+    elif key.split(".", 1)[1] in FLOAT_KEYS:
+        writer.add_key_value(key, float(value), kinds.FLOAT32)
+    else:
+        writer.add_key_value(key, int(value), kinds.UINT32)
 
 
 def _encoded(gguf: Any, array: np.ndarray, file_type: str) -> tuple[np.ndarray, Any]:
