@@ -17,7 +17,7 @@ of the text minus the bytes of its first token.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gptkit.config import ModelConfig
 from gptkit.data import Examples, example_batches
 from gptkit.errors import InputError
 from gptkit.kv_cache import KV_DTYPES, KVCache, kv_dtype_of
@@ -128,13 +129,53 @@ def score_tokens(
     context defaults to the model's block_size; on_windows(n) is called after each batch of n windows. kv_cache:
     the windows run through a KV cache of that element type (module docstring).
     """
+    nll_sum, scored = 0.0, 0
+    for nll, mask in _window_losses(model, ids, stride, batch_size, context, on_windows, kv_cache):
+        nll_sum += float(nll.sum())
+        scored += int(mask.sum())
+    return nll_sum, scored
+
+
+@torch.no_grad()
+def score_positions(
+    model: GPT,
+    ids: np.ndarray | torch.Tensor,
+    context: int | None = None,
+    stride: int | None = None,
+    batch_size: int = 8,
+    on_windows: Callable[[int], None] = lambda n: None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(summed nats, scored tokens) per position in the window, each an array of `context` entries.
+
+    Position p is the input index inside a window: its target has p tokens of context before it. stride defaults
+    to the context here, so that every position is scored in every window (no position is favoured).
+    """
+    context = model.config.block_size if context is None else context
+    stride = context if stride is None else stride
+    nll_sums, counts = np.zeros(context), np.zeros(context, dtype=np.int64)
+    for nll, mask in _window_losses(model, ids, stride, batch_size, context, on_windows, None):
+        width = nll.size(1)
+        nll_sums[:width] += nll.double().sum(0).cpu().numpy()
+        counts[:width] += mask.sum(0).cpu().numpy()
+    return nll_sums, counts
+
+
+def _window_losses(
+    model: GPT,
+    ids: np.ndarray | torch.Tensor,
+    stride: int | None,
+    batch_size: int,
+    context: int | None,
+    on_windows: Callable[[int], None],
+    kv_cache: str | None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per batch of windows: each target's nats (B, T; 0 where unscored) and which targets are scored (B, T)."""
     kv_dtype = kv_dtype_of(kv_cache)
     if batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {batch_size}")
     config = model.config
     context = config.block_size if context is None else context
-    if config.position == "learned" and context > config.block_size:
-        raise InputError(f"context {context} exceeds the model's {config.block_size} learned positions")
+    check_context(config, context)
     tokens = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids  # a memory map stays one
     if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= config.vocab_size):
         raise InputError(
@@ -145,22 +186,53 @@ def score_tokens(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    nll_sum, scored = 0.0, 0
     try:
         for first in range(0, len(windows), batch_size):
             batch = windows[first : first + batch_size]
             inputs, targets = _batch(tokens, batch, context)
-            inputs = inputs.to(device)
+            inputs, targets = inputs.to(device), targets.to(device)
             logits = model(inputs) if kv_dtype is None else _through_cache(model, inputs, kv_dtype)
             nll = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.to(device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-            nll_sum += float(nll)
-            scored += int((targets != IGNORE_INDEX).sum())
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+            )  # (B*T,), 0 where ignored
+            yield nll.view(targets.shape), targets != IGNORE_INDEX  # (B*T,) -> (B, T)
             on_windows(len(batch))
     finally:
         model.train(was_training)
-    return nll_sum, scored
+
+
+def check_context(config: ModelConfig, context: int) -> None:
+    """Refuse a scoring context the model cannot run: past block_size with learned positions, or below 1."""
+    if context < 1:
+        raise InputError(f"--context must be >= 1, got {context}")
+    if config.position == "learned" and context > config.block_size:
+        raise InputError(
+            f"--context {context} exceeds the model's {config.block_size} learned positions (a learned table has "
+            f"no rows past block_size); use --context {config.block_size} or less, or a RoPE model"
+        )
+
+
+@dataclass(frozen=True)
+class PositionBucket:
+    """Mean loss over the targets at window positions start .. end-1."""
+
+    start: int
+    end: int
+    tokens: int
+    loss: float | None  # None when no target there was scored
+
+
+def position_buckets(nll_sums: np.ndarray, counts: np.ndarray, width: int) -> list[PositionBucket]:
+    """score_positions' per-position sums pooled into buckets of `width` positions (the last may be shorter)."""
+    if width < 1:
+        raise InputError(f"--by-position must be >= 1 positions per bucket, got {width}")
+    buckets = []
+    for start in range(0, len(counts), width):
+        end = min(start + width, len(counts))
+        n = int(counts[start:end].sum())
+        loss = float(nll_sums[start:end].sum() / n) if n else None
+        buckets.append(PositionBucket(start, end, n, loss))
+    return buckets
 
 
 def _through_cache(model: GPT, inputs: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
@@ -198,9 +270,11 @@ def evaluate_ids(
     batch_size: int = 8,
     on_windows: Callable[[int], None] = lambda n: None,
     kv_cache: str | None = None,
+    context: int | None = None,
 ) -> EvalResult:
-    """Metrics of a token sequence; bytes come from the tokenizer's per-token byte lengths (0 if unknown)."""
-    nll_sum, tokens = score_tokens(model, ids, stride, batch_size, on_windows=on_windows, kv_cache=kv_cache)
+    """Metrics of a token sequence with windows of `context` tokens (default block_size); bytes come from the
+    tokenizer's per-token byte lengths (0 if unknown)."""
+    nll_sum, tokens = score_tokens(model, ids, stride, batch_size, context, on_windows, kv_cache)
     n_bytes = scored_bytes(ids, token_byte_lengths) if token_byte_lengths is not None else 0
     return metrics(nll_sum, tokens, n_bytes)
 

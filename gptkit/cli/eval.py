@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -34,6 +35,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(late minus early loss in the context) and the induction-head test")  # fmt: skip
     parser.add_argument("--icl-windows", type=int, default=None, metavar="N", help="context windows the ICL score "
                         "averages over (default: 64)")  # fmt: skip
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="score windows of N tokens (default: the model's block_size); past block_size for RoPE (or "
+        "position-free) models only",
+    )
+    parser.add_argument(
+        "--by-position",
+        type=int,
+        default=None,
+        metavar="BUCKET",
+        help="also the mean loss per bucket of BUCKET positions in the window (windows then start every N tokens "
+        "unless --stride says otherwise), to see the loss beyond the model's original context",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -78,7 +95,14 @@ def run(args: argparse.Namespace) -> int:
 
     from gptkit.data import is_examples, load_examples, read_meta
     from gptkit.errors import InputError
-    from gptkit.evaluate import EvalOptions, encode_text, evaluate_examples, evaluate_ids, sliding_windows
+    from gptkit.evaluate import (
+        EvalOptions,
+        check_context,
+        encode_text,
+        evaluate_examples,
+        evaluate_ids,
+        sliding_windows,
+    )
     from gptkit.finetune.heads import is_classifier_dir
     from gptkit.loading import load, resolve_model_path
     from gptkit.devices import pick_device
@@ -92,7 +116,10 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load(args.model_dir, dtype=getattr(torch, options.dtype), device=pick_device(options.device))
     if options.quantize is not None and not is_quantized(model):
         quantize(model, options.quantize)
-    context = model.config.block_size
+    context = model.config.block_size if args.context is None else args.context
+    check_context(model.config, context)
+    if args.by_position is not None and (args.icl or options.kv_cache is not None):
+        raise InputError("--by-position scores a text without a KV cache; drop --icl or --kv-cache")
     if text is not None:
         if tokenizer is None:
             raise InputError(f"{args.model_dir} has no tokenizer files; use --data with a prepared directory")
@@ -111,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
                              "without a cache")  # fmt: skip
         if meta.kind == "labelled" and is_classifier_dir(args.model_dir):
             return _classify_report(args, model, meta, options.batch_size)
+        if is_examples(meta) and (args.context is not None or args.by_position is not None):
+            raise InputError(f"--context and --by-position score running text; {args.data} holds separate examples")
         if is_examples(meta):  # supervised examples: each scored alone, on its trained tokens
             examples = load_examples(args.data, "val", meta)
             with tqdm(total=len(examples), unit="example", desc="eval", file=sys.stderr, disable=args.quiet) as bar:
@@ -121,11 +150,47 @@ def run(args: argparse.Namespace) -> int:
         return _icl_report(args, model, ids, source, options.kv_cache)
     if len(ids) < 2:
         raise InputError(f"{source} holds {len(ids)} token(s); at least 2 are needed to score a prediction")
+    if args.by_position is not None:
+        return _positions_report(args, model, ids, lengths, source, context, options)
     total = len(sliding_windows(len(ids), context, options.stride))  # also checks --stride before the model runs
     with tqdm(total=total, unit="window", desc="eval", file=sys.stderr, disable=args.quiet) as bar:
-        result = evaluate_ids(model, ids, lengths, options.stride, options.batch_size, bar.update, options.kv_cache)
+        result = evaluate_ids(
+            model, ids, lengths, options.stride, options.batch_size, bar.update, options.kv_cache, context
+        )
     return _report(args, result, f"{source}: {result.tokens:,} tokens scored ({result.bytes:,} bytes), context "
                                  f"{context}, stride {options.stride or max(1, context // 2)}")  # fmt: skip
+
+
+def _positions_report(args: argparse.Namespace, model, ids, lengths, source: str, context: int, options) -> int:
+    """The overall metrics and the mean loss per bucket of window positions: one JSON object, or a table."""
+    from tqdm import tqdm
+
+    from gptkit.errors import InputError
+    from gptkit.evaluate import metrics, position_buckets, score_positions, scored_bytes, sliding_windows
+
+    if args.by_position < 1:  # before the model runs; position_buckets says the same afterwards
+        raise InputError(f"--by-position must be >= 1 positions per bucket, got {args.by_position}")
+    stride = options.stride if options.stride is not None else context
+    total = len(sliding_windows(len(ids), context, stride))  # also checks --stride before the model runs
+    with tqdm(total=total, unit="window", desc="eval", file=sys.stderr, disable=args.quiet) as bar:
+        nll_sums, counts = score_positions(model, ids, context, stride, options.batch_size, bar.update)
+    n_bytes = scored_bytes(ids, lengths) if lengths is not None else 0
+    result = metrics(float(nll_sums.sum()), int(counts.sum()), n_bytes)
+    buckets = position_buckets(nll_sums, counts, args.by_position)
+    if args.json:
+        rows = [dataclasses.asdict(bucket) for bucket in buckets]
+        print(json.dumps({**result.to_dict(), "context": context, "stride": stride, "by_position": rows}))
+        return 0
+    heading = (
+        f"{source}: {result.tokens:,} tokens scored ({result.bytes:,} bytes), context {context}, stride {stride}, "
+        f"model block_size {model.config.block_size}"
+    )
+    _report(args, result, heading)
+    print(f"{'positions':>13} {'tokens':>10} {'loss':>8}")
+    for bucket in buckets:
+        loss = f"{bucket.loss:.4f}" if bucket.loss is not None else "-"
+        print(f"{bucket.start:>6}-{bucket.end:<6} {bucket.tokens:>10,} {loss:>8}")
+    return 0
 
 
 def _report(args: argparse.Namespace, result, heading: str) -> int:
