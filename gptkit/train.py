@@ -108,16 +108,18 @@ class Trainer:
 
     def __init__(self, config: RunConfig, resume: bool, world: World | None = None,
                  device: torch.device | None = None, resume_from: str | Path | None = None) -> None:  # fmt: skip
-        self.config, self.t, self.o = config, config.train, config.optim
+        self.config, self.settings, self.optim = config, config.train, config.optim
         self.world = world if world is not None else World()
         self.run_dir = config.run_dir()
         check_parts(config)  # the run's method's and objective's rules
-        self.data = load_run_data(self.t.data_dir)
+        self.data = load_run_data(self.settings.data_dir)
         checkpoint = resume_point(self.run_dir, resume or resume_from is not None, resume_from)
         if checkpoint is not None:  # another process count keeps the global batch through grad_accum
-            self.t.grad_accum = resumed_grad_accum(*saved_world(checkpoint), self.world.world_size, self.t.grad_accum)
-        self.device = device if device is not None else pick_device(self.t.device, "train.device")
-        check_precision(self.t.dtype, self.device)
+            settings = self.settings
+            saved = saved_world(checkpoint)
+            settings.grad_accum = resumed_grad_accum(*saved, self.world.world_size, settings.grad_accum)
+        self.device = device if device is not None else pick_device(self.settings.device, "train.device")
+        check_precision(self.settings.dtype, self.device)
         self.method = method_for(config)
         self.build_model(checkpoint)
         self.choose_precision(checkpoint)
@@ -130,18 +132,18 @@ class Trainer:
 
     def build_model(self, checkpoint: Path | None) -> None:
         """The model (a fresh one, the one to fine-tune, or the checkpoint's), its tokenizer and chat template."""
-        torch.manual_seed(self.t.seed)  # initial weights and dropout; a resumed run restores its generator state
+        torch.manual_seed(self.settings.seed)  # initial weights and dropout; a resumed run restores its generator state
         vocab_size = self.data.meta.vocab_size
         run = self.method.resume(checkpoint) if checkpoint is not None else self.method.build(self.config, vocab_size)
         if run.gpt.config.vocab_size != vocab_size:
             raise ConfigError(f"the run's model has vocab_size {run.gpt.config.vocab_size}, the data {vocab_size}")
         if self.data.tokenizer is not None and run.tokenizer is not None:
-            check_same_tokenizer(self.data.tokenizer, run.tokenizer, str(self.t.data_dir), str(run.template_dir))
+            check_same_tokenizer(self.data.tokenizer, run.tokenizer, str(self.settings.data_dir), str(run.template_dir))
         self.tokenizer = run.tokenizer if run.tokenizer is not None else self.data.tokenizer  # the model's: its eos
         # The chat template the model carries, into every checkpoint: the model's own, else the data's.
-        self.template_dir = Path(run.template_dir or self.t.data_dir)
+        self.template_dir = Path(run.template_dir or self.settings.data_dir)
         if not (self.template_dir / TOKENIZER_CONFIG).is_file():
-            self.template_dir = Path(self.t.data_dir)
+            self.template_dir = Path(self.settings.data_dir)
         tokenizer_config = self.template_dir / TOKENIZER_CONFIG
         self.tokenizer_config = tokenizer_config.read_bytes() if tokenizer_config.is_file() else None
         self.gpt = run.gpt
@@ -152,10 +154,10 @@ class Trainer:
         run's choices)."""
         saved = read_trainer_state(checkpoint).get("precision") if checkpoint is not None else None
         config = self.gpt.config
-        shape = (self.t.batch_size, config.n_head, self.block_size, config.head_dim)
-        self.requested_dtype = self.t.dtype
-        self.precision = choose_precision(self.t.dtype, self.device, self.world, shape, saved)
-        self.t.dtype, self.fp32_attention = self.precision.dtype, self.precision.fp32_attention
+        shape = (self.settings.batch_size, config.n_head, self.block_size, config.head_dim)
+        self.requested_dtype = self.settings.dtype
+        self.precision = choose_precision(self.settings.dtype, self.device, self.world, shape, saved)
+        self.settings.dtype, self.fp32_attention = self.precision.dtype, self.precision.fp32_attention
         self.gpt.attend_in_fp32(self.fp32_attention)
         if self.precision.reason and self.world.is_main:
             logger.info(f"training in {self.precision.describe()} on {self.device.type}")
@@ -167,25 +169,25 @@ class Trainer:
         self.objective = objective_for(setup)
         val_tokens = self.data.val if self.data.kind == "text" else None
         examples = self.data.val if self.data.kind == "examples" else None
-        self.observer = Observer(self.t, self.run_dir, self.gpt, self.tokenizer, val_tokens, examples,
+        self.observer = Observer(self.settings, self.run_dir, self.gpt, self.tokenizer, val_tokens, examples,
                                  self.config.finetune.objective, self.world.is_main, setup.sharded)  # fmt: skip
         self.model = self.objective.wrap(self.gpt).to(self.device)  # a head is made with the model's generator
         self.gpt.check_inputs = False  # the data were checked; the check would sync the device every step
-        self.gpt.checkpoint_blocks = self.t.activation_checkpointing
+        self.gpt.checkpoint_blocks = self.settings.activation_checkpointing
         self.model.train()
 
     def build_optimizer(self) -> None:
         """The data-parallel wrapper, the optimiser over what trains, the fp16 gradient scaler and the batch stream."""
         if self.world.rank:  # the same initial weights on every rank (above), but each rank its own dropout
-            torch.manual_seed(self.t.seed + 7919 * self.world.rank)
+            torch.manual_seed(self.settings.seed + 7919 * self.world.rank)
         # DDP keeps the parameters; FSDP turns them into shards (DTensors), so it wraps before the optimiser.
-        self.wrapped = wrap(self.model, self.world, self.t.parallel, self.device)
+        self.wrapped = wrap(self.model, self.world, self.settings.parallel, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.names = {p: n for n, p in self.model.named_parameters()}
-        self.optimizer, self.fused = make_optimizer(self.model, self.o)
-        self.scaler = torch.amp.GradScaler("cuda") if self.t.dtype == "float16" else None
+        self.optimizer, self.fused = make_optimizer(self.model, self.optim)
+        self.scaler = torch.amp.GradScaler("cuda") if self.settings.dtype == "float16" else None
         # Every rank reads one global stream (keyed by the seed alone) and takes its strided share of it.
-        self.loader = RankBatches(self.objective.stream(self.t.grad_accum * self.world.world_size), self.world)
+        self.loader = RankBatches(self.objective.stream(self.settings.grad_accum * self.world.world_size), self.world)
 
     def open_run_directory(self, checkpoint: Path | None, resume_from: str | Path | None) -> None:
         """Make the run directory; when resuming, drop temporaries and the checkpoints after the one resumed."""
@@ -237,12 +239,12 @@ class Trainer:
 
     def start_counters(self) -> None:
         """The compiled forward, the MFU figures, and the counters a step keeps on the device."""
-        self.forward = torch.compile(self.wrapped) if self.t.compile else self.wrapped
+        self.forward = torch.compile(self.wrapped) if self.settings.compile else self.wrapped
         self.flops_per_token = training_flops_per_token(self.gpt.config)
-        self.peak = peak_flops(self.device, self.t.dtype, self.t.peak_flops)
-        per_step = self.t.batch_size * self.t.grad_accum * self.world.world_size * self.block_size
-        warning = gpu_recipe_on_cpu(self.t.device, self.device, self.requested_dtype, self.t.compile,
-                                    self.t.max_steps * per_step * self.flops_per_token, self.peak)  # fmt: skip
+        self.peak = peak_flops(self.device, self.settings.dtype, self.settings.peak_flops)
+        per_step = self.settings.batch_size * self.settings.grad_accum * self.world.world_size * self.block_size
+        warning = gpu_recipe_on_cpu(self.settings.device, self.device, self.requested_dtype, self.settings.compile,
+                                    self.settings.max_steps * per_step * self.flops_per_token, self.peak)  # fmt: skip
         if warning and self.world.is_main:
             logger.warning(warning)
         # Fault counters stay on the device, so no step waits to learn whether it was skipped.
@@ -261,8 +263,8 @@ class Trainer:
 
     def train_step(self) -> tuple[Tensor, Tensor, float]:
         """One update (or a skipped one); returns the mean loss and gradient norm, still on the device, and the lr."""
-        t, optimizer, scaler = self.t, self.optimizer, self.scaler
-        lr = set_learning_rates(optimizer, self.step, self.o, t.max_steps)
+        t, optimizer, scaler = self.settings, self.optimizer, self.scaler
+        lr = set_learning_rates(optimizer, self.step, self.optim, t.max_steps)
         loss_sum = torch.zeros((), device=self.device)
         step_stats: dict[str, Tensor] = {}
         for micro in range(t.grad_accum):
@@ -289,7 +291,7 @@ class Trainer:
             loss_sum = loss_sum * scale
         if scaler is not None:
             scaler.unscale_(optimizer)
-        clip = self.o.grad_clip if self.o.grad_clip > 0 else math.inf
+        clip = self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=True))  # FSDP: a DTensor
         if scaler is not None:  # the scaler skips overflowing steps itself; only a non-finite loss is a fault
             bad = (~loss_sum.isfinite()).float()
@@ -331,11 +333,11 @@ class Trainer:
                       f"gradient norm ({skipped} in all)")  # fmt: skip
             self.skipped = skipped
         streak = int(self.bad_run_max.item())
-        if streak >= self.t.max_bad_steps:
+        if streak >= self.settings.max_bad_steps:
             self.write(record)
             raise TrainingStopped(
                 f"{streak} non-finite steps in a row by step {self.step} (train.max_bad_steps "
-                f"{self.t.max_bad_steps}): lower optim.lr, raise optim.warmup_steps or check the data; the last "
+                f"{self.settings.max_bad_steps}): lower optim.lr, raise optim.warmup_steps or check the data; the last "
                 f"good checkpoint is {self.last_good or 'none (no checkpoint was written)'}"
             )
         return record
@@ -372,7 +374,7 @@ class Trainer:
         for text in [line, *self.observer.lines(samples)]:
             self.log.note(text)
         self.write(record)
-        if self.t.plot:
+        if self.settings.plot:
             with self.writing(f"could not write {self.run_dir / PLOT_FILE}"):
                 self.log.plot()
 
@@ -386,14 +388,14 @@ class Trainer:
         trainer = {"loader": self.batches.state_dict(), "elapsed_s": self.elapsed(), "skipped_steps": self.skipped,
                    "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                    "objective": self.objective.state_dict(), "world_size": self.world.world_size,
-                   "grad_accum": self.t.grad_accum, "precision": self.precision.state(self.device)}  # fmt: skip
+                   "grad_accum": self.settings.grad_accum, "precision": self.precision.state(self.device)}  # fmt: skip
         # Each rank's generators, so that every rank's dropout resumes exactly (rank 0's keys unprefixed).
         rngs = gather_objects(self.world, rng_state())
         rng = {(f"rank{r}." if r else "") + k: v for r, state in enumerate(rngs) for k, v in state.items()}
         failure = None
         try:
             saved = save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, self.optimizer, self.names,
-                                    trainer, self.t.keep_checkpoints, rng=rng, write=self.world.is_main,
+                                    trainer, self.settings.keep_checkpoints, rng=rng, write=self.world.is_main,
                                     save_model=self.write_model)  # fmt: skip
         except OSError as err:  # a full disk, a lost mount: the checkpoint before stays whole
             failure = err
@@ -476,13 +478,13 @@ class Trainer:
         """Whether to stop now: at once in one process; across ranks, agreed at logged steps (a collective)."""
         if not self.world.distributed:
             return stop.is_set()
-        if self.step % self.t.log_interval and self.step != self.t.max_steps:
+        if self.step % self.settings.log_interval and self.step != self.settings.max_steps:
             return False
         return any_rank(self.world, stop.is_set(), self.device)
 
     def run(self, progress: bool = True) -> TrainResult:
         """Train to max_steps (or until SIGINT/SIGTERM, which checkpoint first); return where the run ended."""
-        t = self.t
+        t = self.settings
         with self.writing(f"could not open {self.run_dir / METRICS_FILE} or {TENSORBOARD_DIR}/ for writing"):
             self.log.open(t.tensorboard, progress, t.max_steps, self.step)
         interrupted, val_loss = False, None

@@ -132,7 +132,7 @@ def test_a_run_with_dtype_auto_records_what_it_chose_and_why(data_dir, tmp_path,
         trainer = Trainer(tiny(data_dir, tmp_path / "run", max_steps=2, dtype="auto"), resume=False)
     chosen = "bfloat16" if bf16 else "float32"
     said = trainer.precision.describe()
-    assert trainer.t.dtype == chosen and f"training in {said} on cpu" in caplog.text
+    assert trainer.settings.dtype == chosen and f"training in {said} on cpu" in caplog.text
     assert said.startswith(f"{chosen}{', attention in float32' if bf16 else ''} (train.dtype auto: this CPU lists")
     # config.yaml keeps what was asked (a resume from it takes the checkpoint's choice) and says what it became.
     written = (trainer.run_dir / "config.yaml").read_text()
@@ -152,7 +152,7 @@ def test_a_resumed_run_keeps_the_precision_it_chose(data_dir, tmp_path, flags):
     train(tiny(data_dir, tmp_path / "resumed", dtype="auto", max_steps=2), progress=False)
     flags()  # the machine now says float32: the run keeps what it chose, and replays its steps exactly
     trainer = Trainer(from_sources(tmp_path / "resumed" / "config.yaml", {"train": {"max_steps": 4}}), resume=True)
-    assert trainer.requested_dtype == "auto" and trainer.t.dtype == "bfloat16"
+    assert trainer.requested_dtype == "auto" and trainer.settings.dtype == "bfloat16"
     assert all(block.attn.fp32_attention for block in trainer.gpt.blocks)
     trainer.run(progress=False)
     assert losses(trainer.run_dir) == whole

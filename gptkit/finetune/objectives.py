@@ -44,7 +44,7 @@ class LanguageModeling(ObjectiveBase):
 
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
-        self.t = setup.config.train
+        self.train_settings = setup.config.train
         self.block_size = setup.gpt.config.block_size
         data = setup.data
         if data.kind == "text":
@@ -58,7 +58,8 @@ class LanguageModeling(ObjectiveBase):
     def stream(self, per_update: int) -> Any:
         """Random text windows, or whole examples (padded or packed)."""
         if self.setup.data.kind == "text":
-            return TrainBatches(self.setup.data.train, self.block_size, self.t.batch_size, self.t.seed)
+            settings = self.train_settings
+            return TrainBatches(self.setup.data.train, self.block_size, settings.batch_size, settings.seed)
         return example_stream(self.setup, per_update)
 
     def loss(self, forward: Callable[..., Any], batch: Batch) -> tuple[Tensor, Stats]:
@@ -67,14 +68,14 @@ class LanguageModeling(ObjectiveBase):
 
     def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
         """Train and validation loss; for text, perplexity and bits per byte; for examples, the replies' exact match."""
-        t, data, device = self.t, self.setup.data, self.setup.device
+        t, data, device = self.train_settings, self.setup.data, self.setup.device
         if data.kind != "text":
             train_loss, val_loss, _ = evaluate_examples(self.loss, forward, self.setup)
             metrics = {"train_eval_loss": train_loss, "val_loss": val_loss, "train_eval_ppl": _exp(train_loss),
                        "val_ppl": _exp(val_loss)}  # fmt: skip
             if self.task_metrics:  # (not under FSDP)
                 metrics["val_exact_match"] = exact_match(self.setup.gpt, self.setup.tokenizer, data.val,
-                                                         self.t.eval_examples)  # fmt: skip
+                                                         self.train_settings.eval_examples)  # fmt: skip
             return metrics
         train_loss = window_loss(forward, data.train, t.batch_size, t.eval_iters, self.block_size, t.seed + 1,
                                  device, t.dtype)  # fmt: skip

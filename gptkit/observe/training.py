@@ -56,7 +56,7 @@ class Observer:
                  sharded: bool) -> None:  # fmt: skip
         """val_tokens: a text run's validation split (measured and sampled from); examples: a supervised run's
         validation examples (sampled from); objective names the run's in a log line."""
-        self.t, self.model, self.tokenizer = train, model, tokenizer
+        self.settings, self.model, self.tokenizer = train, model, tokenizer
         self.path, self.insight_path = run_dir / SAMPLES_FILE, run_dir / INSIGHT_FILE
         self.val_tokens = val_tokens if val_tokens is not None or not is_main else _observe_tokens(train, model)
         self.phase: int | None = None  # the phase change's step as last located (announced when it moves)
@@ -90,7 +90,7 @@ class Observer:
     def _prompts(self, val_tokens: np.ndarray | None, examples: Any | None, objective: str,
                  block: int) -> list[list[int]]:  # fmt: skip
         """The token ids of the prompts to sample from, or none (with one log line saying why)."""
-        t = self.t
+        t = self.settings
         if self.tokenizer is None:
             logger.info("no samples during training: the run's data has no tokenizer")
             return []
@@ -145,14 +145,14 @@ class Observer:
     def due(self, step: int) -> bool:
         """Whether step takes samples: every sample_every-th evaluation (steps that are multiples of
         sample_every x eval_interval, step 0 included) and the last step."""
-        t = self.t
+        t = self.settings
         return bool(self.prompts) and (step % (t.sample_every * t.eval_interval) == 0 or step == t.max_steps)
 
     def take_samples(self, step: int) -> list[Sample]:
         """The step's samples when it takes them (see due), else none; nothing is written yet."""
         if not self.due(step):
             return []
-        return take_samples(self.model, self.tokenizer, self.prompts, self.t.sample_tokens, self.t.seed, step)
+        return take_samples(self.model, self.tokenizer, self.prompts, self.settings.sample_tokens, self.settings.seed, step)
 
     def append(self, samples: list[Sample]) -> None:
         """Append samples to samples.jsonl and the evaluation's line to insight.jsonl (nothing when there are none)."""
