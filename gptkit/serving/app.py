@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gptkit.chat import eos_text
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import GptkitError
-from gptkit.serving import chat, completions, embeddings, playground, responses
+from gptkit.serving import chat, completions, embeddings, messages, playground, responses
 from gptkit.serving.lora_registry import AdapterError, AdapterRegistry, ReadAdapter
 from gptkit.serving.metrics import RequestCounter
 from gptkit.serving.middleware import BODY_KEY, BearerAuth, BodyLimit, HostGuard
@@ -40,7 +40,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: refusals are counted too
     _register_small_routes(app, state)
     _register_tokenizer_routes(app, state)
-    for family in (completions, chat, responses, embeddings, playground):
+    for family in (completions, chat, responses, messages, embeddings, playground):
         family.register(app, state)
     _register_adapter_routes(app, state)
     return app

@@ -66,6 +66,12 @@ async def reply_lead(state: ServerState) -> str:
     return state.reply_lead
 
 
+async def prompt_ids(state: ServerState, messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[int]:
+    """The token ids of messages and tools as the chat template writes them, up to where the reply begins."""
+    rendered = template_tools(tools)
+    return await _render(state, lambda: state.tokenizer.encode(state.render_chat(messages, rendered)))
+
+
 async def plan_chat(state: ServerState, body: _Sampling | ResponsesRequest, messages: list[dict[str, Any]],
                     tools: list[Tool] | None, tool_choice: Any, parallel: bool | None, schema: str | None,
                     max_tokens: int | None, max_tokens_field: str) -> ChatPlan:  # fmt: skip
@@ -74,9 +80,7 @@ async def plan_chat(state: ServerState, body: _Sampling | ResponsesRequest, mess
         shape = tool_shape(tools, tool_choice, parallel, schema is not None)
     except ToolChoiceError as err:
         raise APIError(400, str(err), param=err.param) from None
-    rendered = template_tools(tools)
-    ids = await _render(state, lambda: state.tokenizer.encode(state.render_chat(messages, rendered)))
-    prompt = check_prompt(state, ids, "messages")
+    prompt = check_prompt(state, await prompt_ids(state, messages, tools), "messages")
     params = sampling_params(state, body, max_tokens_of(state, max_tokens, len(prompt), param=max_tokens_field),
                              state.chat_template.stop, schema)  # fmt: skip
     grammar = None

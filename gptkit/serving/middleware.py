@@ -103,7 +103,8 @@ def _host_name(host: str) -> str:
 
 
 class BearerAuth:
-    """ASGI middleware: API and playground routes answer 401 unless the request carries the bearer key."""
+    """ASGI middleware: API and playground routes answer 401 unless the request carries the key (as a bearer token or
+    as x-api-key)."""
 
     GUARDED = ("/v1/", "/playground/", "/tokenize", "/detokenize", "/tokenizer_info", "/metrics", "/props")
 
@@ -112,7 +113,7 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.GUARDED) and not self._authorised(scope):
-            message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+            message = "missing or wrong API key: send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
             response = JSONResponse(error_body(message, code="invalid_api_key"), status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
             await response(scope, receive, send)
@@ -120,6 +121,9 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
     def _authorised(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return True
+        # Anthropic's clients send the key as x-api-key.
+        return b"x-api-key" in headers and hmac.compare_digest(headers[b"x-api-key"].strip(), self.key)
