@@ -26,6 +26,7 @@ from gptkit.data import SPLIT_FILES, load_tokens, read_meta
 from gptkit.observe.ablation import ablation_study
 from gptkit.observe.measures import chance_induction_score, icl_score_of, induction_test, position_losses
 from gptkit.observe.phase_change import phase_change_step
+from gptkit.observe.routing import draw_load_history
 from gptkit.train_config import TrainConfig
 from gptkit.observe.samples import (
     SAMPLES_FILE,
@@ -152,7 +153,8 @@ class Observer:
         """The step's samples when it takes them (see due), else none; nothing is written yet."""
         if not self.due(step):
             return []
-        return take_samples(self.model, self.tokenizer, self.prompts, self.settings.sample_tokens, self.settings.seed, step)
+        settings = self.settings
+        return take_samples(self.model, self.tokenizer, self.prompts, settings.sample_tokens, settings.seed, step)
 
     def append(self, samples: list[Sample]) -> None:
         """Append samples to samples.jsonl and the evaluation's line to insight.jsonl (nothing when there are none)."""
@@ -284,7 +286,8 @@ def draw_metric(axes: Any, history: list[dict[str, Any]], key: str, trained_key:
 
 def plot_run(history: list[dict[str, Any]], path: Path, task_metrics: dict[str, str | None] | None = None) -> None:
     """Write loss.png: the loss curves (when the run has any), a panel per task metric the run logged (with the
-    training statistic task_metrics pairs it with), and the ICL and induction scores when it logged them."""
+    training statistic task_metrics pairs it with), the ICL and induction scores when it logged them, and a mixture
+    of experts' load per layer and expert."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -296,6 +299,8 @@ def plot_run(history: list[dict[str, Any]], path: Path, task_metrics: dict[str, 
         drawers += [lambda axes: draw_icl(axes, history), lambda axes: draw_induction(axes, history)]
     if _points(history, "ablation_repeat_change"):
         drawers.append(lambda axes: draw_ablation(axes, history))
+    if any(r.get("moe_tokens_per_expert") for r in history):
+        drawers.append(lambda axes: draw_load_history(axes, history))
     if not drawers:
         return
     figure = Figure(figsize=(7, 4 + 2.25 * (len(drawers) - 1)), dpi=100)
