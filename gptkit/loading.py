@@ -112,8 +112,9 @@ def adapted_model(settings: dict[str, Any], device: torch.device | str | None = 
 
 def export_hf(model_or_dir: GPT | str | Path, out_dir: str | Path, tokenizer: Any | None = None,
               tokenizer_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
-              head: tuple[list[str], torch.Tensor] | None = None) -> Path:  # fmt: skip
-    """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) equal to the model.
+              head: tuple[list[str], torch.Tensor] | None = None, family: str | None = None) -> Path:  # fmt: skip
+    """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) equal to the model, as
+    family (a model_type such as "mistral"; default: the one the model's settings call for).
 
     model_or_dir is a GPT or a gptkit model directory (other formats: gptkit.load them first), whose tokenizer and
     tokenizer_config.json (chat template, special-token names) come along unless given; dtype casts the weights of
@@ -126,7 +127,9 @@ def export_hf(model_or_dir: GPT | str | Path, out_dir: str | Path, tokenizer: An
         tokenizer_config = tokenizer_config if tokenizer_config is not None else read_tokenizer_config(model_or_dir)
     else:
         model = model_or_dir
-    return hf.export_hf(model, out_dir, tokenizer=tokenizer, tokenizer_config=tokenizer_config, head=head)
+    return hf.export_hf(
+        model, out_dir, tokenizer=tokenizer, tokenizer_config=tokenizer_config, head=head, family=family
+    )
 
 
 def chat_template(path: str | Path, tokenizer: Tokenizer | None) -> ChatTemplate:

@@ -15,6 +15,9 @@ from gptkit.errors import GptkitError
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCE_KEPT = "the source is unchanged"  # said with every failed write: convert never writes to its source
 MARKER = "config.json"  # the file that makes a model directory (gptkit's or Hugging Face's) complete
+# config.json's key (beside "model") naming the Hugging Face model_type a directory was imported from, so that an
+# export without --family writes the family it came as (Mistral v0.3 has no window that would call for mistral).
+HF_FAMILY_KEY = "hf_family"
 
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
@@ -26,9 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert",
         help=HELP,
-        description="Import a local Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 checkpoint directory as a "
-        "gptkit model directory, or export a gptkit model directory as a GPT-2, Llama or Qwen3 checkpoint that "
-        "transformers loads. Anything that cannot be converted exactly is refused with the reason.",
+        description="Import a local Hugging Face checkpoint directory (GPT-2, Llama, Mistral, Qwen, Gemma, Phi-3, "
+        "SmolLM3, OLMo 2, GPT-NeoX, Granite and the MoE families) as a gptkit model directory, or export a gptkit "
+        "model directory as a checkpoint that transformers loads, as the family --family names (default: the one "
+        "the model was imported as, else the one its settings call for). Anything that cannot be converted exactly "
+        "is refused with the reason.",
     )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR", type=Path, help="Hugging Face directory to import")
@@ -48,6 +53,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype", choices=DTYPES, default=None, help="store the weights in this dtype (default: as they are)"
     )
+    parser.add_argument(
+        "--family",
+        metavar="NAME",
+        default=None,
+        help="--to-hf: the Hugging Face model_type to write (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, "
+        "smollm3, olmo2, gpt_neox, granite, gpt2, ...; default: the family the model was imported as, else the one "
+        "its settings call for)",
+    )
     parser.add_argument("--force", action="store_true", help="write into --out even if it is not empty")
     parser.set_defaults(run=run)
 
@@ -60,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         return _to_gguf(args.to_gguf, args.out, args.gguf_type, args.force)
     if args.gguf_type != "f16":
         raise GptkitError("--type applies to --to-gguf only; --dtype sets the weights' dtype of a model directory")
+    if args.family is not None and args.to_hf is None:
+        raise GptkitError("--family applies to --to-hf only (an import reads the family from the checkpoint)")
     source: Path = next(p for p in (args.from_hf, args.to_hf, args.merge, args.from_gguf) if p is not None)
     if args.from_gguf is not None:
         if not source.is_file():
@@ -77,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return _import(source, args.out, dtype)
     if args.merge is not None:
         return _merge(source, args.out, dtype)
-    return _export(source, args.out, dtype)
+    return _export(source, args.out, dtype, args.family)
 
 
 def _merge(source: Path, out: Path, dtype: object) -> int:
@@ -127,6 +142,7 @@ def _import(source: Path, out: Path, dtype: object) -> int:
     model, tokenizer = load_hf(source, dtype=dtype)
     with _building(out) as stage:
         save_model_dir(model, stage, tokenizer=tokenizer)
+        _remember_family(stage, json.loads((source / MARKER).read_text()).get("model_type"))  # load_hf read it
         if tokenizer is not None:  # chat templates and special-token names, for serving and a later export
             _carry_tokenizer_config(source, stage)
     if tokenizer is None:
@@ -159,19 +175,42 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
     return 0
 
 
-def _export(source: Path, out: Path, dtype: object) -> int:
+def _remember_family(model_dir: Path, model_type: object) -> None:
+    """Add the Hugging Face model_type an imported model came as to its config.json (HF_FAMILY_KEY)."""
+    from gptkit.tensors import read_config_json
+
+    if isinstance(model_type, str):
+        data = read_config_json(model_dir)
+        data[HF_FAMILY_KEY] = model_type
+        atomic_write_text(model_dir / MARKER, json.dumps(data, indent=2) + "\n")
+
+
+def imported_family(model_dir: Path) -> str | None:
+    """The Hugging Face model_type a gptkit model directory was imported as, or None (trained here, or no config)."""
+    from gptkit.tensors import read_config_json
+
+    try:
+        family = read_config_json(model_dir).get(HF_FAMILY_KEY)
+    except GptkitError:
+        return None
+    return family if isinstance(family, str) else None
+
+
+def _export(source: Path, out: Path, dtype: object, family: str | None) -> int:
     from gptkit.finetune.heads import is_classifier_dir, load_head
     from gptkit.formats.hf import export_hf, hf_block_modules
     from gptkit.formats.lora import is_lora_dir, write_peft_dir
     from gptkit.loading import load
 
     model, tokenizer = load(source, dtype=dtype)
+    family = family if family is not None else imported_family(source)
     head = None
     if is_classifier_dir(source):  # a classifier: transformers' *ForSequenceClassification
         classifier = load_head(model, source)
         head = (classifier.labels, classifier.score.weight)
     with _building(out) as stage:
-        export_hf(model, stage, tokenizer=tokenizer, tokenizer_config=read_tokenizer_config(source), head=head)
+        tokenizer_config = read_tokenizer_config(source)
+        export_hf(model, stage, tokenizer=tokenizer, tokenizer_config=tokenizer_config, head=head, family=family)
         if is_lora_dir(source):
             write_peft_dir(source, stage / "adapter", *hf_block_modules(model.config))
     if tokenizer is None:
