@@ -10,7 +10,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gptkit.serving.schemas import error_body
 
-
 BODY_KEY = "gptkit.body"  # where BodyLimit leaves the request's body in its ASGI scope
 
 
