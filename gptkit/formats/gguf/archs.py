@@ -112,11 +112,7 @@ ARCHS = {
         Arch(
             "gemma3",
             _GEMMA_FIXED | {"qk_norm": True},
-            SHAPE_KEYS
-            | RMS
-            | WINDOW_KEYS
-            | {"rope.freq_base", "rope.freq_base_swa", "rope.dimension_count"}
-            | {"final_logit_softcapping"},
+            SHAPE_KEYS | RMS | WINDOW_KEYS | ROPE_KEYS | {"rope.freq_base_swa"} | {"final_logit_softcapping"},
             window_pattern=6,
             extras={"wide_scale_layers": 62, "tied": True},  # Gemma 3 27B, as above
         ),
