@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,10 @@ from gptkit.atomic import atomic_write_text
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.model import GPT
+from gptkit.moe import moe_layers
 from gptkit.observe import measures
 from gptkit.observe.ablation import ablation_study
+from gptkit.observe.routing import draw_routing, routing_of, specialisation, token_kinds
 from gptkit.observe.figures import (
     TOP_TOKENS,
     draw_activation,
@@ -141,6 +143,8 @@ def write_report(
         add(*_contributions_picture(model, tokenizer, insight.ids))
     add(*icl_picture(model, tokenizer, prompt, icl_prompt, data_tokens, max_tokens))
     add(*_induction_picture(model, data_tokens))
+    if moe_layers(model):
+        add(*_routing_picture(model, tokenizer, insight.ids, cut, labels))
     atomic_write_text(out / "index.html", render_index(pictures, title, prompt, config))
     return pictures
 
@@ -261,6 +265,26 @@ def _induction_picture(model: GPT, tokens: Any | None) -> tuple[Figure, str, str
         f"{ablation['repeat_change']:+.3f}{on_text}: a head that scores high but changes little is not the one the "
         "model copies with. The numbers, each head of its layer's ablation included, are in induction.json.")
     return draw_induction(test.scores, chance), "induction.png", "Induction heads", caption, data
+
+
+def _routing_picture(model: GPT, tokenizer: Any, ids: list[int], cut: int,
+                     labels: list[str]) -> tuple[Figure, str, str, str, dict]:  # fmt: skip
+    """Which experts each token of the prompt from position cut goes to in each MoE layer, with the router's
+    weights (the whole prompt is run: a token's routing depends on its context)."""
+    whole = routing_of(model, ids)
+    routing = replace(whole, experts=whole.experts[:, cut:], weights=whole.weights[:, cut:])  # (L, shown, k) each
+    texts = _texts(tokenizer, ids[cut:])
+    kinds = specialisation(routing.experts, token_kinds(texts), routing.n_experts)
+    data = {"blocks": routing.blocks, "tokens": texts, "experts": routing.experts.tolist(),
+            "weights": routing.weights.tolist(), "specialisation": kinds}  # fmt: skip
+    k = routing.experts.size(-1)
+    caption = (
+        f"Routing: for each mixture-of-experts layer, the {k} of {routing.n_experts} experts each prompt token goes "
+        "to (columns are tokens, rows experts), coloured by the router weight its output is scaled by; blank cells "
+        "are experts the token skipped. "
+        "routing.json holds the choices and, per layer, the share of each expert's tokens that are punctuation, "
+        "capitals, newlines or spaces against the prompt's own share (an expert far above it specialises).")
+    return draw_routing(routing, labels), "routing.png", "Expert routing", caption, data
 
 
 def render_index(pictures: Sequence[Picture], title: str, prompt: str, config: ModelConfig) -> str:
