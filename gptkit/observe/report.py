@@ -22,7 +22,6 @@ from gptkit.model import GPT
 from gptkit.moe import moe_layers
 from gptkit.observe import measures
 from gptkit.observe.ablation import ablation_study
-from gptkit.observe.routing import draw_routing, routing_of, specialisation, token_kinds
 from gptkit.observe.figures import (
     TOP_TOKENS,
     draw_activation,
@@ -50,6 +49,7 @@ from gptkit.observe.prompt import (
     prompt_insight,
     token_labels,
 )
+from gptkit.observe.routing import draw_routing, routing_of, specialisation, token_kinds
 
 
 @dataclass(frozen=True)
@@ -267,16 +267,22 @@ def _induction_picture(model: GPT, tokens: Any | None) -> tuple[Figure, str, str
     return draw_induction(test.scores, chance), "induction.png", "Induction heads", caption, data
 
 
-def _routing_picture(model: GPT, tokenizer: Any, ids: list[int], cut: int,
-                     labels: list[str]) -> tuple[Figure, str, str, str, dict]:  # fmt: skip
+def _routing_picture(
+    model: GPT, tokenizer: Any, ids: list[int], cut: int, labels: list[str]
+) -> tuple[Figure, str, str, str, dict]:
     """Which experts each token of the prompt from position cut goes to in each MoE layer, with the router's
     weights (the whole prompt is run: a token's routing depends on its context)."""
     whole = routing_of(model, ids)
     routing = replace(whole, experts=whole.experts[:, cut:], weights=whole.weights[:, cut:])  # (L, shown, k) each
     texts = _texts(tokenizer, ids[cut:])
     kinds = specialisation(routing.experts, token_kinds(texts), routing.n_experts)
-    data = {"blocks": routing.blocks, "tokens": texts, "experts": routing.experts.tolist(),
-            "weights": routing.weights.tolist(), "specialisation": kinds}  # fmt: skip
+    data = {
+        "blocks": routing.blocks,
+        "tokens": texts,
+        "experts": routing.experts.tolist(),
+        "weights": routing.weights.tolist(),
+        "specialisation": kinds,
+    }
     k = routing.experts.size(-1)
     caption = (
         f"Routing: for each mixture-of-experts layer, the {k} of {routing.n_experts} experts each prompt token goes "

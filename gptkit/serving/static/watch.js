@@ -1,6 +1,7 @@
 // gptkit watch: asks /api/run every second for what the run appended since the last ask, and draws the run with
-// SVG and a canvas: the losses, the ICL and induction scores, each evaluation's heads and ablation, Olsson's map of
-// the loss at each position, and the samples. Layers and heads are numbered from 0. No dependencies.
+// SVG and a canvas: the losses, the ICL and induction scores, each evaluation's heads and ablation, a mixture of
+// experts' load per layer, Olsson's map of the loss at each position, and the samples. Layers and heads are
+// numbered from 0. No dependencies.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -80,8 +81,27 @@ function render() {
     { label: "repeated-half loss change", points: series("ablation_repeat_change"), color: "#0e9384", dots: true },
     { label: "ICL score change", points: series("ablation_icl_change"), color: "#7a5af8", dots: true },
   ], phase, "No ablations (not logged by this run, or no evaluation yet).");
+  lineChart($("chart-experts"), expertLoadLines(), phase,
+    "No expert load (a dense model, or no evaluation yet).");
   renderSelected();
   renderSamples();
+}
+
+function expertLoadLines() {  // per MoE layer: [step, std / mean of its tokens per expert] at each evaluation
+  const records = run.metrics.filter((r) => Array.isArray(r.moe_tokens_per_expert));
+  if (!records.length) return [];
+  const cv = (counts) => {
+    const mean = counts.reduce((a, b) => a + b, 0) / counts.length;
+    return mean ? Math.sqrt(counts.reduce((a, c) => a + (c - mean) ** 2, 0) / counts.length) / mean : 0;
+  };
+  const layers = records[records.length - 1].moe_tokens_per_expert.length;
+  const lines = Array.from({ length: layers }, (_, l) => ({
+    label: "MoE layer " + l, color: `hsl(${(l * 360) / layers}, 65%, 45%)`, dots: true,
+    points: records.filter((r) => r.moe_tokens_per_expert[l]).map((r) => [r.step, cv(r.moe_tokens_per_expert[l])]),
+  }));
+  const steps = records.map((r) => r.step);
+  return lines.concat([{ label: "0.3", color: "#667085", dashed: true,
+    points: [[Math.min(...steps), 0.3], [Math.max(...steps), 0.3]] }]);
 }
 
 function renderHeader() {
