@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from gptkit.formats.modeldir import save_model_dir
+from gptkit.serving.messages_schema import MessagesRequest, parse, to_chat
 from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tokenizer import ByteTokenizer
 from test_serve_clients import WEATHER_TOOL, check_weather_call, prompt_tokens
@@ -26,6 +27,8 @@ WEATHER = {
     "description": "Weather in a city",
     "input_schema": WEATHER_TOOL["function"]["parameters"],
 }
+CALL_BLOCK = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "unit": "c"}}
+RESULT_BLOCK = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "no network", "is_error": True}
 FINISH = {"length": "max_tokens", "stop": "end_turn"}  # the chat endpoint's finish reasons, in Anthropic's names
 
 
@@ -182,6 +185,33 @@ def test_unknown_model_and_missing_max_tokens(client, server):
 
 def test_the_api_key_is_taken_from_x_api_key(server):
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
-    assert httpx.post(server + "/v1/messages", json=body, timeout=60).status_code == 401
+    refused = httpx.post(server + "/v1/messages", json=body, timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
     assert httpx.post(server + "/v1/messages", json=body, headers={"x-api-key": "wrong"}, timeout=60).status_code == 401
     assert httpx.post(server + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60).status_code == 200
+
+
+def test_blocks_become_chat_messages_in_order():
+    # No server: the conversion alone. A user turn's text and tool results keep their order; is_error shows.
+    request = parse(
+        MessagesRequest,
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+            "tools": [WEATHER],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, CALL_BLOCK]},
+                {"role": "user", "content": [RESULT_BLOCK, {"type": "text", "text": "And now?"}]},
+            ],
+        },
+    )
+    chat = to_chat(request)
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool", "user"]
+    assert chat.messages[0].content == "Be brief." and chat.messages[2].content == "Checking."
+    assert json.loads(chat.messages[2].tool_calls[0].function.arguments) == CALL_BLOCK["input"]
+    assert chat.messages[3].tool_call_id == "toolu_1" and chat.messages[3].content == "Error: no network"
+    assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
+    assert chat.tools[0].function.parameters == WEATHER["input_schema"]

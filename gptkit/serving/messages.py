@@ -77,7 +77,9 @@ class Reply:
     stop_sequences: list[str]
     id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
 
-    def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], output_tokens: int) -> dict:
+    def message(
+        self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], output_tokens: int
+    ) -> dict[str, Any]:
         """The message object; stop is (stop_reason, stop_sequence)."""
         return {
             "id": self.id,
@@ -176,6 +178,7 @@ class EventStream:
         self.text = ""  # the reply's text as sent (what the stop sequence is found after)
         self.output_tokens = 0
         self.stop: tuple[str | None, str | None] = ("max_tokens", None)
+        self.failed = False  # an error event ends the stream: no message_delta or message_stop follow it
 
     def opening(self) -> list[str]:
         """message_start: the message with no content yet."""
@@ -186,6 +189,7 @@ class EventStream:
         self.output_tokens = chunk.completion_tokens
         self.text += chunk.text
         if chunk.finish_reason == "error":
+            self.failed = True
             return [event("error", error={"type": "api_error", "message": "generation failed on the server"})]
         reason = finish(chunk.finish_reason)
         if self.reader is not None:
@@ -202,6 +206,8 @@ class EventStream:
 
     def closing(self) -> list[str]:
         """message_delta (the stop reason and usage), then message_stop."""
+        if self.failed:
+            return []
         delta = {"stop_reason": self.stop[0], "stop_sequence": self.stop[1]}
         return [
             event("message_delta", delta=delta, usage={"output_tokens": self.output_tokens}),

@@ -8,6 +8,7 @@ import ipaddress
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gptkit.serving.messages_schema import anthropic_error
 from gptkit.serving.schemas import error_body
 
 BODY_KEY = "gptkit.body"  # where BodyLimit leaves the request's body in its ASGI scope
@@ -113,8 +114,9 @@ class BearerAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.GUARDED) and not self._authorised(scope):
             message = "missing or wrong API key: send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
-            response = JSONResponse(error_body(message, code="invalid_api_key"), status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            anthropic = scope["path"].startswith("/v1/messages")  # Anthropic's clients read their API's error shape
+            body = anthropic_error(401, message) if anthropic else error_body(message, code="invalid_api_key")
+            response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
