@@ -25,8 +25,17 @@ from gptkit.observe.routing import (
 def tiny_moe(n_layer: int = 2, **fields: object) -> GPT:
     """A 2-layer MoE of 4 experts, top 2, with random weights (seeded)."""
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=32, block_size=16, n_layer=n_layer, n_head=2, n_embd=16, n_experts=4,
-                         n_experts_per_token=2, moe_ffn_hidden=8, **fields)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=32,
+        block_size=16,
+        n_layer=n_layer,
+        n_head=2,
+        n_embd=16,
+        n_experts=4,
+        n_experts_per_token=2,
+        moe_ffn_hidden=8,
+        **fields,
+    )
     model = GPT(config)
     for layer in model.blocks:  # a router of std 0.02 would route every token almost uniformly: make choices clear
         torch.nn.init.normal_(layer.mlp.router.weight, std=1.0)
@@ -85,8 +94,11 @@ def test_specialisation_on_a_constructed_routing() -> None:
 def test_load_history_and_its_panel() -> None:
     from matplotlib.figure import Figure
 
-    history = [{"step": 0, "loss": 4.0}, {"step": 10, "moe_tokens_per_expert": [[4, 4, 4, 4], [8, 8, 0, 0]]},
-               {"step": 20, "moe_tokens_per_expert": [[16, 0, 0, 0], [4, 4, 4, 4]]}]  # fmt: skip
+    history = [
+        {"step": 0, "loss": 4.0},
+        {"step": 10, "moe_tokens_per_expert": [[4, 4, 4, 4], [8, 8, 0, 0]]},
+        {"step": 20, "moe_tokens_per_expert": [[16, 0, 0, 0], [4, 4, 4, 4]]},
+    ]
     steps, relative = load_history(history)
     assert steps.tolist() == [10, 20]
     np.testing.assert_array_equal(relative[0], [[1, 1, 1, 1], [2, 2, 0, 0]])

@@ -46,8 +46,10 @@ def routing_of(model: GPT, ids: Sequence[int]) -> Routing:
     layers = moe_layers(model)
     block_of = {id(block.mlp): i for i, block in enumerate(model.blocks)}
     captured: list[list[Tensor]] = [[] for _ in layers]
-    hooks = [layer.router.register_forward_hook(lambda _m, _i, out, i=i: captured[i].append(out.detach()))
-             for i, layer in enumerate(layers)]  # fmt: skip
+    hooks = [
+        layer.router.register_forward_hook(lambda _m, _i, out, i=i: captured[i].append(out.detach()))
+        for i, layer in enumerate(layers)
+    ]
     device = next(model.parameters()).device
     block = model.config.block_size
     was_training = model.training
@@ -60,11 +62,15 @@ def routing_of(model: GPT, ids: Sequence[int]) -> Routing:
         for hook in hooks:
             hook.remove()
         model.train(was_training)
-    choices = [route(torch.cat(logits).float().cpu(), layer.k, layer.renormalize) for layer, logits in
-               zip(layers, captured)]  # fmt: skip
-    return Routing(blocks=[block_of[id(layer)] for layer in layers],
-                   experts=torch.stack([experts for _, experts in choices]),  # (L, N, k)
-                   weights=torch.stack([weights for weights, _ in choices]), n_experts=layers[0].n_experts)  # fmt: skip
+    choices = [
+        route(torch.cat(logits).float().cpu(), layer.k, layer.renormalize) for layer, logits in zip(layers, captured)
+    ]
+    return Routing(
+        blocks=[block_of[id(layer)] for layer in layers],
+        experts=torch.stack([experts for _, experts in choices]),  # (L, N, k)
+        weights=torch.stack([weights for weights, _ in choices]),
+        n_experts=layers[0].n_experts,
+    )
 
 
 def gate_matrix(routing: Routing) -> Tensor:
@@ -115,8 +121,9 @@ def specialisation_of_text(model: GPT, tokenizer: Any, text: str) -> dict[str, A
     routing = routing_of(model, ids)
     load = expert_load(routing).double()
     result = specialisation(routing.experts, token_kinds([tokenizer.decode([i]) for i in ids]), routing.n_experts)
-    result.update(blocks=routing.blocks, tokens=len(ids),
-                  load_cv=(load.std(dim=1, correction=0) / load.mean(dim=1)).tolist())  # fmt: skip
+    result.update(
+        blocks=routing.blocks, tokens=len(ids), load_cv=(load.std(dim=1, correction=0) / load.mean(dim=1)).tolist()
+    )
     return result
 
 
@@ -128,8 +135,14 @@ def draw_routing(routing: Routing, labels: Sequence[str]) -> Figure:
     fig = new_figure(min(40.0, 2.0 + 0.18 * N), 0.6 + L * (0.3 * E + 0.9))
     for layer in range(L):
         ax = fig.add_subplot(L, 1, layer + 1)
-        image = ax.imshow(np.ma.masked_equal(gates[layer].T, 0.0), aspect="auto", cmap="viridis", vmin=0, vmax=1,
-                          interpolation="nearest")  # fmt: skip
+        image = ax.imshow(
+            np.ma.masked_equal(gates[layer].T, 0.0),
+            aspect="auto",
+            cmap="viridis",
+            vmin=0,
+            vmax=1,
+            interpolation="nearest",
+        )
         _tick_labels(ax, labels, x=layer == L - 1, y=False)
         ax.set_yticks(range(E), [str(e) for e in range(E)], fontsize=7)
         ax.set_ylabel(f"block {routing.blocks[layer]}\nexpert", fontsize=8)
@@ -158,8 +171,14 @@ def draw_load_history(axes: Any, history: Sequence[dict[str, Any]]) -> None:
     before = np.concatenate([gaps[:1], gaps])[:S]  # each column spans halfway to its neighbours
     edges = np.concatenate([steps - before / 2, steps[-1:] + gaps[-1] / 2])
     rows = relative.reshape(S, L * E).T  # (L * E, S): layer 0's experts first
-    mesh = axes.pcolormesh(edges, np.arange(L * E + 1), np.clip(rows, 0.25, 4.0), cmap="coolwarm", shading="flat",
-                           norm=LogNorm(vmin=0.25, vmax=4.0))  # fmt: skip
+    mesh = axes.pcolormesh(
+        edges,
+        np.arange(L * E + 1),
+        np.clip(rows, 0.25, 4.0),
+        cmap="coolwarm",
+        shading="flat",
+        norm=LogNorm(vmin=0.25, vmax=4.0),
+    )
     for layer in range(1, L):
         axes.axhline(layer * E, color="black", linewidth=0.8)
     axes.set_yticks([layer * E + E / 2 for layer in range(L)], [f"MoE layer {layer}" for layer in range(L)])
