@@ -149,6 +149,11 @@ def test_streamed_tool_call_is_the_whole_ones(client):
     pieces = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
     assert json.loads(pieces) == whole.content[0].input  # one call (the random model stops after it)
     assert events[-2].delta.stop_reason == "tool_use" == whole.stop_reason
+    with client.messages.stream(**request) as stream:  # the client's own accumulation of the events
+        final = stream.get_final_message()
+    assert [block.model_dump() for block in final.content] == [
+        {**block.model_dump(), "id": final.content[0].id} for block in whole.content
+    ]
 
 
 @pytest.mark.parametrize(
