@@ -53,7 +53,7 @@ from gptkit.errors import ConfigError
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("gemv.cpp", "step.cpp")  # and the headers they include (kernels.h, low_rank.h)
+SOURCES = ("gemv.cpp", "step.cpp")  # and the headers they include (kernels.h: simd.h, quant.h, products.h; ...)
 BUILD_FLAGS = ["-O3", "-fopenmp"]
 # The instruction sets the library is built for, widest first: (name, what /proc/cpuinfo must list, compiler flags).
 # torch.ops.gptkit.isa() numbers them from the narrowest (1) up.
