@@ -62,7 +62,7 @@ class LoRALinear(nn.Module):
         return f"rank={self.lora_A.size(0)}, scaling={self.scaling:g}"
 
 
-def _module(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """The GPT under a torch.compile or DDP wrapper."""
     model = getattr(model, "_orig_mod", model)
     return getattr(model, "module", model)
@@ -86,7 +86,7 @@ def check_lora(rank: int, alpha: float, dropout: float, targets: str) -> None:
 def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: str) -> nn.Module:
     """Freeze every weight of model and wrap its target layers in adapters (in place); returns model."""
     check_lora(rank, alpha, dropout, targets)
-    gpt = _module(model)
+    gpt = unwrap_model(model)
     if adapters(gpt):
         raise ConfigError("the model already has LoRA adapters")
     paths = target_paths(targets)
@@ -98,7 +98,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets:
 
 def wrap_block_layers(model: nn.Module, paths: tuple[str, ...], wrap: Callable[[str, nn.Module], nn.Module]) -> None:
     """Replace each block's layer at each of paths (e.g. "attn.qkv") by wrap(its module name, the layer), in place."""
-    for index, block in enumerate(_module(model).blocks):
+    for index, block in enumerate(unwrap_model(model).blocks):
         for path in paths:
             parent_path, _, attribute = path.rpartition(".")
             parent = block.get_submodule(parent_path)
@@ -107,7 +107,7 @@ def wrap_block_layers(model: nn.Module, paths: tuple[str, ...], wrap: Callable[[
 
 def adapters(model: nn.Module) -> dict[str, LoRALinear]:
     """Every adapter of model by its module name (e.g. "blocks.0.attn.qkv")."""
-    return {name: m for name, m in _module(model).named_modules() if isinstance(m, LoRALinear)}
+    return {name: m for name, m in unwrap_model(model).named_modules() if isinstance(m, LoRALinear)}
 
 
 def lora_state(model: nn.Module) -> dict[str, Tensor]:
@@ -150,7 +150,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its layer's weight (W + B A alpha / r) and unwrap it; returns the plain model."""
-    gpt = _module(model)
+    gpt = unwrap_model(model)
     for name, adapter in adapters(gpt).items():
         weight = adapter.base.weight
         if not weight.is_floating_point():

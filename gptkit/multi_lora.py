@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gptkit.adapters import _module, target_paths, wrap_block_layers
+from gptkit.adapters import unwrap_model, target_paths, wrap_block_layers
 from gptkit.errors import GptkitError
 
 
@@ -46,7 +46,7 @@ class AdapterSet(nn.Module):
 
 def adapter_sets(model: nn.Module) -> dict[str, AdapterSet]:
     """Every AdapterSet of model by module name."""
-    return {name: m for name, m in _module(model).named_modules() if isinstance(m, AdapterSet)}
+    return {name: m for name, m in unwrap_model(model).named_modules() if isinstance(m, AdapterSet)}
 
 
 @torch.no_grad()
@@ -57,7 +57,7 @@ def serve_adapter(model: nn.Module, index: int, state: dict[str, Tensor], settin
     if index < 1:
         raise GptkitError(f"adapter numbers start at 1 (0 is the base), got {index}")
     rank, scaling = int(settings["rank"]), float(settings["alpha"]) / int(settings["rank"])
-    device = _module(model).tok_emb.weight.device
+    device = unwrap_model(model).tok_emb.weight.device
 
     def add(name: str, layer: nn.Module) -> AdapterSet:
         layer = layer if isinstance(layer, AdapterSet) else AdapterSet(layer)
@@ -85,18 +85,18 @@ _VERSION, _ROWS = "_gptkit_adapters_version", "_gptkit_row_adapters"
 
 
 def _changed(model: nn.Module) -> None:
-    gpt = _module(model)
+    gpt = unwrap_model(model)
     gpt.__dict__[_VERSION] = gpt.__dict__.get(_VERSION, 0) + 1
 
 
 def adapters_version(model: nn.Module) -> int:
     """A number that changes whenever an adapter is served or removed (0: never)."""
-    return _module(model).__dict__.get(_VERSION, 0)
+    return unwrap_model(model).__dict__.get(_VERSION, 0)
 
 
 def row_adapters(model: nn.Module) -> Tensor | None:
     """Each row's adapter number (int64, on the CPU) within rows_using, where some row has one; else None."""
-    return _module(model).__dict__.get(_ROWS)
+    return unwrap_model(model).__dict__.get(_ROWS)
 
 
 @contextlib.contextmanager
@@ -110,7 +110,7 @@ def rows_using(model: nn.Module, adapters: list[int]) -> Iterator[None]:
     unknown = sorted(set(adapters) - served - {0})
     if unknown:  # else its rows would silently decode on the base
         raise GptkitError(f"adapter {unknown[0]} is not served on this model (served: {sorted(served)})")
-    gpt = _module(model)
+    gpt = unwrap_model(model)
     chosen = torch.tensor(adapters)
     groups = [(int(k), (chosen == k).nonzero()[:, 0].to(gpt.tok_emb.weight.device))
               for k in chosen.unique().tolist() if k != 0]  # fmt: skip

@@ -12,13 +12,13 @@ from gptkit.chat import reply_lead as template_reply_lead
 from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import GptkitError
-from gptkit.serving.adapter import (Collector, check_fields, check_prompt, collect, compile_grammar, max_tokens_of,
+from gptkit.serving.sequences import (Collector, check_fields, check_prompt, collect, compile_grammar, max_tokens_of,
                                     off_loop, openai_closing, response_schema, sampling_params, stream_events, submit)
 from gptkit.serving.engine import Chunk, TokenInfo
-from gptkit.serving.schemas import ChatRequest, ResponsesRequest, Tool, _Sampling
+from gptkit.serving.schemas import ChatRequest, ResponsesRequest, Tool, SamplingFields
 from gptkit.serving.state import RENDER_SECONDS, APIError, ServerState, check_model
 from gptkit.serving.tools import ToolCalls, ToolChoiceError, template_message, template_tools, tool_shape
-from gptkit.serving.wrapper import Envelope, finish, sse, sse_response, usage
+from gptkit.serving.envelope import Envelope, finish, sse, sse_response, usage
 
 
 
@@ -72,7 +72,7 @@ async def prompt_ids(state: ServerState, messages: list[dict[str, Any]], tools: 
     return await _render(state, lambda: state.tokenizer.encode(state.render_chat(messages, rendered)))
 
 
-async def plan_chat(state: ServerState, body: _Sampling | ResponsesRequest, messages: list[dict[str, Any]],
+async def plan_chat(state: ServerState, body: SamplingFields | ResponsesRequest, messages: list[dict[str, Any]],
                     tools: list[Tool] | None, tool_choice: Any, parallel: bool | None, schema: str | None,
                     max_tokens: int | None, max_tokens_field: str) -> ChatPlan:  # fmt: skip
     """Render, tokenize and check a chat request; its sampling settings, grammar and reply shape."""

@@ -9,12 +9,12 @@ from fastapi import FastAPI, Request
 
 from gptkit.decoding.api import grammar_for
 from gptkit.errors import GptkitError
-from gptkit.serving.adapter import (Collector, check_fields, collect, compile_grammar, max_tokens_of, openai_closing,
+from gptkit.serving.sequences import (Collector, check_fields, collect, compile_grammar, max_tokens_of, openai_closing,
                                     prompts_of, response_schema, sampling_params, stream_events, submit)
 from gptkit.serving.engine import Chunk, TokenInfo
 from gptkit.serving.schemas import CompletionRequest
 from gptkit.serving.state import APIError, ServerState, check_model
-from gptkit.serving.wrapper import Envelope, finish, one_shot, sse, sse_response, usage
+from gptkit.serving.envelope import Envelope, finish, one_shot, sse, sse_response, usage
 
 
 def register(app: FastAPI, state: ServerState) -> None:

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from gptkit.model import GPT
 from gptkit.multi_lora import rows_using
-from gptkit.serving.adapter import check_prompt
+from gptkit.serving.sequences import check_prompt
 from gptkit.serving.schemas import EmbeddingRequest
 from gptkit.serving.state import APIError, ServerState, check_model
 

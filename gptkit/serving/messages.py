@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gptkit.decoding.request import Request as DecodeRequest
-from gptkit.serving.adapter import Collector, collect, stream_events, submit
+from gptkit.serving.sequences import Collector, collect, stream_events, submit
 from gptkit.serving.chat import ChatPlan, plan_chat, prompt_ids
 from gptkit.serving.engine import Chunk
 from gptkit.serving.messages_schema import (
@@ -28,7 +28,7 @@ from gptkit.serving.messages_schema import (
 )
 from gptkit.serving.state import APIError, ServerState, check_model
 from gptkit.serving.tools import template_message
-from gptkit.serving.wrapper import finish, sse, sse_response
+from gptkit.serving.envelope import finish, sse, sse_response
 
 # The chat pipeline's finish reasons -> Anthropic's stop reasons ("stop" is end_turn unless a stop sequence ended it).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}

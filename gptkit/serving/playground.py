@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from gptkit.errors import GptkitError
-from gptkit.serving.adapter import check_prompt
+from gptkit.serving.sequences import check_prompt
 from gptkit.serving.schemas import AttentionRequest, LensRequest
 from gptkit.serving.state import APIError, ServerState
 

@@ -13,12 +13,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
-from gptkit.serving.adapter import Collector, collect, stream_events, submit
+from gptkit.serving.sequences import Collector, collect, stream_events, submit
 from gptkit.serving.chat import ChatPlan, plan_chat
 from gptkit.serving.engine import Chunk
 from gptkit.serving.schemas import RESPONSES_IGNORED, RESPONSES_UNUSED, NamedToolChoice, ResponsesRequest, Tool
 from gptkit.serving.state import APIError, ServerState, check_model
-from gptkit.serving.wrapper import finish, sse, sse_response
+from gptkit.serving.envelope import finish, sse, sse_response
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 

@@ -51,7 +51,7 @@ class ResponseFormat(_Request):
         return self
 
 
-class _Decoding(_Request):
+class DecodingFields(_Request):
     """The decoding fields every generating endpoint takes (OpenAI's names, plus top_k, min_p, repetition_penalty)."""
 
     model: str
@@ -66,7 +66,7 @@ class _Decoding(_Request):
     stream: NullableFlag = False
 
 
-class _Sampling(_Decoding):
+class SamplingFields(DecodingFields):
     """The decoding fields shared by the completions and chat endpoints."""
 
     max_tokens: int | None = None
@@ -77,7 +77,7 @@ class _Sampling(_Decoding):
     response_format: ResponseFormat | None = None
 
 
-def refused_field(body: _Sampling) -> tuple[str, str] | None:
+def refused_field(body: SamplingFields) -> tuple[str, str] | None:
     """The first field of a request that gptkit would have to ignore while it changes the output, and why."""
     for name, value in (body.model_extra or {}).items():
         if name in IGNORED_FIELDS:
@@ -129,7 +129,7 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], _texts_or_ids("prompt")]
@@ -220,7 +220,7 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -232,7 +232,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
-class ResponsesRequest(_Decoding):
+class ResponsesRequest(DecodingFields):
     """POST /v1/responses (stateless: the client sends the whole conversation in `input`). Items of `input`, tools
     and text.format are read by gptkit.serving.responses, which names the item that is wrong."""
 

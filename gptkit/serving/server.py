@@ -246,8 +246,6 @@ def default_threads() -> int:
 
 def serve(model_dir: str | Path, options: ServeOptions) -> None:
     """Run the server until interrupted."""
-    import uvicorn
-
     if not 0 <= options.port <= 65535:
         raise GptkitError(f"--port must be in 0..65535, got {options.port}")
     if options.threads is not None and options.threads < 1:

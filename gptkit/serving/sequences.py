@@ -20,9 +20,9 @@ from gptkit.decoding.sampling import SamplingParams, row_seed
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.serving.engine import Chunk, QueueFull
-from gptkit.serving.schemas import _Sampling, refused_field
+from gptkit.serving.schemas import SamplingFields, refused_field
 from gptkit.serving.state import APIError, ServerState, check_model
-from gptkit.serving.wrapper import DONE, sse
+from gptkit.serving.envelope import DONE, sse
 
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
 RETRY_AFTER_SECONDS = 1
@@ -88,7 +88,7 @@ def max_tokens_of(state: ServerState, requested: int | None, prompt_len: int, al
     return requested
 
 
-def sampling_params(state: ServerState, body: _Sampling, max_tokens: int, extra_stop: tuple[str, ...] = (),
+def sampling_params(state: ServerState, body: SamplingFields, max_tokens: int, extra_stop: tuple[str, ...] = (),
                     json_schema: str | None = None,
                     schema_field: str = "response_format") -> SamplingParams:  # fmt: skip
     """SamplingParams from the request's fields; fields the request leaves out keep SamplingParams' defaults.
@@ -124,14 +124,14 @@ def logit_bias(bias: dict[str, float], vocab: int) -> tuple[tuple[int, float], .
     return tuple(pairs)
 
 
-def check_fields(body: _Sampling) -> None:
+def check_fields(body: SamplingFields) -> None:
     """A 400 naming the first field that gptkit cannot honour (OpenAI's answer to an argument it does not know)."""
     refused = refused_field(body)
     if refused is not None:
         raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
 
 
-def response_schema(body: _Sampling) -> str | None:
+def response_schema(body: SamplingFields) -> str | None:
     """The JSON schema response_format asks the reply to follow (None: free text)."""
     spec = body.response_format
     if spec is None or spec.type == "text":
