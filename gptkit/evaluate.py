@@ -31,7 +31,7 @@ from gptkit.errors import InputError
 from gptkit.kv_cache import KV_DTYPES, KVCache, kv_dtype_of
 from gptkit.loss import IGNORE_INDEX
 from gptkit.model import GPT
-from gptkit.quantization import METHODS
+from gptkit.quantization import QUANTIZATION_METHODS
 
 EVAL_DTYPES = ("float32", "bfloat16", "float16")
 KV_CHUNK = 64  # tokens a window feeds through a quantised cache at a time
@@ -48,7 +48,7 @@ class EvalOptions:
     device: str = field(default="auto", metadata={"help": "cpu, cuda, mps or auto"})
     dtype: str = field(default="float32", metadata={"help": "weights' dtype", "choices": EVAL_DTYPES})
     quantize: str | None = field(default=None, metadata={"help": "weight-only quantisation of a float model after "
-                                                                  "loading: int8 or int4", "choices": METHODS})
+                                                                  "loading: int8 or int4", "choices": QUANTIZATION_METHODS})
     kv_cache: str | None = field(default=None, metadata={"help": "int8: score through an int8 KV cache, as "
                                                                   "decoding with one reads it (default: none)",
                                                           "choices": tuple(KV_DTYPES)})

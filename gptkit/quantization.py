@@ -29,7 +29,7 @@ from gptkit import cpu_kernels
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
 
-METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4")
 QUANT_MAX = 127  # symmetric int8: -127..127, so that negating a weight never overflows
 # Above this many rows (tokens) a matmul is compute-bound: dequantising the weight once and running the float GEMM
 # is faster there than PyTorch's int8 kernel, which is built for the few rows of decoding.
@@ -327,8 +327,8 @@ def int4_or_int8(linear: nn.Linear) -> nn.Module:
 
 
 def _check_method(method: str) -> None:
-    if method not in METHODS:
-        raise ConfigError(f"unknown quantisation {method!r}; choose one of: {', '.join(METHODS)}")
+    if method not in QUANTIZATION_METHODS:
+        raise ConfigError(f"unknown quantisation {method!r}; choose one of: {', '.join(QUANTIZATION_METHODS)}")
 
 
 def swap_linears(model: nn.Module, make: Any) -> None:

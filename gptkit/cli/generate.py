@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate` sub-command."""
     from gptkit.decoding.speculative import DRAFT_K
     from gptkit.kv_cache import KV_DTYPES
-    from gptkit.quantization import METHODS
+    from gptkit.quantization import QUANTIZATION_METHODS
     from gptkit.decoding.sampling import SamplingParams
 
     parser = subparsers.add_parser(
@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weight precision (default: float32)")
     parser.add_argument("--device", choices=DEVICES, default="auto", help="where to run (default: auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, timing")
-    parser.add_argument("--quantize", choices=METHODS, default=None,
+    parser.add_argument("--quantize", choices=QUANTIZATION_METHODS, default=None,
                         help="weight-only quantisation of a float model after loading: int8 (a byte a weight) or "
                         "int4 (llama.cpp's Q4_0: 4.5 bits a weight) (default: none)")
     parser.add_argument("--kv-cache", choices=list(KV_DTYPES), default=None,

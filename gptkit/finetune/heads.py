@@ -27,7 +27,7 @@ from gptkit.atomic import atomic_write_text
 from gptkit.data import Batch
 from gptkit.errors import GptkitError
 from gptkit.evaluate import classification_scores
-from gptkit.finetune.objectives import check_examples, evaluate_examples, example_stream
+from gptkit.finetune.objectives import check_examples, example_split_losses, example_stream
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats
 from gptkit.loss import IGNORE_INDEX
 from gptkit.settings import PartSettings, check_range
@@ -191,7 +191,7 @@ class Classification(ObjectiveBase):
             labels.append(batch.labels.cpu())
             return loss, stats
 
-        train_loss, val_loss, stats = evaluate_examples(self.loss, forward, self.setup, loss_keeping_predictions)
+        train_loss, val_loss, stats = example_split_losses(self.loss, forward, self.setup, loss_keeping_predictions)
         scores = classification_scores(torch.cat(labels).numpy(), torch.cat(predicted).numpy(), self.labels)
         return {"train_eval_loss": train_loss, "val_loss": val_loss, **stats, "val_macro_f1": scores["macro_f1"]}
 

@@ -2,7 +2,7 @@
 on example sets shares: the checks of the data, and the loss averaged over a split.
 
 An objective's loss(forward, batch) gives the batch's mean loss and a few statistics (means over the batch's units:
-trained tokens, pairs or texts) to log; evaluate_examples averages the same over a split, so training and
+trained tokens, pairs or texts) to log; example_split_losses averages the same over a split, so training and
 validation report the same quantities. Supervised examples are also measured by what a model is for: the exact
 match of the replies it writes to held-out prompts.
 """
@@ -70,7 +70,7 @@ class LanguageModeling(ObjectiveBase):
         """Train and validation loss; for text, perplexity and bits per byte; for examples, the replies' exact match."""
         t, data, device = self.train_settings, self.setup.data, self.setup.device
         if data.kind != "text":
-            train_loss, val_loss, _ = evaluate_examples(self.loss, forward, self.setup)
+            train_loss, val_loss, _ = example_split_losses(self.loss, forward, self.setup)
             metrics = {"train_eval_loss": train_loss, "val_loss": val_loss, "train_eval_ppl": _exp(train_loss),
                        "val_ppl": _exp(val_loss)}  # fmt: skip
             if self.task_metrics:  # (not under FSDP)
@@ -103,7 +103,7 @@ class ExampleObjective(ObjectiveBase):
 
     def evaluate(self, forward: Callable[..., Any]) -> dict[str, float]:
         """Train and validation loss, and the loss's statistics on validation examples (val_accuracy, ...)."""
-        train_loss, val_loss, stats = evaluate_examples(self.loss, forward, self.setup)  # type: ignore[attr-defined]
+        train_loss, val_loss, stats = example_split_losses(self.loss, forward, self.setup)  # type: ignore[attr-defined]
         return {"train_eval_loss": train_loss, "val_loss": val_loss, **stats}
 
 
@@ -132,7 +132,7 @@ def window_loss(forward: Callable[..., Any], tokens: np.ndarray, batch_size: int
 LossFn = Callable[[Callable[..., Any], Batch], tuple[Tensor, Stats]]  # an objective's loss(forward, batch)
 
 
-def evaluate_examples(loss: LossFn, forward: Callable[..., Any], setup: Setup,
+def example_split_losses(loss: LossFn, forward: Callable[..., Any], setup: Setup,
                       val_loss: LossFn | None = None) -> tuple[float, float, dict]:  # fmt: skip
     """(train loss, validation loss, the validation statistics) of an objective's loss over example sets: the same
     eval_iters x batch_size items of each split at every evaluation (val_loss, if given, reads the validation

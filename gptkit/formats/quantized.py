@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
-from gptkit.quantization import METHODS, Int4Linear, Int8Linear, probe_kernels, quantization_method
+from gptkit.quantization import QUANTIZATION_METHODS, Int4Linear, Int8Linear, probe_kernels, quantization_method
 from gptkit.tensors import (
     WEIGHTS_FILE,
     ModelDirError,
@@ -46,8 +46,8 @@ def quantization_of(path: str | Path) -> str | None:
     """The quantisation a gptkit model directory was saved with ("int8", "int4"), or None for a float one."""
     method = read_config_json(path).get("quantization")
     if method is not None:
-        if method not in METHODS:
-            raise ConfigError(f"{path}: unknown quantization {method!r}; gptkit knows {', '.join(METHODS)}")
+        if method not in QUANTIZATION_METHODS:
+            raise ConfigError(f"{path}: unknown quantization {method!r}; gptkit knows {', '.join(QUANTIZATION_METHODS)}")
     return method
 
 

@@ -202,14 +202,14 @@ def _draw_losses(axes: Any, history: list[dict[str, Any]]) -> None:
     axes.legend()
 
 
-def draw_icl(axes: Any, history: list[dict[str, Any]]) -> None:
+def draw_icl_history(axes: Any, history: list[dict[str, Any]]) -> None:
     """The in-context learning score over steps, with zero (no use of the context) drawn."""
     axes.plot(*zip(*_points(history, "icl_score")), marker="o", markersize=3, color="tab:purple")
     axes.axhline(0.0, color="grey", linewidth=0.8)
     axes.set_ylabel("ICL score (nats)\nlate - early loss")
 
 
-def draw_induction(axes: Any, history: list[dict[str, Any]]) -> None:
+def draw_induction_history(axes: Any, history: list[dict[str, Any]]) -> None:
     """The strongest induction head's score over steps, with what uniform attention scores drawn."""
     axes.plot(*zip(*_points(history, "induction_score")), marker="o", markersize=3, color="tab:red",
               label="strongest head")  # fmt: skip
@@ -296,7 +296,7 @@ def plot_run(history: list[dict[str, Any]], path: Path, task_metrics: dict[str, 
     drawers += [lambda axes, key=key, twin=twin: draw_metric(axes, history, key, twin)
                 for key, twin in (task_metrics or {}).items() if _points(history, key)]
     if _points(history, "icl_score"):
-        drawers += [lambda axes: draw_icl(axes, history), lambda axes: draw_induction(axes, history)]
+        drawers += [lambda axes: draw_icl_history(axes, history), lambda axes: draw_induction_history(axes, history)]
     if _points(history, "ablation_repeat_change"):
         drawers.append(lambda axes: draw_ablation(axes, history))
     if any(r.get("moe_tokens_per_expert") for r in history):

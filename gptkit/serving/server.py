@@ -162,7 +162,7 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
 
 def _check_options(options: ServeOptions) -> None:
     """A one-line error for a setting out of its range, before the (slow) model load."""
-    from gptkit.quantization import METHODS
+    from gptkit.quantization import QUANTIZATION_METHODS
 
     if options.max_body_bytes < 1:
         raise GptkitError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
@@ -170,8 +170,8 @@ def _check_options(options: ServeOptions) -> None:
         raise GptkitError(f"--pooling must be one of {', '.join(POOLINGS)}, got {options.pooling!r}")
     if options.dtype not in DTYPES:
         raise GptkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
-    if options.quantize is not None and options.quantize not in METHODS:
-        raise GptkitError(f"--quantize must be one of {', '.join(METHODS)}, got {options.quantize!r}")
+    if options.quantize is not None and options.quantize not in QUANTIZATION_METHODS:
+        raise GptkitError(f"--quantize must be one of {', '.join(QUANTIZATION_METHODS)}, got {options.quantize!r}")
 
 
 def _found_beside(model_dir: str | Path, options: ServeOptions) -> dict[str, Path]:
