@@ -22,12 +22,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-from datetime import datetime
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
 from gptkit.errors import GptkitError
+from gptkit.tokenizer import Tokenizer
 
 TOKENIZER_CONFIG = "tokenizer_config.json"  # where Hugging Face tokenizers keep `chat_template`
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers (4.50 on) saves it instead
@@ -161,7 +162,7 @@ def template_from_config(data: dict[str, Any] | None, eos_token: str = "") -> Ch
     return ChatTemplate(source, _token_text(data.get("bos_token")), _token_text(data.get("eos_token")) or eos_token)
 
 
-def eos_text(tokenizer: Any) -> str:
+def eos_text(tokenizer: Tokenizer) -> str:
     """The text of a tokenizer's end-of-text token ("" when it has none)."""
     return tokenizer.decode([tokenizer.eos_id]) if tokenizer is not None and tokenizer.eos_id is not None else ""
 

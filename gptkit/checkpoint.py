@@ -44,6 +44,7 @@ from gptkit.manifest import (
     write_manifest,
 )
 from gptkit.tensors import WEIGHTS_FILE, load_tensors, save_tensors
+from gptkit.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ def save_checkpoint(
     run_dir: str | Path,
     step: int,
     model: torch.nn.Module,
-    tokenizer: Any | None,
+    tokenizer: Tokenizer | None,
     optimizer: torch.optim.Optimizer,
     names: dict[torch.nn.Parameter, str],
     trainer: dict[str, Any],

@@ -8,15 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from gptkit.data.batch import Batch
 from gptkit.data.examples import load_examples
 from gptkit.data.meta import PROMPT_KIND, SPLIT_FILES, DataMeta, read_meta
 from gptkit.data.prompts import load_prompts
 from gptkit.data.tokens import load_tokens
-from torch import Tensor
-
 from gptkit.data_kinds import DATA_KINDS
 from gptkit.errors import ConfigError
+from gptkit.tokenizer import Tokenizer
 
 
 @dataclass
@@ -28,7 +29,7 @@ class RunData:
     kind: str  # "text", one of EXAMPLE_KINDS, or PROMPT_KIND
     train: Any
     val: Any
-    tokenizer: Any | None  # the data's own tokenizer, None when it was saved without one
+    tokenizer: Tokenizer | None  # the data's own tokenizer, None when it was saved without one
 
 
 def load_run_data(data_dir: str | None) -> RunData:

@@ -28,6 +28,7 @@ from gptkit.decoding.step import base, cache_len, check_prompts, device_dtype, s
 from gptkit.errors import ConfigError, InputError
 from gptkit.kv_cache import kv_dtype_of
 from gptkit.model import GPT
+from gptkit.tokenizer import Tokenizer
 
 log = logging.getLogger("gptkit.decoding")
 _FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -88,7 +89,7 @@ class Result:
     timing: Timing = field(default_factory=Timing)
 
 
-def grammar_for(model: GPT, tokenizer: Any | None, params: SamplingParams) -> Grammar | None:
+def grammar_for(model: GPT, tokenizer: Tokenizer | None, params: SamplingParams) -> Grammar | None:
     """params.json_schema compiled for the tokenizer and model (None without a schema)."""
     if params.json_schema is None:
         return None
@@ -196,7 +197,7 @@ def generate_ids(
     params: SamplingParams | None = None,
     *,
     eos_id: EosIds = None,
-    tokenizer: Any | None = None,
+    tokenizer: Tokenizer | None = None,
     compile: bool = False,
     draft: GPT | None = None,
     draft_k: int = DRAFT_K,
@@ -219,7 +220,7 @@ def generate_ids(
     return _shape([[c.ids for c in row] for row in result.completions], batched, params.num_samples)
 
 
-def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """The prompt's ids (with a start token the tokenizer adds, such as Llama's <s>); an empty prompt starts from
     the end-of-text token (GPT-2's document separator) when the tokenizer adds none."""
     if not isinstance(prompt, str):
@@ -235,7 +236,7 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return [tokenizer.eos_id]
 
 
-def completion_text(tokenizer: Any, completion: Completion, stops: Sequence[str]) -> str:
+def completion_text(tokenizer: Tokenizer, completion: Completion, stops: Sequence[str]) -> str:
     """The decoded text of a completion, cut before the first stop string."""
     text = tokenizer.decode(completion.ids)
     cut = first_stop(text, stops)
@@ -244,7 +245,7 @@ def completion_text(tokenizer: Any, completion: Completion, stops: Sequence[str]
 
 def generate_text(
     model: GPT,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     prompts: Sequence[str],
     params: SamplingParams,
     compile: bool = False,
@@ -264,7 +265,7 @@ def generate_text(
 
 def generate(
     model: GPT,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     prompt: str | list[str],
     params: SamplingParams | None = None,
     *,
@@ -290,7 +291,7 @@ def generate(
 
 def stream_text(
     model: GPT,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     prompt: str,
     params: SamplingParams,
     compile: bool = False,
@@ -327,7 +328,7 @@ def _engine_steps(model: GPT, request: Request, compile: bool, kv_dtype: torch.d
 
 def stream(
     model: GPT,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     prompt: str,
     params: SamplingParams | None = None,
     *,

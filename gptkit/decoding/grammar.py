@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from gptkit.errors import ConfigError, InputError
+from gptkit.tokenizer import Tokenizer
 
 ANY_OBJECT = '{"type": "object"}'  # OpenAI's JSON mode ("json_object"): any JSON object
 # The deepest nesting of objects and arrays a schema may have. Hand-written and generated schemas stay far below it
@@ -82,7 +83,7 @@ def read_schema_file(path: str) -> str:
 class _TokenTable:
     """What llguidance needs to know about a tokenizer: each id's bytes, the end ids, and how to encode."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_id: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_id: int) -> None:
         count = tokenizer.vocab_size
         # Ids past the tokenizer's (a model's padded vocabulary) stand for no text: the mask never allows them.
         self.tokens = [tokenizer.token_bytes(i) for i in range(count)] + [b""] * (vocab_size - count)
@@ -102,7 +103,7 @@ _TOKENIZERS_LOCK = threading.Lock()
 _TOKENIZERS_KEPT = 4
 
 
-def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
     """llguidance's view of tokenizer over a model vocabulary of vocab_size ids (built once, ~0.3 s for 50k ids);
     its end id, allowed once the JSON is complete, is the tokenizer's own or an id past the vocabulary."""
     import llguidance
@@ -147,7 +148,7 @@ class Grammar:
     model trained on that template writes it first, and forcing `{` in its place starts the reply off the model's
     distribution."""
 
-    def __init__(self, tokenizer: Any, schema: str, vocab_size: int, lead: str = "") -> None:
+    def __init__(self, tokenizer: Tokenizer, schema: str, vocab_size: int, lead: str = "") -> None:
         schema = schema_text(schema)  # checked here too for callers that build a Grammar without SamplingParams
         # Compiled without the lead first: a schema whose JSON no token can begin is refused here, not found at the
         # first token past the lead.
@@ -158,13 +159,13 @@ class Grammar:
                 f"start: {lark_literal(lead)}? value\nvalue: {json_rule(schema)}\n"))  # fmt: skip
 
     @classmethod
-    def from_lark(cls, tokenizer: Any, lark: str, vocab_size: int) -> Grammar:
+    def from_lark(cls, tokenizer: Tokenizer, lark: str, vocab_size: int) -> Grammar:
         """A grammar written in llguidance's Lark dialect (json_rule gives its JSON parts)."""
         grammar = cls.__new__(cls)
         grammar._compile(tokenizer, vocab_size, lambda ll: ll.LLMatcher.grammar_from_lark(lark))
         return grammar
 
-    def _compile(self, tokenizer: Any, vocab_size: int, build: Callable[[Any], str]) -> None:
+    def _compile(self, tokenizer: Tokenizer, vocab_size: int, build: Callable[[Any], str]) -> None:
         try:
             import llguidance
         except ImportError:

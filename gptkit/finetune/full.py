@@ -21,10 +21,11 @@ from gptkit.errors import ConfigError
 from gptkit.finetune.parts import RunModel
 from gptkit.formats.lora import is_lora_dir
 from gptkit.formats.modeldir import load_model_tokenizer, save_model_dir
-from gptkit.tensors import read_model_config
 from gptkit.loading import load
 from gptkit.model import GPT
 from gptkit.settings import PartSettings
+from gptkit.tensors import read_model_config
+from gptkit.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from gptkit.train_config import RunConfig
@@ -53,7 +54,7 @@ class Full:
             raise ConfigError(f"{checkpoint} holds LoRA adapters: resume the run with finetune.method lora")
         return RunModel(GPT(read_model_config(checkpoint)), load_model_tokenizer(checkpoint), str(checkpoint))
 
-    def save(self, gpt: GPT, directory: Path, tokenizer: Any | None, tokenizer_config: bytes | None) -> None:
+    def save(self, gpt: GPT, directory: Path, tokenizer: Tokenizer | None, tokenizer_config: bytes | None) -> None:
         """A model directory, with the chat template the model carries."""
         save_model_dir(gpt, directory, tokenizer=tokenizer)
         if tokenizer_config is not None:

@@ -8,8 +8,8 @@ the same model with the adapters switched off: the base, with no second copy in 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -23,8 +23,9 @@ from gptkit.finetune.parts import RunModel, evaluation_mode
 from gptkit.formats.lora import WEIGHTS_FILE, adapt, is_lora_dir, read_lora_config, write_lora_dir
 from gptkit.loading import adapted_model, load_base
 from gptkit.model import GPT
-from gptkit.tensors import load_tensors
 from gptkit.settings import PartSettings
+from gptkit.tensors import load_tensors
+from gptkit.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from gptkit.train_config import RunConfig
@@ -84,7 +85,7 @@ class Lora:
         self.settings = {k: v for k, v in settings.items() if k not in ("format", "format_version")}
         return RunModel(model, tokenizer, str(checkpoint))
 
-    def save(self, gpt: GPT, directory: Path, tokenizer: Any | None, tokenizer_config: bytes | None) -> None:
+    def save(self, gpt: GPT, directory: Path, tokenizer: Tokenizer | None, tokenizer_config: bytes | None) -> None:
         """A LoRA directory: the adapters, the settings and the chat template."""
         write_lora_dir(gpt, directory, self.settings, tokenizer_config)
 

@@ -18,12 +18,13 @@ import torch
 from torch import Tensor
 
 from gptkit.chat import load_chat_template
-from gptkit.data import Batch, DataMeta, Examples, ExampleBatches, TrainBatches, example_batches
+from gptkit.data import Batch, DataMeta, ExampleBatches, Examples, TrainBatches, example_batches
 from gptkit.decoding.api import complete
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.devices import autocast_for
 from gptkit.errors import GptkitError
 from gptkit.finetune.parts import ObjectiveBase, Setup, Stats, evaluation_mode
+from gptkit.tokenizer import Tokenizer
 
 # Evaluation forwards up to this many tokens at once (at least one training batch): bigger matrix products run
 # faster per token on CPU, and the mean over equal-size windows is the same however they are grouped.
@@ -179,7 +180,7 @@ def reply_of(ids: np.ndarray, trained: np.ndarray) -> tuple[list[int], list[int]
 
 
 @torch.no_grad()
-def exact_match(gpt: Any, tokenizer: Any | None, examples: Examples, count: int) -> float:
+def exact_match(gpt: Any, tokenizer: Tokenizer | None, examples: Examples, count: int) -> float:
     """The fraction of the first `count` held-out examples whose first reply the model writes exactly, greedily
     (the reply's end-of-text token included: a reply that runs on does not match)."""
     pairs = [reply_of(np.asarray(examples.ids[a:b]), np.asarray(examples.trained[a:b]))
@@ -243,7 +244,7 @@ def check_template(setup: Setup) -> None:
                           f"({setup.template_dir}); prepare them again with --tokenizer {setup.template_dir}")
 
 
-def bytes_per_token(meta: DataMeta, split: str, tokens: np.ndarray, tokenizer: Any | None) -> float | None:
+def bytes_per_token(meta: DataMeta, split: str, tokens: np.ndarray, tokenizer: Tokenizer | None) -> float | None:
     """UTF-8 bytes of text per token of a split, for bits per byte (SPEC section 3): from meta.json or counted."""
     text_bytes = meta.train_bytes if split == "train" else meta.val_bytes
     if isinstance(text_bytes, int) and len(tokens):

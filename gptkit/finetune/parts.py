@@ -25,6 +25,7 @@ from gptkit.data import Batch, RunData
 from gptkit.distributed import World
 from gptkit.model import GPT
 from gptkit.settings import PartSettings
+from gptkit.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from gptkit.train_config import RunConfig
@@ -37,7 +38,7 @@ class RunModel:
     """The GPT a run trains and what comes with it."""
 
     gpt: GPT
-    tokenizer: Any | None  # the model's own (init_from's or the checkpoint's), None for a fresh model
+    tokenizer: Tokenizer | None  # the model's own (init_from's or the checkpoint's), None for a fresh model
     template_dir: str | None  # the directory whose chat template the model carries (init_from or the checkpoint)
 
 
@@ -56,7 +57,7 @@ class Method(Protocol):
         """The model of a checkpoint of this method, built as the run built it (weights loaded by restore)."""
         ...
 
-    def save(self, gpt: GPT, directory: Path, tokenizer: Any | None, tokenizer_config: bytes | None) -> None:
+    def save(self, gpt: GPT, directory: Path, tokenizer: Tokenizer | None, tokenizer_config: bytes | None) -> None:
         """Write the trained weights (and the tokenizer and chat template) into a checkpoint directory."""
         ...
 
@@ -76,7 +77,7 @@ class Setup:
     config: RunConfig
     data: RunData
     gpt: GPT
-    tokenizer: Any | None
+    tokenizer: Tokenizer | None
     method: Method
     device: torch.device
     world: World

@@ -29,10 +29,11 @@ from gptkit.tensors import (
     weight_files,
     write_config_and_tokenizer,
 )
+from gptkit.tokenizer import Tokenizer
 from gptkit.weights import load_state_into, model_state
 
 
-def save_model_dir(model: GPT, path: str | Path, tokenizer: Any | None = None) -> Path:
+def save_model_dir(model: GPT, path: str | Path, tokenizer: Tokenizer | None = None) -> Path:
     """Write model (and its tokenizer, if given) as a gptkit model directory; each file lands atomically."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ directory (gptkit.formats.modeldir) uses too; this module imports no other forma
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,10 +25,11 @@ from gptkit.tensors import (
     weight_files,
     write_config_and_tokenizer,
 )
+from gptkit.tokenizer import Tokenizer
 from gptkit.weights import check_finite
 
 
-def save_quantized_dir(model: GPT, path: str | Path, tokenizer: Any | None = None) -> Path:
+def save_quantized_dir(model: GPT, path: str | Path, tokenizer: Tokenizer | None = None) -> Path:
     """Write a quantised model as a gptkit model directory that load_quantized_dir (and gptkit.loading.load) read back."""
     base = getattr(model, "_orig_mod", model)
     method = quantization_method(base)

@@ -38,6 +38,7 @@ from gptkit.chat import ROLES, ChatTemplate, ChatTemplateError
 from gptkit.data_kinds import DATA_KINDS, ROW_FORMATS, format_of
 from gptkit.data_kinds import row_format as row_format_spec
 from gptkit.errors import InputError
+from gptkit.tokenizer import Tokenizer
 
 LossOn = Literal["completion", "all"]
 ANSWERED = ("completion", "chosen", "rejected")  # a row with any of these holds its answers: not a prompt row
@@ -79,7 +80,7 @@ def _ends_with_user(messages: Any) -> bool:
 class ExampleEncoder:
     """Turns rows into Examples with one tokenizer and chat template."""
 
-    def __init__(self, tokenizer: Any, template: ChatTemplate, loss_on: LossOn = "completion") -> None:
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate, loss_on: LossOn = "completion") -> None:
         if tokenizer.eos_id is None:
             raise InputError(
                 f"supervised examples end each reply with the end-of-text token, and this {tokenizer.kind} "

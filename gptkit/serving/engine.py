@@ -24,6 +24,7 @@ from gptkit.decoding.request import Request, TokenLogprob
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.multi_lora import rows_using
+from gptkit.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from gptkit.serving.metrics import Metrics
@@ -66,7 +67,7 @@ _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # OpenAI's names
 class Engine:
     """Owns the model and its batch engine; a background thread admits queued requests and steps the batch."""
 
-    def __init__(self, model: GPT, tokenizer: Any, max_batch_size: int = 8, max_queue: int = 64,
+    def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch_size: int = 8, max_queue: int = 64,
                  compile: bool = False, max_context: int | None = None,
                  kv_dtype: torch.dtype | None = None, prefix_cache: PrefixCache | None = None) -> None:  # fmt: skip
         if max_batch_size < 1:

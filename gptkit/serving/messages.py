@@ -15,9 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gptkit.decoding.request import Request as DecodeRequest
-from gptkit.serving.sequences import Collector, collect, stream_events, submit
 from gptkit.serving.chat import ChatPlan, plan_chat, prompt_ids
 from gptkit.serving.engine import Chunk
+from gptkit.serving.envelope import finish, sse, sse_response
 from gptkit.serving.messages_schema import (
     CountTokensRequest,
     MessagesRequest,
@@ -26,9 +26,10 @@ from gptkit.serving.messages_schema import (
     parse,
     to_chat,
 )
+from gptkit.serving.sequences import Collector, collect, stream_events, submit
 from gptkit.serving.state import APIError, ServerState, check_model
 from gptkit.serving.tools import template_message
-from gptkit.serving.envelope import finish, sse, sse_response
+from gptkit.tokenizer import Tokenizer
 
 # The chat pipeline's finish reasons -> Anthropic's stop reasons ("stop" is end_turn unless a stop sequence ended it).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -92,7 +93,7 @@ class Reply:
             "usage": {"input_tokens": len(self.plan.prompt), "output_tokens": output_tokens},
         }
 
-    def stop(self, reason: str | None, text: str, sequence: DecodeRequest, tokenizer: Any) -> tuple[str, str | None]:
+    def stop(self, reason: str | None, text: str, sequence: DecodeRequest, tokenizer: Tokenizer) -> tuple[str, str | None]:
         """The stop reason and stop sequence of a finished reply: reason is the chat pipeline's, text the reply as
         sent (cut before a stop string); which stop string ended it is read from the whole decoded output."""
         if reason == "stop" and self.stop_sequences and sequence.finish_reason == "stop":
@@ -170,7 +171,7 @@ class EventStream:
     """A streamed reply as Anthropic's events: message_start; per content block its start, deltas and stop;
     message_delta with the stop reason and usage; message_stop."""
 
-    def __init__(self, reply: Reply, tokenizer: Any, sequence: DecodeRequest) -> None:
+    def __init__(self, reply: Reply, tokenizer: Tokenizer, sequence: DecodeRequest) -> None:
         self.reply, self.tokenizer, self.sequence = reply, tokenizer, sequence
         self.reader = reply.plan.shape.stream() if reply.plan.shape is not None else None
         self.blocks = 0  # content blocks started

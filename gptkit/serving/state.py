@@ -11,6 +11,7 @@ from gptkit.serving.engine import Engine
 from gptkit.serving.lora_registry import AdapterRegistry
 from gptkit.serving.metrics import Metrics
 from gptkit.serving.templates import TemplateWorkers
+from gptkit.tokenizer import Tokenizer
 
 RENDER_SECONDS = 5.0  # a chat template rendering longer is stopped (templates come with downloaded models)
 
@@ -30,7 +31,7 @@ class ServerState:
     """Everything the routes need: the engine, the tokenizer, the served name and the limits."""
 
     engine: Engine
-    tokenizer: Any
+    tokenizer: Tokenizer
     model_name: str
     chat_template: ChatTemplate
     api_key: str | None = None

@@ -25,6 +25,7 @@ from typing import Any
 from gptkit.decoding.grammar import Grammar, json_rule, lark_literal
 from gptkit.errors import InputError
 from gptkit.serving.schemas import ChatMessage, Tool
+from gptkit.tokenizer import Tokenizer
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}  # a function declared without parameters
 CALL_SEPARATOR = "\n"  # between parallel calls, as the default template writes an assistant turn's calls
@@ -87,7 +88,7 @@ class ToolCalls:
     parallel: bool = True  # several calls, one per line
     text_allowed: bool = False  # "auto": plain text instead of calls
 
-    def grammar(self, tokenizer: Any, vocab_size: int, lead: str) -> Grammar:
+    def grammar(self, tokenizer: Tokenizer, vocab_size: int, lead: str) -> Grammar:
         """The reply's grammar in llguidance's Lark dialect, lead allowed first."""
         defs = {f"tool{i}": _rebased(schema, f"#/$defs/tool{i}") for i, schema in enumerate(self.tools.values())}
         one = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},

@@ -17,6 +17,7 @@ from typing import Any
 from gptkit.atomic import atomic_write_text
 from gptkit.chat import CHAT_TEMPLATE_FILE, eos_text, template_from_config
 from gptkit.errors import GptkitError
+from gptkit.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class TokenizerExportError(GptkitError):
     """A tokenizer that cannot be written as a Hugging Face tokenizer.json; the message names why."""
 
 
-def hf_tokenizer(tokenizer: Any) -> Any:
+def hf_tokenizer(tokenizer: Tokenizer) -> Any:
     """A `tokenizers` Tokenizer encoding and decoding exactly as the gptkit tokenizer does (on text it accepts).
 
     bpe tokenizers already are one. byte: GPT-2's byte-to-symbol map, one symbol per byte and no merges, so id =
@@ -60,7 +61,7 @@ def hf_tokenizer(tokenizer: Any) -> Any:
     return hf
 
 
-def write_hf_tokenizer(tokenizer: Any, out: Path, base_config: dict[str, Any] | None = None) -> None:
+def write_hf_tokenizer(tokenizer: Tokenizer, out: Path, base_config: dict[str, Any] | None = None) -> None:
     """Write tokenizer.json, tokenizer_config.json and chat_template.jinja so that AutoTokenizer.from_pretrained(out)
     loads them; base_config is the model's own tokenizer_config.json (as gptkit.chat.read_tokenizer_config reads it)."""
     hf = hf_tokenizer(tokenizer)
@@ -70,7 +71,7 @@ def write_hf_tokenizer(tokenizer: Any, out: Path, base_config: dict[str, Any] | 
     atomic_write_text(out / TOKENIZER_CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def hf_tokenizer_config(tokenizer: Any, hf: Any, base_config: dict[str, Any] | None) -> dict[str, Any]:
+def hf_tokenizer_config(tokenizer: Tokenizer, hf: Any, base_config: dict[str, Any] | None) -> dict[str, Any]:
     """base_config completed for transformers: the generic fast tokenizer class, the chat template gptkit renders
     this model's chats with, and the bos/eos token names that template renders."""
     config = dict(base_config or {})

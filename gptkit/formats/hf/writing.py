@@ -17,11 +17,12 @@ from gptkit.formats.hf.layouts import LAYOUTS, ConversionError, export_tensor, w
 from gptkit.formats.hf.tokenizer import write_hf_tokenizer
 from gptkit.model import GPT
 from gptkit.tensors import CONFIG_FILE, WEIGHTS_FILE, save_tensors
+from gptkit.tokenizer import Tokenizer
 from gptkit.weights import model_state, real_vocab_state
 
 
 def hf_checkpoint(
-    model: GPT, tokenizer: Any | None = None, family: str | None = None
+    model: GPT, tokenizer: Tokenizer | None = None, family: str | None = None
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The HF config.json dict and state dict equal to model, as family (a model_type such as "mistral"; by default
     the one the model's settings call for), or a ConversionError saying why none is."""
@@ -116,7 +117,7 @@ def hf_model_from_gpt(model: GPT, family: str | None = None) -> Any:
 def export_hf(
     model: GPT,
     out_dir: str | Path,
-    tokenizer: Any | None = None,
+    tokenizer: Tokenizer | None = None,
     tokenizer_config: dict[str, Any] | None = None,
     head: tuple[list[str], Tensor] | None = None,
     family: str | None = None,
