@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "similarity between layers, the next-token distribution at temperatures 0.5, 1 and 2, the causal mask and "
         "the activation function against ReLU, the logit lens, each head's direct contribution to the prediction, "
         "the in-context learning picture (attention from a few-shot prompt's answer position, the loss along the "
-        "context) and the induction-head scores, each with its numbers in a JSON file beside it.",
+        "context), the induction-head scores and, for a mixture of experts, the experts each token goes to, each with "
+        "its numbers in a JSON file beside it.",
     )
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="a gptkit (or Hugging Face) model directory")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to run through the model "

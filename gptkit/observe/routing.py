@@ -185,4 +185,6 @@ def draw_load_history(axes: Any, history: Sequence[dict[str, Any]]) -> None:
     axes.invert_yaxis()
     axes.set_ylabel(f"expert load\n({E} experts per layer)")
     key = axes.inset_axes([1.01, 0.0, 0.015, 1.0])
-    axes.figure.colorbar(mesh, cax=key, label="load / balanced")
+    bar = axes.figure.colorbar(mesh, cax=key, label="load / balanced")
+    bar.set_ticks([0.25, 0.5, 1.0, 2.0, 4.0], labels=["1/4", "1/2", "1", "2", "4"])
+    bar.minorticks_off()
