@@ -74,6 +74,13 @@ def test_routing_runs_windows_of_the_context() -> None:
     assert torch.equal(routing.experts[:, 16:], routing_of(model, ids[16:]).experts)
 
 
+def test_a_dense_model_has_no_routing() -> None:
+    from gptkit.errors import InputError
+
+    with pytest.raises(InputError, match="no mixture-of-experts layers"):
+        routing_of(GPT(ModelConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)), [1, 2])
+
+
 def test_specialisation_on_a_constructed_routing() -> None:
     texts = ["A", "b", ",", "\n", "c", ".", "D", "e"]
     kinds = token_kinds(texts)

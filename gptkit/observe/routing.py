@@ -18,6 +18,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from gptkit.errors import InputError
 from gptkit.model import GPT
 from gptkit.moe import moe_layers, route
 from gptkit.observe.figures import _tick_labels, new_figure
@@ -44,6 +45,8 @@ class Routing:
 def routing_of(model: GPT, ids: Sequence[int]) -> Routing:
     """The routing of ids, run in consecutive windows of the model's context (N = len(ids) tokens)."""
     layers = moe_layers(model)
+    if not layers:
+        raise InputError("this model has no mixture-of-experts layers (model.n_experts is unset): nothing routes")
     block_of = {id(block.mlp): i for i, block in enumerate(model.blocks)}
     captured: list[list[Tensor]] = [[] for _ in layers]
     hooks = [
