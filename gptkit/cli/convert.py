@@ -133,7 +133,7 @@ def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
 
 
 def _import(source: Path, out: Path, dtype: object) -> int:
-    from gptkit.formats.hf import load_hf
+    from gptkit.formats.hf import detect_family, load_hf
     from gptkit.formats.hf.tokenizer import TOKENIZER_FILE
     from gptkit.formats.modeldir import save_model_dir
 
@@ -142,7 +142,7 @@ def _import(source: Path, out: Path, dtype: object) -> int:
     model, tokenizer = load_hf(source, dtype=dtype)
     with _building(out) as stage:
         save_model_dir(model, stage, tokenizer=tokenizer)
-        _remember_family(stage, json.loads((source / MARKER).read_text()).get("model_type"))  # load_hf read it
+        _remember_family(stage, detect_family(json.loads((source / MARKER).read_text()), str(source)).model_type)
         if tokenizer is not None:  # chat templates and special-token names, for serving and a later export
             _carry_tokenizer_config(source, stage)
     if tokenizer is None:
@@ -175,14 +175,13 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
     return 0
 
 
-def _remember_family(model_dir: Path, model_type: object) -> None:
+def _remember_family(model_dir: Path, model_type: str) -> None:
     """Add the Hugging Face model_type an imported model came as to its config.json (HF_FAMILY_KEY)."""
     from gptkit.tensors import read_config_json
 
-    if isinstance(model_type, str):
-        data = read_config_json(model_dir)
-        data[HF_FAMILY_KEY] = model_type
-        atomic_write_text(model_dir / MARKER, json.dumps(data, indent=2) + "\n")
+    data = read_config_json(model_dir)
+    data[HF_FAMILY_KEY] = model_type
+    atomic_write_text(model_dir / MARKER, json.dumps(data, indent=2) + "\n")
 
 
 def imported_family(model_dir: Path) -> str | None:
