@@ -21,7 +21,7 @@ HF_FAMILY_KEY = "hf_family"
 
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
-HELP = "convert between gptkit model directories, Hugging Face checkpoints (GPT-2, Llama) and GGUF files; merge LoRA"
+HELP = "convert between gptkit model directories, Hugging Face checkpoints (16 families) and GGUF files; merge LoRA"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from gptkit.cli.flags import add_dataclass_flags, dataclass_from_args
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
-HELP = "loss, perplexity and bits per byte of a text (sliding window over long texts); a classifier's accuracy"
+HELP = "loss, perplexity and bits per byte of a text (sliding window; by position too); a classifier's accuracy"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
