@@ -40,8 +40,8 @@ from gptkit.observe.run_reader import parse_records
 from gptkit.observe.training import (
     INSIGHT_FILE,
     draw_ablation,
-    draw_icl,
-    draw_induction,
+    draw_icl_history,
+    draw_induction_history,
     draw_position_map,
     mark_phase,
 )
@@ -163,8 +163,8 @@ def draw(run_dir: Path, figure_path: Path) -> None:
     loss.set_ylabel("loss (nats)")  # (the random sequence's second copy: beside the induction score, below)
     loss.legend()
     panels = [loss] + [figure.add_subplot(grid[i], sharex=loss) for i in range(1, 5)]
-    draw_icl(panels[1], history)
-    draw_induction(panels[2], history)
+    draw_icl_history(panels[1], history)
+    draw_induction_history(panels[2], history)
     if any(r.get("ablation_repeat_change") is not None for r in history):
         draw_ablation(panels[3], history)
     draw_position_map(panels[4], insight)
