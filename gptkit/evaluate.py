@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,12 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from gptkit.config import ModelConfig
-from gptkit.data import Examples, example_batches
+from gptkit.data import PROMPT_KIND, SPLIT_FILES, Examples, example_batches, load_tokens, read_meta
 from gptkit.errors import InputError
 from gptkit.kv_cache import KV_DTYPES, KVCache, kv_dtype_of
 from gptkit.loss import IGNORE_INDEX
 from gptkit.model import GPT
 from gptkit.quantization import QUANTIZATION_METHODS
+from gptkit.tokenizer import Tokenizer, check_same_tokenizer, tokenizer_or_none
 
 EVAL_DTYPES = ("float32", "bfloat16", "float16")
 KV_CHUNK = 64  # tokens a window feeds through a quantised cache at a time
@@ -362,3 +364,16 @@ def classification_scores(truth: np.ndarray, predicted: np.ndarray, labels: list
     return {"examples": int(len(truth)), "accuracy": float(hits.sum() / max(len(truth), 1)),
             "macro_f1": float(f1[present].mean()) if present.any() else 0.0, "labels": list(labels),
             "f1": {label: float(f1[i]) for i, label in enumerate(labels)}, "confusion": confusion.tolist()}  # fmt: skip
+
+
+def val_tokens(data_dir: str, model_tokenizer: Tokenizer | None, model_dir: str) -> tuple[np.ndarray, Tokenizer | None]:
+    """val.bin of a prepared text directory and the tokenizer it was encoded with (checked to be the model's)."""
+    meta = read_meta(data_dir)
+    if meta.kind == PROMPT_KIND:
+        raise InputError(f"{data_dir} holds prompts (a GRPO data set), with no text or replies to score; a GRPO run "
+                         "measures held-out reward and pass@k at its evaluations (val_pass_at_1 in metrics.jsonl)")
+    tokens = load_tokens(Path(data_dir) / SPLIT_FILES["val"], meta.dtype)
+    tokenizer = tokenizer_or_none(data_dir) or model_tokenizer
+    if tokenizer is not None and model_tokenizer is not None:
+        check_same_tokenizer(tokenizer, model_tokenizer, data_dir, model_dir)
+    return tokens, tokenizer

@@ -71,23 +71,6 @@ def _read_text(path: str) -> str:
         raise InputError(f"cannot read --input {path}: {err.strerror}") from None
 
 
-def _val_tokens(data_dir: str, model_tokenizer, model_dir: str):  # -> (np.ndarray, tokenizer or None)
-    """val.bin of a prepared directory and the tokenizer it was encoded with."""
-    from gptkit.data import PROMPT_KIND, load_tokens, read_meta
-    from gptkit.errors import InputError
-    from gptkit.tokenizer import check_same_tokenizer, tokenizer_or_none
-
-    meta = read_meta(data_dir)
-    if meta.kind == PROMPT_KIND:
-        raise InputError(f"{data_dir} holds prompts (a GRPO data set), with no text or replies to score; a GRPO run "
-                         "measures held-out reward and pass@k at its evaluations (val_pass_at_1 in metrics.jsonl)")
-    tokens = load_tokens(Path(data_dir) / "val.bin", meta.dtype)
-    tokenizer = tokenizer_or_none(data_dir) or model_tokenizer
-    if tokenizer is not None and model_tokenizer is not None:
-        check_same_tokenizer(tokenizer, model_tokenizer, data_dir, model_dir)
-    return tokens, tokenizer
-
-
 def run(args: argparse.Namespace) -> int:
     """Evaluate and print the metrics."""
     import torch
@@ -102,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         evaluate_examples,
         evaluate_ids,
         sliding_windows,
+        val_tokens,
     )
     from gptkit.finetune.heads import is_classifier_dir
     from gptkit.loading import load, resolve_model_path
@@ -127,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         lengths = tokenizer.token_byte_lengths()
         source = args.input
     else:
-        ids, data_tokenizer = _val_tokens(args.data, tokenizer, args.model_dir)
+        ids, data_tokenizer = val_tokens(args.data, tokenizer, args.model_dir)
         lengths = data_tokenizer.token_byte_lengths() if data_tokenizer is not None else None
         source = str(Path(args.data) / "val.bin")
         meta = read_meta(args.data)

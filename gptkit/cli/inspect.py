@@ -55,12 +55,12 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"{args.model_dir} has no tokenizer files; inspect needs one to encode the prompt")
     tokens = None
     if args.data is not None:
-        from gptkit.cli.eval import _val_tokens
+        from gptkit.evaluate import val_tokens
         from gptkit.data import is_examples, read_meta
 
         if is_examples(read_meta(args.data)):
             raise InputError(f"--data {args.data} holds separate examples; the loss curve reads running text")
-        tokens, _ = _val_tokens(args.data, tokenizer, args.model_dir)
+        tokens, _ = val_tokens(args.data, tokenizer, args.model_dir)
     # Drawn beside --out and put in its place whole: a full disk or a read-only directory leaves no half report.
     with building_dir(args.out, "index.html") as stage:
         pictures = write_report(model, tokenizer, args.prompt, stage, title=Path(args.model_dir).name,
