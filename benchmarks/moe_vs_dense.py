@@ -192,17 +192,17 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print(
-        f"{args.steps} steps, {args.threads} thread(s) per run, 3 runs at once on {os.cpu_count()} CPUs, 1-min load "
-        f"average {result['load_average']['min']:.1f}-{result['load_average']['max']:.1f}"
-    )
+    load = result["load_average"]
+    seen = f"1-min load average {load['min']:.1f}-{load['max']:.1f}" if loads else "load not sampled (--report-only)"
+    print(f"{args.steps} steps, {args.threads} thread(s) per run, 3 runs at once on {os.cpu_count()} CPUs, {seen}")
     for name, r in runs.items():
         p = result["parameters"][name]
         print(
             f"{name:13s} {p['total']:>9,} params ({p['active']:,} active)  {r['evals'][-1][0]:5d} steps in "
             f"{r['wall_s']:6.0f} s  val {r['final_val_loss']:.4f}  at {equal_wall:.0f} s: "
-            f"{r['val_loss_at_equal_wall']:.4f}  at steps {r['val_loss_at_common_steps']}"
+            f"{r['val_loss_at_equal_wall']:.4f}"
         )
+        print("    at steps: " + ", ".join(f"{s} {v:.3f}" for s, v in r["val_loss_at_common_steps"].items()))
     print(f"MoE load CV {runs['moe']['moe_load_cv']:.3f}; runs in {out}")
 
 
