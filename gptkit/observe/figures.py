@@ -36,7 +36,7 @@ def new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(min(width, 40), min(height, 60)), dpi=DPI, layout="constrained")
 
 
-def _tick_labels(ax: Any, labels: Sequence[str], x: bool = True, y: bool = True) -> None:
+def tick_labels(ax: Any, labels: Sequence[str], x: bool = True, y: bool = True) -> None:
     size = max(4.0, min(9.0, 300 / max(1, len(labels))))
     ticks = range(len(labels))
     if x:
@@ -80,7 +80,7 @@ def draw_attention(weights: Tensor, labels: Sequence[str], layer: int) -> Figure
         ax = fig.add_subplot(rows, cols, h + 1)
         image = ax.imshow(np.ma.masked_array(weights[h].numpy(), mask=upper), cmap="viridis", vmin=0, vmax=1)
         ax.set_title(f"head {h}", fontsize=9)
-        _tick_labels(ax, labels, x=h // cols == rows - 1 or h + cols >= n_head, y=h % cols == 0)
+        tick_labels(ax, labels, x=h // cols == rows - 1 or h + cols >= n_head, y=h % cols == 0)
     fig.colorbar(image, ax=fig.axes, shrink=0.6, label="attention weight")
     fig.suptitle(f"layer {layer}: query (row) attends to key (column)")
     return fig
@@ -95,7 +95,7 @@ def draw_norms(norms: Tensor, state_names: Sequence[str], labels: Sequence[str])
 
     # log colours: a final norm often has norms many times the residual stream's, which would flatten the rest
     image = ax.imshow(norms.clamp_min(1e-6).numpy(), aspect="auto", cmap="magma", norm=LogNorm())
-    _tick_labels(ax, labels, y=False)
+    tick_labels(ax, labels, y=False)
     ax.set_yticks(range(S), state_names, fontsize=8)
     ax.set_xlabel("position (token)")
     fig.colorbar(image, ax=ax, label="L2 norm (log scale)")
@@ -147,7 +147,7 @@ def draw_mask(size: int, labels: Sequence[str]) -> Figure:
     fig = new_figure(max(4, 0.16 * size + 2), max(4, 0.16 * size + 2))
     ax = fig.add_subplot()
     ax.imshow(causal_mask(size).numpy(), cmap="Greys_r", vmin=0, vmax=1)
-    _tick_labels(ax, labels)
+    tick_labels(ax, labels)
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     ax.set_title("causal mask: white = may attend, black = -inf before the softmax")
@@ -190,7 +190,7 @@ def draw_logit_lens(final_prob: Tensor, top_labels: Sequence[Sequence[str]], row
                 colour = "white" if final_prob[i, j] > 0.6 else "black"
                 text = top_labels[i][j] if len(top_labels[i][j]) <= 5 else top_labels[i][j][:4] + "\u2026"
                 ax.text(j, i, text, ha="center", va="center", fontsize=6.5, color=colour)
-    _tick_labels(ax, labels, y=False)
+    tick_labels(ax, labels, y=False)
     ax.set_yticks(range(S), rows, fontsize=8)
     ax.set_xlabel("input position (token)")
     fig.colorbar(image, ax=ax, label="probability of the final prediction")
@@ -253,7 +253,7 @@ def draw_icl(attention: Tensor, labels: Sequence[str], losses: Tensor, loss_sour
     fig = new_figure(max(7, 0.22 * T + 3), 3 + 0.35 * L + 3.2)
     top, bottom = fig.subplots(2, 1, height_ratios=[1 + 0.35 * L, 3.2])
     image = top.imshow(attention.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=float(attention.max()))
-    _tick_labels(top, labels, y=False)
+    tick_labels(top, labels, y=False)
     top.set_yticks(range(L), [f"layer {i}" for i in range(L)], fontsize=8)
     top.set_title("attention from the answer position (last token)\nto the few-shot prompt, mean over heads",
                   fontsize=10)  # two lines: one is wider than the figure of a short prompt

@@ -21,7 +21,7 @@ from torch import Tensor
 from gptkit.errors import InputError
 from gptkit.model import GPT
 from gptkit.moe import moe_layers, route
-from gptkit.observe.figures import _tick_labels, new_figure
+from gptkit.observe.figures import tick_labels, new_figure
 
 # Kinds of token the specialisation measure counts, each a test on the token's text.
 TOKEN_KINDS: dict[str, Callable[[str], bool]] = {
@@ -146,7 +146,7 @@ def draw_routing(routing: Routing, labels: Sequence[str]) -> Figure:
             vmax=1,
             interpolation="nearest",
         )
-        _tick_labels(ax, labels, x=layer == L - 1, y=False)
+        tick_labels(ax, labels, x=layer == L - 1, y=False)
         ax.set_yticks(range(E), [str(e) for e in range(E)], fontsize=7)
         ax.set_ylabel(f"block {routing.blocks[layer]}\nexpert", fontsize=8)
     fig.colorbar(image, ax=fig.axes, label="router weight", shrink=0.8)
