@@ -37,6 +37,7 @@ def new_figure(width: float, height: float) -> Figure:
 
 
 def tick_labels(ax: Any, labels: Sequence[str], x: bool = True, y: bool = True) -> None:
+    """Token labels on an axis of a heatmap, their size shrinking with their count (x: the columns, y: the rows)."""
     size = max(4.0, min(9.0, 300 / max(1, len(labels))))
     ticks = range(len(labels))
     if x:
