@@ -21,11 +21,11 @@ from gptkit.serving.envelope import finish, sse, sse_response
 from gptkit.serving.messages_schema import (
     CountTokensRequest,
     MessagesRequest,
-    anthropic_error,
     error_message,
     parse,
     to_chat,
 )
+from gptkit.serving.schemas import anthropic_error
 from gptkit.serving.sequences import Collector, collect, stream_events, submit
 from gptkit.serving.state import APIError, ServerState, check_model
 from gptkit.serving.tools import template_message

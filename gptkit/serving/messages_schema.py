@@ -17,16 +17,6 @@ from gptkit.serving.state import APIError
 
 # Fields of Anthropic's API that never change the output here: accepted and ignored.
 IGNORED_FIELDS = frozenset({"metadata", "service_tier", "cache_control"})
-# Anthropic's error type for each HTTP status gptkit answers with.
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
 # The chat pipeline's field names (in its errors) -> the Messages API's.
 FIELD_NAMES = {"stop": "stop_sequences"}
 
@@ -56,11 +46,6 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=1)
     stream: NullableFlag = False
-
-
-def anthropic_error(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error object for an answer with this HTTP status."""
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
 def error_message(err: APIError) -> str:

@@ -8,8 +8,7 @@ import ipaddress
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gptkit.serving.messages_schema import anthropic_error
-from gptkit.serving.schemas import error_body
+from gptkit.serving.schemas import anthropic_error, error_body
 
 BODY_KEY = "gptkit.body"  # where BodyLimit leaves the request's body in its ASGI scope
 

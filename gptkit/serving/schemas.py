@@ -306,3 +306,20 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
                code: str | None = None) -> dict[str, Any]:  # fmt: skip
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# The Messages API's error type for each HTTP status gptkit answers with.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error object for an answer with this HTTP status."""
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
