@@ -6,7 +6,7 @@ BIN = $(VENV)/bin
 TORCH = torch==2.13.0
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test-deps browser compiler llama-converter run test test-all clean
+.PHONY: install test-deps browser compiler llama-converter lint run test test-all clean
 
 # What `make run` needs: gptkit and torch, no test tools. pip shows its progress (torch is a download of a few
 # hundred MB: minutes on a slow line).
@@ -58,7 +58,13 @@ $(CONVERTER): | test-deps
 
 llama-converter: $(CONVERTER)
 
-test: test-deps browser compiler llama-converter
+LINTED = gptkit tests benchmarks examples
+
+lint: test-deps
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/ruff check $(LINTED)
+
+test: test-deps browser compiler llama-converter lint
 	$(BIN)/python -m pytest -q
 
 test-all: test-deps browser compiler llama-converter

@@ -73,8 +73,12 @@ def checksum_rates(megabytes: int = 256) -> dict[str, float]:
 
     import hashlib
 
-    candidates = {"crc32 (zlib)": crc32, "xxh3_64": lambda: hasher(xxhash.xxh3_64),
-                  "blake2b": lambda: hasher(hashlib.blake2b), "sha256": lambda: hasher(hashlib.sha256)}  # fmt: skip
+    candidates = {
+        "crc32 (zlib)": crc32,
+        "xxh3_64": lambda: hasher(xxhash.xxh3_64),
+        "blake2b": lambda: hasher(hashlib.blake2b),
+        "sha256": lambda: hasher(hashlib.sha256),
+    }
     rates = {}
     for name, run in candidates.items():
         best = min(_timed(run) for _ in range(3))
@@ -141,12 +145,16 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"CPU {report['cpu']}; {args.preset}: {report['parameters'] / 1e6:.1f}M parameters, checkpoint "
-          f"{report['checkpoint_gb']} GB")  # fmt: skip
+    print(
+        f"CPU {report['cpu']}; {args.preset}: {report['parameters'] / 1e6:.1f}M parameters, checkpoint "
+        f"{report['checkpoint_gb']} GB"
+    )
     for kind, values in report["save_s"].items():
         print(f"  save, {kind:10s}: {', '.join(f'{t:.2f}' for t in values)} s (best {best[kind]:.2f})")
-    print(f"  manifest adds {100 * report['manifest_overhead']:+.1f}% to a save (target <= +5%); "
-          f"verifying on resume takes {verify:.2f} s")  # fmt: skip
+    print(
+        f"  manifest adds {100 * report['manifest_overhead']:+.1f}% to a save (target <= +5%); "
+        f"verifying on resume takes {verify:.2f} s"
+    )
     print("  checksums in memory, GB/s: " + ", ".join(f"{k} {v}" for k, v in report["checksum_gb_per_s"].items()))
 
 

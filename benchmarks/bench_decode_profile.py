@@ -51,20 +51,29 @@ def main() -> int:
     calls = {e.key: e.count / args.steps for e in events}
     in_operators = sum(per_step.values())
     report = {
-        "cpu": cpu_kernels.capability(), "shape": args.shape, "steps": args.steps,
-        "weights_mb": weight_bytes / 1e6, "ms_per_step": plain_ms, "tokens_per_s": 1000 / plain_ms,
-        "profiled_ms_per_step": profiled_ms, "operators_ms_per_step": in_operators,
+        "cpu": cpu_kernels.capability(),
+        "shape": args.shape,
+        "steps": args.steps,
+        "weights_mb": weight_bytes / 1e6,
+        "ms_per_step": plain_ms,
+        "tokens_per_s": 1000 / plain_ms,
+        "profiled_ms_per_step": profiled_ms,
+        "operators_ms_per_step": in_operators,
         "outside_operators_ms_per_step": max(profiled_ms - in_operators, 0.0),
-        "top": [{"operator": key, "ms_per_step": per_step[key], "calls_per_step": calls[key]}
-                for key in list(per_step)[: args.top]],
-    }  # fmt: skip
+        "top": [
+            {"operator": key, "ms_per_step": per_step[key], "calls_per_step": calls[key]}
+            for key in list(per_step)[: args.top]
+        ],
+    }
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
     print(f"cpu: {report['cpu']}")
-    print(f"{args.shape}, fp32 weights {report['weights_mb']:.0f} MB, batch 1: {plain_ms:.1f} ms/step "
-          f"({1000 / plain_ms:.1f} tokens/s); under the profiler {profiled_ms:.1f} ms/step, of which operators "
-          f"{in_operators:.1f} and outside them {report['outside_operators_ms_per_step']:.1f}")  # fmt: skip
+    print(
+        f"{args.shape}, fp32 weights {report['weights_mb']:.0f} MB, batch 1: {plain_ms:.1f} ms/step "
+        f"({1000 / plain_ms:.1f} tokens/s); under the profiler {profiled_ms:.1f} ms/step, of which operators "
+        f"{in_operators:.1f} and outside them {report['outside_operators_ms_per_step']:.1f}"
+    )
     print(f"{'operator':50s} {'ms/step':>8s} {'calls/step':>10s}")
     for row in report["top"]:
         print(f"{row['operator'][:50]:50s} {row['ms_per_step']:8.2f} {row['calls_per_step']:10.1f}")

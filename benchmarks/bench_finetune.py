@@ -75,12 +75,15 @@ def cpu_capability() -> str:
     if Path("/proc/cpuinfo").is_file():
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     found = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return f"{platform.machine()} {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()} " \
-        f"({', '.join(found) or 'no avx'})"  # fmt: skip
+    return (
+        f"{platform.machine()} {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()} "
+        f"({', '.join(found) or 'no avx'})"
+    )
 
 
-def gptkit_model(config: ModelConfig, method: str, precision: str, rank: int,
-                 checkpointing: bool = False) -> torch.nn.Module:  # fmt: skip
+def gptkit_model(
+    config: ModelConfig, method: str, precision: str, rank: int, checkpointing: bool = False
+) -> torch.nn.Module:
     from gptkit.adapters import add_lora
     from gptkit.formats.lora import with_precision
     from gptkit.model import GPT
@@ -99,13 +102,26 @@ def hf_model(config: ModelConfig, rank: int) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    hf_config = GPT2Config(vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd,
-                           n_layer=config.n_layer, n_head=config.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                           attn_pdrop=0.0)  # fmt: skip
+    hf_config = GPT2Config(
+        vocab_size=config.vocab_size,
+        n_positions=config.block_size,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     model = GPT2LMHeadModel(hf_config)
     model.config._attn_implementation = "sdpa"
-    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=PEFT_TARGETS,
-                      fan_in_fan_out=True, task_type="CAUSAL_LM")  # fmt: skip
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=0.0,
+        target_modules=PEFT_TARGETS,
+        fan_in_fan_out=True,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, lora).train()
 
 
@@ -114,26 +130,41 @@ def grpo_trainer(shape: ModelConfig, batch: int, seq: int, group: int, root: Pat
     from gptkit.formats.modeldir import save_model_dir
     from gptkit.model import GPT
     from gptkit.prepare import PrepareConfig, prepare
+    from gptkit.run_sources import from_sources
     from gptkit.tokenizer import ByteTokenizer
     from gptkit.train import Trainer
-    from gptkit.run_sources import from_sources
 
     model = GPT(ModelConfig(**{**shape.to_dict(), "vocab_size": 257, "block_size": max(shape.block_size, seq)}))
     save_model_dir(model, root / "model", tokenizer=ByteTokenizer())
     letters = torch.randint(97, 123, (64, seq // 4), generator=torch.Generator().manual_seed(0)).tolist()
     rows = "".join(json.dumps({"prompt": bytes(row).decode()}) + "\n" for row in letters)
     (root / "prompts.jsonl").write_text(rows)
-    prepare(PrepareConfig(out=str(root / "data"), inputs=[str(root / "prompts.jsonl")], tokenizer=str(root / "model"),
-                          val_fraction=0.1))  # fmt: skip
-    train = {"data_dir": str(root / "data"), "out_dir": str(root / "run"), "batch_size": batch, "device": device,
-             "plot": False, "eval_at_start": False, "sample_every": 0, "observe": False}  # fmt: skip
+    prepare(
+        PrepareConfig(
+            out=str(root / "data"),
+            inputs=[str(root / "prompts.jsonl")],
+            tokenizer=str(root / "model"),
+            val_fraction=0.1,
+        )
+    )
+    train = {
+        "data_dir": str(root / "data"),
+        "out_dir": str(root / "run"),
+        "batch_size": batch,
+        "device": device,
+        "plot": False,
+        "eval_at_start": False,
+        "sample_every": 0,
+        "observe": False,
+    }
     finetune = {"objective": "grpo", "group_size": group, "completion_tokens": seq // 4, "reward": "regex:a"}
     config = from_sources(None, {"model": {"init_from": str(root / "model")}, "train": train, "finetune": finetune})
     return Trainer(config, resume=False)
 
 
-def run_one(name: str, preset: str, batch: int, seq: int, rank: int, steps: int, warmup: int,
-            device: str = "cpu") -> dict:  # fmt: skip
+def run_one(
+    name: str, preset: str, batch: int, seq: int, rank: int, steps: int, warmup: int, device: str = "cpu"
+) -> dict:
     """Time one configuration's training step in this process; return its figures."""
     config = CONFIGS[name]
     if config["method"] == "grpo":
@@ -169,13 +200,18 @@ def run_one(name: str, preset: str, batch: int, seq: int, rank: int, steps: int,
         times.append(time.perf_counter() - begin)
     peak_kb = memory_kb("VmHWM")
     seconds = sorted(times)[len(times) // 2]
-    return {"seconds_per_step": seconds, "tokens_per_s": batch * seq / seconds, "peak_mb": peak_kb / 1024,
-            "peak_above_start_mb": (peak_kb - start_kb) / 1024,
-            "trainable_params": sum(p.numel() for p in params)}  # fmt: skip
+    return {
+        "seconds_per_step": seconds,
+        "tokens_per_s": batch * seq / seconds,
+        "peak_mb": peak_kb / 1024,
+        "peak_above_start_mb": (peak_kb - start_kb) / 1024,
+        "trainable_params": sum(p.numel() for p in params),
+    }
 
 
-def run_grpo(names: list[str], preset: str, batch: int, seq: int, steps: int, warmup: int,
-             device: str) -> tuple[dict[str, dict], list[str]]:  # fmt: skip
+def run_grpo(
+    names: list[str], preset: str, batch: int, seq: int, steps: int, warmup: int, device: str
+) -> tuple[dict[str, dict], list[str]]:
     """Time the GRPO configurations' training steps (sampling included) in this process, their timed steps
     alternating round by round; return each one's figures and the order the steps were timed in."""
     shape = ModelConfig.preset(preset)
@@ -205,8 +241,12 @@ def timed_step(trainer: object) -> dict:
     loss, _, _ = trainer.train_step()
     float(loss)  # (a CPU step is done when it returns; the read keeps a GPU's honest too)
     seconds = time.perf_counter() - begin
-    return {"seconds": seconds, "sample_s": float(trainer.step_stats["sample_s"]), "before_kb": before_kb,
-            "peak_kb": memory_kb("VmHWM")}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "sample_s": float(trainer.step_stats["sample_s"]),
+        "before_kb": before_kb,
+        "peak_kb": memory_kb("VmHWM"),
+    }
 
 
 def grpo_figures(trainer: object, steps: list[dict], rows: int, seq: int) -> dict:
@@ -214,19 +254,40 @@ def grpo_figures(trainer: object, steps: list[dict], rows: int, seq: int) -> dic
     seconds = statistics.median(s["seconds"] for s in steps)
     completion = float(trainer.step_stats["completion_tokens"])
     peak_kb = max(s["peak_kb"] for s in steps)
-    return {"seconds_per_step": seconds, "sample_s": statistics.median(s["sample_s"] for s in steps),
-            "tokens_per_s": rows * (seq // 4 + completion) / seconds, "peak_mb": peak_kb / 1024,
-            "peak_above_start_mb": max(s["peak_kb"] - s["before_kb"] for s in steps) / 1024,
-            "trainable_params": sum(p.numel() for p in trainer.params), "completion_tokens": completion,
-            "sampling_share": sum(s["sample_s"] for s in steps) / sum(s["seconds"] for s in steps)}  # fmt: skip
+    return {
+        "seconds_per_step": seconds,
+        "sample_s": statistics.median(s["sample_s"] for s in steps),
+        "tokens_per_s": rows * (seq // 4 + completion) / seconds,
+        "peak_mb": peak_kb / 1024,
+        "peak_above_start_mb": max(s["peak_kb"] - s["before_kb"] for s in steps) / 1024,
+        "trainable_params": sum(p.numel() for p in trainer.params),
+        "completion_tokens": completion,
+        "sampling_share": sum(s["sample_s"] for s in steps) / sum(s["seconds"] for s in steps),
+    }
 
 
 def run_process(flag: list[str], args: argparse.Namespace) -> dict | None:
     """Run this script on flag's configuration(s) in a process of its own; its JSON line, or None (said why) if it
     failed."""
-    command = [sys.executable, __file__, *flag, "--preset", args.preset, "--batch", str(args.batch), "--seq",
-               str(args.seq), "--rank", str(args.rank), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--device", args.device]  # fmt: skip
+    command = [
+        sys.executable,
+        __file__,
+        *flag,
+        "--preset",
+        args.preset,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--rank",
+        str(args.rank),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--device",
+        args.device,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
     if done.returncode != 0:
         print(f"{' '.join(flag[1:])} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -237,17 +298,27 @@ def run_process(flag: list[str], args: argparse.Namespace) -> dict | None:
 def parse_args() -> argparse.Namespace:
     """The command line (--one and --grpo run configurations inside the process main started for them)."""
     parser = argparse.ArgumentParser(description="Fine-tuning step time and peak memory: gptkit vs transformers+PEFT")
-    parser.add_argument("--preset", default="gpt2", help="the model shape, a GPT-2-style gptkit preset (gpt2: GPT-2 "
-                        "small; tiny for a smoke run)")
+    parser.add_argument(
+        "--preset",
+        default="gpt2",
+        help="the model shape, a GPT-2-style gptkit preset (gpt2: GPT-2 small; tiny for a smoke run)",
+    )
     parser.add_argument("--batch", type=int, default=4, help="sequences per step")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (the median is shown)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS), metavar="NAME",
-                        help=f"which to run (default all: {', '.join(CONFIGS)})")
-    parser.add_argument("--device", default="cpu", help="where the GRPO configurations run (cpu, cuda); the others "
-                        "compare CPU steps")  # fmt: skip
+    parser.add_argument(
+        "--configs",
+        nargs="*",
+        default=list(CONFIGS),
+        choices=list(CONFIGS),
+        metavar="NAME",
+        help=f"which to run (default all: {', '.join(CONFIGS)})",
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="where the GRPO configurations run (cpu, cuda); the others compare CPU steps"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run a configuration in this process
     parser.add_argument("--grpo", nargs="+", help=argparse.SUPPRESS)  # internal: the GRPO ones, alternating
@@ -268,8 +339,12 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, dict], list[str]] | Non
 
 def summary(results: dict[str, dict], schedule: list[str], args: argparse.Namespace) -> dict:
     """The report: the figures and the ratios the targets read."""
-    report = {"shape": f"{args.preset}, {args.batch} x {args.seq} tokens, rank {args.rank}, LoRA on attention and MLP",
-              "cpu": cpu_capability(), "grpo_device": args.device, "results": results}  # fmt: skip
+    report = {
+        "shape": f"{args.preset}, {args.batch} x {args.seq} tokens, rank {args.rank}, LoRA on attention and MLP",
+        "cpu": cpu_capability(),
+        "grpo_device": args.device,
+        "results": results,
+    }
     if schedule:
         report["grpo_schedule"] = schedule  # the GRPO steps in the order they were timed
     peft, lora, full = results.get("hf+peft lora"), results.get("gptkit lora"), results.get("gptkit full")
@@ -292,16 +367,28 @@ def summary(results: dict[str, dict], schedule: list[str], args: argparse.Namesp
 def show(report: dict) -> None:
     """The report as a table and its ratios."""
     print(f"{report['shape']}; {report['cpu']}")
-    print(f"{'configuration':24s} {'s/step':>8s} {'tokens/s':>9s} {'peak MB':>8s} {'above start':>12s} "
-          f"{'trainable':>11s}")  # fmt: skip
+    print(
+        f"{'configuration':24s} {'s/step':>8s} {'tokens/s':>9s} {'peak MB':>8s} {'above start':>12s} {'trainable':>11s}"
+    )
     for name, r in report["results"].items():
-        share = f"  (sampling {r['sample_s']:.2f} s median, {100 * r['sampling_share']:.0f}% of the steps)" \
-            if "sample_s" in r else ""  # fmt: skip
-        print(f"{name:24s} {r['seconds_per_step']:8.2f} {r['tokens_per_s']:9.0f} {r['peak_mb']:8.0f} "
-              f"{r['peak_above_start_mb']:12.0f} {r['trainable_params']:11,}{share}")
-    for key in ("lora_speedup_over_peft", "lora_peak_vs_peft", "int8_lora_peak_vs_full",
-                "int8_lora_peak_above_start_vs_full", "int8_ckpt_lora_peak_vs_full", "grpo_g8_step_vs_g1",
-                "grpo_g8_sampling_vs_g1"):  # fmt: skip
+        share = (
+            f"  (sampling {r['sample_s']:.2f} s median, {100 * r['sampling_share']:.0f}% of the steps)"
+            if "sample_s" in r
+            else ""
+        )
+        print(
+            f"{name:24s} {r['seconds_per_step']:8.2f} {r['tokens_per_s']:9.0f} {r['peak_mb']:8.0f} "
+            f"{r['peak_above_start_mb']:12.0f} {r['trainable_params']:11,}{share}"
+        )
+    for key in (
+        "lora_speedup_over_peft",
+        "lora_peak_vs_peft",
+        "int8_lora_peak_vs_full",
+        "int8_lora_peak_above_start_vs_full",
+        "int8_ckpt_lora_peak_vs_full",
+        "grpo_g8_step_vs_g1",
+        "grpo_g8_sampling_vs_g1",
+    ):
         if key in report:
             print(f"{key}: {report[key]:.2f}")
 
@@ -309,8 +396,11 @@ def show(report: dict) -> None:
 def main() -> int:
     args = parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.preset, args.batch, args.seq, args.rank, args.steps, args.warmup,
-                                 args.device)))  # fmt: skip
+        print(
+            json.dumps(
+                run_one(args.one, args.preset, args.batch, args.seq, args.rank, args.steps, args.warmup, args.device)
+            )
+        )
         return 0
     if args.grpo:
         figures, schedule = run_grpo(args.grpo, args.preset, args.batch, args.seq, args.steps, args.warmup, args.device)

@@ -114,13 +114,20 @@ def hf_models(args: argparse.Namespace) -> dict[str, Any]:
     width, layers, heads = args.n_embd, args.n_layer, max(1, args.n_embd // 64)
     models = {}
     if "gpt2" in args.shapes:
-        config = GPT2Config(vocab_size=args.vocab_size or 50257, n_positions=1024, n_embd=width, n_layer=layers,
-                            n_head=heads)  # fmt: skip
+        config = GPT2Config(
+            vocab_size=args.vocab_size or 50257, n_positions=1024, n_embd=width, n_layer=layers, n_head=heads
+        )
         models["gpt2"] = GPT2LMHeadModel(config)
     if "llama" in args.shapes:
-        config = LlamaConfig(vocab_size=args.vocab_size or 32000, hidden_size=width, num_hidden_layers=layers,
-                             num_attention_heads=heads, num_key_value_heads=max(1, heads // 3),
-                             intermediate_size=args.n_embd * 8 // 3 // 64 * 64 or 64, max_position_embeddings=1024)
+        config = LlamaConfig(
+            vocab_size=args.vocab_size or 32000,
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 3),
+            intermediate_size=args.n_embd * 8 // 3 // 64 * 64 or 64,
+            max_position_embeddings=1024,
+        )
         models["llama"] = LlamaForCausalLM(config)
     for model in models.values():
         model.eval()
@@ -159,8 +166,9 @@ def gptkit_prefill_rate(model: GPT, ids: torch.Tensor) -> float:
         return ids.numel() / (time.perf_counter() - start)
 
 
-def decode_rate(generate: Callable[[int], list[int]], rows: int, new_tokens: int,
-                warm_both: bool = False) -> tuple[float, list[int]]:  # fmt: skip
+def decode_rate(
+    generate: Callable[[int], list[int]], rows: int, new_tokens: int, warm_both: bool = False
+) -> tuple[float, list[int]]:
     """Decode tokens/s of a generate(n) call: its time for new_tokens less its time for one (the prefill and the
     first token), over every row; and row 0's new tokens. An untimed call first takes any one-off cost (a compile);
     warm_both also runs new_tokens untimed first (HF's static cache is sized by the length: one compile each)."""
@@ -184,8 +192,9 @@ def hf_generate(hf: Any, ids: torch.Tensor) -> Callable[[int], list[int]]:
 
 def gptkit_generate(model: GPT, ids: torch.Tensor, compile: bool) -> Callable[[int], list[int]]:
     prompts = ids.tolist()
-    return lambda n: complete(model, prompts, SamplingParams(max_new_tokens=n, temperature=0),
-                              compile=compile).completions[0][0].ids  # fmt: skip
+    return lambda n: (
+        complete(model, prompts, SamplingParams(max_new_tokens=n, temperature=0), compile=compile).completions[0][0].ids
+    )
 
 
 # ----- llama.cpp -----
@@ -217,8 +226,21 @@ def write_gguf(model: GPT, path: Path, kind: str) -> Path:
 
 def llama_bench(binary: Path, gguf: Path, args: argparse.Namespace) -> dict[str, float]:
     """One llama-bench repetition (after its own warm-up): {"prefill": tokens/s, "decode": tokens/s}."""
-    command = [str(binary), "-m", str(gguf), "-p", str(args.prompt_len), "-n", str(args.new_tokens),
-               "-t", str(torch.get_num_threads()), "-r", "1", "-o", "json"]  # fmt: skip
+    command = [
+        str(binary),
+        "-m",
+        str(gguf),
+        "-p",
+        str(args.prompt_len),
+        "-n",
+        str(args.new_tokens),
+        "-t",
+        str(torch.get_num_threads()),
+        "-r",
+        "1",
+        "-o",
+        "json",
+    ]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return {"prefill" if record["n_prompt"] else "decode": max(record["samples_ts"]) for record in json.loads(out)}
 
@@ -226,8 +248,9 @@ def llama_bench(binary: Path, gguf: Path, args: argparse.Namespace) -> dict[str,
 # ----- the comparison -----
 
 
-def compare_shape(name: str, hf_fp32: Any, args: argparse.Namespace, bandwidth: float,
-                  tmp: Path) -> list[dict[str, Any]]:  # fmt: skip
+def compare_shape(
+    name: str, hf_fp32: Any, args: argparse.Namespace, bandwidth: float, tmp: Path
+) -> list[dict[str, Any]]:
     """Rows of the table for one model shape: every weight format and measure, each side's best round."""
     gen = torch.Generator().manual_seed(1)
     vocab = hf_fp32.config.vocab_size
@@ -283,17 +306,28 @@ def compare_shape(name: str, hf_fp32: Any, args: argparse.Namespace, bandwidth: 
     return rows
 
 
-def table_rows(name: str, ours: dict[str, GPT], hfs: dict[str, Any], best: dict[tuple[str, str], float],
-               tokens: dict[tuple[str, str], list[int]], args: argparse.Namespace,
-               bandwidth: float) -> list[dict[str, Any]]:  # fmt: skip
+def table_rows(
+    name: str,
+    ours: dict[str, GPT],
+    hfs: dict[str, Any],
+    best: dict[tuple[str, str], float],
+    tokens: dict[tuple[str, str], list[int]],
+    args: argparse.Namespace,
+    bandwidth: float,
+) -> list[dict[str, Any]]:
     """One row per gptkit format and measure, with every other side's best beside it."""
     rows = []
     measures = ["prefill"] + [f"decode b{b}" for b in args.batch_sizes]
     for label, model in ours.items():
         hf_label = label if label in hfs else "fp32"
         for measure in measures:
-            row: dict[str, Any] = dict(shape=name, format=label, measure=measure, hf=best[("hf " + hf_label, measure)],
-                                       gptkit=best[(label, measure)])  # fmt: skip
+            row: dict[str, Any] = dict(
+                shape=name,
+                format=label,
+                measure=measure,
+                hf=best[("hf " + hf_label, measure)],
+                gptkit=best[(label, measure)],
+            )
             row["vs_hf"] = row["gptkit"] / row["hf"]
             if measure != "prefill":
                 batch = int(measure.split("b")[1])
@@ -354,12 +388,15 @@ def speculative_section(args: argparse.Namespace) -> list[dict[str, Any]]:
     text = CORPUS.read_text()
     tokenizer = CharTokenizer.train([text])
     data = torch.tensor(tokenizer.encode(text))
-    config = dict(vocab_size=tokenizer.vocab_size, block_size=1024, n_head=max(1, args.n_embd // 64),
-                  n_embd=args.n_embd)  # fmt: skip
+    config = dict(
+        vocab_size=tokenizer.vocab_size, block_size=1024, n_head=max(1, args.n_embd // 64), n_embd=args.n_embd
+    )
     draft_config = ModelConfig(**config, n_layer=max(1, args.n_layer // 10))
     target_config = ModelConfig(**config, n_layer=args.n_layer)
-    log(f"[speculative] training the draft ({args.spec_steps} steps), then the target from it "
-        f"({args.spec_tune_steps} steps)")  # fmt: skip
+    log(
+        f"[speculative] training the draft ({args.spec_steps} steps), then the target from it "
+        f"({args.spec_tune_steps} steps)"
+    )
     draft = train_char_model(GPT(draft_config), data, args.spec_steps, lr=1e-3, seed=1)
     target = train_char_model(grown_from(draft, target_config), data, args.spec_tune_steps, lr=1e-4, seed=2)
     sizes = [sum(p.numel() for p in m.parameters()) for m in (target, draft)]
@@ -376,10 +413,23 @@ def speculative_section(args: argparse.Namespace) -> list[dict[str, Any]]:
             # Both rates over the whole request (prefill included: speculation does not time it apart).
             plain_rate = (plain.timing.decode_tokens + 1) / (plain.timing.decode_seconds + plain.timing.prefill_seconds)
             spec_rate = spec.timing.decode_tokens / spec.timing.decode_seconds
-            plain_best, spec_best, stats = max(plain_best, plain_rate), max(spec_best, spec_rate), spec.timing.speculative
-        rows.append(dict(k=k, target_params=sizes[0], draft_params=sizes[1], acceptance_rate=stats.acceptance_rate,
-                         plain_tokens_per_s=plain_best, speculative_tokens_per_s=spec_best,
-                         speedup=spec_best / plain_best, same_tokens=same))  # fmt: skip
+            plain_best, spec_best, stats = (
+                max(plain_best, plain_rate),
+                max(spec_best, spec_rate),
+                spec.timing.speculative,
+            )
+        rows.append(
+            dict(
+                k=k,
+                target_params=sizes[0],
+                draft_params=sizes[1],
+                acceptance_rate=stats.acceptance_rate,
+                plain_tokens_per_s=plain_best,
+                speculative_tokens_per_s=spec_best,
+                speedup=spec_best / plain_best,
+                same_tokens=same,
+            )
+        )
     return rows
 
 
@@ -389,25 +439,35 @@ def speculative_section(args: argparse.Namespace) -> list[dict[str, Any]]:
 def print_table(rows: list[dict[str, Any]], spec_rows: list[dict[str, Any]], bandwidth: float) -> None:
     print(f"cpu: {cpu_kernels.capability()}")
     bandwidth = max([bandwidth] + [r["read_bandwidth_gb_s"] * 1e9 for r in rows])
-    print(f"measured read bandwidth (best of every round's probe): {bandwidth / 1e9:.1f} GB/s; threads: "
-          f"{torch.get_num_threads()}")  # fmt: skip
-    print(f"{'shape':6} {'format':6} {'measure':11} {'HF':>8} {'HF comp':>8} {'gptkit':>8} {'/HF':>6} "
-          f"{'compiled':>8} {'llama.cpp':>9} {'/llama':>6} {'bound':>7} same")  # fmt: skip
+    print(
+        f"measured read bandwidth (best of every round's probe): {bandwidth / 1e9:.1f} GB/s; threads: "
+        f"{torch.get_num_threads()}"
+    )
+    print(
+        f"{'shape':6} {'format':6} {'measure':11} {'HF':>8} {'HF comp':>8} {'gptkit':>8} {'/HF':>6} "
+        f"{'compiled':>8} {'llama.cpp':>9} {'/llama':>6} {'bound':>7} same"
+    )
     for r in rows:
         cell = lambda key, width=8: f"{r[key]:{width}.1f}" if key in r else " " * width  # noqa: E731
         ratio = f"{r['vs_llama_cpp']:6.2f}" if "vs_llama_cpp" in r else " " * 6
         same = {True: "yes", False: "NO"}.get(r.get("same_tokens_as_hf"), "")
-        print(f"{r['shape']:6} {r['format']:6} {r['measure']:11} {cell('hf')} {cell('hf_compiled')} {cell('gptkit')} "
-              f"{r['vs_hf']:6.2f} {cell('gptkit_compiled')} {cell('llama_cpp', 9)} {ratio} "
-              f"{cell('bound_tokens_per_s', 7)} {same}")  # fmt: skip
-    print("tokens/s; bound: if every weight byte a decode step multiplies were read once per step at the measured "
-          "bandwidth")  # fmt: skip
+        print(
+            f"{r['shape']:6} {r['format']:6} {r['measure']:11} {cell('hf')} {cell('hf_compiled')} {cell('gptkit')} "
+            f"{r['vs_hf']:6.2f} {cell('gptkit_compiled')} {cell('llama_cpp', 9)} {ratio} "
+            f"{cell('bound_tokens_per_s', 7)} {same}"
+        )
+    print(
+        "tokens/s; bound: if every weight byte a decode step multiplies were read once per step at the measured "
+        "bandwidth"
+    )
     if any("llama_cpp" in r for r in rows):
         print("not timed alike:\n" + "\n".join(f"  - {note}" for note in TIMING_NOTES))
     for r in spec_rows:
-        print(f"speculative k={r['k']}: target {r['target_params'] / 1e6:.1f}M, draft {r['draft_params'] / 1e6:.1f}M, "
-              f"acceptance {r['acceptance_rate'] or 0:.2f}, {r['plain_tokens_per_s']:.1f} -> "
-              f"{r['speculative_tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x), same tokens: {r['same_tokens']}")
+        print(
+            f"speculative k={r['k']}: target {r['target_params'] / 1e6:.1f}M, draft {r['draft_params'] / 1e6:.1f}M, "
+            f"acceptance {r['acceptance_rate'] or 0:.2f}, {r['plain_tokens_per_s']:.1f} -> "
+            f"{r['speculative_tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x), same tokens: {r['same_tokens']}"
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -415,11 +475,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     csv = lambda kind: lambda s: [kind(x) for x in s.split(",")]  # noqa: E731
     p.add_argument("--shapes", type=csv(str), default=["gpt2", "llama"], help="gpt2,llama (default: both)")
     p.add_argument("--dtypes", type=csv(str), default=["fp32", "bf16"], help="fp32,bf16 (default: both)")
-    p.add_argument("--quantized", type=csv(str), default=["int8", "int4"],
-                   help="gptkit's quantised formats, over fp32 activations (default: int8,int4; none: '')")
+    p.add_argument(
+        "--quantized",
+        type=csv(str),
+        default=["int8", "int4"],
+        help="gptkit's quantised formats, over fp32 activations (default: int8,int4; none: '')",
+    )
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip gptkit's compiled rows")
-    p.add_argument("--hf-compile", action="store_true",
-                   help="also Hugging Face's generate over a static cache with torch.compile (minutes of compiling)")
+    p.add_argument(
+        "--hf-compile",
+        action="store_true",
+        help="also Hugging Face's generate over a static cache with torch.compile (minutes of compiling)",
+    )
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--vocab-size", type=int, default=None, help="default: 50257 (gpt2) / 32000 (llama)")
@@ -429,13 +496,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=csv(int), default=[1, 8])
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each side counts")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--probe-mb", type=int, default=1024,
-                   help="the bandwidth probe's buffer, MiB (default 1024: many times a last-level cache)")
+    p.add_argument(
+        "--probe-mb",
+        type=int,
+        default=1024,
+        help="the bandwidth probe's buffer, MiB (default 1024: many times a last-level cache)",
+    )
     p.add_argument("--spec-steps", type=int, default=300, help="training steps of the speculative draft (0: skip)")
     p.add_argument("--spec-tune-steps", type=int, default=20, help="training steps of the target grown from it")
     p.add_argument("--draft-k", type=csv(int), default=[2, 4])
-    p.add_argument("--llama-cpp", default=None, metavar="DIR",
-                   help="a directory holding llama.cpp's llama-bench: adds llama.cpp's rates on the same weights")
+    p.add_argument(
+        "--llama-cpp",
+        default=None,
+        metavar="DIR",
+        help="a directory holding llama.cpp's llama-bench: adds llama.cpp's rates on the same weights",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     args.quantized = [m for m in args.quantized if m]
@@ -457,9 +532,19 @@ def main(argv: list[str] | None = None) -> int:
             rows += compare_shape(name, hf, args, bandwidth, Path(tmp))
     spec_rows = speculative_section(args) if args.spec_steps > 0 else []
     if args.json:
-        print(json.dumps({"cpu": cpu_kernels.capability(), "read_bandwidth_gb_s": bandwidth / 1e9,
-                          "threads": torch.get_num_threads(), "rows": rows, "speculative": spec_rows,
-                          "timing_notes": TIMING_NOTES if args.llama_cpp else []}, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "cpu": cpu_kernels.capability(),
+                    "read_bandwidth_gb_s": bandwidth / 1e9,
+                    "threads": torch.get_num_threads(),
+                    "rows": rows,
+                    "speculative": spec_rows,
+                    "timing_notes": TIMING_NOTES if args.llama_cpp else [],
+                },
+                indent=2,
+            )
+        )
     else:
         print_table(rows, spec_rows, bandwidth)
     return 0

@@ -26,10 +26,27 @@ PROMPTS = ["ROMEO:\n", "First Citizen:\nWe are", "KING RICHARD II:\nNow", "To be
 ARCHS = {
     # llama.cpp's gpt2 computes GELU's tanh approximation only
     "gpt2": ["--model.preset", "shakespeare-char-cpu", "--model.activation", "gelu_tanh"],
-    "llama": ["--model.preset", "shakespeare-char-cpu", "--model.position", "rope", "--model.norm", "rmsnorm",
-              "--model.activation", "swiglu", "--model.n_kv_head", "2", "--model.attn_bias", "false",
-              "--model.mlp_bias", "false", "--model.norm_bias", "false", "--model.tie_embeddings", "false"],
-}  # fmt: skip
+    "llama": [
+        "--model.preset",
+        "shakespeare-char-cpu",
+        "--model.position",
+        "rope",
+        "--model.norm",
+        "rmsnorm",
+        "--model.activation",
+        "swiglu",
+        "--model.n_kv_head",
+        "2",
+        "--model.attn_bias",
+        "false",
+        "--model.mlp_bias",
+        "false",
+        "--model.norm_bias",
+        "false",
+        "--model.tie_embeddings",
+        "false",
+    ],
+}
 TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
@@ -46,9 +63,27 @@ def trained(out: Path, arch: str, steps: int) -> Path:
     run = out / arch
     checkpoint = run / "checkpoints" / f"step-{steps:06d}"
     if not checkpoint.is_dir():
-        gptkit("train", "--data", str(data), "--out", str(run), *ARCHS[arch], "--model.block_size", "128",
-               "--train.max_steps", str(steps), "--train.batch_size", "16", "--optim.lr", "2e-3",
-               "--train.eval_interval", str(steps), "--train.checkpoint_interval", str(steps), "--quiet")  # fmt: skip
+        gptkit(
+            "train",
+            "--data",
+            str(data),
+            "--out",
+            str(run),
+            *ARCHS[arch],
+            "--model.block_size",
+            "128",
+            "--train.max_steps",
+            str(steps),
+            "--train.batch_size",
+            "16",
+            "--optim.lr",
+            "2e-3",
+            "--train.eval_interval",
+            str(steps),
+            "--train.checkpoint_interval",
+            str(steps),
+            "--quiet",
+        )
     return checkpoint
 
 
@@ -63,8 +98,19 @@ def llama_cpp_continuation(binary: Path, model: Path, prompt: str, new_tokens: i
 
 
 def gptkit_continuation(model: Path, prompt: str, new_tokens: int) -> bytes:
-    ids = json.loads(gptkit("generate", str(model), "--prompt", prompt, "--max-new-tokens", str(new_tokens),
-                            "--temperature", "0", "--json"))["ids"]  # fmt: skip
+    ids = json.loads(
+        gptkit(
+            "generate",
+            str(model),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            str(new_tokens),
+            "--temperature",
+            "0",
+            "--json",
+        )
+    )["ids"]
     return bytes(i for i in ids if i < 256)  # byte ids are the bytes themselves (256 and up: specials)
 
 
@@ -92,16 +138,28 @@ def main() -> int:
         for file_type in TYPES:
             path = args.out / f"{arch}-{file_type}.gguf"
             gptkit("convert", "--to-gguf", str(model), "--out", str(path), "--type", file_type, "--force")
-            agreed = [agreement(llama_cpp_continuation(binary, path, p, args.new_tokens), reference[p]) for p in PROMPTS]
-            rows.append({"arch": arch, "type": file_type, "prompts": len(PROMPTS), "new_tokens": args.new_tokens,
-                         "identical": sum(a >= args.new_tokens for a in agreed), "tokens_agreed": agreed})  # fmt: skip
+            agreed = [
+                agreement(llama_cpp_continuation(binary, path, p, args.new_tokens), reference[p]) for p in PROMPTS
+            ]
+            rows.append(
+                {
+                    "arch": arch,
+                    "type": file_type,
+                    "prompts": len(PROMPTS),
+                    "new_tokens": args.new_tokens,
+                    "identical": sum(a >= args.new_tokens for a in agreed),
+                    "tokens_agreed": agreed,
+                }
+            )
     report = {"cpu": cpu_kernels.capability(), "rows": rows}
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
     print(f"cpu: {report['cpu']}")
-    print(f"greedy continuations, llama.cpp on the GGUF file vs gptkit on the model directory ({args.new_tokens} "
-          f"new tokens from each of {len(PROMPTS)} prompts)")  # fmt: skip
+    print(
+        f"greedy continuations, llama.cpp on the GGUF file vs gptkit on the model directory ({args.new_tokens} "
+        f"new tokens from each of {len(PROMPTS)} prompts)"
+    )
     print(f"{'arch':6} {'type':5} {'identical':>9}  tokens agreed before the first difference")
     for r in rows:
         print(f"{r['arch']:6} {r['type']:5} {r['identical']:>4}/{r['prompts']:<4}  {r['tokens_agreed']}")

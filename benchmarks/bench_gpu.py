@@ -64,8 +64,8 @@ from gptkit.config import ModelConfig  # noqa: E402
 from gptkit.devices import attention_backends, autocast_for, gpu_peak_flops, pick_device  # noqa: E402
 from gptkit.model import GPT  # noqa: E402
 from gptkit.optim import param_groups  # noqa: E402
-from gptkit.train import train  # noqa: E402
 from gptkit.run_sources import from_sources  # noqa: E402
+from gptkit.train import train  # noqa: E402
 
 PARTS = ("env", "attention", "loss", "train", "profile", "decode", "lora", "muon")
 LOOPS = ("gptkit eager", "hf eager", "gptkit compiled", "hf compiled")
@@ -106,8 +106,9 @@ def timed_windows(step: Callable[[], Tensor], warmup: int, steps: int, every: in
     return seconds
 
 
-def training_step(model: torch.nn.Module, loss_of: Callable, batches: list[tuple[Tensor, Tensor]],
-                  device: torch.device, dtype: str) -> Callable[[], Tensor]:  # fmt: skip
+def training_step(
+    model: torch.nn.Module, loss_of: Callable, batches: list[tuple[Tensor, Tensor]], device: torch.device, dtype: str
+) -> Callable[[], Tensor]:
     """One update of the shared loop: forward with the loss, backward, clip, fused AdamW, zero_grad."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = param_groups(model, 0.1)
@@ -160,8 +161,12 @@ def part_env(args: argparse.Namespace, device: torch.device, report: dict) -> No
     dtype = getattr(torch, args.dtype)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env.update(gpu=torch.cuda.get_device_name(device), memory_gb=props.total_memory / 1e9,
-                   multiprocessors=props.multi_processor_count, capability=f"{props.major}.{props.minor}")  # fmt: skip
+        env.update(
+            gpu=torch.cuda.get_device_name(device),
+            memory_gb=props.total_memory / 1e9,
+            multiprocessors=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+        )
         n = 8192
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
         env["matmul_flops"] = 2 * n**3 / median_seconds(lambda: a @ b, device, 10)
@@ -209,11 +214,23 @@ def random_batches(config: ModelConfig, args: argparse.Namespace, device: torch.
     return [(row[:, :-1].to(device), row[:, 1:].to(device)) for row in ids]
 
 
-def part_train(args: argparse.Namespace, device: torch.device, report: dict, config: ModelConfig,
-               budget: Budget, peak: float | None) -> None:  # fmt: skip
+def part_train(
+    args: argparse.Namespace,
+    device: torch.device,
+    report: dict,
+    config: ModelConfig,
+    budget: Budget,
+    peak: float | None,
+) -> None:
     """gptkit and transformers in one training loop, eager and compiled, then `gptkit train` itself."""
-    result: dict[str, Any] = {"batch_size": args.batch, "block_size": args.block, "dtype": args.dtype,
-                              "peak_flops": peak, "loops": {}, "skipped": []}  # fmt: skip
+    result: dict[str, Any] = {
+        "batch_size": args.batch,
+        "block_size": args.block,
+        "dtype": args.dtype,
+        "peak_flops": peak,
+        "loops": {},
+        "skipped": [],
+    }
     report["train"] = result
     batches = random_batches(config, args, device)
     torch.manual_seed(0)
@@ -226,8 +243,9 @@ def part_train(args: argparse.Namespace, device: torch.device, report: dict, con
         variants["gptkit compiled"] = (torch.compile(gptkit), gptkit_loss)
         variants["hf compiled"] = (torch.compile(hf) if hf is not None else None, hf_loss)
     variants = {name: variant for name, variant in variants.items() if name in args.loops}
-    steps = {name: training_step(model, loss_of, batches, device, args.dtype) for name, (model, loss_of) in
-             variants.items()}  # fmt: skip
+    steps = {
+        name: training_step(model, loss_of, batches, device, args.dtype) for name, (model, loss_of) in variants.items()
+    }
     windows: dict[str, list[float]] = {name: [] for name in variants}
     for round_index in range(args.rounds):  # interleaved: each variant once per round
         for name, step in steps.items():
@@ -257,8 +275,14 @@ def part_train(args: argparse.Namespace, device: torch.device, report: dict, con
         compiled, eager = loops["gptkit compiled"]["tokens_per_s"], loops["hf eager"]["tokens_per_s"]
         result["gptkit_compiled_over_hf_eager"] = compiled / eager
     if "profile" in args.parts and budget.allows(30):
-        fastest = next((name for name in ("gptkit compiled", "gptkit eager") if name in steps
-                        and "error" not in result["loops"].get(name, {"error": 1})), None)  # fmt: skip
+        fastest = next(
+            (
+                name
+                for name in ("gptkit compiled", "gptkit eager")
+                if name in steps and "error" not in result["loops"].get(name, {"error": 1})
+            ),
+            None,
+        )
         if fastest is not None:
             log(f"profile: {fastest}")
             report["profile"] = {"loop": fastest, **profile_step(steps[fastest], device)}
@@ -287,11 +311,23 @@ def trainer_run(args: argparse.Namespace, device: torch.device, config: ModelCon
         overrides = {
             "model": {**config.to_dict()},
             "optim": {"lr": 6e-4, "warmup_steps": 0},
-            "train": {"data_dir": str(data), "out_dir": str(out), "max_steps": warmup + args.steps,
-                      "batch_size": args.batch, "eval_iters": 1, "eval_interval": 10**9, "eval_at_start": False,
-                      "checkpoint_interval": 10**9, "log_interval": args.log_every, "device": device.type,
-                      "dtype": args.dtype, "compile": args.compile, "plot": False, "peak_flops": peak},
-        }  # fmt: skip
+            "train": {
+                "data_dir": str(data),
+                "out_dir": str(out),
+                "max_steps": warmup + args.steps,
+                "batch_size": args.batch,
+                "eval_iters": 1,
+                "eval_interval": 10**9,
+                "eval_at_start": False,
+                "checkpoint_interval": 10**9,
+                "log_interval": args.log_every,
+                "device": device.type,
+                "dtype": args.dtype,
+                "compile": args.compile,
+                "plot": False,
+                "peak_flops": peak,
+            },
+        }
         start = time.perf_counter()
         train(from_sources(None, overrides), progress=False)
         wall = time.perf_counter() - start
@@ -313,15 +349,27 @@ def part_decode(args: argparse.Namespace, device: torch.device, report: dict, bu
     preset = ModelConfig.preset(args.preset)
     torch.manual_seed(0)
     last = preset.vocab_size - 1  # GPT-2's end-of-text id, within any vocabulary
-    hf_config = GPT2Config(vocab_size=preset.vocab_size, n_positions=preset.block_size, n_embd=preset.n_embd,
-                           n_layer=preset.n_layer, n_head=preset.n_head, bos_token_id=last, eos_token_id=last)
+    hf_config = GPT2Config(
+        vocab_size=preset.vocab_size,
+        n_positions=preset.block_size,
+        n_embd=preset.n_embd,
+        n_layer=preset.n_layer,
+        n_head=preset.n_head,
+        bos_token_id=last,
+        eos_token_id=last,
+    )
     dtype = getattr(torch, args.decode_dtype)
     hf = GPT2LMHeadModel(hf_config).eval().to(device, dtype)
     hf.generation_config.eos_token_id = None  # random weights: every row runs to max_new_tokens
     hf.generation_config.pad_token_id = 0
     ours = gpt_from_hf_model(hf).eval()
-    result: dict[str, Any] = {"dtype": args.decode_dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                              "batches": {}, "skipped": []}  # fmt: skip
+    result: dict[str, Any] = {
+        "dtype": args.decode_dtype,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "batches": {},
+        "skipped": [],
+    }
     report["decode"] = result
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0)
@@ -388,11 +436,19 @@ def part_lora(args: argparse.Namespace, device: torch.device, report: dict, budg
     gptkit = lora_gptkit_model(config, "lora", "float32", args.lora_rank).to(device)
     peft = lora_hf_model(config, args.lora_rank).to(device)
     batches = random_batches(config, args, device)
-    steps = {"gptkit lora": training_step(gptkit, gptkit_loss, batches, device, args.dtype),
-             "hf+peft lora": training_step(peft, peft_loss, batches, device, args.dtype)}  # fmt: skip
+    steps = {
+        "gptkit lora": training_step(gptkit, gptkit_loss, batches, device, args.dtype),
+        "hf+peft lora": training_step(peft, peft_loss, batches, device, args.dtype),
+    }
     windows: dict[str, list[float]] = {name: [] for name in steps}
-    result: dict[str, Any] = {"rank": args.lora_rank, "batch_size": args.batch, "block_size": args.block,
-                              "dtype": args.dtype, "loops": {}, "skipped": []}  # fmt: skip
+    result: dict[str, Any] = {
+        "rank": args.lora_rank,
+        "batch_size": args.batch,
+        "block_size": args.block,
+        "dtype": args.dtype,
+        "loops": {},
+        "skipped": [],
+    }
     report["lora"] = result
     for round_index in range(args.rounds):
         for name, step in steps.items():
@@ -422,21 +478,27 @@ def markdown(report: dict) -> str:
     if env:
         gpu = env.get("gpu", env["device"])
         peak = env.get("datasheet_peak_flops")
-        lines.append(f"**{gpu}**, torch {env['torch']}, transformers {env['transformers']}; measured: matmul "
-                     f"{env['matmul_flops'] / 1e12:.3g} TFLOP/s" + (f", copy {env['copy_bytes_per_s'] / 1e12:.2f} TB/s"
-                     if "copy_bytes_per_s" in env else "") + (f"; datasheet dense peak {peak / 1e12:.0f} TFLOP/s"
-                     if peak else ""))  # fmt: skip
+        lines.append(
+            f"**{gpu}**, torch {env['torch']}, transformers {env['transformers']}; measured: matmul "
+            f"{env['matmul_flops'] / 1e12:.3g} TFLOP/s"
+            + (f", copy {env['copy_bytes_per_s'] / 1e12:.2f} TB/s" if "copy_bytes_per_s" in env else "")
+            + (f"; datasheet dense peak {peak / 1e12:.0f} TFLOP/s" if peak else "")
+        )
         lines.append("")
     if "loss" in report:
         r = report["loss"]
-        lines.append(f"LM head + loss, forward and backward, {r['rows']} rows x {r['vocab_size']} logits: in slices of "
-                     f"{r['cpu_slices_rows_per_slice']} rows (the CPU's) {r['cpu_slices_ms']:.1f} ms, of "
-                     f"{r['gpu_slices_rows_per_slice']} rows (the GPU's) {r['gpu_slices_ms']:.1f} ms")  # fmt: skip
+        lines.append(
+            f"LM head + loss, forward and backward, {r['rows']} rows x {r['vocab_size']} logits: in slices of "
+            f"{r['cpu_slices_rows_per_slice']} rows (the CPU's) {r['cpu_slices_ms']:.1f} ms, of "
+            f"{r['gpu_slices_rows_per_slice']} rows (the GPU's) {r['gpu_slices_ms']:.1f} ms"
+        )
         lines.append("")
     if "train" in report:
         r = report["train"]
-        lines.append(f"Training, {r['batch_size']} x {r['block_size']} tokens per step, {r['dtype']} autocast, fused "
-                     "AdamW, SDPA attention (one loop for both libraries; `gptkit train` its own loop):")
+        lines.append(
+            f"Training, {r['batch_size']} x {r['block_size']} tokens per step, {r['dtype']} autocast, fused "
+            "AdamW, SDPA attention (one loop for both libraries; `gptkit train` its own loop):"
+        )
         lines += ["", "| loop | ms/step | tokens/s | MFU |", "|---|---|---|---|"]
         loops = dict(r["loops"])
         if "gptkit train" in r:
@@ -451,20 +513,29 @@ def markdown(report: dict) -> str:
         lines += ["", "; ".join(ratios) if ratios else ""]
     if "decode" in report:
         r = report["decode"]
-        lines.append(f"Decoding, {r['dtype']} weights, {r['prompt_len']}-token prompt, {r['new_tokens']} new tokens, "
-                     "greedy (tokens/s over all rows):")  # fmt: skip
-        lines += ["", "| batch | HF generate | gptkit eager | gptkit compiled | compiled / HF | same tokens |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines.append(
+            f"Decoding, {r['dtype']} weights, {r['prompt_len']}-token prompt, {r['new_tokens']} new tokens, "
+            "greedy (tokens/s over all rows):"
+        )
+        lines += [
+            "",
+            "| batch | HF generate | gptkit eager | gptkit compiled | compiled / HF | same tokens |",
+            "|---|---|---|---|---|---|",
+        ]
         for batch, row in r["batches"].items():
             cell = lambda key: f"{row[key]:,.0f}" if key in row else "-"  # noqa: E731
             ratio = f"{row['gptkit compiled over hf']:.2f}x" if "gptkit compiled over hf" in row else "-"
-            lines.append(f"| {batch} | {cell('hf generate')} | {cell('gptkit eager')} | {cell('gptkit compiled')} | "
-                         f"{ratio} | {row.get('same_tokens_as_hf', '-')} |")  # fmt: skip
+            lines.append(
+                f"| {batch} | {cell('hf generate')} | {cell('gptkit eager')} | {cell('gptkit compiled')} | "
+                f"{ratio} | {row.get('same_tokens_as_hf', '-')} |"
+            )
         lines.append("")
     if "lora" in report:
         r = report["lora"]
-        lines.append(f"LoRA rank {r['rank']} on attention and MLP, {r['batch_size']} x {r['block_size']} tokens, "
-                     f"{r['dtype']} autocast, eager:")  # fmt: skip
+        lines.append(
+            f"LoRA rank {r['rank']} on attention and MLP, {r['batch_size']} x {r['block_size']} tokens, "
+            f"{r['dtype']} autocast, eager:"
+        )
         lines += ["", "| loop | ms/step | tokens/s | trainable |", "|---|---|---|---|"]
         for name, s in r["loops"].items():
             lines.append(f"| {name} | {s['ms_per_step']:.1f} | {s['tokens_per_s']:,.0f} | {s['trainable_params']:,} |")
@@ -495,15 +566,21 @@ def main() -> int:
     parser.add_argument("--preset", default="gpt2", help="the model shape (GPT-2 small by default)")
     parser.add_argument("--block", type=int, default=1024, help="training context (default 1024)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per training step (default 16)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                        help="training autocast dtype (default bfloat16)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="training autocast dtype (default bfloat16)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed training steps per round (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, the compile among them")
     parser.add_argument("--log-every", type=int, default=5, help="steps per timed window (default 5)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every variant (default 2)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager variants only")
     parser.add_argument("--no-trainer", dest="trainer", action="store_false", help="skip the `gptkit train` run")
-    parser.add_argument("--loops", default=",".join(LOOPS), help=f"the training loops to time (default {','.join(LOOPS)})")
+    parser.add_argument(
+        "--loops", default=",".join(LOOPS), help=f"the training loops to time (default {','.join(LOOPS)})"
+    )
     parser.add_argument("--decode-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--batch-sizes", default="1,8", help="decoding batch sizes (default 1,8)")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -524,8 +601,14 @@ def main() -> int:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.budget_s)
-    config = ModelConfig(**{**ModelConfig.preset(args.preset).to_dict(), "block_size": args.block, "dropout": 0.0,
-                            "vocab_multiple": args.vocab_multiple})  # fmt: skip
+    config = ModelConfig(
+        **{
+            **ModelConfig.preset(args.preset).to_dict(),
+            "block_size": args.block,
+            "dropout": 0.0,
+            "vocab_multiple": args.vocab_multiple,
+        }
+    )
     peak = args.peak_flops or gpu_peak_flops(device, getattr(torch, args.dtype))
     report: dict[str, Any] = {"errors": {}}
     with attention_backends(device):  # every loop, HF's too, with the attention kernels `gptkit train` prefers
@@ -534,8 +617,15 @@ def main() -> int:
     return 1 if report["errors"] else 0
 
 
-def run_parts(args: argparse.Namespace, device: torch.device, report: dict, config: ModelConfig, budget: Budget,
-              peak: float | None, out: Path | None) -> None:  # fmt: skip
+def run_parts(
+    args: argparse.Namespace,
+    device: torch.device,
+    report: dict,
+    config: ModelConfig,
+    budget: Budget,
+    peak: float | None,
+    out: Path | None,
+) -> None:
     """Each part of --parts in turn, its report written as it ends; a part that fails is reported, the next runs."""
     for part in args.parts:
         log(f"== {part} ({budget.left():.0f} s left)")

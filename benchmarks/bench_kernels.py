@@ -77,8 +77,12 @@ def products(rows: int) -> dict[str, dict[str, tuple[list[Product], int]]]:
         add("int8", "torch", partial(torch._weight_int8pack_mm, ab, q, scale.to(bf16)), n * k + n * 2)
         add("int8", "gptkit", partial(ops.gemv_int8, a, q, scale, None), n * k + n * 4)
         packed, scales_zeros, group = _int4_for_torch(w)
-        add("int4", "torch", partial(torch._weight_int4pack_mm_for_cpu, ab, packed, group, scales_zeros),
-            n * k // 2 + n * k // 32 * 4)  # fmt: skip
+        add(
+            "int4",
+            "torch",
+            partial(torch._weight_int4pack_mm_for_cpu, ab, packed, group, scales_zeros),
+            n * k // 2 + n * k // 32 * 4,
+        )
         grouped, grouped_scales = group_q4(*quantize_q4(w))
         add("int4", "gptkit", partial(ops.gemv_q4, a, grouped, grouped_scales, None, n), n * k // 2 + n * k // 32 * 2)
     return table
@@ -125,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     if not all(1 <= r <= cpu_kernels.GEMV_MAX_ROWS for r in rows) or args.rounds < 1 or args.calls < 1:
-        print(f"bench_kernels: --rows must lie in 1..{cpu_kernels.GEMV_MAX_ROWS}; --rounds and --calls >= 1",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"bench_kernels: --rows must lie in 1..{cpu_kernels.GEMV_MAX_ROWS}; --rounds and --calls >= 1",
+            file=sys.stderr,
+        )
         return 2
     if not cpu_kernels.load():
         print("bench_kernels: gptkit's CPU kernels are not built on this machine (see cpu_kernels.py)", file=sys.stderr)
@@ -138,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpu: {cpu_kernels.capability()}; threads: {torch.get_num_threads()}")
     print(f"{'rows':>4} {'format':6} {'torch us':>9} {'GB/s':>6} {'gptkit us':>9} {'GB/s':>6} {'torch/gptkit':>12}")
     for r in results:
-        print(f"{r['rows']:4d} {r['format']:6} {r['torch']['us']:9.0f} {r['torch']['gb_s']:6.1f} "
-              f"{r['gptkit']['us']:9.0f} {r['gptkit']['gb_s']:6.1f} {r['ratio']:11.2f}x")  # fmt: skip
+        print(
+            f"{r['rows']:4d} {r['format']:6} {r['torch']['us']:9.0f} {r['torch']['gb_s']:6.1f} "
+            f"{r['gptkit']['us']:9.0f} {r['gptkit']['gb_s']:6.1f} {r['ratio']:11.2f}x"
+        )
     return 0
 
 

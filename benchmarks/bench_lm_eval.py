@@ -29,14 +29,27 @@ from bench_serve import start_server
 
 CORPUS = Path(__file__).resolve().parent.parent / "gptkit" / "corpora" / "tinyshakespeare.txt"
 TASKS = {
-    "gptkit_passages": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
-                        "metric_list": [{"metric": "bits_per_byte"}, {"metric": "byte_perplexity"}]},
-    "gptkit_choice": {"output_type": "multiple_choice", "doc_to_text": "{{context}}", "doc_to_choice": "{{choices}}",
-                      "doc_to_target": "{{label}}", "metric_list": [{"metric": "acc"}]},
-    "gptkit_continue": {"output_type": "generate_until", "doc_to_text": "{{context}}",
-                        "doc_to_target": "{{continuation}}", "metric_list": [{"metric": "exact_match"}],
-                        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}},
-}  # fmt: skip
+    "gptkit_passages": {
+        "output_type": "loglikelihood_rolling",
+        "doc_to_text": "",
+        "doc_to_target": "{{text}}",
+        "metric_list": [{"metric": "bits_per_byte"}, {"metric": "byte_perplexity"}],
+    },
+    "gptkit_choice": {
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{context}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{label}}",
+        "metric_list": [{"metric": "acc"}],
+    },
+    "gptkit_continue": {
+        "output_type": "generate_until",
+        "doc_to_text": "{{context}}",
+        "doc_to_target": "{{continuation}}",
+        "metric_list": [{"metric": "exact_match"}],
+        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 12, "do_sample": False},
+    },
+}
 
 
 def build_model_dir(path: Path) -> Path:
@@ -61,31 +74,52 @@ def write_tasks(root: Path, docs: int, seed: int = 0) -> None:
     rng = random.Random(seed)
     picked = rng.sample(lines, 4 * docs)
     data = {
-        "gptkit_passages": [{"text": "\n".join(lines[i:i + 6])} for i in rng.sample(range(len(lines) - 6), docs)],
-        "gptkit_choice": [{"context": line[:20], "choices": [line[20:30]] + [o[20:30] for o in others], "label": 0}
-                          for line, *others in zip(*[iter(picked)] * 4)],
+        "gptkit_passages": [{"text": "\n".join(lines[i : i + 6])} for i in rng.sample(range(len(lines) - 6), docs)],
+        "gptkit_choice": [
+            {"context": line[:20], "choices": [line[20:30]] + [o[20:30] for o in others], "label": 0}
+            for line, *others in zip(*[iter(picked)] * 4)
+        ],
         "gptkit_continue": [{"context": line[:20], "continuation": line[20:]} for line in picked[:docs]],
-    }  # fmt: skip
+    }
     for name, spec in TASKS.items():
         rows = root / f"{name}.jsonl"
         rows.write_text("".join(json.dumps(row) + "\n" for row in data[name]))
-        task = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(rows)}},
-                "test_split": "test", **spec}  # fmt: skip
+        task = {
+            "task": name,
+            "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(rows)}},
+            "test_split": "test",
+            **spec,
+        }
         (root / f"{name}.yaml").write_text(json.dumps(task))  # JSON is YAML
 
 
 def run_lm_eval(model: str, model_args: str, tasks: Path, out: Path) -> dict[str, Any]:
     """One lm_eval run; its results file (metrics and, with --log_samples, each document's answers)."""
-    command = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks",
-               ",".join(TASKS), "--include_path", str(tasks), "--output_path", str(out), "--log_samples",
-               "--batch_size", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        model,
+        "--model_args",
+        model_args,
+        "--tasks",
+        ",".join(TASKS),
+        "--include_path",
+        str(tasks),
+        "--output_path",
+        str(out),
+        "--log_samples",
+        "--batch_size",
+        "1",
+    ]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise SystemExit(f"bench_lm_eval: lm_eval --model {model} failed:\n{result.stderr[-3000:]}")
     results = sorted(out.rglob("results_*.json"))[-1]
-    samples = {name: [json.loads(line) for line in next(out.rglob(f"samples_{name}_*.jsonl")).open()]
-               for name in TASKS}  # fmt: skip
+    samples = {name: [json.loads(line) for line in next(out.rglob(f"samples_{name}_*.jsonl")).open()] for name in TASKS}
     return {"results": json.loads(results.read_text())["results"], "samples": samples}
 
 
@@ -96,12 +130,26 @@ def compare(served: dict[str, Any], hf: dict[str, Any]) -> list[dict[str, Any]]:
         for key, value in served["results"][task].items():
             if isinstance(value, float) and not key.endswith("stderr,none"):
                 other = hf["results"][task][key]
-                rows.append({"task": task, "metric": key.removesuffix(",none"), "served": value, "hf": other,
-                             "difference": abs(value - other)})  # fmt: skip
+                rows.append(
+                    {
+                        "task": task,
+                        "metric": key.removesuffix(",none"),
+                        "served": value,
+                        "hf": other,
+                        "difference": abs(value - other),
+                    }
+                )
     mine = [s["resps"] for s in sorted(served["samples"]["gptkit_continue"], key=lambda s: s["doc_id"])]
     theirs = [s["resps"] for s in sorted(hf["samples"]["gptkit_continue"], key=lambda s: s["doc_id"])]
-    rows.append({"task": "gptkit_continue", "metric": "generations differing", "served": sum(a != b for a, b in
-                 zip(mine, theirs)), "hf": 0, "difference": None})  # fmt: skip
+    rows.append(
+        {
+            "task": "gptkit_continue",
+            "metric": "generations differing",
+            "served": sum(a != b for a, b in zip(mine, theirs)),
+            "hf": 0,
+            "difference": None,
+        }
+    )
     return rows
 
 
@@ -117,8 +165,11 @@ def main() -> None:
         root = Path(tmp)
         model_dir = args.model_dir or build_model_dir(root)
         hf_dir = root / "hf"
-        subprocess.run([sys.executable, "-m", "gptkit", "convert", "--to-hf", str(model_dir), "--out", str(hf_dir)],
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "gptkit", "convert", "--to-hf", str(model_dir), "--out", str(hf_dir)],
+            check=True,
+            capture_output=True,
+        )
         (root / "tasks").mkdir()
         write_tasks(root / "tasks", args.docs)
         proc, url = start_server(model_dir, max_batch_size=4, threads=None)
@@ -128,8 +179,12 @@ def main() -> None:
             card = httpx.get(url + "/v1/models").json()["data"][0]
             # lm-eval's API backends keep one token of max_length for a generation, and a rolling window one more
             # for its context: context_length + 2 gives the windows its hf backend uses on the same model.
-            served = run_lm_eval("local-completions", f"model={card['id']},base_url={url}/v1/completions,"
-                                 f"max_length={card['context_length'] + 2}", root / "tasks", root / "served")
+            served = run_lm_eval(
+                "local-completions",
+                f"model={card['id']},base_url={url}/v1/completions,max_length={card['context_length'] + 2}",
+                root / "tasks",
+                root / "served",
+            )
         finally:
             proc.terminate()
             proc.wait()

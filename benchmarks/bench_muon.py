@@ -23,8 +23,11 @@ from gptkit.config import PRESETS, ModelConfig
 from gptkit.model import GPT
 from gptkit.optim import NS_COEFFICIENTS, block_matrices, iterate, iterate_on_gram, on_gram, same_shape_batches
 
-WAYS = {"float32": (torch.float32, iterate), "float32 on the Gram matrix": (torch.float32, iterate_on_gram),
-        "bfloat16": (torch.bfloat16, iterate)}  # fmt: skip
+WAYS = {
+    "float32": (torch.float32, iterate),
+    "float32 on the Gram matrix": (torch.float32, iterate_on_gram),
+    "bfloat16": (torch.bfloat16, iterate),
+}
 
 
 def wide_stack(matrices: list[torch.Tensor]) -> torch.Tensor:
@@ -50,8 +53,12 @@ def time_batch(x: torch.Tensor, steps: int, rounds: int) -> dict[str, dict[str, 
 def main() -> int:
     """Time each way on the chosen model's batches and print a table (or --json)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="shakespeare-char-cpu", choices=sorted(PRESETS),
-                        help="the model whose block matrices to orthogonalise (default: the CPU recipe's)")  # fmt: skip
+    parser.add_argument(
+        "--preset",
+        default="shakespeare-char-cpu",
+        choices=sorted(PRESETS),
+        help="the model whose block matrices to orthogonalise (default: the CPU recipe's)",
+    )
     parser.add_argument("--n-layer", type=int, default=2, help="layers (default 2, the CPU record's)")
     parser.add_argument("--steps", type=int, default=5, help="Newton-Schulz rounds (default 5)")
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds of each way (default 20)")
@@ -69,20 +76,31 @@ def main() -> int:
         results.append({"shape": list(x.shape), **timed, "float32 as gptkit runs it": timed[gptkit_way]["ms"]})
     totals = {way: sum(r[way]["ms"] for r in results) for way in WAYS}
     totals["float32 as gptkit runs it"] = sum(r["float32 as gptkit runs it"] for r in results)
-    report = {"cpu": cpu_kernels.capability(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "preset": args.preset, "n_layer": args.n_layer, "batches": results, "total_ms": totals}  # fmt: skip
+    report = {
+        "cpu": cpu_kernels.capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "preset": args.preset,
+        "n_layer": args.n_layer,
+        "batches": results,
+        "total_ms": totals,
+    }
     if args.json:
         print(json.dumps(report))
         return 0
     print(f"{report['cpu']}; torch {report['torch']}, {report['threads']} threads")
-    print(f"{args.preset}, {args.n_layer} layers: Newton-Schulz ({args.steps} rounds), median ms of {args.rounds} "
-          f"(largest difference from float64)")  # fmt: skip
+    print(
+        f"{args.preset}, {args.n_layer} layers: Newton-Schulz ({args.steps} rounds), median ms of {args.rounds} "
+        f"(largest difference from float64)"
+    )
     for r in results:
         cells = ", ".join(f"{way} {r[way]['ms']:.2f} ({r[way]['max_error']:.1e})" for way in WAYS)
         print(f"  {' x '.join(map(str, r['shape']))}: {cells}")
     ratio = totals["float32 as gptkit runs it"] / totals["float32"]
-    print("  all: " + ", ".join(f"{way} {ms:.2f}" for way, ms in totals.items()) + f"; gptkit's float32 / as written: "
-          f"{ratio:.2f}x")  # fmt: skip
+    print(
+        "  all: " + ", ".join(f"{way} {ms:.2f}" for way, ms in totals.items()) + f"; gptkit's float32 / as written: "
+        f"{ratio:.2f}x"
+    )
     return 0
 
 

@@ -124,19 +124,28 @@ def write_formats(directory: Path, megabytes: float, seed: int) -> dict[str, Pat
     import pyarrow.parquet as pq
     import zstandard
 
-    paths = {"jsonl": directory / "d.jsonl", "jsonl.gz": directory / "d.jsonl.gz", "jsonl.zst": directory / "d.jsonl.zst",
-             "parquet": directory / "d.parquet", "csv": directory / "d.csv", "txt dir": directory / "txt"}  # fmt: skip
+    paths = {
+        "jsonl": directory / "d.jsonl",
+        "jsonl.gz": directory / "d.jsonl.gz",
+        "jsonl.zst": directory / "d.jsonl.zst",
+        "parquet": directory / "d.parquet",
+        "csv": directory / "d.csv",
+        "txt dir": directory / "txt",
+    }
     text_files = megabytes <= TEXT_FILES_MAX_MB
     if text_files:
         paths["txt dir"].mkdir()
     else:
         del paths["txt dir"]
     schema = pa.schema([("text", pa.string())])
-    with open(paths["jsonl"], "w", encoding="utf-8") as plain, gzip.open(paths["jsonl.gz"], "wt", encoding="utf-8",
-              compresslevel=6) as gz, open(paths["jsonl.zst"], "wb") as zst_file, \
-            zstandard.ZstdCompressor().stream_writer(zst_file) as zst, open(paths["csv"], "w", encoding="utf-8",
-                                                                             newline="") as csv_file, \
-            pq.ParquetWriter(paths["parquet"], schema) as parquet:  # fmt: skip
+    with (
+        open(paths["jsonl"], "w", encoding="utf-8") as plain,
+        gzip.open(paths["jsonl.gz"], "wt", encoding="utf-8", compresslevel=6) as gz,
+        open(paths["jsonl.zst"], "wb") as zst_file,
+        zstandard.ZstdCompressor().stream_writer(zst_file) as zst,
+        open(paths["csv"], "w", encoding="utf-8", newline="") as csv_file,
+        pq.ParquetWriter(paths["parquet"], schema) as parquet,
+    ):
         table = csv.writer(csv_file)
         table.writerow(["text"])
         batch: list[str] = []
@@ -160,8 +169,10 @@ def write_formats(directory: Path, megabytes: float, seed: int) -> dict[str, Pat
 
 # `gptkit prepare`, then the process's peak resident memory (VmHWM: this process image's own, unlike ru_maxrss,
 # which Linux carries over from the parent that forked it) as the last line of stdout.
-PEAK_CHILD = ("import sys; from gptkit.cli import main; code = main(['prepare', *sys.argv[1:]]); "
-              "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM'))); sys.exit(code)")
+PEAK_CHILD = (
+    "import sys; from gptkit.cli import main; code = main(['prepare', *sys.argv[1:]]); "
+    "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM'))); sys.exit(code)"
+)
 
 
 def prepare_in_child(args: list[str]) -> tuple[float, int, dict]:
@@ -183,16 +194,25 @@ def formats(megabytes: float, seed: int) -> dict:
             out = tmp_path / f"out-{name.replace(' ', '-')}"
             seconds, rss, meta = prepare_in_child(["--input", str(path), "--tokenizer", "byte", "--out", str(out)])
             text_mb = (meta.train_bytes + meta.val_bytes) / 1e6
-            results[name] = {"file_mb": round(sum(i["bytes"] for i in meta.inputs) / 1e6, 1),
-                             "text_mb_per_s": round(text_mb / seconds, 2), "seconds": round(seconds, 2),
-                             "max_rss_mb": round(rss / 2**20, 1), "documents": meta.documents}  # fmt: skip
+            results[name] = {
+                "file_mb": round(sum(i["bytes"] for i in meta.inputs) / 1e6, 1),
+                "text_mb_per_s": round(text_mb / seconds, 2),
+                "seconds": round(seconds, 2),
+                "max_rss_mb": round(rss / 2**20, 1),
+                "documents": meta.documents,
+            }
             tokens.add(meta.train_tokens + meta.val_tokens)
             shutil.rmtree(out)
     plain = results["jsonl"]["text_mb_per_s"]
     for entry in results.values():
         entry["vs_jsonl"] = round(entry["text_mb_per_s"] / plain, 3)
-    return {"text_mb": round(megabytes, 1), "tokenizer": "byte", "formats": results, "target_vs_jsonl": 0.8,
-            "same_token_count": len(tokens) == 1}  # fmt: skip
+    return {
+        "text_mb": round(megabytes, 1),
+        "tokenizer": "byte",
+        "formats": results,
+        "target_vs_jsonl": 0.8,
+        "same_token_count": len(tokens) == 1,
+    }
 
 
 def main() -> None:
@@ -207,8 +227,16 @@ def main() -> None:
     if args.formats:
         import torch
 
-        print(json.dumps({"cpu": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
-                          **formats(args.mb, args.seed)}, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "cpu": torch.backends.cpu.get_cpu_capability(),
+                    "cores": os.cpu_count(),
+                    **formats(args.mb, args.seed),
+                },
+                indent=2,
+            )
+        )
         return
     with tempfile.TemporaryDirectory(prefix="bench_prepare.") as tmp:
         tmp_path = Path(tmp)
@@ -217,13 +245,28 @@ def main() -> None:
         megabytes = sum(f.stat().st_size for f in files) / 1e6
 
         full_wall, full_meta = run_prepare(
-            ["--input", str(tmp_path / "corpus"), "--tokenizer", "bpe", "--vocab-size", str(args.vocab_size),
-             "--out", str(tmp_path / "trained")]
-        )  # fmt: skip
+            [
+                "--input",
+                str(tmp_path / "corpus"),
+                "--tokenizer",
+                "bpe",
+                "--vocab-size",
+                str(args.vocab_size),
+                "--out",
+                str(tmp_path / "trained"),
+            ]
+        )
         raw_before, raw_tokens = raw_encode(files, tmp_path / "trained")
         wall, meta = run_prepare(
-            ["--input", str(tmp_path / "corpus"), "--tokenizer", str(tmp_path / "trained"), "--out", str(tmp_path / "encoded")]
-        )  # fmt: skip
+            [
+                "--input",
+                str(tmp_path / "corpus"),
+                "--tokenizer",
+                str(tmp_path / "trained"),
+                "--out",
+                str(tmp_path / "encoded"),
+            ]
+        )
         raw_after, _ = raw_encode(files, tmp_path / "trained")
         raw_seconds = min(raw_before, raw_after)  # the faster raw run: the ratio errs against prepare
         pipeline_tokens = meta.train_tokens + meta.val_tokens - (meta.documents - 1)  # minus separators

@@ -30,8 +30,13 @@ from gptkit.evaluate import encode_text, evaluate_ids
 from gptkit.loading import load
 from gptkit.quantization import quantize
 
-SETTINGS = {"fp32": (None, None), "int8": ("int8", None), "int4": ("int4", None), "kv int8": (None, "int8"),
-            "int4 + kv int8": ("int4", "int8")}  # fmt: skip
+SETTINGS = {
+    "fp32": (None, None),
+    "int8": ("int8", None),
+    "int4": ("int4", None),
+    "kv int8": (None, "int8"),
+    "int4 + kv int8": ("int4", "int8"),
+}
 
 
 def tokens_of(args: argparse.Namespace, tokenizer) -> tuple[np.ndarray, np.ndarray | None, str]:

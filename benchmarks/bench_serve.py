@@ -32,9 +32,9 @@ a shared machine do; the load average is printed with the figures:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
-import concurrent.futures
 import os
 import re
 import socket
@@ -55,26 +55,38 @@ def build_model_dir(path: Path, n_layer: int, n_embd: int, block_size: int) -> P
     import torch
 
     from gptkit.config import ModelConfig
-    from gptkit.model import GPT
     from gptkit.formats.modeldir import save_model_dir
+    from gptkit.model import GPT
     from gptkit.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer(specials=())  # no end-of-text token: every request generates max_tokens
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=block_size, n_layer=n_layer,
-                         n_head=max(1, n_embd // 64), n_embd=n_embd)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        block_size=block_size,
+        n_layer=n_layer,
+        n_head=max(1, n_embd // 64),
+        n_embd=n_embd,
+    )
     return save_model_dir(GPT(config), path / "bench-model", tokenizer=tokenizer)
 
 
-def start_server(model_dir: Path, max_batch_size: int | None, threads: int | None,
-                 compile: bool = False, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:  # fmt: skip
+def start_server(
+    model_dir: Path, max_batch_size: int | None, threads: int | None, compile: bool = False, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
     """`gptkit serve` on 127.0.0.1 with a free port; returns the process and its base URL."""
-    extra = ((["--threads", str(threads)] if threads else []) + (["--compile"] if compile else [])
-             + (["--max-batch-size", str(max_batch_size)] if max_batch_size else []) + list(extra))  # fmt: skip
+    extra = (
+        (["--threads", str(threads)] if threads else [])
+        + (["--compile"] if compile else [])
+        + (["--max-batch-size", str(max_batch_size)] if max_batch_size else [])
+        + list(extra)
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "gptkit", "serve", str(model_dir), "--port", "0", "--device", "cpu", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + (900 if compile else 120)  # compiling every batch shape comes before ready
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -89,9 +101,11 @@ def start_server(model_dir: Path, max_batch_size: int | None, threads: int | Non
 
 # A chat template that renders normally, except for the message "loop", where it writes without end (the server
 # stops it at its size or time limit).
-LOOPING_TEMPLATE = ("{% if messages[-1]['content'] == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
-                    "{{ j % 2 }}{% endfor %}{% endfor %}{% else %}{% for m in messages %}{{ m['role'] }}: "
-                    "{{ m['content'] }}\n{% endfor %}assistant:{% endif %}")  # fmt: skip
+LOOPING_TEMPLATE = (
+    "{% if messages[-1]['content'] == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{{ j % 2 }}{% endfor %}{% endfor %}{% else %}{% for m in messages %}{{ m['role'] }}: "
+    "{{ m['content'] }}\n{% endfor %}assistant:{% endif %}"
+)
 
 
 def latencies(url: str, model: str, count: int, max_tokens: int) -> list[float]:
@@ -135,8 +149,9 @@ def adversarial(url: str, model: str, max_tokens: int, half_open: int = 300, pro
     return {"alone_s": alone, "loaded_s": loaded, "ratio": loaded / alone, "half_open": half_open}
 
 
-def run_clients(url: str, model: str | list[str], clients: int, requests: int,
-                max_tokens: int) -> tuple[float, int, int]:  # fmt: skip
+def run_clients(
+    url: str, model: str | list[str], clients: int, requests: int, max_tokens: int
+) -> tuple[float, int, int]:
     """clients threads x requests sequential completions each (client i asks for model[i] when model is a list);
     returns (seconds, requests, tokens)."""
 
@@ -144,8 +159,13 @@ def run_clients(url: str, model: str | list[str], clients: int, requests: int,
         tokens = 0
         with httpx.Client(base_url=url, timeout=300) as http:
             for j in range(requests):
-                body = {"model": model[index] if isinstance(model, list) else model, "prompt": f"Request {index}.{j}: once upon a time", "max_tokens": max_tokens,
-                        "temperature": 1.0, "seed": index * 1000 + j}  # fmt: skip
+                body = {
+                    "model": model[index] if isinstance(model, list) else model,
+                    "prompt": f"Request {index}.{j}: once upon a time",
+                    "max_tokens": max_tokens,
+                    "temperature": 1.0,
+                    "seed": index * 1000 + j,
+                }
                 response = http.post("/v1/completions", json=body)
                 response.raise_for_status()
                 tokens += response.json()["usage"]["completion_tokens"]
@@ -184,17 +204,38 @@ def main() -> None:
     parser.add_argument(
         "--busy", type=int, default=0, metavar="N", help="N neighbour processes keep a core busy each while clients run"
     )
-    parser.add_argument("--adversarial", action="store_true",
-                        help="latency alone vs under 300 half-open connections and a looping chat template")  # fmt: skip
-    parser.add_argument("--llama-server", type=Path, default=None, metavar="DIR",
-                        help="compare with llama.cpp's llama-server in DIR on the same weights (serve_workloads.py)")
+    parser.add_argument(
+        "--adversarial",
+        action="store_true",
+        help="latency alone vs under 300 half-open connections and a looping chat template",
+    )
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="compare with llama.cpp's llama-server in DIR on the same weights (serve_workloads.py)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="with --llama-server or --adapters: interleaved rounds")
-    parser.add_argument("--adapters", type=int, default=0, metavar="N",
-                        help="compare N LoRA adapters served together with one merged model (serve_lora.py)")
-    parser.add_argument("--only", default=None, metavar="TEXT",
-                        help="with --llama-server: only the workloads whose name contains TEXT (such as conversation)")
-    parser.add_argument("--defaults", action=argparse.BooleanOptionalAction, default=True,
-                        help="with --llama-server: also run both servers at their default settings")
+    parser.add_argument(
+        "--adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compare N LoRA adapters served together with one merged model (serve_lora.py)",
+    )
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="TEXT",
+        help="with --llama-server: only the workloads whose name contains TEXT (such as conversation)",
+    )
+    parser.add_argument(
+        "--defaults",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --llama-server: also run both servers at their default settings",
+    )
     args = parser.parse_args()
     if args.llama_server is not None:
         from serve_workloads import compare_with_llama_server
@@ -220,14 +261,18 @@ def main() -> None:
             run_clients(url, model, 1, 1, 4)  # warm-up
             if args.adversarial:
                 result = adversarial(url, model, args.max_tokens)
-                show(f"median latency of a {args.max_tokens}-token completion: alone {result['alone_s']:.3f} s; with "
-                     f"{result['half_open']} half-open connections and a looping template in flight "
-                     f"{result['loaded_s']:.3f} s ({result['ratio']:.2f}x; target <= 2x)")  # fmt: skip
+                show(
+                    f"median latency of a {args.max_tokens}-token completion: alone {result['alone_s']:.3f} s; with "
+                    f"{result['half_open']} half-open connections and a looping template in flight "
+                    f"{result['loaded_s']:.3f} s ({result['ratio']:.2f}x; target <= 2x)"
+                )
                 if args.json:
                     print(json.dumps({"model": model, "adversarial": result}, indent=2))
                 return
-            show(f"model {model}; {args.requests} requests per client, {args.max_tokens} max tokens each, "
-                  f"server threads: {args.threads or 'server default'}; {args.busy} busy neighbour(s)")
+            show(
+                f"model {model}; {args.requests} requests per client, {args.max_tokens} max tokens each, "
+                f"server threads: {args.threads or 'server default'}; {args.busy} busy neighbour(s)"
+            )
             show(f"{'clients':>8} {'requests/s':>11} {'tokens/s':>10} {'speed-up':>9} {'load 1 min':>11}")
             base = None
             for clients in args.concurrency:
@@ -241,8 +286,18 @@ def main() -> None:
                 row = {"clients": clients, "requests_per_s": requests / seconds, "tokens_per_s": rate}
                 rows.append({**row, "speedup": rate / base, "load": load, "busy": args.busy})
             if args.json:
-                print(json.dumps({"model": model, "requests_per_client": args.requests,
-                                  "max_tokens": args.max_tokens, "threads": args.threads, "rows": rows}, indent=2))
+                print(
+                    json.dumps(
+                        {
+                            "model": model,
+                            "requests_per_client": args.requests,
+                            "max_tokens": args.max_tokens,
+                            "threads": args.threads,
+                            "rows": rows,
+                        },
+                        indent=2,
+                    )
+                )
         finally:
             proc.terminate()
             proc.wait(timeout=30)

@@ -39,16 +39,28 @@ from gptkit.model import GPT
 from gptkit.tokenizer import BPETokenizer, ByteTokenizer
 
 CORPUS = Path(gptkit.__file__).parent / "corpora" / "tinyshakespeare.txt"
-DOCUMENT = {"id": 48213, "name": "Juliet Capulet", "roles": ["lover", "daughter"], "verona": True,
-            "home": {"city": "Verona", "street": "Via Cappello 23"}, "age": 13.5, "tags": []}  # fmt: skip
+DOCUMENT = {
+    "id": 48213,
+    "name": "Juliet Capulet",
+    "roles": ["lover", "daughter"],
+    "verona": True,
+    "home": {"city": "Verona", "street": "Via Cappello 23"},
+    "age": 13.5,
+    "tags": [],
+}
 DOCUMENT_SCHEMA = {
-    "type": "object", "required": ["id", "name", "roles", "verona", "home", "age", "tags"],
-    "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
-                   "roles": {"type": "array", "items": {"type": "string"}}, "verona": {"type": "boolean"},
-                   "home": {"type": "object", "properties": {"city": {"type": "string"},
-                                                             "street": {"type": "string"}}},
-                   "age": {"type": "number"}, "tags": {"type": "array", "items": {"type": "string"}}},
-}  # fmt: skip
+    "type": "object",
+    "required": ["id", "name", "roles", "verona", "home", "age", "tags"],
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string"},
+        "roles": {"type": "array", "items": {"type": "string"}},
+        "verona": {"type": "boolean"},
+        "home": {"type": "object", "properties": {"city": {"type": "string"}, "street": {"type": "string"}}},
+        "age": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+}
 _POINT = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"]}
 SCHEMAS = [
     {"type": "object"},
@@ -56,42 +68,122 @@ SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
     {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False},
     {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["x"]},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "nothing": {"type": "null"}},
-     "required": ["ok", "nothing"]},
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "nothing": {"type": "null"}},
+        "required": ["ok", "nothing"],
+    },
     {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]},
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 5},
     {"type": "object", "properties": {"point": _POINT}, "required": ["point"], "additionalProperties": False},
     {"type": "object", "properties": {"path": {"type": "array", "items": _POINT, "minItems": 1}}, "required": ["path"]},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
-     "required": ["tags"]},
-    {"anyOf": [{"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
-                "required": ["kind", "lives"]},
-               {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]}]},
-    {"$defs": {"id": {"type": "string", "pattern": "^[a-z]{2}[0-9]{3}$"}}, "type": "object",
-     "properties": {"id": {"$ref": "#/$defs/id"}}, "required": ["id"], "additionalProperties": False},
-    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
-        "c": {"type": "integer"}}, "required": ["c"]}}, "required": ["b"]}}, "required": ["a"]},
-    {"type": "object", "properties": {"score": {"type": "integer", "minimum": -100, "maximum": 100},
-                                      "grade": {"enum": ["A", "B", "C"]}}, "required": ["score", "grade"]},
-    {"type": "object", "properties": {"matrix": {"type": "array", "items": {"type": "array", "items": {
-        "type": "integer"}, "maxItems": 3}, "maxItems": 3}}, "required": ["matrix"]},
+    {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+        "required": ["tags"],
+    },
+    {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+                "required": ["kind", "lives"],
+            },
+            {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]},
+        ]
+    },
+    {
+        "$defs": {"id": {"type": "string", "pattern": "^[a-z]{2}[0-9]{3}$"}},
+        "type": "object",
+        "properties": {"id": {"$ref": "#/$defs/id"}},
+        "required": ["id"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {"b": {"type": "object", "properties": {"c": {"type": "integer"}}, "required": ["c"]}},
+                "required": ["b"],
+            }
+        },
+        "required": ["a"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "score": {"type": "integer", "minimum": -100, "maximum": 100},
+            "grade": {"enum": ["A", "B", "C"]},
+        },
+        "required": ["score", "grade"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "matrix": {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+                "maxItems": 3,
+            }
+        },
+        "required": ["matrix"],
+    },
     {"type": "string", "enum": ["yes", "no", "maybe"]},
-    {"type": "object", "properties": {"title": {"type": "string", "minLength": 1, "maxLength": 20},
-                                      "year": {"type": "integer", "minimum": 1500, "maximum": 2100}},
-     "required": ["title", "year"]},
-    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "object", "properties": {
-        "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}}, "required": ["sku", "qty"]}}},
-     "required": ["items"]},
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "minLength": 1, "maxLength": 20},
+            "year": {"type": "integer", "minimum": 1500, "maximum": 2100},
+        },
+        "required": ["title", "year"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}},
+                    "required": ["sku", "qty"],
+                },
+            }
+        },
+        "required": ["items"],
+    },
     {"type": "object", "properties": {"value": {"type": ["integer", "string", "null"]}}, "required": ["value"]},
-    {"type": "object", "properties": {"flags": {"type": "object", "additionalProperties": {"type": "boolean"}}},
-     "required": ["flags"]},
-    {"type": "object", "properties": {"weather": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}, "temperature": {"type": "number"}},
-        "required": ["city", "unit", "temperature"], "additionalProperties": False}}, "required": ["weather"]},
+    {
+        "type": "object",
+        "properties": {"flags": {"type": "object", "additionalProperties": {"type": "boolean"}}},
+        "required": ["flags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "weather": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"enum": ["c", "f"]},
+                    "temperature": {"type": "number"},
+                },
+                "required": ["city", "unit", "temperature"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["weather"],
+    },
     {"type": "integer", "minimum": 0},
-    {"type": "object", "properties": {"ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
-                                      "label": {"const": "fixed"}}, "required": ["ratio", "label"]},
-]  # fmt: skip
+    {
+        "type": "object",
+        "properties": {
+            "ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            "label": {"const": "fixed"},
+        },
+        "required": ["ratio", "label"],
+    },
+]
 
 
 @functools.lru_cache(maxsize=1)
@@ -125,8 +217,13 @@ def follow_llguidance(tokenizer: BPETokenizer, ids: list[int]) -> dict:
         constraint.advance(token)
         times.append(time.perf_counter() - started)
         assert allowed, "the document's own token was masked"
-    return {"library": f"llguidance {llguidance.__version__}", "setup_s": setup, "compile_s": compile_,
-            "mask_ms": 1000 * statistics.mean(times), "mask_ms_max": 1000 * max(times)}  # fmt: skip
+    return {
+        "library": f"llguidance {llguidance.__version__}",
+        "setup_s": setup,
+        "compile_s": compile_,
+        "mask_ms": 1000 * statistics.mean(times),
+        "mask_ms_max": 1000 * max(times),
+    }
 
 
 def follow_xgrammar(tokenizer: BPETokenizer, ids: list[int]) -> dict:
@@ -149,14 +246,19 @@ def follow_xgrammar(tokenizer: BPETokenizer, ids: list[int]) -> dict:
         matcher.accept_token(token)
         times.append(time.perf_counter() - started)
         assert allowed, "the document's own token was masked"
-    return {"library": f"xgrammar {xgrammar.__version__ if hasattr(xgrammar, '__version__') else ''}".strip(),
-            "setup_s": setup, "compile_s": compile_, "mask_ms": 1000 * statistics.mean(times),
-            "mask_ms_max": 1000 * max(times)}  # fmt: skip
+    return {
+        "library": f"xgrammar {xgrammar.__version__ if hasattr(xgrammar, '__version__') else ''}".strip(),
+        "setup_s": setup,
+        "compile_s": compile_,
+        "mask_ms": 1000 * statistics.mean(times),
+        "mask_ms_max": 1000 * max(times),
+    }
 
 
 def follow_outlines(tokenizer: BPETokenizer, ids: list[int]) -> dict:
-    import outlines_core
     from importlib.metadata import version
+
+    import outlines_core
 
     started = time.perf_counter()
     tokens: dict[bytes, list[int]] = {}
@@ -178,15 +280,22 @@ def follow_outlines(tokenizer: BPETokenizer, ids: list[int]) -> dict:
         guide.advance(token)
         times.append(time.perf_counter() - started)
         assert allowed, "the document's own token was masked"
-    return {"library": f"outlines-core {version('outlines_core')}", "setup_s": setup, "compile_s": compile_,
-            "mask_ms": 1000 * statistics.mean(times), "mask_ms_max": 1000 * max(times)}  # fmt: skip
+    return {
+        "library": f"outlines-core {version('outlines_core')}",
+        "setup_s": setup,
+        "compile_s": compile_,
+        "mask_ms": 1000 * statistics.mean(times),
+        "mask_ms_max": 1000 * max(times),
+    }
 
 
 def libraries(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     tokenizer = bpe(args.vocab_size)
-    print(f"tokenizer: byte-level BPE, {tokenizer.vocab_size} ids (trained in {time.perf_counter() - started:.0f} s)",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"tokenizer: byte-level BPE, {tokenizer.vocab_size} ids (trained in {time.perf_counter() - started:.0f} s)",
+        file=sys.stderr,
+    )
     ids = tokenizer.encode(json.dumps(DOCUMENT))
     rows = []
     for follow in (follow_llguidance, follow_xgrammar, follow_outlines):
@@ -226,8 +335,14 @@ def cost(args: argparse.Namespace) -> dict:
         runs["free"].append(_decode_ms(model, free, None, args.steps))
         runs["constrained"].append(_decode_ms(model, constrained, grammar, args.steps))
     free_ms, constrained_ms = min(runs["free"]), min(runs["constrained"])
-    return {"shape": args.shape, "vocab_size": tokenizer.vocab_size, "steps": args.steps, "free_ms": free_ms,
-            "constrained_ms": constrained_ms, "ratio": constrained_ms / free_ms}  # fmt: skip
+    return {
+        "shape": args.shape,
+        "vocab_size": tokenizer.vocab_size,
+        "steps": args.steps,
+        "free_ms": free_ms,
+        "constrained_ms": constrained_ms,
+        "ratio": constrained_ms / free_ms,
+    }
 
 
 def trained_byte_model(steps: int) -> GPT:
@@ -253,15 +368,18 @@ def validity(args: argparse.Namespace) -> dict:
     tokenizer = ByteTokenizer()
     torch.manual_seed(0)
     started = time.perf_counter()
-    models = {"random": GPT(ModelConfig(vocab_size=257, block_size=2048, n_layer=2, n_head=4, n_embd=64)).eval(),
-              f"trained {args.train_steps} steps": trained_byte_model(args.train_steps)}  # fmt: skip
+    models = {
+        "random": GPT(ModelConfig(vocab_size=257, block_size=2048, n_layer=2, n_head=4, n_embd=64)).eval(),
+        f"trained {args.train_steps} steps": trained_byte_model(args.train_steps),
+    }
     print(f"trained the byte-level model in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     out = {}
     for name, model in models.items():
         valid, ends = 0, {}
         for index, schema in enumerate(SCHEMAS):
-            params = SamplingParams(json_schema=json.dumps(schema), max_new_tokens=args.max_tokens, seed=index,
-                                    num_samples=args.samples)  # fmt: skip
+            params = SamplingParams(
+                json_schema=json.dumps(schema), max_new_tokens=args.max_tokens, seed=index, num_samples=args.samples
+            )
             texts, result = generate_text(model, tokenizer, ["JSON: "], params)
             for text, completion in zip(texts[0], result.completions[0]):
                 ends[completion.finish_reason] = ends.get(completion.finish_reason, 0) + 1
@@ -271,8 +389,13 @@ def validity(args: argparse.Namespace) -> dict:
                 except (json.JSONDecodeError, jsonschema.ValidationError):
                     pass
         total = len(SCHEMAS) * args.samples
-        out[name] = {"schemas": len(SCHEMAS), "replies": total, "valid": valid, "valid_share": valid / total,
-                     "finish_reasons": ends}  # fmt: skip
+        out[name] = {
+            "schemas": len(SCHEMAS),
+            "replies": total,
+            "valid": valid,
+            "valid_share": valid / total,
+            "finish_reasons": ends,
+        }
     return out
 
 
@@ -307,17 +430,23 @@ def main() -> int:
             if "error" in row:
                 print(f"{row['library']:<22} {row['error']}")
             else:
-                print(f"{row['library']:<22} {row['setup_s']:>9.2f} {1000 * row['compile_s']:>11.1f} "
-                      f"{row['mask_ms']:>14.3f} {row['mask_ms_max']:>8.2f}")  # fmt: skip
+                print(
+                    f"{row['library']:<22} {row['setup_s']:>9.2f} {1000 * row['compile_s']:>11.1f} "
+                    f"{row['mask_ms']:>14.3f} {row['mask_ms_max']:>8.2f}"
+                )
     if "cost" in report:
         c = report["cost"]
-        print(f"\ndecode per token, {c['shape']} batch 1 ({c['steps']} steps): free {c['free_ms']:.1f} ms, "
-              f"constrained {c['constrained_ms']:.1f} ms = {c['ratio']:.3f}x")  # fmt: skip
+        print(
+            f"\ndecode per token, {c['shape']} batch 1 ({c['steps']} steps): free {c['free_ms']:.1f} ms, "
+            f"constrained {c['constrained_ms']:.1f} ms = {c['ratio']:.3f}x"
+        )
     if "validity" in report:
         print("\nreplies valid against their schema:")
         for name, row in report["validity"].items():
-            print(f"  {name}: {row['valid']}/{row['replies']} ({100 * row['valid_share']:.1f}%) over "
-                  f"{row['schemas']} schemas; ends: {row['finish_reasons']}")  # fmt: skip
+            print(
+                f"  {name}: {row['valid']}/{row['replies']} ({100 * row['valid_share']:.1f}%) over "
+                f"{row['schemas']} schemas; ends: {row['finish_reasons']}"
+            )
     return 0
 
 

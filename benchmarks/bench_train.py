@@ -55,11 +55,11 @@ import torch
 from gptkit import cpu_kernels
 from gptkit.accounting import training_flops_per_token
 from gptkit.config import PRESETS, ModelConfig
+from gptkit.devices import measured_cpu_matmul_flops
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
-from gptkit.devices import measured_cpu_matmul_flops
-from gptkit.train import train
 from gptkit.run_sources import from_sources
+from gptkit.train import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanogpt_peer  # noqa: E402
@@ -76,8 +76,13 @@ def write_data(directory: Path, vocab_size: int, tokens: int, seed: int = 0) -> 
     dtype = "uint16" if vocab_size <= 65536 else "uint32"
     for name, count in (("train", tokens), ("val", tokens // 10)):
         rng.integers(0, vocab_size, size=count, dtype=np.int64).astype(dtype).tofile(directory / f"{name}.bin")
-    meta = {"vocab_size": vocab_size, "dtype": dtype, "train_tokens": tokens, "val_tokens": tokens // 10,
-            "tokenizer": "none"}  # fmt: skip
+    meta = {
+        "vocab_size": vocab_size,
+        "dtype": dtype,
+        "train_tokens": tokens,
+        "val_tokens": tokens // 10,
+        "tokenizer": "none",
+    }
     (directory / "meta.json").write_text(json.dumps(meta))
 
 
@@ -92,10 +97,21 @@ def bench_gptkit(
     overrides = {
         "model": {"preset": shape["preset"], **shape["overrides"], "block_size": block},
         "optim": {"lr": 6e-4, "warmup_steps": 0},
-        "train": {"data_dir": str(data), "out_dir": str(out), "max_steps": warmup + steps, "batch_size": batch,
-                  "eval_iters": 1, "eval_interval": 10**9, "checkpoint_interval": 10**9, "log_interval": 1,
-                  "keep_checkpoints": 1, "device": "cpu", "plot": False, "compile": compile},
-    }  # fmt: skip
+        "train": {
+            "data_dir": str(data),
+            "out_dir": str(out),
+            "max_steps": warmup + steps,
+            "batch_size": batch,
+            "eval_iters": 1,
+            "eval_interval": 10**9,
+            "checkpoint_interval": 10**9,
+            "log_interval": 1,
+            "keep_checkpoints": 1,
+            "device": "cpu",
+            "plot": False,
+            "compile": compile,
+        },
+    }
     train(from_sources(None, overrides), progress=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "tokens_per_s" in r][warmup:]
@@ -107,10 +123,19 @@ def hf_model(config: ModelConfig, block: int) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     hf_config = GPT2Config(
-        vocab_size=config.vocab_size, n_positions=block, n_embd=config.n_embd, n_layer=config.n_layer,
-        n_head=config.n_head, activation_function="gelu" if config.activation == "gelu" else "gelu_new",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        vocab_size=config.vocab_size,
+        n_positions=block,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        activation_function="gelu" if config.activation == "gelu" else "gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(hf_config).train()
     model.config._attn_implementation = "sdpa"
@@ -146,19 +171,27 @@ def bench_hf(
         loss.item()
         if step >= warmup:
             times.append(time.perf_counter() - start)
-    hf_gptkit_like = ModelConfig(vocab_size=config.vocab_size, block_size=block, n_layer=config.n_layer,
-                                 n_head=config.n_head, n_embd=config.n_embd)  # biases on, like HF's GPT-2
+    hf_gptkit_like = ModelConfig(
+        vocab_size=config.vocab_size,
+        block_size=block,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_embd=config.n_embd,
+    )  # biases on, like HF's GPT-2
     return times, training_flops_per_token(hf_gptkit_like)
 
 
 # Exact aten op names (the CPU kernels PyTorch 2.13 dispatches to) for the breakdown's two largest parts.
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
-ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu",
-                 "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}  # fmt: skip
+ATTENTION_OPS = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+}
 
 
-def step_breakdown(loss_of: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-                   y: torch.Tensor, steps: int) -> dict:  # fmt: skip
+def step_breakdown(
+    loss_of: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: int
+) -> dict:
     """ms per step of one plain loop (loss_of(x, y), backward, clip, AdamW) split by torch.profiler into matrix
     products, attention, the optimiser phase (clip, step, zero_grad) and the rest (other kernels, autograd,
     Python), all under the profiler's own overhead."""
@@ -187,8 +220,13 @@ def step_breakdown(loss_of: Any, model: torch.nn.Module, optimizer: torch.optim.
     matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6 / steps
     attention = sum(e.self_cpu_time_total for e in events if e.key in ATTENTION_OPS) / 1e6 / steps
     optim = sum(e.cpu_time_total for e in events if e.key == "optimizer phase") / 1e6 / steps
-    parts = {"total": total, "matmul": matmul, "attention": attention, "optimizer": optim,
-             "rest": total - matmul - attention - optim}  # fmt: skip
+    parts = {
+        "total": total,
+        "matmul": matmul,
+        "attention": attention,
+        "optimizer": optim,
+        "rest": total - matmul - attention - optim,
+    }
     return {name: 1000 * seconds for name, seconds in parts.items()}
 
 
@@ -231,13 +269,22 @@ def bench_breakdown(shape: dict, batch: int, block: int, steps: int, compile: bo
         model = GPT(config).train()
         model.check_inputs = False  # as the trainer runs it
         forward = torch.compile(model) if loop == "gptkit-compiled" else model
-        result[loop] = step_breakdown(lambda ids, targets: forward(ids, targets=targets), model,
-                                      make_optimizer(model, OptimConfig())[0], x, y, steps)  # as the trainer runs it
+        result[loop] = step_breakdown(
+            lambda ids, targets: forward(ids, targets=targets),
+            model,
+            make_optimizer(model, OptimConfig())[0],
+            x,
+            y,
+            steps,
+        )  # as the trainer runs it
     hf = hf_model(config, block)
-    result["hf"] = step_breakdown(lambda ids, targets: next_token_loss(hf(input_ids=ids).logits, targets), hf,
-                                  hf_optimizer(hf), x, y, steps)  # fmt: skip
-    result["optimizer_phase_ms"] = {variant: optimizer_phase_ms(GPT(config), variant, repeats=10 * steps)
-                                    for variant in ("fused", "foreach", "compiled")}  # fmt: skip
+    result["hf"] = step_breakdown(
+        lambda ids, targets: next_token_loss(hf(input_ids=ids).logits, targets), hf, hf_optimizer(hf), x, y, steps
+    )
+    result["optimizer_phase_ms"] = {
+        variant: optimizer_phase_ms(GPT(config), variant, repeats=10 * steps)
+        for variant in ("fused", "foreach", "compiled")
+    }
     return result
 
 
@@ -256,20 +303,42 @@ def timed_train(config: Path, data: Path, out: Path, steps: int | None = None) -
     """
     short = [f"--{key}={steps}" for key in ("train.max_steps", "train.eval_interval", "optim.decay_steps")]
     start = time.perf_counter()
-    subprocess.run([*GPTKIT, "train", "--config", str(config), "--data", str(data), "--out", str(out), "--quiet",
-                    *(short if steps else [])], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            *GPTKIT,
+            "train",
+            "--config",
+            str(config),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--quiet",
+            *(short if steps else []),
+        ],
+        check=True,
+    )
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in records if r.get("val_loss") is not None]
     checkpoint = out / (out / "latest").read_text().strip()
     block = json.loads((checkpoint / "config.json").read_text())["model"]["block_size"]
-    scored = subprocess.run([*GPTKIT, "eval", str(checkpoint), "--data", str(data), "--stride", str(block), "--json",
-                             "--quiet"], check=True, capture_output=True, text=True)  # fmt: skip
+    scored = subprocess.run(
+        [*GPTKIT, "eval", str(checkpoint), "--data", str(data), "--stride", str(block), "--json", "--quiet"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     full = json.loads(scored.stdout)
-    return {"config": str(config.relative_to(REPO)), "wall_s": wall, "steps": records[-1]["step"],
-            "val_loss": val[-1]["val_loss"], "val_loss_full_pass": full.get("loss"),
-            "reached_target": full.get("loss", float("inf")) <= TARGET_VAL_LOSS,
-            "time_to_target_s": _time_to_target(records, wall)}  # fmt: skip
+    return {
+        "config": str(config.relative_to(REPO)),
+        "wall_s": wall,
+        "steps": records[-1]["step"],
+        "val_loss": val[-1]["val_loss"],
+        "val_loss_full_pass": full.get("loss"),
+        "reached_target": full.get("loss", float("inf")) <= TARGET_VAL_LOSS,
+        "time_to_target_s": _time_to_target(records, wall),
+    }
 
 
 def _time_to_target(records: list[dict], wall: float) -> float | None:
@@ -285,13 +354,13 @@ def bench_speedrun(tmp: Path, baseline: bool, steps: int | None, rounds: int, na
     on freshly prepared char data, in `rounds` interleaved rounds: each recipe's figures are those of its median-time
     round (runs are deterministic, so only the times differ), and the ratios are of the median times."""
     data = tmp / "shakespeare_char"
-    subprocess.run([*GPTKIT, "prepare", "--out", str(data), "--tokenizer", "char"], check=True,
-                   capture_output=True)  # fmt: skip
+    subprocess.run([*GPTKIT, "prepare", "--out", str(data), "--tokenizer", "char"], check=True, capture_output=True)
     configs = {"record": RECORD_CONFIG, "fast": SPEEDRUN_CONFIG, **({"baseline": BASELINE_CONFIG} if baseline else {})}
     recipes = {key: functools.partial(timed_train, config, data, steps=steps) for key, config in configs.items()}
     if nanogpt is not None:
-        recipes["nanogpt"] = functools.partial(nanogpt_peer.timed_run, nanogpt_peer.prepared_copy(nanogpt, tmp),
-                                               steps=steps)  # fmt: skip
+        recipes["nanogpt"] = functools.partial(
+            nanogpt_peer.timed_run, nanogpt_peer.prepared_copy(nanogpt, tmp), steps=steps
+        )
     runs: dict[str, list[dict]] = {key: [] for key in recipes}
     for round_index in range(rounds):
         for key, run in recipes.items():
@@ -318,83 +387,137 @@ def bench_ddp(tmp: Path, processes: int, steps: int, batch: int) -> dict:
     data.mkdir()
     write_data(data, 65, 2_000_000)
     threads = os.cpu_count() or 1
-    runs = {"1 process x 1 thread": (1, 1), f"1 process x {threads} threads": (1, threads),
-            f"{processes} processes x 1 thread": (processes, 1)}  # fmt: skip
+    runs = {
+        "1 process x 1 thread": (1, 1),
+        f"1 process x {threads} threads": (1, threads),
+        f"{processes} processes x 1 thread": (processes, 1),
+    }
     flags = [f"--model.{k}={v}" for k, v in DDP_MODEL.items()] + [
-        "--data", str(data), "--quiet", "--train.device=cpu", "--train.plot=false", f"--train.batch_size={batch}",
-        f"--train.max_steps={steps + 1}", "--train.eval_iters=1", f"--train.eval_interval={10**9}",
-        f"--train.checkpoint_interval={10**9}", "--train.log_interval=1", "--optim.warmup_steps=0"]  # fmt: skip
+        "--data",
+        str(data),
+        "--quiet",
+        "--train.device=cpu",
+        "--train.plot=false",
+        f"--train.batch_size={batch}",
+        f"--train.max_steps={steps + 1}",
+        "--train.eval_iters=1",
+        f"--train.eval_interval={10**9}",
+        f"--train.checkpoint_interval={10**9}",
+        "--train.log_interval=1",
+        "--optim.warmup_steps=0",
+    ]
     result: dict = {"model": DDP_MODEL, "batch_size_per_process": batch, "vocab_size": 65}
     for index, (name, (nproc, nthreads)) in enumerate(runs.items()):
         out = tmp / f"ddp-{index}"
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-                  "127.0.0.1", "--master_port", str(port), "-m", "gptkit", "train"] if nproc > 1 else GPTKIT + ["train"]
+        launch = (
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(nproc),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                "-m",
+                "gptkit",
+                "train",
+            ]
+            if nproc > 1
+            else GPTKIT + ["train"]
+        )
         env = {**os.environ, "OMP_NUM_THREADS": str(nthreads)}
         print(f"ddp: {name} ...", file=sys.stderr)
-        subprocess.run([*launch, "--out", str(out), *flags], check=True, env=env)  # fmt: skip
+        subprocess.run([*launch, "--out", str(out), *flags], check=True, env=env)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
         result[name] = statistics.median(rates)
     result["n_processes_over_1x1"] = result[f"{processes} processes x 1 thread"] / result["1 process x 1 thread"]
-    result["n_processes_over_1_process"] = (result[f"{processes} processes x 1 thread"]
-                                            / result[f"1 process x {threads} threads"])  # fmt: skip
+    result["n_processes_over_1_process"] = (
+        result[f"{processes} processes x 1 thread"] / result[f"1 process x {threads} threads"]
+    )
     return result
 
 
 def summarise(seconds: list[float], tokens_per_step: int, flops_per_token: int, peak: float) -> dict:
     ms = 1000 * statistics.median(seconds)
     tokens_per_s = tokens_per_step / (ms / 1000)
-    return {"ms_per_step": ms, "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / peak,
-            "steps": len(seconds)}  # fmt: skip
+    return {
+        "ms_per_step": ms,
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token / peak,
+        "steps": len(seconds),
+    }
 
 
 def print_breakdown(breakdown: dict) -> None:
     parts = ("total", "matmul", "attention", "optimizer", "rest")
-    print("cpu-recipe step under torch.profiler, ms (optimizer = clip + AdamW + zero_grad; rest = other kernels, "
-          "autograd, Python):")  # fmt: skip
+    print(
+        "cpu-recipe step under torch.profiler, ms (optimizer = clip + AdamW + zero_grad; rest = other kernels, "
+        "autograd, Python):"
+    )
     print(f"  {'loop':<16}" + "".join(f"{part:>11}" for part in parts))
     loops = {loop: ms for loop, ms in breakdown.items() if loop != "optimizer_phase_ms"}
     for loop, ms in loops.items():
         print(f"  {loop:<16}" + "".join(f"{ms[part]:>11.1f}" for part in parts))
     best = min((ms for loop, ms in loops.items() if loop != "hf"), key=lambda ms: ms["total"])
     without = best["total"] - best["attention"] - best["optimizer"]
-    print(f"  HF's step over gptkit's fastest: {breakdown['hf']['total'] / best['total']:.2f}x; with attention and "
-          f"the optimiser free it would be {breakdown['hf']['total'] / without:.2f}x")  # fmt: skip
+    print(
+        f"  HF's step over gptkit's fastest: {breakdown['hf']['total'] / best['total']:.2f}x; with attention and "
+        f"the optimiser free it would be {breakdown['hf']['total'] / without:.2f}x"
+    )
     variants = ", ".join(f"{name} {ms:.2f}" for name, ms in breakdown["optimizer_phase_ms"].items())
     print(f"  optimiser phase alone (clip + AdamW + zero_grad, ms, no profiler): {variants}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=list(SHAPES),
-                        help="throughput shapes against HF (none: skip that part)")  # fmt: skip
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        choices=list(SHAPES),
+        default=list(SHAPES),
+        help="throughput shapes against HF (none: skip that part)",
+    )
     parser.add_argument("--steps", type=int, default=100, help="timed steps for cpu-recipe (default 100)")
     parser.add_argument("--gpt2-steps", type=int, default=3, help="timed steps for gpt2-small (default 3)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--gpt2-batch", type=int, default=SHAPES["gpt2-small"]["batch_size"])
     parser.add_argument("--gpt2-block", type=int, default=SHAPES["gpt2-small"]["block_size"])
-    parser.add_argument("--peak-flops", type=float,
-                        help="peak FLOP/s for MFU (default: this CPU's fp32 matmul, measured as the trainer "
-                        "does)")  # fmt: skip
+    parser.add_argument(
+        "--peak-flops",
+        type=float,
+        help="peak FLOP/s for MFU (default: this CPU's fp32 matmul, measured as the trainer does)",
+    )
     parser.add_argument("--speedrun", action="store_true", help="time the CPU speed-run recipe end to end")
     parser.add_argument("--speedrun-baseline", action="store_true", help="also time nanoGPT's CPU recipe")
-    parser.add_argument("--nanogpt", type=Path, metavar="NANOGPT",
-                        help="a nanoGPT checkout: also time its own train.py on the README's CPU command in the speed "
-                        "run")  # fmt: skip
+    parser.add_argument(
+        "--nanogpt",
+        type=Path,
+        metavar="NANOGPT",
+        help="a nanoGPT checkout: also time its own train.py on the README's CPU command in the speed run",
+    )
     parser.add_argument("--speedrun-steps", type=int, help="cut the recipes to this many steps (smoke runs only)")
-    parser.add_argument("--speedrun-rounds", type=int, default=3,
-                        help="interleaved rounds of the recipes; the median time of each counts (default 3)")  # fmt: skip
+    parser.add_argument(
+        "--speedrun-rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of the recipes; the median time of each counts (default 3)",
+    )
     parser.add_argument("--ddp", action="store_true", help="tokens/s of N processes vs 1 under torchrun")
     parser.add_argument("--ddp-processes", type=int, default=2)
     parser.add_argument("--ddp-steps", type=int, default=10, help="logged steps per DDP run (default 10)")
     parser.add_argument("--ddp-batch", type=int, default=8, help="sequences per process per step (default 8)")
     parser.add_argument("--compile", action="store_true", help="also time gptkit with train.compile (torch.compile)")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also split each loop's cpu-recipe step into matmul, attention, optimiser and the "
-                        "rest")  # fmt: skip
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also split each loop's cpu-recipe step into matmul, attention, optimiser and the rest",
+    )
     parser.add_argument("--breakdown-steps", type=int, default=30, help="profiled steps per loop (default 30)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
@@ -441,20 +564,33 @@ def main() -> int:
         if args.breakdown:
             print("breakdown: profiling the cpu-recipe step ...", file=sys.stderr)
             shape = SHAPES["cpu-recipe"]
-            breakdown = bench_breakdown(shape, shape["batch_size"], shape["block_size"], args.breakdown_steps,
-                                        args.compile)  # fmt: skip
-        speedrun = bench_speedrun(Path(tmp), args.speedrun_baseline, args.speedrun_steps, args.speedrun_rounds,
-                                  args.nanogpt) if args.speedrun else None  # fmt: skip
+            breakdown = bench_breakdown(
+                shape, shape["batch_size"], shape["block_size"], args.breakdown_steps, args.compile
+            )
+        speedrun = (
+            bench_speedrun(Path(tmp), args.speedrun_baseline, args.speedrun_steps, args.speedrun_rounds, args.nanogpt)
+            if args.speedrun
+            else None
+        )
         ddp = bench_ddp(Path(tmp), args.ddp_processes, args.ddp_steps, args.ddp_batch) if args.ddp else None
-    report = {"cpu": cpu_kernels.capability(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "peak_flops": args.peak_flops,
-              "shapes": results, "breakdown": breakdown, "speedrun": speedrun, "ddp": ddp}  # fmt: skip
+    report = {
+        "cpu": cpu_kernels.capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "peak_flops": args.peak_flops,
+        "shapes": results,
+        "breakdown": breakdown,
+        "speedrun": speedrun,
+        "ddp": ddp,
+    }
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     threads = torch.get_num_threads()
-    print(f"{report['cpu']}\ntorch {torch.__version__}, {threads} threads, MFU against "
-          f"{args.peak_flops / 1e9:.0f} GFLOP/s")  # fmt: skip
+    print(
+        f"{report['cpu']}\ntorch {torch.__version__}, {threads} threads, MFU against "
+        f"{args.peak_flops / 1e9:.0f} GFLOP/s"
+    )
     print(f"{'shape':<12} {'loop':<15} {'ms/step':>9} {'tokens/s':>10} {'MFU':>6}   HF time / gptkit time")
     for name, r in results.items():
         for loop in ("gptkit", "gptkit-compiled", "hf"):
@@ -474,14 +610,18 @@ def main() -> int:
             if key in speedrun:
                 r = speedrun[key]
                 rounds = ", ".join(f"{t:.1f}" for t in r["wall_s_all"])
-                print(f"  {r['config']}: {r['wall_s']:.1f} s for the whole command ({rounds}), {r['steps']} steps, "
-                      f"val loss {r['val_loss']:.4f} (full val.bin pass {r['val_loss_full_pass']:.4f}), target "
-                      f"{'reached' if r['reached_target'] else 'NOT reached'}")  # fmt: skip
+                print(
+                    f"  {r['config']}: {r['wall_s']:.1f} s for the whole command ({rounds}), {r['steps']} steps, "
+                    f"val loss {r['val_loss']:.4f} (full val.bin pass {r['val_loss_full_pass']:.4f}), target "
+                    f"{'reached' if r['reached_target'] else 'NOT reached'}"
+                )
         if "nanogpt" in speedrun:
             r = speedrun["nanogpt"]
             rounds = ", ".join(f"{t:.1f}" for t in r["wall_s_all"])
-            print(f"  {r['config']}: {r['wall_s']:.1f} s for the whole command ({rounds}), {r['steps']} steps, "
-                  f"val loss {r['val_loss']:.4f} (its own 20-batch estimate)")  # fmt: skip
+            print(
+                f"  {r['config']}: {r['wall_s']:.1f} s for the whole command ({rounds}), {r['steps']} steps, "
+                f"val loss {r['val_loss']:.4f} (its own 20-batch estimate)"
+            )
         for key in ("record", "fast"):
             for reference, name in (("baseline", "nanoGPT's recipe in gptkit"), ("nanogpt", "nanoGPT's train.py")):
                 if f"{key}_over_{reference}_time" in speedrun:

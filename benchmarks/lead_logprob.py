@@ -15,8 +15,8 @@ import json
 
 import torch
 
-from gptkit.decoding.grammar import ANY_OBJECT, Grammar
 from gptkit.chat import reply_lead
+from gptkit.decoding.grammar import ANY_OBJECT, Grammar
 from gptkit.loading import chat_template, load
 
 

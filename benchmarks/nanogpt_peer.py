@@ -19,20 +19,39 @@ from gptkit.prepare import DEFAULT_CORPUS
 
 # nanoGPT README's "I only have a macbook" command (karpathy/nanoGPT, README.md): 2,000 steps of a 4-layer,
 # 128-wide model on 12 x 64 characters, evaluating 20 batches every 250 steps.
-README_CPU_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
-                   "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
-                   "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]  # fmt: skip
+README_CPU_ARGS = [
+    "config/train_shakespeare_char.py",
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--max_iters=2000",
+    "--lr_decay_iters=2000",
+    "--dropout=0.0",
+]
 _EVALUATION = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)$", re.MULTILINE)
 
 
 def check_checkout(checkout: Path) -> None:
     """SystemExit naming what is missing where checkout is not a nanoGPT checkout."""
-    needed = ["train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
-              "data/shakespeare_char/prepare.py"]  # fmt: skip
+    needed = [
+        "train.py",
+        "model.py",
+        "configurator.py",
+        "config/train_shakespeare_char.py",
+        "data/shakespeare_char/prepare.py",
+    ]
     missing = [name for name in needed if not (checkout / name).is_file()]
     if missing:
-        raise SystemExit(f"--nanogpt {checkout}: not a nanoGPT checkout (no {', '.join(missing)}); clone it with "
-                         "`git clone https://github.com/karpathy/nanoGPT NANOGPT`")  # fmt: skip
+        raise SystemExit(
+            f"--nanogpt {checkout}: not a nanoGPT checkout (no {', '.join(missing)}); clone it with "
+            "`git clone https://github.com/karpathy/nanoGPT NANOGPT`"
+        )
 
 
 def prepared_copy(checkout: Path, work: Path) -> Path:
@@ -51,8 +70,10 @@ def _run(command: list[str], cwd: Path) -> str:
     """command's standard output; SystemExit with the end of its error output where it fails."""
     run = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
     if run.returncode != 0:
-        raise SystemExit(f"nanoGPT's {Path(command[1]).name} failed (exit {run.returncode}) in {cwd}; its error "
-                         f"output ended:\n{run.stderr[-800:]}")  # fmt: skip
+        raise SystemExit(
+            f"nanoGPT's {Path(command[1]).name} failed (exit {run.returncode}) in {cwd}; its error "
+            f"output ended:\n{run.stderr[-800:]}"
+        )
     return run.stdout
 
 
@@ -61,8 +82,16 @@ def timed_run(copy: Path, out: Path, steps: int | None = None) -> dict:
 
     steps (for smoke runs only) cuts the run short, with the warm-up cut to fit.
     """
-    short = [f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}",
-             f"--warmup_iters={steps // 2}"] if steps else []  # fmt: skip
+    short = (
+        [
+            f"--max_iters={steps}",
+            f"--lr_decay_iters={steps}",
+            f"--eval_interval={steps}",
+            f"--warmup_iters={steps // 2}",
+        ]
+        if steps
+        else []
+    )
     start = time.perf_counter()
     output = _run([sys.executable, "train.py", *README_CPU_ARGS, *short, f"--out_dir={out}"], copy)
     wall = time.perf_counter() - start
@@ -70,5 +99,9 @@ def timed_run(copy: Path, out: Path, steps: int | None = None) -> dict:
     if not evaluations:
         raise SystemExit(f"nanoGPT's train.py printed no evaluation line; its output ended:\n{output[-500:]}")
     step, _, val_loss = evaluations[-1]
-    return {"config": "nanoGPT train.py, README CPU command", "wall_s": wall, "steps": int(step),
-            "val_loss": float(val_loss)}  # fmt: skip
+    return {
+        "config": "nanoGPT train.py, README CPU command",
+        "wall_s": wall,
+        "steps": int(step),
+        "val_loss": float(val_loss),
+    }

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from gptkit import cpu_kernels
-from gptkit.adapters import add_lora, adapters, fingerprint
+from gptkit.adapters import adapters, add_lora, fingerprint
 from gptkit.formats.lora import write_lora_dir
 from gptkit.loading import load
 from gptkit.weights import model_state
@@ -28,8 +28,15 @@ RANK = 8
 def write_adapters(base_dir: Path, root: Path, count: int) -> list[Path]:
     """count LoRA directories over base_dir (rank 8 on every block layer, random non-zero updates)."""
     model, _ = load(base_dir)
-    settings = {"base": str(base_dir.resolve()), "base_fingerprint": fingerprint(model_state(model)), "rank": RANK,
-                "alpha": 16.0, "dropout": 0.0, "targets": "all", "base_precision": "float32"}  # fmt: skip
+    settings = {
+        "base": str(base_dir.resolve()),
+        "base_fingerprint": fingerprint(model_state(model)),
+        "rank": RANK,
+        "alpha": 16.0,
+        "dropout": 0.0,
+        "targets": "all",
+        "base_precision": "float32",
+    }
     add_lora(model, RANK, 16.0, 0.0, "all")
     dirs = []
     for i in range(count):
@@ -49,12 +56,16 @@ def compare(args: argparse.Namespace, build_model_dir, start_server, run_clients
         lora_dirs = write_adapters(base_dir, root, args.adapters)
         lora_flags = tuple(f for i, d in enumerate(lora_dirs) for f in ("--lora", f"adapter{i}={d}"))
         clients = max(args.concurrency)
-        servers = {"adapters": start_server(base_dir, clients, args.threads, extra=lora_flags),
-                   "merged": start_server(lora_dirs[0], clients, args.threads)}  # fmt: skip
+        servers = {
+            "adapters": start_server(base_dir, clients, args.threads, extra=lora_flags),
+            "merged": start_server(lora_dirs[0], clients, args.threads),
+        }
         rates: dict[str, list[float]] = {name: [] for name in servers}
         try:
-            names = {"adapters": [f"adapter{i % args.adapters}" for i in range(clients)],
-                     "merged": [json.loads(_get(servers["merged"][1] + "/v1/models"))["data"][0]["id"]] * clients}
+            names = {
+                "adapters": [f"adapter{i % args.adapters}" for i in range(clients)],
+                "merged": [json.loads(_get(servers["merged"][1] + "/v1/models"))["data"][0]["id"]] * clients,
+            }
             for name, (_, url) in servers.items():
                 run_clients(url, names[name], 1, 1, 4)  # warm-up
             for _ in range(args.rounds):
@@ -67,13 +78,21 @@ def compare(args: argparse.Namespace, build_model_dir, start_server, run_clients
                 proc.wait(timeout=30)
     median = {name: statistics.median(values) for name, values in rates.items()}
     ratio = median["adapters"] / median["merged"]
-    result = {"cpu": cpu_kernels.capability(), "clients": clients, "adapters": args.adapters,
-              "tokens_per_s": median, "rounds": rates, "ratio": ratio}  # fmt: skip
+    result = {
+        "cpu": cpu_kernels.capability(),
+        "clients": clients,
+        "adapters": args.adapters,
+        "tokens_per_s": median,
+        "rounds": rates,
+        "ratio": ratio,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{result['cpu']}: {clients} clients, {args.requests} requests each of {args.max_tokens} tokens, median of "
-          f"{args.rounds} interleaved rounds")  # fmt: skip
+    print(
+        f"{result['cpu']}: {clients} clients, {args.requests} requests each of {args.max_tokens} tokens, median of "
+        f"{args.rounds} interleaved rounds"
+    )
     print(f"  {clients} clients over {args.adapters} adapters: {median['adapters']:.1f} tokens/s")
     print(f"  {clients} clients on one merged model: {median['merged']:.1f} tokens/s")
     print(f"  ratio: {ratio:.2f}x")

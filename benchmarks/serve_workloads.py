@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
-
 from bench_serve import start_server
 
 STREAM = True
@@ -50,8 +49,14 @@ def build_model(tmp: Path, n_layer: int, n_embd: int, block_size: int) -> tuple[
 
     tokenizer = BPETokenizer.train([CORPUS.read_text()], vocab_size=4096)
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=block_size, n_layer=n_layer,
-                         n_head=max(1, n_embd // 64), n_embd=n_embd, activation="gelu_tanh")  # fmt: skip
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        block_size=block_size,
+        n_layer=n_layer,
+        n_head=max(1, n_embd // 64),
+        n_embd=n_embd,
+        activation="gelu_tanh",
+    )
     model = GPT(config).eval()
     model_dir = save_model_dir(model, tmp / MODEL, tokenizer=tokenizer)
     gguf = export_gguf(model, tmp / f"{MODEL}.gguf", tokenizer)
@@ -75,8 +80,15 @@ class Texts:
 
 def complete(http: httpx.Client, prompt: str, eos: int, max_tokens: int) -> tuple[int, float]:
     """Stream one greedy completion: (completion tokens, seconds to the first token with text)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logit_bias": {str(eos): -100},
-            "stream": STREAM, "stream_options": {"include_usage": True} if STREAM else None}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logit_bias": {str(eos): -100},
+        "stream": STREAM,
+        "stream_options": {"include_usage": True} if STREAM else None,
+    }
     # A connection per request on both sides: llama-server's HTTP library closes a kept-alive connection after a
     # few requests, and a request sent down one it has just closed fails.
     headers = {"Connection": "close"}
@@ -124,8 +136,9 @@ def conversation(url: str, eos: int, texts: Texts) -> dict[str, Any]:
 def shared_system(url: str, eos: int, texts: Texts, requests: int) -> dict[str, float]:
     """Completion tokens/s of SYSTEM_CLIENTS clients whose prompts share one system prompt."""
     system = "System: " + texts.take(SYSTEM_CHARS) + "\n"
-    prompts = [[f"{system}User: {texts.take(USER_CHARS)}\nAssistant:" for _ in range(requests)]
-               for _ in range(SYSTEM_CLIENTS)]  # fmt: skip
+    prompts = [
+        [f"{system}User: {texts.take(USER_CHARS)}\nAssistant:" for _ in range(requests)] for _ in range(SYSTEM_CLIENTS)
+    ]
 
     def client(mine: list[str]) -> tuple[int, float]:
         with httpx.Client(base_url=url, timeout=600) as http:
@@ -136,8 +149,10 @@ def shared_system(url: str, eos: int, texts: Texts, requests: int) -> dict[str, 
     with concurrent.futures.ThreadPoolExecutor(SYSTEM_CLIENTS) as pool:
         results = list(pool.map(client, prompts))
     seconds = time.perf_counter() - start
-    return {"tokens_per_s": sum(t for t, _ in results) / seconds,
-            "mean_ttft_s": sum(f for _, f in results) / len(results)}  # fmt: skip
+    return {
+        "tokens_per_s": sum(t for t, _ in results) / seconds,
+        "mean_ttft_s": sum(f for _, f in results) / len(results),
+    }
 
 
 def free_port() -> int:
@@ -150,13 +165,18 @@ def start_llama_server(binary: Path, gguf: Path, settings: list[str], log: Path)
     """llama-server on 127.0.0.1 with a free port (its output in log), once its /health answers 200."""
     port = free_port()
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *settings],
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *settings],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"bench_serve: llama-server exited ({proc.returncode}) with settings {settings}; see {log}")
+            raise SystemExit(
+                f"bench_serve: llama-server exited ({proc.returncode}) with settings {settings}; see {log}"
+            )
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
@@ -172,11 +192,13 @@ def workloads(args: argparse.Namespace) -> dict[str, Callable[[str, int, Texts],
     found: dict[str, Callable[[str, int, Texts], dict[str, Any]]] = {}
     for clients in (1, 8, 32):
         per_client = max(1, args.requests * 8 // max(clients, 8)) if clients > 1 else args.requests
-        found[f"{clients} client{'s' * (clients > 1)}, tokens/s"] = (
-            lambda url, eos, texts, c=clients, r=per_client: clients_rate(url, eos, texts, c, r))
+        found[f"{clients} client{'s' * (clients > 1)}, tokens/s"] = lambda url, eos, texts, c=clients, r=per_client: (
+            clients_rate(url, eos, texts, c, r)
+        )
     found["conversation, time to first token (s)"] = conversation
-    found[f"shared system prompt, {SYSTEM_CLIENTS} clients, tokens/s"] = (
-        lambda url, eos, texts: shared_system(url, eos, texts, 1))
+    found[f"shared system prompt, {SYSTEM_CLIENTS} clients, tokens/s"] = lambda url, eos, texts: shared_system(
+        url, eos, texts, 1
+    )
     return {name: run for name, run in found.items() if args.only is None or args.only in name}
 
 
@@ -215,16 +237,21 @@ def compare_with_llama_server(args: argparse.Namespace) -> None:
     if not binary.is_file():
         raise SystemExit(f"bench_serve: no llama-server in {args.llama_server} (build llama.cpp: LLAMA_CPP/build/bin)")
     cores = len(os.sched_getaffinity(0))
-    settings = {"best": (["-t", str(cores), "-np", "8", "-c", str(8 * 2048)], ["--threads", str(cores)]),
-                "defaults": ([], [])}  # fmt: skip
+    settings = {
+        "best": (["-t", str(cores), "-np", "8", "-c", str(8 * 2048)], ["--threads", str(cores)]),
+        "defaults": ([], []),
+    }
     if not args.defaults:
         del settings["defaults"]
     table: dict[str, Any] = {"cpu": cpu_line(), "threads": cores}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, gguf, eos = build_model(Path(tmp), args.n_layer, args.n_embd, 2048)
         for label, (llama_flags, gptkit_flags) in settings.items():
-            print(f"{label} settings: llama-server {' '.join(llama_flags) or '(none)'}; gptkit serve "
-                  f"{' '.join(gptkit_flags) or '(none)'}", flush=True)  # fmt: skip
+            print(
+                f"{label} settings: llama-server {' '.join(llama_flags) or '(none)'}; gptkit serve "
+                f"{' '.join(gptkit_flags) or '(none)'}",
+                flush=True,
+            )
             ours, ours_url = start_server(model_dir, None, None, extra=tuple(gptkit_flags))
             theirs, theirs_url = start_llama_server(binary, gguf, llama_flags, Path(tmp) / f"llama-server-{label}.log")
             try:
@@ -259,5 +286,7 @@ def print_table(table: dict[str, Any], as_json: bool) -> None:
                 print(f"{name} | {a:.1f} | {b:.1f} | {ratio}")
             else:
                 shown = lambda r: ", ".join(f"{t:.2f}" for t in r["ttft_s"])  # noqa: E731
-                print(f"{name}, turns 1-{TURNS} | {shown(theirs)} | {shown(ours)} | 5th/1st: "
-                      f"{theirs['last_over_first']:.2f} vs {ours['last_over_first']:.2f}")
+                print(
+                    f"{name}, turns 1-{TURNS} | {shown(theirs)} | {shown(ours)} | 5th/1st: "
+                    f"{theirs['last_over_first']:.2f} vs {ours['last_over_first']:.2f}"
+                )

@@ -33,25 +33,68 @@ import numpy as np
 from gptkit.prepare import DEFAULT_CORPUS
 
 # Each play's first speaker, in the order the corpus runs (its first line opens the play).
-PLAY_STARTS = [("Coriolanus", "First Citizen"), ("Richard III", "GLOUCESTER"), ("Richard II", "KING RICHARD II"),
-               ("Romeo and Juliet", "GREGORY"), ("Henry VI", "WARWICK"), ("The Winter's Tale", "ARCHIDAMUS"),
-               ("Measure for Measure", "DUKE VINCENTIO"), ("The Taming of the Shrew", "SLY"), ("The Tempest", "Master")]  # fmt: skip
+PLAY_STARTS = [
+    ("Coriolanus", "First Citizen"),
+    ("Richard III", "GLOUCESTER"),
+    ("Richard II", "KING RICHARD II"),
+    ("Romeo and Juliet", "GREGORY"),
+    ("Henry VI", "WARWICK"),
+    ("The Winter's Tale", "ARCHIDAMUS"),
+    ("Measure for Measure", "DUKE VINCENTIO"),
+    ("The Taming of the Shrew", "SLY"),
+    ("The Tempest", "Master"),
+]
 PLAYS = ["Coriolanus", "Romeo and Juliet", "The Winter's Tale", "The Taming of the Shrew"]
 MAX_CHARS = 120  # the model reads 128 bytes
-PRETRAIN = ["--model.preset", "shakespeare-char-cpu", "--model.block_size", "128", "--train.batch_size", "16",
-            "--optim.lr", "2e-3", "--optim.min_lr", "2e-4", "--optim.beta2", "0.99", "--train.eval_interval", "500",
-            "--train.eval_iters", "10", "--train.checkpoint_interval", "500"]  # fmt: skip
+PRETRAIN = [
+    "--model.preset",
+    "shakespeare-char-cpu",
+    "--model.block_size",
+    "128",
+    "--train.batch_size",
+    "16",
+    "--optim.lr",
+    "2e-3",
+    "--optim.min_lr",
+    "2e-4",
+    "--optim.beta2",
+    "0.99",
+    "--train.eval_interval",
+    "500",
+    "--train.eval_iters",
+    "10",
+    "--train.checkpoint_interval",
+    "500",
+]
 # 300 steps (about 4 epochs): the 0.8M-parameter model memorises 2,000 speeches' plays by 500.
-CLASSIFY = ["--finetune.objective", "classify", "--train.batch_size", "32", "--optim.lr", "5e-4", "--optim.min_lr",
-            "5e-5", "--optim.warmup_steps", "20", "--model.dropout", "0.1", "--train.eval_interval", "100",
-            "--train.eval_iters", "4", "--train.checkpoint_interval", "1000"]  # fmt: skip
+CLASSIFY = [
+    "--finetune.objective",
+    "classify",
+    "--train.batch_size",
+    "32",
+    "--optim.lr",
+    "5e-4",
+    "--optim.min_lr",
+    "5e-5",
+    "--optim.warmup_steps",
+    "20",
+    "--model.dropout",
+    "0.1",
+    "--train.eval_interval",
+    "100",
+    "--train.eval_iters",
+    "4",
+    "--train.checkpoint_interval",
+    "1000",
+]
 
 
 def gptkit_cli(*args: str, capture: bool = False) -> str:
     """Run one gptkit command, showing it as a user would type it."""
     print("$ gptkit " + shlex.join(args), flush=True)
-    done = subprocess.run([sys.executable, "-m", "gptkit", *args], check=True, text=True,
-                          stdout=subprocess.PIPE if capture else None)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "gptkit", *args], check=True, text=True, stdout=subprocess.PIPE if capture else None
+    )
     return done.stdout or ""
 
 
@@ -117,10 +160,22 @@ def main() -> int:
         held_blocks = {data[i][0] for i in held_set}
         corpus = "\n\n".join(b for b in DEFAULT_CORPUS.read_text().split("\n\n") if b not in held_blocks)
         (out / "pretrain.txt").write_text(corpus)
-        gptkit_cli("prepare", "--input", str(out / "pretrain.txt"), "--tokenizer", "byte", "--out",
-                   str(out / "pretrain_data"))  # fmt: skip
-        gptkit_cli("train", "--data", str(out / "pretrain_data"), "--out", str(out / "base"), *PRETRAIN,
-                   "--train.max_steps", str(2000 // scale), "--optim.warmup_steps", str(100 // scale), "--quiet")
+        gptkit_cli(
+            "prepare", "--input", str(out / "pretrain.txt"), "--tokenizer", "byte", "--out", str(out / "pretrain_data")
+        )
+        gptkit_cli(
+            "train",
+            "--data",
+            str(out / "pretrain_data"),
+            "--out",
+            str(out / "base"),
+            *PRETRAIN,
+            "--train.max_steps",
+            str(2000 // scale),
+            "--optim.warmup_steps",
+            str(100 // scale),
+            "--quiet",
+        )
 
     rng = np.random.default_rng(1)
     shuffled = {i: bool(rng.integers(2)) for i in range(len(data))}
@@ -133,15 +188,19 @@ def main() -> int:
 
     tasks = {
         "play": ([(t, p) for t, p in train_rows], test_rows),
-        "order": ([(ordered(i), "shuffled" if shuffled[i] else "original") for i in range(len(data)) if i not in held_set],
-                  [(ordered(i), "shuffled" if shuffled[i] else "original") for i in sorted(held_set)]),
-    }  # fmt: skip
+        "order": (
+            [(ordered(i), "shuffled" if shuffled[i] else "original") for i in range(len(data)) if i not in held_set],
+            [(ordered(i), "shuffled" if shuffled[i] else "original") for i in sorted(held_set)],
+        ),
+    }
     results = {}
     for task, (train_texts, test_texts) in tasks.items():
         results[task] = run_task(out / task, base, train_texts, test_texts, scale)
 
-    print(f"\nheld-out accuracy over {len(test_rows)} speeches the base model never read "
-          f"({time.perf_counter() - started:.0f} s in all):")  # fmt: skip
+    print(
+        f"\nheld-out accuracy over {len(test_rows)} speeches the base model never read "
+        f"({time.perf_counter() - started:.0f} s in all):"
+    )
     print(f"  {'task':6s} {'gptkit classifier':>18s} {'bag of words':>13s} {'majority class':>15s}")
     for task, r in results.items():
         print(f"  {task:6s} {100 * r['gptkit']:17.1f}% {100 * r['bag_of_words']:12.1f}% {100 * r['majority']:14.1f}%")
@@ -149,8 +208,9 @@ def main() -> int:
     return 0
 
 
-def run_task(out: Path, base: Path, train_rows: list[tuple[str, str]], test_rows: list[tuple[str, str]],
-             scale: int) -> dict[str, float]:  # fmt: skip
+def run_task(
+    out: Path, base: Path, train_rows: list[tuple[str, str]], test_rows: list[tuple[str, str]], scale: int
+) -> dict[str, float]:
     """Fine-tune a classifier on train_rows and score it, naive Bayes and the majority class on test_rows."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "train.jsonl").write_text("".join(json.dumps({"text": t, "label": p}) + "\n" for t, p in train_rows))
@@ -158,17 +218,31 @@ def run_task(out: Path, base: Path, train_rows: list[tuple[str, str]], test_rows
     gptkit_cli("prepare", "--input", str(out / "train.jsonl"), "--tokenizer", str(base), "--out", str(out / "data"))
     run_dir = out / "classifier"
     if not (run_dir / "latest").is_file():
-        gptkit_cli("train", "--data", str(out / "data"), "--out", str(run_dir), "--model.init_from", str(base),
-                   "--train.max_steps", str(max(300 // scale, 2)), *CLASSIFY, "--quiet")  # fmt: skip
+        gptkit_cli(
+            "train",
+            "--data",
+            str(out / "data"),
+            "--out",
+            str(run_dir),
+            "--model.init_from",
+            str(base),
+            "--train.max_steps",
+            str(max(300 // scale, 2)),
+            *CLASSIFY,
+            "--quiet",
+        )
     checkpoint = run_dir / (run_dir / "latest").read_text().strip()
     lines = gptkit_cli("classify", str(checkpoint), "--input", str(out / "held_out.jsonl"), "--json", capture=True)
     predicted = [json.loads(line)["label"] for line in lines.splitlines()]
     truth = [label for _, label in test_rows]
     majority = collections.Counter(label for _, label in train_rows).most_common(1)[0][0]
     bow = naive_bayes(train_rows, [t for t, _ in test_rows])
-    return {"gptkit": float(np.mean([a == b for a, b in zip(predicted, truth)])),
-            "bag_of_words": float(np.mean([a == b for a, b in zip(bow, truth)])),
-            "majority": float(np.mean([label == majority for label in truth])), "majority_label": majority}  # fmt: skip
+    return {
+        "gptkit": float(np.mean([a == b for a, b in zip(predicted, truth)])),
+        "bag_of_words": float(np.mean([a == b for a, b in zip(bow, truth)])),
+        "majority": float(np.mean([label == majority for label in truth])),
+        "majority_label": majority,
+    }
 
 
 if __name__ == "__main__":

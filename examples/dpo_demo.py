@@ -35,35 +35,67 @@ from gptkit.data import example_batches, load_examples, read_meta
 from gptkit.loss import row_logprobs
 
 # Every run: the same steps of 16 pairs (or of 32 marked completions: the same replies, unpaired).
-COMMON = ["--train.batch_size", "16", "--optim.warmup_steps", "10", "--optim.weight_decay", "0.0",
-          "--train.eval_interval", "50", "--train.eval_iters", "4", "--train.checkpoint_interval", "1000"]
+COMMON = [
+    "--train.batch_size",
+    "16",
+    "--optim.warmup_steps",
+    "10",
+    "--optim.weight_decay",
+    "0.0",
+    "--train.eval_interval",
+    "50",
+    "--train.eval_iters",
+    "4",
+    "--train.checkpoint_interval",
+    "1000",
+]
 # The two replies share every token up to the full stop, so plain DPO can raise "." anywhere in a word (both
 # replies' likelihood falls); the chosen replies' NLL (TRL's rpo_alpha) keeps the words right.
 DPO = ["--finetune.objective", "dpo", "--finetune.dpo_beta", "0.1", "--finetune.dpo_nll_weight", "1.0"]
 ORPO = ["--finetune.objective", "orpo", "--finetune.orpo_beta", "0.1"]  # its NLL term is built in
 KTO = ["--finetune.objective", "kto", "--finetune.kto_beta", "0.1", "--train.batch_size", "32"]
-FULL, LORA = ["--optim.lr", "2e-5", "--optim.min_lr", "2e-6"], ["--finetune.method", "lora", "--finetune.lora_rank",
-                                                                 "16", "--finetune.lora_alpha", "32", "--optim.lr",
-                                                                 "2e-4", "--optim.min_lr", "2e-5"]  # fmt: skip
+FULL, LORA = (
+    ["--optim.lr", "2e-5", "--optim.min_lr", "2e-6"],
+    [
+        "--finetune.method",
+        "lora",
+        "--finetune.lora_rank",
+        "16",
+        "--finetune.lora_alpha",
+        "32",
+        "--optim.lr",
+        "2e-4",
+        "--optim.min_lr",
+        "2e-5",
+    ],
+)
 
 
 def mixed(word: str, full_stop: bool) -> dict:
     """A supervised conversation in one of the two styles."""
-    return {"messages": [{"role": "user", "content": TASK.format(word=word)},
-                         {"role": "assistant", "content": word[::-1] + ("." if full_stop else "")}]}  # fmt: skip
+    return {
+        "messages": [
+            {"role": "user", "content": TASK.format(word=word)},
+            {"role": "assistant", "content": word[::-1] + ("." if full_stop else "")},
+        ]
+    }
 
 
 def unpaired(row: dict) -> list[dict]:
     """A preference row as KTO's two marked completions: the chosen one desirable, the rejected one not."""
-    return [{"prompt": row["prompt"], "completion": row["chosen"], "label": True},
-            {"prompt": row["prompt"], "completion": row["rejected"], "label": False}]  # fmt: skip
+    return [
+        {"prompt": row["prompt"], "completion": row["chosen"], "label": True},
+        {"prompt": row["prompt"], "completion": row["rejected"], "label": False},
+    ]
 
 
 def pair(word: str) -> dict:
     """The preference row for one word: the same answer, with and without the full stop."""
-    return {"prompt": [{"role": "user", "content": TASK.format(word=word)}],
-            "chosen": [{"role": "assistant", "content": word[::-1] + "."}],
-            "rejected": [{"role": "assistant", "content": word[::-1]}]}  # fmt: skip
+    return {
+        "prompt": [{"role": "user", "content": TASK.format(word=word)}],
+        "chosen": [{"role": "assistant", "content": word[::-1] + "."}],
+        "rejected": [{"role": "assistant", "content": word[::-1]}],
+    }
 
 
 @torch.no_grad()
@@ -82,15 +114,26 @@ def replies(model_dir: Path, words: list[str]) -> list[str]:
     model, tokenizer = gptkit.load(model_dir)
     template = load_chat_template(model_dir, eos_text(tokenizer))
     prompts = [tokenizer.encode(template.render([{"role": "user", "content": TASK.format(word=w)}])) for w in words]
-    out = gptkit.generate_ids(model, prompts, max_new_tokens=14, temperature=0.0, stop=list(template.stop),
-                              eos_id=tokenizer.eos_ids, tokenizer=tokenizer)  # fmt: skip
+    out = gptkit.generate_ids(
+        model,
+        prompts,
+        max_new_tokens=14,
+        temperature=0.0,
+        stop=list(template.stop),
+        eos_id=tokenizer.eos_ids,
+        tokenizer=tokenizer,
+    )
     return [tokenizer.decode(ids).split("\n\nuser:")[0].strip() for ids in out]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sft-out", type=Path, default=Path("runs/finetune-demo"),
-                        help="the supervised fine-tuning demonstration's --out (run first if missing)")  # fmt: skip
+    parser.add_argument(
+        "--sft-out",
+        type=Path,
+        default=Path("runs/finetune-demo"),
+        help="the supervised fine-tuning demonstration's --out (run first if missing)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/dpo-demo"), help="where everything is written")
     parser.add_argument("--quick", action="store_true", help="a fraction of the steps (a smoke run, not the result)")
     args = parser.parse_args()
@@ -101,8 +144,9 @@ def main() -> int:
 
     if not (args.sft_out / "full" / "latest").is_file():
         demo = Path(__file__).with_name("finetune_demo.py")
-        subprocess.run([sys.executable, str(demo), "--out", str(args.sft_out), *(["--quick"] if args.quick else [])],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, str(demo), "--out", str(args.sft_out), *(["--quick"] if args.quick else [])], check=True
+        )
     sft = args.sft_out / "full" / (args.sft_out / "full" / "latest").read_text().strip()
 
     train_words, held_out = task_words()
@@ -111,10 +155,30 @@ def main() -> int:
     (out / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     gptkit_cli("prepare", "--input", str(out / "mixed.jsonl"), "--tokenizer", str(sft), "--out", str(out / "mixed"))
     if not (out / "reference" / "latest").is_file():
-        gptkit_cli("train", "--data", str(out / "mixed"), "--out", str(out / "reference"), "--model.init_from",
-                   str(sft), "--train.max_steps", str(max(100 // scale, 2)), "--train.batch_size", "32",
-                   "--optim.lr", "5e-4", "--optim.min_lr", "5e-5", "--optim.warmup_steps", "10",
-                   "--train.eval_interval", "100", "--train.eval_iters", "4", "--quiet")  # fmt: skip
+        gptkit_cli(
+            "train",
+            "--data",
+            str(out / "mixed"),
+            "--out",
+            str(out / "reference"),
+            "--model.init_from",
+            str(sft),
+            "--train.max_steps",
+            str(max(100 // scale, 2)),
+            "--train.batch_size",
+            "32",
+            "--optim.lr",
+            "5e-4",
+            "--optim.min_lr",
+            "5e-5",
+            "--optim.warmup_steps",
+            "10",
+            "--train.eval_interval",
+            "100",
+            "--train.eval_iters",
+            "4",
+            "--quiet",
+        )
     sft = out / "reference" / (out / "reference" / "latest").read_text().strip()
     rows = [pair(train_words[i]) for i in rng.integers(0, len(train_words), 2000)]  # the same words, new draws
     (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -122,8 +186,17 @@ def main() -> int:
     gptkit_cli("prepare", "--input", str(out / "marked.jsonl"), "--tokenizer", str(sft), "--out", str(out / "marked"))
     (out / "held_out.jsonl").write_text("".join(json.dumps(pair(w)) + "\n" for w in held_out))
     gptkit_cli("prepare", "--input", str(out / "pairs.jsonl"), "--tokenizer", str(sft), "--out", str(out / "pairs"))
-    gptkit_cli("prepare", "--input", str(out / "held_out.jsonl"), "--tokenizer", str(sft), "--out",
-               str(out / "held_out"), "--val-fraction", "0")  # fmt: skip
+    gptkit_cli(
+        "prepare",
+        "--input",
+        str(out / "held_out.jsonl"),
+        "--tokenizer",
+        str(sft),
+        "--out",
+        str(out / "held_out"),
+        "--val-fraction",
+        "0",
+    )
     steps = str(max(100 // scale, 2))
     runs = {  # name: (run directory, data, flags)
         "DPO, full": ("full", "pairs", DPO + FULL),
@@ -141,23 +214,39 @@ def main() -> int:
         if run is not None:
             run_dir = out / run
             if not (run_dir / "latest").is_file():
-                gptkit_cli("train", "--data", str(out / data), "--out", str(run_dir), "--model.init_from", str(sft),
-                           "--train.max_steps", steps, *COMMON, *flags, "--quiet")  # fmt: skip
+                gptkit_cli(
+                    "train",
+                    "--data",
+                    str(out / data),
+                    "--out",
+                    str(run_dir),
+                    "--model.init_from",
+                    str(sft),
+                    "--train.max_steps",
+                    steps,
+                    *COMMON,
+                    *flags,
+                    "--quiet",
+                )
             checkpoint = run_dir / (run_dir / "latest").read_text().strip()
         policy = completion_logprobs(checkpoint, out / "held_out")
         margins = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
         said = replies(checkpoint, held_out)
-        results[name] = {"preference_accuracy": float(np.mean(margins > 0)),
-                         "ends_with_full_stop": float(np.mean([s.endswith(".") for s in said])),
-                         "reversed_correctly": float(np.mean([s.rstrip(".") == w[::-1] for s, w in zip(said, held_out)])),
-                         "example": f"Reverse: {held_out[0]} -> {said[0]!r}"}  # fmt: skip
+        results[name] = {
+            "preference_accuracy": float(np.mean(margins > 0)),
+            "ends_with_full_stop": float(np.mean([s.endswith(".") for s in said])),
+            "reversed_correctly": float(np.mean([s.rstrip(".") == w[::-1] for s, w in zip(said, held_out)])),
+            "example": f"Reverse: {held_out[0]} -> {said[0]!r}",
+        }
 
     print(f"\non {len(held_out)} held-out words ({time.perf_counter() - started:.0f} s in all):")
     print(f"  {'model':28s} {'pref. acc.':>10s} {'ends with .':>12s} {'reversed ok':>12s}   example")
     for name, r in results.items():
         accuracy = "(margins 0)" if name.startswith("reference") else f"{100 * r['preference_accuracy']:9.1f}%"
-        print(f"  {name:28s} {accuracy:>10s} {100 * r['ends_with_full_stop']:11.1f}% "
-              f"{100 * r['reversed_correctly']:11.1f}%   {r['example']}")  # fmt: skip
+        print(
+            f"  {name:28s} {accuracy:>10s} {100 * r['ends_with_full_stop']:11.1f}% "
+            f"{100 * r['reversed_correctly']:11.1f}%   {r['example']}"
+        )
     print(json.dumps(results))
     return 0
 

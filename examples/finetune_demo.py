@@ -30,11 +30,40 @@ from gptkit.chat import eos_text, load_chat_template
 from gptkit.prepare import DEFAULT_CORPUS
 
 TASK = "Reverse: {word}"
-PRETRAIN = ["--model.preset", "shakespeare-char-cpu", "--model.block_size", "128", "--train.batch_size", "16",
-            "--optim.lr", "2e-3", "--optim.min_lr", "2e-4", "--optim.beta2", "0.99", "--train.eval_interval", "500",
-            "--train.eval_iters", "10", "--train.checkpoint_interval", "500"]  # fmt: skip
-FINETUNE = ["--train.batch_size", "32", "--optim.warmup_steps", "20", "--optim.weight_decay", "0.0",
-            "--train.eval_interval", "100", "--train.eval_iters", "4", "--train.checkpoint_interval", "1000"]  # fmt: skip
+PRETRAIN = [
+    "--model.preset",
+    "shakespeare-char-cpu",
+    "--model.block_size",
+    "128",
+    "--train.batch_size",
+    "16",
+    "--optim.lr",
+    "2e-3",
+    "--optim.min_lr",
+    "2e-4",
+    "--optim.beta2",
+    "0.99",
+    "--train.eval_interval",
+    "500",
+    "--train.eval_iters",
+    "10",
+    "--train.checkpoint_interval",
+    "500",
+]
+FINETUNE = [
+    "--train.batch_size",
+    "32",
+    "--optim.warmup_steps",
+    "20",
+    "--optim.weight_decay",
+    "0.0",
+    "--train.eval_interval",
+    "100",
+    "--train.eval_iters",
+    "4",
+    "--train.checkpoint_interval",
+    "1000",
+]
 
 
 def gptkit_cli(*args: str) -> None:
@@ -52,8 +81,9 @@ def task_words(seed: int = 0) -> tuple[list[str], list[str]]:
 
 
 def conversation(word: str) -> dict:
-    return {"messages": [{"role": "user", "content": TASK.format(word=word)},
-                         {"role": "assistant", "content": word[::-1]}]}  # fmt: skip
+    return {
+        "messages": [{"role": "user", "content": TASK.format(word=word)}, {"role": "assistant", "content": word[::-1]}]
+    }
 
 
 @torch.no_grad()
@@ -62,8 +92,15 @@ def exact_match(model_dir: Path, words: list[str]) -> float:
     model, tokenizer = gptkit.load(model_dir)
     template = load_chat_template(model_dir, eos_text(tokenizer))
     prompts = [tokenizer.encode(template.render([{"role": "user", "content": TASK.format(word=w)}])) for w in words]
-    replies = gptkit.generate_ids(model, prompts, max_new_tokens=12, temperature=0.0, stop=list(template.stop),
-                                  eos_id=tokenizer.eos_ids, tokenizer=tokenizer)  # fmt: skip
+    replies = gptkit.generate_ids(
+        model,
+        prompts,
+        max_new_tokens=12,
+        temperature=0.0,
+        stop=list(template.stop),
+        eos_id=tokenizer.eos_ids,
+        tokenizer=tokenizer,
+    )
     answers = [tokenizer.decode(ids).split("\n\nuser:")[0].strip() for ids in replies]
     return sum(a == w[::-1] for a, w in zip(answers, words)) / len(words)
 
@@ -81,33 +118,71 @@ def main() -> int:
     base = out / "base" / "checkpoints" / f"step-{2000 // scale:06d}"
     if not base.is_dir():
         gptkit_cli("prepare", "--tokenizer", "byte", "--out", str(out / "shakespeare_bytes"))
-        gptkit_cli("train", "--data", str(out / "shakespeare_bytes"), "--out", str(out / "base"), *PRETRAIN,
-                   "--train.max_steps", str(2000 // scale), "--optim.warmup_steps", str(100 // scale), "--quiet")
+        gptkit_cli(
+            "train",
+            "--data",
+            str(out / "shakespeare_bytes"),
+            "--out",
+            str(out / "base"),
+            *PRETRAIN,
+            "--train.max_steps",
+            str(2000 // scale),
+            "--optim.warmup_steps",
+            str(100 // scale),
+            "--quiet",
+        )
 
     train_words, held_out = task_words()
     rng = np.random.default_rng(1)
     rows = [conversation(train_words[i]) for i in rng.integers(0, len(train_words), 4000)]
     (out / "reverse.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    gptkit_cli("prepare", "--input", str(out / "reverse.jsonl"), "--tokenizer", str(base), "--out",
-               str(out / "reverse_data"))
+    gptkit_cli(
+        "prepare", "--input", str(out / "reverse.jsonl"), "--tokenizer", str(base), "--out", str(out / "reverse_data")
+    )
     steps = str(600 // scale)
     runs = {
         "full fine-tuning": ("full", ["--optim.lr", "1e-3", "--optim.min_lr", "1e-4"]),
-        "LoRA (rank 16, all layers)": ("lora", ["--finetune.method", "lora", "--finetune.lora_rank", "16",
-                                                "--finetune.lora_alpha", "32", "--optim.lr", "4e-3",
-                                                "--optim.min_lr", "4e-4"]),
-    }  # fmt: skip
+        "LoRA (rank 16, all layers)": (
+            "lora",
+            [
+                "--finetune.method",
+                "lora",
+                "--finetune.lora_rank",
+                "16",
+                "--finetune.lora_alpha",
+                "32",
+                "--optim.lr",
+                "4e-3",
+                "--optim.min_lr",
+                "4e-4",
+            ],
+        ),
+    }
     results = {"base model (no fine-tuning)": (exact_match(base, held_out), None)}
     for name, (run, flags) in runs.items():
         run_dir = out / run
         if not (run_dir / "latest").is_file():
-            gptkit_cli("train", "--data", str(out / "reverse_data"), "--out", str(run_dir), "--model.init_from",
-                       str(base), "--train.max_steps", steps, *FINETUNE, *flags, "--quiet")
+            gptkit_cli(
+                "train",
+                "--data",
+                str(out / "reverse_data"),
+                "--out",
+                str(run_dir),
+                "--model.init_from",
+                str(base),
+                "--train.max_steps",
+                steps,
+                *FINETUNE,
+                *flags,
+                "--quiet",
+            )
         checkpoint = run_dir / (run_dir / "latest").read_text().strip()
         results[name] = (exact_match(checkpoint, held_out), checkpoint)
 
-    print(f"\nheld-out exact match over {len(held_out)} words never seen in training "
-          f"({time.perf_counter() - started:.0f} s in all):")  # fmt: skip
+    print(
+        f"\nheld-out exact match over {len(held_out)} words never seen in training "
+        f"({time.perf_counter() - started:.0f} s in all):"
+    )
     for name, (score, checkpoint) in results.items():
         print(f"  {name:30s} {100 * score:5.1f}%" + (f"   {checkpoint}" if checkpoint else ""))
     print(json.dumps({name: score for name, (score, _) in results.items()}))

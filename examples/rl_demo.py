@@ -39,13 +39,58 @@ import numpy as np
 
 from gptkit.finetune.policy_loss import LossType
 
-SFT = ["--model.n_layer", "3", "--model.n_head", "4", "--model.n_embd", "128", "--model.block_size", "16",
-       "--model.dropout", "0.0", "--train.batch_size", "64", "--optim.lr", "3e-3", "--optim.warmup_steps", "50",
-       "--train.eval_iters", "4", "--train.sample_every", "0", "--train.eval_examples", "64"]  # fmt: skip
-RL = ["--finetune.objective", "grpo", "--finetune.reward", "exact_match", "--finetune.group_size", "8",
-      "--finetune.completion_tokens", "4", "--finetune.temperature", "1.0", "--finetune.eval_samples", "8",
-      "--train.batch_size", "8", "--train.eval_examples", "100", "--optim.lr", "1e-4", "--optim.schedule",
-      "constant", "--optim.warmup_steps", "5", "--optim.weight_decay", "0.0", "--train.sample_every", "0"]  # fmt: skip
+SFT = [
+    "--model.n_layer",
+    "3",
+    "--model.n_head",
+    "4",
+    "--model.n_embd",
+    "128",
+    "--model.block_size",
+    "16",
+    "--model.dropout",
+    "0.0",
+    "--train.batch_size",
+    "64",
+    "--optim.lr",
+    "3e-3",
+    "--optim.warmup_steps",
+    "50",
+    "--train.eval_iters",
+    "4",
+    "--train.sample_every",
+    "0",
+    "--train.eval_examples",
+    "64",
+]
+RL = [
+    "--finetune.objective",
+    "grpo",
+    "--finetune.reward",
+    "exact_match",
+    "--finetune.group_size",
+    "8",
+    "--finetune.completion_tokens",
+    "4",
+    "--finetune.temperature",
+    "1.0",
+    "--finetune.eval_samples",
+    "8",
+    "--train.batch_size",
+    "8",
+    "--train.eval_examples",
+    "100",
+    "--optim.lr",
+    "1e-4",
+    "--optim.schedule",
+    "constant",
+    "--optim.warmup_steps",
+    "5",
+    "--optim.weight_decay",
+    "0.0",
+    "--train.sample_every",
+    "0",
+]
 SFT_STEPS, RL_STEPS = 2000, 400
 QUICK_STEPS = 40, 6  # --quick: SFT and RL steps of a smoke run
 CARELESS = 0.4  # the share of worked answers that are one too high
@@ -73,8 +118,10 @@ def held_out_prompts(sft_data: Path, rl_data: Path) -> list[str]:
     from gptkit.tokenizer import load_tokenizer
 
     examples, tokenizer = load_examples(sft_data, "val", read_meta(sft_data)), load_tokenizer(sft_data)
-    sft = [tokenizer.decode(examples.ids[a:b].tolist()).split("=")[0] + "="
-           for a, b in zip(examples.offsets[:-1], examples.offsets[1:])]  # fmt: skip
+    sft = [
+        tokenizer.decode(examples.ids[a:b].tolist()).split("=")[0] + "="
+        for a, b in zip(examples.offsets[:-1], examples.offsets[1:])
+    ]
     rl = [json.loads(line)["text"] for line in (rl_data / "val.prompts.jsonl").read_text().splitlines()]
     if sft != rl:
         raise SystemExit("the supervised and prompt sets hold out different problems; prepare both again")
@@ -99,10 +146,21 @@ def evaluations(run: Path) -> list[dict]:
 def supervised_data(out: Path, pairs: list[tuple[int, int]]) -> Path:
     """Careless worked examples of every problem, prepared with the validation split held out."""
     careless = np.random.default_rng(1).random(len(pairs)) < CARELESS
-    examples = write_rows(out / "sft.jsonl", [{"prompt": f"{a}+{b}=", "completion": str(a + b + int(wrong))}
-                                              for (a, b), wrong in zip(pairs, careless)])  # fmt: skip
-    gptkit_cli("prepare", "--input", str(examples), "--tokenizer", "byte", "--out", str(out / "sft-data"),
-               "--val-fraction", VAL_FRACTION)  # fmt: skip
+    examples = write_rows(
+        out / "sft.jsonl",
+        [{"prompt": f"{a}+{b}=", "completion": str(a + b + int(wrong))} for (a, b), wrong in zip(pairs, careless)],
+    )
+    gptkit_cli(
+        "prepare",
+        "--input",
+        str(examples),
+        "--tokenizer",
+        "byte",
+        "--out",
+        str(out / "sft-data"),
+        "--val-fraction",
+        VAL_FRACTION,
+    )
     return out / "sft-data"
 
 
@@ -114,35 +172,70 @@ def train(data: Path, run: Path, steps: int, seed: int, recipe: list[str], *extr
     if newest != last:
         # A run stopped early (Ctrl-C checkpoints it) continues where it stopped, not from its partial model.
         resume = ["--resume"] if newest is not None else []
-        gptkit_cli("train", *resume, "--data", str(data), "--out", str(run), *extra, *recipe, "--train.seed",
-                   str(seed), "--train.max_steps", str(steps), "--train.eval_interval", str(max(steps // 4, 1)),
-                   "--train.checkpoint_interval", str(steps))  # fmt: skip
+        gptkit_cli(
+            "train",
+            *resume,
+            "--data",
+            str(data),
+            "--out",
+            str(run),
+            *extra,
+            *recipe,
+            "--train.seed",
+            str(seed),
+            "--train.max_steps",
+            str(steps),
+            "--train.eval_interval",
+            str(max(steps // 4, 1)),
+            "--train.checkpoint_interval",
+            str(steps),
+        )
     return last
 
 
-def one_seed(out: Path, sft_data: Path, pairs: list[tuple[int, int]], seed: int, steps: tuple[int, int],
-             loss_type: str = "dapo") -> dict:  # fmt: skip
+def one_seed(
+    out: Path, sft_data: Path, pairs: list[tuple[int, int]], seed: int, steps: tuple[int, int], loss_type: str = "dapo"
+) -> dict:
     """Supervised fine-tuning then RL with one train.seed, in out/seed-S (RL under another loss type than the
     default in rl-LOSS_TYPE, from the same supervised model); what the RL run's evaluations measured."""
     where = out / f"seed-{seed}"
     start = train(sft_data, where / "sft", steps[0], seed, SFT)
     # The prompt set: the same problems, the same held out (its validation split) to measure.
     prompts = write_rows(where / "prompts.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs])
-    gptkit_cli("prepare", "--input", str(prompts), "--tokenizer", str(start), "--out", str(where / "rl-data"),
-               "--val-fraction", VAL_FRACTION)  # fmt: skip
+    gptkit_cli(
+        "prepare",
+        "--input",
+        str(prompts),
+        "--tokenizer",
+        str(start),
+        "--out",
+        str(where / "rl-data"),
+        "--val-fraction",
+        VAL_FRACTION,
+    )
     held_out = held_out_prompts(sft_data, where / "rl-data")
     rl = where / ("rl" if loss_type == "dapo" else f"rl-{loss_type}")
     train(where / "rl-data", rl, steps[1], seed, RL, "--model.init_from", str(start), "--finetune.loss_type", loss_type)
     first, last = evaluations(rl)[0], evaluations(rl)[-1]
-    rewards = [(r["step"], r["reward"]) for r in map(json.loads, (rl / "metrics.jsonl").read_text().splitlines())
-               if "reward" in r]  # fmt: skip
-    result = {"seed": seed, "loss_type": loss_type, "held_out_prompts": min(100, len(held_out)),
-              "train_reward": rewards}  # fmt: skip
+    rewards = [
+        (r["step"], r["reward"])
+        for r in map(json.loads, (rl / "metrics.jsonl").read_text().splitlines())
+        if "reward" in r
+    ]
+    result = {
+        "seed": seed,
+        "loss_type": loss_type,
+        "held_out_prompts": min(100, len(held_out)),
+        "train_reward": rewards,
+    }
     for name, record in (("before_rl", first), ("after_rl", last)):
         result[name] = {"step": record["step"], "pass@1": record["val_pass_at_1"], "pass@8": record["val_pass_at_8"]}
-    print(f"seed {seed}: held-out pass@1 {first['val_pass_at_1']:.3f} -> {last['val_pass_at_1']:.3f}, pass@8 "
-          f"{first['val_pass_at_8']:.3f} -> {last['val_pass_at_8']:.3f} after {last['step']} RL steps; curves in "
-          f"{rl / 'loss.png'}", flush=True)  # fmt: skip
+    print(
+        f"seed {seed}: held-out pass@1 {first['val_pass_at_1']:.3f} -> {last['val_pass_at_1']:.3f}, pass@8 "
+        f"{first['val_pass_at_8']:.3f} -> {last['val_pass_at_8']:.3f} after {last['step']} RL steps; curves in "
+        f"{rl / 'loss.png'}",
+        flush=True,
+    )
     return result
 
 
@@ -190,8 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=at_least(1), default=1, help="how many seeds to run (default 1)")
     parser.add_argument("--seed", type=at_least(0), default=1, help="the first seed's train.seed (default 1)")
     parser.add_argument("--quick", action="store_true", help="a fraction of the steps (a smoke run, not the result)")
-    parser.add_argument("--loss-type", default="dapo", choices=get_args(LossType),
-                        help="GRPO's loss type (finetune.loss_type; default dapo, gptkit's default)")  # fmt: skip
+    parser.add_argument(
+        "--loss-type",
+        default="dapo",
+        choices=get_args(LossType),
+        help="GRPO's loss type (finetune.loss_type; default dapo, gptkit's default)",
+    )
     return parser
 
 
@@ -201,18 +298,28 @@ def report(out: Path, runs: list[dict], steps: tuple[int, int], seconds: float) 
     from gptkit.atomic import atomic_write_text
 
     figures = spread(runs)
-    summary = {"held_out_prompts": runs[0]["held_out_prompts"], "samples_per_prompt": 8, "sft_steps": steps[0],
-               "rl_steps": steps[1], "machine": machine(), "seeds": [run["seed"] for run in runs], **figures,
-               "runs": runs, "seconds": round(seconds, 1)}  # fmt: skip
+    summary = {
+        "held_out_prompts": runs[0]["held_out_prompts"],
+        "samples_per_prompt": 8,
+        "sft_steps": steps[0],
+        "rl_steps": steps[1],
+        "machine": machine(),
+        "seeds": [run["seed"] for run in runs],
+        **figures,
+        "runs": runs,
+        "seconds": round(seconds, 1),
+    }
     loss_type = runs[0]["loss_type"]
     path = out / ("summary.json" if loss_type == "dapo" else f"summary-{loss_type}.json")
     atomic_write_text(path, json.dumps(summary, indent=1) + "\n")
     raised = sum(run["after_rl"]["pass@1"] > run["before_rl"]["pass@1"] for run in runs)
-    print(f"{len(runs)} seed(s), held-out mean (least-most): pass@1 {_shown(figures['before_rl']['pass@1'])} -> "
-          f"{_shown(figures['after_rl']['pass@1'])}, pass@8 {_shown(figures['before_rl']['pass@8'])} -> "
-          f"{_shown(figures['after_rl']['pass@8'])}; RL raised pass@1 on {raised} of {len(runs)} seeds, by "
-          f"{_shown(figures['gain']['pass@1'], ' points')}; {seconds:.0f} s in all\n"
-          f"machine: {summary['machine']}\nsummary: {path}")  # fmt: skip
+    print(
+        f"{len(runs)} seed(s), held-out mean (least-most): pass@1 {_shown(figures['before_rl']['pass@1'])} -> "
+        f"{_shown(figures['after_rl']['pass@1'])}, pass@8 {_shown(figures['before_rl']['pass@8'])} -> "
+        f"{_shown(figures['after_rl']['pass@8'])}; RL raised pass@1 on {raised} of {len(runs)} seeds, by "
+        f"{_shown(figures['gain']['pass@1'], ' points')}; {seconds:.0f} s in all\n"
+        f"machine: {summary['machine']}\nsummary: {path}"
+    )
 
 
 def main() -> None:
@@ -220,8 +327,10 @@ def main() -> None:
     started, pairs = time.perf_counter(), problems()
     steps = QUICK_STEPS if args.quick else (SFT_STEPS, RL_STEPS)
     sft_data = supervised_data(args.out, pairs)
-    runs = [one_seed(args.out, sft_data, pairs, seed, steps, args.loss_type)
-            for seed in range(args.seed, args.seed + args.seeds)]  # fmt: skip
+    runs = [
+        one_seed(args.out, sft_data, pairs, seed, steps, args.loss_type)
+        for seed in range(args.seed, args.seed + args.seeds)
+    ]
     report(args.out, runs, steps, time.perf_counter() - started)
 
 

@@ -54,23 +54,109 @@ EOS = "<|endoftext|>"  # gptkit's BPE end-of-text text, which the default templa
 # (rows are a third as long as in bytes), while numbers stay digits and the held-out names split into pieces that
 # training saw (with 1024 tokens, whole words of training become tokens and the held-out ones rarely seen pieces).
 TOKENIZER = ["--tokenizer", "bpe", "--vocab-size", "384"]
-MODEL = ["--model.n_layer", "3", "--model.n_head", "4", "--model.n_embd", "128", "--model.block_size", "160",
-         "--model.position", "rope", "--model.dropout", "0.0"]  # fmt: skip
-TRAIN = ["--train.batch_size", "32", "--optim.lr", "3e-3", "--optim.min_lr", "3e-4", "--optim.warmup_steps", "30",
-         "--train.eval_iters", "4", "--train.sample_every", "0", "--train.eval_examples", "8",
-         "--train.eval_at_start", "false"]  # fmt: skip
+MODEL = [
+    "--model.n_layer",
+    "3",
+    "--model.n_head",
+    "4",
+    "--model.n_embd",
+    "128",
+    "--model.block_size",
+    "160",
+    "--model.position",
+    "rope",
+    "--model.dropout",
+    "0.0",
+]
+TRAIN = [
+    "--train.batch_size",
+    "32",
+    "--optim.lr",
+    "3e-3",
+    "--optim.min_lr",
+    "3e-4",
+    "--optim.warmup_steps",
+    "30",
+    "--train.eval_iters",
+    "4",
+    "--train.sample_every",
+    "0",
+    "--train.eval_examples",
+    "8",
+    "--train.eval_at_start",
+    "false",
+]
 
 OPS = {"times": "*", "plus": "+", "minus": "-"}
 ASK = ["What is {a} {op} {b}?", "How much is {a} {op} {b}?", "Compute {a} {op} {b}.", "What is {a}{sym}{b}?"]
-COLOURS = {"the sky": "Blue", "grass": "Green", "snow": "White", "the sun": "Yellow", "coal": "Black",
-           "blood": "Red", "the sea": "Blue", "milk": "White", "a banana": "Yellow", "a lemon": "Yellow",
-           "a tomato": "Red", "a leaf": "Green", "an orange": "Orange", "chocolate": "Brown", "a cloud": "White",
-           "a rose": "Red", "a frog": "Green", "a carrot": "Orange", "soil": "Brown", "ink": "Black",
-           "a cherry": "Red", "a lime": "Green", "cream": "White", "a pumpkin": "Orange"}  # fmt: skip
-GREETINGS = ["Hi", "Hello", "Hello there", "Good morning", "Good evening", "Hey", "Hi there", "Greetings",
-             "Howdy", "Good afternoon", "Hey there", "Morning", "Hiya", "Good day", "Yo", "Salut"]  # fmt: skip
-NAMES = ["Ada", "Alan", "Grace", "Linus", "Marie", "Isaac", "Emmy", "Niels", "Rosalind", "Carl", "Hedy", "Kurt",
-         "Lise", "Paul", "Sofia", "Tim", "Barbara", "Claude", "Dorothy", "Edsger", "Frances", "Guido"]  # fmt: skip
+COLOURS = {
+    "the sky": "Blue",
+    "grass": "Green",
+    "snow": "White",
+    "the sun": "Yellow",
+    "coal": "Black",
+    "blood": "Red",
+    "the sea": "Blue",
+    "milk": "White",
+    "a banana": "Yellow",
+    "a lemon": "Yellow",
+    "a tomato": "Red",
+    "a leaf": "Green",
+    "an orange": "Orange",
+    "chocolate": "Brown",
+    "a cloud": "White",
+    "a rose": "Red",
+    "a frog": "Green",
+    "a carrot": "Orange",
+    "soil": "Brown",
+    "ink": "Black",
+    "a cherry": "Red",
+    "a lime": "Green",
+    "cream": "White",
+    "a pumpkin": "Orange",
+}
+GREETINGS = [
+    "Hi",
+    "Hello",
+    "Hello there",
+    "Good morning",
+    "Good evening",
+    "Hey",
+    "Hi there",
+    "Greetings",
+    "Howdy",
+    "Good afternoon",
+    "Hey there",
+    "Morning",
+    "Hiya",
+    "Good day",
+    "Yo",
+    "Salut",
+]
+NAMES = [
+    "Ada",
+    "Alan",
+    "Grace",
+    "Linus",
+    "Marie",
+    "Isaac",
+    "Emmy",
+    "Niels",
+    "Rosalind",
+    "Carl",
+    "Hedy",
+    "Kurt",
+    "Lise",
+    "Paul",
+    "Sofia",
+    "Tim",
+    "Barbara",
+    "Claude",
+    "Dorothy",
+    "Edsger",
+    "Frances",
+    "Guido",
+]
 
 
 @tool
@@ -121,9 +207,12 @@ def call_turns(question: str, expression: str) -> list[dict[str, Any]]:
     arguments = {"expression": expression}
     call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
     result = calculator.invoke(arguments)
-    return [{"role": "user", "content": question}, {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_0", "content": result},
-            {"role": "assistant", "content": f"The answer is {result}."}]  # fmt: skip
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": result},
+        {"role": "assistant", "content": f"The answer is {result}."},
+    ]
 
 
 def rows(conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -134,7 +223,7 @@ def rows(conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> lis
         if message["role"] == "assistant":
             prompt = template.render(conversation[:i], tools=tools)
             whole = template.render(conversation[: i + 1], add_generation_prompt=False, tools=tools)
-            out.append({"prompt": prompt, "completion": whole[len(prompt):].split(EOS)[0]})
+            out.append({"prompt": prompt, "completion": whole[len(prompt) :].split(EOS)[0]})
     return out
 
 
@@ -215,11 +304,13 @@ def ask(llm: Any, question: str) -> dict[str, Any]:
     return {"question": question, "calls": expressions, "answer": reply.content, "prompt_tokens": prompt_tokens}
 
 
-def evaluate(url: str, name: str, split: dict[str, Any], count: int, tools: list[dict[str, Any]],
-             tokenizer: Any) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    url: str, name: str, split: dict[str, Any], count: int, tools: list[dict[str, Any]], tokenizer: Any
+) -> dict[str, Any]:
     """The held-out figures: tool questions called and answered right, other questions answered directly."""
-    llm = ChatOpenAI(model=name, base_url=url, api_key="unused", temperature=0, max_tokens=64,
-                     max_retries=0).bind_tools([calculator])  # fmt: skip
+    llm = ChatOpenAI(
+        model=name, base_url=url, api_key="unused", temperature=0, max_tokens=64, max_retries=0
+    ).bind_tools([calculator])
     rng = random.Random(2)
     calls = [arithmetic(rng, split["pairs"][1]) for _ in range(count)]
     directs = [direct(rng, split["things"][1], split["greetings"][1], split["names"][1])[0] for _ in range(count)]
@@ -230,10 +321,16 @@ def evaluate(url: str, name: str, split: dict[str, Any], count: int, tools: list
     right_call = [r["calls"][:1] == [e] for r, (_, e) in zip(called, calls)]
     right_answer = [r["answer"].strip() == f"The answer is {calculator.invoke(e)}." for r, (_, e) in zip(called, calls)]
     wrong = [r for r, ok in zip(called, right_answer) if not ok] + [r for r in answered if r["calls"]]
-    return {"tool_questions": count, "called_when_needed": sum(bool(r["calls"]) for r in called) / count,
-            "right_expression": sum(right_call) / count, "right_answer_after_tool": sum(right_answer) / count,
-            "direct_questions": count, "answered_directly": sum(not r["calls"] for r in answered) / count,
-            "examples": [called[0], answered[0]], "mistakes": wrong[:5]}  # fmt: skip
+    return {
+        "tool_questions": count,
+        "called_when_needed": sum(bool(r["calls"]) for r in called) / count,
+        "right_expression": sum(right_call) / count,
+        "right_answer_after_tool": sum(right_answer) / count,
+        "direct_questions": count,
+        "answered_directly": sum(not r["calls"] for r in answered) / count,
+        "examples": [called[0], answered[0]],
+        "mistakes": wrong[:5],
+    }
 
 
 def check_prompt(result: dict[str, Any], tools: list[dict[str, Any]], tokenizer: Any) -> None:
@@ -241,8 +338,10 @@ def check_prompt(result: dict[str, Any], tools: list[dict[str, Any]], tokenizer:
     text = ChatTemplate(eos_token=EOS).render([{"role": "user", "content": result["question"]}], tools=tools)
     trained = len(tokenizer.encode(text))
     if result["prompt_tokens"] != trained:
-        raise SystemExit(f"the server's prompt has {result['prompt_tokens']} tokens, the trained one {trained}: the "
-                         "tools render differently from the training rows")  # fmt: skip
+        raise SystemExit(
+            f"the server's prompt has {result['prompt_tokens']} tokens, the trained one {trained}: the "
+            "tools render differently from the training rows"
+        )
 
 
 def cpu_name() -> str:
@@ -272,24 +371,39 @@ def main() -> int:
         print(f"using the model trained before in {run}", file=sys.stderr)
     else:
         (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in training_rows(split, 8000, tools)))
-        gptkit_cli("prepare", "--input", str(out / "rows.jsonl"), *TOKENIZER, "--out", str(data),
-                   "--val-fraction", "0.02")  # fmt: skip
-        schedule = ["--train.max_steps", str(steps), "--train.eval_interval", str(steps),
-                    "--train.checkpoint_interval", str(steps)]  # fmt: skip
+        gptkit_cli(
+            "prepare", "--input", str(out / "rows.jsonl"), *TOKENIZER, "--out", str(data), "--val-fraction", "0.02"
+        )
+        schedule = [
+            "--train.max_steps",
+            str(steps),
+            "--train.eval_interval",
+            str(steps),
+            "--train.checkpoint_interval",
+            str(steps),
+        ]
         gptkit_cli("train", "--data", str(data), "--out", str(run), *MODEL, *TRAIN, *schedule, "--quiet")
         trained = round(time.perf_counter() - started)
     checkpoint = run / (run / "latest").read_text().strip()
     with served(checkpoint, "tool-demo") as url:
         figures = evaluate(url, "tool-demo", split, questions, tools, load_tokenizer(checkpoint))
-    figures.update(cpu=cpu_name(), cores=os.cpu_count(), omp_threads=os.environ.get("OMP_NUM_THREADS"),
-                   train_steps=steps, train_seconds=trained, seconds=round(time.perf_counter() - started))
+    figures.update(
+        cpu=cpu_name(),
+        cores=os.cpu_count(),
+        omp_threads=os.environ.get("OMP_NUM_THREADS"),
+        train_steps=steps,
+        train_seconds=trained,
+        seconds=round(time.perf_counter() - started),
+    )
     if args.json:
         print(json.dumps(figures))
         return 0
     threads = f", OMP_NUM_THREADS={figures['omp_threads']}" if figures["omp_threads"] else ""
     training = f"data and training {trained} s" if trained is not None else f"trained before, in {run}"
-    print(f"\nheld-out questions on {figures['cpu']} ({figures['cores']} cores{threads}), {steps} training steps "
-          f"({training}), {figures['seconds']} s in all:")  # fmt: skip
+    print(
+        f"\nheld-out questions on {figures['cpu']} ({figures['cores']} cores{threads}), {steps} training steps "
+        f"({training}), {figures['seconds']} s in all:"
+    )
     for key in ("called_when_needed", "right_expression", "right_answer_after_tool", "answered_directly"):
         count = figures["direct_questions" if key == "answered_directly" else "tool_questions"]
         print(f"  {key.replace('_', ' '):28s} {100 * figures[key]:5.1f}%  of {count}")

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import yaml
 
-from gptkit.observe.samples import SAMPLES_FILE, read_samples
 from gptkit.observe.run_log import METRICS_FILE
 from gptkit.observe.run_reader import parse_records
+from gptkit.observe.samples import SAMPLES_FILE, read_samples
 from gptkit.observe.training import (
     INSIGHT_FILE,
     draw_ablation,
@@ -140,8 +140,9 @@ def sample_text(samples: list[dict], step: int) -> str:
         for s in at:
             if s["prompt"] == prompt:
                 text = s["completion"][:SHOWN_CHARS].replace("\n", " / ")
-                lines += textwrap.wrap(f"{s['kind']}: {text}", width=110, initial_indent="    ",
-                                       subsequent_indent="      ")  # fmt: skip
+                lines += textwrap.wrap(
+                    f"{s['kind']}: {text}", width=110, initial_indent="    ", subsequent_indent="      "
+                )
     return "\n".join(lines)
 
 
@@ -188,8 +189,10 @@ def summary(run_dir: Path) -> None:
     evals = [r for r in read_records(run_dir, METRICS_FILE) if r.get("icl_score") is not None]
     print("step  val_loss  icl_score  induction_score (chance)  repeated-half loss")
     for r in evals:
-        print(f"{r['step']:5d}  {r['val_loss']:.4f}  {r['icl_score']:+.4f}    {r['induction_score']:.3f} "
-              f"({r['induction_chance']:.3f})          {r['induction_loss']:.4f}")  # fmt: skip
+        print(
+            f"{r['step']:5d}  {r['val_loss']:.4f}  {r['icl_score']:+.4f}    {r['induction_score']:.3f} "
+            f"({r['induction_chance']:.3f})          {r['induction_loss']:.4f}"
+        )
     if len(evals) < 2:
         return
     if (run_dir / "config.yaml").is_file():  # (a run's settings; a copied metrics file may come without them)
@@ -198,21 +201,30 @@ def summary(run_dir: Path) -> None:
         # floor, which the metrics do not log.
         print(f"(the first copy of a random sequence costs at least ln {vocab} = {math.log(vocab):.2f} nats)")
     phase = evals[-1].get("phase_change_step")
-    print(f"phase change (the ICL score's fastest fall) at step {phase}" if phase is not None else
-          "no phase change located (the ICL score never fell fast enough: a run that ends too soon shows none)")
+    print(
+        f"phase change (the ICL score's fastest fall) at step {phase}"
+        if phase is not None
+        else "no phase change located (the ICL score never fell fast enough: a run that ends too soon shows none)"
+    )
     before, after = max(zip(evals, evals[1:]), key=lambda p: p[1]["induction_score"] - p[0]["induction_score"])
-    print(f"steepest rise of the induction score, step {before['step']} -> {after['step']}: induction "
-          f"{before['induction_score']:.3f} -> {after['induction_score']:.3f}, repeated-half loss "
-          f"{before['induction_loss']:.2f} -> {after['induction_loss']:.2f}, ICL score "
-          f"{before['icl_score']:+.3f} -> {after['icl_score']:+.3f}")
+    print(
+        f"steepest rise of the induction score, step {before['step']} -> {after['step']}: induction "
+        f"{before['induction_score']:.3f} -> {after['induction_score']:.3f}, repeated-half loss "
+        f"{before['induction_loss']:.2f} -> {after['induction_loss']:.2f}, ICL score "
+        f"{before['icl_score']:+.3f} -> {after['icl_score']:+.3f}"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The script's options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs") / "watch-it-learn", help="the run directory")
-    parser.add_argument("--steps", type=int, default=None, help="train this many steps, the recipe's schedule scaled "
-                        "to them (default: the recipe's max_steps, 8000)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="train this many steps, the recipe's schedule scaled to them (default: the recipe's max_steps, 8000)",
+    )
     parser.add_argument("--figure", type=Path, default=None, help=f"the page (default: RUN_DIR/{FIGURE})")
     parser.add_argument("--plot-only", action="store_true", help="draw an existing run without training")
     return parser

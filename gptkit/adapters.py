@@ -129,8 +129,10 @@ def load_lora_state(model: nn.Module, state: dict[str, Tensor], source: str) -> 
         raise GptkitError(f"{source}: adapter tensor {name!r} is {'missing' if missing else 'unexpected'}")
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(own[name].shape):
-            raise GptkitError(f"{source}: adapter tensor {name!r} has shape {tuple(tensor.shape)}, the model needs "
-                              f"{tuple(own[name].shape)}")  # fmt: skip
+            raise GptkitError(
+                f"{source}: adapter tensor {name!r} has shape {tuple(tensor.shape)}, the model needs "
+                f"{tuple(own[name].shape)}"
+            )
         own[name].copy_(tensor)
 
 
@@ -171,9 +173,13 @@ def fingerprint(state: dict[str, Tensor]) -> str:
     return digest.hexdigest()
 
 
-def peft_adapter(lora: dict[str, Tensor], hf_modules: dict[str, list[tuple[str, int | None]]],
-                 settings: dict[str, Any], base_model: str | None,
-                 fan_in_fan_out: bool) -> tuple[dict[str, Any], dict[str, Tensor]]:  # fmt: skip
+def peft_adapter(
+    lora: dict[str, Tensor],
+    hf_modules: dict[str, list[tuple[str, int | None]]],
+    settings: dict[str, Any],
+    base_model: str | None,
+    fan_in_fan_out: bool,
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """(adapter_config.json, adapter_model.safetensors tensors) in PEFT's LoRA format.
 
     hf_modules maps each gptkit block layer to the Hugging Face modules holding it, with the rows of the layer's

@@ -20,8 +20,19 @@ from gptkit.errors import GptkitError, WriteError
 
 # Errors that come from the storage, not from gptkit: a full disk or quota, a read-only or unwritable place, a
 # failing device, a file over the size limit, a path through a file. A write meeting one is reported in one line.
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
-                            errno.EFBIG, errno.ENOTDIR, errno.ENAMETOOLONG})  # fmt: skip
+STORAGE_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EROFS,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EIO,
+        errno.EFBIG,
+        errno.ENOTDIR,
+        errno.ENAMETOOLONG,
+    }
+)
 
 
 def _umask() -> int:
@@ -175,8 +186,11 @@ def replace_dir(staging: Path, target: Path, owned: Callable[[str], bool], marke
         fsync_dir(target.parent)
         return
     if staging.parent == target.parent and not os.path.ismount(target) and not _holds_cwd(target):
-        carry = [e.name for e in os.scandir(target)
-                 if e.name != JOURNAL and not owned(e.name) and not os.path.lexists(staging / e.name)]  # fmt: skip
+        carry = [
+            e.name
+            for e in os.scandir(target)
+            if e.name != JOURNAL and not owned(e.name) and not os.path.lexists(staging / e.name)
+        ]
         journal = staging / JOURNAL
         if carry:
             atomic_write_text(journal, json.dumps({"from": staging.name, "carry": carry}) + "\n")
@@ -237,8 +251,12 @@ def finish_replace(target: Path) -> None:
         journal.unlink(missing_ok=True)  # names no staging directory of this target: ignore it
         return
     for name in carry:
-        if isinstance(name, str) and "/" not in name and os.path.lexists(old / name) \
-                and not os.path.lexists(target / name):  # fmt: skip
+        if (
+            isinstance(name, str)
+            and "/" not in name
+            and os.path.lexists(old / name)
+            and not os.path.lexists(target / name)
+        ):
             os.rename(old / name, target / name)
     fsync_dir(target)
     shutil.rmtree(old, ignore_errors=True)
@@ -307,8 +325,9 @@ def _disowned(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def building_dir(target: str | Path, marker: str, owned: Callable[[str], bool] = _disowned, note: str = "",
-                 what: str = "directory") -> Iterator[Path]:  # fmt: skip
+def building_dir(
+    target: str | Path, marker: str, owned: Callable[[str], bool] = _disowned, note: str = "", what: str = "directory"
+) -> Iterator[Path]:
     """Yield an empty hidden directory beside target to write target's new contents in; when the block ends they
     replace target's at once (replace_dir; `marker` is the file that makes target complete, and target's entries
     that owned() disowns stay). When the block fails they are deleted, with any directory made for them, so nothing
@@ -336,8 +355,9 @@ def building_dir(target: str | Path, marker: str, owned: Callable[[str], bool] =
         _put_in_place(stage, target, owned, marker, shown, existed)
 
 
-def _put_in_place(stage: Path, target: Path, owned: Callable[[str], bool], marker: str, shown: Path,
-                  existed: bool) -> None:  # fmt: skip
+def _put_in_place(
+    stage: Path, target: Path, owned: Callable[[str], bool], marker: str, shown: Path, existed: bool
+) -> None:
     """building_dir's last step: replace_dir, whose failure over an existing target may leave it part-moved."""
     try:
         replace_dir(stage, target, owned, marker)

@@ -38,14 +38,16 @@ WORKER_MEMORY_BYTES = 1 << 30  # address space a template worker may take ({{ 'x
 # The default template written as Jinja, for files that carry a template to other programs (GGUF for llama.cpp):
 # it renders exactly what ChatTemplate.render does without a source (its newlines inside an expression, which
 # Hugging Face's trim_blocks rendering keeps).
-DEFAULT_JINJA = ("{% if tools %}tools: {{ tools | tojson }}{{ '\\n\\n' }}{% endif %}"
-                 "{% for message in messages %}{{ message['role'] }}: "
-                 "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
-                 "{% if not loop.first %}{{ '\\n' }}{% endif %}{\"name\": {{ call['function']['name'] | tojson }}, "
-                 "\"arguments\": {{ call['function']['arguments'] | tojson }}}{% endfor %}"
-                 "{% else %}{{ message['content'] }}{% endif %}"
-                 "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n\\n' }}{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
+DEFAULT_JINJA = (
+    "{% if tools %}tools: {{ tools | tojson }}{{ '\\n\\n' }}{% endif %}"
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}{% endfor %}"
+    "{% else %}{{ message['content'] }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 class ChatTemplateError(GptkitError):
@@ -70,9 +72,14 @@ class ChatTemplate:
         """Stop strings that end an assistant reply under this template."""
         return DEFAULT_STOP if self.source is None else ()
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               max_chars: int | None = None, max_seconds: float | None = None,
-               tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        max_chars: int | None = None,
+        max_seconds: float | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The text of these messages; with add_generation_prompt it ends where the assistant's reply begins.
 
         tools: the functions offered to the model (the template's `tools` variable, in OpenAI's form). A Jinja
@@ -80,18 +87,22 @@ class ChatTemplate:
         ChatTemplateError (templates come with downloaded models)."""
         if self.source is None and not tools and not any(m.get("tool_calls") for m in messages):
             turns = "".join(
-                f"{m['role']}: {m['content']}{self.eos_token if m['role'] == 'assistant' else ''}\n\n"
-                for m in messages
+                f"{m['role']}: {m['content']}{self.eos_token if m['role'] == 'assistant' else ''}\n\n" for m in messages
             )
             return turns + ("assistant:" if add_generation_prompt else "")
-        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
-                         eos_token=self.eos_token)  # fmt: skip
+        variables = dict(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
         if tools:  # left undefined otherwise, as transformers does (templates test `tools is defined`)
             variables["tools"] = tools
         return _render_jinja(self.jinja, variables, max_chars, max_seconds)
 
-    def reply_spans(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:  # fmt: skip
+    def reply_spans(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[tuple[int, int]]]:
         """(the whole conversation's text, the character span of each assistant reply in it).
 
         A reply's span runs from where the prompt for it ends (the messages before it rendered with the
@@ -123,7 +134,7 @@ def reply_lead(render: Callable[[list[dict[str, Any]]], str]) -> str:
     render(messages) is the template's text of them ending with the generation prompt."""
     user = {"role": "user", "content": "1"}
     before, after = render([user]), render([user, {"role": "assistant", "content": REPLY_PROBE}])
-    lead = after[len(before):].partition(REPLY_PROBE)[0] if after.startswith(before) else ""
+    lead = after[len(before) :].partition(REPLY_PROBE)[0] if after.startswith(before) else ""
     return lead if lead.isspace() else ""
 
 
@@ -190,8 +201,13 @@ def _generation_tag() -> type:
     return Generation
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -210,8 +226,9 @@ def _render_jinja(source: str, variables: dict[str, Any], max_chars: int | None,
         def get_source(self, environment: Any, template: str) -> Any:
             raise TemplateNotFound(f"{template} (a chat template must be self-contained: it cannot load files)")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_generation_tag()],
-                                        loader=NoFiles())  # fmt: skip
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_generation_tag()], loader=NoFiles()
+    )
     env.globals["raise_exception"] = raise_exception
     # What transformers gives templates besides Jinja's own: tojson keeping keys in order and text unescaped
     # (Jinja's sorts keys and escapes HTML), and strftime_now for templates that print today's date.
@@ -244,8 +261,14 @@ def render_worker() -> None:
         try:
             request = json.loads(line)
             template = ChatTemplate(request["source"], request["bos_token"], request["eos_token"])
-            answer = {"text": template.render(request["messages"], request["add_generation_prompt"],
-                                              max_chars=request["max_chars"], tools=request["tools"])}  # fmt: skip
+            answer = {
+                "text": template.render(
+                    request["messages"],
+                    request["add_generation_prompt"],
+                    max_chars=request["max_chars"],
+                    tools=request["tools"],
+                )
+            }
         except ChatTemplateError as err:
             answer = {"error": str(err)}
         except MemoryError:

@@ -170,8 +170,7 @@ def saved_world(path: Path) -> tuple[int, int | None]:
     world, accum = record.get("world_size"), record.get("grad_accum")
     if isinstance(world, int) and world >= 1:
         return world, accum if isinstance(accum, int) and accum >= 1 else None
-    ranks = [int(match.group(1)) for key in load_tensors(path / RNG_FILE)
-             if (match := RANK_KEY.match(key))]  # fmt: skip
+    ranks = [int(match.group(1)) for key in load_tensors(path / RNG_FILE) if (match := RANK_KEY.match(key))]
     return max(ranks, default=0) + 1, None
 
 
@@ -223,11 +222,14 @@ def load_optimizer_state(
 ) -> None:
     """Put optimizer_state()'s output back into an optimiser built over the same named parameters."""
     # optim.name muon marks each group with the optimiser that steps it; AdamW's groups may carry no mark.
-    saved, this = ("muon" if any(g.get("optimizer") == "muon" for g in groups) else "adamw"
-                   for groups in (structure["param_groups"], optimizer.param_groups))  # fmt: skip
+    saved, this = (
+        "muon" if any(g.get("optimizer") == "muon" for g in groups) else "adamw"
+        for groups in (structure["param_groups"], optimizer.param_groups)
+    )
     if saved != this:
-        raise CheckpointError(f"the checkpoint was trained with optim.name {saved}, this run has {this}; resume "
-                              f"with --optim.name {saved}")  # fmt: skip
+        raise CheckpointError(
+            f"the checkpoint was trained with optim.name {saved}, this run has {this}; resume with --optim.name {saved}"
+        )
     index = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -243,8 +245,9 @@ def load_optimizer_state(
         name, _, field = key.rpartition(".")
         param = params[name]
         if tensor.dim() and tensor.shape != param.shape:
-            raise CheckpointError(f"optimiser state {key!r} has shape {tuple(tensor.shape)}, the parameter "
-                                  f"{tuple(param.shape)}")  # fmt: skip
+            raise CheckpointError(
+                f"optimiser state {key!r} has shape {tuple(tensor.shape)}, the parameter {tuple(param.shape)}"
+            )
         if isinstance(param, DTensor) and tensor.shape == param.shape:  # FSDP: keep this rank's shard
             tensor = distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements)
         state.setdefault(index[name], {})[field] = tensor
@@ -320,8 +323,9 @@ def save_checkpoint(
     try:
         atomic_write_text(run_dir / LATEST, f"{CHECKPOINTS}/{final.name}\n")
     except OSError as err:  # the checkpoint is complete, and found without `latest`: only people read that file
-        logger.warning("could not update %s (%s); %s is complete all the same", run_dir / LATEST,
-                       err.strerror or err, final)  # fmt: skip
+        logger.warning(
+            "could not update %s (%s); %s is complete all the same", run_dir / LATEST, err.strerror or err, final
+        )
     prune(run_dir, keep)
     return final
 
@@ -370,8 +374,10 @@ def load_checkpoint(
     try:
         load_optimizer_state(optimizer, load_tensors(path / OPTIMIZER_FILE, device), record["optimizer"], names)
     except (KeyError, ValueError, TypeError, RuntimeError) as err:
-        raise CheckpointError(f"{path / OPTIMIZER_FILE} does not fit this run's optimiser ({type(err).__name__}: "
-                              f"{err}); is it another run's file?") from None  # fmt: skip
+        raise CheckpointError(
+            f"{path / OPTIMIZER_FILE} does not fit this run's optimiser ({type(err).__name__}: "
+            f"{err}); is it another run's file?"
+        ) from None
     rng = load_tensors(path / RNG_FILE)
     if rank:
         prefix = f"rank{rank}."
@@ -408,8 +414,10 @@ def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = N
     if resume_from is not None:
         path = Path(resume_from)
         if not STEP_DIR.fullmatch(path.name) or path.resolve().parent != (run_dir / CHECKPOINTS).resolve():
-            raise ConfigError(f"--resume-from {path} is not a checkpoint of the run {run_dir} "
-                              f"(a directory {run_dir / CHECKPOINTS}/step-N)")  # fmt: skip
+            raise ConfigError(
+                f"--resume-from {path} is not a checkpoint of the run {run_dir} "
+                f"(a directory {run_dir / CHECKPOINTS}/step-N)"
+            )
         if not path.is_dir():
             raise CheckpointError(f"--resume-from {path} does not exist")
         if not verify_checkpoint(path):
@@ -424,15 +432,22 @@ def resume_point(run_dir: Path, resume: bool, resume_from: str | Path | None = N
     if checkpoint is None:
         if skipped:
             raise CheckpointError(f"no checkpoint of {run_dir} can be resumed from: {'; '.join(skipped)}")
-        raise CheckpointError(f"{run_dir} has no checkpoint to resume from (a run stopped before its first "
-                              "checkpoint starts again without --resume)")  # fmt: skip
+        raise CheckpointError(
+            f"{run_dir} has no checkpoint to resume from (a run stopped before its first "
+            "checkpoint starts again without --resume)"
+        )
     newer = " (the newer ones are removed)" if checkpoint_dirs(run_dir)[0] != checkpoint else ""
     if not has_manifest(checkpoint):  # (skipped ends with why it cannot be verified)
-        logger.warning("%s; resuming from %s all the same, as no checkpoint of the run verifies%s",
-                       "; ".join(skipped), checkpoint, newer)  # fmt: skip
+        logger.warning(
+            "%s; resuming from %s all the same, as no checkpoint of the run verifies%s",
+            "; ".join(skipped),
+            checkpoint,
+            newer,
+        )
     elif skipped:
-        logger.warning("%s; resuming from %s, the newest checkpoint that verifies%s", "; ".join(skipped), checkpoint,
-                       newer)  # fmt: skip
+        logger.warning(
+            "%s; resuming from %s, the newest checkpoint that verifies%s", "; ".join(skipped), checkpoint, newer
+        )
     warn_about_latest(run_dir, checkpoint)
     return checkpoint
 
@@ -447,7 +462,8 @@ def warn_about_latest(run_dir: Path, checkpoint: Path) -> None:
         return
     named = read_latest(run_dir)
     if named is None:
-        logger.warning("%s does not name a checkpoint inside %s (ignored); resuming from %s", latest, CHECKPOINTS,
-                       checkpoint)  # fmt: skip
+        logger.warning(
+            "%s does not name a checkpoint inside %s (ignored); resuming from %s", latest, CHECKPOINTS, checkpoint
+        )
     elif not named.is_dir():
         logger.warning("%s names %s, which does not exist (ignored); resuming from %s", latest, named, checkpoint)

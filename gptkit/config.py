@@ -370,9 +370,7 @@ class ModelConfig:
             return cls.from_dict(data)
         if str(name_or_path) in PRESETS:
             return cls.preset(str(name_or_path))
-        raise ConfigError(
-            f"{str(name_or_path)!r} is neither a preset nor a config file; presets: {', '.join(PRESETS)}"
-        )
+        raise ConfigError(f"{str(name_or_path)!r} is neither a preset nor a config file; presets: {', '.join(PRESETS)}")
 
 
 @functools.cache

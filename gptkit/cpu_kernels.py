@@ -60,12 +60,15 @@ BUILD_FLAGS = ["-O3", "-fopenmp"]
 _AVX2 = ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])
 _AVX512 = ({"avx512f", "avx512bw", "avx512vl", "avx512dq"}, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"])
 ISA_LEVELS = (
-    ("avx512_bf16", _AVX2[0] | _AVX512[0] | {"avx512_vnni", "avx512_bf16"},
-     _AVX2[1] + _AVX512[1] + ["-mavx512vnni", "-mavx512bf16"]),
+    (
+        "avx512_bf16",
+        _AVX2[0] | _AVX512[0] | {"avx512_vnni", "avx512_bf16"},
+        _AVX2[1] + _AVX512[1] + ["-mavx512vnni", "-mavx512bf16"],
+    ),
     ("avx512_vnni", _AVX2[0] | _AVX512[0] | {"avx512_vnni"}, _AVX2[1] + _AVX512[1] + ["-mavx512vnni"]),
     ("avx512", _AVX2[0] | _AVX512[0], _AVX2[1] + _AVX512[1]),
     ("avx2", _AVX2[0], _AVX2[1]),
-)  # fmt: skip
+)
 DISABLE_VARIABLE = "GPTKIT_CPU_KERNELS"  # 0: PyTorch's products only; 1: the kernels without measuring
 UPCAST_VARIABLE = "GPTKIT_BF16_UPCAST"  # 1 or 0: many-row bf16 products in fp32 or not, without measuring
 ISA_VARIABLE = "GPTKIT_CPU_ISA"  # one of ISA_LEVELS' names: build that variant (the CPU must run it)
@@ -187,8 +190,10 @@ def _settle(start: bool, wait: bool = False) -> bool | None:
         return None
     library = kernel_cache.verified_library(cache)
     if builder.returncode != 0 or library is None:
-        log.warning("gptkit's CPU kernels did not build, so decoding uses PyTorch's slower products: %s",
-                    kernel_cache.build_error(cache))  # fmt: skip
+        log.warning(
+            "gptkit's CPU kernels did not build, so decoding uses PyTorch's slower products: %s",
+            kernel_cache.build_error(cache),
+        )
         return False
     return _open(library)
 
@@ -198,8 +203,13 @@ def _open(library: Path) -> bool:
     try:
         _load_library(library)
     except (OSError, RuntimeError) as err:
-        log.warning("gptkit's CPU kernel library %s does not load, so decoding uses PyTorch's slower products (delete "
-                    "%s to build it again): %s", library, library.parent, err)  # fmt: skip
+        log.warning(
+            "gptkit's CPU kernel library %s does not load, so decoding uses PyTorch's slower products (delete "
+            "%s to build it again): %s",
+            library,
+            library.parent,
+            err,
+        )
         return False
     _register_shape_functions()
     return True
@@ -249,8 +259,10 @@ def capability() -> str:
     """One line for benchmarks: the CPU, its vector extensions, and what the kernels chose here."""
     flags = _cpu_flags()
     extensions = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return (f"{_cpu_name()}; {os.cpu_count()} cores; {' '.join(extensions) or 'no x86 vector extensions'}; "
-            f"gptkit kernels: {isa()}; choices: {json.dumps(choices(), sort_keys=True)}")  # fmt: skip
+    return (
+        f"{_cpu_name()}; {os.cpu_count()} cores; {' '.join(extensions) or 'no x86 vector extensions'}; "
+        f"gptkit kernels: {isa()}; choices: {json.dumps(choices(), sort_keys=True)}"
+    )
 
 
 def build_directory() -> Path:
@@ -277,7 +289,8 @@ def _register_shape_functions() -> None:
     torch.library.register_fake("gptkit::gemv_int8")(lambda x, q, scales, bias: x.new_empty(x.size(0), q.size(0)))
     torch.library.register_fake("gptkit::gemv_q4")(lambda x, q, scales, bias, rows: x.new_empty(x.size(0), rows))
     torch.library.register_fake("gptkit::dequantize_q4")(
-        lambda q, scales, rows, dtype: q.new_empty(rows, q.size(1) * 32, dtype=dtype))
+        lambda q, scales, rows, dtype: q.new_empty(rows, q.size(1) * 32, dtype=dtype)
+    )
 
 
 # ----- the measured choices -----
@@ -400,13 +413,16 @@ def _measure() -> dict[str, bool]:
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         ws = _weights(dtype)
         x = torch.randn(1, 768).to(dtype)
-        chosen[name] = faster(lambda: [torch.ops.gptkit.gemv(x, w, None) for w in ws],
-                               lambda: [F.linear(x, w) for w in ws])  # fmt: skip
+        chosen[name] = faster(
+            lambda: [torch.ops.gptkit.gemv(x, w, None) for w in ws], lambda: [F.linear(x, w) for w in ws]
+        )
     qs = [w.to(torch.int8) for w in _weights(torch.int8)]
     scales = torch.ones(2304)
     x = torch.randn(1, 768)
-    chosen["int8"] = faster(lambda: [torch.ops.gptkit.gemv_int8(x, q, scales, None) for q in qs],
-                             lambda: [_torch_int8(x, q, scales) for q in qs])  # fmt: skip
+    chosen["int8"] = faster(
+        lambda: [torch.ops.gptkit.gemv_int8(x, q, scales, None) for q in qs],
+        lambda: [_torch_int8(x, q, scales) for q in qs],
+    )
     chosen["bf16_upcast"] = _faster_in_fp32()
     return chosen
 

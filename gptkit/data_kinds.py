@@ -41,33 +41,62 @@ class RowFormat:
 
 TEXT = DataKind("text", "text", "tokens", examples=False)
 PROMPTS = DataKind("prompts", '{"prompt"} rows or messages ending with a user turn', "prompts", examples=False)
-DATA_KINDS = {kind.name: kind for kind in (
-    TEXT,
-    DataKind("examples", "text or supervised rows", "examples", per_token=True, packable=True),
-    DataKind("preferences", '{"prompt", "chosen", "rejected"} rows', "preference pairs", items_of=2),
-    DataKind("labelled", '{"text", "label"} rows', "labelled texts", whole_input=True, labels=True, min_labels=2),
-    DataKind("unpaired", '{"prompt", "completion", "label": true|false} rows', "marked completions", labels=True,
-             label_names=("false", "true")),
-    PROMPTS,
-)}  # fmt: skip
+DATA_KINDS = {
+    kind.name: kind
+    for kind in (
+        TEXT,
+        DataKind("examples", "text or supervised rows", "examples", per_token=True, packable=True),
+        DataKind("preferences", '{"prompt", "chosen", "rejected"} rows', "preference pairs", items_of=2),
+        DataKind("labelled", '{"text", "label"} rows', "labelled texts", whole_input=True, labels=True, min_labels=2),
+        DataKind(
+            "unpaired",
+            '{"prompt", "completion", "label": true|false} rows',
+            "marked completions",
+            labels=True,
+            label_names=("false", "true"),
+        ),
+        PROMPTS,
+    )
+}
 EXAMPLE_KINDS = tuple(name for name, kind in DATA_KINDS.items() if kind.examples)
 
 # Tried in this order: the first format whose keys a row has is its format (a prompt row, which has no answer, is
 # told apart by finetune.examples.is_prompt_row).
-ROW_FORMATS = {fmt.name: fmt for fmt in (
-    RowFormat("preference", ("chosen", "rejected"), "preferences", "prompt/chosen/rejected",
-              '"chosen" and "rejected" (and "prompt")'),
-    RowFormat("messages", ("messages",), "examples", "conversation", 'a "messages" list'),
-    RowFormat("unpaired", ("prompt", "completion", "label"), "unpaired", "prompt/completion/label",
-              '"prompt", "completion" and "label" (true or false)', encoded_as="prompt_completion", label="label"),
-    RowFormat("prompt_completion", ("prompt", "completion"), "examples", "prompt/completion",
-              '"prompt" and "completion"'),
-    RowFormat("alpaca", ("instruction", "output"), "examples", "Alpaca", '"instruction" and "output"'),
-    RowFormat("labelled", ("text", "label"), "labelled", "text/label", '"text" and "label"', label="label"),
-    RowFormat("text", ("text",), "examples", "text", 'a "text" string'),
-)}  # fmt: skip
-PROMPT_FORMAT = RowFormat("prompt", ("prompt",), "prompts", "prompt", '"prompt" as a string, or "prompt" or "messages" '
-                          'ending with a user turn; no "completion", "chosen" or "rejected"')  # fmt: skip
+ROW_FORMATS = {
+    fmt.name: fmt
+    for fmt in (
+        RowFormat(
+            "preference",
+            ("chosen", "rejected"),
+            "preferences",
+            "prompt/chosen/rejected",
+            '"chosen" and "rejected" (and "prompt")',
+        ),
+        RowFormat("messages", ("messages",), "examples", "conversation", 'a "messages" list'),
+        RowFormat(
+            "unpaired",
+            ("prompt", "completion", "label"),
+            "unpaired",
+            "prompt/completion/label",
+            '"prompt", "completion" and "label" (true or false)',
+            encoded_as="prompt_completion",
+            label="label",
+        ),
+        RowFormat(
+            "prompt_completion", ("prompt", "completion"), "examples", "prompt/completion", '"prompt" and "completion"'
+        ),
+        RowFormat("alpaca", ("instruction", "output"), "examples", "Alpaca", '"instruction" and "output"'),
+        RowFormat("labelled", ("text", "label"), "labelled", "text/label", '"text" and "label"', label="label"),
+        RowFormat("text", ("text",), "examples", "text", 'a "text" string'),
+    )
+}
+PROMPT_FORMAT = RowFormat(
+    "prompt",
+    ("prompt",),
+    "prompts",
+    "prompt",
+    '"prompt" as a string, or "prompt" or "messages" ending with a user turn; no "completion", "chosen" or "rejected"',
+)
 SUPERVISED = tuple(name for name in (*ROW_FORMATS, PROMPT_FORMAT.name) if name != "text")  # not text rows alone
 
 

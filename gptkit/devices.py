@@ -130,8 +130,9 @@ def _cpu_matmul_flops(dtype: torch.dtype, threads: int) -> float:
         n, previous = 2 * n, best
 
 
-def gpu_recipe_on_cpu(requested: str, device: torch.device, dtype: str, compiled: bool, total_flops: float,
-                      peak: float | None) -> str | None:  # fmt: skip
+def gpu_recipe_on_cpu(
+    requested: str, device: torch.device, dtype: str, compiled: bool, total_flops: float, peak: float | None
+) -> str | None:
     """The warning for a recipe written for a GPU (device auto, with bf16/fp16 or compile) that found only a CPU:
     the FLOPs it needs and the least time they take at the CPU's measured peak; None for any other run."""
     fixed_dtype = dtype not in ("float32", "auto")  # (auto trains in bfloat16 on a CPU only where it is faster)
@@ -140,8 +141,10 @@ def gpu_recipe_on_cpu(requested: str, device: torch.device, dtype: str, compiled
     settings = ", ".join([f"dtype {dtype}"] * fixed_dtype + ["compile"] * compiled)
     floor = f", at least {_duration(total_flops / peak)} at its measured {peak / 1e9:.0f} GFLOP/s" if peak else ""
     faster = "; on a CPU, use dtype auto (bfloat16 only where measured faster) or float32" if fixed_dtype else ""
-    return (f"this run is set up for a GPU (device auto, {settings}) but found none, so it trains on the CPU: "
-            f"{total_flops:.2g} FLOPs{floor} (the progress bar's ETA measures it{faster})")
+    return (
+        f"this run is set up for a GPU (device auto, {settings}) but found none, so it trains on the CPU: "
+        f"{total_flops:.2g} FLOPs{floor} (the progress bar's ETA measures it{faster})"
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -156,8 +159,9 @@ def _duration(seconds: float) -> str:
 def check_precision(dtype: str, device: torch.device) -> None:
     """float16 trains with a gradient scaler, which needs CUDA."""
     if dtype == "float16" and device.type != "cuda":
-        raise ConfigError(f"train.dtype float16 needs CUDA (gradient scaling); on {device.type} use bfloat16 or "
-                          "float32")  # fmt: skip
+        raise ConfigError(
+            f"train.dtype float16 needs CUDA (gradient scaling); on {device.type} use bfloat16 or float32"
+        )
 
 
 def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:

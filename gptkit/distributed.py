@@ -93,8 +93,13 @@ def init_process_group(world: World, device: torch.device) -> bool:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise ConfigError("WORLD_SIZE > 1 but MASTER_ADDR / MASTER_PORT are not set; launch with torchrun")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=world.rank, world_size=world.world_size, timeout=TIMEOUT,
-                            device_id=device if device.type == "cuda" else None)  # fmt: skip
+    dist.init_process_group(
+        backend,
+        rank=world.rank,
+        world_size=world.world_size,
+        timeout=TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
+    )
     return True
 
 
@@ -185,17 +190,30 @@ def resumed_grad_accum(saved_world: int, saved_accum: int | None, world_size: in
         return grad_accum
     per_update = saved_world * saved_accum
     if grad_accum != saved_accum:
-        logger.warning("resuming a %d-process run on %d processes with train.grad_accum %d: each update now takes "
-                       "%d micro-batches instead of %d", saved_world, world_size, grad_accum, grad_accum * world_size,
-                       per_update)  # fmt: skip
+        logger.warning(
+            "resuming a %d-process run on %d processes with train.grad_accum %d: each update now takes "
+            "%d micro-batches instead of %d",
+            saved_world,
+            world_size,
+            grad_accum,
+            grad_accum * world_size,
+            per_update,
+        )
         return grad_accum
     if per_update % world_size:
-        raise ConfigError(f"the checkpoint's run took {per_update} micro-batches an update ({saved_world} processes x "
-                          f"train.grad_accum {saved_accum}), which {world_size} processes cannot share evenly; resume "
-                          f"with torchrun --nproc_per_node {saved_world}")  # fmt: skip
-    logger.warning("resuming a %d-process run on %d process(es): train.grad_accum %d -> %d keeps its %d micro-batches "
-                   "an update", saved_world, world_size, saved_accum, per_update // world_size,
-                   per_update)  # fmt: skip
+        raise ConfigError(
+            f"the checkpoint's run took {per_update} micro-batches an update ({saved_world} processes x "
+            f"train.grad_accum {saved_accum}), which {world_size} processes cannot share evenly; resume "
+            f"with torchrun --nproc_per_node {saved_world}"
+        )
+    logger.warning(
+        "resuming a %d-process run on %d process(es): train.grad_accum %d -> %d keeps its %d micro-batches an update",
+        saved_world,
+        world_size,
+        saved_accum,
+        per_update // world_size,
+        per_update,
+    )
     return per_update // world_size
 
 
@@ -267,6 +285,7 @@ def shard_like(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dic
     own = module.state_dict()
     return {
         name: distribute_tensor(w, own[name].device_mesh, own[name].placements)
-        if isinstance(own.get(name), DTensor) else w
+        if isinstance(own.get(name), DTensor)
+        else w
         for name, w in weights.items()
-    }  # fmt: skip
+    }

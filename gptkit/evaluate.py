@@ -49,11 +49,20 @@ class EvalOptions:
     batch_size: int = field(default=8, metadata={"help": "windows per forward pass"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, mps or auto"})
     dtype: str = field(default="float32", metadata={"help": "weights' dtype", "choices": EVAL_DTYPES})
-    quantize: str | None = field(default=None, metadata={"help": "weight-only quantisation of a float model after "
-                                                                  "loading: int8 or int4", "choices": QUANTIZATION_METHODS})
-    kv_cache: str | None = field(default=None, metadata={"help": "int8: score through an int8 KV cache, as "
-                                                                  "decoding with one reads it (default: none)",
-                                                          "choices": tuple(KV_DTYPES)})
+    quantize: str | None = field(
+        default=None,
+        metadata={
+            "help": "weight-only quantisation of a float model after loading: int8 or int4",
+            "choices": QUANTIZATION_METHODS,
+        },
+    )
+    kv_cache: str | None = field(
+        default=None,
+        metadata={
+            "help": "int8: score through an int8 KV cache, as decoding with one reads it (default: none)",
+            "choices": tuple(KV_DTYPES),
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -240,10 +249,13 @@ def position_buckets(nll_sums: np.ndarray, counts: np.ndarray, width: int) -> li
 def _through_cache(model: GPT, inputs: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
     """The logits of inputs (B, T) computed KV_CHUNK tokens at a time through a fresh cache storing kv_dtype."""
     weight = model.tok_emb.weight
-    cache = KVCache(model.config, inputs.size(0), inputs.size(1), device=weight.device, dtype=weight.dtype,
-                    kv_dtype=kv_dtype)  # fmt: skip
-    parts = [model(inputs[:, start : start + KV_CHUNK], cache=cache, start_pos=start)
-             for start in range(0, inputs.size(1), KV_CHUNK)]  # fmt: skip
+    cache = KVCache(
+        model.config, inputs.size(0), inputs.size(1), device=weight.device, dtype=weight.dtype, kv_dtype=kv_dtype
+    )
+    parts = [
+        model(inputs[:, start : start + KV_CHUNK], cache=cache, start_pos=start)
+        for start in range(0, inputs.size(1), KV_CHUNK)
+    ]
     return torch.cat(parts, dim=1)
 
 
@@ -318,8 +330,7 @@ def evaluate_examples(
     was_training = model.training
     model.eval()
     try:
-        nll_sum, scored = score_examples(model, examples, model.config.block_size, batch_size,
-                                         on_examples=on_examples)  # fmt: skip
+        nll_sum, scored = score_examples(model, examples, model.config.block_size, batch_size, on_examples=on_examples)
     finally:
         model.train(was_training)
     n_bytes = 0
@@ -361,17 +372,24 @@ def classification_scores(truth: np.ndarray, predicted: np.ndarray, labels: list
     true_counts, predicted_counts = confusion.sum(1), confusion.sum(0)
     present = (true_counts + predicted_counts) > 0
     f1 = np.divide(2 * hits, true_counts + predicted_counts, out=np.zeros(n), where=present)
-    return {"examples": int(len(truth)), "accuracy": float(hits.sum() / max(len(truth), 1)),
-            "macro_f1": float(f1[present].mean()) if present.any() else 0.0, "labels": list(labels),
-            "f1": {label: float(f1[i]) for i, label in enumerate(labels)}, "confusion": confusion.tolist()}  # fmt: skip
+    return {
+        "examples": int(len(truth)),
+        "accuracy": float(hits.sum() / max(len(truth), 1)),
+        "macro_f1": float(f1[present].mean()) if present.any() else 0.0,
+        "labels": list(labels),
+        "f1": {label: float(f1[i]) for i, label in enumerate(labels)},
+        "confusion": confusion.tolist(),
+    }
 
 
 def val_tokens(data_dir: str, model_tokenizer: Tokenizer | None, model_dir: str) -> tuple[np.ndarray, Tokenizer | None]:
     """val.bin of a prepared text directory and the tokenizer it was encoded with (checked to be the model's)."""
     meta = read_meta(data_dir)
     if meta.kind == PROMPT_KIND:
-        raise InputError(f"{data_dir} holds prompts (a GRPO data set), with no text or replies to score; a GRPO run "
-                         "measures held-out reward and pass@k at its evaluations (val_pass_at_1 in metrics.jsonl)")
+        raise InputError(
+            f"{data_dir} holds prompts (a GRPO data set), with no text or replies to score; a GRPO run "
+            "measures held-out reward and pass@k at its evaluations (val_pass_at_1 in metrics.jsonl)"
+        )
     tokens = load_tokens(Path(data_dir) / SPLIT_FILES["val"], meta.dtype)
     tokenizer = tokenizer_or_none(data_dir) or model_tokenizer
     if tokenizer is not None and model_tokenizer is not None:

@@ -110,8 +110,11 @@ def verified_library(cache: Path) -> Path | None:
         _warn_once(library, f"(named by {manifest}) cannot be read ({err.strerror}); building it again")
         return None
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        _warn_once(library, f"does not match {manifest} ({len(data)} bytes of {entry['bytes']}, or other bytes: cut "
-                            "short or overwritten); it is not loaded and is built again")  # fmt: skip
+        _warn_once(
+            library,
+            f"does not match {manifest} ({len(data)} bytes of {entry['bytes']}, or other bytes: cut "
+            "short or overwritten); it is not loaded and is built again",
+        )
         return None
     return library
 
@@ -125,11 +128,11 @@ def _parse_manifest(text: str) -> dict | str:
     if not isinstance(entry, dict):
         return "is not a JSON object"
     if not isinstance(entry.get("library"), str) or not _LIBRARY_NAME.fullmatch(entry["library"]):
-        return "does not name a library file (\"library\": \"kernels-<16 hex digits>.so\")"
+        return 'does not name a library file ("library": "kernels-<16 hex digits>.so")'
     if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
-        return "has no SHA-256 (\"sha256\": 64 hex digits)"
+        return 'has no SHA-256 ("sha256": 64 hex digits)'
     if type(entry.get("bytes")) is not int or entry["bytes"] <= 0:
-        return "has no size (\"bytes\": a positive integer)"
+        return 'has no size ("bytes": a positive integer)'
     return entry
 
 
@@ -145,8 +148,11 @@ def saved_choices(path: Path) -> dict[str, dict[str, bool]]:
         return {}
     entries = saved.values() if isinstance(saved, dict) else [None]
     if not all(isinstance(e, dict) and all(isinstance(v, bool) for v in e.values()) for e in entries):
-        _warn_once(path, "is not a file of kernel choices (an object of machines, each naming choices true or false); "
-                         "measuring them again and rewriting it")  # fmt: skip
+        _warn_once(
+            path,
+            "is not a file of kernel choices (an object of machines, each naming choices true or false); "
+            "measuring them again and rewriting it",
+        )
         return {}
     return saved
 
@@ -277,8 +283,13 @@ def spawn_build(cache: Path, name: str, sources: list[Path], cflags: list[str]) 
     """Run main() (build()) in a process of its own, in its own session: it outlives this one (a command that ends
     first leaves it to finish, for the next command to load) and is not interrupted with it (Ctrl-C)."""
     args = [str(cache), name, json.dumps(cflags), *map(str, sources)]
-    return subprocess.Popen([sys.executable, "-m", "gptkit.kernel_cache", *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "gptkit.kernel_cache", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def main(args: list[str]) -> int:
@@ -320,15 +331,27 @@ def build(cache: Path, name: str, sources: list[Path], cflags: list[str]) -> Pat
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     try:
-        cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
-                           extra_ldflags=["-fopenmp"], build_directory=str(work), is_python_module=False)  # fmt: skip
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(work),
+            is_python_module=False,
+        )
         built = work / f"{name}.so"
         data = built.read_bytes()
         digest = hashlib.sha256(data).hexdigest()
         library = cache / f"kernels-{digest[:16]}.so"
         os.replace(built, library)  # within one directory tree: whole or not at all
-        manifest = {"library": library.name, "sha256": digest, "bytes": len(data), "torch": torch.__version__,
-                    "compiler": compiler_version(), "flags": cflags}  # fmt: skip
+        manifest = {
+            "library": library.name,
+            "sha256": digest,
+            "bytes": len(data),
+            "torch": torch.__version__,
+            "compiler": compiler_version(),
+            "flags": cflags,
+        }
         atomic_write_text(cache / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)

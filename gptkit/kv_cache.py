@@ -135,8 +135,10 @@ class LayerKV:
         keys, values = self.keys[:, :, :end], self.values[:, :, :end]
         if self.key_scales is None:
             return keys, values
-        return ((keys.float() * self.key_scales[:, :, :end, None]).to(self.dtype),
-                (values.float() * self.value_scales[:, :, :end, None]).to(self.dtype))  # fmt: skip
+        return (
+            (keys.float() * self.key_scales[:, :, :end, None]).to(self.dtype),
+            (values.float() * self.value_scales[:, :, :end, None]).to(self.dtype),
+        )
 
 
 class KVCache:
@@ -177,9 +179,16 @@ class KVCache:
         return max_len if window is None else min(window + spare, max_len)
 
     @classmethod
-    def of(cls, keys: list[Tensor], values: list[Tensor], key_scales: list[Tensor] | None = None,
-           value_scales: list[Tensor] | None = None, dtype: torch.dtype | None = None,
-           windows: list[int | None] | None = None, max_len: int | None = None) -> KVCache:  # fmt: skip
+    def of(
+        cls,
+        keys: list[Tensor],
+        values: list[Tensor],
+        key_scales: list[Tensor] | None = None,
+        value_scales: list[Tensor] | None = None,
+        dtype: torch.dtype | None = None,
+        windows: list[int | None] | None = None,
+        max_len: int | None = None,
+    ) -> KVCache:
         """A cache over the given per-layer tensors (shared, not copied); dtype: what attention reads (default: the
         tensors' own, float32 for int8 ones); windows: each layer's window (default none); max_len: the positions
         a full layer holds (default keys[0]'s)."""
@@ -240,8 +249,15 @@ class KVCache:
         def part(tensors: list[Tensor]) -> list[Tensor]:
             return [t[rows, :, : length if w is None else None] for t, w in zip(tensors, self.windows)]
 
-        return KVCache.of(part(self.keys), part(self.values), part(self.key_scales), part(self.value_scales),
-                          self.dtype, self.windows, length)  # fmt: skip
+        return KVCache.of(
+            part(self.keys),
+            part(self.values),
+            part(self.key_scales),
+            part(self.value_scales),
+            self.dtype,
+            self.windows,
+            length,
+        )
 
     def read_span(self, row: int, start: int, stop: int) -> list[Tensor]:
         """Copies of row's positions [start, stop) of every tensor (the order of `tensors`), each (n_kv_head,

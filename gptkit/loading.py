@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from gptkit.adapters import fingerprint
-from gptkit.checkpoint import CHECKPOINTS, LATEST, checkpoint_dirs, latest_checkpoint
 from gptkit.chat import DEFAULT_JINJA, ChatTemplate, eos_text, load_chat_template, read_tokenizer_config
+from gptkit.checkpoint import CHECKPOINTS, LATEST, checkpoint_dirs, latest_checkpoint
 from gptkit.errors import GptkitError
 from gptkit.formats import gguf, hf, lora, modeldir, quantized
 from gptkit.model import GPT
@@ -56,19 +56,23 @@ def resolve_model_path(path: str | Path) -> Path:
     if run.is_dir() and (run / CHECKPOINTS).is_dir() and not (run / CONFIG_FILE).exists():
         newest = latest_checkpoint(run)
         if newest is None:
-            raise ModelDirError(f"{run} is a training run without a complete checkpoint yet; train until its first "
-                                "checkpoint (train.checkpoint_interval) or give a model directory")  # fmt: skip
+            raise ModelDirError(
+                f"{run} is a training run without a complete checkpoint yet; train until its first "
+                "checkpoint (train.checkpoint_interval) or give a model directory"
+            )
         logger.info("%s is a training run: using its newest checkpoint, %s", path, newest)
         return newest
     if not path.exists() and path.parent.name == CHECKPOINTS and path.parent.is_dir():
         have = [p.name for p in reversed(checkpoint_dirs(path.parent.parent))]
-        raise ModelDirError(f"checkpoint {path} does not exist; {path.parent} holds "
-                            f"{', '.join(have) if have else 'no checkpoint'}")  # fmt: skip
+        raise ModelDirError(
+            f"checkpoint {path} does not exist; {path.parent} holds {', '.join(have) if have else 'no checkpoint'}"
+        )
     return path
 
 
-def load(path: str | Path, dtype: torch.dtype | None = None,
-         device: torch.device | str | None = None) -> tuple[GPT, Tokenizer | None]:  # fmt: skip
+def load(
+    path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> tuple[GPT, Tokenizer | None]:
     """(model in eval mode, tokenizer or None when the path holds none) from any format gptkit reads; a run
     directory means its newest checkpoint (resolve_model_path)."""
     path = resolve_model_path(path)
@@ -89,18 +93,23 @@ def load(path: str | Path, dtype: torch.dtype | None = None,
     return model, modeldir.load_model_tokenizer(path)
 
 
-def load_base(base: str | Path, expected: str | None = None,
-              device: torch.device | str | None = None) -> tuple[GPT, Tokenizer | None, str]:  # fmt: skip
+def load_base(
+    base: str | Path, expected: str | None = None, device: torch.device | str | None = None
+) -> tuple[GPT, Tokenizer | None, str]:
     """(model, tokenizer, fingerprint) of the base model of LoRA adapters, as stored; expected checks the
     fingerprint (a changed or missing base is a one-line error)."""
     if not Path(base).exists():
-        raise GptkitError(f"the base model {base} of these adapters is missing; put it back (or convert a merged "
-                          "model with `gptkit convert --merge` while it exists)")  # fmt: skip
+        raise GptkitError(
+            f"the base model {base} of these adapters is missing; put it back (or convert a merged "
+            "model with `gptkit convert --merge` while it exists)"
+        )
     model, tokenizer = load(base, device=device)
     found = fingerprint(model_state(model))
     if expected is not None and found != expected:
-        raise GptkitError(f"the base model {base} has changed since the adapters were trained on it (its weights "
-                          f"hash to {found[:12]}, the adapters expect {expected[:12]})")  # fmt: skip
+        raise GptkitError(
+            f"the base model {base} has changed since the adapters were trained on it (its weights "
+            f"hash to {found[:12]}, the adapters expect {expected[:12]})"
+        )
     return model, tokenizer, found
 
 
@@ -110,9 +119,15 @@ def adapted_model(settings: dict[str, Any], device: torch.device | str | None = 
     return lora.adapt(model, settings), tokenizer
 
 
-def export_hf(model_or_dir: GPT | str | Path, out_dir: str | Path, tokenizer: Any | None = None,
-              tokenizer_config: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
-              head: tuple[list[str], torch.Tensor] | None = None, family: str | None = None) -> Path:  # fmt: skip
+def export_hf(
+    model_or_dir: GPT | str | Path,
+    out_dir: str | Path,
+    tokenizer: Any | None = None,
+    tokenizer_config: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    head: tuple[list[str], torch.Tensor] | None = None,
+    family: str | None = None,
+) -> Path:
     """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) equal to the model, as
     family (a model_type such as "mistral"; default: the one the model's settings call for).
 

@@ -24,9 +24,7 @@ GPU_SLICE_LOGITS = 2**30
 
 def next_token_loss(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Mean cross-entropy (nats) over the targets not equal to ignore_index (SPEC section 3)."""
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=ignore_index
-    )
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=ignore_index)
 
 
 def slice_logits(device: torch.device) -> int:
@@ -40,9 +38,15 @@ def soft_cap(logits: Tensor, cap: float | None) -> Tensor:
 
 
 def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int = IGNORE_INDEX,
-    softcap: float | None = None, vocab_size: int | None = None, scale: float = 1.0,
-) -> Tensor:  # fmt: skip
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    softcap: float | None = None,
+    vocab_size: int | None = None,
+    scale: float = 1.0,
+) -> Tensor:
     """next_token_loss(soft_cap(scale * F.linear(hidden, weight, bias)[..., :vocab_size], softcap), targets), without
     ever holding every row's logits.
 
@@ -166,7 +170,9 @@ def row_logprobs(logits: Tensor, targets: Tensor, reduction: RowReduction) -> Te
     (B, T) with 0 at those positions ("none"), summed over each row (B,) ("sum"), or averaged over each row's
     targets (B,) ("mean"; a row with none gives 0)."""
     B, T, V = logits.shape
-    nll = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+    nll = F.cross_entropy(
+        logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    )
     logprobs = -nll.view(B, T)  # (B, T)
     if reduction == "none":
         return logprobs

@@ -194,10 +194,15 @@ class GPT(nn.Module):
         """
         if self.check_inputs:
             if targets is not None and (tuple(targets.shape) != tuple(ids.shape) or logits_at is not None):
-                raise InputError(f"targets must have the shape of ids {tuple(ids.shape)} (and come without "
-                                 f"logits_at), got {tuple(targets.shape)}")  # fmt: skip
-            if logits_at is not None and (tuple(logits_at.shape) != (ids.size(0),) or int(logits_at.min()) < 0
-                                          or int(logits_at.max()) >= ids.size(1)):  # fmt: skip
+                raise InputError(
+                    f"targets must have the shape of ids {tuple(ids.shape)} (and come without "
+                    f"logits_at), got {tuple(targets.shape)}"
+                )
+            if logits_at is not None and (
+                tuple(logits_at.shape) != (ids.size(0),)
+                or int(logits_at.min()) < 0
+                or int(logits_at.max()) >= ids.size(1)
+            ):
                 raise InputError(f"logits_at must hold one index in [0, {ids.size(1)}) per row of ids, got {logits_at}")
         x = self.hidden(ids, cache, start_pos, trace, document_ids)  # (B, T, d)
         if targets is not None:
@@ -244,8 +249,10 @@ class GPT(nn.Module):
         if self.check_inputs:
             self._check_inputs(ids, cache, start_pos)
             if document_ids is not None and (tuple(document_ids.shape) != tuple(ids.shape) or cache is not None):
-                raise InputError(f"document_ids must have the shape of ids {tuple(ids.shape)} (and come without a "
-                                 f"cache), got {tuple(document_ids.shape)}")  # fmt: skip
+                raise InputError(
+                    f"document_ids must have the shape of ids {tuple(ids.shape)} (and come without a "
+                    f"cache), got {tuple(document_ids.shape)}"
+                )
         T = ids.size(1)
         offsets = torch.arange(T, device=ids.device)
         positions = start_pos[:, None] + offsets if isinstance(start_pos, Tensor) else (start_pos + offsets)[None]

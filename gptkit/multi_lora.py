@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gptkit.adapters import unwrap_model, target_paths, wrap_block_layers
+from gptkit.adapters import target_paths, unwrap_model, wrap_block_layers
 from gptkit.errors import GptkitError
 
 
@@ -50,8 +50,9 @@ def adapter_sets(model: nn.Module) -> dict[str, AdapterSet]:
 
 
 @torch.no_grad()
-def serve_adapter(model: nn.Module, index: int, state: dict[str, Tensor], settings: dict[str, object],
-                  source: str) -> None:  # fmt: skip
+def serve_adapter(
+    model: nn.Module, index: int, state: dict[str, Tensor], settings: dict[str, object], source: str
+) -> None:
     """Add adapter number `index` (state: "<module>.lora_A"/"lora_B" tensors, settings: its lora_config) to model,
     wrapping the layers it adapts in AdapterSet layers first where they are not yet."""
     if index < 1:
@@ -62,8 +63,12 @@ def serve_adapter(model: nn.Module, index: int, state: dict[str, Tensor], settin
     def add(name: str, layer: nn.Module) -> AdapterSet:
         layer = layer if isinstance(layer, AdapterSet) else AdapterSet(layer)
         a, b = state.get(f"{name}.lora_A"), state.get(f"{name}.lora_B")
-        if a is None or b is None or tuple(a.shape) != (rank, layer.base.in_features) or \
-                tuple(b.shape) != (layer.base.out_features, rank):  # fmt: skip
+        if (
+            a is None
+            or b is None
+            or tuple(a.shape) != (rank, layer.base.in_features)
+            or tuple(b.shape) != (layer.base.out_features, rank)
+        ):
             raise GptkitError(f"{source}: adapter tensors for {name} are missing or misshapen for this base")
         layer.updates[index] = (a.to(device, torch.float32), b.to(device, torch.float32), scaling)
         return layer
@@ -112,8 +117,11 @@ def rows_using(model: nn.Module, adapters: list[int]) -> Iterator[None]:
         raise GptkitError(f"adapter {unknown[0]} is not served on this model (served: {sorted(served)})")
     gpt = unwrap_model(model)
     chosen = torch.tensor(adapters)
-    groups = [(int(k), (chosen == k).nonzero()[:, 0].to(gpt.tok_emb.weight.device))
-              for k in chosen.unique().tolist() if k != 0]  # fmt: skip
+    groups = [
+        (int(k), (chosen == k).nonzero()[:, 0].to(gpt.tok_emb.weight.device))
+        for k in chosen.unique().tolist()
+        if k != 0
+    ]
     for layer in layers:
         layer.groups = groups
     gpt.__dict__[_ROWS] = chosen

@@ -53,8 +53,11 @@ def block_matrices(model: nn.Module) -> list[nn.Parameter]:
     matrices: dict[nn.Parameter, None] = {}  # ordered, each parameter once
     for module in model.modules():
         if isinstance(module, GPT):
-            matrices.update((p, None) for p in module.blocks.parameters()
-                            if p.requires_grad and p.dim() == 2 and p not in adapter_weights)  # fmt: skip
+            matrices.update(
+                (p, None)
+                for p in module.blocks.parameters()
+                if p.requires_grad and p.dim() == 2 and p not in adapter_weights
+            )
     return list(matrices)
 
 
@@ -67,8 +70,13 @@ def adamw(groups: list[dict], config: OptimConfig) -> tuple[torch.optim.AdamW, b
         return torch.optim.AdamW(groups, lr=config.lr, betas=betas, foreach=True), False
 
 
-def orthogonalise(update: Tensor, steps: int, dtype: torch.dtype,
-                  coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = 1e-7) -> Tensor:
+def orthogonalise(
+    update: Tensor,
+    steps: int,
+    dtype: torch.dtype,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = 1e-7,
+) -> Tensor:
     """Newton-Schulz's quintic iteration X <- aX + (bA + cA^2) X, A = X X^T, from X = update / ||update||_F, in dtype:
     about U V^T of update = U S V^T (Keller Jordan's coefficients; torch.optim.Muon's products in bfloat16, and in
     float32 the same rounds, on the Gram matrix where a matrix is over 1.5x as wide as tall: iterate_on_gram).
@@ -103,8 +111,9 @@ def iterate(x: Tensor, steps: int, coefficients: tuple[float, float, float], pro
     return x
 
 
-def iterate_on_gram(x: Tensor, steps: int, coefficients: tuple[float, float, float],
-                    product: Callable[..., Tensor]) -> Tensor:
+def iterate_on_gram(
+    x: Tensor, steps: int, coefficients: tuple[float, float, float], product: Callable[..., Tensor]
+) -> Tensor:
     """orthogonalise's rounds for a wide x (r rows, n > 1.5 r columns), run on r x r matrices: each round is
     X <- h(A) X with h(A) = aI + bA + cA^2, so X_k = Q_k X_0 with Q_{k+1} = h(A_k) Q_k and A_{k+1} = h(A_k) A_k h(A_k),
     and X_0 is multiplied once at the end (of each GRAM_ROUNDS rounds).
@@ -145,12 +154,13 @@ def same_shape_batches(matrices: list[Tensor]) -> list[list[int]]:
             shapes.setdefault((min(matrix.shape), max(matrix.shape), matrix.dtype, matrix.device), []).append(index)
     for same in shapes.values():
         per_batch = max(1, MAX_BATCH_ELEMENTS // max(1, matrices[same[0]].numel()))
-        batches += [same[start:start + per_batch] for start in range(0, len(same), per_batch)]
+        batches += [same[start : start + per_batch] for start in range(0, len(same), per_batch)]
     return batches
 
 
-def orthogonalise_batch(updates: list[Tensor], steps: int, dtype: torch.dtype,
-                        coefficients: tuple[float, float, float], eps: float) -> list[Tensor]:
+def orthogonalise_batch(
+    updates: list[Tensor], steps: int, dtype: torch.dtype, coefficients: tuple[float, float, float], eps: float
+) -> list[Tensor]:
     """orthogonalise of each of one batch's updates (same_shape_batches'), as one stack where there are several.
 
     A stack runs each round's products as one call: on 2 CPU threads the CPU speed record's Muon step took 6.3 ms
@@ -185,10 +195,17 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, params: list[nn.Parameter], config: OptimConfig) -> None:
         if any(p.dim() != 2 for p in params):
             raise ValueError("Muon takes 2-D weight matrices only")
-        defaults = dict(lr=config.muon_lr, weight_decay=config.muon_weight_decay, momentum=config.muon_momentum,
-                        nesterov=True, ns_coefficients=NS_COEFFICIENTS, eps=1e-7,
-                        ns_steps=config.muon_ns_steps, adjust_lr_fn=config.muon_lr_scale,
-                        ns_dtype=newton_schulz_dtype(params[0].device))  # fmt: skip
+        defaults = dict(
+            lr=config.muon_lr,
+            weight_decay=config.muon_weight_decay,
+            momentum=config.muon_momentum,
+            nesterov=True,
+            ns_coefficients=NS_COEFFICIENTS,
+            eps=1e-7,
+            ns_steps=config.muon_ns_steps,
+            adjust_lr_fn=config.muon_lr_scale,
+            ns_dtype=newton_schulz_dtype(params[0].device),
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -204,8 +221,11 @@ class Muon(torch.optim.Optimizer):
                 updates = orthogonalise_batch(updates, group["ns_steps"], dtype, group["ns_coefficients"], group["eps"])
                 for p, update in zip((params[i] for i in batch), updates):
                     rows, cols = p.shape
-                    scale = 0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr_fn"] == "match_rms_adamw" else \
-                        math.sqrt(max(1, rows / cols))  # fmt: skip
+                    scale = (
+                        0.2 * math.sqrt(max(rows, cols))
+                        if group["adjust_lr_fn"] == "match_rms_adamw"
+                        else math.sqrt(max(1, rows / cols))
+                    )
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                     p.add_(update, alpha=-group["lr"] * scale)
 
@@ -270,8 +290,10 @@ def make_optimizer(model: nn.Module, config: OptimConfig) -> tuple[torch.optim.O
         return adamw(param_groups(model, config.weight_decay), config)
     matrices = block_matrices(model)
     if not matrices:
-        logger.warning("optim.name muon: nothing here trains under Muon (LoRA's adapters and heads are AdamW's), so "
-                       "this run is AdamW's alone")  # fmt: skip
+        logger.warning(
+            "optim.name muon: nothing here trains under Muon (LoRA's adapters and heads are AdamW's), so "
+            "this run is AdamW's alone"
+        )
     others = param_groups(model, config.weight_decay, exclude=set(matrices))
     return MuonAdamW(matrices, others, config), False  # Muon has no found_inf input: a skip costs a host sync
 

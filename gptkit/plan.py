@@ -61,9 +61,12 @@ class PlanSettings:
         metadata={"help": "float32, or bfloat16/float16 autocast mixed precision", "choices": TRAIN_DTYPES},
     )
     optimizer: str = field(
-        default="adamw", metadata={"help": "adamw, or muon (on the blocks' matrices, AdamW on the rest): the optimiser "
-                                   "state it keeps", "choices": ("adamw", "muon")},
-    )  # fmt: skip
+        default="adamw",
+        metadata={
+            "help": "adamw, or muon (on the blocks' matrices, AdamW on the rest): the optimiser state it keeps",
+            "choices": ("adamw", "muon"),
+        },
+    )
     device_memory: float | None = field(default=None, metadata={"metavar": "GiB", "help": "memory of one device"})
     flops: float | None = field(
         default=None, metadata={"metavar": "TFLOP/s", "help": "peak TFLOP/s of one device at dtype"}
@@ -73,16 +76,22 @@ class PlanSettings:
     )
     budget: float | None = field(
         default=None,
-        metadata={"metavar": "FLOP", "help": "a FLOP budget to size a compute-optimal model for "
-                  "(default: this run's FLOPs)"},
-    )  # fmt: skip
+        metadata={
+            "metavar": "FLOP",
+            "help": "a FLOP budget to size a compute-optimal model for (default: this run's FLOPs)",
+        },
+    )
     kv_context: int | None = field(
         default=None, metadata={"metavar": "T", "help": "inference context for the KV cache (default: the training T)"}
     )
     kv_batch: int = field(default=1, metadata={"metavar": "B", "help": "inference batch for the KV cache"})
-    kv_cache: str | None = field(default=None, metadata={
-        "help": "the KV cache's elements: int8 (a scale per token and head), or by default the training dtype",
-        "choices": ("int8",)})  # fmt: skip
+    kv_cache: str | None = field(
+        default=None,
+        metadata={
+            "help": "the KV cache's elements: int8 (a scale per token and head), or by default the training dtype",
+            "choices": ("int8",),
+        },
+    )
 
     def validate(self, config: ModelConfig) -> None:
         """Raise ConfigError naming the first setting this model cannot take."""
@@ -214,8 +223,9 @@ def block_matrix_params(config: ModelConfig) -> int:
     return config.n_layer * (attention_params(unbiased) + mlp_params(unbiased))
 
 
-def training_memory(config: ModelConfig, batch_size: int, block_size: int, dtype: str = "float32",
-                    optimizer_name: str = "adamw") -> Memory:  # fmt: skip
+def training_memory(
+    config: ModelConfig, batch_size: int, block_size: int, dtype: str = "float32", optimizer_name: str = "adamw"
+) -> Memory:
     """Peak bytes of a training step: weights, gradients and optimiser state, plus activations or the step's
     temporaries (whichever is larger), summed as if all were alive at once."""
     n = param_breakdown(config).total
@@ -236,9 +246,16 @@ def training_memory(config: ModelConfig, batch_size: int, block_size: int, dtype
     step = FP32 * (n - matrices)
     fixed = weights + gradients + optimizer + autocast_copies
     return Memory(
-        weights, gradients, optimizer, autocast_copies, step, activations, checkpointed,
-        fixed + max(activations, step), fixed + max(checkpointed, step),
-    )  # fmt: skip
+        weights,
+        gradients,
+        optimizer,
+        autocast_copies,
+        step,
+        activations,
+        checkpointed,
+        fixed + max(activations, step),
+        fixed + max(checkpointed, step),
+    )
 
 
 def make_plan(config: ModelConfig, settings: PlanSettings) -> Plan:

@@ -53,8 +53,9 @@ class Precision:
         return f"{self.dtype}{attention}" + (f" ({self.reason})" if self.reason else "")
 
 
-def choose_precision(requested: str, device: torch.device, world: World, attention_shape: tuple[int, int, int, int],
-                     saved: Any = None) -> Precision:  # fmt: skip
+def choose_precision(
+    requested: str, device: torch.device, world: World, attention_shape: tuple[int, int, int, int], saved: Any = None
+) -> Precision:
     """The precision of a run asked for requested (train.dtype): auto made training_dtype's choice, and under a
     CPU's bf16 attention in fp32 at contexts up to FP32_ATTENTION_MAX_CONTEXT (attention_shape: batch, heads,
     block, head_dim). saved, a checkpoint's Precision.state on the same kind of device, is kept instead, so that a

@@ -347,8 +347,11 @@ def dequantized_state(model: nn.Module) -> dict[str, Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
             del state[f"{name}.scales"]
-            state[f"{name}.weight"] = (_dequantized(module.weight, module.scales, torch.float32)
-                                       if isinstance(module, Int8Linear) else module.dequantized())  # fmt: skip
+            state[f"{name}.weight"] = (
+                _dequantized(module.weight, module.scales, torch.float32)
+                if isinstance(module, Int8Linear)
+                else module.dequantized()
+            )
     return state
 
 
@@ -358,7 +361,7 @@ def is_quantized(model: nn.Module) -> bool:
 
 
 def quantization_method(model: nn.Module) -> str | None:
-    """"int4" where any layer is Int4Linear, "int8" where any is Int8Linear, else None."""
+    """ "int4" where any layer is Int4Linear, "int8" where any is Int8Linear, else None."""
     modules = list(getattr(model, "_orig_mod", model).modules())
     if any(isinstance(m, Int4Linear) for m in modules):
         return "int4"

@@ -51,8 +51,13 @@ def section_comments(section: str) -> dict[str, str]:
         described["method"] += ": " + choices_help(METHODS)
         described["objective"] += ": " + choices_help(OBJECTIVES)
         owners = part_settings()  # a part's key is described as "PART: its comment"
-        described.update({key: f"{owners[kind].split()[-1]}: {field_comments(kind)[key]}"
-                          for key, (kind, _) in part_keys().items() if key in field_comments(kind)})  # fmt: skip
+        described.update(
+            {
+                key: f"{owners[kind].split()[-1]}: {field_comments(kind)[key]}"
+                for key, (kind, _) in part_keys().items()
+                if key in field_comments(kind)
+            }
+        )
     return described
 
 
@@ -116,7 +121,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One `--section.key VALUE` flag per config key, generated from the dataclasses and ModelConfig, each described
     by its field's comment."""
-    defaults = {"optim": vars(OptimConfig()), "train": vars(TrainConfig()), "finetune": new_run_config().finetune.flat()}
+    defaults = {
+        "optim": vars(OptimConfig()),
+        "train": vars(TrainConfig()),
+        "finetune": new_run_config().finetune.flat(),
+    }
     for section in ("model", *SECTIONS):
         group = parser.add_argument_group(f"{section} settings (YAML section {section}:)")
         described = section_comments(section)

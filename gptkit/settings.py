@@ -37,19 +37,27 @@ class PartSettings:
         """Raise ConfigError naming the first setting out of its range (whether or not the run uses the part)."""
 
 
-def check_range(name: str, value: float, low: float, high: float | None = None, low_open: bool = False,
-                 high_open: bool = False, why: str | None = None) -> None:  # fmt: skip
+def check_range(
+    name: str,
+    value: float,
+    low: float,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    why: str | None = None,
+) -> None:
     """A ConfigError unless value is finite and within [low, high] (an open end excludes that bound)."""
     inside = math.isfinite(value) and (value > low if low_open else value >= low)
     if high is not None:
         inside = inside and (value < high if high_open else value <= high)
     if not inside:
         if why is None:
-            why = (f"> {low}" if low_open else f">= {low}") if high is None else \
-                f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"  # fmt: skip
+            why = (
+                (f"> {low}" if low_open else f">= {low}")
+                if high is None
+                else f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+            )
         raise ConfigError(f"{name} must be {why}, got {value}")
-
-
 
 
 def describe(kind: Any) -> str:
@@ -67,8 +75,6 @@ def describe(kind: Any) -> str:
     if dataclasses.is_dataclass(kind):
         return f"a mapping of {kind.__name__}'s fields"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, str(kind))
-
-
 
 
 def coerce(key: str, value: Any, kind: Any) -> Any:

@@ -20,8 +20,9 @@ class EvaluationStopped(BaseException):
 
 
 @contextlib.contextmanager
-def stop_on_signals(announce: Callable[[str], None] = logger.warning,
-                    cut_short: Callable[[], bool] = lambda: False) -> Iterator[threading.Event]:  # fmt: skip
+def stop_on_signals(
+    announce: Callable[[str], None] = logger.warning, cut_short: Callable[[], bool] = lambda: False
+) -> Iterator[threading.Event]:
     """An event set by the first SIGINT or SIGTERM (the loop then checkpoints and returns); a second SIGINT aborts.
 
     The first signal is announced at once; while cut_short() is true (an evaluation is running) it also raises
@@ -36,8 +37,10 @@ def stop_on_signals(announce: Callable[[str], None] = logger.warning,
             raise KeyboardInterrupt
         requested.set()
         cut = cut_short()
-        announce(("stopping now: this evaluation is cut short" if cut else "stopping after this step") +
-                 "; a checkpoint is written (Ctrl-C again to abort without saving)")  # fmt: skip
+        announce(
+            ("stopping now: this evaluation is cut short" if cut else "stopping after this step")
+            + "; a checkpoint is written (Ctrl-C again to abort without saving)"
+        )
         if cut:
             raise EvaluationStopped
 

@@ -21,9 +21,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
@@ -101,23 +99,24 @@ def weight_files(path: Path) -> list[Path]:
 # Versioned JSON: {"format": ..., "format_version": N, ...}.
 
 
-def check_version(data: dict[str, Any], source: str | Path, version: int,
-                  error: type[GptkitError] = GptkitError) -> None:  # fmt: skip
+def check_version(
+    data: dict[str, Any], source: str | Path, version: int, error: type[GptkitError] = GptkitError
+) -> None:
     """Raise error when data's format_version is newer than version, the newest this gptkit reads."""
     if data.get("format_version", 0) > version:
-        raise error(f"{source} was written by a newer gptkit (format_version {data['format_version']}); "
-                    "upgrade gptkit")  # fmt: skip
+        raise error(f"{source} was written by a newer gptkit (format_version {data['format_version']}); upgrade gptkit")
 
 
-def read_versioned_json(path: Path, fmt: str, version: int, what: str,
-                        error: type[GptkitError] = GptkitError) -> dict[str, Any]:  # fmt: skip
+def read_versioned_json(
+    path: Path, fmt: str, version: int, what: str, error: type[GptkitError] = GptkitError
+) -> dict[str, Any]:
     """The JSON object in path, checked to be of format fmt (a `what`) and no newer than version."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise error(f"cannot read {path}: {err}") from None
     if not isinstance(data, dict) or data.get("format") != fmt:
-        raise error(f"{path} is not a {what} (no \"format\": \"{fmt}\")")
+        raise error(f'{path} is not a {what} (no "format": "{fmt}")')
     check_version(data, path, version, error)
     return data
 
@@ -148,8 +147,12 @@ def write_config_and_tokenizer(
 ) -> None:
     """The tokenizer's files and a gptkit config.json (last: it makes the directory loadable) beside written
     weights; extra holds further fields (a quantised directory's "quantization")."""
-    data: dict[str, Any] = {"format": GPTKIT_FORMAT, "format_version": GPTKIT_FORMAT_VERSION,
-                            "model": config.to_dict(), **(extra or {})}  # fmt: skip
+    data: dict[str, Any] = {
+        "format": GPTKIT_FORMAT,
+        "format_version": GPTKIT_FORMAT_VERSION,
+        "model": config.to_dict(),
+        **(extra or {}),
+    }
     if tokenizer is not None:
         tokenizer.save(path)
         own = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
@@ -170,7 +173,7 @@ def read_model_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a gptkit model directory (float or quantised)."""
     data = read_config_json(path)
     if data.get("format") != GPTKIT_FORMAT:
-        raise ModelDirError(f"{Path(path) / CONFIG_FILE} is not a gptkit config (no \"format\": \"{GPTKIT_FORMAT}\")")
+        raise ModelDirError(f'{Path(path) / CONFIG_FILE} is not a gptkit config (no "format": "{GPTKIT_FORMAT}")')
     check_version(data, path, GPTKIT_FORMAT_VERSION, ModelDirError)
     try:
         return ModelConfig.from_dict(data.get("model"))

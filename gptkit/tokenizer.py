@@ -182,7 +182,9 @@ class CharTokenizer(Tokenizer):
         return cls(sorted(seen), specials)
 
     def _encode_segment(self, text: str, offset: int) -> np.ndarray:
-        points = np.minimum(np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32), len(self._table) - 1)
+        points = np.minimum(
+            np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32), len(self._table) - 1
+        )
         ids = self._table[points]
         if (ids < 0).any():
             i = int(np.argmax(ids < 0))

@@ -28,9 +28,19 @@ from gptkit.accounting import training_flops_per_token
 from gptkit.atomic import atomic_write_text
 from gptkit.chat import TOKENIZER_CONFIG
 from gptkit.checkpoint import (
-    CheckpointError, checkpoint_name, latest_checkpoint, load_checkpoint, read_trainer_state,
-    remove_stale_temporaries, resume_point, rewind, rng_state, save_checkpoint, saved_world, set_rng_state,
-)  # fmt: skip
+    CheckpointError,
+    checkpoint_name,
+    latest_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    remove_stale_temporaries,
+    resume_point,
+    rewind,
+    rng_state,
+    save_checkpoint,
+    saved_world,
+    set_rng_state,
+)
 from gptkit.data import Batches, load_run_data
 from gptkit.devices import (
     attention_backends,
@@ -42,10 +52,21 @@ from gptkit.devices import (
     pick_device,
 )
 from gptkit.distributed import (
-    RankBatches, World, all_mean, any_rank, barrier, device_for, full_tensor, gather_objects, init_process_group,
+    RankBatches,
+    World,
+    all_mean,
+    any_rank,
+    barrier,
+    device_for,
+    full_tensor,
+    gather_objects,
+    init_process_group,
     local_tensor,
-    resumed_grad_accum, sync_context, world_from_env, wrap,
-)  # fmt: skip
+    resumed_grad_accum,
+    sync_context,
+    world_from_env,
+    wrap,
+)
 from gptkit.errors import ConfigError, GptkitError, StepAbandoned
 from gptkit.finetune.catalogue import check_parts, method_for, objective_for
 from gptkit.finetune.parts import Setup
@@ -53,9 +74,9 @@ from gptkit.model import GPT
 from gptkit.moe import routing_metrics, start_routing_count
 from gptkit.observe.run_log import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR, RunLog, read_history
 from gptkit.observe.training import Observer
-from gptkit.stopping import EvaluationStopped, stop_on_signals
 from gptkit.optim import make_optimizer, set_learning_rates
 from gptkit.precision import choose_precision
+from gptkit.stopping import EvaluationStopped, stop_on_signals
 from gptkit.tokenizer import check_same_tokenizer
 from gptkit.train_config import RunConfig
 
@@ -80,8 +101,9 @@ class TrainResult:
     interrupted: bool
 
 
-def train(config: RunConfig, resume: bool = False, progress: bool = True,
-          resume_from: str | Path | None = None) -> TrainResult:  # fmt: skip
+def train(
+    config: RunConfig, resume: bool = False, progress: bool = True, resume_from: str | Path | None = None
+) -> TrainResult:
     """Run (or, with resume, continue) the training described by config; returns where it ended.
 
     resume_from names the checkpoint to continue from (implies resume; default: the newest that verifies).
@@ -106,8 +128,14 @@ class Trainer:
     knows them only through their interfaces (gptkit.finetune.parts). The model's four names, each around the last:
     gpt, model (objective.wrap(gpt)), wrapped (in DDP or FSDP), forward (compiled with train.compile)."""
 
-    def __init__(self, config: RunConfig, resume: bool, world: World | None = None,
-                 device: torch.device | None = None, resume_from: str | Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        resume: bool,
+        world: World | None = None,
+        device: torch.device | None = None,
+        resume_from: str | Path | None = None,
+    ) -> None:
         self.config, self.settings, self.optim = config, config.train, config.optim
         self.world = world if world is not None else World()
         self.run_dir = config.run_dir()
@@ -164,13 +192,23 @@ class Trainer:
 
     def build_objective(self) -> None:
         """The objective over the data and model, the module that trains, and what watches the run."""
-        setup = Setup(self.config, self.data, self.gpt, self.tokenizer, self.method, self.device, self.world,
-                      self.template_dir)  # fmt: skip
+        setup = Setup(
+            self.config, self.data, self.gpt, self.tokenizer, self.method, self.device, self.world, self.template_dir
+        )
         self.objective = objective_for(setup)
         val_tokens = self.data.val if self.data.kind == "text" else None
         examples = self.data.val if self.data.kind == "examples" else None
-        self.observer = Observer(self.settings, self.run_dir, self.gpt, self.tokenizer, val_tokens, examples,
-                                 self.config.finetune.objective, self.world.is_main, setup.sharded)  # fmt: skip
+        self.observer = Observer(
+            self.settings,
+            self.run_dir,
+            self.gpt,
+            self.tokenizer,
+            val_tokens,
+            examples,
+            self.config.finetune.objective,
+            self.world.is_main,
+            setup.sharded,
+        )
         self.model = self.objective.wrap(self.gpt).to(self.device)  # a head is made with the model's generator
         self.gpt.check_inputs = False  # the data were checked; the check would sync the device every step
         self.gpt.checkpoint_blocks = self.settings.activation_checkpointing
@@ -198,16 +236,20 @@ class Trainer:
             remove_stale_temporaries(self.run_dir)
             dropped = rewind(self.run_dir, checkpoint) if checkpoint is not None else []
         if dropped and resume_from is not None:  # (damaged ones passed over were named already)
-            logger.warning("continuing from %s: removed the later checkpoint(s) %s", checkpoint.name,
-                           ", ".join(p.name for p in dropped))  # fmt: skip
+            logger.warning(
+                "continuing from %s: removed the later checkpoint(s) %s",
+                checkpoint.name,
+                ", ".join(p.name for p in dropped),
+            )
 
     def restore(self, checkpoint: Path | None) -> None:
         """Weights, optimiser, generators, batch position and the objective's state from the checkpoint."""
         self.step, self.elapsed_before, self.skipped_before = 0, 0.0, 0
         self.last_good = checkpoint
         if checkpoint is not None:
-            saved = load_checkpoint(checkpoint, self.model, self.optimizer, self.names, self.world.rank,
-                                    self.read_model)  # fmt: skip
+            saved = load_checkpoint(
+                checkpoint, self.model, self.optimizer, self.names, self.world.rank, self.read_model
+            )
             self.step, self.elapsed_before = saved["step"], saved.get("elapsed_s", 0.0)
             self.skipped_before = saved.get("skipped_steps", 0)
             self.loader.load_state_dict(saved["loader"])
@@ -228,8 +270,9 @@ class Trainer:
             header += f"# precision: this run trains in {self.precision.describe()} on {self.device.type}.\n"
         # Records after the checkpoint belong to steps this run is about to redo; a new run starts a new file.
         history = read_history(self.run_dir / METRICS_FILE, self.step) if checkpoint is not None else []
-        self.log = RunLog(self.run_dir, history, self.world.is_main, self.objective.task_metrics,
-                          self.objective.step_shown)  # fmt: skip
+        self.log = RunLog(
+            self.run_dir, history, self.world.is_main, self.objective.task_metrics, self.objective.step_shown
+        )
         if self.world.is_main:
             with self.writing(f"could not write {CONFIG_FILE} and {METRICS_FILE} in {self.run_dir}"):
                 atomic_write_text(self.run_dir / CONFIG_FILE, header + yaml.safe_dump(resolved, sort_keys=False))
@@ -243,8 +286,14 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(self.gpt.config)
         self.peak = peak_flops(self.device, self.settings.dtype, self.settings.peak_flops)
         per_step = self.settings.batch_size * self.settings.grad_accum * self.world.world_size * self.block_size
-        warning = gpu_recipe_on_cpu(self.settings.device, self.device, self.requested_dtype, self.settings.compile,
-                                    self.settings.max_steps * per_step * self.flops_per_token, self.peak)  # fmt: skip
+        warning = gpu_recipe_on_cpu(
+            self.settings.device,
+            self.device,
+            self.requested_dtype,
+            self.settings.compile,
+            self.settings.max_steps * per_step * self.flops_per_token,
+            self.peak,
+        )
         if warning and self.world.is_main:
             logger.warning(warning)
         # Fault counters stay on the device, so no step waits to learn whether it was skipped.
@@ -272,8 +321,9 @@ class Trainer:
             # The update's loss is the mean over all its units (trained targets, pairs, texts): micro-batches of
             # examples hold different numbers of them, so each counts by its share (the all-reduce averages over
             # ranks, hence world_size).
-            weight = 1 / t.grad_accum if batch.step_units is None else \
-                batch.units * self.world.world_size / batch.step_units  # fmt: skip
+            weight = (
+                1 / t.grad_accum if batch.step_units is None else batch.units * self.world.world_size / batch.step_units
+            )
             # Across ranks, gradients are all-reduced on the final micro-step only.
             with sync_context(self.wrapped, micro == t.grad_accum - 1):
                 with autocast_for(self.device, t.dtype):
@@ -329,8 +379,10 @@ class Trainer:
         skipped = self.skipped_before + int(self.bad_count.item())
         if skipped != self.skipped:
             record["skipped_steps"] = skipped
-            self.log.note(f"step {self.step}: skipped {skipped - self.skipped} update(s) with a non-finite loss or "
-                      f"gradient norm ({skipped} in all)")  # fmt: skip
+            self.log.note(
+                f"step {self.step}: skipped {skipped - self.skipped} update(s) with a non-finite loss or "
+                f"gradient norm ({skipped} in all)"
+            )
             self.skipped = skipped
         streak = int(self.bad_run_max.item())
         if streak >= self.settings.max_bad_steps:
@@ -366,8 +418,9 @@ class Trainer:
         self.forward.train()
         shown = [("train_eval_loss", "train loss"), ("val_loss", "val loss"), ("val_bpb", "val bpb")]
         shown += [(name, name.removeprefix("val_").replace("_", " ")) for name in self.objective.task_metrics]
-        line = f"step {self.step}: " + ", ".join(f"{label} {record[key]:.4g}" for key, label in shown
-                                                  if isinstance(record.get(key), float))  # fmt: skip
+        line = f"step {self.step}: " + ", ".join(
+            f"{label} {record[key]:.4g}" for key, label in shown if isinstance(record.get(key), float)
+        )
         line += " (evaluation stopped)" if "evaluation" in record else self.observer.summary(record)
         with self.writing(f"could not append to {self.observer.path}"):
             self.observer.append(samples)
@@ -385,18 +438,34 @@ class Trainer:
             raise TrainingStopped(
                 f"weights became non-finite by step {self.step}; the last good checkpoint is {self.last_good}"
             )
-        trainer = {"loader": self.batches.state_dict(), "elapsed_s": self.elapsed(), "skipped_steps": self.skipped,
-                   "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                   "objective": self.objective.state_dict(), "world_size": self.world.world_size,
-                   "grad_accum": self.settings.grad_accum, "precision": self.precision.state(self.device)}  # fmt: skip
+        trainer = {
+            "loader": self.batches.state_dict(),
+            "elapsed_s": self.elapsed(),
+            "skipped_steps": self.skipped,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "objective": self.objective.state_dict(),
+            "world_size": self.world.world_size,
+            "grad_accum": self.settings.grad_accum,
+            "precision": self.precision.state(self.device),
+        }
         # Each rank's generators, so that every rank's dropout resumes exactly (rank 0's keys unprefixed).
         rngs = gather_objects(self.world, rng_state())
         rng = {(f"rank{r}." if r else "") + k: v for r, state in enumerate(rngs) for k, v in state.items()}
         failure = None
         try:
-            saved = save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, self.optimizer, self.names,
-                                    trainer, self.settings.keep_checkpoints, rng=rng, write=self.world.is_main,
-                                    save_model=self.write_model)  # fmt: skip
+            saved = save_checkpoint(
+                self.run_dir,
+                self.step,
+                self.model,
+                self.tokenizer,
+                self.optimizer,
+                self.names,
+                trainer,
+                self.settings.keep_checkpoints,
+                rng=rng,
+                write=self.world.is_main,
+                save_model=self.write_model,
+            )
         except OSError as err:  # a full disk, a lost mount: the checkpoint before stays whole
             failure = err
         if any_rank(self.world, failure is not None, self.device):  # every rank stops, not only the writer
@@ -408,8 +477,12 @@ class Trainer:
     def position(self) -> dict[str, Any]:
         """What a step changes before its update and a checkpoint holds (host copies, no device sync): the step, the
         batch position, the objective's state (RL's sampling seeds) and the random generators."""
-        return {"step": self.step, "loader": self.batches.state_dict(), "objective": self.objective.state_dict(),
-                "rng": rng_state()}  # fmt: skip
+        return {
+            "step": self.step,
+            "loader": self.batches.state_dict(),
+            "objective": self.objective.state_dict(),
+            "rng": rng_state(),
+        }
 
     def abandon(self, err: StepAbandoned) -> bool:
         """After user code a step ran failed, or a signal came while the step waited on it: a step cut short is
@@ -429,8 +502,11 @@ class Trainer:
         if err.interrupted:
             logger.warning("%s", err)
             return True
-        saved = f"saved as of step {self.step} ({last})" if last is not None and last.name == checkpoint_name(
-            self.step) else f"not saved (its last checkpoint: {last or 'none'})"  # fmt: skip
+        saved = (
+            f"saved as of step {self.step} ({last})"
+            if last is not None and last.name == checkpoint_name(self.step)
+            else f"not saved (its last checkpoint: {last or 'none'})"
+        )
         raise StepAbandoned(f"{err}; the run is {saved}: continue it with --resume once that is fixed") from None
 
     @contextlib.contextmanager
@@ -489,8 +565,7 @@ class Trainer:
             self.log.open(t.tensorboard, progress, t.max_steps, self.step)
         interrupted, val_loss = False, None
         try:
-            with stop_on_signals(self.log.announce, lambda: self.cut_short) as stop, \
-                    attention_backends(self.device):  # fmt: skip
+            with stop_on_signals(self.log.announce, lambda: self.cut_short) as stop, attention_backends(self.device):
                 stopping = False
                 if self.step == 0 and t.eval_at_start:
                     record: dict[str, Any] = {"step": 0}

@@ -105,8 +105,18 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of its range."""
-        for key in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters", "eval_examples",
-                    "log_interval", "checkpoint_interval", "keep_checkpoints", "max_bad_steps"):  # fmt: skip
+        for key in (
+            "max_steps",
+            "batch_size",
+            "grad_accum",
+            "eval_interval",
+            "eval_iters",
+            "eval_examples",
+            "log_interval",
+            "checkpoint_interval",
+            "keep_checkpoints",
+            "max_bad_steps",
+        ):
             check_range(f"train.{key}", getattr(self, key), low=1)
         check_range("train.seed", self.seed, low=0)
         if self.peak_flops is not None:
@@ -116,8 +126,10 @@ class TrainConfig:
         if self.sample_prompts is not None and not all(isinstance(p, str) and p for p in self.sample_prompts):
             raise ConfigError(f"train.sample_prompts must be a list of non-empty strings, got {self.sample_prompts!r}")
         if self.sample_prompts == []:
-            raise ConfigError("train.sample_prompts is empty: give at least one prompt, or null for validation "
-                              "prompts (train.sample_every 0 turns samples off)")  # fmt: skip
+            raise ConfigError(
+                "train.sample_prompts is empty: give at least one prompt, or null for validation "
+                "prompts (train.sample_every 0 turns samples off)"
+            )
 
 
 @dataclass

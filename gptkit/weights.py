@@ -54,8 +54,10 @@ def load_state_into(model: GPT, state: dict[str, torch.Tensor], source: str) -> 
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config needs {tuple(expected[name].shape)}"
             )
         if tensor.is_floating_point() != expected[name].is_floating_point():
-            raise WeightsError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, the model needs "
-                                f"{'floating-point' if expected[name].is_floating_point() else 'integer'} values")  # fmt: skip
+            raise WeightsError(
+                f"{source}: tensor {name!r} has dtype {tensor.dtype}, the model needs "
+                f"{'floating-point' if expected[name].is_floating_point() else 'integer'} values"
+            )
     check_finite(state, source)
     model.load_state_dict(state, strict=False, assign=True)
     if model.config.tie_embeddings:
@@ -70,6 +72,8 @@ def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
     for name, tensor in state.items():
         if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
             bad = int((~tensor.isfinite()).sum())
-            raise WeightsError(f"{source}: tensor {name!r} holds {bad} NaN or infinite value(s) of "
-                                f"{tensor.numel()} (a diverged run or a damaged file); load an earlier checkpoint "
-                                "or an intact copy")  # fmt: skip
+            raise WeightsError(
+                f"{source}: tensor {name!r} holds {bad} NaN or infinite value(s) of "
+                f"{tensor.numel()} (a diverged run or a damaged file); load an earlier checkpoint "
+                "or an intact copy"
+            )

@@ -42,9 +42,15 @@ class LineWorker:
     """One child process (started with `command` in `cwd`) and the pipes its requests and answers travel on."""
 
     def __init__(self, command: Sequence[str], cwd: Path, show_errors: bool = False) -> None:
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, cwd=cwd,
-                                        stderr=None if show_errors else subprocess.DEVNULL,
-                                        start_new_session=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            cwd=cwd,
+            stderr=None if show_errors else subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.requests, self.answers = self.process.stdin, self.process.stdout
         os.set_blocking(self.requests.fileno(), False)  # a child that stops reading must not block the parent
 

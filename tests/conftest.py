@@ -18,15 +18,24 @@ TINY = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
 # One entry per variant worth telling apart; together they cover every value of every enum field.
 VARIANTS: dict[str, dict] = {
     "gpt2": dict(TINY),
-    "llama-gqa": dict(TINY, norm="rmsnorm", position="rope", activation="swiglu", n_kv_head=2, attn_bias=False,
-                      mlp_bias=False, norm_bias=False, tie_embeddings=False),
+    "llama-gqa": dict(
+        TINY,
+        norm="rmsnorm",
+        position="rope",
+        activation="swiglu",
+        n_kv_head=2,
+        attn_bias=False,
+        mlp_bias=False,
+        norm_bias=False,
+        tie_embeddings=False,
+    ),
     "original-decoder": dict(TINY, norm_position="post", position="sinusoidal", activation="relu"),
     "gpt1-style": dict(TINY, norm_position="post", position="learned", activation="gelu"),
     "mqa-no-position": dict(TINY, n_kv_head=1, position="none"),
     "nanogpt-no-bias": dict(TINY, attn_bias=False, mlp_bias=False, norm_bias=False, activation="gelu"),
     "untied-head-bias": dict(TINY, tie_embeddings=False, lm_head_bias=True, ffn_hidden=40),
     "rmsnorm-post-rope": dict(TINY, norm="rmsnorm", norm_position="post", position="rope", rope_theta=500.0),
-}  # fmt: skip
+}
 
 
 # The models here are tiny: one thread beats two (no thread hand-offs per small op), and the subprocesses the
@@ -39,8 +48,12 @@ cpu_kernels.prepare()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--device", default="cpu", help="where the tests that take a `device` run: cpu (default), "
-                     "cuda, cuda:N or mps; `pytest -m device --device cuda` runs only those, on a GPU")
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="where the tests that take a `device` run: cpu (default), "
+        "cuda, cuda:N or mps; `pytest -m device --device cuda` runs only those, on a GPU",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -102,7 +115,12 @@ def write_char_data_dir(path: Path, characters: int) -> Path:
     ids[:split].tofile(path / "train.bin")
     ids[split:].tofile(path / "val.bin")
     tokenizer.save(path)
-    meta = {"vocab_size": tokenizer.vocab_size, "dtype": "uint16", "train_tokens": split,
-            "val_tokens": len(ids) - split, "tokenizer": "char"}  # fmt: skip
+    meta = {
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": "uint16",
+        "train_tokens": split,
+        "val_tokens": len(ids) - split,
+        "tokenizer": "char",
+    }
     (path / "meta.json").write_text(json.dumps(meta))
     return path

@@ -25,8 +25,17 @@ def induction_model() -> GPT:
     whose previous token is its own token (query: the token; key: the previous token) and writes the token found
     there into a subspace the LM head reads: it predicts what followed the current token last time, at any
     distance. Every other head reads and writes nothing (uniform attention), and the MLPs are zero."""
-    config = ModelConfig(vocab_size=V, block_size=2 * L, n_layer=2, n_head=2, n_embd=3 * V + 2 * L, dropout=0.0,
-                         tie_embeddings=False, attn_bias=False, mlp_bias=False)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=V,
+        block_size=2 * L,
+        n_layer=2,
+        n_head=2,
+        n_embd=3 * V + 2 * L,
+        dropout=0.0,
+        tie_embeddings=False,
+        attn_bias=False,
+        mlp_bias=False,
+    )
     model = GPT(config).eval()
     hd, sharp, gain = config.head_dim, 5.0, 10.0
     with torch.no_grad():

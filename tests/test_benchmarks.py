@@ -25,9 +25,24 @@ def test_benchmark_help_runs(script):
 
 @pytest.mark.slow  # 12 s; its --help runs by default, the training it times in test_train.py
 def test_bench_train_smoke_run_reports_both_loops():
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_train.py"), "--shapes", "cpu-recipe",
-                             "--steps", "2", "--warmup", "1", "--breakdown", "--breakdown-steps", "2", "--json"],
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH_DIR / "bench_train.py"),
+            "--shapes",
+            "cpu-recipe",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--breakdown",
+            "--breakdown-steps",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     shape = report["shapes"]["cpu-recipe"]
@@ -44,17 +59,44 @@ def test_bench_train_smoke_run_reports_both_loops():
 
 # One configuration of each kind runs by default (each is a process that imports torch: all eight take 45 s), both
 # GRPO ones (they share one process); the slow suite runs all eight.
-FINETUNE_KINDS = ["gptkit full", "gptkit lora", "gptkit lora int8 ckpt", "hf+peft lora", "gptkit grpo G=1",
-                  "gptkit grpo G=8"]  # fmt: skip
+FINETUNE_KINDS = [
+    "gptkit full",
+    "gptkit lora",
+    "gptkit lora int8 ckpt",
+    "hf+peft lora",
+    "gptkit grpo G=1",
+    "gptkit grpo G=8",
+]
 FINETUNE_ALL = FINETUNE_KINDS + ["gptkit lora bf16 base", "gptkit lora int8 base"]
 
 
-@pytest.mark.parametrize("configs", [FINETUNE_KINDS, pytest.param(FINETUNE_ALL, marks=pytest.mark.slow)],
-                         ids=["one-of-each-kind", "all"])  # fmt: skip
+@pytest.mark.parametrize(
+    "configs", [FINETUNE_KINDS, pytest.param(FINETUNE_ALL, marks=pytest.mark.slow)], ids=["one-of-each-kind", "all"]
+)
 def test_bench_finetune_smoke_run_reports_every_configuration(configs):
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_finetune.py"), "--preset", "tiny", "--batch", "2",
-                             "--seq", "16", "--rank", "2", "--steps", "2", "--warmup", "0", "--json",
-                             "--configs", *configs], capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH_DIR / "bench_finetune.py"),
+            "--preset",
+            "tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--rank",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--json",
+            "--configs",
+            *configs,
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert list(report["results"]) == configs  # in the order asked for, the GRPO ones run apart included
@@ -72,8 +114,19 @@ def test_bench_finetune_smoke_run_reports_every_configuration(configs):
 
 @pytest.mark.slow  # 6 s; its --help runs by default, the checkpoint it times in test_train.py
 def test_bench_checkpoint_smoke_run_saves_both_ways_and_verifies():
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_checkpoint.py"), "--preset", "shakespeare-char-cpu",
-                             "--repeats", "1", "--json"], capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH_DIR / "bench_checkpoint.py"),
+            "--preset",
+            "shakespeare-char-cpu",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert set(report["save_s"]) == {"manifest", "fsync only"} and all(len(v) == 1 for v in report["save_s"].values())
@@ -81,22 +134,53 @@ def test_bench_checkpoint_smoke_run_saves_both_ways_and_verifies():
 
 
 def test_bench_gguf_says_where_llama_cpp_is_missing(tmp_path):
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_gguf.py"), "--llama-cpp", str(tmp_path)],
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "bench_gguf.py"), "--llama-cpp", str(tmp_path)], capture_output=True, text=True
+    )
     assert result.returncode != 0 and "no llama-simple in" in result.stderr
 
 
 @pytest.mark.slow  # 7 s; the structured outputs themselves are tested in test_structured.py, its --help here
 def test_bench_structured_smoke_run_compares_and_validates():
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_structured.py"), "--part", "cost", "--shape", "llama-tiny",
-                             "--vocab-size", "300", "--steps", "3", "--repeats", "1", "--json"],
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH_DIR / "bench_structured.py"),
+            "--part",
+            "cost",
+            "--shape",
+            "llama-tiny",
+            "--vocab-size",
+            "300",
+            "--steps",
+            "3",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     cost = json.loads(result.stdout)["cost"]
     assert cost["free_ms"] > 0 and cost["constrained_ms"] > 0 and cost["vocab_size"] == 300
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_structured.py"), "--part", "validity",
-                             "--samples", "1", "--max-tokens", "40", "--train-steps", "1", "--json"],
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH_DIR / "bench_structured.py"),
+            "--part",
+            "validity",
+            "--samples",
+            "1",
+            "--max-tokens",
+            "40",
+            "--train-steps",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     validity = json.loads(result.stdout)["validity"]
     assert len(validity) == 2 and all(row["replies"] == row["schemas"] >= 20 for row in validity.values())
@@ -106,12 +190,48 @@ def test_bench_structured_smoke_run_compares_and_validates():
 @pytest.mark.slow  # 9 s on a CPU; its --help runs by default, and its parts run for real on a GPU
 def test_bench_gpu_smoke_run_on_the_cpu_reports_every_part(tmp_path):
     """The GPU benchmark's code paths, on the CPU with a tiny model (its figures are only meaningful on a GPU)."""
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_gpu.py"), "--device", "cpu", "--preset", "tiny",
-                             "--block", "32", "--batch", "2", "--steps", "2", "--warmup", "1", "--log-every", "1",
-                             "--rounds", "1", "--no-compile", "--dtype", "float32", "--decode-dtype", "float32",
-                             "--new-tokens", "4", "--prompt-len", "8", "--batch-sizes", "1,2", "--lora-rank", "2",
-                             "--muon-steps", "4", "--out", str(tmp_path), "--json"], capture_output=True,
-                            text=True)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH_DIR / "bench_gpu.py"),
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--block",
+            "32",
+            "--batch",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--log-every",
+            "1",
+            "--rounds",
+            "1",
+            "--no-compile",
+            "--dtype",
+            "float32",
+            "--decode-dtype",
+            "float32",
+            "--new-tokens",
+            "4",
+            "--prompt-len",
+            "8",
+            "--batch-sizes",
+            "1,2",
+            "--lora-rank",
+            "2",
+            "--muon-steps",
+            "4",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report == json.loads((tmp_path / "bench_gpu.json").read_text()) and not report["errors"]
@@ -134,8 +254,9 @@ def test_bench_gpu_smoke_run_on_the_cpu_reports_every_part(tmp_path):
 
 
 def test_bench_muon_smoke_run_times_each_way_on_the_records_batches():
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_muon.py"), "--rounds", "1", "--json"],
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "bench_muon.py"), "--rounds", "1", "--json"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     # The CPU record's 8 matrices in 3 stacks, each wide side up; float32 either way within float32's rounding of
@@ -152,8 +273,11 @@ def test_bench_kernels_smoke_run_times_every_format_on_both_sides():
 
     if not cpu_kernels.load():
         pytest.skip("gptkit's CPU kernels are not built on this machine")
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_kernels.py"), "--rows", "1", "--rounds", "1",
-                             "--calls", "1", "--json"], capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "bench_kernels.py"), "--rows", "1", "--rounds", "1", "--calls", "1", "--json"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert [r["format"] for r in report["results"]] == ["fp32", "bf16", "int8", "int4"]
@@ -169,12 +293,18 @@ def test_bench_quantization_smoke_run_scores_every_setting(tmp_path):
     from gptkit.tokenizer import ByteTokenizer
 
     torch.manual_seed(0)
-    model_dir = save_model_dir(GPT(ModelConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64)),
-                               tmp_path / "model", ByteTokenizer())  # fmt: skip
+    model_dir = save_model_dir(
+        GPT(ModelConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64)),
+        tmp_path / "model",
+        ByteTokenizer(),
+    )
     text = tmp_path / "text.txt"
     text.write_text("To be, or not to be, that is the question. " * 10)
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_quantization.py"), str(model_dir), "--input",
-                             str(text), "--json"], capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "bench_quantization.py"), str(model_dir), "--input", str(text), "--json"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)["models"][str(model_dir)]["rows"]
     assert list(rows) == ["fp32", "int8", "int4", "kv int8", "int4 + kv int8"]
@@ -186,8 +316,12 @@ def test_bench_quantization_smoke_run_scores_every_setting(tmp_path):
 def test_bench_lm_eval_scores_alike_through_the_server_and_the_hf_backend():
     if importlib.util.find_spec("lm_eval") is None:
         pytest.skip('lm-eval is not installed (pip install "lm-eval[api]==0.4.13")')
-    result = subprocess.run([sys.executable, str(BENCH_DIR / "bench_lm_eval.py"), "--docs", "4", "--json"],
-                            capture_output=True, text=True, cwd=BENCH_DIR)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "bench_lm_eval.py"), "--docs", "4", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=BENCH_DIR,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = {(r["task"], r["metric"]): r for r in json.loads(result.stdout)["rows"]}
     assert rows[("gptkit_passages", "bits_per_byte")]["difference"] < 1e-6
@@ -202,18 +336,49 @@ def test_bench_generate_smoke_run_decodes_the_tokens_transformers_decodes(capsys
     spec = importlib.util.spec_from_file_location("bench_generate", BENCH_DIR / "bench_generate.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # in this process: a second interpreter would import torch again, seconds of it
-    assert bench.main(["--shapes", "gpt2,llama", "--dtypes", "fp32", "--quantized", "", "--no-compile",
-                       "--n-layer", "2", "--n-embd", "64", "--vocab-size", "1000", "--prompt-len", "16",
-                       "--decode-prompt-len", "8", "--new-tokens", "6", "--batch-sizes", "1,2", "--rounds", "1",
-                       "--spec-steps", "0", "--probe-mb", "16", "--json"]) == 0  # fmt: skip
+    assert (
+        bench.main(
+            [
+                "--shapes",
+                "gpt2,llama",
+                "--dtypes",
+                "fp32",
+                "--quantized",
+                "",
+                "--no-compile",
+                "--n-layer",
+                "2",
+                "--n-embd",
+                "64",
+                "--vocab-size",
+                "1000",
+                "--prompt-len",
+                "16",
+                "--decode-prompt-len",
+                "8",
+                "--new-tokens",
+                "6",
+                "--batch-sizes",
+                "1,2",
+                "--rounds",
+                "1",
+                "--spec-steps",
+                "0",
+                "--probe-mb",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     decode = [row for row in report["rows"] if row["measure"] != "prefill"]
-    assert {(row["shape"], row["measure"]) for row in decode} == {(shape, f"decode b{b}") for shape in ("gpt2", "llama")
-                                                                  for b in (1, 2)}  # fmt: skip
+    assert {(row["shape"], row["measure"]) for row in decode} == {
+        (shape, f"decode b{b}") for shape in ("gpt2", "llama") for b in (1, 2)
+    }
     assert all(row["same_tokens_as_hf"] is True for row in decode), decode
     assert all(row["gptkit"] > 0 and row["hf"] > 0 for row in report["rows"])
     assert report["timing_notes"] == []  # (said only where llama.cpp was timed)
-
 
 
 def _bench_module(name: str):
@@ -245,9 +410,14 @@ def test_nanogpt_peer_runs_its_own_prepare_and_the_readme_command_in_a_copy(tmp_
 
     nanogpt_peer = _bench_module("nanogpt_peer")
     checkout = tmp_path / "nanoGPT"
-    for name, text in {"train.py": FAKE_TRAIN, "model.py": "", "configurator.py": "",
-                       "config/train_shakespeare_char.py": "", "data/shakespeare_char/prepare.py": FAKE_PREPARE,
-                       "out-old/ckpt.pt": "stale"}.items():  # fmt: skip
+    for name, text in {
+        "train.py": FAKE_TRAIN,
+        "model.py": "",
+        "configurator.py": "",
+        "config/train_shakespeare_char.py": "",
+        "data/shakespeare_char/prepare.py": FAKE_PREPARE,
+        "out-old/ckpt.pt": "stale",
+    }.items():
         (checkout / name).parent.mkdir(parents=True, exist_ok=True)
         (checkout / name).write_text(text)
     copy = nanogpt_peer.prepared_copy(checkout, tmp_path / "work")
@@ -258,8 +428,13 @@ def test_nanogpt_peer_runs_its_own_prepare_and_the_readme_command_in_a_copy(tmp_
     run = nanogpt_peer.timed_run(copy, tmp_path / "out", steps=20)
     assert run["steps"] == 20 and run["val_loss"] == 2.6123 and run["wall_s"] > 0  # the last evaluation's
     assert json.loads((copy / "args.json").read_text()) == [
-        *nanogpt_peer.README_CPU_ARGS, "--max_iters=20", "--lr_decay_iters=20", "--eval_interval=20",
-        "--warmup_iters=10", f"--out_dir={tmp_path / 'out'}"]  # fmt: skip
+        *nanogpt_peer.README_CPU_ARGS,
+        "--max_iters=20",
+        "--lr_decay_iters=20",
+        "--eval_interval=20",
+        "--warmup_iters=10",
+        f"--out_dir={tmp_path / 'out'}",
+    ]
     with pytest.raises(SystemExit, match="not a nanoGPT checkout .no train.py"):
         nanogpt_peer.prepared_copy(tmp_path / "work", tmp_path / "elsewhere")
     (copy / "train.py").write_text("import sys\nsys.exit('no CUDA here')\n")

@@ -67,8 +67,9 @@ def test_top_level_help_imports_no_command_dependencies():
 
 def test_a_closed_output_pipe_ends_the_command_quietly():
     # `gptkit plan gpt2 --json | head -0`: the reader is gone before the command writes.
-    proc = subprocess.Popen([sys.executable, "-m", "gptkit", "plan", "gpt2", "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptkit", "plan", "gpt2", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait() == 141 and "Traceback" not in err, err
@@ -93,16 +94,18 @@ def test_dataclass_flags_cover_repeatable_parsed_required_and_unset_fields():
     @dataclasses.dataclass
     class Options:
         out: str = dataclasses.field(metadata={"help": "where"})
-        names: list[str] = dataclasses.field(default_factory=list, metadata={"help": "n", "flag": "--name",
-                                                                             "repeatable": True})  # fmt: skip
+        names: list[str] = dataclasses.field(
+            default_factory=list, metadata={"help": "n", "flag": "--name", "repeatable": True}
+        )
         steps: int = dataclasses.field(default=10, metadata={"help": "s"})
         mode: bool = dataclasses.field(default=False, metadata={"help": "m", "parse": {"yes": True}.__getitem__})
 
     for keep_unset in (False, True):
         parser = argparse.ArgumentParser()
         add_dataclass_flags(parser, Options, keep_unset=keep_unset)
-        given = dataclass_from_args(Options, parser.parse_args(["--out", "d", "--name", "a", "--name", "b", "c",
-                                                                "--steps", "2e3"]))  # fmt: skip
+        given = dataclass_from_args(
+            Options, parser.parse_args(["--out", "d", "--name", "a", "--name", "b", "c", "--steps", "2e3"])
+        )
         assert given == Options(out="d", names=["a", "b", "c"], steps=2000)
         defaults = parser.parse_args(["--out", "d"])
         assert dataclass_from_args(Options, defaults) == Options(out="d")

@@ -68,15 +68,34 @@ def test_every_preset_is_valid(name):
 def test_spec_table_presets_have_their_architecture():
     decoder = ModelConfig.preset("transformer-decoder")
     assert (decoder.norm, decoder.norm_position, decoder.position, decoder.activation) == (
-        "layernorm", "post", "sinusoidal", "relu")  # fmt: skip
+        "layernorm",
+        "post",
+        "sinusoidal",
+        "relu",
+    )
     gpt1 = ModelConfig.preset("gpt1-style")
-    assert (gpt1.norm_position, gpt1.position, gpt1.activation, gpt1.tie_embeddings) == ("post", "learned", "gelu", True)
+    assert (gpt1.norm_position, gpt1.position, gpt1.activation, gpt1.tie_embeddings) == (
+        "post",
+        "learned",
+        "gelu",
+        True,
+    )
     gpt2 = ModelConfig.preset("gpt2")
     assert (gpt2.norm_position, gpt2.position, gpt2.activation, gpt2.block_size, gpt2.vocab_size) == (
-        "pre", "learned", "gelu_tanh", 1024, 50257)  # fmt: skip
+        "pre",
+        "learned",
+        "gelu_tanh",
+        1024,
+        50257,
+    )
     llama = ModelConfig.preset("llama-110m")
     assert (llama.norm, llama.position, llama.activation, llama.tie_embeddings, llama.attn_bias) == (
-        "rmsnorm", "rope", "swiglu", False, False)  # fmt: skip
+        "rmsnorm",
+        "rope",
+        "swiglu",
+        False,
+        False,
+    )
     assert llama.n_kv_head < llama.n_head
 
 

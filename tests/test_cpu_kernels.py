@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import VARIANTS
 
 from gptkit import cpu_kernels, kernel_cache
 from gptkit.config import ModelConfig
@@ -24,8 +25,6 @@ from gptkit.decoding.api import generate_ids
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
 from gptkit.quantization import Int8Linear, quantize_weight
-
-from conftest import VARIANTS
 
 REAL_OTHERS_BUSY = kernel_cache.others_busy  # (conftest's _quiet_machine replaces it within each test)
 
@@ -333,10 +332,24 @@ def test_the_avx2_variant_computes_the_same_on_a_wider_cpu():
     (8-lane vectors, vpmaddubsw in place of VNNI, widened bf16) passes the same product and fused-step tests."""
     tests = Path(__file__).parent
     env = {**os.environ, cpu_kernels.ISA_VARIABLE: "avx2"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(tests / "test_cpu_kernels.py"), str(tests / "test_fused.py"),
-                           "-k", "gemv or fused_step_gives or every_weight_and_cache or long_positions"],
-                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(tests / "test_cpu_kernels.py"),
+            str(tests / "test_fused.py"),
+            "-k",
+            "gemv or fused_step_gives or every_weight_and_cache or long_positions",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
 
@@ -496,8 +509,7 @@ def holding_the_build_lock(directory: Path, line: str) -> Iterator[None]:
         yield
 
 
-def test_a_process_never_waits_for_another_processs_build_and_takes_the_library_once_built(monkeypatch, cache,
-                                                                                             caplog):  # fmt: skip
+def test_a_process_never_waits_for_another_processs_build_and_takes_the_library_once_built(monkeypatch, cache, caplog):
     # Issue 43 item 1: a process that found another's build under way waited for it (`gptkit serve` had no /health
     # after two minutes). It decodes with PyTorch's products meanwhile and takes the library once it is there.
     directory = cpu_kernels.build_directory()
@@ -525,8 +537,10 @@ def test_a_process_awaiting_another_build_stops_looking_when_it_exits(cache):
         assert not thread.is_alive() and "library" not in cpu_kernels._STATE
 
 
-HOLD_LOCK = ("import fcntl, os, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
-             "f.write(f'{os.getpid()} {time.time():.0f}\\n'); f.flush(); print('holding', flush=True); time.sleep(120)")
+HOLD_LOCK = (
+    "import fcntl, os, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+    "f.write(f'{os.getpid()} {time.time():.0f}\\n'); f.flush(); print('holding', flush=True); time.sleep(120)"
+)
 
 
 @pytest.mark.parametrize("holder", ["stopped", "held for an hour"])
@@ -598,7 +612,7 @@ DAMAGE = {
     "a digest of the wrong shape": (_set_field("sha256", "abc"), "manifest"),
     "a size as text": (_set_field("bytes", "12"), "manifest"),
     "a library outside the cache": (_set_field("library", "../kernels-0123456789abcdef.so"), "manifest"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -631,14 +645,16 @@ def test_a_real_library_cut_in_half_is_never_loaded_and_decoding_goes_on(tmp_pat
     shutil.copytree(built, copy, ignore=shutil.ignore_patterns(kernel_cache.LOCK, f"{kernel_cache.WORK_PREFIX}*"))
     library = kernel_cache.verified_library(copy)
     library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])
-    code = ("import torch; from gptkit import cpu_kernels, kernel_cache; "
-            "from gptkit.config import ModelConfig; from gptkit.model import GPT; "
-            "from gptkit.decoding.api import generate_ids\n"
-            "def refuse(*_): raise OSError('no compiler here')\n"
-            "kernel_cache.spawn_build = refuse; torch.manual_seed(0)\n"
-            "m = GPT(ModelConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval()\n"
-            "print(len(generate_ids(m, [1, 2, 3], max_new_tokens=5, temperature=0)))\n"
-            "cpu_kernels.prepare(); print(cpu_kernels.load())")  # fmt: skip
+    code = (
+        "import torch; from gptkit import cpu_kernels, kernel_cache; "
+        "from gptkit.config import ModelConfig; from gptkit.model import GPT; "
+        "from gptkit.decoding.api import generate_ids\n"
+        "def refuse(*_): raise OSError('no compiler here')\n"
+        "kernel_cache.spawn_build = refuse; torch.manual_seed(0)\n"
+        "m = GPT(ModelConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval()\n"
+        "print(len(generate_ids(m, [1, 2, 3], max_new_tokens=5, temperature=0)))\n"
+        "cpu_kernels.prepare(); print(cpu_kernels.load())"
+    )
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), cpu_kernels.DISABLE_VARIABLE: "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -647,8 +663,10 @@ def test_a_real_library_cut_in_half_is_never_loaded_and_decoding_goes_on(tmp_pat
     assert len(named) == 1 and "does not match" in named[0], done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("content", ["[]", '"x"', '{"some machine": []}', '{"some machine": {"fp32": "yes"}}',
-                                     '{"some machine": {"fp32": tr'])  # fmt: skip
+@pytest.mark.parametrize(
+    "content",
+    ["[]", '"x"', '{"some machine": []}', '{"some machine": {"fp32": "yes"}}', '{"some machine": {"fp32": tr'],
+)
 def test_a_choices_file_of_the_wrong_shape_is_measured_again_and_rewritten(monkeypatch, tmp_path, caplog, content):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)

@@ -39,15 +39,23 @@ def test_read_meta_and_load_tokens_give_the_written_data(tmp_path: Path) -> None
         (lambda d: (d / "meta.json").unlink(), "has no meta.json"),
         (lambda d: (d / "meta.json").write_text("{oops"), "cannot read"),
         (lambda d: (d / "meta.json").write_text("[1]"), "JSON object"),
-        (lambda d: (d / "meta.json").write_text('{"vocab_size": 5, "train_tokens": -1, "val_tokens": 0, "dtype": "uint16"}'),
-         "'train_tokens' must be a non-negative integer"),
-        (lambda d: (d / "meta.json").write_text('{"vocab_size": 5, "train_tokens": 9, "val_tokens": 3, "dtype": "int8"}'),
-         "'dtype' must be one of uint16, uint32"),
+        (
+            lambda d: (d / "meta.json").write_text(
+                '{"vocab_size": 5, "train_tokens": -1, "val_tokens": 0, "dtype": "uint16"}'
+            ),
+            "'train_tokens' must be a non-negative integer",
+        ),
+        (
+            lambda d: (d / "meta.json").write_text(
+                '{"vocab_size": 5, "train_tokens": 9, "val_tokens": 3, "dtype": "int8"}'
+            ),
+            "'dtype' must be one of uint16, uint32",
+        ),
         (lambda d: (d / "train.bin").write_bytes(b"\0" * 6), r"train.bin has 6 bytes but meta.json promises 18"),
         (lambda d: (d / "val.bin").unlink(), "val.bin is missing"),
     ],
     ids=["no-meta", "bad-json", "not-object", "negative", "dtype", "short-train", "no-val"],
-)  # fmt: skip
+)
 def test_read_meta_names_what_is_wrong(tmp_path: Path, damage, message: str) -> None:
     _write_data_dir(tmp_path, np.arange(9, dtype=np.uint16), np.arange(3, dtype=np.uint16))
     damage(tmp_path)
@@ -174,8 +182,10 @@ def test_a_prompt_data_set_is_checked_and_loaded(tmp_path: Path) -> None:
     rows.write_text("".join(lines[:-1]))  # a line short
     with pytest.raises(GptkitError, match=r"train.prompts.jsonl has \d+ bytes but meta.json promises \d+ bytes; rerun"):
         read_meta(data)
-    with pytest.raises(GptkitError, match="train.prompts.jsonl holds 7 prompts but .*train.offsets.bin describes 8; "
-                                          "rerun gptkit prepare"):
+    with pytest.raises(
+        GptkitError,
+        match="train.prompts.jsonl holds 7 prompts but .*train.offsets.bin describes 8; rerun gptkit prepare",
+    ):
         load_prompts(data, "train", meta)
     rows.write_text("".join(lines[:-1]) + "not json\n")
     with pytest.raises(GptkitError, match=r"train.prompts.jsonl line 8 is not a \{\"text\", \"row\"\} object; rerun"):

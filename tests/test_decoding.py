@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import VARIANTS
 from fastapi.testclient import TestClient
 
 from gptkit import cpu_kernels
@@ -18,13 +19,11 @@ from gptkit.config import ModelConfig
 from gptkit.decoding.api import generate, generate_ids, sampling_params, stream
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import ConfigError
-from gptkit.model import GPT
 from gptkit.formats.modeldir import save_model_dir
 from gptkit.loading import load
+from gptkit.model import GPT
 from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tokenizer import CharTokenizer
-
-from conftest import VARIANTS
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,"
 PROMPT = "the cat"
@@ -106,8 +105,9 @@ def test_eager_entry_points_give_the_uncached_greedy_tokens(kernels, variant, tm
     assert capsys.readouterr().out == text + "\n" * (not text.endswith("\n"))  # generate ends the line
     app = build_app(path, ServeOptions(max_batch_size=2, max_context=64))
     with TestClient(app, base_url="http://localhost") as client:
-        r = client.post("/v1/completions", json={"model": variant, "prompt": PROMPT, "max_tokens": 20,
-                                                 "temperature": 0})  # fmt: skip
+        r = client.post(
+            "/v1/completions", json={"model": variant, "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+        )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == text and r.json()["choices"][0]["finish_reason"] == "length"
 
@@ -124,13 +124,16 @@ def test_compiled_entry_points_give_the_uncached_greedy_tokens(monkeypatch, quic
     assert generate(model, tokenizer, PROMPT, greedy, compile=True) == text
     assert "".join(stream(model, tokenizer, PROMPT, greedy, compile=True)) == text
     assert generate_ids(model, ids, greedy, compile=True, draft=model, draft_k=2) == want
-    assert main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0",
-                 "--compile"]) == 0  # fmt: skip
+    assert (
+        main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0", "--compile"])
+        == 0
+    )
     assert capsys.readouterr().out == text + "\n" * (not text.endswith("\n"))  # generate ends the line
     app = build_app(path, ServeOptions(max_batch_size=1, compile=True, max_context=64))
     with TestClient(app, base_url="http://localhost") as client:
-        r = client.post("/v1/completions", json={"model": "model", "prompt": PROMPT, "max_tokens": 12,
-                                                 "temperature": 0})  # fmt: skip
+        r = client.post(
+            "/v1/completions", json={"model": "model", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+        )
     assert r.json()["choices"][0]["text"] == text
 
 
@@ -161,9 +164,25 @@ def test_cli_without_kernels_from_the_environment(model_dir):
     model, _ = load(path)
     want = tokenizer.decode(uncached_greedy(model, tokenizer.encode(PROMPT), 10))
     env = {**os.environ, cpu_kernels.DISABLE_VARIABLE: "0"}
-    result = subprocess.run([sys.executable, "-m", "gptkit", "generate", str(path), "--prompt", PROMPT,
-                             "--max-new-tokens", "10", "--temperature", "0", "--json"],
-                            capture_output=True, text=True, env=env)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptkit",
+            "generate",
+            str(path),
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            "10",
+            "--temperature",
+            "0",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["text"] == want
 
@@ -176,8 +195,7 @@ def test_server_continues_a_rope_model_past_block_size(tmp_path):
     app = build_app(path, ServeOptions(max_batch_size=2))
     with TestClient(app, base_url="http://localhost") as client:
         assert client.get("/v1/models").json()["data"][0]["context_length"] == 4 * 16
-        r = client.post("/v1/completions", json={"model": "rope", "prompt": PROMPT, "max_tokens": 40,
-                                                 "temperature": 0})  # fmt: skip
+        r = client.post("/v1/completions", json={"model": "rope", "prompt": PROMPT, "max_tokens": 40, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == tokenizer.decode(want)
         assert r.json()["choices"][0]["finish_reason"] == "length"
@@ -193,5 +211,6 @@ def test_params_and_keyword_overrides():
     with pytest.raises(ConfigError, match="unknown sampling parameter 'temprature'"):
         sampling_params(None, {"temprature": 0})
     model = sharpened("gpt2")
-    assert generate_ids(model, [1, 2], params, temperature=0) == generate_ids(model, [1, 2], max_new_tokens=5,
-                                                                             temperature=0)  # fmt: skip
+    assert generate_ids(model, [1, 2], params, temperature=0) == generate_ids(
+        model, [1, 2], max_new_tokens=5, temperature=0
+    )

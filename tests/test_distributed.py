@@ -13,27 +13,41 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import same_run, write_char_data_dir
 
 from gptkit.checkpoint import LATEST, latest_checkpoint
 from gptkit.data import TrainBatches
 from gptkit.distributed import RankBatches, World, device_for, world_from_env
 from gptkit.errors import ConfigError
 from gptkit.formats.modeldir import load_model_dir
+from gptkit.run_sources import from_sources
 from gptkit.tensors import load_tensors
 from gptkit.train import train
-from gptkit.run_sources import from_sources
-
-from conftest import same_run, write_char_data_dir
 
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "dropout": 0.0, "activation": "gelu"}
 OPTIM = {"warmup_steps": 2, "decay_steps": 6, "lr": 3e-3}
 
 
 def settings(data: Path, out: Path, **train) -> dict[str, dict]:
-    return {"model": dict(MODEL), "optim": dict(OPTIM),
-            "train": {"data_dir": str(data), "out_dir": str(out), "max_steps": 6, "batch_size": 4, "grad_accum": 1,
-                      "eval_interval": 6, "eval_iters": 2, "log_interval": 1, "checkpoint_interval": 3,
-                      "keep_checkpoints": 3, "device": "cpu", "plot": False, **train}}  # fmt: skip
+    return {
+        "model": dict(MODEL),
+        "optim": dict(OPTIM),
+        "train": {
+            "data_dir": str(data),
+            "out_dir": str(out),
+            "max_steps": 6,
+            "batch_size": 4,
+            "grad_accum": 1,
+            "eval_interval": 6,
+            "eval_iters": 2,
+            "log_interval": 1,
+            "checkpoint_interval": 3,
+            "keep_checkpoints": 3,
+            "device": "cpu",
+            "plot": False,
+            **train,
+        },
+    }
 
 
 def flags(config: dict[str, dict]) -> list[str]:
@@ -51,9 +65,25 @@ def torchrun(config: dict[str, dict], *extra: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-               "--master_addr", "127.0.0.1", "--master_port", str(port),
-               "-m", "gptkit", "train", "--quiet", *flags(config), *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--nnodes",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "-m",
+        "gptkit",
+        "train",
+        "--quiet",
+        *flags(config),
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -208,9 +238,9 @@ def test_sliced_lm_head_loss_under_two_processes_matches_one(parallel, tmp_path)
 def test_two_processes_fine_tune_on_examples_as_one(method, parallel, tmp_path):
     """Micro-batches of examples hold different numbers of trained tokens: each rank weighs its own by the
     update's total, so 2 processes match 1 process with twice the accumulation."""
-    import gptkit.cli
-
     from test_finetune import byte_model_dir, reversal_rows, write_jsonl
+
+    import gptkit.cli
 
     base = byte_model_dir(tmp_path / "base")
     data = tmp_path / "data"

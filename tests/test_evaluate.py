@@ -13,9 +13,9 @@ from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.evaluate import evaluate_ids, evaluate_text, metrics, score_tokens, sliding_windows
+from gptkit.formats.modeldir import save_model_dir
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
-from gptkit.formats.modeldir import save_model_dir
 from gptkit.tokenizer import ByteTokenizer, CharTokenizer
 
 BLOCK = 16
@@ -169,8 +169,15 @@ def test_cli_errors_are_one_line_exit_2(model_dir, tmp_path, capsys, extra, mess
     if "{tmp}/bpe-data" in extra:
         from gptkit.prepare import PrepareConfig, prepare
 
-        meta = prepare(PrepareConfig(out=str(tmp_path / "bpe-data"), inputs=[str(tmp_path / "t.txt")],
-                                     tokenizer="bpe", vocab_size=257, val_fraction=0.5))  # fmt: skip
+        meta = prepare(
+            PrepareConfig(
+                out=str(tmp_path / "bpe-data"),
+                inputs=[str(tmp_path / "t.txt")],
+                tokenizer="bpe",
+                vocab_size=257,
+                val_fraction=0.5,
+            )
+        )
         assert meta.vocab_size == 257
     argv = ["eval", str(model_dir), "--quiet", *[a.format(tmp=tmp_path) for a in extra]]
     assert main(argv) == 2

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY, VARIANTS
 
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import complete, generate_ids
 from gptkit.decoding.batch import BatchEngine
+from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.step import COMPILE_CACHE_MULTIPLE, cache_len
 from gptkit.model import GPT
-from gptkit.decoding.sampling import SamplingParams
-
-from conftest import TINY, VARIANTS
 
 
 def sharpened(config: ModelConfig, scale: float = 20.0, device: torch.device | str = "cpu") -> GPT:

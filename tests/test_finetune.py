@@ -4,7 +4,6 @@ LoRA (PEFT's semantics and format), adapter-only checkpoints, and every command 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -12,23 +11,23 @@ import pytest
 import torch
 from conftest import VARIANTS, same_run
 
-from gptkit.adapters import adapters, adapters_disabled, add_lora, fingerprint, lora_state, merge_lora
+from gptkit.adapters import adapters, adapters_disabled, add_lora, fingerprint, merge_lora
 from gptkit.chat import ChatTemplate, eos_text, load_chat_template
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.data import EXAMPLE_FILES, ExampleBatches, Examples, example_rows, load_examples, read_meta
 from gptkit.errors import GptkitError, InputError
-from gptkit.prepare.rows import ExampleEncoder, row_format
+from gptkit.finetune.catalogue import check_parts
 from gptkit.formats.hf import hf_block_modules
 from gptkit.formats.lora import is_lora_dir, write_lora_dir, write_peft_dir
-from gptkit.loss import IGNORE_INDEX
-from gptkit.model import GPT
 from gptkit.formats.modeldir import save_model_dir
 from gptkit.loading import load
+from gptkit.loss import IGNORE_INDEX
+from gptkit.model import GPT
+from gptkit.prepare.rows import ExampleEncoder, row_format
+from gptkit.run_sources import from_sources
 from gptkit.tokenizer import EOT, BPETokenizer, ByteTokenizer, load_tokenizer
 from gptkit.train import train
-from gptkit.finetune.catalogue import check_parts
-from gptkit.run_sources import from_sources
 from gptkit.weights import model_state
 
 CHATML = (
@@ -73,8 +72,10 @@ def byte_model_dir(path: Path, **config) -> Path:
 def reversal_rows(count: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     words = [WORDS[i] for i in rng.integers(0, len(WORDS), count)]
-    return [{"messages": [{"role": "user", "content": f"Reverse: {w}"}, {"role": "assistant", "content": w[::-1]}]}
-            for w in words]  # fmt: skip
+    return [
+        {"messages": [{"role": "user", "content": f"Reverse: {w}"}, {"role": "assistant", "content": w[::-1]}]}
+        for w in words
+    ]
 
 
 # ---------------------------------------------------------------- rendering and masks
@@ -113,7 +114,9 @@ def test_each_reply_follows_exactly_the_prompt_serving_encodes(kind, tmp_path):
         assert tokenizer.decode(reply[:-1]).strip() == CONVERSATION[turn]["content"]
     if kind == "default":
         text = template.render(CONVERSATION, add_generation_prompt=False)
-        assert text.startswith("system: You answer in one word.\n\nuser: Colour of the sky?\n\nassistant: Blue.<|endoftext|>")
+        assert text.startswith(
+            "system: You answer in one word.\n\nuser: Colour of the sky?\n\nassistant: Blue.<|endoftext|>"
+        )
 
 
 def test_formats_and_what_each_trains(tmp_path):
@@ -128,8 +131,14 @@ def test_formats_and_what_each_trains(tmp_path):
     whole, reply = trained_text({"instruction": "Add.", "input": "2 and 2", "output": "4"})
     assert whole == "user: Add.\n\n2 and 2\n\nassistant: 4<|endoftext|>\n\n" and reply == " 4<|endoftext|>"
     assert trained_text({"text": "hello"}) == ("hello<|endoftext|>", "hello<|endoftext|>")
-    record = {"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
-                         {"role": "user", "content": "Bye"}], "completion": [{"role": "assistant", "content": "Ciao"}]}
+    record = {
+        "prompt": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Yo"},
+            {"role": "user", "content": "Bye"},
+        ],
+        "completion": [{"role": "assistant", "content": "Ciao"}],
+    }
     whole, reply = trained_text(record)
     assert reply == " Ciao<|endoftext|>" and "Yo<|endoftext|>" in whole  # an earlier reply is context only
     everything = ExampleEncoder(tokenizer, template, loss_on="all").encode(record, "prompt_completion", "x")
@@ -140,13 +149,22 @@ def test_malformed_rows_are_one_line_errors_naming_file_and_line(tmp_path, capsy
     good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     cases = {
         "not json": ([good, "{oops"], "line 2 is not valid JSON"),
-        "unknown role": ([good, {"messages": [{"role": "wizard", "content": "x"}]}], "line 2: message 1 has unknown role 'wizard'"),
+        "unknown role": (
+            [good, {"messages": [{"role": "wizard", "content": "x"}]}],
+            "line 2: message 1 has unknown role 'wizard'",
+        ),
         "no trained token": ([good, {"messages": [{"role": "user", "content": "x"}]}], "line 2 has no trained token"),
         "another format": ([good, {"prompt": "p", "completion": "c"}], "line 2 is not a messages row"),
-        "mixed prompt": ([{"prompt": "p", "completion": [{"role": "assistant", "content": "c"}]}], "line 1: \"prompt\" and \"completion\" must both"),
-        "no content": ([{"messages": [{"role": "user"}, {"role": "assistant", "content": "c"}]}], "line 1: message 1 (user) needs a string"),
+        "mixed prompt": (
+            [{"prompt": "p", "completion": [{"role": "assistant", "content": "c"}]}],
+            'line 1: "prompt" and "completion" must both',
+        ),
+        "no content": (
+            [{"messages": [{"role": "user"}, {"role": "assistant", "content": "c"}]}],
+            "line 1: message 1 (user) needs a string",
+        ),
         "unknown keys": ([{"question": "q"}], 'line 1 has no string field "text" (nor is it a supervised example'),
-    }  # fmt: skip
+    }
     for name, (rows, message) in cases.items():
         path = write_jsonl(tmp_path / f"{name.replace(' ', '_')}.jsonl", rows)
         assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(tmp_path / "out")]) == 2
@@ -155,14 +173,30 @@ def test_malformed_rows_are_one_line_errors_naming_file_and_line(tmp_path, capsy
     text = tmp_path / "plain.txt"
     text.write_text("some text")
     chat = write_jsonl(tmp_path / "chat.jsonl", [good])
-    assert main(["prepare", "--input", str(chat), "--input", str(text), "--tokenizer", "byte", "--out",
-                 str(tmp_path / "out")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "prepare",
+                "--input",
+                str(chat),
+                "--input",
+                str(text),
+                "--tokenizer",
+                "byte",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 2
+    )
     assert "plain text" in capsys.readouterr().err
 
 
 def test_prepare_examples_split_truncation_and_files(tmp_path, capsys):
-    rows = reversal_rows(40) + [{"messages": [{"role": "user", "content": "x" * 80}, {"role": "assistant", "content": "y"}]},
-                                {"messages": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "w" * 80}]}]  # fmt: skip
+    rows = reversal_rows(40) + [
+        {"messages": [{"role": "user", "content": "x" * 80}, {"role": "assistant", "content": "y"}]},
+        {"messages": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "w" * 80}]},
+    ]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
     out = tmp_path / "data"
     assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(out), "--max-length", "48"]) == 0
@@ -175,15 +209,40 @@ def test_prepare_examples_split_truncation_and_files(tmp_path, capsys):
     assert train_split.lengths().max() <= 48 and int(train_split.targets().sum()) == meta.train_targets
     assert int(val_split.targets().sum()) == meta.val_targets
     tokenizer = ByteTokenizer()
-    texts = {tokenizer.decode(train_split.ids[a:b].tolist()) for a, b in zip(train_split.offsets, train_split.offsets[1:])}
+    texts = {
+        tokenizer.decode(train_split.ids[a:b].tolist()) for a, b in zip(train_split.offsets, train_split.offsets[1:])
+    }
     assert "user: Reverse: apple\n\nassistant: elppa<|endoftext|>\n\n" in texts  # the template's whole text
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["gptkit_tokenizer.json", "meta.json", *(n for f in EXAMPLE_FILES.values() for k, n in f.items() if k != "labels")])
+        [
+            "gptkit_tokenizer.json",
+            "meta.json",
+            *(n for f in EXAMPLE_FILES.values() for k, n in f.items() if k != "labels"),
+        ]
+    )
     again = tmp_path / "again"
-    assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(again), "--max-length", "48",
-                 "--overlong", "drop"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "prepare",
+                "--input",
+                str(path),
+                "--tokenizer",
+                "byte",
+                "--out",
+                str(again),
+                "--max-length",
+                "48",
+                "--overlong",
+                "drop",
+            ]
+        )
+        == 0
+    )
     assert (read_meta(again).dropped, read_meta(again).truncated) == (2, 0)
-    assert np.array_equal(np.fromfile(out / "val.bin", np.uint16), np.fromfile(tmp_path / "data" / "val.bin", np.uint16))
+    assert np.array_equal(
+        np.fromfile(out / "val.bin", np.uint16), np.fromfile(tmp_path / "data" / "val.bin", np.uint16)
+    )
 
 
 # ---------------------------------------------------------------- batches and the loss
@@ -313,11 +372,20 @@ def test_peft_loads_the_exported_adapters_with_gptkits_logits(name, tmp_path):
     with torch.no_grad():
         for adapter in adapters(model).values():
             adapter.lora_B.normal_(0, 0.2)
-    settings = {"base": str(base_dir.resolve()), "base_fingerprint": fingerprint(model_state(load(base_dir)[0])),
-                "rank": 3, "alpha": 5.0, "dropout": 0.0, "targets": "all", "base_precision": "float32"}  # fmt: skip
+    settings = {
+        "base": str(base_dir.resolve()),
+        "base_fingerprint": fingerprint(model_state(load(base_dir)[0])),
+        "rank": 3,
+        "alpha": 5.0,
+        "dropout": 0.0,
+        "targets": "all",
+        "base_precision": "float32",
+    }
     adapters_dir = write_lora_dir(model, tmp_path / "lora", settings)
     write_peft_dir(adapters_dir, tmp_path / "adapter", *hf_block_modules(config))
-    hf = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf"), tmp_path / "adapter")
+    hf = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "base_hf"), tmp_path / "adapter"
+    )
     ids = torch.randint(0, 257, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(ids).logits, model.eval()(ids), atol=1e-4, rtol=1e-4)
@@ -329,14 +397,25 @@ def test_peft_loads_the_exported_adapters_with_gptkits_logits(name, tmp_path):
 
 
 def _run_config(data: Path, out: Path, base: Path | None, **finetune) -> object:
-    train_settings = dict(data_dir=str(data), out_dir=str(out), max_steps=6, batch_size=4, eval_interval=3,
-                          eval_iters=2, log_interval=1, checkpoint_interval=3, device="cpu", plot=False)  # fmt: skip
+    train_settings = dict(
+        data_dir=str(data),
+        out_dir=str(out),
+        max_steps=6,
+        batch_size=4,
+        eval_interval=3,
+        eval_iters=2,
+        log_interval=1,
+        checkpoint_interval=3,
+        device="cpu",
+        plot=False,
+    )
     train_settings.update(finetune.pop("train", {}))
-    model = {"init_from": str(base)} if base is not None else {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 64}
+    model = (
+        {"init_from": str(base)} if base is not None else {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 64}
+    )
     model.update(finetune.pop("model", {}))
     optim = {"warmup_steps": 1, "lr": 3e-3, "decay_steps": 6}  # a shorter run keeps the schedule: resume is exact
-    return from_sources(None, {"model": model, "optim": optim, "train": train_settings,
-                               "finetune": finetune})  # fmt: skip
+    return from_sources(None, {"model": model, "optim": optim, "train": train_settings, "finetune": finetune})
 
 
 @pytest.fixture(scope="module")
@@ -351,15 +430,19 @@ def sft(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    return {
+        r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    }
 
 
 def test_grad_accumulation_weighs_micro_batches_by_their_trained_tokens(sft, tmp_path):
     base, data = sft
     no_dropout = {"dropout": 0.0}  # the same examples then give the same losses however they are grouped
     one = train(_run_config(data, tmp_path / "one", base, model=no_dropout, train={"batch_size": 4}), progress=False)
-    two = train(_run_config(data, tmp_path / "two", base, model=no_dropout, train={"batch_size": 2, "grad_accum": 2}),
-                progress=False)  # fmt: skip
+    two = train(
+        _run_config(data, tmp_path / "two", base, model=no_dropout, train={"batch_size": 2, "grad_accum": 2}),
+        progress=False,
+    )
     a, b = _losses(one.run_dir), _losses(two.run_dir)
     assert a.keys() == b.keys() and max(abs(a[s] - b[s]) for s in a) < 1e-5
 
@@ -367,8 +450,13 @@ def test_grad_accumulation_weighs_micro_batches_by_their_trained_tokens(sft, tmp
 @pytest.mark.parametrize("packing", [False, True])
 def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(packing, sft, tmp_path, device):
     base, data = sft
-    lora = dict(method="lora", lora_rank=4, lora_dropout=0.1, packing=packing,  # dropout: the RNG must resume too
-                train={"device": device.type})  # fmt: skip
+    lora = dict(
+        method="lora",
+        lora_rank=4,
+        lora_dropout=0.1,
+        packing=packing,  # dropout: the RNG must resume too
+        train={"device": device.type},
+    )
     whole = train(_run_config(data, tmp_path / "whole", base, **lora), progress=False)
     checkpoint = whole.checkpoint
     assert is_lora_dir(checkpoint) and not (checkpoint / "model.safetensors").exists()
@@ -397,7 +485,7 @@ def test_a_lora_checkpoint_is_used_like_a_model_directory(sft, tmp_path, capsys)
             if nxt == tokenizer.eos_id:
                 break
             ids.append(nxt)
-    assert text.rstrip("\n") == tokenizer.decode(ids)[len(prompt):]
+    assert text.rstrip("\n") == tokenizer.decode(ids)[len(prompt) :]
     assert main(["convert", "--merge", str(lora), "--out", str(tmp_path / "merged")]) == 0
     plain, _ = load(tmp_path / "merged")
     sample = torch.randint(0, 257, (1, 10))

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import write_char_data_dir
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -20,16 +21,14 @@ from gptkit.cli import build_parser, main
 from gptkit.config import ModelConfig
 from gptkit.devices import gpu_recipe_on_cpu
 from gptkit.formats.modeldir import save_model_dir
-from gptkit.observe.report import icl_picture
-from gptkit.observe.figures import draw_induction
 from gptkit.model import GPT
+from gptkit.observe.figures import draw_induction
+from gptkit.observe.report import icl_picture
 from gptkit.observe.training import Observer, _draw_losses, plot_run
+from gptkit.run_sources import from_sources
 from gptkit.tokenizer import CharTokenizer
 from gptkit.train import Trainer, train
 from gptkit.train_config import TrainConfig
-from gptkit.run_sources import from_sources
-
-from conftest import write_char_data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = (ROOT / "gptkit" / "corpora" / "tinyshakespeare.txt").read_text()[:4000]
@@ -47,10 +46,22 @@ def run_dir(tmp_path_factory) -> Path:
     """A finished 4-step run (checkpoints at steps 2 and 4) with its metrics and samples."""
     root = tmp_path_factory.mktemp("first-hour")
     data = write_char_data_dir(root, 20_000)
-    settings = {"model": dict(MODEL), "optim": {"warmup_steps": 1},
-                "train": {"data_dir": str(data), "out_dir": str(root / "run"), "max_steps": 4, "batch_size": 4,
-                          "eval_interval": 2, "eval_iters": 1, "log_interval": 1, "checkpoint_interval": 2,
-                          "device": "cpu", "sample_tokens": 8}}  # fmt: skip
+    settings = {
+        "model": dict(MODEL),
+        "optim": {"warmup_steps": 1},
+        "train": {
+            "data_dir": str(data),
+            "out_dir": str(root / "run"),
+            "max_steps": 4,
+            "batch_size": 4,
+            "eval_interval": 2,
+            "eval_iters": 1,
+            "log_interval": 1,
+            "checkpoint_interval": 2,
+            "device": "cpu",
+            "sample_tokens": 8,
+        },
+    }
     return train(from_sources(None, settings), progress=False).run_dir
 
 
@@ -97,8 +108,22 @@ def test_prepare_says_what_rows_it_recognised(tmp_path, capsys):
     labelled = [{"text": f"text {i}", "label": "odd" if i % 2 else "even"} for i in range(10)]
     (tmp_path / "labels.jsonl").write_text("".join(json.dumps(r) + "\n" for r in labelled))
     for name in ("pairs", "labels"):
-        assert main(["prepare", "--input", str(tmp_path / f"{name}.jsonl"), "--tokenizer", "byte", "--out",
-                     str(tmp_path / name), "--val-fraction", "0.2"]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "prepare",
+                    "--input",
+                    str(tmp_path / f"{name}.jsonl"),
+                    "--tokenizer",
+                    "byte",
+                    "--out",
+                    str(tmp_path / name),
+                    "--val-fraction",
+                    "0.2",
+                ]
+            )
+            == 0
+        )
     out = capsys.readouterr().out.splitlines()
     assert "recognised prompt/chosen/rejected rows: 10 preference pairs (train 8, val 2)" in out[0]
     assert "recognised text/label rows: 10 labelled texts of the labels even, odd (train 8, val 2)" in out[1]
@@ -112,9 +137,18 @@ def test_a_run_without_validation_prompts_says_nothing_about_samples(tmp_path, c
 
 
 def test_the_loss_panel_is_scaled_to_the_training_curves(run_dir):
-    history = [{"step": s, "loss": 4.0 - s / 1000, "val_loss": 4.1 - s / 1000, "induction_loss": 4.2 + s / 500,
-                "icl_score": -0.001 * s, "induction_score": 0.02, "induction_chance": 0.021}
-               for s in range(0, 2001, 250)]  # fmt: skip
+    history = [
+        {
+            "step": s,
+            "loss": 4.0 - s / 1000,
+            "val_loss": 4.1 - s / 1000,
+            "induction_loss": 4.2 + s / 500,
+            "icl_score": -0.001 * s,
+            "induction_score": 0.02,
+            "induction_chance": 0.021,
+        }
+        for s in range(0, 2001, 250)
+    ]
     figure = Figure()
     axes = figure.add_subplot()
     _draw_losses(axes, history)
@@ -158,8 +192,16 @@ def test_every_train_flag_has_a_description():
 
 def test_a_gpu_recipe_on_a_cpu_warns_with_what_it_costs(tmp_path, caplog):
     data = write_char_data_dir(tmp_path, 20_000)
-    settings = {"model": dict(MODEL), "train": {"data_dir": str(data), "out_dir": str(tmp_path / "run"),
-                                                "device": "auto", "dtype": "bfloat16", "max_steps": 100}}  # fmt: skip
+    settings = {
+        "model": dict(MODEL),
+        "train": {
+            "data_dir": str(data),
+            "out_dir": str(tmp_path / "run"),
+            "device": "auto",
+            "dtype": "bfloat16",
+            "max_steps": 100,
+        },
+    }
     if torch.cuda.is_available() or torch.backends.mps.is_available():
         pytest.skip("auto finds an accelerator here")
     with caplog.at_level(logging.WARNING, logger="gptkit"):
@@ -174,8 +216,9 @@ def test_a_gpu_recipe_on_a_cpu_warns_with_what_it_costs(tmp_path, caplog):
 
 
 def test_make_run_installs_no_test_extras_and_shows_its_progress(tmp_path):
-    plan = subprocess.run(["make", "-n", "-C", str(ROOT), "run", f"VENV={tmp_path / 'venv'}"],
-                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    plan = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), "run", f"VENV={tmp_path / 'venv'}"], capture_output=True, text=True, check=True
+    ).stdout
     installs = [line for line in plan.splitlines() if " install " in line]
     assert installs and not any("[test]" in line for line in installs)
     assert not any("--quiet" in line for line in installs if "torch" in line or "-e ." in line)
@@ -192,8 +235,18 @@ def test_watch_it_learn_draws_into_its_run_and_scales_the_schedule(run_dir, monk
     watch = load_watch_it_learn()
     flags = watch.scaled_schedule(500)
     # The recipe: 8000 steps, warm-up 50, decay over 8000, evaluations every 100, a checkpoint at the end.
-    assert flags == ["--train.max_steps", "500", "--optim.warmup_steps", "3", "--optim.decay_steps", "500",
-                     "--train.eval_interval", "6", "--train.checkpoint_interval", "500"]  # fmt: skip
+    assert flags == [
+        "--train.max_steps",
+        "500",
+        "--optim.warmup_steps",
+        "3",
+        "--optim.decay_steps",
+        "500",
+        "--train.eval_interval",
+        "6",
+        "--train.checkpoint_interval",
+        "500",
+    ]
     reference = (ROOT / "docs" / "watch_it_learn.png").read_bytes()
     monkeypatch.setattr("sys.argv", ["watch_it_learn.py", "--plot-only", "--out", str(run_dir)])
     watch.main()

@@ -7,21 +7,20 @@ import logging
 
 import pytest
 import torch
+from conftest import TINY, VARIANTS
 from torch import nn
 
 from gptkit import cpu_kernels, kernel_cache
 from gptkit.adapters import add_lora
-from gptkit.errors import GptkitError
 from gptkit.config import ModelConfig
 from gptkit.decoding import batch, fused
 from gptkit.decoding.api import complete, generate_ids
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.step import decode_one_token, inference, prefill
+from gptkit.errors import GptkitError
 from gptkit.kv_cache import KVCache, quantize_rows
 from gptkit.model import GPT, Linear
 from gptkit.quantization import quantize
-
-from conftest import TINY, VARIANTS
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="this CPU has neither AVX2 nor AVX-512")
 
@@ -35,8 +34,13 @@ def fused_chosen(monkeypatch):
     these tests check what it computes)."""
     if cpu_kernels.load():
         monkeypatch.setitem(cpu_kernels._STATE, "choices", dict(cpu_kernels.choices(), fused_step=True, **WIDE))
-COVERED = {name: v for name, v in VARIANTS.items()
-           if v.get("norm_position", "pre") == "pre" and v.get("position") != "sinusoidal"}  # fmt: skip
+
+
+COVERED = {
+    name: v
+    for name, v in VARIANTS.items()
+    if v.get("norm_position", "pre") == "pre" and v.get("position") != "sinusoidal"
+}
 COVERED["relu"] = dict(TINY, activation="relu", n_kv_head=2, position="rope")
 UNCOVERED = {"post-norm": dict(TINY, norm_position="post"), "sinusoidal": dict(TINY, position="sinusoidal")}
 
@@ -53,8 +57,9 @@ def filled_caches(model: GPT, rows: int, kv_dtype: torch.dtype | None, seed: int
     """Two equal caches of `rows` rows whose every position holds random keys and values, as a long conversation
     leaves them (an int8 cache: random codes and scales)."""
     config = model.config
-    caches = [KVCache(config, rows, config.block_size, dtype=model.tok_emb.weight.dtype, kv_dtype=kv_dtype)
-              for _ in range(2)]  # fmt: skip
+    caches = [
+        KVCache(config, rows, config.block_size, dtype=model.tok_emb.weight.dtype, kv_dtype=kv_dtype) for _ in range(2)
+    ]
     g = torch.Generator().manual_seed(seed)
     for first, second in zip(caches[0].tensors, caches[1].tensors):
         if first.dtype == torch.int8:
@@ -96,14 +101,20 @@ def steps(model: GPT, kv_dtype: torch.dtype | None = None, rows: int = 3, length
     return torch.stack(eager), torch.stack(native), caches[0], caches[1], written
 
 
-def differences(eager: torch.Tensor, native: torch.Tensor, eager_cache: KVCache, native_cache: KVCache,
-                written: torch.Tensor) -> dict[str, float]:  # fmt: skip
+def differences(
+    eager: torch.Tensor, native: torch.Tensor, eager_cache: KVCache, native_cache: KVCache, written: torch.Tensor
+) -> dict[str, float]:
     """How far the fused step's results lie from the eager step's: the logits, over their largest magnitude, and the
     fraction of greedy tokens that differ; over the cache slots the steps wrote, a float cache over its largest
     value, an int8 cache's codes (the most steps apart, and the fraction apart) and its scales (relative)."""
-    found = {"logits": float((native - eager).abs().max() / eager.abs().max()),
-             "tokens differ": float((native.argmax(-1) != eager.argmax(-1)).float().mean()), "cache": 0.0,
-             "codes apart": 0.0, "fraction apart": 0.0, "scales": 0.0}  # fmt: skip
+    found = {
+        "logits": float((native - eager).abs().max() / eager.abs().max()),
+        "tokens differ": float((native.argmax(-1) != eager.argmax(-1)).float().mean()),
+        "cache": 0.0,
+        "codes apart": 0.0,
+        "fraction apart": 0.0,
+        "scales": 0.0,
+    }
     for a, b in zip(eager_cache.tensors, native_cache.tensors):
         a, b = a.transpose(1, 2)[written], b.transpose(1, 2)[written]  # (slots, heads[, head_dim])
         if a.dtype == torch.int8:
@@ -131,17 +142,41 @@ def differences(eager: torch.Tensor, native: torch.Tensor, eager_cache: KVCache,
 #   the fused one keeps fp32: logits 7.9e-3 apart, caches 7.7e-3, and 1 greedy token in 30 differs, where the top two
 #   logits lie that close. The limits are about twice those.
 TOLERANCE = {
-    "fp32": {"logits": 1e-5, "tokens differ": 0, "cache": 2e-6, "codes apart": 1, "fraction apart": 2e-3,
-             "scales": 5e-6},
-    "quantised": {"logits": 1e-2, "tokens differ": 0, "cache": 5e-3, "codes apart": 1, "fraction apart": 2e-2,
-                  "scales": 5e-3},
-    "bf16": {"logits": 1.5e-2, "tokens differ": 1 / 30, "cache": 1.5e-2, "codes apart": 0, "fraction apart": 0,
-             "scales": 0},
-}  # fmt: skip
+    "fp32": {
+        "logits": 1e-5,
+        "tokens differ": 0,
+        "cache": 2e-6,
+        "codes apart": 1,
+        "fraction apart": 2e-3,
+        "scales": 5e-6,
+    },
+    "quantised": {
+        "logits": 1e-2,
+        "tokens differ": 0,
+        "cache": 5e-3,
+        "codes apart": 1,
+        "fraction apart": 2e-2,
+        "scales": 5e-3,
+    },
+    "bf16": {
+        "logits": 1.5e-2,
+        "tokens differ": 1 / 30,
+        "cache": 1.5e-2,
+        "codes apart": 0,
+        "fraction apart": 0,
+        "scales": 0,
+    },
+}
 
 
-def assert_agree(eager: torch.Tensor, native: torch.Tensor, eager_cache: KVCache, native_cache: KVCache,
-                 written: torch.Tensor, weights: str) -> None:  # fmt: skip
+def assert_agree(
+    eager: torch.Tensor,
+    native: torch.Tensor,
+    eager_cache: KVCache,
+    native_cache: KVCache,
+    written: torch.Tensor,
+    weights: str,
+) -> None:
     """The fused step's logits, tokens and cache lie within TOLERANCE[weights] of the eager step's."""
     found = differences(eager, native, eager_cache, native_cache, written)
     assert all(found[name] <= limit for name, limit in TOLERANCE[weights].items()), found
@@ -158,8 +193,10 @@ def test_the_fused_step_gives_the_eager_steps_logits_and_cache(name):
 # Shapes where the step's vector loops run whole and with remainders: llama-style grouped heads of 64 values, and
 # heads of 36 (not a power of two: a remainder after 16- and 8-lane vectors); the other sizes small, so each case
 # runs in well under a second.
-LONG = {"llama-gqa, heads of 64": dict(VARIANTS["llama-gqa"], n_head=4, n_kv_head=2, n_embd=256, ffn_hidden=64),
-        "gpt2, heads of 36": dict(VARIANTS["gpt2"], n_head=2, n_embd=72, ffn_hidden=64)}  # fmt: skip
+LONG = {
+    "llama-gqa, heads of 64": dict(VARIANTS["llama-gqa"], n_head=4, n_kv_head=2, n_embd=256, ffn_hidden=64),
+    "gpt2, heads of 36": dict(VARIANTS["gpt2"], n_head=2, n_embd=72, ffn_hidden=64),
+}
 
 
 @needs_kernels
@@ -285,8 +322,9 @@ def test_a_wide_batch_gives_each_row_the_logits_it_gets_alone(form, rows, thread
     try:
         with inference(model):
             wide = step(model, tokens, wide_cache, positions)
-            alone = torch.cat([step(model, tokens[i : i + 1], alone_cache.row(i, 64), positions[i : i + 1])
-                               for i in range(rows)])  # fmt: skip
+            alone = torch.cat(
+                [step(model, tokens[i : i + 1], alone_cache.row(i, 64), positions[i : i + 1]) for i in range(rows)]
+            )
             eager = decode_one_token(model, tokens, eager_cache, positions) if form == "fp32" else None
     finally:
         torch.set_num_threads(before)
@@ -362,9 +400,11 @@ def test_a_first_decode_does_not_wait_for_the_kernels_to_build(monkeypatch, tmp_
 
 
 # What the C++ step does not compute: each is refused by name, and decoding falls back to the eager step.
-NOT_NATIVE = {"dynamic": dict(TINY, position="rope", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
-              "relu2": dict(TINY, activation="relu2"),
-              "sinusoidal": dict(TINY, position="sinusoidal")}  # fmt: skip
+NOT_NATIVE = {
+    "dynamic": dict(TINY, position="rope", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "relu2": dict(TINY, activation="relu2"),
+    "sinusoidal": dict(TINY, position="sinusoidal"),
+}
 
 
 def greedy_by_forward(model: GPT, prompt: list[int], n: int) -> list[int]:
@@ -412,20 +452,32 @@ def _set(module: nn.Module, name: str, value: object) -> None:
 WIDTH = TINY["n_embd"]
 # How a method may change a model, and the reason the fused step gives for refusing it.
 CHANGED = {
-    "a module added to a block": (lambda m: _set(m.blocks[0].attn, "prefix", PrefixTuning(WIDTH)),
-                                  "blocks.0.attn.prefix (PrefixTuning)"),
-    "attn.proj wrapped": (lambda m: _set(m.blocks[1].attn, "proj", Offset(m.blocks[1].attn.proj, WIDTH)),
-                          "blocks.1.attn.proj (Offset)"),
-    "a norm wrapped": (lambda m: _set(m.blocks[0], "norm2", Offset(m.blocks[0].norm2, WIDTH)),
-                       "blocks.0.norm2 (Offset)"),
+    "a module added to a block": (
+        lambda m: _set(m.blocks[0].attn, "prefix", PrefixTuning(WIDTH)),
+        "blocks.0.attn.prefix (PrefixTuning)",
+    ),
+    "attn.proj wrapped": (
+        lambda m: _set(m.blocks[1].attn, "proj", Offset(m.blocks[1].attn.proj, WIDTH)),
+        "blocks.1.attn.proj (Offset)",
+    ),
+    "a norm wrapped": (
+        lambda m: _set(m.blocks[0], "norm2", Offset(m.blocks[0].norm2, WIDTH)),
+        "blocks.0.norm2 (Offset)",
+    ),
     "LoRA": (lambda m: add_lora(m, 2, 4.0, 0.0, "attention"), "blocks.0.attn.qkv (LoRALinear)"),
-    "a parameter added to a block": (lambda m: _set(m.blocks[1], "gate", nn.Parameter(torch.ones(1))),
-                                     "the parameter blocks.1.gate, which it does not read"),
-    "a buffer added to a layer": (lambda m: m.blocks[0].mlp.register_buffer("scale", torch.ones(1)),
-                                  "the buffer blocks.0.mlp.scale, which it does not read"),
-    "a plain layer added to a block": (lambda m: _set(m.blocks[0].mlp, "extra", Linear(WIDTH, WIDTH)),
-                                       "the parameter blocks.0.mlp.extra.weight, which it does not read"),
-}  # fmt: skip
+    "a parameter added to a block": (
+        lambda m: _set(m.blocks[1], "gate", nn.Parameter(torch.ones(1))),
+        "the parameter blocks.1.gate, which it does not read",
+    ),
+    "a buffer added to a layer": (
+        lambda m: m.blocks[0].mlp.register_buffer("scale", torch.ones(1)),
+        "the buffer blocks.0.mlp.scale, which it does not read",
+    ),
+    "a plain layer added to a block": (
+        lambda m: _set(m.blocks[0].mlp, "extra", Linear(WIDTH, WIDTH)),
+        "the parameter blocks.0.mlp.extra.weight, which it does not read",
+    ),
+}
 
 
 @needs_kernels

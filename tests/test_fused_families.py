@@ -17,14 +17,43 @@ from gptkit.model import GPT
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="this CPU has neither AVX2 nor AVX-512")
 
-BASE = dict(vocab_size=64, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, position="rope",
-            norm="rmsnorm", activation="swiglu", attn_bias=False, mlp_bias=False, norm_bias=False)  # fmt: skip
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}  # fmt: skip
-GEMMA3 = dict(BASE, n_layer=3, head_dim=16, activation="geglu", norm_position="sandwich", qk_norm=True,
-              norm_gain_offset=1.0, embedding_scale=32**0.5, attn_scale=0.25, sliding_window=6,
-              layer_types=["sliding", "full", "sliding"], rope_local_theta=100.0, rope_theta=10000.0,
-              rope_scaling={"rope_type": "linear", "factor": 4.0})  # fmt: skip
+BASE = dict(
+    vocab_size=64,
+    block_size=48,
+    n_layer=2,
+    n_head=4,
+    n_kv_head=2,
+    n_embd=32,
+    position="rope",
+    norm="rmsnorm",
+    activation="swiglu",
+    attn_bias=False,
+    mlp_bias=False,
+    norm_bias=False,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+GEMMA3 = dict(
+    BASE,
+    n_layer=3,
+    head_dim=16,
+    activation="geglu",
+    norm_position="sandwich",
+    qk_norm=True,
+    norm_gain_offset=1.0,
+    embedding_scale=32**0.5,
+    attn_scale=0.25,
+    sliding_window=6,
+    layer_types=["sliding", "full", "sliding"],
+    rope_local_theta=100.0,
+    rope_theta=10000.0,
+    rope_scaling={"rope_type": "linear", "factor": 4.0},
+)
 FAMILIES = {
     "head_dim decoupled": dict(BASE, head_dim=12),
     "llama3 rope": dict(BASE, rope_scaling=LLAMA3),

@@ -4,26 +4,25 @@ import sys
 
 import pytest
 import torch
+from conftest import VARIANTS
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import gptkit
 from gptkit.cli import main
 from gptkit.config import ModelConfig
-from gptkit.errors import ConfigError, InputError
 from gptkit.decoding.api import complete, generate, generate_ids, stream
 from gptkit.decoding.batch import BatchEngine
 from gptkit.decoding.beam import beam_search
 from gptkit.decoding.request import Request
+from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.step import decode_one_token, prefill
+from gptkit.errors import ConfigError, InputError
 from gptkit.formats.hf import gpt_from_hf_model
+from gptkit.formats.modeldir import save_model_dir
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
-from gptkit.formats.modeldir import save_model_dir
-from gptkit.decoding.sampling import SamplingParams
 from gptkit.tokenizer import EOT, ByteTokenizer, CharTokenizer
-
-from conftest import VARIANTS
 
 
 def uncached_greedy(model: GPT, prompt: list[int], steps: int) -> list[int]:
@@ -125,25 +124,43 @@ def test_seeded_sampling_is_reproducible_and_samples_share_one_prefill(device):
 
 def hf_gpt2(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=4, initializer_range=0.3,
-                        bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=50,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        initializer_range=0.3,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return GPT2LMHeadModel(config).eval()
 
 
 def hf_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         initializer_range=0.3, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                         tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config).eval()
 
 
 def hf_new_tokens(hf, prompt: list[int], eos: int | None = None, **rules) -> list[list[int]]:
     """Hugging Face's generate, new tokens only, without the end-of-text token and its padding."""
     ids, mask = torch.tensor([prompt], device=hf.device), torch.ones(1, len(prompt), dtype=torch.long, device=hf.device)
-    out = hf.generate(ids, attention_mask=mask,
-                      eos_token_id=eos, pad_token_id=0 if eos is None else eos, **rules)  # fmt: skip
+    out = hf.generate(ids, attention_mask=mask, eos_token_id=eos, pad_token_id=0 if eos is None else eos, **rules)
     rows = out[:, len(prompt) :].tolist()
     if eos is not None:
         rows = [row[: row.index(eos)] if eos in row else row for row in rows]
@@ -152,9 +169,12 @@ def hf_new_tokens(hf, prompt: list[int], eos: int | None = None, **rules) -> lis
 
 @pytest.mark.parametrize(
     "rules",
-    [dict(temperature=1.0), dict(temperature=0.7, top_k=10, top_p=0.9), dict(temperature=1.3, min_p=0.05,
-                                                                            repetition_penalty=1.2)],
-)  # fmt: skip
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=10, top_p=0.9),
+        dict(temperature=1.3, min_p=0.05, repetition_penalty=1.2),
+    ],
+)
 def test_seeded_sampling_draws_hf_tokens(rules):
     # On CPU, seed s draws exactly what torch.manual_seed(s) + Hugging Face's do_sample=True draws.
     hf = hf_gpt2()
@@ -200,8 +220,13 @@ def test_four_beams_equal_hf(arch, eos_at, early_stopping, length_penalty, num_s
     hf = hf_gpt2() if arch == "gpt2" else hf_llama()
     model = gpt_from_hf_model(hf)
     prompt = [11, 3, 27, 8, 40, 6]
-    rules = dict(num_beams=4, max_new_tokens=12, length_penalty=length_penalty, early_stopping=early_stopping,
-                 repetition_penalty=penalty)  # fmt: skip
+    rules = dict(
+        num_beams=4,
+        max_new_tokens=12,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        repetition_penalty=penalty,
+    )
     # The end-of-text token: one the beams actually produce, so that finished hypotheses are exercised.
     eos = None if eos_at is None else generate_ids(model, prompt, **rules)[eos_at]
     expected = hf_new_tokens(hf, prompt, eos, do_sample=False, num_return_sequences=num_samples, **rules)
@@ -281,9 +306,10 @@ def test_stop_string_and_eos_on_a_real_model():
     stop = full[6:8]
     assert generate(model, tokenizer, "the", max_new_tokens=30, temperature=0, stop=stop) == full[: full.find(stop)]
     ids = generate_ids(model, tokenizer.encode("the"), max_new_tokens=30, temperature=0)
-    assert generate_ids(model, tokenizer.encode("the"), max_new_tokens=30, temperature=0, eos_id=ids[5]) == ids[
-        : ids.index(ids[5])
-    ]
+    assert (
+        generate_ids(model, tokenizer.encode("the"), max_new_tokens=30, temperature=0, eos_id=ids[5])
+        == ids[: ids.index(ids[5])]
+    )
 
 
 # ----- the step-level engine (what a continuous-batching server drives) -----
@@ -385,11 +411,31 @@ def test_public_api_load_generate_stream(model_dir):
 def test_cli_streams_text_and_reports_json(model_dir, capsys):
     model, tokenizer = gptkit.load(model_dir)
     expected = gptkit.generate(model, tokenizer, "to be", max_new_tokens=10, seed=5, top_k=10)
-    assert main(["generate", str(model_dir), "--prompt", "to be", "--max-new-tokens", "10", "--seed", "5",
-                 "--top-k", "10"]) == 0  # fmt: skip
+    assert (
+        main(
+            ["generate", str(model_dir), "--prompt", "to be", "--max-new-tokens", "10", "--seed", "5", "--top-k", "10"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == expected + "\n" * (not expected.endswith("\n"))  # generate ends the line
-    assert main(["generate", str(model_dir), "--prompt", "to be", "--max-new-tokens", "10", "--seed", "5",
-                 "--top-k", "10", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "--prompt",
+                "to be",
+                "--max-new-tokens",
+                "10",
+                "--seed",
+                "5",
+                "--top-k",
+                "10",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["text"] == expected and tokenizer.decode(report["ids"]) == expected
     assert report["prompt_ids"] == tokenizer.encode("to be") and report["finish_reason"] == "length"
@@ -404,8 +450,26 @@ def test_cli_reads_stdin_and_prompt_file(model_dir, capsys, monkeypatch, tmp_pat
     assert main(["generate", str(model_dir), "--max-new-tokens", "6", "--temperature", "0", "--stop", "z"]) == 0
     assert capsys.readouterr().out == expected + "\n" * (not expected.endswith("\n"))  # generate ends the line
     (tmp_path / "p.txt").write_text("or not")
-    assert main(["generate", str(model_dir), "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "6",
-                 "--temperature", "0", "--stop", "z", "--num-beams", "2", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "--prompt-file",
+                str(tmp_path / "p.txt"),
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0",
+                "--stop",
+                "z",
+                "--num-beams",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["text"] == gptkit.generate(
         model, tokenizer, "or not", max_new_tokens=6, num_beams=2, stop="z"
     )
@@ -457,16 +521,34 @@ def test_penalties_and_logit_bias_decode_as_their_formula_says():
             token = int(logits.argmax())
             ids.append(token)
             counts[token] += 1
-    assert got == ids[len(prompt):]
+    assert got == ids[len(prompt) :]
     assert 9 not in got and len(set(got)) > 1  # the penalties move it off a repeated token
 
 
 def test_cli_takes_logit_bias_and_penalties(model_dir, capsys):
     _, tokenizer = gptkit.load(model_dir)
     z = tokenizer.encode("z")[0]
-    assert main(["generate", str(model_dir), "--prompt", "to be", "--max-new-tokens", "5", "--seed", "1",
-                 "--logit-bias", f"{z}=100", "--frequency-penalty", "0.5",
-                 "--presence-penalty", "0.1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "--prompt",
+                "to be",
+                "--max-new-tokens",
+                "5",
+                "--seed",
+                "1",
+                "--logit-bias",
+                f"{z}=100",
+                "--frequency-penalty",
+                "0.5",
+                "--presence-penalty",
+                "0.1",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == "zzzzz\n"  # generate ends the line
     with pytest.raises(SystemExit) as usage:
         main(["generate", str(model_dir), "--prompt", "to be", "--logit-bias", "z=1"])

@@ -18,9 +18,9 @@ from conftest import VARIANTS
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.formats.gguf import GGUFError, export_gguf, gguf_tensors, load_gguf
-from gptkit.model import GPT
 from gptkit.formats.modeldir import save_model_dir
 from gptkit.loading import load
+from gptkit.model import GPT
 from gptkit.tokenizer import BPETokenizer, ByteTokenizer, CharTokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -45,9 +45,13 @@ def test_the_gguf_reader_sees_every_tensor_and_hyperparameter(variant, tmp_path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
     arch, config = ARCHS[variant], model.config
     assert fields["general.architecture"] == arch
-    assert (fields[f"{arch}.block_count"], fields[f"{arch}.embedding_length"], fields[f"{arch}.context_length"],
-            fields[f"{arch}.attention.head_count"], fields[f"{arch}.feed_forward_length"]) == \
-        (config.n_layer, config.n_embd, config.block_size, config.n_head, config.ffn_hidden)  # fmt: skip
+    assert (
+        fields[f"{arch}.block_count"],
+        fields[f"{arch}.embedding_length"],
+        fields[f"{arch}.context_length"],
+        fields[f"{arch}.attention.head_count"],
+        fields[f"{arch}.feed_forward_length"],
+    ) == (config.n_layer, config.n_embd, config.block_size, config.n_head, config.ffn_hidden)
     if arch == "llama":
         assert fields["llama.attention.head_count_kv"] == config.n_kv_head
         assert fields["llama.rope.freq_base"] == pytest.approx(config.rope_theta)
@@ -113,9 +117,29 @@ def test_a_byte_tokenizer_comes_back_as_itself_and_a_gguf_file_fine_tunes(tmp_pa
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     assert main(["prepare", "--input", str(text), "--tokenizer", "byte", "--out", str(tmp_path / "data")]) == 0
-    assert main(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--model.init_from",
-                 str(path), "--train.max_steps", "2", "--train.batch_size", "2", "--train.eval_iters", "1",
-                 "--train.device", "cpu", "--quiet"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(tmp_path / "data"),
+                "--out",
+                str(tmp_path / "run"),
+                "--model.init_from",
+                str(path),
+                "--train.max_steps",
+                "2",
+                "--train.batch_size",
+                "2",
+                "--train.eval_iters",
+                "1",
+                "--train.device",
+                "cpu",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert main(["eval", str(path), "--input", str(text), "--quiet"]) == 0
 
 
@@ -126,7 +150,9 @@ def test_transformers_reads_our_gguf_with_the_same_logits(variant, tmp_path):
     export_gguf(model, tmp_path / "m.gguf", bpe(), "f32")
     # transformers maps gpt2.context_length to n_ctx but not to n_positions (the learned positions' count)
     extra = {"n_positions": model.config.block_size} if variant == "gpt2" else {}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32, **extra).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="m.gguf", dtype=torch.float32, **extra
+    ).eval()
     ids = torch.randint(0, 300, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-4, rtol=1e-4)
@@ -166,8 +192,11 @@ def test_llama_cpps_converter_output_loads_with_transformers_logits(variant, tmp
     hf_dir = export_hf(tiny(variant, vocab_size=300), tmp_path / "hf", tokenizer=bpe())
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     out = tmp_path / "converted.gguf"
-    done = subprocess.run([sys.executable, "-c", CONVERT, str(converter.parent), str(hf_dir), "--outfile", str(out),
-                           "--outtype", "f32"], capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", CONVERT, str(converter.parent), str(hf_dir), "--outfile", str(out), "--outtype", "f32"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     model, tokenizer = load_gguf(out)
     ids = torch.randint(0, 300, (2, 12))
@@ -176,15 +205,18 @@ def test_llama_cpps_converter_output_loads_with_transformers_logits(variant, tmp
     assert tokenizer.encode(TEXT[:100]) == bpe().encode(TEXT[:100])
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(norm_position="post"), "norm_position 'post' cannot be written as GGUF"),
-    (dict(position="sinusoidal"), "position 'sinusoidal'"),
-    (dict(activation="gelu"), "tanh approximation"),
-    (dict(lm_head_bias=True, tie_embeddings=False), "no output bias"),
-    (dict(activation="relu2"), "activation 'relu2' cannot be written as GGUF"),  # llama.cpp's gpt2 has GELU only
-    (dict(logit_softcap=30.0), "logit_softcap 30.0 cannot be written as GGUF"),
-    (dict(qk_norm=True), "qk_norm True cannot be written as GGUF"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(norm_position="post"), "norm_position 'post' cannot be written as GGUF"),
+        (dict(position="sinusoidal"), "position 'sinusoidal'"),
+        (dict(activation="gelu"), "tanh approximation"),
+        (dict(lm_head_bias=True, tie_embeddings=False), "no output bias"),
+        (dict(activation="relu2"), "activation 'relu2' cannot be written as GGUF"),  # llama.cpp's gpt2 has GELU only
+        (dict(logit_softcap=30.0), "logit_softcap 30.0 cannot be written as GGUF"),
+        (dict(qk_norm=True), "qk_norm True cannot be written as GGUF"),
+    ],
+)
 def test_what_llama_cpp_cannot_compute_is_refused_in_one_line(fields, message, tmp_path, capsys):
     source = save_model_dir(tiny("gpt2", **fields), tmp_path / "model", tokenizer=ByteTokenizer())
     assert main(["convert", "--to-gguf", str(source), "--out", str(tmp_path / "m.gguf")]) == 2
@@ -227,8 +259,12 @@ def test_unwritable_tokenizers_and_unreadable_files_are_one_line_errors(tmp_path
 def test_the_default_chat_template_written_as_jinja_renders_the_same_text():
     from gptkit.chat import DEFAULT_JINJA, ChatTemplate
 
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Sky?"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Sky?"},
+    ]
     default, jinja = ChatTemplate(eos_token="<|endoftext|>"), ChatTemplate(DEFAULT_JINJA, eos_token="<|endoftext|>")
     for prompt in (True, False):
         assert jinja.render(messages, prompt) == default.render(messages, prompt)
@@ -338,8 +374,10 @@ def retyped(path: Path, name: str, kind: int) -> None:
 def test_a_gguf_file_whose_type_field_disagrees_with_its_data_is_refused_in_one_line(written, claimed, tmp_path):
     path = export_gguf(tiny("llama-gqa"), tmp_path / "m.gguf", ByteTokenizer(), written)
     retyped(path, "blk.0.attn_output.weight", gguf.GGMLQuantizationType[claimed])
-    for command in (["convert", "--from-gguf", str(path), "--out", str(tmp_path / "out")],
-                    ["generate", str(path), "--prompt", "a", "--max-new-tokens", "2"]):  # fmt: skip
+    for command in (
+        ["convert", "--from-gguf", str(path), "--out", str(tmp_path / "out")],
+        ["generate", str(path), "--prompt", "a", "--max-new-tokens", "2"],
+    ):
         done = subprocess.run([sys.executable, "-m", "gptkit", *command], capture_output=True, text=True)
         assert done.returncode == 2, done.stderr[-2000:]
         assert f"tensor blk.0.attn_output.weight ({claimed.lower()}" in done.stderr, done.stderr
@@ -367,8 +405,10 @@ def test_a_gguf_file_with_nan_weights_is_refused_naming_the_tensor(tmp_path, cap
     with torch.no_grad():
         model.blocks[1].mlp.proj.weight[2, 7] = float("nan")
     path = export_gguf(model, tmp_path / "m.gguf", ByteTokenizer(), "f32")
-    for command in (["convert", "--from-gguf", str(path), "--out", str(tmp_path / "out")],
-                    ["generate", str(path), "--prompt", "a", "--max-new-tokens", "2"]):  # fmt: skip
+    for command in (
+        ["convert", "--from-gguf", str(path), "--out", str(tmp_path / "out")],
+        ["generate", str(path), "--prompt", "a", "--max-new-tokens", "2"],
+    ):
         assert main(command) == 2
         err = capsys.readouterr().err
         assert "tensor 'blocks.1.mlp.proj.weight' holds 1 NaN" in err and err.count("\n") == 1, err
@@ -425,8 +465,21 @@ def test_llama_cpp_scores_an_exported_file_as_gptkit_does(variant, file_type, tm
         model, _ = load_gguf(path)  # the weights llama.cpp multiplies by, dequantised
     text, n_ctx = TEXT[:320], 32
     (tmp_path / "text.txt").write_text(text)
-    command = [str(binary), "-m", str(path), "-f", str(tmp_path / "text.txt"), "-c", str(n_ctx), "-b", str(n_ctx),
-               "-ngl", "0", "-t", "1"]  # fmt: skip
+    command = [
+        str(binary),
+        "-m",
+        str(path),
+        "-f",
+        str(tmp_path / "text.txt"),
+        "-c",
+        str(n_ctx),
+        "-b",
+        str(n_ctx),
+        "-ngl",
+        "0",
+        "-t",
+        "1",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
     assert done.returncode == 0 and found, (done.stdout + done.stderr)[-3000:]

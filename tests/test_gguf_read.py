@@ -72,12 +72,15 @@ def test_a_tensor_gptkit_does_not_map_is_refused_by_name_not_dropped(name, rows,
     assert name in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("key, value, kind", [
-    ("llama.rope.scaling.type", "yarn", "STRING"),
-    ("llama.rope.scaling.attn_factor", 0.5, "FLOAT32"),
-    ("llama.attention.sliding_window", 4, "UINT32"),
-    ("llama.expert_count", 4, "UINT32"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "key, value, kind",
+    [
+        ("llama.rope.scaling.type", "yarn", "STRING"),
+        ("llama.rope.scaling.attn_factor", 0.5, "FLOAT32"),
+        ("llama.attention.sliding_window", 4, "UINT32"),
+        ("llama.expert_count", 4, "UINT32"),
+    ],
+)
 def test_metadata_gptkit_does_not_map_is_refused_by_name(key, value, kind, tmp_path, capsys):
     path = rewritten(tiny_llama_file(tmp_path), tmp_path / "x.gguf", {key: (value, gguf.GGUFValueType[kind])}, {})
     with pytest.raises(GGUFError, match=f"metadata '{key}'"):
@@ -88,7 +91,9 @@ def test_metadata_gptkit_does_not_map_is_refused_by_name(key, value, kind, tmp_p
 
 
 def test_metadata_that_changes_nothing_computed_is_accepted(tmp_path):
-    inert = {"general.license": ("mit", gguf.GGUFValueType.STRING),
-             "tokenizer.ggml.padding_token_id": (0, gguf.GGUFValueType.UINT32)}  # fmt: skip
+    inert = {
+        "general.license": ("mit", gguf.GGUFValueType.STRING),
+        "tokenizer.ggml.padding_token_id": (0, gguf.GGUFValueType.UINT32),
+    }
     path = rewritten(tiny_llama_file(tmp_path), tmp_path / "x.gguf", inert, {})
     assert load_gguf(path)[0].config.n_layer == VARIANTS["llama-gqa"]["n_layer"]

@@ -16,10 +16,10 @@ from gptkit.cli import main as cli_main
 from gptkit.config import ModelConfig
 from gptkit.errors import GptkitError
 from gptkit.formats.hf import export_hf, gpt_from_hf_model, hf_model_from_gpt, load_hf
-from gptkit.model import GPT
 from gptkit.formats.modeldir import load_model_dir, save_model_dir
-from gptkit.weights import WeightsError, model_state
 from gptkit.loading import load
+from gptkit.model import GPT
+from gptkit.weights import WeightsError, model_state
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -28,29 +28,122 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 NO_SPECIALS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 # Odd sizes on purpose: width 48 with 3 heads, intermediate sizes that are multiples of nothing useful.
 HF_CONFIGS = {
-    "gpt2-tied": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=99, n_positions=48, n_embd=48, n_head=3,
-                  n_layer=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **NO_SPECIALS)),
-    "gpt2-untied-gelu": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=71, n_positions=48, n_embd=40, n_head=5,
-                         n_layer=2, n_inner=73, activation_function="gelu", tie_word_embeddings=False,
-                         layer_norm_epsilon=1e-6, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **NO_SPECIALS)),
-    "llama-gqa-untied": ("LlamaConfig", "LlamaForCausalLM", dict(vocab_size=99, hidden_size=48, num_attention_heads=6,
-                         num_key_value_heads=2, num_hidden_layers=2, intermediate_size=77, max_position_embeddings=64,
-                         rope_theta=500.0, rms_norm_eps=1e-5, **NO_SPECIALS)),
-    "llama-mqa-tied-bias": ("LlamaConfig", "LlamaForCausalLM", dict(vocab_size=83, hidden_size=48,
-                            num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=2, intermediate_size=61,
-                            max_position_embeddings=64, tie_word_embeddings=True, attention_bias=True,
-                            mlp_bias=True, **NO_SPECIALS)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(vocab_size=99, hidden_size=48, num_attention_heads=6,
-              num_key_value_heads=3, num_hidden_layers=2, intermediate_size=53, max_position_embeddings=64,
-              tie_word_embeddings=True, **NO_SPECIALS)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(vocab_size=99, hidden_size=48, num_attention_heads=6,
-                num_key_value_heads=2, num_hidden_layers=2, intermediate_size=77, max_position_embeddings=64,
-                sliding_window=None, **NO_SPECIALS)),
+    "gpt2-tied": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            vocab_size=99,
+            n_positions=48,
+            n_embd=48,
+            n_head=3,
+            n_layer=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **NO_SPECIALS,
+        ),
+    ),
+    "gpt2-untied-gelu": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            vocab_size=71,
+            n_positions=48,
+            n_embd=40,
+            n_head=5,
+            n_layer=2,
+            n_inner=73,
+            activation_function="gelu",
+            tie_word_embeddings=False,
+            layer_norm_epsilon=1e-6,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **NO_SPECIALS,
+        ),
+    ),
+    "llama-gqa-untied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=99,
+            hidden_size=48,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            intermediate_size=77,
+            max_position_embeddings=64,
+            rope_theta=500.0,
+            rms_norm_eps=1e-5,
+            **NO_SPECIALS,
+        ),
+    ),
+    "llama-mqa-tied-bias": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=83,
+            hidden_size=48,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            num_hidden_layers=2,
+            intermediate_size=61,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+            **NO_SPECIALS,
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            vocab_size=99,
+            hidden_size=48,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            num_hidden_layers=2,
+            intermediate_size=53,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            **NO_SPECIALS,
+        ),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            vocab_size=99,
+            hidden_size=48,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            intermediate_size=77,
+            max_position_embeddings=64,
+            sliding_window=None,
+            **NO_SPECIALS,
+        ),
+    ),
     # q_norm/k_norm over head_dim, biases on all four attention projections.
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(vocab_size=99, hidden_size=48, num_attention_heads=6,
-              num_key_value_heads=2, head_dim=8, num_hidden_layers=2, intermediate_size=53,
-              max_position_embeddings=64, attention_bias=True, rms_norm_eps=1e-5, **NO_SPECIALS)),
-}  # fmt: skip
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            vocab_size=99,
+            hidden_size=48,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_hidden_layers=2,
+            intermediate_size=53,
+            max_position_embeddings=64,
+            attention_bias=True,
+            rms_norm_eps=1e-5,
+            **NO_SPECIALS,
+        ),
+    ),
+}
 
 
 def make_hf(name: str, seed: int = 0) -> torch.nn.Module:
@@ -77,8 +170,14 @@ def assert_same_logits(hf_model, model: GPT, vocab: int, device: torch.device | 
 
 
 def greedy_hf(hf_model, prompt: list[int], n: int) -> list[int]:
-    out = hf_model.generate(torch.tensor([prompt], device=hf_model.device), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    out = hf_model.generate(
+        torch.tensor([prompt], device=hf_model.device),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -128,7 +227,11 @@ def test_import_maps_config_fields() -> None:
     assert not qwen.blocks[0].attn.proj.bias.any()  # Qwen2's o_proj has no bias: held as zeros
     qwen3 = gpt_from_hf_model(make_hf("qwen3"))
     assert (qwen3.config.qk_norm, qwen3.config.attn_bias, qwen3.config.mlp_bias, qwen3.config.vocab_multiple) == (
-        True, True, False, 1)  # fmt: skip
+        True,
+        True,
+        False,
+        1,
+    )
     assert qwen3.blocks[0].attn.q_norm.weight.shape == (8,) and qwen3.blocks[0].attn.proj.bias.any()
 
 
@@ -136,13 +239,31 @@ EXPORTABLE = {
     "gpt2": VARIANTS["gpt2"],
     "llama-gqa": VARIANTS["llama-gqa"],
     "nanogpt-no-bias": VARIANTS["nanogpt-no-bias"],  # exact gelu, no biases: GPT-2 with zero biases
-    "relu-learned-odd": dict(VARIANTS["gpt2"], n_embd=48, n_head=3, activation="relu", ffn_hidden=70,
-                             tie_embeddings=False, norm_eps=1e-6, attn_bias=False),
-    "llama-mqa-tied-bias": dict(VARIANTS["llama-gqa"], n_embd=48, n_head=4, n_kv_head=1, ffn_hidden=61,
-                                tie_embeddings=True, attn_bias=True, mlp_bias=True, rope_theta=300.0, dropout=0.1),
+    "relu-learned-odd": dict(
+        VARIANTS["gpt2"],
+        n_embd=48,
+        n_head=3,
+        activation="relu",
+        ffn_hidden=70,
+        tie_embeddings=False,
+        norm_eps=1e-6,
+        attn_bias=False,
+    ),
+    "llama-mqa-tied-bias": dict(
+        VARIANTS["llama-gqa"],
+        n_embd=48,
+        n_head=4,
+        n_kv_head=1,
+        ffn_hidden=61,
+        tie_embeddings=True,
+        attn_bias=True,
+        mlp_bias=True,
+        rope_theta=300.0,
+        dropout=0.1,
+    ),
     "qwen3-qk-norm": dict(VARIANTS["llama-gqa"], qk_norm=True, attn_bias=True, zero_init_proj=True),
     "relu2-learned": dict(VARIANTS["gpt2"], activation="relu2"),  # transformers' ACT2FN["relu2"]: relu(x)^2
-}  # fmt: skip
+}
 EXPORTED_AS = {"learned": "GPT2LMHeadModel", "rope": "LlamaForCausalLM", "qk_norm": "Qwen3ForCausalLM"}
 
 
@@ -214,7 +335,7 @@ def test_export_refuses_what_no_family_computes(name, reason, tmp_path) -> None:
         (dict(VARIANTS["gpt2"], qk_norm=True), "qk_norm cannot be exported as gpt2"),
         (dict(VARIANTS["llama-gqa"], activation="relu2"), "activation 'relu2' cannot be exported as llama"),
     ],
-)  # fmt: skip
+)
 def test_export_refuses_recipe_options_no_layout_computes(changes, match, tmp_path) -> None:
     with pytest.raises(GptkitError, match=match) as err:
         export_hf(GPT(ModelConfig(**changes)), tmp_path / "hf")
@@ -263,26 +384,41 @@ def hf_config_error(tmp_path: Path, name: str, match: str, **changes) -> None:
 @pytest.mark.parametrize(
     "name, changes, match",
     [
-        ("llama-gqa-untied", dict(rope_parameters={"rope_type": "proportional", "factor": 2.0, "rope_theta": 1e4}),
-         "RoPE scaling 'proportional'"),
-        ("llama-gqa-untied", dict(rope_parameters=None, rope_theta=1e4, rope_scaling={"rope_type": "llama3"}),
-         "rope_scaling.factor is required for rope_type llama3"),
+        (
+            "llama-gqa-untied",
+            dict(rope_parameters={"rope_type": "proportional", "factor": 2.0, "rope_theta": 1e4}),
+            "RoPE scaling 'proportional'",
+        ),
+        (
+            "llama-gqa-untied",
+            dict(rope_parameters=None, rope_theta=1e4, rope_scaling={"rope_type": "llama3"}),
+            "rope_scaling.factor is required for rope_type llama3",
+        ),
         # Beside a plain rope_parameters: transformers reads rope_scaling first.
-        ("llama-gqa-untied", dict(rope_scaling={"rope_type": "linear", "factor": 4.0, "mrope_section": [2, 2]}),
-         "unknown rope_scaling field 'mrope_section'"),
+        (
+            "llama-gqa-untied",
+            dict(rope_scaling={"rope_type": "linear", "factor": 4.0, "mrope_section": [2, 2]}),
+            "unknown rope_scaling field 'mrope_section'",
+        ),
         ("llama-gqa-untied", dict(rope_parameters={"rope_type": "default", "factor": 4.0}), "RoPE setting 'factor'"),
         ("llama-gqa-untied", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
         ("llama-gqa-untied", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-        ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "chunked_attention"]),
-         "layer type 'chunked_attention'"),
-        ("qwen2", dict(use_sliding_window=False, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
-         "layer_types names sliding layers but no window is set"),
+        (
+            "qwen2",
+            dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "chunked_attention"]),
+            "layer type 'chunked_attention'",
+        ),
+        (
+            "qwen2",
+            dict(use_sliding_window=False, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
+            "layer_types names sliding layers but no window is set",
+        ),
         ("gpt2-tied", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
         ("gpt2-tied", dict(activation_function="quick_gelu"), "activation_function 'quick_gelu'"),
         ("gpt2-tied", dict(architectures=["GPT2DoubleHeadsModel"]), "architecture GPT2DoubleHeadsModel"),
         ("gpt2-tied", dict(architectures=["FalconForCausalLM"], model_type="falcon"), "FalconForCausalLM"),
     ],
-)  # fmt: skip
+)
 def test_import_refuses_what_gptkit_cannot_compute(name, changes, match, tmp_path) -> None:
     hf_config_error(tmp_path, name, match, **changes)
 
@@ -295,7 +431,7 @@ def test_import_refuses_what_gptkit_cannot_compute(name, changes, match, tmp_pat
         ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2, layer_types=None)),
         ("llama-gqa-untied", dict(rope_parameters={"rope_type": "default"}, rope_theta=300.0)),  # theta beside it
     ],
-)  # fmt: skip
+)
 def test_settings_that_apply_to_no_layer_are_accepted(name, changes, tmp_path) -> None:
     path = save_edited(tmp_path, name, **changes)
     reference = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -452,8 +588,9 @@ def test_eos_ids_of_the_hf_configs_end_generation_as_in_transformers(tmp_path) -
     from gptkit.decoding.api import generate_ids
     from gptkit.tokenizer import BPETokenizer
 
-    bpe = BPETokenizer.train(["the quick brown fox jumps over the lazy dog. " * 20], vocab_size=300,
-                             specials=["<|endoftext|>", "<|im_end|>"])  # fmt: skip
+    bpe = BPETokenizer.train(
+        ["the quick brown fox jumps over the lazy dog. " * 20], vocab_size=300, specials=["<|endoftext|>", "<|im_end|>"]
+    )
     im_end = bpe.hf.token_to_id("<|im_end|>")
     hf_model = make_hf("llama-gqa-untied")
     hf_model.resize_token_embeddings(bpe.vocab_size)
@@ -473,8 +610,9 @@ def test_eos_ids_of_the_hf_configs_end_generation_as_in_transformers(tmp_path) -
     assert expected[0, -1] == second_eos
     for beams in (1, 2):
         got = generate_ids(model, prompt, max_new_tokens=12, temperature=0, num_beams=beams, eos_id=tokenizer.eos_ids)
-        hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, num_beams=beams,
-                               pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+        hf = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, num_beams=beams, pad_token_id=0
+        )[0, len(prompt) :].tolist()
         assert got == (hf[:-1] if hf[-1] in tokenizer.eos_ids else hf)  # gptkit returns no eos token
     # The list survives an import into a gptkit directory and an export back to Hugging Face.
     save_model_dir(model, tmp_path / "gptkit", tokenizer=tokenizer)
@@ -531,9 +669,12 @@ def test_cli_convert_both_ways_and_errors(tmp_path, capsys) -> None:
     fails("--to-hf", str(tmp_path / "model"), "--out", str(tmp_path / "back"), match="not empty")
     sinusoidal = GPT(ModelConfig(**VARIANTS["original-decoder"]))
     save_model_dir(sinusoidal, tmp_path / "sin")
-    fails("--to-hf", str(tmp_path / "sin"), "--out", str(tmp_path / "y"), match="position 'sinusoidal' cannot be exported")
+    fails(
+        "--to-hf", str(tmp_path / "sin"), "--out", str(tmp_path / "y"), match="position 'sinusoidal' cannot be exported"
+    )
     save_model_dir(GPT(ModelConfig(**dict(VARIANTS["llama-gqa"], logit_softcap=30.0))), tmp_path / "capped")
-    fails("--to-hf", str(tmp_path / "capped"), "--out", str(tmp_path / "w"),
-          match="logit_softcap 30.0 cannot be exported")
+    fails(
+        "--to-hf", str(tmp_path / "capped"), "--out", str(tmp_path / "w"), match="logit_softcap 30.0 cannot be exported"
+    )
     rewrite_weights(tmp_path / "hf", lambda s: s.update({"model.norm.weight": torch.ones(47)}))
     fails("--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "z"), match="'model.norm.weight' has shape")

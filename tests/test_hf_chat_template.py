@@ -38,23 +38,34 @@ CONVERSATION = [
     {"role": "assistant", "content": "Hello!"},
     {"role": "user", "content": "And the weather?"},
 ]
-TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Today's weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                          "required": ["city"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Today's weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 TOOL_CONVERSATION = [
     {"role": "user", "content": "Weather in Zürich?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "weather", "arguments": {"city": "Zürich"}}}]},
-    {"role": "tool", "tool_call_id": "call_0", "content": "{\"sky\": \"clear\"}"},
-]  # fmt: skip
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Zürich"}}}],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "content": '{"sky": "clear"}'},
+]
 
 
 def model_dir(path: Path, own_template: bool) -> Path:
     """A tiny gptkit model directory with a byte tokenizer; own_template adds a template as transformers (4.50 on)
     saves one: chat_template.jinja beside a tokenizer_config.json naming its special tokens."""
     tokenizer = ByteTokenizer([EOT, BOS, IM_START, IM_END])
-    save_model_dir(GPT(ModelConfig(**dict(VARIANTS["gpt2"], vocab_size=tokenizer.vocab_size))), path,
-                   tokenizer=tokenizer)  # fmt: skip
+    save_model_dir(
+        GPT(ModelConfig(**dict(VARIANTS["gpt2"], vocab_size=tokenizer.vocab_size))), path, tokenizer=tokenizer
+    )
     if own_template:
         (path / CHAT_TEMPLATE_FILE).write_text(OWN_TEMPLATE, encoding="utf-8")
         (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": IM_END}))
@@ -75,16 +86,19 @@ def test_hf_export_renders_and_tokenizes_chats_as_gptkit(own_template, tmp_path)
     assert hf_tokenizer.eos_token == ours.eos_token == (IM_END if own_template else EOT)
     for messages, tools in ((CONVERSATION, None), (TOOL_CONVERSATION, TOOLS)):
         text = ours.render(messages, add_generation_prompt=True, tools=tools)
-        assert hf_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True) \
-            == text  # fmt: skip
-        ids = hf_tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
-                                               return_dict=False)  # fmt: skip
+        assert (
+            hf_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True) == text
+        )
+        ids = hf_tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
         assert ids == tokenizer.encode(text)
     # transformers before 4.50 reads tokenizer_config.json's key alone: it renders the same without the .jinja file.
     (tmp_path / "hf" / CHAT_TEMPLATE_FILE).unlink()
     older = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    assert older.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True) == \
-        ours.render(CONVERSATION, add_generation_prompt=True)  # fmt: skip
+    assert older.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True) == ours.render(
+        CONVERSATION, add_generation_prompt=True
+    )
 
 
 def test_a_template_eos_name_that_is_no_token_is_not_written_and_is_warned_of(tmp_path, caplog) -> None:

@@ -43,7 +43,9 @@ def import_graph() -> dict[str, set[str]]:
     for module, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
-        graph[module] = set().union(*[_targets(node, module, path.name == "__init__.py", set(files)) for node in imports])
+        graph[module] = set().union(
+            *[_targets(node, module, path.name == "__init__.py", set(files)) for node in imports]
+        )
     return graph
 
 
@@ -116,10 +118,16 @@ def test_each_format_module_imports_no_other_format_and_nothing_imports_loading_
     graph = import_graph()
     root = PACKAGE / "formats"
     files = sorted(root.glob("*.py")) + sorted(root.glob("*/*.py"))  # a format is a module or a package of them
-    formats = {_module(path) for path in files if path.parent == root and path.name != "__init__.py"} | \
-        {_module(path) for path in root.glob("*/__init__.py")}  # fmt: skip
-    assert {"gptkit.formats.gguf", "gptkit.formats.hf", "gptkit.formats.lora", "gptkit.formats.modeldir",
-            "gptkit.formats.quantized"} <= formats  # fmt: skip
+    formats = {_module(path) for path in files if path.parent == root and path.name != "__init__.py"} | {
+        _module(path) for path in root.glob("*/__init__.py")
+    }
+    assert {
+        "gptkit.formats.gguf",
+        "gptkit.formats.hf",
+        "gptkit.formats.lora",
+        "gptkit.formats.modeldir",
+        "gptkit.formats.quantized",
+    } <= formats
     above = ("gptkit.loading", "gptkit.finetune", "gptkit.train", "gptkit.cli", "gptkit.serving")
 
     def format_of(module: str) -> str:  # gptkit.formats.hf.tokenizer belongs to gptkit.formats.hf
@@ -130,8 +138,11 @@ def test_each_format_module_imports_no_other_format_and_nothing_imports_loading_
         tree = ast.parse(path.read_text(encoding="utf-8"))
         by_name = {name for name in _imported_by_name(tree) if name.startswith("gptkit.")}
         imported = graph[module] | by_name
-        others = {m for m in imported if (m == "gptkit.formats" or m.startswith("gptkit.formats."))
-                  and format_of(m) != format_of(module)}  # fmt: skip
+        others = {
+            m
+            for m in imported
+            if (m == "gptkit.formats" or m.startswith("gptkit.formats.")) and format_of(m) != format_of(module)
+        }
         if path == root / "__init__.py":
             others -= formats | {"gptkit.formats"}  # the package may name its modules (it names none today)
         assert not others, f"{module} imports another format: {sorted(others)}"
@@ -151,14 +162,26 @@ def test_the_neutral_modules_import_nothing_above_them():
 def test_decoding_imports_flow_one_way():
     graph = import_graph()
     assert not {m for m in graph["gptkit.model"] if m.startswith(("gptkit.decoding", "gptkit.serving"))}
-    order = ["gptkit.decoding.sampling", "gptkit.decoding.step", "gptkit.decoding.kv_store",
-             "gptkit.decoding.prefix_cache", "gptkit.decoding.request", "gptkit.decoding.batch",
-             "gptkit.decoding.beam", "gptkit.decoding.speculative", "gptkit.decoding.api"]  # fmt: skip
+    order = [
+        "gptkit.decoding.sampling",
+        "gptkit.decoding.step",
+        "gptkit.decoding.kv_store",
+        "gptkit.decoding.prefix_cache",
+        "gptkit.decoding.request",
+        "gptkit.decoding.batch",
+        "gptkit.decoding.beam",
+        "gptkit.decoding.speculative",
+        "gptkit.decoding.api",
+    ]
     for i, module in enumerate(order):
         assert not graph[module] & set(order[i + 1 :]), module  # nothing above it
     # The engine drives the batch engine; it also holds the prefix cache it hands it (to report on it and close it).
-    assert not {m for m in graph["gptkit.serving.engine"] if m.startswith("gptkit.decoding.") and
-                m not in ("gptkit.decoding.batch", "gptkit.decoding.request", "gptkit.decoding.prefix_cache")}
+    assert not {
+        m
+        for m in graph["gptkit.serving.engine"]
+        if m.startswith("gptkit.decoding.")
+        and m not in ("gptkit.decoding.batch", "gptkit.decoding.request", "gptkit.decoding.prefix_cache")
+    }
 
 
 def test_every_module_imports_on_its_own():
@@ -192,8 +215,10 @@ def test_the_training_loop_names_no_method_or_objective():
     for cls in [*METHODS.values(), *OBJECTIVES.values()]:
         assert cls.__name__ not in source, cls.__name__
     graph = import_graph()
-    assert {m for m in graph["gptkit.train"] if m.startswith("gptkit.finetune")} == {"gptkit.finetune.catalogue",
-                                                                                    "gptkit.finetune.parts"}
+    assert {m for m in graph["gptkit.train"] if m.startswith("gptkit.finetune")} == {
+        "gptkit.finetune.catalogue",
+        "gptkit.finetune.parts",
+    }
 
 
 def _under(module: str, packages: tuple[str, ...]) -> bool:
@@ -204,13 +229,35 @@ def _under(module: str, packages: tuple[str, ...]) -> bool:
 # The floors below the training loop: what each may never import, hint-only imports included. The run's settings
 # are data the method catalogue's parts name in their hints, so they import no part; composing them from YAML and
 # flags (gptkit.run_sources) sits above the catalogue.
-ABOVE_THE_MODEL = ("gptkit.train", "gptkit.run_sources", "gptkit.finetune", "gptkit.decoding", "gptkit.formats",
-                   "gptkit.loading", "gptkit.serving", "gptkit.cli", "gptkit.observe")
+ABOVE_THE_MODEL = (
+    "gptkit.train",
+    "gptkit.run_sources",
+    "gptkit.finetune",
+    "gptkit.decoding",
+    "gptkit.formats",
+    "gptkit.loading",
+    "gptkit.serving",
+    "gptkit.cli",
+    "gptkit.observe",
+)
 LAYER_RULES = {
-    ("gptkit.config", "gptkit.presets", "gptkit.positions", "gptkit.layers", "gptkit.attention", "gptkit.model",
-     "gptkit.kv_cache", "gptkit.loss", "gptkit.errors"): ABOVE_THE_MODEL,
-    ("gptkit.settings", "gptkit.train_config", "gptkit.optim"): ("gptkit.train", "gptkit.run_sources",
-                                                                 "gptkit.finetune", "gptkit.cli"),
+    (
+        "gptkit.config",
+        "gptkit.presets",
+        "gptkit.positions",
+        "gptkit.layers",
+        "gptkit.attention",
+        "gptkit.model",
+        "gptkit.kv_cache",
+        "gptkit.loss",
+        "gptkit.errors",
+    ): ABOVE_THE_MODEL,
+    ("gptkit.settings", "gptkit.train_config", "gptkit.optim"): (
+        "gptkit.train",
+        "gptkit.run_sources",
+        "gptkit.finetune",
+        "gptkit.cli",
+    ),
     ("gptkit.finetune",): ("gptkit.train", "gptkit.run_sources", "gptkit.cli"),
 }
 

@@ -23,8 +23,13 @@ from gptkit.errors import InputError
 from gptkit.prepare import PrepareConfig, prepare
 
 # Documents that exercise quoting, separators, newlines, non-ASCII and an empty one.
-DOCS = ["First document.\nIt has two lines.", 'Quotes " and , commas, and\ttabs', "", "naïve café 日本語 🌍",
-        "line one\r\nline two\n\nlast"]  # fmt: skip
+DOCS = [
+    "First document.\nIt has two lines.",
+    'Quotes " and , commas, and\ttabs',
+    "",
+    "naïve café 日本語 🌍",
+    "line one\r\nline two\n\nlast",
+]
 
 COMPRESS = {".gz": gzip.compress, ".xz": lzma.compress, ".bz2": bz2.compress}
 
@@ -127,8 +132,11 @@ def test_parquet_errors_name_the_column(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     pq.write_table(pa.table({"n": [1, 2], "text": ["a", None]}), tmp_path / "t.parquet")
-    with pytest.raises(InputError, match=r't.parquet row 1 has no string field "body" .*; its fields: \'n\', \'text\'; '
-                                         r"--text-field names"):  # fmt: skip
+    with pytest.raises(
+        InputError,
+        match=r't.parquet row 1 has no string field "body" .*; its fields: \'n\', \'text\'; '
+        r"--text-field names",
+    ):
         _prepare(tmp_path, tmp_path / "t.parquet", text_field="body")
     with pytest.raises(InputError, match='t.parquet row 1 has no string field "n"'):  # a column of numbers
         _prepare(tmp_path, tmp_path / "t.parquet", text_field="n")
@@ -170,7 +178,7 @@ PDF = b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<< /Type /Catalog >>\nendobj\n" + 
         ("wide.txt", "text".encode("utf-16"), "wide.txt is binary, not UTF-8 text .*iconv -f UTF-16"),
         ("paper.pdf.gz", gzip.compress(PDF), r"paper.pdf.gz is a PDF document"),  # looked inside
     ],
-)  # fmt: skip
+)
 def test_binary_files_are_named_in_a_one_line_error(tmp_path, capsys, name, data, message):
     (tmp_path / name).write_bytes(data)
     assert main(["prepare", "--input", str(tmp_path / name), "--out", str(tmp_path / "o")]) == 2
@@ -198,12 +206,17 @@ def test_a_directory_skips_binary_files_and_names_them_when_nothing_else_is_left
 def test_errors_replace_is_suggested_only_for_a_few_bad_bytes(tmp_path):
     few = tmp_path / "few.txt"
     few.write_bytes(b"a" * 5000 + b"\xff" + b"b" * 5000)
-    with pytest.raises(InputError, match=r"few.txt: invalid UTF-8 at byte offset 5000 .*; fix the file or pass --errors replace$"):
+    with pytest.raises(
+        InputError, match=r"few.txt: invalid UTF-8 at byte offset 5000 .*; fix the file or pass --errors replace$"
+    ):
         _prepare(tmp_path, few)
     latin = tmp_path / "latin.txt"
     latin.write_bytes("àéîõü çà ëï".encode("latin-1") * 100)
-    with pytest.raises(InputError, match=r"latin.txt: invalid UTF-8 at byte offset 0 .*\d+% of the bytes around it are "
-                                         r"invalid, so this is not UTF-8 text: convert .* iconv") as info:  # fmt: skip
+    with pytest.raises(
+        InputError,
+        match=r"latin.txt: invalid UTF-8 at byte offset 0 .*\d+% of the bytes around it are "
+        r"invalid, so this is not UTF-8 text: convert .* iconv",
+    ) as info:
         _prepare(tmp_path, latin)
     assert "--errors replace" not in str(info.value)
     gz = tmp_path / "few.txt.gz"
@@ -228,18 +241,24 @@ def test_a_missing_optional_package_names_its_extra(tmp_path, monkeypatch):
     (tmp_path / "t.txt.zst").write_bytes(_zstd(b"hello"))
     for module in ("pyarrow", "pyarrow.parquet", "zstandard"):
         monkeypatch.setitem(sys.modules, module, None)  # import then raises ImportError
-    with pytest.raises(InputError, match=r"reading Parquet input needs the optional pyarrow package: pip install 'gptkit\[parquet\]'"):
+    with pytest.raises(
+        InputError, match=r"reading Parquet input needs the optional pyarrow package: pip install 'gptkit\[parquet\]'"
+    ):
         _prepare(tmp_path, tmp_path / "t.parquet")
     monkeypatch.setattr(inputs.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(InputError, match=r"zstd-compressed input needs the optional zstandard package: pip install 'gptkit\[zstd\]'"):
+    with pytest.raises(
+        InputError, match=r"zstd-compressed input needs the optional zstandard package: pip install 'gptkit\[zstd\]'"
+    ):
         _prepare(tmp_path, tmp_path / "t.txt.zst")
 
 
 def test_supervised_examples_read_from_compressed_jsonl_and_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    rows = [{"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": w}]}
-            for w in ("one", "two", "three", "four", "five")]  # fmt: skip
+    rows = [
+        {"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": w}]}
+        for w in ("one", "two", "three", "four", "five")
+    ]
     plain = tmp_path / "chat.jsonl"
     plain.write_bytes(_jsonl([r["messages"] for r in rows], "messages"))
     (tmp_path / "chat.jsonl.xz").write_bytes(lzma.compress(plain.read_bytes()))

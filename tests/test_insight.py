@@ -7,7 +7,6 @@ import math
 import re
 
 import numpy as np
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +17,9 @@ from gptkit.accounting import param_breakdown
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
+from gptkit.formats.modeldir import save_model_dir
+from gptkit.loading import load
+from gptkit.model import GPT
 from gptkit.observe.prompt import (
     attention_maps,
     causal_mask,
@@ -31,9 +33,6 @@ from gptkit.observe.prompt import (
     token_probabilities,
 )
 from gptkit.observe.report import write_report
-from gptkit.loading import load
-from gptkit.model import GPT
-from gptkit.formats.modeldir import save_model_dir
 from gptkit.tokenizer import ByteTokenizer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -106,8 +105,12 @@ def test_parameter_parts_add_up_to_the_model(name):
 
 def test_causal_mask_and_token_labels():
     mask = causal_mask(4)
-    assert mask.tolist() == [[True, False, False, False], [True, True, False, False],
-                             [True, True, True, False], [True, True, True, True]]  # fmt: skip
+    assert mask.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, True, True, False],
+        [True, True, True, True],
+    ]
     assert token_label(" the\n") == "\u2423the\\n"
     assert token_label("$x$") == "\\$x\\$"  # no mathtext
     assert token_label("\x00") == "\\x00"
@@ -136,9 +139,20 @@ def test_report_pictures_are_valid_pngs_referenced_by_index(gelu_dir, tmp_path, 
     assert main(["inspect", str(gelu_dir), "--prompt", prompt, "--out", str(tmp_path / "out")]) == 0
     assert "index.html" in capsys.readouterr().out
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
-    expected = {"parameters.png", "attention_layer0.png", "attention_layer1.png", "hidden_norms.png",
-                "layer_similarity.png", "next_token.png", "causal_mask.png", "activation.png", "logit_lens.png",
-                "head_contributions.png", "icl.png", "induction.png"}  # fmt: skip
+    expected = {
+        "parameters.png",
+        "attention_layer0.png",
+        "attention_layer1.png",
+        "hidden_norms.png",
+        "layer_similarity.png",
+        "next_token.png",
+        "causal_mask.png",
+        "activation.png",
+        "logit_lens.png",
+        "head_contributions.png",
+        "icl.png",
+        "induction.png",
+    }
     assert set(pngs) == expected
     for name in pngs:
         check_png(tmp_path / "out" / name)
@@ -200,8 +214,12 @@ def test_report_writes_the_logit_lens_contributions_icl_and_induction_numbers(ge
     """Each new picture has its JSON beside it, with the shapes drawn and the numbers of gptkit.observe.measures."""
     from gptkit.observe.ablation import mean_ablated
     from gptkit.observe.measures import (
-        chance_induction_score, head_contributions, induction_scores, induction_test, logit_lens,
-    )  # fmt: skip
+        chance_induction_score,
+        head_contributions,
+        induction_scores,
+        induction_test,
+        logit_lens,
+    )
 
     model, tokenizer = load(gelu_dir)
     prompt = "To be, or not to be: that is the question"
@@ -284,6 +302,7 @@ def test_default_icl_prompt_uses_what_the_tokenizer_encodes():
 
 def test_inspect_cli_takes_a_few_shot_prompt_and_data_for_the_loss_curve(tmp_path, capsys):
     from conftest import write_char_data_dir
+
     from gptkit.tokenizer import load_tokenizer
 
     data = write_char_data_dir(tmp_path, 6000)
@@ -291,8 +310,10 @@ def test_inspect_cli_takes_a_few_shot_prompt_and_data_for_the_loss_curve(tmp_pat
     config = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=16)
     model_dir = save_model_dir(GPT(config), tmp_path / "model", tokenizer=tokenizer)
     out = tmp_path / "out"
-    assert main(["inspect", str(model_dir), "--out", str(out), "--data", str(data), "--icl-prompt",
-                 "ab ab\ncd cd\nef"]) == 0  # fmt: skip
+    assert (
+        main(["inspect", str(model_dir), "--out", str(out), "--data", str(data), "--icl-prompt", "ab ab\ncd cd\nef"])
+        == 0
+    )
     icl = json.loads((out / "icl.json").read_text())
     assert icl["losses_over"] == "data" and len(icl["position_losses"]) == 32
     assert icl["icl_score"] == pytest.approx(icl["late_loss"] - icl["early_loss"])

@@ -33,9 +33,27 @@ from gptkit.model import GPT
 from gptkit.tokenizer import ByteTokenizer
 from gptkit.weights import model_state
 
-TRAIN_FLAGS = ["--quiet", "--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "16", "--model.block_size",
-               "16", "--train.batch_size", "2", "--train.eval_iters", "1", "--train.eval_interval", "100",
-               "--train.device", "cpu", "--train.plot", "false"]  # fmt: skip
+TRAIN_FLAGS = [
+    "--quiet",
+    "--model.n_layer",
+    "1",
+    "--model.n_head",
+    "2",
+    "--model.n_embd",
+    "16",
+    "--model.block_size",
+    "16",
+    "--train.batch_size",
+    "2",
+    "--train.eval_iters",
+    "1",
+    "--train.eval_interval",
+    "100",
+    "--train.device",
+    "cpu",
+    "--train.plot",
+    "false",
+]
 # Each writing command: its arguments ({out} is a fresh directory for its output) and what it writes there.
 WRITERS = {
     "to-gguf": (["convert", "--to-gguf", "{model}", "--out", "{out}/sub/m.gguf", "--type", "f32"], "sub/m.gguf"),
@@ -48,8 +66,10 @@ WRITERS = {
     "train": (["train", "--data", "{data}", "--out", "{out}/run", "--train.max_steps", "1", *TRAIN_FLAGS], "run"),
 }
 ONE_LINE = r"gptkit (convert|prepare|inspect): error: cannot write {path}: {reason} \(nothing was written[^)]*\)"
-TRAIN_LINE = (r"gptkit train: error: could not write .*: {reason}.*; the last intact checkpoint is none "
-              r"\(none was written\)")
+TRAIN_LINE = (
+    r"gptkit train: error: could not write .*: {reason}.*; the last intact checkpoint is none "
+    r"\(none was written\)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +80,15 @@ def sources(tmp_path_factory) -> dict[str, str]:
     torch.manual_seed(0)
     model = GPT(ModelConfig(**{**TINY, "vocab_size": 257}))
     save_model_dir(model, root / "model", tokenizer=ByteTokenizer())
-    settings = {"base": str((root / "model").resolve()), "base_fingerprint": fingerprint(model_state(model)),
-                "rank": 2, "alpha": 4.0, "dropout": 0.0, "targets": "all", "base_precision": "float32"}  # fmt: skip
+    settings = {
+        "base": str((root / "model").resolve()),
+        "base_fingerprint": fingerprint(model_state(model)),
+        "rank": 2,
+        "alpha": 4.0,
+        "dropout": 0.0,
+        "targets": "all",
+        "base_precision": "float32",
+    }
     write_lora_dir(add_lora(model, 2, 4.0, 0.0, "all"), root / "lora", settings)
     model = GPT(ModelConfig(**{**TINY, "vocab_size": 257}))
     export_gguf(model, root / "m.gguf", ByteTokenizer(), "f32")
@@ -139,8 +166,9 @@ def under_size_limit(sources, tmp_path_factory) -> tuple[dict[str, list], Path]:
         (root / name).mkdir()
     argvs = {name: writer_argv(name, sources, root / name) for name in WRITERS}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    done = subprocess.run([sys.executable, "-c", UNDER_LIMIT, json.dumps(argvs)], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", UNDER_LIMIT, json.dumps(argvs)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1]), root
 
@@ -188,7 +216,8 @@ def test_a_full_disk_over_an_existing_output_keeps_it_whole(sources, tmp_path, c
     assert main(["convert", "--merge", sources["lora"], "--out", str(out), "--force"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"gptkit convert: error: cannot write {out}: No space left on device (the existing directory is unchanged; "
-        "the source is unchanged)")  # fmt: skip
+        "the source is unchanged)"
+    )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no staging directory beside it
 
@@ -196,14 +225,26 @@ def test_a_full_disk_over_an_existing_output_keeps_it_whole(sources, tmp_path, c
 def test_a_full_disk_at_a_checkpoint_names_the_one_kept(sources, tmp_path, capsys, full_disk):
     out = tmp_path / "run"
     full_disk.append("step-000002")
-    argv = ["train", "--data", sources["data"], "--out", str(out), "--train.max_steps", "2",
-            "--train.checkpoint_interval", "1", *TRAIN_FLAGS]  # fmt: skip
+    argv = [
+        "train",
+        "--data",
+        sources["data"],
+        "--out",
+        str(out),
+        "--train.max_steps",
+        "2",
+        "--train.checkpoint_interval",
+        "1",
+        *TRAIN_FLAGS,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert re.fullmatch(r"gptkit train: error: could not write the checkpoint of step 2: No space left on device"
-                        rf"(?: \(.*\))?; the last intact checkpoint is {re.escape(str(out))}/checkpoints/step-000001",
-                        err.strip().splitlines()[-1]), err  # fmt: skip
+    assert re.fullmatch(
+        r"gptkit train: error: could not write the checkpoint of step 2: No space left on device"
+        rf"(?: \(.*\))?; the last intact checkpoint is {re.escape(str(out))}/checkpoints/step-000001",
+        err.strip().splitlines()[-1],
+    ), err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
 
 
@@ -234,8 +275,12 @@ def _zstd(data: bytes) -> bytes:
     return pytest.importorskip("zstandard").ZstdCompressor(write_checksum=True).compress(data)
 
 
-COMPRESSORS = {"gz": (gzip.compress, "gzip"), "bz2": (bz2.compress, "bzip2"), "xz": (lzma.compress, "xz"),
-               "zst": (_zstd, "zstd")}  # fmt: skip
+COMPRESSORS = {
+    "gz": (gzip.compress, "gzip"),
+    "bz2": (bz2.compress, "bzip2"),
+    "xz": (lzma.compress, "xz"),
+    "zst": (_zstd, "zstd"),
+}
 TEXT = "".join(f"line {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) + "\n" for i in range(4000)).encode()
 
 
@@ -259,9 +304,12 @@ def test_a_damaged_compressed_input_is_one_line_naming_the_file_and_byte(suffix,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert re.fullmatch(rf"gptkit prepare: error: {re.escape(str(path))}: damaged or truncated compressed file "
-                        rf"\({name} data at or before byte [\d,]+ of the file: .+\); check it with `{name} -t .+`"
-                        " and re-create or re-download it", err.strip().splitlines()[-1]), err  # fmt: skip
+    assert re.fullmatch(
+        rf"gptkit prepare: error: {re.escape(str(path))}: damaged or truncated compressed file "
+        rf"\({name} data at or before byte [\d,]+ of the file: .+\); check it with `{name} -t .+`"
+        " and re-create or re-download it",
+        err.strip().splitlines()[-1],
+    ), err
     assert not (tmp_path / "d").exists()
 
 
@@ -321,6 +369,8 @@ def test_an_input_error_is_one_line_naming_the_file(limit, tmp_path, capsys, mon
     monkeypatch.setattr(inputs, "open", failing_open, raising=False)  # the module's reads go through it
     assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(tmp_path / "data")]) == 2
     where = f" at byte {limit:,}"  # (0: the first read, in the look at the file before reading it)
-    assert capsys.readouterr().err.strip().splitlines()[-1] == \
-        f"gptkit prepare: error: cannot read input {path}{where}: Input/output error"  # fmt: skip
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1]
+        == f"gptkit prepare: error: cannot read input {path}{where}: Input/output error"
+    )
     assert not (tmp_path / "data").exists()

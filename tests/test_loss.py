@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import VARIANTS
 
 from gptkit import loss as loss_module
 from gptkit.config import ModelConfig
 from gptkit.loss import IGNORE_INDEX, linear_cross_entropy, next_token_loss
 from gptkit.model import GPT
-
-from conftest import VARIANTS
 
 
 def _inputs(bias: bool, device: torch.device | str = "cpu"):
@@ -110,8 +109,9 @@ def test_a_second_backward_through_the_sliced_loss_is_a_clear_error(monkeypatch)
 
 @pytest.mark.parametrize("slice_logits", [2**25, 16 * 4])  # plain path; slices of 4 rows of the padded head
 @pytest.mark.parametrize("softcap, vocab", [(3.0, 16), (None, 13), (2.0, 13)])  # capped; padded; both
-def test_fused_loss_with_softcap_and_padding_equals_autograd_of_the_plain_formula(monkeypatch, slice_logits, softcap,
-                                                                                  vocab, device):  # fmt: skip
+def test_fused_loss_with_softcap_and_padding_equals_autograd_of_the_plain_formula(
+    monkeypatch, slice_logits, softcap, vocab, device
+):
     """The loss of c * tanh(z / c) over the first 13 of 16 head rows: its gradient takes the factor 1 - tanh^2, and
     the 3 padded rows (weight and bias) get a gradient of exactly zero."""
     _slice(monkeypatch, slice_logits)
@@ -141,7 +141,9 @@ def test_row_logprobs_per_token_summed_and_averaged_against_a_hand_computation()
     per_token = row_logprobs(logits, targets, "none")
     torch.testing.assert_close(per_token[0], torch.stack([logp[0, 0, 1], torch.tensor(0.0), logp[0, 2, 4]]))
     assert per_token[1].abs().sum() == 0  # a row of ignored targets counts nothing
-    torch.testing.assert_close(row_logprobs(logits, targets, "sum"), torch.stack([logp[0, 0, 1] + logp[0, 2, 4],
-                                                                                   torch.tensor(0.0)]))
-    torch.testing.assert_close(row_logprobs(logits, targets, "mean"), torch.stack([(logp[0, 0, 1] + logp[0, 2, 4]) / 2,
-                                                                                    torch.tensor(0.0)]))
+    torch.testing.assert_close(
+        row_logprobs(logits, targets, "sum"), torch.stack([logp[0, 0, 1] + logp[0, 2, 4], torch.tensor(0.0)])
+    )
+    torch.testing.assert_close(
+        row_logprobs(logits, targets, "mean"), torch.stack([(logp[0, 0, 1] + logp[0, 2, 4]) / 2, torch.tensor(0.0)])
+    )

@@ -19,7 +19,6 @@ from gptkit.errors import InputError
 from gptkit.formats.modeldir import save_model_dir
 from gptkit.model import GPT, Trace
 from gptkit.observe.measures import (
-    logit_lens_top,
     attention_from,
     chance_induction_score,
     early_late_losses,
@@ -29,12 +28,12 @@ from gptkit.observe.measures import (
     induction_test,
     lens_predictions,
     logit_lens,
+    logit_lens_top,
     position_losses,
     sequence_losses,
     top_heads,
 )
 from gptkit.tokenizer import ByteTokenizer
-
 
 # --- the logit lens -----------------------------------------------------------------------------------------
 
@@ -56,8 +55,9 @@ def test_logit_lens_last_stage_is_the_models_own_log_softmax(name):
 
 def test_logit_lens_of_a_hugging_face_model_matches_transformers_hidden_states():
     transformers = pytest.importorskip("transformers")
-    hf_config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=3, n_head=4,
-                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    hf_config = transformers.GPT2Config(
+        vocab_size=97, n_positions=32, n_embd=48, n_layer=3, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     hf = transformers.GPT2LMHeadModel(hf_config).eval()
     with torch.no_grad():  # random LayerNorm gains and biases: a lens that skipped or doubled ln_f would show
         for module in hf.modules():
@@ -124,9 +124,9 @@ def test_head_contributions_and_the_other_direct_paths_add_up_to_the_logit(name)
                 module.bias.normal_(0.0, 0.1)
     ids = torch.randint(0, config.vocab_size, (9,))
     outputs: dict[str, list[torch.Tensor]] = {"attn": [], "mlp": []}
-    hooks = [block.attn.register_forward_hook(lambda m, i, o: outputs["attn"].append(o[0, -1])) for block in
-             model.blocks] + [block.mlp.register_forward_hook(lambda m, i, o: outputs["mlp"].append(o[0, -1]))
-                              for block in model.blocks]  # fmt: skip
+    hooks = [
+        block.attn.register_forward_hook(lambda m, i, o: outputs["attn"].append(o[0, -1])) for block in model.blocks
+    ] + [block.mlp.register_forward_hook(lambda m, i, o: outputs["mlp"].append(o[0, -1])) for block in model.blocks]
     trace = Trace()
     with torch.no_grad():
         logits = model(ids[None], trace=trace)[0, -1]
@@ -157,8 +157,17 @@ def test_head_contributions_and_the_other_direct_paths_add_up_to_the_logit(name)
 
 def test_head_contributions_alone_make_the_logit_when_no_other_path_reaches_it():
     """Embeddings and MLPs kept out of the head's view, no biases: the heads' sum is the logit itself."""
-    config = ModelConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32, norm="rmsnorm",
-                         attn_bias=False, mlp_bias=False, tie_embeddings=False)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=40,
+        block_size=16,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        norm="rmsnorm",
+        attn_bias=False,
+        mlp_bias=False,
+        tie_embeddings=False,
+    )
     model = GPT(config).eval()
     with torch.no_grad():
         for block in model.blocks:
@@ -238,8 +247,18 @@ def induction_model(vocab: int = 256, block: int = 32, gain: float = 20.0) -> GP
     V, T = vocab, block
     tok, pos, prev, out = 0, V, V + T, 2 * V + T
     d = 3 * V + T
-    config = ModelConfig(vocab_size=V, block_size=T, n_layer=2, n_head=1, n_embd=d, ffn_hidden=4, norm="rmsnorm",
-                         attn_bias=False, mlp_bias=False, tie_embeddings=False)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=V,
+        block_size=T,
+        n_layer=2,
+        n_head=1,
+        n_embd=d,
+        ffn_hidden=4,
+        norm="rmsnorm",
+        attn_bias=False,
+        mlp_bias=False,
+        tie_embeddings=False,
+    )
     model = GPT(config).eval()
     eye_v = torch.eye(V)
     with torch.no_grad():
@@ -323,8 +342,15 @@ def test_sequence_losses_and_attention_from_the_last_position():
 
 
 def test_the_measures_are_public():
-    for name in ["icl_score", "induction_scores", "induction_test", "logit_lens", "head_contributions",
-                 "position_losses", "chance_induction_score"]:  # fmt: skip
+    for name in [
+        "icl_score",
+        "induction_scores",
+        "induction_test",
+        "logit_lens",
+        "head_contributions",
+        "position_losses",
+        "chance_induction_score",
+    ]:
         assert callable(getattr(gptkit, name)) and name in dir(gptkit)
 
 

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY, VARIANTS
 
 from gptkit.config import ModelConfig
 from gptkit.errors import InputError
@@ -10,8 +11,6 @@ from gptkit.kv_cache import KVCache
 from gptkit.loss import IGNORE_INDEX, next_token_loss
 from gptkit.model import GPT, Trace
 from gptkit.positions import apply_rope, rope_cos_sin, sinusoidal_embedding
-
-from conftest import TINY, VARIANTS
 
 
 def test_forward_backward_shapes(variant_config, device):
@@ -60,15 +59,16 @@ def test_attention_in_fp32_under_bf16_autocast(n_kv_head, monkeypatch):
     model = GPT(ModelConfig(**dict(TINY, n_kv_head=n_kv_head)))
     ids = torch.randint(0, 50, (2, 16))
     seen, sdpa = [], F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda q, k, v, **kw: seen.append(q.dtype) or sdpa(q, k, v, **kw))  # fmt: skip
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda q, k, v, **kw: seen.append(q.dtype) or sdpa(q, k, v, **kw)
+    )
     outputs, fp32 = {}, {}
     for on in (False, True):
         model.attend_in_fp32(on)
         fp32[on] = model(ids)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outputs[on] = model(ids)
-        assert seen[-model.config.n_layer:] == [torch.float32 if on else torch.bfloat16] * model.config.n_layer
+        assert seen[-model.config.n_layer :] == [torch.float32 if on else torch.bfloat16] * model.config.n_layer
         outputs[on].float().sum().backward()  # gradients flow back through the casts
         assert model.blocks[0].attn.qkv.weight.grad.isfinite().all()
         model.zero_grad()
@@ -99,8 +99,11 @@ def test_gqa_equals_multi_head_with_repeated_kv_weights():
         expand = lambda w: w.view(2, 1, 8, 32).expand(2, 2, 8, 32).reshape(32, 32)  # noqa: E731
         state[key] = torch.cat([q, expand(k), expand(v)])
         state[f"blocks.{i}.attn.qkv.bias"] = torch.cat(
-            [b if j == 0 else b.view(2, 1, 8).expand(2, 2, 8).reshape(32)
-             for j, b in enumerate(state[f"blocks.{i}.attn.qkv.bias"].split([32, 16, 16]))])  # fmt: skip
+            [
+                b if j == 0 else b.view(2, 1, 8).expand(2, 2, 8).reshape(32)
+                for j, b in enumerate(state[f"blocks.{i}.attn.qkv.bias"].split([32, 16, 16]))
+            ]
+        )
     mha.load_state_dict(state)
     ids = torch.randint(0, 50, (2, 12))
     torch.testing.assert_close(mha(ids), gqa(ids), atol=1e-5, rtol=1e-5)
@@ -130,8 +133,9 @@ def test_ignored_targets_change_neither_loss_nor_gradient():
     other[0, 3:6] = IGNORE_INDEX  # same mask; the ignored slots held different tokens before masking
     assert torch.equal(other, targets)
     # The mean runs over the 17 valid targets only: equal to the mean of per-position losses there.
-    per_position = F.cross_entropy(model(ids).reshape(-1, 50), targets.reshape(-1), reduction="none",
-                                   ignore_index=IGNORE_INDEX)  # fmt: skip
+    per_position = F.cross_entropy(
+        model(ids).reshape(-1, 50), targets.reshape(-1), reduction="none", ignore_index=IGNORE_INDEX
+    )
     valid = targets.reshape(-1) != IGNORE_INDEX
     torch.testing.assert_close(loss_a, per_position[valid].sum() / valid.sum())
     # Dropping the ignored positions from the batch entirely gives the same loss and gradient.
@@ -197,8 +201,9 @@ def test_cached_decode_with_per_row_positions(device):
     torch.testing.assert_close(out[0], model(a[:, :6])[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1, :4], model(b[:, :4])[0], atol=1e-5, rtol=1e-5)
     # Logits at each row's last real token only, as a prefill asks for them.
-    last = model(batch, cache=KVCache(config, 2, 16, device=device), start_pos=0,
-                 logits_at=torch.tensor([5, 3], device=device))
+    last = model(
+        batch, cache=KVCache(config, 2, 16, device=device), start_pos=0, logits_at=torch.tensor([5, 3], device=device)
+    )
     assert last.shape == (2, 1, 50)
     torch.testing.assert_close(last[:, 0], out[[0, 1], [5, 3]], atol=1e-6, rtol=1e-6)
     pos = torch.tensor([6, 4], device=device)
@@ -253,10 +258,12 @@ def test_rope_rotates_pairs_by_position_angle():
             assert out[0, 0, pos, i + half].item() == pytest.approx(b * math.cos(angle) + a * math.sin(angle), abs=1e-5)
     # Relative: q.k after rotation depends only on the distance between positions.
     q, k = torch.randn(head_dim), torch.randn(head_dim)
+
     def score(pq, pk):
         cq, sq = rope_cos_sin(torch.tensor([[pq]]), head_dim, theta)
         ck, sk = rope_cos_sin(torch.tensor([[pk]]), head_dim, theta)
         return (apply_rope(q.view(1, 1, 1, -1), cq, sq) * apply_rope(k.view(1, 1, 1, -1), ck, sk)).sum()
+
     torch.testing.assert_close(score(3, 1), score(10, 8), atol=1e-5, rtol=1e-5)
 
 
@@ -281,9 +288,21 @@ def test_checkpointed_blocks_give_the_same_loss_and_gradients(variant, device):
 
 
 # The modern small-model recipe (modded-nanogpt's options, qk_norm as Qwen3's) on top of a Llama-style body.
-MODERN = dict(TINY, norm="rmsnorm", position="rope", activation="relu2", n_kv_head=2, attn_bias=False,
-              mlp_bias=False, norm_bias=False, tie_embeddings=False, qk_norm=True, logit_softcap=5.0,
-              zero_init_proj=True, vocab_multiple=16)  # fmt: skip
+MODERN = dict(
+    TINY,
+    norm="rmsnorm",
+    position="rope",
+    activation="relu2",
+    n_kv_head=2,
+    attn_bias=False,
+    mlp_bias=False,
+    norm_bias=False,
+    tie_embeddings=False,
+    qk_norm=True,
+    logit_softcap=5.0,
+    zero_init_proj=True,
+    vocab_multiple=16,
+)
 
 
 def test_qk_norm_normalises_each_heads_q_and_k_over_head_dim_before_rope():
@@ -301,8 +320,10 @@ def test_qk_norm_normalises_each_heads_q_and_k_over_head_dim_before_rope():
         head, kv_head = 3, 1  # query head 3 reads key head 3 // (4 / 2)
         q = qkv[:, head * hd : (head + 1) * hd]
         k = qkv[:, config.n_embd + kv_head * hd : config.n_embd + (kv_head + 1) * hd]
-        normed = [v / torch.sqrt((v * v).mean(-1, keepdim=True) + config.norm_eps) * g
-                  for v, g in ((q, attn.q_norm.weight), (k, attn.k_norm.weight))]  # fmt: skip
+        normed = [
+            v / torch.sqrt((v * v).mean(-1, keepdim=True) + config.norm_eps) * g
+            for v, g in ((q, attn.q_norm.weight), (k, attn.k_norm.weight))
+        ]
         cos, sin = rope_cos_sin(torch.arange(T)[None], hd, config.rope_theta)
         q, k = (apply_rope(v[None, None], cos, sin)[0, 0] for v in normed)  # RoPE after the norm
         scores = (q @ k.T / math.sqrt(hd)).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
@@ -332,8 +353,9 @@ def test_logit_softcap_gives_c_tanh_z_over_c_on_every_logit_path():
         at = torch.tensor([3, 11])
         torch.testing.assert_close(capped(ids, logits_at=at), want[torch.arange(2), at][:, None], atol=1e-6, rtol=0)
         cache = KVCache(capped.config, batch_size=2, max_len=T)
-        steps = [capped(ids[:, :5], cache=cache)] + [capped(ids[:, t : t + 1], cache=cache, start_pos=t)
-                                                      for t in range(5, T)]  # fmt: skip
+        steps = [capped(ids[:, :5], cache=cache)] + [
+            capped(ids[:, t : t + 1], cache=cache, start_pos=t) for t in range(5, T)
+        ]
         torch.testing.assert_close(torch.cat(steps, dim=1), want, atol=1e-5, rtol=1e-5)
         loss = capped(ids[:, :-1], targets=ids[:, 1:])
     torch.testing.assert_close(loss, next_token_loss(want[:, :-1], ids[:, 1:]), atol=1e-6, rtol=1e-6)

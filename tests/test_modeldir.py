@@ -2,14 +2,13 @@ import json
 
 import pytest
 import torch
+from conftest import TINY, VARIANTS
 
 from gptkit.config import ModelConfig
-from gptkit.model import GPT
 from gptkit.formats.modeldir import load_model_dir, save_model_dir
+from gptkit.model import GPT
 from gptkit.tensors import ModelDirError
 from gptkit.weights import WeightsError
-
-from conftest import TINY, VARIANTS
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "untied-head-bias"])
@@ -91,8 +90,16 @@ def test_a_non_finite_weight_is_refused_at_load_naming_the_tensor(bad, tmp_path,
     assert "blocks.0.attn.proj.scales" in capsys.readouterr().err
 
 
-LORA_SETTINGS = {"format": "gptkit-lora", "format_version": 1, "base_fingerprint": "0" * 64, "rank": 2,
-                 "alpha": 4.0, "dropout": 0.0, "targets": "all", "base_precision": "float32"}  # fmt: skip
+LORA_SETTINGS = {
+    "format": "gptkit-lora",
+    "format_version": 1,
+    "base_fingerprint": "0" * 64,
+    "rank": 2,
+    "alpha": 4.0,
+    "dropout": 0.0,
+    "targets": "all",
+    "base_precision": "float32",
+}
 
 
 @pytest.mark.parametrize("pair", [False, True], ids=["its-own-base", "each-others-base"])

@@ -13,18 +13,16 @@ import torch.nn.functional as F
 from conftest import VARIANTS, same_run
 from test_finetune import WORDS, _losses, _run_config, byte_model_dir, write_jsonl
 
+from gptkit.adapters import adapters
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.data import ExampleBatches, example_batches, load_examples, read_meta
 from gptkit.evaluate import classification_scores
-from gptkit.finetune.dpo import dpo_loss
-from gptkit.loss import row_logprobs
+from gptkit.finetune.dpo import dpo_loss, preference_loss
 from gptkit.finetune.heads import SequenceClassifier, is_classifier_dir, load_head, predict
-from gptkit.adapters import adapters
-from gptkit.finetune.dpo import preference_loss
-from gptkit.loss import IGNORE_INDEX
-from gptkit.model import GPT
 from gptkit.loading import load
+from gptkit.loss import IGNORE_INDEX, row_logprobs
+from gptkit.model import GPT
 from gptkit.tokenizer import ByteTokenizer
 from gptkit.train import Trainer, train
 
@@ -36,17 +34,22 @@ def preference_rows(count: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
     for w in (WORDS[i] for i in rng.integers(0, len(WORDS), count)):
-        rows.append({"prompt": [{"role": "user", "content": f"Say {w}"}],
-                     "chosen": [{"role": "assistant", "content": f"{w}."}],
-                     "rejected": [{"role": "assistant", "content": w}]})  # fmt: skip
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"Say {w}"}],
+                "chosen": [{"role": "assistant", "content": f"{w}."}],
+                "rejected": [{"role": "assistant", "content": w}],
+            }
+        )
     return rows
 
 
 def labelled_rows(count: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     words = [WORDS[i] for i in rng.integers(0, len(WORDS), count)]
-    return [{"text": f"a {w} {'x' * int(rng.integers(0, 6))}", "label": "fruit" if w in FRUIT else "other"}
-            for w in words]  # fmt: skip
+    return [
+        {"text": f"a {w} {'x' * int(rng.integers(0, 6))}", "label": "fruit" if w in FRUIT else "other"} for w in words
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +58,34 @@ def prepared(tmp_path_factory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("objectives")
     base = byte_model_dir(root / "base")
     pairs, texts = root / "pairs", root / "texts"
-    assert main(["prepare", "--input", str(write_jsonl(root / "p.jsonl", preference_rows(40))), "--tokenizer",
-                 str(base), "--out", str(pairs)]) == 0  # fmt: skip
-    assert main(["prepare", "--input", str(write_jsonl(root / "t.jsonl", labelled_rows(80))), "--tokenizer",
-                 str(base), "--out", str(texts)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "prepare",
+                "--input",
+                str(write_jsonl(root / "p.jsonl", preference_rows(40))),
+                "--tokenizer",
+                str(base),
+                "--out",
+                str(pairs),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "prepare",
+                "--input",
+                str(write_jsonl(root / "t.jsonl", labelled_rows(80))),
+                "--tokenizer",
+                str(base),
+                "--out",
+                str(texts),
+            ]
+        )
+        == 0
+    )
     return base, pairs, texts
 
 
@@ -72,11 +99,15 @@ def test_preference_pairs_are_stored_chosen_then_rejected_and_batched_whole(prep
     examples = load_examples(pairs, "train", meta)
     tokenizer = ByteTokenizer()
     for pair in range(examples.items()):
-        chosen, rejected = (examples.ids[examples.offsets[i] : examples.offsets[i + 1]] for i in (2 * pair, 2 * pair + 1))
+        chosen, rejected = (
+            examples.ids[examples.offsets[i] : examples.offsets[i + 1]] for i in (2 * pair, 2 * pair + 1)
+        )
         chosen_text, rejected_text = tokenizer.decode(chosen.tolist()), tokenizer.decode(rejected.tolist())
         prompt = chosen_text[: chosen_text.index("assistant:")]
         assert rejected_text.startswith(prompt)  # one prompt, two completions
-        trained = tokenizer.decode(chosen[examples.trained[examples.offsets[2 * pair] : examples.offsets[2 * pair + 1]] == 1].tolist())
+        trained = tokenizer.decode(
+            chosen[examples.trained[examples.offsets[2 * pair] : examples.offsets[2 * pair + 1]] == 1].tolist()
+        )
         assert "." in trained and "Say" not in trained  # only the reply is scored
     batch = ExampleBatches(examples, 64, batch_size=3, seed=0, packed=False).next_batch()
     assert batch.x.size(0) == 6 and batch.units == 3  # three pairs, a mean over pairs
@@ -100,12 +131,15 @@ def test_labelled_texts_keep_their_labels_and_are_read_at_their_last_token(prepa
         assert int(batch.y[r, b - a - 1]) == IGNORE_INDEX
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"prompt": "hi", "chosen": "a"}, "line 2 is not a preference row"),
-    ({"prompt": "hi", "chosen": "a", "rejected": 3}, "line 2"),
-    ({"text": "hi", "label": ["x"]}, "\"label\" must be a string"),
-    ({"text": "", "label": "a"}, "the text is empty"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "hi", "chosen": "a"}, "line 2 is not a preference row"),
+        ({"prompt": "hi", "chosen": "a", "rejected": 3}, "line 2"),
+        ({"text": "hi", "label": ["x"]}, '"label" must be a string'),
+        ({"text": "", "label": "a"}, "the text is empty"),
+    ],
+)
 def test_malformed_rows_are_one_line_errors_naming_file_and_line(row, message, tmp_path, capsys):
     first = preference_rows(1)[0] if "chosen" in row else {"text": "one", "label": "a"}
     path = write_jsonl(tmp_path / "rows.jsonl", [first, row])
@@ -115,14 +149,21 @@ def test_malformed_rows_are_one_line_errors_naming_file_and_line(row, message, t
 
 
 def test_pairs_with_the_same_reply_twice_are_counted_in_one_warning(tmp_path, capsys):
-    same = [{"prompt": "Say pear", "chosen": "pear.", "rejected": "pear."},
-            {"prompt": [{"role": "user", "content": "Say fig"}], "chosen": [{"role": "assistant", "content": "fig"}],
-             "rejected": [{"role": "assistant", "content": "fig"}]}]  # fmt: skip
+    same = [
+        {"prompt": "Say pear", "chosen": "pear.", "rejected": "pear."},
+        {
+            "prompt": [{"role": "user", "content": "Say fig"}],
+            "chosen": [{"role": "assistant", "content": "fig"}],
+            "rejected": [{"role": "assistant", "content": "fig"}],
+        },
+    ]
     path = write_jsonl(tmp_path / "pairs.jsonl", [*preference_rows(3), same[0], *preference_rows(2, seed=1), same[1]])
     assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(tmp_path / "out")]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gptkit: ")]
-    assert warnings == [f"gptkit: 2 preference pair(s) have the same chosen and rejected reply, from which DPO learns "
-                        f"nothing (the first at {path} line 4); fix or drop them"]  # fmt: skip
+    assert warnings == [
+        f"gptkit: 2 preference pair(s) have the same chosen and rejected reply, from which DPO learns "
+        f"nothing (the first at {path} line 4); fix or drop them"
+    ]
     assert read_meta(tmp_path / "out").train_examples + read_meta(tmp_path / "out").val_examples == 2 * 7
 
 
@@ -131,10 +172,14 @@ def test_one_label_mixed_kinds_and_the_wrong_objective_are_refused(prepared, tmp
     one = write_jsonl(tmp_path / "one.jsonl", [{"text": "a", "label": "x"}, {"text": "b", "label": "x"}])
     assert main(["prepare", "--input", str(one), "--tokenizer", "byte", "--out", str(tmp_path / "o")]) == 2
     assert "at least two labels" in capsys.readouterr().err
-    mixed = [str(write_jsonl(tmp_path / "a.jsonl", labelled_rows(3))),
-             str(write_jsonl(tmp_path / "b.jsonl", preference_rows(3)))]  # fmt: skip
-    assert main(["prepare", "--input", mixed[0], "--input", mixed[1], "--tokenizer", "byte", "--out",
-                 str(tmp_path / "m")]) == 2  # fmt: skip
+    mixed = [
+        str(write_jsonl(tmp_path / "a.jsonl", labelled_rows(3))),
+        str(write_jsonl(tmp_path / "b.jsonl", preference_rows(3))),
+    ]
+    assert (
+        main(["prepare", "--input", mixed[0], "--input", mixed[1], "--tokenizer", "byte", "--out", str(tmp_path / "m")])
+        == 2
+    )
     assert "prepare them separately" in capsys.readouterr().err
     with pytest.raises(Exception, match="finetune.objective dpo trains on preferences"):
         Trainer(_run_config(texts, tmp_path / "r", base, objective="dpo"), resume=False)
@@ -155,7 +200,9 @@ def test_dpo_loss_equals_the_formula_from_two_models_token_logprobs():
     y[1, 9:] = IGNORE_INDEX  # padding
     beta = 0.3
     with torch.no_grad():
-        got = dpo_loss(*row_logprobs(policy(x), y, "sum").view(2, 2).T, *row_logprobs(reference(x), y, "sum").view(2, 2).T, beta)
+        got = dpo_loss(
+            *row_logprobs(policy(x), y, "sum").view(2, 2).T, *row_logprobs(reference(x), y, "sum").view(2, 2).T, beta
+        )
 
     def summed(model: GPT, row: int) -> float:  # the completion's log-probability, one token at a time
         with torch.no_grad():
@@ -166,16 +213,22 @@ def test_dpo_loss_equals_the_formula_from_two_models_token_logprobs():
         c, r = 2 * pair, 2 * pair + 1
         margin = beta * ((summed(policy, c) - summed(reference, c)) - (summed(policy, r) - summed(reference, r)))
         assert float(got["loss"][pair]) == pytest.approx(-math.log(1 / (1 + math.exp(-margin))), rel=1e-5)
-        assert float(got["chosen_reward"][pair]) == pytest.approx(beta * (summed(policy, c) - summed(reference, c)),
-                                                                  rel=1e-4, abs=1e-6)  # fmt: skip
+        assert float(got["chosen_reward"][pair]) == pytest.approx(
+            beta * (summed(policy, c) - summed(reference, c)), rel=1e-4, abs=1e-6
+        )
         assert float(got["accuracy"][pair]) == float(margin > 0)
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_dpo_starts_at_log_2_with_zero_rewards_learns_and_resumes_exactly(method, prepared, tmp_path, device):
     base, pairs, _ = prepared
-    settings = dict(objective="dpo", method=method, lora_rank=4, lora_dropout=0.1 if method == "lora" else 0.0,
-                    train={"device": device.type})  # fmt: skip
+    settings = dict(
+        objective="dpo",
+        method=method,
+        lora_rank=4,
+        lora_dropout=0.1 if method == "lora" else 0.0,
+        train={"device": device.type},
+    )
     whole = train(_run_config(pairs, tmp_path / "whole", base, **settings), progress=False)
     records = [json.loads(line) for line in (whole.run_dir / "metrics.jsonl").read_text().splitlines()]
     start, first = records[0], records[1]
@@ -210,8 +263,9 @@ def test_the_chosen_nll_term_adds_the_chosen_replies_mean_token_loss(prepared):
 
 def test_the_lora_reference_is_the_base_model(prepared, tmp_path):
     base, pairs, _ = prepared
-    trainer = Trainer(_run_config(pairs, tmp_path / "run", base, objective="dpo", method="lora", lora_rank=4),
-                      resume=False)  # fmt: skip
+    trainer = Trainer(
+        _run_config(pairs, tmp_path / "run", base, objective="dpo", method="lora", lora_rank=4), resume=False
+    )
     trainer.run(progress=False)
     assert any(float(a.lora_B.abs().max()) > 0 for a in adapters(trainer.model).values())  # the policy moved
     x = torch.randint(0, 256, (2, 20))
@@ -258,7 +312,10 @@ def test_an_exported_classifier_gives_transformers_the_same_logits(variant, tmp_
     save_head(classifier, model_dir)
     assert main(["convert", "--to-hf", str(model_dir), "--out", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
-    assert type(hf).__name__ == {"gpt2": "GPT2ForSequenceClassification", "llama-gqa": "LlamaForSequenceClassification"}[variant]
+    assert (
+        type(hf).__name__
+        == {"gpt2": "GPT2ForSequenceClassification", "llama-gqa": "LlamaForSequenceClassification"}[variant]
+    )
     assert hf.config.id2label == {0: "neg", 1: "neu", 2: "pos"}
     lengths = [5, 11, 8]
     ids = torch.full((3, 11), 256)  # right-padded with the end-of-text id, which transformers skips
@@ -283,8 +340,13 @@ def test_classification_scores_match_their_definitions():
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_a_classifier_trains_resumes_evaluates_and_classifies(method, prepared, tmp_path, capsys):
     base, _, texts = prepared
-    settings = dict(objective="classify", method=method, lora_rank=4,
-                    train={"max_steps": 40, "eval_interval": 20, "checkpoint_interval": 20}, optim={"lr": 3e-3})  # fmt: skip
+    settings = dict(
+        objective="classify",
+        method=method,
+        lora_rank=4,
+        train={"max_steps": 40, "eval_interval": 20, "checkpoint_interval": 20},
+        optim={"lr": 3e-3},
+    )
     settings_part = {**settings, "train": {**settings["train"], "max_steps": 20}}
 
     def config(out: Path, s: dict) -> object:
@@ -316,8 +378,10 @@ def test_a_classifier_trains_resumes_evaluates_and_classifies(method, prepared, 
 
 def test_classification_without_the_lm_loss_logs_none(prepared, tmp_path):
     base, _, texts = prepared
-    run = train(_run_config(texts, tmp_path / "run", base, objective="classify", lm_weight=0.0,
-                            train={"max_steps": 2}), progress=False)  # fmt: skip
+    run = train(
+        _run_config(texts, tmp_path / "run", base, objective="classify", lm_weight=0.0, train={"max_steps": 2}),
+        progress=False,
+    )
     last = json.loads((run.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert "lm_loss" not in last and last["loss"] == pytest.approx(last["label_loss"])
     classifier = load_head(load(run.checkpoint)[0], run.checkpoint)

@@ -10,16 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import write_char_data_dir
 
 from gptkit.checkpoint import CHECKPOINTS
 from gptkit.data import Examples
 from gptkit.errors import ConfigError
 from gptkit.observe.samples import SAMPLES_FILE, example_prompts, read_samples
+from gptkit.run_sources import add_flags, flag_overrides, from_sources
 from gptkit.tokenizer import load_tokenizer
 from gptkit.train import train
-from gptkit.run_sources import add_flags, flag_overrides, from_sources
-
-from conftest import write_char_data_dir
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1, "activation": "gelu"}
 MEASURES = ("icl_score", "induction_score", "induction_loss")
@@ -32,9 +31,19 @@ def data_dir(tmp_path_factory) -> Path:
 
 def tiny(data_dir: Path, out: Path, **train_overrides):
     """An 8-step run evaluating at steps 0, 4 and 8 (dropout on: the global RNG matters for resume)."""
-    settings = dict(data_dir=str(data_dir), out_dir=str(out), max_steps=8, batch_size=4, eval_interval=4,
-                    eval_iters=2, log_interval=1, checkpoint_interval=3, device="cpu", plot=False,
-                    sample_tokens=12)  # fmt: skip
+    settings = dict(
+        data_dir=str(data_dir),
+        out_dir=str(out),
+        max_steps=8,
+        batch_size=4,
+        eval_interval=4,
+        eval_iters=2,
+        log_interval=1,
+        checkpoint_interval=3,
+        device="cpu",
+        plot=False,
+        sample_tokens=12,
+    )
     settings.update(train_overrides)
     optim = {"warmup_steps": 2, "decay_steps": 8, "lr": 3e-3}
     return from_sources(None, {"model": dict(TINY_MODEL), "optim": optim, "train": settings})
@@ -95,8 +104,18 @@ def test_observing_leaves_training_unchanged(data_dir, reference, tmp_path):
 
 def test_configured_prompts_every_second_evaluation(data_dir, tmp_path):
     run = tmp_path / "run"
-    train(tiny(data_dir, run, eval_interval=2, max_steps=7, sample_every=2, sample_prompts=["ROMEO:", "To be"],
-               sample_tokens=5), progress=False)  # fmt: skip
+    train(
+        tiny(
+            data_dir,
+            run,
+            eval_interval=2,
+            max_steps=7,
+            sample_every=2,
+            sample_prompts=["ROMEO:", "To be"],
+            sample_tokens=5,
+        ),
+        progress=False,
+    )
     samples = read_samples(run / SAMPLES_FILE)
     assert [s["step"] for s in samples] == [0] * 4 + [4] * 4 + [7] * 4  # evaluations at 0, 2, 4, 6, 7
     assert [s["prompt"] for s in samples[:4]] == ["ROMEO:", "To be"] * 2
@@ -143,12 +162,14 @@ def test_a_run_without_tokenizer_skips_samples_in_one_line(tmp_path, caplog):
     ids = np.random.default_rng(0).integers(0, 40, 5000).astype(np.uint16)
     ids[:4500].tofile(data / "train.bin")
     ids[4500:].tofile(data / "val.bin")
-    (data / "meta.json").write_text(json.dumps({"vocab_size": 40, "dtype": "uint16", "train_tokens": 4500,
-                                                "val_tokens": 500, "tokenizer": "none"}))  # fmt: skip
+    (data / "meta.json").write_text(
+        json.dumps({"vocab_size": 40, "dtype": "uint16", "train_tokens": 4500, "val_tokens": 500, "tokenizer": "none"})
+    )
     with caplog.at_level(logging.INFO, logger="gptkit"):
         train(tiny(data, tmp_path / "run", max_steps=4), progress=False)
     assert [r.getMessage() for r in caplog.records if "samples" in r.getMessage()] == [
-        "no samples during training: the run's data has no tokenizer"]
+        "no samples during training: the run's data has no tokenizer"
+    ]
     assert not (tmp_path / "run" / SAMPLES_FILE).exists()
     assert all(key in metrics(tmp_path / "run")[0] for key in MEASURES)  # the measures need no tokenizer
 
@@ -161,14 +182,23 @@ def test_example_prompts_are_the_untrained_prefixes():
     assert example_prompts(examples, block_size=3) == [[0, 1]]  # a prompt must be shorter than the block
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"sample_tokens": 0}, "train.sample_tokens must be >= 1, got 0"),
-    ({"sample_every": -1}, "train.sample_every must be >= 0 (0 takes no samples), got -1"),
-    ({"sample_prompts": []}, "train.sample_prompts is empty: give at least one prompt, or null for validation "
-                             "prompts (train.sample_every 0 turns samples off)"),
-    ({"sample_prompts": ["a", ""]}, "train.sample_prompts must be a list of non-empty strings, got ['a', '']"),
-    ({"sample_prompts": ["ROMEO:", 3]}, "train.sample_prompts must be a list of strings or null, got ['ROMEO:', 3]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"sample_tokens": 0}, "train.sample_tokens must be >= 1, got 0"),
+        ({"sample_every": -1}, "train.sample_every must be >= 0 (0 takes no samples), got -1"),
+        (
+            {"sample_prompts": []},
+            "train.sample_prompts is empty: give at least one prompt, or null for validation "
+            "prompts (train.sample_every 0 turns samples off)",
+        ),
+        ({"sample_prompts": ["a", ""]}, "train.sample_prompts must be a list of non-empty strings, got ['a', '']"),
+        (
+            {"sample_prompts": ["ROMEO:", 3]},
+            "train.sample_prompts must be a list of strings or null, got ['ROMEO:', 3]",
+        ),
+    ],
+)
 def test_bad_sample_settings_are_one_line_errors(data_dir, tmp_path, overrides, message):
     with pytest.raises(ConfigError) as err:
         train(tiny(data_dir, tmp_path / "run", **overrides), progress=False)
@@ -176,8 +206,11 @@ def test_bad_sample_settings_are_one_line_errors(data_dir, tmp_path, overrides, 
 
 
 def test_a_sample_prompt_longer_than_the_block_is_an_error(data_dir, tmp_path):
-    with pytest.raises(ConfigError, match=r"^train.sample_prompts\[0\] is 20 tokens; it must be shorter than the "
-                                          r"model's block_size 16$"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^train.sample_prompts\[0\] is 20 tokens; it must be shorter than the "
+        r"model's block_size 16$",
+    ):
         train(tiny(data_dir, tmp_path / "run", sample_prompts=["x" * 20]), progress=False)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -193,7 +226,9 @@ def test_sample_prompts_flag_takes_one_prompt_or_a_list():
     assert from_sources(None, many).train.sample_prompts == ["ROMEO:", "JULIET:"]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])  # the rank logic is the same; FSDP's run costs 5 s
+@pytest.mark.parametrize(
+    "parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)]
+)  # the rank logic is the same; FSDP's run costs 5 s
 def test_under_two_processes_rank_0_alone_samples_and_measures(data_dir, tmp_path, parallel):
     from test_distributed import settings, torchrun
 
@@ -208,8 +243,9 @@ def test_under_two_processes_rank_0_alone_samples_and_measures(data_dir, tmp_pat
 
 
 def test_supervised_examples_sample_their_validation_prompts(tmp_path):
-    from gptkit.cli import main
     from test_finetune import _run_config, byte_model_dir, reversal_rows, write_jsonl
+
+    from gptkit.cli import main
 
     base = byte_model_dir(tmp_path / "base")
     rows = write_jsonl(tmp_path / "chat.jsonl", reversal_rows(60))
@@ -228,8 +264,12 @@ def test_olssons_map_draws_each_evaluation_at_its_step_and_each_position_on_a_lo
 
     from gptkit.observe.training import draw_position_map, mark_phase
 
-    insight = [{"step": 0, "position_loss": [4.0, 3.0, 2.0]}, {"step": 100, "position_loss": [4.0, 2.5, None]},
-               {"step": 300, "position_loss": [3.5, 1.0, 0.5]}, {"step": 350}]  # fmt: skip
+    insight = [
+        {"step": 0, "position_loss": [4.0, 3.0, 2.0]},
+        {"step": 100, "position_loss": [4.0, 2.5, None]},
+        {"step": 300, "position_loss": [3.5, 1.0, 0.5]},
+        {"step": 350},
+    ]
     figure = Figure()
     panels = figure.subplots(2, 1, sharex=True)
     draw_position_map(panels[1], insight)

@@ -10,23 +10,37 @@ from pathlib import Path
 import pytest
 
 from gptkit.manifest import write_manifest
-from gptkit.train import train
 from gptkit.run_sources import from_sources
+from gptkit.train import train
 
 FIXTURES = Path(__file__).parent / "fixtures" / "old_runs"
 # run -> (data directory, starts from the base model, finetune settings), as make_old_runs.py trained them
-RUNS = {"text": ("data-text", False, {}),
-        "lora": ("data-chat", True, {"method": "lora", "lora_rank": 4, "lora_dropout": 0.1}),
-        "classify": ("data-labelled", True, {"objective": "classify"})}  # fmt: skip
+RUNS = {
+    "text": ("data-text", False, {}),
+    "lora": ("data-chat", True, {"method": "lora", "lora_rank": 4, "lora_dropout": 0.1}),
+    "classify": ("data-labelled", True, {"objective": "classify"}),
+}
 
 
 def _config(root: Path, name: str) -> object:
     data, from_base, finetune = RUNS[name]
-    train_settings = dict(data_dir=str(root / data), out_dir=str(root / f"run-{name}"), max_steps=6, batch_size=4,
-                          eval_interval=3, eval_iters=2, log_interval=1, checkpoint_interval=3, device="cpu",
-                          plot=False)  # fmt: skip
-    model = {"init_from": str(root / "base")} if from_base else \
-        {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1}  # fmt: skip
+    train_settings = dict(
+        data_dir=str(root / data),
+        out_dir=str(root / f"run-{name}"),
+        max_steps=6,
+        batch_size=4,
+        eval_interval=3,
+        eval_iters=2,
+        log_interval=1,
+        checkpoint_interval=3,
+        device="cpu",
+        plot=False,
+    )
+    model = (
+        {"init_from": str(root / "base")}
+        if from_base
+        else {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1}
+    )
     optim = {"warmup_steps": 1, "lr": 3e-3, "decay_steps": 6}
     return from_sources(None, {"model": model, "optim": optim, "train": train_settings, "finetune": finetune})
 

@@ -83,10 +83,11 @@ def test_orthogonalise_in_bfloat16_is_pytorchs_newton_schulz_bit_for_bit():
         assert torch.equal(ours, _zeropower_via_newtonschulz(update, (3.4445, -4.7750, 2.0315), 5, 1e-7))
 
 
-@pytest.mark.parametrize("shape, on_gram", [((8, 32), True), ((32, 8), True), ((3, 8, 32), True), ((8, 12), False),
-                                            ((12, 8), False), ((16, 16), False)])  # fmt: skip
-def test_float32_iterates_on_the_gram_matrix_where_that_is_cheaper_and_agrees_with_float64(shape, on_gram,
-                                                                                         monkeypatch):  # fmt: skip
+@pytest.mark.parametrize(
+    "shape, on_gram",
+    [((8, 32), True), ((32, 8), True), ((3, 8, 32), True), ((8, 12), False), ((12, 8), False), ((16, 16), False)],
+)
+def test_float32_iterates_on_the_gram_matrix_where_that_is_cheaper_and_agrees_with_float64(shape, on_gram, monkeypatch):
     # Past 1.5 columns a row (of the wide side) the rounds run on r x r products: the same iteration, fewer FLOPs.
     calls = []
     monkeypatch.setattr(optim, "iterate_on_gram", lambda *args: calls.append(1) or iterate_on_gram(*args))
@@ -138,10 +139,17 @@ def test_a_dtensor_shard_takes_the_rounds_as_written(monkeypatch):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("flags, expected", [({"avx2", "fma"}, "float32"), ({"avx2", "avx512f", "avx512_bf16"},
-                                             "bfloat16"), ({"avx2", "amx_bf16"}, "bfloat16")])  # fmt: skip
-def test_the_newton_schulz_dtype_is_bfloat16_on_a_gpu_or_bf16_hardware_and_float32_elsewhere(monkeypatch, flags,
-                                                                                              expected):  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ({"avx2", "fma"}, "float32"),
+        ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+        ({"avx2", "amx_bf16"}, "bfloat16"),
+    ],
+)
+def test_the_newton_schulz_dtype_is_bfloat16_on_a_gpu_or_bf16_hardware_and_float32_elsewhere(
+    monkeypatch, flags, expected
+):
     from gptkit import cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
@@ -157,10 +165,12 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert isinstance(optimizer, MuonAdamW) and not fused
     names = {p: n for n, p in model.named_parameters()}
     muon = [names[p] for g in optimizer.param_groups if g["optimizer"] == "muon" for p in g["params"]]
-    assert sorted(muon) == sorted(f"blocks.{i}.{layer}.weight" for i in range(2)
-                                  for layer in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"))  # fmt: skip
-    adamw = {names[p]: g["weight_decay"] for g in optimizer.param_groups if g["optimizer"] == "adamw"
-             for p in g["params"]}  # fmt: skip
+    assert sorted(muon) == sorted(
+        f"blocks.{i}.{layer}.weight" for i in range(2) for layer in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    )
+    adamw = {
+        names[p]: g["weight_decay"] for g in optimizer.param_groups if g["optimizer"] == "adamw" for p in g["params"]
+    }
     assert adamw["tok_emb.weight"] == adamw["pos_emb.weight"] == 0.1  # the tied LM head is the token embedding
     assert adamw["blocks.0.attn.qkv.bias"] == adamw["norm_f.weight"] == 0.0
     assert len(muon) + len(adamw) == len(list(model.parameters()))  # every parameter exactly once
@@ -176,8 +186,9 @@ def test_muon_adamw_steps_as_torch_muon_and_adamw_side_by_side():
         group["ns_dtype"] = "bfloat16"
     matrices = block_matrices(reference)
     muon = torch.optim.Muon(matrices, lr=0.03, weight_decay=0.01, momentum=0.95, adjust_lr_fn="original")
-    adamw = torch.optim.AdamW(param_groups(reference, config.weight_decay, exclude=set(matrices)), lr=3e-3,
-                              betas=(0.9, 0.95), fused=True)  # fmt: skip
+    adamw = torch.optim.AdamW(
+        param_groups(reference, config.weight_decay, exclude=set(matrices)), lr=3e-3, betas=(0.9, 0.95), fused=True
+    )
     ids = torch.randint(0, 50, (3, 2, 8))
     bound = 0.0
     for step in range(3):
@@ -204,8 +215,10 @@ def test_muon_adamw_steps_as_torch_muon_and_adamw_side_by_side():
         torch.testing.assert_close(a, b, atol=bound, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("limit, batches", [(None, [[0, 1, 2], [3, 5], [4]]), (2 * 48 * 16, [[0, 1], [2], [3, 5], [4]]),
-                                            (1, [[0], [1], [2], [3], [5], [4]])])  # fmt: skip
+@pytest.mark.parametrize(
+    "limit, batches",
+    [(None, [[0, 1, 2], [3, 5], [4]]), (2 * 48 * 16, [[0, 1], [2], [3, 5], [4]]), (1, [[0], [1], [2], [3], [5], [4]])],
+)
 def test_same_shape_matrices_batch_together_within_the_entry_limit(limit, batches, monkeypatch):
     if limit is not None:
         monkeypatch.setattr(optim, "MAX_BATCH_ELEMENTS", limit)
@@ -280,14 +293,28 @@ def test_wsd_schedule_holds_then_cools_down_linearly():
     # Muon's groups follow the same curve from muon_lr.
     model = GPT(TINY)
     optimizer, _ = make_optimizer(model, OptimConfig(name="muon", lr=1e-3, muon_lr=0.02, schedule="wsd"))
-    set_learning_rates(optimizer, 90, OptimConfig(name="muon", lr=1e-3, min_lr=1e-4, muon_lr=0.02, schedule="wsd",
-                                                  cooldown_fraction=0.2, warmup_steps=10), 100)  # fmt: skip
+    set_learning_rates(
+        optimizer,
+        90,
+        OptimConfig(
+            name="muon", lr=1e-3, min_lr=1e-4, muon_lr=0.02, schedule="wsd", cooldown_fraction=0.2, warmup_steps=10
+        ),
+        100,
+    )
     lrs = {g["optimizer"]: g["lr"] for g in optimizer.param_groups}
     assert lrs["adamw"] == pytest.approx(5.5e-4) and lrs["muon"] == pytest.approx(0.02 * 0.55)
 
 
-@pytest.mark.parametrize("field, value", [("muon_lr", 0.0), ("muon_momentum", 1.0), ("cooldown_fraction", 1.5),
-                                          ("muon_weight_decay", -0.1), ("muon_ns_steps", 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("muon_lr", 0.0),
+        ("muon_momentum", 1.0),
+        ("cooldown_fraction", 1.5),
+        ("muon_weight_decay", -0.1),
+        ("muon_ns_steps", 0),
+    ],
+)
 def test_muon_settings_out_of_range_name_the_setting(field, value):
     with pytest.raises(ConfigError, match=f"optim.{field}"):
         OptimConfig(name="muon", **{field: value}).validate()

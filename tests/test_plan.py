@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import VARIANTS
 from torch.profiler import ProfilerActivity, profile
 
 from gptkit.accounting import kv_cache_bytes, param_breakdown, training_flops_per_token
@@ -24,8 +25,6 @@ from gptkit.plan import (
     make_plan,
     training_memory,
 )
-
-from conftest import VARIANTS
 
 
 def test_gpt2_plan_matches_accounting_and_spec():
@@ -146,12 +145,29 @@ def measured_peak_bytes(config: ModelConfig, batch: int, T: int, steps: int = 2,
 SMALL = dict(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=128)
 PEAK_CASES = {
     "gpt2-style": (dict(SMALL), 16, 128, "float32"),
-    "llama-style": (dict(SMALL, n_kv_head=2, norm="rmsnorm", position="rope", activation="swiglu",
-                         tie_embeddings=False, attn_bias=False, mlp_bias=False), 16, 128, "float32"),
-    "post-norm-relu-bf16": (dict(SMALL, norm_position="post", activation="relu", position="sinusoidal"), 16, 128,
-                            "bfloat16"),
+    "llama-style": (
+        dict(
+            SMALL,
+            n_kv_head=2,
+            norm="rmsnorm",
+            position="rope",
+            activation="swiglu",
+            tie_embeddings=False,
+            attn_bias=False,
+            mlp_bias=False,
+        ),
+        16,
+        128,
+        "float32",
+    ),
+    "post-norm-relu-bf16": (
+        dict(SMALL, norm_position="post", activation="relu", position="sinusoidal"),
+        16,
+        128,
+        "bfloat16",
+    ),
     "weights-dominated": (dict(SMALL, vocab_size=4096, n_embd=384, n_head=6), 2, 32, "float32"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(

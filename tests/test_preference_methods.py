@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import same_run
 from test_finetune import _losses, _run_config, write_jsonl
-from test_objectives import prepared, preference_rows  # noqa: F401 (prepared: a fixture)
+from test_objectives import preference_rows, prepared  # noqa: F401 (prepared: a fixture)
 
 from gptkit.cli import main
 from gptkit.data import load_examples, read_meta
@@ -29,8 +29,11 @@ def _records(run) -> list[dict]:
 
 def _row_mean_logprob(logits: torch.Tensor, targets: torch.Tensor, row: int) -> float:
     """A row's mean log-probability of its targets, token by token."""
-    values = [float(logits[row, t].double().log_softmax(-1)[targets[row, t]]) for t in range(targets.size(1))
-              if targets[row, t] != IGNORE_INDEX]  # fmt: skip
+    values = [
+        float(logits[row, t].double().log_softmax(-1)[targets[row, t]])
+        for t in range(targets.size(1))
+        if targets[row, t] != IGNORE_INDEX
+    ]
     return sum(values) / len(values)
 
 
@@ -114,8 +117,20 @@ def unpaired(prepared, tmp_path_factory) -> Path:  # noqa: F811
     base = prepared[0]
     root = tmp_path_factory.mktemp("kto")
     data = root / "data"
-    assert main(["prepare", "--input", str(write_jsonl(root / "u.jsonl", unpaired_rows(30))), "--tokenizer",
-                 str(base), "--out", str(data)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "prepare",
+                "--input",
+                str(write_jsonl(root / "u.jsonl", unpaired_rows(30))),
+                "--tokenizer",
+                str(base),
+                "--out",
+                str(data),
+            ]
+        )
+        == 0
+    )
     return data
 
 
@@ -127,12 +142,22 @@ def test_unpaired_rows_are_stored_with_true_and_false_labels(unpaired):
     assert (examples.targets() > 0).all()  # each completion is trained on, its prompt not
 
 
-@pytest.mark.parametrize("label, message", [("yes", 'must be true or false, got a string'),
-                                            (1, 'must be true or false, got a number')])  # fmt: skip
+@pytest.mark.parametrize(
+    "label, message", [("yes", "must be true or false, got a string"), (1, "must be true or false, got a number")]
+)
 def test_an_unpaired_label_that_is_not_a_boolean_is_one_line(label, message, prepared, tmp_path, capsys):  # noqa: F811
     rows = [{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": label}]
-    code = main(["prepare", "--input", str(write_jsonl(tmp_path / "u.jsonl", rows)), "--tokenizer",
-                 str(prepared[0]), "--out", str(tmp_path / "d")])  # fmt: skip
+    code = main(
+        [
+            "prepare",
+            "--input",
+            str(write_jsonl(tmp_path / "u.jsonl", rows)),
+            "--tokenizer",
+            str(prepared[0]),
+            "--out",
+            str(tmp_path / "d"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code != 0 and "line 2" in err and message in err
 
@@ -144,8 +169,11 @@ def test_kto_loss_equals_trls_formula():
     kl = torch.tensor(0.3)
     out = kto_loss(policy, reference, kl, desirable, settings)
     sigmoid = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
-    want = [2.0 * (1 - sigmoid(0.5 * (1.0 - 0.3))), 0.5 * (1 - sigmoid(0.5 * (0.3 - (-0.5)))),
-            2.0 * (1 - sigmoid(0.5 * (0.0 - 0.3)))]  # fmt: skip
+    want = [
+        2.0 * (1 - sigmoid(0.5 * (1.0 - 0.3))),
+        0.5 * (1 - sigmoid(0.5 * (0.3 - (-0.5)))),
+        2.0 * (1 - sigmoid(0.5 * (0.0 - 0.3))),
+    ]
     torch.testing.assert_close(out["loss"], torch.tensor(want))
     torch.testing.assert_close(out["reward"], torch.tensor([0.5, -0.25, 0.0]))
     assert out["agrees"].tolist() == [1.0, 1.0, 0.0]  # 1.0 > 0.3; -0.5 < 0.3; 0.0 < 0.3 though desirable
@@ -161,8 +189,7 @@ def test_the_kl_estimate_pairs_each_prompt_with_the_next_completion():
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_kto_starts_at_half_learns_the_labels_and_resumes_exactly(method, prepared, unpaired, tmp_path,
-                                                                   device):  # noqa: F811
+def test_kto_starts_at_half_learns_the_labels_and_resumes_exactly(method, prepared, unpaired, tmp_path, device):  # noqa: F811
     base = prepared[0]
     settings = dict(objective="kto", method=method, train={"device": device.type})
     if method == "lora":

@@ -21,8 +21,12 @@ from gptkit.quantization import quantize
 
 GPT2 = dict(vocab_size=256, block_size=256, n_layer=2, n_head=4, n_embd=64)
 LLAMA = dict(GPT2, norm="rmsnorm", activation="swiglu", position="rope", n_kv_head=2, attn_bias=False, mlp_bias=False)
-WEIGHTS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "int8": (torch.float32, "int8"),
-           "int4": (torch.float32, "int4")}  # fmt: skip
+WEIGHTS = {
+    "fp32": (torch.float32, None),
+    "bf16": (torch.bfloat16, None),
+    "int8": (torch.float32, "int8"),
+    "int4": (torch.float32, "int4"),
+}
 NEW_TOKENS = 12
 
 
@@ -207,14 +211,19 @@ def test_sizes_read_from_flags():
 
 def test_the_server_reports_its_cache_and_finds_it_again_after_a_restart(tmp_path):
     from fastapi.testclient import TestClient
+    from test_serve_helpers import make_model_dir
 
     from gptkit.serving.server import ServeOptions, build_app
-    from test_serve_helpers import make_model_dir
 
     model_dir = make_model_dir(tmp_path / "model", block_size=256)
     options = ServeOptions(cache_ram=1 << 28, cache_dir=str(tmp_path / "kv"), allowed_host=("testserver",))
-    body = {"model": "model", "prompt": "the cat sat on the mat. " * 8, "max_tokens": 8, "temperature": 0,
-            "logprobs": 2}  # 192 characters: three whole blocks kept, the first two usable (the last token's is computed)
+    body = {
+        "model": "model",
+        "prompt": "the cat sat on the mat. " * 8,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 2,
+    }  # 192 characters: three whole blocks kept, the first two usable (the last token's is computed)
     with TestClient(build_app(model_dir, options)) as http:
         first = http.post("/v1/completions", json=body).json()["choices"]
         again = http.post("/v1/completions", json=body).json()["choices"]

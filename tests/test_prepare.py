@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gptkit.prepare.inputs as inputs
 import gptkit.prepare as prep
 import gptkit.prepare.encoding as encoding
+import gptkit.prepare.inputs as inputs
 import gptkit.prepare.text as prep_text
 from gptkit.cli import main
 from gptkit.data import DataMeta, load_tokens, read_meta
@@ -93,8 +93,9 @@ def test_jsonl_documents_are_separated_by_the_end_of_text_token(tmp_path: Path) 
     docs = ["first doc", "", "with\nnewlines é", "last"]
     lines = "\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(docs)) + "\n\n"
     (tmp_path / "d.jsonl").write_text("\ufeff" + lines, encoding="utf-8")  # with a byte-order mark, as some editors
-    meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "d.jsonl")], tokenizer="byte",
-                                 val_fraction=0.2))  # fmt: skip
+    meta = prepare(
+        PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "d.jsonl")], tokenizer="byte", val_fraction=0.2)
+    )
     assert meta.documents == 4 and meta.separator == EOT
     assert _documents(tmp_path / "o") == docs
     total = sum(len(d.encode()) for d in docs) + 3
@@ -161,15 +162,21 @@ def test_jsonl_errors_name_file_and_line(tmp_path: Path) -> None:
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a\ud800b"}) + "\n")  # JSON can spell a lone surrogate
     with pytest.raises(InputError, match="c.jsonl line 1: a string holds a lone surrogate at character 1"):
         prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "c.jsonl")], tokenizer="byte"))
-    prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "c.jsonl")], tokenizer="byte", errors="replace"))
+    prepare(
+        PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "c.jsonl")], tokenizer="byte", errors="replace")
+    )
     assert _documents(tmp_path / "o") == ["a\ufffdb"]
 
 
 def test_unknown_character_of_a_given_char_tokenizer_names_file_and_offset(tmp_path: Path) -> None:
     prepare(PrepareConfig(out=str(tmp_path / "ref")))
     (tmp_path / "new.txt").write_text("hello\nwörld")
-    with pytest.raises(InputError, match=r"new.txt: character 'ö' \(U\+00F6\) at character offset 7 is not in the char"):
-        prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "new.txt")], tokenizer=str(tmp_path / "ref")))
+    with pytest.raises(
+        InputError, match=r"new.txt: character 'ö' \(U\+00F6\) at character offset 7 is not in the char"
+    ):
+        prepare(
+            PrepareConfig(out=str(tmp_path / "o"), inputs=[str(tmp_path / "new.txt")], tokenizer=str(tmp_path / "ref"))
+        )
 
 
 @pytest.mark.parametrize(
@@ -188,7 +195,7 @@ def test_unknown_character_of_a_given_char_tokenizer_names_file_and_offset(tmp_p
         (["--input", "{tmp}/latin1.txt"], "latin1.txt: invalid UTF-8 at byte offset 2"),
         (["--out", "{tmp}/empty.txt"], "--out .*empty.txt exists and is not a directory"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "emptydir").mkdir()
@@ -299,8 +306,12 @@ def test_a_prepare_killed_at_any_stage_leaves_a_usable_data_set(tmp_path: Path, 
     prepare(PrepareConfig(out=str(out), inputs=[str(old_corpus)], tokenizer="byte"))
     (out / "notes.txt").write_text("the user's own file")  # not part of the data set: it must stay
     old = _data_set(out)
-    child = subprocess.run([sys.executable, "-c", KILL_CHILD, stage, str(new_corpus), str(out)],
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    child = subprocess.run(
+        [sys.executable, "-c", KILL_CHILD, stage, str(new_corpus), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert child.returncode == 9, child.stderr[-2000:]
 
     if stage in ("encoding", "staged"):  # not swapped yet: the old data set, untouched
@@ -314,8 +325,13 @@ def test_a_prepare_killed_at_any_stage_leaves_a_usable_data_set(tmp_path: Path, 
     # The next run finishes or sweeps what the killed one left, and keeps the user's file.
     prepare(PrepareConfig(out=str(out), inputs=[str(new_corpus)], tokenizer="char"))
     assert (out / "notes.txt").read_text() == "the user's own file"
-    assert sorted(p.name for p in out.iterdir()) == ["gptkit_tokenizer.json", "meta.json", "notes.txt", "train.bin",
-                                                     "val.bin"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gptkit_tokenizer.json",
+        "meta.json",
+        "notes.txt",
+        "train.bin",
+        "val.bin",
+    ]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging directory left
     assert _data_set(out)[0] == "char"
 
@@ -326,7 +342,8 @@ def test_prepare_files_and_directory_get_the_umask_permissions(tmp_path: Path) -
         out = tmp_path / "data"
         prepare(PrepareConfig(out=str(out), tokenizer="byte"))
         assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {
-            n: "0o644" for n in ("gptkit_tokenizer.json", "meta.json", "train.bin", "val.bin")}  # fmt: skip
+            n: "0o644" for n in ("gptkit_tokenizer.json", "meta.json", "train.bin", "val.bin")
+        }
         assert oct(out.stat().st_mode & 0o777) == "0o755"
         out.chmod(0o750)  # a mode the user chose for an existing directory is kept
         prepare(PrepareConfig(out=str(out), tokenizer="char"))
@@ -357,8 +374,9 @@ def test_a_full_disk_while_preparing_is_one_line_and_keeps_the_old_data(tmp_path
     monkeypatch.setattr(prep_text, "_split_tail", full)
     assert main(["prepare", "--tokenizer", "char", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == (f"gptkit prepare: error: cannot write {out}: No space left on device (the existing data set is "
-                   "unchanged)")  # fmt: skip
+    assert err == (
+        f"gptkit prepare: error: cannot write {out}: No space left on device (the existing data set is unchanged)"
+    )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
@@ -399,9 +417,20 @@ def _prepare_under_memory_limit(tmp_path: Path, tokenizer: str, budget_mb: int, 
     warm = tmp_path / "warm.txt"
     warm.write_text(SHAKESPEARE[:200_000])
     result = subprocess.run(
-        [sys.executable, "-c", MEMORY_CHILD, tokenizer, str(budget_mb * 2**20), str(corpus), str(tmp_path / "o"), str(warm)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            MEMORY_CHILD,
+            tokenizer,
+            str(budget_mb * 2**20),
+            str(corpus),
+            str(tmp_path / "o"),
+            str(warm),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     meta = DataMeta.from_dict(json.loads(result.stdout.strip().splitlines()[-1]), tmp_path / "meta.json")
     assert meta.inputs[0]["bytes"] == corpus.stat().st_size >= times * budget_mb * 2**20
@@ -446,8 +475,22 @@ def test_memory_stays_flat_for_compressed_jsonl_and_parquet(tmp_path: Path, kind
     write(corpus, rounds)
     write(warm, 1)
     text_size = rounds * sum(len(d) for d in docs)
-    result = subprocess.run([sys.executable, "-c", MEMORY_CHILD, "byte", str(budget), str(corpus), str(tmp_path / "o"),
-                             str(warm), str(text_size)], capture_output=True, text=True, timeout=900)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            MEMORY_CHILD,
+            "byte",
+            str(budget),
+            str(corpus),
+            str(tmp_path / "o"),
+            str(warm),
+            str(text_size),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     meta = DataMeta.from_dict(json.loads(result.stdout.strip().splitlines()[-1]), tmp_path / "meta.json")
     assert meta.documents == rounds * len(docs) and meta.train_bytes + meta.val_bytes == text_size
@@ -474,8 +517,13 @@ def test_an_unwritable_parent_stages_inside_the_data_directory(tmp_path: Path, m
     prepare(PrepareConfig(out=str(out), tokenizer="char"))
     assert places == [tmp_path, out]
     assert read_meta(out).tokenizer == "char" and (out / "notes.txt").read_text() == "mine"
-    assert sorted(p.name for p in out.iterdir()) == ["gptkit_tokenizer.json", "meta.json", "notes.txt", "train.bin",
-                                                     "val.bin"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gptkit_tokenizer.json",
+        "meta.json",
+        "notes.txt",
+        "train.bin",
+        "val.bin",
+    ]
 
 
 # ---------------------------------------------------------------- prompts (RL)
@@ -486,8 +534,10 @@ def _write_rows(path: Path, rows: list) -> Path:
     return path
 
 
-PROMPT_ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "id": a, "meta": {"level": [a % 3, None]}}
-               for a, b in zip(range(10, 30), range(40, 60))]  # fmt: skip
+PROMPT_ROWS = [
+    {"prompt": f"{a}+{b}=", "answer": str(a + b), "id": a, "meta": {"level": [a % 3, None]}}
+    for a, b in zip(range(10, 30), range(40, 60))
+]
 
 
 def test_prompt_rows_make_a_prompt_data_set_with_every_field_kept(tmp_path: Path, capsys) -> None:
@@ -496,8 +546,9 @@ def test_prompt_rows_make_a_prompt_data_set_with_every_field_kept(tmp_path: Path
 
     path = _write_rows(tmp_path / "prompts.jsonl", PROMPT_ROWS)
     out = tmp_path / "data"
-    assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(out), "--val-fraction",
-                 "0.2"]) == 0  # fmt: skip
+    assert (
+        main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(out), "--val-fraction", "0.2"]) == 0
+    )
     assert "20 prompts (train 16, val 4)" in capsys.readouterr().out
     meta = read_meta(out)
     assert (meta.kind, meta.train_prompts, meta.val_prompts, meta.dropped) == ("prompts", 16, 4, 0)
@@ -516,8 +567,13 @@ def test_prompt_rows_make_a_prompt_data_set_with_every_field_kept(tmp_path: Path
     # A data set of another kind in its place leaves none of the prompt files behind (they are the data set's).
     (out / "notes.txt").write_text("mine")
     prepare(PrepareConfig(out=str(out), tokenizer="byte"))
-    assert sorted(p.name for p in out.iterdir()) == ["gptkit_tokenizer.json", "meta.json", "notes.txt", "train.bin",
-                                                     "val.bin"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gptkit_tokenizer.json",
+        "meta.json",
+        "notes.txt",
+        "train.bin",
+        "val.bin",
+    ]
 
 
 def _chatml_dir(path: Path) -> Path:
@@ -525,11 +581,14 @@ def _chatml_dir(path: Path) -> Path:
     from gptkit.tokenizer import BPETokenizer
 
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = BPETokenizer.train(["What is two plus two? Be brief. Four. " * 20], 300,
-                                   specials=(EOT, "<|im_start|>", "<|im_end|>"))  # fmt: skip
+    tokenizer = BPETokenizer.train(
+        ["What is two plus two? Be brief. Four. " * 20], 300, specials=(EOT, "<|im_start|>", "<|im_end|>")
+    )
     (path / "tokenizer.json").write_text(tokenizer.hf.to_str())
-    template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|im_end|>"}))
     return path
 
@@ -540,12 +599,18 @@ def test_a_conversation_ending_with_a_user_turn_is_the_prompt_the_server_renders
     from gptkit.loading import chat_template
 
     tokenizer_name = "byte" if kind == "default" else str(_chatml_dir(tmp_path / "model"))
-    conversations = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}],
-                     [{"role": "user", "content": "Two?"}, {"role": "assistant", "content": "Four."},
-                      {"role": "user", "content": "Plus two?"}]]  # fmt: skip
+    conversations = [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}],
+        [
+            {"role": "user", "content": "Two?"},
+            {"role": "assistant", "content": "Four."},
+            {"role": "user", "content": "Plus two?"},
+        ],
+    ]
     path = _write_rows(tmp_path / "chat.jsonl", [{"messages": m, "answer": "4"} for m in conversations])
-    meta = prepare(PrepareConfig(out=str(tmp_path / "data"), inputs=[str(path)], tokenizer=tokenizer_name,
-                                 val_fraction=0.0))  # fmt: skip
+    meta = prepare(
+        PrepareConfig(out=str(tmp_path / "data"), inputs=[str(path)], tokenizer=tokenizer_name, val_fraction=0.0)
+    )
     assert meta.kind == "prompts" and meta.train_prompts == 2
     tokenizer = load_tokenizer(tmp_path / "data")
     server_template = chat_template(tokenizer_name, tokenizer)  # what gptkit serve renders a chat request with
@@ -562,27 +627,47 @@ def test_a_conversation_ending_with_a_user_turn_is_the_prompt_the_server_renders
         assert (tmp_path / "data" / "tokenizer_config.json").is_file()
     # TRL's conversational prompt ({"prompt": messages}) is the same prompt.
     trl = _write_rows(tmp_path / "trl.jsonl", [{"prompt": conversations[0]}])
-    again = prepare(PrepareConfig(out=str(tmp_path / "trl"), inputs=[str(trl)], tokenizer=tokenizer_name,
-                                  val_fraction=0.0))  # fmt: skip
+    again = prepare(
+        PrepareConfig(out=str(tmp_path / "trl"), inputs=[str(trl)], tokenizer=tokenizer_name, val_fraction=0.0)
+    )
     assert load_prompts(tmp_path / "trl", "train", again).texts == prompts.texts[:1]
     # The same conversation ending with the assistant's reply stays a supervised example.
     answered = [*conversations[0], {"role": "assistant", "content": "Four."}]
     supervised = _write_rows(tmp_path / "sft.jsonl", [{"messages": answered}])
-    assert prepare(PrepareConfig(out=str(tmp_path / "sft"), inputs=[str(supervised)], tokenizer=tokenizer_name,
-                                 val_fraction=0.0)).kind == "examples"  # fmt: skip
+    assert (
+        prepare(
+            PrepareConfig(
+                out=str(tmp_path / "sft"), inputs=[str(supervised)], tokenizer=tokenizer_name, val_fraction=0.0
+            )
+        ).kind
+        == "examples"
+    )
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "completion": "4"}],
-     "prompts.jsonl line 2 is not a prompt row like the file's first row"),
-    ([{"prompt": "1+1=", "answer": "2"}, {"messages": [{"role": "user", "content": "hi"},
-                                                       {"role": "assistant", "content": "yo"}]}],
-     "prompts.jsonl line 2 is not a prompt row like the file's first row"),
-    ([{"messages": [{"role": "user", "content": "hi"}]},
-      {"messages": [{"role": "wizard", "content": "x"}, {"role": "user", "content": "y"}]}],
-     "prompts.jsonl line 2: message 1 has unknown role 'wizard'"),
-    ([{"prompt": "1+1="}, {"prompt": ""}], "prompts.jsonl line 2: the prompt is empty"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        (
+            [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "completion": "4"}],
+            "prompts.jsonl line 2 is not a prompt row like the file's first row",
+        ),
+        (
+            [
+                {"prompt": "1+1=", "answer": "2"},
+                {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            ],
+            "prompts.jsonl line 2 is not a prompt row like the file's first row",
+        ),
+        (
+            [
+                {"messages": [{"role": "user", "content": "hi"}]},
+                {"messages": [{"role": "wizard", "content": "x"}, {"role": "user", "content": "y"}]},
+            ],
+            "prompts.jsonl line 2: message 1 has unknown role 'wizard'",
+        ),
+        ([{"prompt": "1+1="}, {"prompt": ""}], "prompts.jsonl line 2: the prompt is empty"),
+    ],
+)
 def test_a_row_that_is_not_a_prompt_in_a_prompt_file_is_one_line(tmp_path: Path, capsys, rows, message) -> None:
     path = _write_rows(tmp_path / "prompts.jsonl", rows)
     assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(tmp_path / "out")]) == 2
@@ -600,8 +685,9 @@ def test_an_explicit_text_field_still_reads_prompts_as_text(tmp_path: Path) -> N
 def test_prompts_beside_examples_are_refused(tmp_path: Path) -> None:
     prompts = _write_rows(tmp_path / "a.jsonl", PROMPT_ROWS[:2])
     examples = _write_rows(tmp_path / "b.jsonl", [{"prompt": "1+1=", "completion": "2"}])
-    with pytest.raises(InputError, match="b.jsonl holds examples rows, .*a.jsonl prompts rows; prepare them "
-                                         "separately"):
+    with pytest.raises(
+        InputError, match="b.jsonl holds examples rows, .*a.jsonl prompts rows; prepare them separately"
+    ):
         prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(prompts), str(examples)], tokenizer="byte"))
 
 
@@ -610,12 +696,19 @@ def test_an_overlong_prompt_is_dropped_not_cut_and_counted(tmp_path: Path, caplo
 
     from gptkit.data import load_prompts
 
-    rows = [{"prompt": "short", "answer": 1}, {"prompt": "x" * 30, "answer": 2}, {"prompt": "tiny", "answer": 3},
-            {"prompt": "y" * 11, "answer": 4}]  # fmt: skip
+    rows = [
+        {"prompt": "short", "answer": 1},
+        {"prompt": "x" * 30, "answer": 2},
+        {"prompt": "tiny", "answer": 3},
+        {"prompt": "y" * 11, "answer": 4},
+    ]
     path = _write_rows(tmp_path / "p.jsonl", rows)
     with caplog.at_level(logging.WARNING, logger="gptkit.prepare"):
-        meta = prepare(PrepareConfig(out=str(tmp_path / "o"), inputs=[str(path)], tokenizer="byte", max_length=10,
-                                     val_fraction=0.0))  # fmt: skip
+        meta = prepare(
+            PrepareConfig(
+                out=str(tmp_path / "o"), inputs=[str(path)], tokenizer="byte", max_length=10, val_fraction=0.0
+            )
+        )
     assert (meta.dropped, meta.train_prompts, meta.max_length, meta.longest_prompt) == (2, 2, 10, 5)
     assert [r["answer"] for r in load_prompts(tmp_path / "o", "train", meta).rows] == [1, 3]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -8,22 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VARIANTS
 
 import gptkit.formats.quantized as fq
 import gptkit.quantization as q
 from gptkit.cli import main
 from gptkit.config import ModelConfig
-from gptkit.errors import ConfigError
 from gptkit.decoding.api import complete, generate_ids
+from gptkit.decoding.sampling import SamplingParams
+from gptkit.errors import ConfigError
+from gptkit.formats.modeldir import save_model_dir
+from gptkit.loading import load
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
-from gptkit.formats.modeldir import save_model_dir
 from gptkit.tensors import ModelDirError
-from gptkit.loading import load
-from gptkit.decoding.sampling import SamplingParams
 from gptkit.tokenizer import CharTokenizer
-
-from conftest import VARIANTS
 
 CORPUS = Path(__file__).resolve().parents[1] / "gptkit" / "corpora" / "tinyshakespeare.txt"
 
@@ -161,9 +160,10 @@ def test_int4_holds_groups_of_8_rows_in_memory_and_plain_rows_in_its_state_dict(
     layer = q.Int4Linear.from_linear(linear)
     assert layer.weight.shape == (2, 2, 128) and layer.scales.shape == (2, 2, 8)
     assert torch.equal(layer.weight[0, 1, 8:16], packed[1, 16:24])  # group 0, block 1: row 1's bytes 0-7
-    assert torch.equal(layer.weight[1, 0, 64 + 16:64 + 24], packed[10, 8:16])  # group 1, block 0: row 10's bytes 8-15
-    assert torch.equal(layer.scales[1, 1, :5], torch.tensor([scales[8, 1], scales[9, 1], scales[10, 1],
-                                                             scales[11, 1], scales[12, 1]]))  # fmt: skip
+    assert torch.equal(layer.weight[1, 0, 64 + 16 : 64 + 24], packed[10, 8:16])  # group 1, block 0: row 10's bytes 8-15
+    assert torch.equal(
+        layer.scales[1, 1, :5], torch.tensor([scales[8, 1], scales[9, 1], scales[10, 1], scales[11, 1], scales[12, 1]])
+    )
     state = layer.state_dict()
     assert torch.equal(state["weight"], packed) and torch.equal(state["scales"], scales)
     back = q.Int4Linear(64, 13, bias=True)
@@ -218,7 +218,10 @@ def test_compiled_int8_decode_matches_eager(trained, device, capfd):
     # From cpu_kernels.COMPILED_INT8_MIN_ROWS rows on, the compiled graph calls gptkit's int8 kernel instead.
     prompts = [held_out[i : i + 20].tolist() for i in range(0, 600, 100)]
     params = SamplingParams(max_new_tokens=8, temperature=0)
-    assert complete(quantised, prompts, params, compile=True).completions == complete(quantised, prompts, params).completions
+    assert (
+        complete(quantised, prompts, params, compile=True).completions
+        == complete(quantised, prompts, params).completions
+    )
 
 
 def test_saved_int8_directory_loads_and_generates(trained, tmp_path):
@@ -272,8 +275,9 @@ def test_int4_weights_and_an_int8_cache_through_generate_and_eval(trained, tmp_p
     on_the_fly = json.loads(capsys.readouterr().out)
     assert main(["generate", str(int4_dir), *args]) == 0
     from_dir = json.loads(capsys.readouterr().out)
-    in_python = generate(q.quantize(_copy(model), "int4"), tokenizer, "ROMEO:", max_new_tokens=12, temperature=0,
-                         kv_cache="int8")  # fmt: skip
+    in_python = generate(
+        q.quantize(_copy(model), "int4"), tokenizer, "ROMEO:", max_new_tokens=12, temperature=0, kv_cache="int8"
+    )
     assert on_the_fly["text"] == from_dir["text"] == in_python and len(from_dir["ids"]) == 12
     text = tmp_path / "held_out.txt"
     text.write_text(tokenizer.decode(held_out[:3000].tolist()))
@@ -314,8 +318,9 @@ def test_a_cache_over_int8_tensors_reads_float_by_default():
         plain = model(ids, cache=exact)
     assert torch.equal(through_view, through_a_cache)  # the view is the int8 cache, read the same way
     n = ids.size(1)
-    for codes, scales, floats in zip(full.keys + full.values, full.key_scales + full.value_scales,
-                                     exact.keys + exact.values):  # fmt: skip
+    for codes, scales, floats in zip(
+        full.keys + full.values, full.key_scales + full.value_scales, exact.keys + exact.values
+    ):
         # Each stored vector is within half a step of its own scale of the float one (derived: round to nearest;
         # 1e-4 of a step covers fp32's roundings of v * 127 / max|v| and of q * scale, about 1e-5 of a step each).
         step = scales[:, :, :n, None]

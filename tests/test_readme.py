@@ -32,10 +32,26 @@ from gptkit.cli import build_parser, main
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # Files and directories the README's examples read that only the user has (their data, a downloaded model).
-USER_INPUTS = {"my_code", "docs.jsonl", "shard-000.jsonl.gz", "shard-001.jsonl.zst", "train-00000-of-00004.parquet",
-               "reviews.csv", "more.txt", "latin1_mess", "chats.jsonl", "pairs.jsonl", "reviews.jsonl", "p.txt",
-               "person.schema.json", "text.txt", "my-config.json", "gpt2", "my_text.txt",
-               "data/openwebtext"}  # fmt: skip  (the GPU recipe's corpus, a download)
+USER_INPUTS = {
+    "my_code",
+    "docs.jsonl",
+    "shard-000.jsonl.gz",
+    "shard-001.jsonl.zst",
+    "train-00000-of-00004.parquet",
+    "reviews.csv",
+    "more.txt",
+    "latin1_mess",
+    "chats.jsonl",
+    "pairs.jsonl",
+    "reviews.jsonl",
+    "p.txt",
+    "person.schema.json",
+    "text.txt",
+    "my-config.json",
+    "gpt2",
+    "my_text.txt",
+    "data/openwebtext",
+}  # fmt: skip  (the GPU recipe's corpus, a download)
 PLACEHOLDER = re.compile(r"[A-Z][A-Z0-9]*(_[A-Z0-9]+)+|MODEL|TASKS")  # MODEL_DIR, LLAMA_CPP/build/bin, ...
 NEEDS_A_GPU = re.compile(r"--device cuda|gpt2-124m|--nproc_per_node 8|bench_gpu|gpu_check|-m device")
 # Programs that only a person at a terminal with other software runs (a GPU, llama.cpp, a download, a browser).
@@ -59,8 +75,7 @@ class Command:
 
 def _ansi_c(text: str) -> str:
     """bash's $'...' strings as plain single-quoted ones, which shlex reads."""
-    return re.sub(r"\$'((?:[^'\\]|\\.)*)'", lambda m: shlex.quote(codecs.decode(m.group(1), "unicode_escape")),
-                  text)  # fmt: skip
+    return re.sub(r"\$'((?:[^'\\]|\\.)*)'", lambda m: shlex.quote(codecs.decode(m.group(1), "unicode_escape")), text)
 
 
 def bash_blocks(readme: str) -> list[tuple[int, list[str]]]:
@@ -70,7 +85,7 @@ def bash_blocks(readme: str) -> list[tuple[int, list[str]]]:
         if start is None and line.strip() == "```bash":
             start = number
         elif start is not None and line.strip() == "```":
-            blocks.append((start + 1, lines[start:number - 1]))
+            blocks.append((start + 1, lines[start : number - 1]))
             start = None
     return blocks
 
@@ -189,11 +204,16 @@ def plan(readme: str) -> list[Command]:
             _other_program(command)
         command.inputs, command.outputs = [str(p) for p in command.inputs], [str(p) for p in command.outputs]
         missing = [p for p in command.inputs if not _known(p, made)]
-        assert not missing, f"README line {command.line}: {command.text!r} reads {missing[0]}, which nothing " \
-            "before makes"
+        assert not missing, (
+            f"README line {command.line}: {command.text!r} reads {missing[0]}, which nothing before makes"
+        )
         placeholders = [p for p in command.inputs if _placeholder_or_user(p)]
-        command.runnable = command.runnable and not placeholders and not NEEDS_A_GPU.search(command.text) and \
-            all(p.rstrip("/") in real or (ROOT / p.rstrip("/")).exists() for p in command.inputs)  # fmt: skip
+        command.runnable = (
+            command.runnable
+            and not placeholders
+            and not NEEDS_A_GPU.search(command.text)
+            and all(p.rstrip("/") in real or (ROOT / p.rstrip("/")).exists() for p in command.inputs)
+        )
         command.slow = command.slow or any(p.rstrip("/") in slow for p in command.inputs)
         if command.outputs and argv is not None and argv[0] == "train":  # the checkpoints it prunes are gone
             gone = {p for p in made if p.startswith(f"{command.outputs[0]}/checkpoints/")} - set(command.outputs)
@@ -244,8 +264,12 @@ def _gptkit_paths(command: Command, argv: list[str], runs: dict[str, object]) ->
         command.inputs += [tokenizer] if tokenizer not in ("char", "byte", "bpe") else []
         command.outputs = [args.out]
     elif name in ("generate", "eval", "inspect", "serve", "classify"):
-        command.inputs = [args.model_dir, getattr(args, "data", None), getattr(args, "input", None),
-                          getattr(args, "prompt_file", None) and str(args.prompt_file)]  # fmt: skip
+        command.inputs = [
+            args.model_dir,
+            getattr(args, "data", None),
+            getattr(args, "input", None),
+            getattr(args, "prompt_file", None) and str(args.prompt_file),
+        ]
         command.inputs = [p for p in command.inputs if p]
         command.outputs = [args.out] if name == "inspect" else []
     elif name == "convert":
@@ -292,10 +316,11 @@ def test_every_readme_command_parses_and_reads_only_what_came_before():
     gptkit_commands = [c for c in readme_plan() if gptkit_argv(c) is not None]
     assert len(gptkit_commands) > 80
     quick_start = [c.text for c in readme_plan() if c.runnable and c.line < 40]
-    assert quick_start[:3] == ["gptkit prepare --tokenizer char --out data/shakespeare_char",
-                               "gptkit train --config configs/shakespeare-char-cpu.yaml",
-                               'gptkit generate runs/shakespeare-char-cpu/checkpoints/step-002000 --prompt "ROMEO:" '
-                               "--max-new-tokens 200"]  # fmt: skip
+    assert quick_start[:3] == [
+        "gptkit prepare --tokenizer char --out data/shakespeare_char",
+        "gptkit train --config configs/shakespeare-char-cpu.yaml",
+        'gptkit generate runs/shakespeare-char-cpu/checkpoints/step-002000 --prompt "ROMEO:" --max-new-tokens 200',
+    ]
     gguf = [c for c in readme_plan() if "--to-gguf" in c.words or "--from-gguf" in c.words]
     assert gguf and all(c.runnable for c in gguf)  # made by the README's own commands, on a CPU
 
@@ -304,15 +329,19 @@ def run_command(command: Command, cwd: Path) -> None:
     """Run one README command as a person types it, in cwd, with this interpreter's gptkit first on the PATH."""
     if command.words[:2] == ["gptkit", "serve"]:
         return _serve(command, cwd)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+    }
     words = [sys.executable, *command.words[1:]] if command.words[0] == "python" else command.words
     if words[1:2] and words[1].startswith("examples/"):
         words[1] = str(ROOT / words[1])
     stdout = open(cwd / command.stdout, "w") if command.stdout else subprocess.PIPE
     with stdout if command.stdout else contextlib.nullcontext():
-        done = subprocess.run(words, cwd=cwd, env=env, input=command.stdin, stdout=stdout, stderr=subprocess.PIPE,
-                              text=True, timeout=3600)  # fmt: skip
+        done = subprocess.run(
+            words, cwd=cwd, env=env, input=command.stdin, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=3600
+        )
     assert done.returncode == 0, f"README line {command.line}: {command.text!r} failed:\n{done.stderr[-2000:]}"
 
 
@@ -320,8 +349,9 @@ def _serve(command: Command, cwd: Path) -> None:
     """Start `gptkit serve` as written, wait until it answers /health, then stop it (Ctrl-C)."""
     import httpx
 
-    server = subprocess.Popen([sys.executable, "-m", "gptkit", *command.words[1:]], cwd=cwd, stderr=subprocess.PIPE,
-                              text=True)  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gptkit", *command.words[1:]], cwd=cwd, stderr=subprocess.PIPE, text=True
+    )
     try:
         for _ in range(600):
             if server.poll() is not None:

@@ -9,27 +9,40 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_char_data_dir
 
 from gptkit.checkpoint import LATEST, RNG_FILE, TRAINER_FILE, saved_world
-from gptkit.manifest import write_manifest
 from gptkit.cli.train import resume_command
 from gptkit.distributed import resumed_grad_accum
 from gptkit.errors import ConfigError
+from gptkit.manifest import write_manifest
+from gptkit.run_sources import from_sources
 from gptkit.tensors import load_tensors, save_tensors
 from gptkit.train import train
-from gptkit.run_sources import from_sources
-
-from conftest import write_char_data_dir
 
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "dropout": 0.0}
 
 
 def settings(data: Path, out: Path, grad_accum: int) -> dict[str, dict]:
-    return {"model": dict(MODEL), "optim": {"warmup_steps": 2, "decay_steps": 6, "lr": 3e-3},
-            "train": {"data_dir": str(data), "out_dir": str(out), "max_steps": 6, "batch_size": 4,
-                      "grad_accum": grad_accum, "eval_interval": 6, "eval_iters": 1, "log_interval": 1,
-                      "checkpoint_interval": 3, "device": "cpu", "plot": False, "observe": False,
-                      "sample_every": 0}}  # fmt: skip
+    return {
+        "model": dict(MODEL),
+        "optim": {"warmup_steps": 2, "decay_steps": 6, "lr": 3e-3},
+        "train": {
+            "data_dir": str(data),
+            "out_dir": str(out),
+            "max_steps": 6,
+            "batch_size": 4,
+            "grad_accum": grad_accum,
+            "eval_interval": 6,
+            "eval_iters": 1,
+            "log_interval": 1,
+            "checkpoint_interval": 3,
+            "device": "cpu",
+            "plot": False,
+            "observe": False,
+            "sample_every": 0,
+        },
+    }
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -85,5 +98,7 @@ def test_a_two_process_checkpoint_resumed_in_one_process_trains_as_before(tmp_pa
     assert losses(two) == losses(whole)
     assert "grad_accum: 2" in config_yaml.read_text()
     assert saved_world(two / "checkpoints" / "step-000006") == (1, 2)
-    assert torch.equal(load_tensors(two / "checkpoints" / "step-000006" / "model.safetensors")["tok_emb.weight"],
-                       load_tensors(whole / "checkpoints" / "step-000006" / "model.safetensors")["tok_emb.weight"])
+    assert torch.equal(
+        load_tensors(two / "checkpoints" / "step-000006" / "model.safetensors")["tok_emb.weight"],
+        load_tensors(whole / "checkpoints" / "step-000006" / "model.safetensors")["tok_emb.weight"],
+    )

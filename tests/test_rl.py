@@ -25,12 +25,11 @@ from gptkit.cli import main
 from gptkit.decoding.api import Completion
 from gptkit.errors import ConfigError, StepAbandoned
 from gptkit.finetune.groups import Group, completion_rows
-from gptkit.loss import row_logprobs
 from gptkit.finetune.policy_loss import PolicyLoss, group_advantages, pass_at_k, policy_gradient_loss
 from gptkit.loading import load
-from gptkit.loss import IGNORE_INDEX
-from gptkit.train import Trainer, train
+from gptkit.loss import IGNORE_INDEX, row_logprobs
 from gptkit.run_sources import from_sources
+from gptkit.train import Trainer, train
 
 # ---------------------------------------------------------------- the loss
 
@@ -76,10 +75,15 @@ def test_without_a_reference_the_loss_has_no_kl_and_equal_advantages_give_no_gra
 
 
 def test_only_completion_tokens_are_targets():
-    group = Group(prompts=[[5, 6, 7], [9]], completions=[[1, 2], [3], [4, 4, 4], [8]],
-                  rewards=torch.zeros(2, 2), passed=torch.zeros(2, 2, dtype=torch.bool),
-                  scored=torch.ones(2, 2, dtype=torch.bool), truncated=torch.zeros(2, 2, dtype=torch.bool),
-                  reward_parts=torch.zeros(2, 2, 1))  # fmt: skip
+    group = Group(
+        prompts=[[5, 6, 7], [9]],
+        completions=[[1, 2], [3], [4, 4, 4], [8]],
+        rewards=torch.zeros(2, 2),
+        passed=torch.zeros(2, 2, dtype=torch.bool),
+        scored=torch.ones(2, 2, dtype=torch.bool),
+        truncated=torch.zeros(2, 2, dtype=torch.bool),
+        reward_parts=torch.zeros(2, 2, 1),
+    )
     x, y = completion_rows(group, samples=2)
     assert x.tolist()[0][:4] == [5, 6, 7, 1] and y.tolist()[0][:4] == [IGNORE_INDEX, IGNORE_INDEX, 1, 2]
     assert y.tolist()[1][:3] == [IGNORE_INDEX, IGNORE_INDEX, 3] and y.tolist()[1][3] == IGNORE_INDEX
@@ -163,20 +167,45 @@ def test_a_group_with_equal_rewards_gives_no_gradient(prompts, tmp_path, monkeyp
     assert all(p.grad is None or p.grad.abs().max().item() == 0.0 for p in trainer.model.parameters())
 
 
-@pytest.mark.parametrize("module, body, message", [
-    ("judge_raises", "raise ValueError('bad row')", "ValueError: bad row"),
-    ("judge_says_high", "return 'high'", "'high'"),
-    ("judge_nan", "return float('nan')", "nan"),
-])  # fmt: skip
-def test_a_reward_function_that_fails_is_one_line_naming_it(module, body, message, prompts, tmp_path, monkeypatch,
-                                                             capsys):  # fmt: skip
+@pytest.mark.parametrize(
+    "module, body, message",
+    [
+        ("judge_raises", "raise ValueError('bad row')", "ValueError: bad row"),
+        ("judge_says_high", "return 'high'", "'high'"),
+        ("judge_nan", "return float('nan')", "nan"),
+    ],
+)
+def test_a_reward_function_that_fails_is_one_line_naming_it(
+    module, body, message, prompts, tmp_path, monkeypatch, capsys
+):
     base, data = prompts
     (tmp_path / f"{module}.py").write_text(f"def score(prompt, completion, row):\n    {body}\n")
     monkeypatch.chdir(tmp_path)
-    code = main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--model.init_from", str(base),
-                 "--finetune.objective", "grpo", "--finetune.reward", f"{module}:score", "--finetune.group_size", "2",
-                 "--finetune.completion_tokens", "3", "--train.max_steps", "1", "--train.device", "cpu",
-                 "--train.batch_size", "1"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "run"),
+            "--model.init_from",
+            str(base),
+            "--finetune.objective",
+            "grpo",
+            "--finetune.reward",
+            f"{module}:score",
+            "--finetune.group_size",
+            "2",
+            "--finetune.completion_tokens",
+            "3",
+            "--train.max_steps",
+            "1",
+            "--train.device",
+            "cpu",
+            "--train.batch_size",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and f"{module}:score" in err[-1] and message in err[-1]
     assert "Traceback" not in "\n".join(err)
@@ -202,12 +231,26 @@ def test_completions_follow_the_json_schema_and_end_at_stop_strings(prompts, tmp
     base, data = prompts
     schema = tmp_path / "number.json"
     schema.write_text('{"type": "integer"}')
-    numbers = Trainer(_grpo(data, tmp_path / "a", base, reward="regex:^\\s*-?[0-9]+\\s*$", json_schema=str(schema),
-                            completion_tokens=6), resume=False)  # fmt: skip
+    numbers = Trainer(
+        _grpo(
+            data, tmp_path / "a", base, reward="regex:^\\s*-?[0-9]+\\s*$", json_schema=str(schema), completion_tokens=6
+        ),
+        resume=False,
+    )
     group = numbers.objective.sample(numbers.objective.train_prompts, [0, 1, 2], 4, seed=5)
     assert group.passed.all()  # every completion is an integer, as the schema asks
-    stops = Trainer(_grpo(data, tmp_path / "b", base, reward="regex:[aeiou]", stop=list("aeiou"),
-                          completion_tokens=12, temperature=2.0), resume=False)  # fmt: skip
+    stops = Trainer(
+        _grpo(
+            data,
+            tmp_path / "b",
+            base,
+            reward="regex:[aeiou]",
+            stop=list("aeiou"),
+            completion_tokens=12,
+            temperature=2.0,
+        ),
+        resume=False,
+    )
     group = stops.objective.sample(stops.objective.train_prompts, [0, 1, 2], 4, seed=5)
     assert not group.passed.any()  # the reward reads the text before the first stop string
     texts = [stops.tokenizer.decode(ids) for ids in group.completions]
@@ -243,8 +286,22 @@ def test_greedy_sampling_is_refused_and_a_group_of_one_warned_about(prompts, tmp
 def test_a_prompt_set_without_held_out_prompts_is_refused(tmp_path):
     base = byte_model_dir(tmp_path / "base")
     rows = write_jsonl(tmp_path / "prompts.jsonl", addition_rows(6))
-    assert main(["prepare", "--input", str(rows), "--tokenizer", str(base), "--out", str(tmp_path / "data"),
-                 "--val-fraction", "0"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "prepare",
+                "--input",
+                str(rows),
+                "--tokenizer",
+                str(base),
+                "--out",
+                str(tmp_path / "data"),
+                "--val-fraction",
+                "0",
+            ]
+        )
+        == 0
+    )
     with pytest.raises(ConfigError, match="no held-out prompts .* --val-fraction above 0"):
         Trainer(_grpo(tmp_path / "data", tmp_path / "run", base), resume=False)
 
@@ -284,13 +341,16 @@ def score(prompt, completion, row):
 """
 # (The deadline is 0.5 s where the reward hangs, the default 30 s elsewhere: a busy machine never fails them.)
 FAILURES = {
-    "hang": ("time.sleep(30)", r"was still scoring after 0\.5 s, so its process was stopped \(finetune\.reward_timeout "
-             r"is 0\.5 s\)"),
+    "hang": (
+        "time.sleep(30)",
+        r"was still scoring after 0\.5 s, so its process was stopped \(finetune\.reward_timeout "
+        r"is 0\.5 s\)",
+    ),
     "sys.exit": ("sys.exit(3)", r"called sys\.exit\(3\)"),
     "os._exit": ("os._exit(3)", r"ended its process while scoring \(exit code 3\)"),
     "killed": ("os.kill(os.getpid(), signal.SIGKILL)", r"ended its process while scoring \(killed by SIGKILL\)"),
     "raise": ("raise ValueError('no digits')", r"raised ValueError: no digits"),
-}  # fmt: skip
+}
 
 
 def _judge(directory: Path, name: str, failure: str = "pass", fail_after: int = 10**9) -> str:
@@ -308,16 +368,45 @@ def test_a_reward_that_hangs_exits_or_dies_is_one_line_naming_it_and_the_run_is_
     spec = _judge(tmp_path, "judge", body, fail_after=2)  # batch 1 x group 2: the first call of step 2 fails
     run = tmp_path / "run"
     deadline = "0.5" if failure == "hang" else "30"
-    code = main(["train", "--data", str(data), "--out", str(run), "--model.init_from", str(base), "--quiet",
-                 "--finetune.objective", "grpo", "--finetune.reward", spec, "--finetune.group_size", "2",
-                 "--finetune.completion_tokens", "3", "--finetune.reward_timeout", deadline, "--train.max_steps", "4",
-                 "--train.device", "cpu", "--train.batch_size", "1", "--train.eval_at_start", "false"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--data",
+            str(data),
+            "--out",
+            str(run),
+            "--model.init_from",
+            str(base),
+            "--quiet",
+            "--finetune.objective",
+            "grpo",
+            "--finetune.reward",
+            spec,
+            "--finetune.group_size",
+            "2",
+            "--finetune.completion_tokens",
+            "3",
+            "--finetune.reward_timeout",
+            deadline,
+            "--train.max_steps",
+            "4",
+            "--train.device",
+            "cpu",
+            "--train.batch_size",
+            "1",
+            "--train.eval_at_start",
+            "false",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "Traceback" not in "\n".join(err), err
-    assert re.fullmatch(rf"gptkit train: error: reward (function )?judge:score {said} \(on prompt \d+ \('\d\+\d='\) "
-                        rf"of the train split of {re.escape(str(data))}\); the run is saved as of step 1 "
-                        rf"\({re.escape(str(run / 'checkpoints' / 'step-000001'))}\): continue it with --resume once "
-                        "that is fixed", err[-1]), err[-1]  # fmt: skip
+    assert re.fullmatch(
+        rf"gptkit train: error: reward (function )?judge:score {said} \(on prompt \d+ \('\d\+\d='\) "
+        rf"of the train split of {re.escape(str(data))}\); the run is saved as of step 1 "
+        rf"\({re.escape(str(run / 'checkpoints' / 'step-000001'))}\): continue it with --resume once "
+        "that is fixed",
+        err[-1],
+    ), err[-1]
     assert latest_checkpoint(run).name == "step-000001"
 
 
@@ -326,9 +415,21 @@ def test_a_run_stopped_by_a_failing_reward_resumes_as_if_it_had_not_failed(promp
     its dropout: the checkpoint of step 2 is written as if step 3 had never begun."""
     base, data = prompts
     monkeypatch.chdir(tmp_path)
-    settings = dict(method="lora", lora_rank=4, lora_dropout=0.1, group_size=2, reward="judge:score",
-                    train={"batch_size": 1, "grad_accum": 2, "max_steps": 4, "checkpoint_interval": 100,
-                           "eval_interval": 100, "eval_at_start": False})  # fmt: skip
+    settings = dict(
+        method="lora",
+        lora_rank=4,
+        lora_dropout=0.1,
+        group_size=2,
+        reward="judge:score",
+        train={
+            "batch_size": 1,
+            "grad_accum": 2,
+            "max_steps": 4,
+            "checkpoint_interval": 100,
+            "eval_interval": 100,
+            "eval_at_start": False,
+        },
+    )
     _judge(tmp_path, "judge")
     whole = train(_grpo(data, tmp_path / "whole", base, **settings), progress=False)
     _judge(tmp_path, "judge", "raise ValueError('broken')", fail_after=10)  # 2 calls a micro-batch: step 3's second
@@ -348,10 +449,18 @@ def test_sigterm_while_a_reward_hangs_checkpoints_and_stops_at_once(prompts, tmp
     base, data = prompts
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "hanging"
-    spec = _judge(tmp_path, "judge", f"open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)",
-                  fail_after=2)  # fmt: skip
-    config = _grpo(data, tmp_path / "run", base, group_size=2, reward=spec, reward_timeout=120.0,
-                   train={"batch_size": 1, "max_steps": 4, "eval_at_start": False})  # fmt: skip
+    spec = _judge(
+        tmp_path, "judge", f"open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)", fail_after=2
+    )
+    config = _grpo(
+        data,
+        tmp_path / "run",
+        base,
+        group_size=2,
+        reward=spec,
+        reward_timeout=120.0,
+        train={"batch_size": 1, "max_steps": 4, "eval_at_start": False},
+    )
 
     def terminate() -> None:  # once the reward hangs, as `kill` from another terminal would
         deadline = time.monotonic() + 60
@@ -378,12 +487,54 @@ def test_the_reward_timeout_is_checked_and_may_change_on_resume(prompts, tmp_pat
     with pytest.raises(ConfigError, match=r"^finetune.reward_timeout must be > 0.0, got 0.0$"):
         _grpo(data, tmp_path / "zero", base, reward_timeout=0.0).validate()
     run = tmp_path / "run"
-    flags = ["--finetune.objective", "grpo", "--finetune.group_size", "2", "--finetune.completion_tokens", "2",
-             "--train.device", "cpu", "--train.batch_size", "1", "--train.eval_at_start", "false", "--quiet"]
-    assert main(["train", "--data", str(data), "--out", str(run), "--model.init_from", str(base),
-                 "--train.max_steps", "1", *flags]) == 0  # fmt: skip
-    assert main(["train", "--out", str(run), "--resume", "--train.max_steps", "2", "--finetune.reward_timeout",
-                 "90", "--quiet"]) == 0  # a reward that timed out may be given longer  # fmt: skip
+    flags = [
+        "--finetune.objective",
+        "grpo",
+        "--finetune.group_size",
+        "2",
+        "--finetune.completion_tokens",
+        "2",
+        "--train.device",
+        "cpu",
+        "--train.batch_size",
+        "1",
+        "--train.eval_at_start",
+        "false",
+        "--quiet",
+    ]
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(data),
+                "--out",
+                str(run),
+                "--model.init_from",
+                str(base),
+                "--train.max_steps",
+                "1",
+                *flags,
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--out",
+                str(run),
+                "--resume",
+                "--train.max_steps",
+                "2",
+                "--finetune.reward_timeout",
+                "90",
+                "--quiet",
+            ]
+        )
+        == 0
+    )  # a reward that timed out may be given longer
     assert from_sources(run / "config.yaml", {}).finetune.value("reward_timeout") == 90
     assert main(["train", "--out", str(run), "--resume", "--finetune.group_size", "4"]) == 2  # the others may not
     assert "finetune.group_size cannot change on --resume" in capsys.readouterr().err
@@ -392,13 +543,24 @@ def test_the_reward_timeout_is_checked_and_may_change_on_resume(prompts, tmp_pat
 # ---------------------------------------------------------------- sizes a typo makes too large
 
 
-@pytest.mark.parametrize("setting, value, message", [
-    ("group_size", 10**8, r"finetune.group_size 100000000 x train.batch_size 2 = 200,000,000 completions of up to "
-                          r"\d+ tokens need about [\d,.]+ GiB \(gptkit plan's estimate\), more than the [\d,.]+ GiB "
-                          r"free on cpu: lower finetune.group_size"),
-    ("eval_samples", 10**9, r"finetune.eval_samples 1000000000 x 4 held-out prompts = 4,000,000,000 completions of up "
-                            r"to \d+ tokens need about [\d,.]+ GiB .* lower finetune.eval_samples"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        (
+            "group_size",
+            10**8,
+            r"finetune.group_size 100000000 x train.batch_size 2 = 200,000,000 completions of up to "
+            r"\d+ tokens need about [\d,.]+ GiB \(gptkit plan's estimate\), more than the [\d,.]+ GiB "
+            r"free on cpu: lower finetune.group_size",
+        ),
+        (
+            "eval_samples",
+            10**9,
+            r"finetune.eval_samples 1000000000 x 4 held-out prompts = 4,000,000,000 completions of up "
+            r"to \d+ tokens need about [\d,.]+ GiB .* lower finetune.eval_samples",
+        ),
+    ],
+)
 def test_a_group_too_large_for_memory_is_refused_before_any_work(setting, value, message, prompts, tmp_path):
     base, data = prompts  # (terabytes at these sizes: more than any machine this runs on holds)
     with pytest.raises(ConfigError, match=message) as caught:

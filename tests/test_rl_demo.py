@@ -24,8 +24,12 @@ def demo() -> ModuleType:
 
 @pytest.mark.parametrize("flag, value", [("--seeds", "0"), ("--seeds", "two"), ("--seed", "-1")])
 def test_a_bad_seed_option_is_a_one_line_usage_error(tmp_path, flag, value):
-    done = subprocess.run([sys.executable, str(SCRIPT), flag, value, "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), flag, value, "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert f"argument {flag}: {value!r} is not a whole number" in done.stderr.splitlines()[-1]
@@ -40,8 +44,10 @@ def test_seed_options_choose_which_seeds_run():
 
 
 def test_spread_gives_the_mean_least_and_most_before_and_after_rl():
-    runs = [{"before_rl": {"pass@1": b1, "pass@8": b8}, "after_rl": {"pass@1": a1, "pass@8": a8}}
-            for b1, b8, a1, a8 in [(0.5, 0.9, 0.8, 1.0), (0.25, 0.75, 0.75, 0.5), (0.75, 1.0, 0.5, 0.75)]]  # fmt: skip
+    runs = [
+        {"before_rl": {"pass@1": b1, "pass@8": b8}, "after_rl": {"pass@1": a1, "pass@8": a8}}
+        for b1, b8, a1, a8 in [(0.5, 0.9, 0.8, 1.0), (0.25, 0.75, 0.75, 0.5), (0.75, 1.0, 0.5, 0.75)]
+    ]
     figures = demo().spread(runs)
     assert figures["before_rl"]["pass@1"] == {"mean": 0.5, "min": 0.25, "max": 0.75}
     assert figures["after_rl"]["pass@8"] == {"mean": 0.75, "min": 0.5, "max": 1.0}
@@ -52,8 +58,12 @@ def test_spread_gives_the_mean_least_and_most_before_and_after_rl():
 @pytest.mark.slow
 def test_a_quick_run_of_two_seeds_keeps_each_apart_and_summarises_both(tmp_path):
     out = tmp_path / "demo"
-    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--seeds", "2", "--out", str(out)], check=True,
-                   capture_output=True, timeout=900)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--seeds", "2", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["seeds"] == [1, 2]
     assert [run["seed"] for run in summary["runs"]] == [1, 2]

@@ -11,7 +11,6 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from gptkit.errors import ConfigError
 from gptkit.decoding.sampling import (
     SamplingParams,
     apply_repetition_penalty,
@@ -22,7 +21,7 @@ from gptkit.decoding.sampling import (
     top_k_filter,
     top_p_filter,
 )
-
+from gptkit.errors import ConfigError
 
 V = 97
 NO_IDS = torch.zeros(4, 1, dtype=torch.long)  # the warpers ignore input_ids
@@ -87,10 +86,15 @@ def test_full_pipeline_matches_hf_order(seed):
     logits = random_logits(seed)
     ids = torch.randint(0, V, (4, 12), generator=torch.Generator().manual_seed(seed))
     seen = torch.zeros(4, V, dtype=torch.bool).scatter(1, ids, True)
-    hf = LogitsProcessorList([
-        RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.7), TopKLogitsWarper(40),
-        TopPLogitsWarper(0.8), MinPLogitsWarper(0.05),
-    ])  # fmt: skip
+    hf = LogitsProcessorList(
+        [
+            RepetitionPenaltyLogitsProcessor(1.2),
+            TemperatureLogitsWarper(0.7),
+            TopKLogitsWarper(40),
+            TopPLogitsWarper(0.8),
+            MinPLogitsWarper(0.05),
+        ]
+    )
     expected = hf(ids, logits.clone())
     ours = process_logits(logits, params, seen)
     assert torch.equal(kept(ours), kept(expected))
@@ -159,8 +163,9 @@ EXTREME_TEMPERATURES = [5e-324, 1e-300, 1e-45, 9.9e-6, 1e-5, 1e-3, 1.0, 1e6, 1e3
 @pytest.mark.parametrize("penalty", [None, 0.01, 100.0])
 def test_no_accepted_value_makes_a_nan(temperature, penalty):
     # Logits as large as a model's can get in fp32 (and a row that is all one value).
-    logits = torch.cat([torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 1e4,
-                        torch.full((1, 50), -3e4)])  # fmt: skip
+    logits = torch.cat(
+        [torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 1e4, torch.full((1, 50), -3e4)]
+    )
     seen = torch.zeros(4, 50, dtype=torch.bool)
     seen[:, :25] = True
     for filters in ({}, {"top_k": 3}, {"top_p": 1e-9}, {"min_p": 1.0}):
@@ -177,9 +182,19 @@ def test_params_defaults_declared_once_and_stop_normalised():
     assert params.stop == ("\n",)
     assert SamplingParams(stop=None).stop == ()
     assert {f.name for f in dataclasses.fields(SamplingParams)} >= {
-        "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "stop", "seed",
-        "num_samples", "num_beams", "length_penalty", "early_stopping",
-    }  # fmt: skip
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "stop",
+        "seed",
+        "num_samples",
+        "num_beams",
+        "length_penalty",
+        "early_stopping",
+    }
 
 
 def test_openai_penalties_and_logit_bias_follow_their_formulas():

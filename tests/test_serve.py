@@ -7,9 +7,9 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
-import socket
 import time
 from pathlib import Path
 
@@ -18,13 +18,13 @@ import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from test_serve_helpers import live_server, make_model_dir
 
-from gptkit.loading import load
 from gptkit.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from gptkit.decoding.request import Request, visible_end
 from gptkit.decoding.sampling import SamplingParams
+from gptkit.loading import load
 from gptkit.serving.server import ServeOptions, build_app
-from test_serve_helpers import live_server, make_model_dir
 
 MODEL = "tiny-served"
 PROMPTS = ["Hello", "The cat sat", "abc", "Once upon a time", "x", "1, 2, 3,", "What is it?", "Zebra\n"]
@@ -126,8 +126,14 @@ def test_streaming_equals_non_streaming_and_ends_with_done(server, client):
     assert len(pieces) > 1
     assert "".join(p.choices[0].text for p in pieces) == full.choices[0].text
     assert pieces[-1].choices[0].finish_reason == full.choices[0].finish_reason
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "Hello",
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=30) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
@@ -144,8 +150,9 @@ def test_stop_string_cuts_the_output(client, reference):
     response = client.completions.create(model=MODEL, prompt="The cat sat", max_tokens=30, temperature=0, stop=[stop])
     assert response.choices[0].text == expected
     assert response.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt="The cat sat", max_tokens=30, temperature=0,
-                                         stop=stop, stream=True)  # fmt: skip
+    streamed = client.completions.create(
+        model=MODEL, prompt="The cat sat", max_tokens=30, temperature=0, stop=stop, stream=True
+    )
     assert "".join(p.choices[0].text for p in streamed) == expected
 
 
@@ -182,8 +189,13 @@ def test_null_flags_are_false(http):
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "stream": None, "echo": None, "logprobs": None}
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": None,
-            "logprobs": None}  # fmt: skip
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "stream": None,
+        "logprobs": None,
+    }
     r = http.post("/v1/chat/completions", json=chat)
     assert r.status_code == 200 and r.json()["object"] == "chat.completion"
 
@@ -196,8 +208,15 @@ def test_logprobs_cover_the_text_up_to_the_stop_string(client, reference):
     assert choice.finish_reason == "stop" and "".join(choice.logprobs.tokens) == choice.text
     streamed = list(client.completions.create(logprobs=1, stream=True, **kwargs))
     assert "".join(t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens) == choice.text
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=30,
-                                          temperature=0, stop=[stop], logprobs=True, top_logprobs=2)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert "".join(t.token for t in content) == chat.choices[0].message.content
     assert all(bytes(t.bytes) == t.token.encode() for t in content)
@@ -237,10 +256,15 @@ def test_logprobs_match_the_model(client, reference):
         assert max(lp.top_logprobs[i].values()) == pytest.approx(float(expected[position].max()), abs=1e-4)
     assert lp.text_offset[0] == len("Hello")
     # A sampled token outside the top ones is listed beside them, as OpenAI lists it.
-    sampled = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=2.0, seed=1,
-                                        logprobs=1).choices[0].logprobs  # fmt: skip
-    assert all(t in top and top[t] == lp_t for t, lp_t, top in zip(sampled.tokens, sampled.token_logprobs,
-                                                                    sampled.top_logprobs))  # fmt: skip
+    sampled = (
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=2.0, seed=1, logprobs=1)
+        .choices[0]
+        .logprobs
+    )
+    assert all(
+        t in top and top[t] == lp_t
+        for t, lp_t, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs)
+    )
     assert {len(top) for top in sampled.top_logprobs} == {1, 2}  # some tokens were not the most likely
 
 
@@ -274,11 +298,11 @@ def test_scoring_past_a_learned_position_models_context_is_a_400_naming_the_prom
     assert too_long.json()["error"]["code"] == "context_length_exceeded"
     assert f"at most {block + 1}" in too_long.json()["error"]["message"]
     # block + 1 tokens score whole: the last one's prediction is never needed (lm-eval's hf backend scores so)
-    fits = http.post("/v1/completions", json={**score, "prompt": text[-block - 1:], "logprobs": 0})
+    fits = http.post("/v1/completions", json={**score, "prompt": text[-block - 1 :], "logprobs": 0})
     assert fits.status_code == 200
     scored = fits.json()["choices"][0]["logprobs"]["token_logprobs"]
     model, tokenizer = reference
-    ids = tokenizer.encode(text[-block - 1:])
+    ids = tokenizer.encode(text[-block - 1 :])
     with torch.no_grad():
         logprobs = model(torch.tensor([ids[:-1]]))[0].log_softmax(-1)
     assert len(scored) == block + 1 and scored[0] is None
@@ -312,8 +336,11 @@ def test_chat_uses_the_default_template(client, reference):
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == expected
     assert response.usage.prompt_tokens == len(prompt)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, logprobs=True, top_logprobs=2))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True, logprobs=True, top_logprobs=2
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
@@ -332,8 +359,15 @@ def test_a_chat_template_saved_by_transformers_comes_through_convert(tmp_path):
     tokenizer.save_pretrained(hf_dir)  # transformers 5 writes the template to chat_template.jinja
     assert (hf_dir / "chat_template.jinja").is_file()
     assert "chat_template" not in json.loads((hf_dir / "tokenizer_config.json").read_text())
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=1, n_head=2,
-                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=64,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
     GPT2LMHeadModel(config).save_pretrained(hf_dir)
     assert main(["convert", "--from-hf", str(hf_dir), "--out", str(out)]) == 0
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -355,8 +389,10 @@ def test_a_template_rendering_too_long_or_too_much_is_stopped():
 
 
 def test_chat_template_from_tokenizer_config(tmp_path):
-    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}" \
-               "{% if add_generation_prompt %}<assistant>{% endif %}"  # fmt: skip
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "</s>"}))
     loaded = load_chat_template(tmp_path)
     assert loaded.render([{"role": "user", "content": "Hi"}]) == "<user>Hi</s><assistant>"
@@ -371,9 +407,9 @@ def test_32_concurrent_clients_get_their_single_request_answers(server, client):
     cases = [(PROMPTS[i % len(PROMPTS)], 4 + 5 * (i % 3)) for i in range(32 * 4)]  # 24 distinct requests
     singles = {}
     for prompt, max_tokens in sorted(set(cases)):
-        singles[prompt, max_tokens] = client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0
-        ).choices[0].text
+        singles[prompt, max_tokens] = (
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
+        )
 
     def worker(worker_id: int) -> list[bool]:
         own = openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -401,57 +437,133 @@ BAD_REQUESTS = [
     ("not an object", "/v1/completions", b"[1, 2]", 400, None),
     ("prompt missing", "/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("max_tokens a string", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
-    ("temperature a string", "/v1/completions", {"model": MODEL, "prompt": "a", "temperature": "hot"}, 400,
-     "temperature"),
+    (
+        "temperature a string",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "temperature": "hot"},
+        400,
+        "temperature",
+    ),
     ("max_tokens 0", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens negative", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
-    ("max_tokens beyond context", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 4 * 96 - 2},
-     400, "max_tokens"),
-    ("prompt longer than context", "/v1/completions", {"model": MODEL, "prompt": "a" * (4 * 96 + 1),
-                                                       "max_tokens": 1}, 400, "prompt"),
+    (
+        "max_tokens beyond context",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "abc", "max_tokens": 4 * 96 - 2},
+        400,
+        "max_tokens",
+    ),
+    (
+        "prompt longer than context",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a" * (4 * 96 + 1), "max_tokens": 1},
+        400,
+        "prompt",
+    ),
     ("token id outside vocabulary", "/v1/completions", {"model": MODEL, "prompt": [1, 9999]}, 400, "prompt"),
     ("character outside vocabulary", "/v1/completions", {"model": MODEL, "prompt": "caf\u00e9"}, 400, "prompt"),
-    ("negative temperature", "/v1/completions", {"model": MODEL, "prompt": "a", "temperature": -1}, 400,
-     "temperature"),
+    ("negative temperature", "/v1/completions", {"model": MODEL, "prompt": "a", "temperature": -1}, 400, "temperature"),
     ("top_p above 1", "/v1/completions", {"model": MODEL, "prompt": "a", "top_p": 1.5}, 400, "top_p"),
     ("n zero", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
     ("n beyond capacity", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 10_000}, 400, "n"),
     ("logprobs above 20", "/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 50}, 400, "logprobs"),
     ("seed beyond 64 bits", "/v1/completions", {"model": MODEL, "prompt": "a", "seed": 2**64}, 400, "seed"),
-    ("infinite temperature", "/v1/completions", b'{"model": "tiny-served", "prompt": "a", "temperature": Infinity}',
-     400, "temperature"),
+    (
+        "infinite temperature",
+        "/v1/completions",
+        b'{"model": "tiny-served", "prompt": "a", "temperature": Infinity}',
+        400,
+        "temperature",
+    ),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
     ("chat without messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
-    ("chat role unknown", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x", "content": "a"}]},
-     400, "messages.0.role"),
-    ("chat user message without content", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]},
-     400, "messages.0"),
-    ("chat unknown model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "a"}]},
-     404, "model"),
-    ("tiny repetition_penalty", "/v1/completions", {"model": MODEL, "prompt": "a", "repetition_penalty": 1e-300}, 400,
-     "repetition_penalty"),
-    ("logit_bias key not an id", "/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"a": 1}}, 400,
-     "logit_bias"),
-    ("logit_bias id outside vocabulary", "/v1/completions", {"model": MODEL, "prompt": "a",
-                                                             "logit_bias": {"99999": 1}}, 400, "logit_bias"),
-    ("logit_bias above 100", "/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"5": 101}}, 400,
-     "logit_bias"),
-    ("frequency_penalty above 2", "/v1/completions", {"model": MODEL, "prompt": "a", "frequency_penalty": 2.5}, 400,
-     "frequency_penalty"),
-    ("garbage presence_penalty", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                                                          "presence_penalty": "garbage"}, 400, "presence_penalty"),
+    (
+        "chat role unknown",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "x", "content": "a"}]},
+        400,
+        "messages.0.role",
+    ),
+    (
+        "chat user message without content",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user"}]},
+        400,
+        "messages.0",
+    ),
+    (
+        "chat unknown model",
+        "/v1/chat/completions",
+        {"model": "nope", "messages": [{"role": "user", "content": "a"}]},
+        404,
+        "model",
+    ),
+    (
+        "tiny repetition_penalty",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "repetition_penalty": 1e-300},
+        400,
+        "repetition_penalty",
+    ),
+    (
+        "logit_bias key not an id",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "logit_bias": {"a": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias id outside vocabulary",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "logit_bias": {"99999": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias above 100",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "logit_bias": {"5": 101}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "frequency_penalty above 2",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "frequency_penalty": 2.5},
+        400,
+        "frequency_penalty",
+    ),
+    (
+        "garbage presence_penalty",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "presence_penalty": "garbage"},
+        400,
+        "presence_penalty",
+    ),
     ("best_of above n", "/v1/completions", {"model": MODEL, "prompt": "a", "best_of": 3}, 400, "best_of"),
     ("suffix", "/v1/completions", {"model": MODEL, "prompt": "a", "suffix": "end"}, 400, "suffix"),
-    ("json mode, a tokenizer without '{'", "/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
-     400, "response_format"),
-    ("tools the tokenizer cannot write", "/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": "a"}],
-        "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "messages"),
+    (
+        "json mode, a tokenizer without '{'",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    (
+        "tools the tokenizer cannot write",
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "a"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        400,
+        "messages",
+    ),
     ("unknown field", "/v1/completions", {"model": MODEL, "prompt": "a", "ignore_eos": True}, 400, "ignore_eos"),
     ("oversized body", "/v1/completions", {"model": MODEL, "prompt": "a" * 70_000}, 413, None),
     ("unknown route", "/v1/engines", {}, 404, None),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("name, path, body, status, param", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
@@ -507,8 +619,9 @@ def test_full_queue_answers_503_with_retry_after(model_dir):
     engine = app.state.gptkit.engine  # not started (no lifespan): nothing leaves the queue
     params = SamplingParams(max_new_tokens=1)
     engine.submit([(Request([1], params), lambda chunk: None), (Request([1], params), lambda chunk: None)])
-    r = TestClient(app, base_url="http://localhost").post("/v1/completions",
-                                                          json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+    r = TestClient(app, base_url="http://localhost").post(
+        "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}
+    )
     assert r.status_code == 503
     assert r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "server_busy"
@@ -524,10 +637,24 @@ def test_streamed_text_holds_back_what_may_start_a_stop_string():
 
 def test_cli_binds_loopback_and_requires_the_api_key(model_dir):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gptkit", "serve", str(model_dir), "--port", "0", "--api-key", "sekrit",
-         "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "gptkit",
+            "serve",
+            str(model_dir),
+            "--port",
+            "0",
+            "--api-key",
+            "sekrit",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         url = None
         deadline = time.monotonic() + 60
@@ -630,7 +757,8 @@ def test_an_empty_allowed_host_is_refused_in_one_line(name, tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--allowed-host", "box.lan", name]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"gptkit serve: error: --allowed-host {name!r} names no host: give a host name such as mybox.lan (loopback "
-        "names need no flag)"]  # fmt: skip
+        "names need no flag)"
+    ]
     with pytest.raises(GptkitError, match="names no host"):
         ServeOptions(allowed_host=(name,))
 
@@ -638,13 +766,30 @@ def test_an_empty_allowed_host_is_refused_in_one_line(name, tmp_path, capsys):
 def test_fields_that_change_nothing_are_accepted(http):
     plain = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0}
     want = http.post("/v1/completions", json=plain).json()["choices"][0]["text"]
-    unused = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "frequency_penalty": 0,
-              "presence_penalty": 0.0, "logit_bias": {}, "best_of": 1, "suffix": None, "response_format": None}
+    unused = {
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+        "best_of": 1,
+        "suffix": None,
+        "response_format": None,
+    }
     r = http.post("/v1/completions", json={**plain, **unused})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "tools": [],
-            "tool_choice": "none", "response_format": {"type": "text"}, "parallel_tool_calls": True}
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "parallel_tool_calls": True,
+    }
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
 
 
@@ -652,7 +797,8 @@ def whole_response(sock: socket.socket) -> bytes:
     """One HTTP response read off a socket: its head, then as many body bytes as its Content-Length says."""
     response = b""
     while b"\r\n\r\n" not in response or len(response.partition(b"\r\n\r\n")[2]) < int(
-            re.search(rb"content-length: (\d+)", response.lower()).group(1)):  # fmt: skip
+        re.search(rb"content-length: (\d+)", response.lower()).group(1)
+    ):
         chunk = sock.recv(4096)
         if not chunk:
             raise ConnectionError(f"closed after {response!r}")
@@ -666,8 +812,10 @@ def test_a_half_sent_request_is_closed_after_the_head_timeout(model_dir):
         port = int(url.rsplit(":", 1)[1])
         stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
         stalled[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head never ends
-        stalled[2].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: 100\r\n\r\n{\"model\": ")  # the body never ends
+        stalled[2].sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model": '
+        )  # the body never ends
         for s in stalled:
             s.settimeout(10)
         started = time.monotonic()
@@ -689,8 +837,10 @@ def test_a_half_sent_request_is_closed_after_the_head_timeout(model_dir):
         body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 1}).encode().ljust(60)
         slow = socket.create_connection(("127.0.0.1", port))
         slow.settimeout(10)
-        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body))
+        slow.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
         for start in range(0, len(body), 10):  # 6 pieces 0.4 s apart: 2.4 s in all, against a 1 s deadline
             time.sleep(0.4)
             slow.sendall(body[start : start + 10])
@@ -722,12 +872,14 @@ def test_a_pathological_template_stops_with_an_error_and_others_are_answered(mod
     import threading
 
     templated = Path(shutil.copytree(model_dir, tmp_path / MODEL))
-    template = ("{% if messages[0].content == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
-                "{{ j % 2 }}{% endfor %}{% endfor %}"
-                "{% elif messages[0].content == 'huge' %}{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"
-                "{% elif messages[0].content == 'include' %}{% include 'other.jinja' %}"
-                "{% elif messages[0].content == 'recurse' %}{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(1) }}"
-                "{% else %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:{% endif %}")  # fmt: skip
+    template = (
+        "{% if messages[0].content == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+        "{{ j % 2 }}{% endfor %}{% endfor %}"
+        "{% elif messages[0].content == 'huge' %}{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"
+        "{% elif messages[0].content == 'include' %}{% include 'other.jinja' %}"
+        "{% elif messages[0].content == 'recurse' %}{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(1) }}"
+        "{% else %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:{% endif %}"
+    )
     (templated / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
 
     def chat(content: str) -> httpx.Response:

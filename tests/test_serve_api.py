@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -15,14 +14,14 @@ import numpy as np
 import openai
 import pytest
 import torch
+from test_serve_helpers import live_server
+from test_structured import TOOLS, byte_model
 
 from gptkit.formats.modeldir import save_model_dir
 from gptkit.serving.embeddings import embed
 from gptkit.serving.server import ServeOptions, build_app
 from gptkit.serving.tools import parse_calls
 from gptkit.tokenizer import ByteTokenizer
-from test_serve_helpers import live_server
-from test_structured import TOOLS, byte_model
 
 MODEL = "api-served"
 WEATHER = TOOLS[0]["function"]["parameters"]
@@ -44,8 +43,9 @@ def client(server) -> openai.OpenAI:
 
 def chat(client, bias: dict[str, int] | None = None, **fields):
     fields.setdefault("max_tokens", 200)
-    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                          seed=1, logit_bias=bias, **fields)  # fmt: skip
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], seed=1, logit_bias=bias, **fields
+    )
 
 
 # ---------------------------------------------------------------- tools on "auto"
@@ -75,8 +75,9 @@ def test_a_streamed_auto_reply_equals_the_whole_one(client, bias):
     for piece in calls:
         entry = streamed.setdefault(piece.index, {"name": piece.function.name, "arguments": ""})
         entry["arguments"] += piece.function.arguments or ""
-    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []] == \
-        [(c["name"], c["arguments"]) for c in streamed.values()]  # fmt: skip
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []] == [
+        (c["name"], c["arguments"]) for c in streamed.values()
+    ]
     assert events[-1].choices[0].finish_reason == whole.finish_reason
 
 
@@ -106,8 +107,12 @@ def test_calls_are_read_back_from_the_text_the_grammar_writes():
 def test_json_may_begin_with_the_space_the_default_template_replies_begin_with(client):
     # The default template writes "assistant: <reply>", so a model trained on it begins each reply with a space;
     # the grammar allows that one space before the JSON (and no more).
-    schema = {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}}, "required": ["c"],
-              "additionalProperties": False}  # no free string: a space can only go before the JSON
+    schema = {
+        "type": "object",
+        "properties": {"c": {"enum": ["red", "blue"]}},
+        "required": ["c"],
+        "additionalProperties": False,
+    }  # no free string: a space can only go before the JSON
     format_ = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
     spaced = chat(client, {SPACE: 100}, response_format=format_).choices[0]
     assert spaced.message.content in (' {"c": "red"}', ' {"c": "blue"}') and spaced.finish_reason == "stop"
@@ -120,11 +125,15 @@ def test_json_may_begin_with_the_space_the_default_template_replies_begin_with(c
 
 
 def test_responses_answers_text_through_the_openai_client(client):
-    response = client.responses.create(model=MODEL, input="Hello", max_output_tokens=8, temperature=0,
-                                       instructions="Be brief.")  # fmt: skip
-    same = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
-                                                                 {"role": "user", "content": "Hello"}],
-                                          max_tokens=8, temperature=0)  # fmt: skip
+    response = client.responses.create(
+        model=MODEL, input="Hello", max_output_tokens=8, temperature=0, instructions="Be brief."
+    )
+    same = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+        max_tokens=8,
+        temperature=0,
+    )
     assert response.output_text == same.choices[0].message.content
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.input_tokens == same.usage.prompt_tokens
@@ -144,38 +153,66 @@ def test_a_streamed_response_ends_with_the_whole_one(client):
 
 def test_responses_calls_functions_and_reads_their_results(client):
     tool = {"type": "function", "name": "get_weather", "parameters": WEATHER}
-    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool], tool_choice="required",
-                                    parallel_tool_calls=False, max_output_tokens=200, temperature=0)  # fmt: skip
+    first = client.responses.create(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+        temperature=0,
+    )
     [call] = first.output
     assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
     jsonschema.validate(json.loads(call.arguments), WEATHER)
     history = ["Weather in Paris?", call, {"type": "function_call_output", "call_id": call.call_id, "output": "21"}]
     history[0] = {"role": "user", "content": history[0]}
-    final = client.responses.create(model=MODEL, input=history, tools=[tool], tool_choice="none",
-                                    max_output_tokens=4)  # fmt: skip
+    final = client.responses.create(model=MODEL, input=history, tools=[tool], tool_choice="none", max_output_tokens=4)
     assert final.output[0].type == "message" and final.usage.input_tokens > first.usage.input_tokens
-    streamed = list(client.responses.create(model=MODEL, input="Weather?", tools=[tool], tool_choice="required",
-                                            parallel_tool_calls=False, max_output_tokens=200, temperature=0,
-                                            stream=True))  # fmt: skip
+    streamed = list(
+        client.responses.create(
+            model=MODEL,
+            input="Weather?",
+            tools=[tool],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=200,
+            temperature=0,
+            stream=True,
+        )
+    )
     done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
-    assert len(done) == 1 and "".join(e.delta for e in streamed if e.type.endswith("arguments.delta")) == done[0].arguments
+    assert (
+        len(done) == 1 and "".join(e.delta for e in streamed if e.type.endswith("arguments.delta")) == done[0].arguments
+    )
 
 
 def test_responses_structured_output_parses(client):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["n"], "additionalProperties": False}  # fmt: skip
-    response = client.responses.create(model=MODEL, input="A digit?", max_output_tokens=40, text={
-        "format": {"type": "json_schema", "name": "digit", "schema": schema, "strict": True}})  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    response = client.responses.create(
+        model=MODEL,
+        input="A digit?",
+        max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "digit", "schema": schema, "strict": True}},
+    )
     jsonschema.validate(json.loads(response.output_text), schema)
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0]"),
-    ({"background": True}, "background"),
-    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0]"),
+        ({"background": True}, "background"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+    ],
+)
 def test_what_responses_cannot_honour_is_a_400_naming_the_field(server, fields, param):
     reply = httpx.post(f"{server[0]}/v1/responses", json={"model": MODEL, "input": "x", **fields})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
@@ -188,8 +225,9 @@ def test_embeddings_are_the_mean_pooled_final_states_in_both_encodings(client, s
     model = server[1].engine.model
     texts = ["Hello there", "x"]
     got = client.embeddings.create(model=MODEL, input=texts)  # the client asks for base64 and decodes it
-    floats = httpx.post(f"{server[0]}/v1/embeddings", json={"model": MODEL, "input": texts,
-                                                            "encoding_format": "float"}).json()  # fmt: skip
+    floats = httpx.post(
+        f"{server[0]}/v1/embeddings", json={"model": MODEL, "input": texts, "encoding_format": "float"}
+    ).json()
     for i, text in enumerate(texts):
         ids = ByteTokenizer().encode(text)
         with torch.no_grad():
@@ -206,12 +244,21 @@ def test_similar_texts_embed_closer_than_unrelated_ones_on_a_trained_model():
     from test_quantize import trained
 
     model, tokenizer, _ = trained.__wrapped__()
-    lines = ["First Citizen: We are accounted poor citizens.", "MENENIUS: Where go you with bats and clubs?",
-             "ROMEO: What light through yonder window breaks?", "RICHARD: Now is the winter of our discontent."]
-    edited = ["First Citizen: We are counted poor citizens.", "MENENIUS: Where go you with sticks and clubs?",
-              "ROMEO: What light through yonder door breaks?", "RICHARD: Now is the summer of our discontent."]
-    lines_, edited_ = ([torch.tensor(embed(model, tokenizer.encode(t), "mean")) for t in texts]
-                       for texts in (lines, edited))  # fmt: skip
+    lines = [
+        "First Citizen: We are accounted poor citizens.",
+        "MENENIUS: Where go you with bats and clubs?",
+        "ROMEO: What light through yonder window breaks?",
+        "RICHARD: Now is the winter of our discontent.",
+    ]
+    edited = [
+        "First Citizen: We are counted poor citizens.",
+        "MENENIUS: Where go you with sticks and clubs?",
+        "ROMEO: What light through yonder door breaks?",
+        "RICHARD: Now is the summer of our discontent.",
+    ]
+    lines_, edited_ = (
+        [torch.tensor(embed(model, tokenizer.encode(t), "mean")) for t in texts] for texts in (lines, edited)
+    )
     similarity = torch.stack(edited_) @ torch.stack(lines_).T  # (edited, lines): cosines (unit vectors)
     # Each edited line is closest to the line it was edited from (measured: 0.997 and above on the diagonal,
     # at most 0.987 elsewhere, on this 150-step character model).
@@ -241,11 +288,15 @@ def test_metrics_count_requests_tokens_and_latencies(client, server):
     route = '{route="/v1/completions",status="200"}'
     assert _sample(after, "gptkit_requests_total", route) == _sample(before.text, "gptkit_requests_total", route) + 1
     refused = '{route="/v1/completions",status="400"}'
-    assert _sample(after, "gptkit_requests_total", refused) == _sample(before.text, "gptkit_requests_total", refused) + 1
-    for name, grew in (("gptkit_generation_tokens_total", reply.usage.completion_tokens),
-                       ("gptkit_prompt_tokens_total", reply.usage.prompt_tokens),
-                       ("gptkit_time_to_first_token_seconds_count", 1),
-                       ("gptkit_time_per_output_token_seconds_count", 1)):  # fmt: skip
+    assert (
+        _sample(after, "gptkit_requests_total", refused) == _sample(before.text, "gptkit_requests_total", refused) + 1
+    )
+    for name, grew in (
+        ("gptkit_generation_tokens_total", reply.usage.completion_tokens),
+        ("gptkit_prompt_tokens_total", reply.usage.prompt_tokens),
+        ("gptkit_time_to_first_token_seconds_count", 1),
+        ("gptkit_time_per_output_token_seconds_count", 1),
+    ):
         assert _sample(after, name) == _sample(before.text, name) + grew, name
     assert "# TYPE gptkit_time_to_first_token_seconds histogram" in after
     assert _sample(after, "gptkit_requests_waiting") == 0
@@ -260,17 +311,37 @@ def test_props_give_the_context_and_the_template(server):
 # ---------------------------------------------------------------- validation as OpenAI's API does it
 
 
-@pytest.mark.parametrize("path, body, param, says", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
-     "needs logprobs"),
-    ("/v1/completions", {"prompt": [[1, None, 3]]}, "prompt", "prompt[0][1] is null"),
-    ("/v1/completions", {"prompt": [1, None]}, "prompt", "prompt[1] is null"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content", "'image_url' part"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 2.5}, "temperature",
-     "less than or equal to 2"),
-    ("/v1/completions", {"prompt": "a" * 2048, "max_tokens": 1, "echo": True}, "prompt", "fills this server's context"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, body, param, says",
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+            "needs logprobs",
+        ),
+        ("/v1/completions", {"prompt": [[1, None, 3]]}, "prompt", "prompt[0][1] is null"),
+        ("/v1/completions", {"prompt": [1, None]}, "prompt", "prompt[1] is null"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+            "messages.0.content",
+            "'image_url' part",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "temperature": 2.5},
+            "temperature",
+            "less than or equal to 2",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "a" * 2048, "max_tokens": 1, "echo": True},
+            "prompt",
+            "fills this server's context",
+        ),
+    ],
+)
 def test_validation_gaps_are_400s_naming_the_field(server, path, body, param, says):
     reply = httpx.post(server[0] + path, json={"model": MODEL, **body})
     error = reply.json()["error"]

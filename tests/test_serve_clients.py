@@ -17,6 +17,8 @@ import openai
 import pytest
 import torch
 from pydantic import BaseModel, Field
+from test_serve_helpers import live_server
+from test_structured import TOOLS, byte_model
 
 from gptkit.chat import ChatTemplate
 from gptkit.config import ModelConfig
@@ -25,8 +27,6 @@ from gptkit.model import GPT
 from gptkit.serving.embeddings import embed
 from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tokenizer import ByteTokenizer
-from test_serve_helpers import live_server
-from test_structured import TOOLS, byte_model
 
 # LiteLLM fetches a price list from the internet when imported unless told to use the copy it ships (the tests
 # reach nothing but this machine).
@@ -101,28 +101,48 @@ def test_openai_tool_round_trip_on_default_tool_choice(client):
     # The assistant message the client returned goes back into the history as the client's own object (it
     # serialises its fields, refusal and annotations among them), followed by the tool's result.
     history: list = [{"role": "user", "content": "Weather in Paris?"}]
-    first = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER_TOOL], max_tokens=200,
-                                           temperature=0, logit_bias=strings(ONE_CALL))  # fmt: skip
+    first = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER_TOOL], max_tokens=200, temperature=0, logit_bias=strings(ONE_CALL)
+    )
     reply = first.choices[0]
     assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
     call = reply.message.tool_calls[0]
     check_weather_call(call.function.name, json.loads(call.function.arguments))
     history += [reply.message, {"role": "tool", "tool_call_id": call.id, "content": "21"}]
-    final = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER_TOOL], max_tokens=5,
-                                           temperature=0, logit_bias={str(TEXT): 100})  # fmt: skip
+    final = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER_TOOL], max_tokens=5, temperature=0, logit_bias={str(TEXT): 100}
+    )
     assert final.choices[0].message.content == "HHHHH" and final.choices[0].message.tool_calls is None
-    rendered = [history[0], {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
-        "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]}, history[2]]  # fmt: skip
+    rendered = [
+        history[0],
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)},
+                }
+            ],
+        },
+        history[2],
+    ]
     assert final.usage.prompt_tokens == prompt_tokens(rendered, [WEATHER_TOOL])
 
 
 def test_openai_parse_reads_structured_replies_and_strict_tools(client):
-    colour = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "A colour?"}],
-                                           response_format=Colour, max_tokens=40)  # fmt: skip
+    colour = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "A colour?"}], response_format=Colour, max_tokens=40
+    )
     assert isinstance(colour.choices[0].message.parsed, Colour)
     tool = openai.pydantic_function_tool(Weather)  # strict: the client parses the arguments into Weather
-    called = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
-                                           tools=[tool], max_tokens=200, logit_bias=strings(ONE_CALL))  # fmt: skip
+    called = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[tool],
+        max_tokens=200,
+        logit_bias=strings(ONE_CALL),
+    )
     [call] = called.choices[0].message.tool_calls
     assert call.function.name == "Weather" and isinstance(call.function.parsed_arguments, Weather)
 
@@ -131,8 +151,11 @@ def caller_model() -> GPT:
     """A random byte model that calls tools: its output bias favours "{" (a call begins) over the end of text, and
     the end over everything else, so that it writes one call, its strings filled with "{", and stops."""
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=257, block_size=512, n_layer=2, n_head=4, n_embd=32, tie_embeddings=False,
-                            lm_head_bias=True))  # fmt: skip
+    model = GPT(
+        ModelConfig(
+            vocab_size=257, block_size=512, n_layer=2, n_head=4, n_embd=32, tie_embeddings=False, lm_head_bias=True
+        )
+    )
     with torch.no_grad():
         model.lm_head.bias[CALL], model.lm_head.bias[END] = 100.0, 50.0
     return model.eval()
@@ -153,11 +176,15 @@ def test_openai_responses_on_default_tool_choice(client, caller):
     assert call.type == "function_call" and called.status == "completed"
     check_weather_call(call.name, json.loads(call.arguments))
     answered = client.responses.create(model=MODEL, input="Hi", tools=[tool], max_output_tokens=8, temperature=0)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                          tools=[WEATHER_TOOL], max_tokens=8, temperature=0)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER_TOOL], max_tokens=8, temperature=0
+    )
     assert answered.output[0].type == "message" and answered.output_text == chat.choices[0].message.content
-    assert answered.usage.input_tokens == chat.usage.prompt_tokens == prompt_tokens(
-        [{"role": "user", "content": "Hi"}], [WEATHER_TOOL])
+    assert (
+        answered.usage.input_tokens
+        == chat.usage.prompt_tokens
+        == prompt_tokens([{"role": "user", "content": "Hi"}], [WEATHER_TOOL])
+    )
     parsed = client.responses.parse(model=MODEL, input="A colour?", text_format=Colour, max_output_tokens=40)
     assert isinstance(parsed.output_parsed, Colour)
 
@@ -178,8 +205,15 @@ def langchain(url):
     lc = pytest.importorskip("langchain_openai")
 
     def chat(max_tokens: int, logit_bias: dict[int, int] | None = None, temperature: float | None = None):
-        return lc.ChatOpenAI(model=MODEL, base_url=url, api_key="unused", max_retries=0, max_tokens=max_tokens,
-                             logit_bias=logit_bias, temperature=temperature)  # fmt: skip
+        return lc.ChatOpenAI(
+            model=MODEL,
+            base_url=url,
+            api_key="unused",
+            max_retries=0,
+            max_tokens=max_tokens,
+            logit_bias=logit_bias,
+            temperature=temperature,
+        )
 
     return chat
 
@@ -223,8 +257,9 @@ def test_langchain_structured_output_by_schema(langchain, method):
 def test_langchain_structured_output_in_json_mode(langchain):
     # json_mode asks only for an object; "}" pushed makes it the smallest one.
     schema = {"title": "anything", "type": "object"}
-    structured = langchain(max_tokens=20, logit_bias={CLOSE: 100}).with_structured_output(schema, method="json_mode",
-                                                                                          include_raw=True)  # fmt: skip
+    structured = langchain(max_tokens=20, logit_bias={CLOSE: 100}).with_structured_output(
+        schema, method="json_mode", include_raw=True
+    )
     result = structured.invoke("An object?")
     assert result["parsing_error"] is None and result["parsed"] == json.loads(result["raw"].content) == {}
 
@@ -233,8 +268,9 @@ def test_langchain_embeddings_are_the_servers(url, client):
     lc = pytest.importorskip("langchain_openai")
     # check_embedding_ctx_length=False: by default LangChain tokenizes texts with OpenAI's tiktoken encodings
     # (downloaded on first use) and sends their token ids, which mean nothing to another model's vocabulary.
-    embeddings = lc.OpenAIEmbeddings(model=MODEL, base_url=url, api_key="unused", max_retries=0,
-                                     check_embedding_ctx_length=False)  # fmt: skip
+    embeddings = lc.OpenAIEmbeddings(
+        model=MODEL, base_url=url, api_key="unused", max_retries=0, check_embedding_ctx_length=False
+    )
     texts = ["Hello there", "x"]
     want = [d.embedding for d in client.embeddings.create(model=MODEL, input=texts).data]
     assert embeddings.embed_documents(texts) == want and embeddings.embed_query("x") == want[1]
@@ -252,8 +288,10 @@ def litellm(url) -> SimpleNamespace:
     """LiteLLM's completion and embedding pointed at the server (its "openai/" models: an OpenAI-compatible API)."""
     lite = pytest.importorskip("litellm")
     model = f"openai/{MODEL}"
-    return SimpleNamespace(completion=partial(lite.completion, model=model, api_base=url, api_key="unused"),
-                           embedding=partial(lite.embedding, model=model, api_base=url, api_key="unused"))
+    return SimpleNamespace(
+        completion=partial(lite.completion, model=model, api_base=url, api_key="unused"),
+        embedding=partial(lite.embedding, model=model, api_base=url, api_key="unused"),
+    )
 
 
 @quiet_import

@@ -14,8 +14,8 @@ import torch
 import uvicorn
 
 from gptkit.config import ModelConfig
-from gptkit.model import GPT
 from gptkit.formats.modeldir import save_model_dir
+from gptkit.model import GPT
 from gptkit.serving.server import ServeOptions, uvicorn_config
 from gptkit.tokenizer import EOT, CharTokenizer
 

@@ -10,8 +10,9 @@ import httpx
 import openai
 import pytest
 import torch
+from test_serve_helpers import live_server
 
-from gptkit.adapters import add_lora, adapters, fingerprint
+from gptkit.adapters import adapters, add_lora, fingerprint
 from gptkit.config import ModelConfig
 from gptkit.errors import GptkitError
 from gptkit.formats.lora import read_lora_config, write_lora_dir
@@ -23,7 +24,6 @@ from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tensors import load_tensors
 from gptkit.tokenizer import ByteTokenizer
 from gptkit.weights import model_state
-from test_serve_helpers import live_server
 
 KEY = "secret"
 PROMPTS = ["Hello", "The cat", "abc", "Once upon"]
@@ -38,8 +38,15 @@ def _base(root: Path) -> Path:
 def _lora(base_dir: Path, out: Path, seed: int, targets: str, rank: int) -> Path:
     """A LoRA directory over base_dir with random (non-zero) adapters."""
     model, _ = load(base_dir)
-    settings = {"base": str(base_dir.resolve()), "base_fingerprint": fingerprint(model_state(model)), "rank": rank,
-                "alpha": 2.0 * rank, "dropout": 0.0, "targets": targets, "base_precision": "float32"}  # fmt: skip
+    settings = {
+        "base": str(base_dir.resolve()),
+        "base_fingerprint": fingerprint(model_state(model)),
+        "rank": rank,
+        "alpha": 2.0 * rank,
+        "dropout": 0.0,
+        "targets": targets,
+        "base_precision": "float32",
+    }
     add_lora(model, rank, 2.0 * rank, 0.0, targets)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -52,8 +59,12 @@ def _lora(base_dir: Path, out: Path, seed: int, targets: str, rank: int) -> Path
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
     base = _base(root)
-    return {"base": base, "a": _lora(base, root / "a", 1, "all", 4), "b": _lora(base, root / "b", 2, "attention", 2),
-            "c": _lora(base, root / "c", 3, "mlp", 3)}  # fmt: skip
+    return {
+        "base": base,
+        "a": _lora(base, root / "a", 1, "all", 4),
+        "b": _lora(base, root / "b", 2, "attention", 2),
+        "c": _lora(base, root / "c", 3, "mlp", 3),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +85,9 @@ def test_an_adapter_set_row_computes_what_its_merged_model_computes(dirs):
     # Rows of one batch through three different models (base, a, b): each row's logits are its merged model's.
     model, _ = load(dirs["base"])
     for index, name in ((1, "a"), (2, "b")):
-        serve_adapter(model, index, load_tensors(dirs[name] / "adapters.safetensors"), read_lora_config(dirs[name]),
-                      name)  # fmt: skip
+        serve_adapter(
+            model, index, load_tensors(dirs[name] / "adapters.safetensors"), read_lora_config(dirs[name]), name
+        )
     ids = torch.randint(0, 257, (4, 12))
     choice = [2, 0, 1, 2]
     with torch.no_grad(), rows_using(model, choice):
@@ -140,15 +152,17 @@ def test_adapters_load_and_unload_at_run_time_behind_the_key(client, server, dir
     refused = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(dirs["c"])})
     assert refused.status_code == 401  # no key
     headers = {"Authorization": f"Bearer {KEY}"}
-    loaded = httpx.post(f"{url}/v1/load_lora_adapter", headers=headers,
-                        json={"lora_name": "c", "lora_path": str(dirs["c"])})  # fmt: skip
+    loaded = httpx.post(
+        f"{url}/v1/load_lora_adapter", headers=headers, json={"lora_name": "c", "lora_path": str(dirs["c"])}
+    )
     assert loaded.status_code == 200, loaded.text
     assert _greedy(client, "c", "Hello")[0] == merged_greedy(dirs["c"], "Hello")
     assert httpx.post(f"{url}/v1/unload_lora_adapter", headers=headers, json={"lora_name": "c"}).status_code == 200
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="c", prompt="x", max_tokens=1)
-    wrong = httpx.post(f"{url}/v1/load_lora_adapter", headers=headers,
-                       json={"lora_name": "d", "lora_path": str(dirs["base"])})  # fmt: skip
+    wrong = httpx.post(
+        f"{url}/v1/load_lora_adapter", headers=headers, json={"lora_name": "d", "lora_path": str(dirs["base"])}
+    )
     assert wrong.status_code == 400 and "not a LoRA directory" in wrong.json()["error"]["message"]
 
 
@@ -161,8 +175,11 @@ def test_runtime_loading_needs_a_key(dirs):
 
 def test_an_adapter_trained_on_another_base_is_refused_in_one_line(dirs, tmp_path):
     torch.manual_seed(5)
-    other = save_model_dir(GPT(ModelConfig(vocab_size=257, block_size=256, n_layer=2, n_head=2, n_embd=32)),
-                           tmp_path / "other", tokenizer=ByteTokenizer())  # fmt: skip
+    other = save_model_dir(
+        GPT(ModelConfig(vocab_size=257, block_size=256, n_layer=2, n_head=2, n_embd=32)),
+        tmp_path / "other",
+        tokenizer=ByteTokenizer(),
+    )
     with pytest.raises(GptkitError, match="trained on another base"):
         build_app(other, ServeOptions(lora=(f"a={dirs['a']}",)))
     with pytest.raises(GptkitError, match="NAME=DIR"):
@@ -178,8 +195,11 @@ def test_adapters_beside_the_base_are_served_under_their_names_when_asked(dirs, 
     root = dirs["base"].parent
     shutil.copytree(dirs["a"], root / "x y")
     torch.manual_seed(5)
-    other_base = save_model_dir(GPT(ModelConfig(vocab_size=257, block_size=256, n_layer=2, n_head=2, n_embd=32)),
-                                tmp_path / "other-base", tokenizer=ByteTokenizer())  # fmt: skip
+    other_base = save_model_dir(
+        GPT(ModelConfig(vocab_size=257, block_size=256, n_layer=2, n_head=2, n_embd=32)),
+        tmp_path / "other-base",
+        tokenizer=ByteTokenizer(),
+    )
     _lora(other_base, root / "other", 4, "all", 2)
     try:
         with caplog.at_level("INFO", logger="gptkit"):
@@ -196,7 +216,8 @@ def test_adapters_beside_the_base_are_served_under_their_names_when_asked(dirs, 
 
 
 def test_the_search_beside_a_symlinked_base_looks_in_its_own_folder_and_skips_what_it_cannot_read(
-        dirs, tmp_path, monkeypatch, caplog):  # fmt: skip
+    dirs, tmp_path, monkeypatch, caplog
+):
     from gptkit.serving.lora_registry import adapters_beside
 
     models = tmp_path / "models"

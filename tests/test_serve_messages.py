@@ -9,14 +9,14 @@ import json
 import httpx
 import openai
 import pytest
+from test_serve_clients import WEATHER_TOOL, check_weather_call, prompt_tokens
+from test_serve_helpers import live_server
+from test_structured import byte_model
 
 from gptkit.formats.modeldir import save_model_dir
 from gptkit.serving.messages_schema import MessagesRequest, parse, to_chat
 from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tokenizer import ByteTokenizer
-from test_serve_clients import WEATHER_TOOL, check_weather_call, prompt_tokens
-from test_serve_helpers import live_server
-from test_structured import byte_model
 
 anthropic = pytest.importorskip("anthropic")
 

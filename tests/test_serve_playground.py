@@ -13,17 +13,25 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from test_serve_helpers import live_server, make_model_dir
 
 from gptkit.observe.measures import chance_induction_score, induction_scores, logit_lens
 from gptkit.serving.server import ServeOptions, build_app
-from test_serve_helpers import live_server, make_model_dir
 
 TEXT = "Hello there, general Kenobi"
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package; the test set-up installs it, never a downloaded browser
 # Root in a container needs --no-sandbox; the rest keep Chromium off the (closed) network.
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def _need_browser():
@@ -59,8 +67,10 @@ def test_playground_streams_text_probabilities_and_attention(tmp_path):
     model_dir = make_model_dir(tmp_path / "tiny-served")
     app = build_app(model_dir, ServeOptions())
     with live_server(app) as url:
-        expected = httpx.post(url + "/v1/completions", json={"model": "tiny-served", "prompt": "Hello there",
-                                                             "max_tokens": 24, "temperature": 0}).json()  # fmt: skip
+        expected = httpx.post(
+            url + "/v1/completions",
+            json={"model": "tiny-served", "prompt": "Hello there", "max_tokens": 24, "temperature": 0},
+        ).json()
         expected_text = expected["choices"][0]["text"]
         with playground_page(url, "tiny-served") as page:
             page.fill("#prompt", "Hello there")
@@ -80,10 +90,13 @@ def test_playground_streams_text_probabilities_and_attention(tmp_path):
             drawn = int(page.eval_on_selector("#heatmap", "el => el.dataset.drawn"))
             assert drawn == len("Hello there") + len(generated)
             # The tokens label the rows (left of the map) and the columns (above it): ink in both margins.
-            ink = page.eval_on_selector("#heatmap", """el => { const c = el.getContext('2d'), m = 48;
+            ink = page.eval_on_selector(
+                "#heatmap",
+                """el => { const c = el.getContext('2d'), m = 48;
                 const alpha = (x, y, w, h) => c.getImageData(x, y, w, h).data.filter((v, k) => k % 4 == 3)
                     .reduce((a, b) => a + b, 0);
-                return [alpha(0, m, m, el.height - m), alpha(m, 0, el.width - m, m)]; }""")
+                return [alpha(0, m, m, el.height - m), alpha(m, 0, el.width - m, m)]; }""",
+            )
             assert page.eval_on_selector("#heatmap", "el => el.dataset.labelled") == "true" and min(ink) > 0
             assert page.locator("#layer option").count() == 2
 
@@ -107,8 +120,9 @@ def test_playground_chat_tab_keeps_the_conversation(tmp_path):
             for turn, text in enumerate(["Hi there", "And then?"], start=1):
                 page.fill("#chat-input", text)
                 page.click("#chat-send")
-                page.wait_for_function("['finish', 'error'].some(w => "
-                                       "document.getElementById('chat-status').textContent.includes(w))")
+                page.wait_for_function(
+                    "['finish', 'error'].some(w => document.getElementById('chat-status').textContent.includes(w))"
+                )
                 assert "finish" in page.text_content("#chat-status")
                 history.append({"role": "user", "content": text})
                 expected = reply(url, history)  # the page must have sent the whole conversation so far
@@ -190,7 +204,7 @@ BAD_LENS = [
     ("position a string", {"text": "abc", "position": "1"}, "position"),
     ("top 0", {"text": "abc", "top": 0}, "top"),
     ("top 4", {"text": "abc", "top": 4}, "top"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("body, param", [c[1:] for c in BAD_LENS], ids=[c[0] for c in BAD_LENS])
@@ -230,8 +244,10 @@ def test_the_inspection_routes_need_the_api_key(tmp_path):
     app = build_app(make_model_dir(tmp_path / "tiny-served"), ServeOptions(api_key="sekrit"))
     with live_server(app) as url:
         key = {"Authorization": "Bearer sekrit"}
-        for method, path, body in (("POST", "/playground/lens", {"text": "abc"}),
-                                   ("GET", "/playground/induction", None)):
+        for method, path, body in (
+            ("POST", "/playground/lens", {"text": "abc"}),
+            ("GET", "/playground/induction", None),
+        ):
             assert httpx.request(method, url + path, json=body, timeout=60).status_code == 401
             assert httpx.request(method, url + path, json=body, headers=key, timeout=60).status_code == 200
 
@@ -262,7 +278,8 @@ def test_playground_shows_the_logit_lens_and_the_induction_heads(tmp_path):
             cells = page.locator("#induction td.score")
             assert cells.count() == 2 * 4  # n_layer x n_head
             assert [float(c) for c in cells.all_inner_texts()] == pytest.approx(
-                [s for row in induction["scores"] for s in row], abs=1e-3)
+                [s for row in induction["scores"] for s in row], abs=1e-3
+            )
             best = induction["strongest"]
             assert f"layer {best['layer']} head {best['head']}" in page.inner_text("#induction-strongest")
             assert page.locator("#induction td.strongest").get_attribute("data-head") == str(best["head"])
@@ -290,7 +307,8 @@ def test_the_attention_view_of_a_text_longer_than_the_context_shows_its_last_blo
             assert page.eval_on_selector("#heatmap", "el => el.dataset.drawn") == "96"
             assert page.locator("#lens-tokens .lens-tok").count() == 96
             assert "the last 96 tokens" in page.inner_text("#heatmap-info") and "54 before" in page.inner_text(
-                "#heatmap-info")
+                "#heatmap-info"
+            )
             box = page.locator("#heatmap").bounding_box()
             scale = box["width"] / page.eval_on_selector("#heatmap", "el => el.width")
             cell = (page.eval_on_selector("#heatmap", "el => el.width") - 48) // 96

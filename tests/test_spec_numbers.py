@@ -2,8 +2,8 @@
 
 import torch
 
-from gptkit.loss import next_token_loss
 from gptkit.attention import plain_attention
+from gptkit.loss import next_token_loss
 
 
 def test_cross_entropy_worked_number():
@@ -15,9 +15,7 @@ def test_cross_entropy_worked_number():
 
 
 def test_causal_attention_worked_rows():
-    scores = torch.tensor(
-        [[2.0, 1.0, 0.5, -0.3], [1.5, 3.0, 1.2, 0.1], [0.8, 2.0, 2.5, 1.0], [0.2, 0.5, 1.8, 3.0]]
-    )
+    scores = torch.tensor([[2.0, 1.0, 0.5, -0.3], [1.5, 3.0, 1.2, 0.1], [0.8, 2.0, 2.5, 1.0], [0.2, 0.5, 1.8, 3.0]])
     # plain_attention scales by 1/sqrt(d_k): feed q = scores * sqrt(d_k) rows against k = identity.
     d_k = 4
     q = (scores * d_k**0.5)[None, None]

@@ -6,19 +6,18 @@ import json
 
 import pytest
 import torch
+from conftest import TINY, VARIANTS
 
 from gptkit.cli import main
 from gptkit.config import ModelConfig
-from gptkit.errors import ConfigError
 from gptkit.decoding.api import complete, generate_ids
-from gptkit.model import GPT
-from gptkit.formats.modeldir import save_model_dir
-from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.request import Request
+from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.speculative import speculative_generate
+from gptkit.errors import ConfigError
+from gptkit.formats.modeldir import save_model_dir
+from gptkit.model import GPT
 from gptkit.tokenizer import CharTokenizer
-
-from conftest import TINY, VARIANTS
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
 
@@ -33,8 +32,18 @@ def sharpened(config: ModelConfig) -> GPT:
 
 def always_wrong_draft(config: ModelConfig, token: int) -> GPT:
     """A draft that proposes `token` whatever it sees (an untied head with a one-hot bias)."""
-    draft_config = ModelConfig(**dict(TINY, vocab_size=config.vocab_size, n_layer=1, n_embd=16, n_head=2,
-                                      tie_embeddings=False, lm_head_bias=True, block_size=config.block_size))
+    draft_config = ModelConfig(
+        **dict(
+            TINY,
+            vocab_size=config.vocab_size,
+            n_layer=1,
+            n_embd=16,
+            n_head=2,
+            tie_embeddings=False,
+            lm_head_bias=True,
+            block_size=config.block_size,
+        )
+    )
     draft = GPT(draft_config).eval()
     with torch.no_grad():
         draft.lm_head.weight.zero_()
@@ -143,6 +152,21 @@ def test_cli_generate_with_draft(tmp_path, capsys):
     spec = json.loads(capsys.readouterr().out)
     assert spec["ids"] == plain["ids"] and spec["text"] == plain["text"]
     assert 0 <= spec["timing"]["acceptance_rate"] <= 1 and spec["timing"]["target_passes"] >= 1
-    assert main(["generate", str(target_dir), "--draft", str(draft_dir), "--prompt", "abc", "--max-new-tokens", "5",
-                 "--temperature", "0"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                str(target_dir),
+                "--draft",
+                str(draft_dir),
+                "--prompt",
+                "abc",
+                "--max-new-tokens",
+                "5",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip() == plain["text"][:5].strip()

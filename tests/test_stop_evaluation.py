@@ -9,21 +9,35 @@ import os
 import signal
 from pathlib import Path
 
-from gptkit.checkpoint import latest_checkpoint
-from gptkit.train import Trainer
-from gptkit.run_sources import from_sources
-
 from conftest import write_char_data_dir
+
+from gptkit.checkpoint import latest_checkpoint
+from gptkit.run_sources import from_sources
+from gptkit.train import Trainer
 
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "dropout": 0.0}
 
 
 def trainer(tmp_path: Path, **train) -> Trainer:
     data = write_char_data_dir(tmp_path, 20_000)
-    settings = {"model": dict(MODEL), "optim": {"warmup_steps": 1},
-                "train": {"data_dir": str(data), "out_dir": str(tmp_path / "run"), "max_steps": 4, "batch_size": 4,
-                          "eval_interval": 2, "eval_iters": 2, "eval_at_start": False, "log_interval": 1,
-                          "checkpoint_interval": 100, "device": "cpu", "plot": False, **train}}  # fmt: skip
+    settings = {
+        "model": dict(MODEL),
+        "optim": {"warmup_steps": 1},
+        "train": {
+            "data_dir": str(data),
+            "out_dir": str(tmp_path / "run"),
+            "max_steps": 4,
+            "batch_size": 4,
+            "eval_interval": 2,
+            "eval_iters": 2,
+            "eval_at_start": False,
+            "log_interval": 1,
+            "checkpoint_interval": 100,
+            "device": "cpu",
+            "plot": False,
+            **train,
+        },
+    }
     return Trainer(from_sources(None, settings), resume=False)
 
 

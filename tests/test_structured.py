@@ -13,6 +13,8 @@ import openai
 import pydantic
 import pytest
 import torch
+from test_finetune import chatml_dir
+from test_serve_helpers import live_server
 
 from gptkit.chat import DEFAULT_JINJA, ChatTemplate
 from gptkit.cli import main
@@ -27,42 +29,95 @@ from gptkit.formats.modeldir import save_model_dir
 from gptkit.model import GPT
 from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tokenizer import ByteTokenizer, CharTokenizer
-from test_finetune import chatml_dir
-from test_serve_helpers import live_server
 
 MODEL = "json-served"
 # Schemas whose strings, arrays and numbers are bounded: a random model ends a free string only by chance.
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 5}}, "required": ["n"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["x"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "none": {"type": "null"}},
-     "required": ["ok", "none"], "additionalProperties": False},
-    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
-     "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}},
+        "required": ["name"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 5}},
+        "required": ["n"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["x"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "none": {"type": "null"}},
+        "required": ["ok", "none"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    },
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
-    {"type": "object", "properties": {"point": {"type": "object", "properties": {
-        "x": {"type": "integer", "minimum": 0, "maximum": 99}, "y": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["x", "y"], "additionalProperties": False}}, "required": ["point"], "additionalProperties": False},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-     "required": ["tags"], "additionalProperties": False},
-    {"anyOf": [{"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer",
-               "minimum": 1, "maximum": 9}}, "required": ["kind", "lives"], "additionalProperties": False},
-               {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"],
-                "additionalProperties": False}]},
-    {"$defs": {"id": {"type": "string", "pattern": "^[a-z]{2}[0-9]{2}$"}}, "type": "object",
-     "properties": {"id": {"$ref": "#/$defs/id"}}, "required": ["id"], "additionalProperties": False},
-]  # fmt: skip
+    {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["point"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer", "minimum": 1, "maximum": 9}},
+                "required": ["kind", "lives"],
+                "additionalProperties": False,
+            },
+            {
+                "type": "object",
+                "properties": {"kind": {"const": "dog"}},
+                "required": ["kind"],
+                "additionalProperties": False,
+            },
+        ]
+    },
+    {
+        "$defs": {"id": {"type": "string", "pattern": "^[a-z]{2}[0-9]{2}$"}},
+        "type": "object",
+        "properties": {"id": {"$ref": "#/$defs/id"}},
+        "required": ["id"],
+        "additionalProperties": False,
+    },
+]
 
 
 def complete_text(model: GPT, tokenizer, schema: str) -> list:
     params = SamplingParams(json_schema=schema, max_new_tokens=30, seed=0)
     grammar = grammar_for(model, tokenizer, params)
-    return complete(model, [tokenizer.encode("1")], params, tokenizer.eos_ids, tokenizer.decode,
-                    grammar=grammar).completions[0]
+    return complete(
+        model, [tokenizer.encode("1")], params, tokenizer.eos_ids, tokenizer.decode, grammar=grammar
+    ).completions[0]
 
 
 def byte_model(block_size: int = 512, device: torch.device | str = "cpu") -> GPT:
@@ -90,15 +145,26 @@ def test_json_mode_gives_an_object_and_greedy_decoding_follows_the_mask(device):
     greedy = generate(model, tokenizer, "x", json_schema='{"type": "object"}', max_new_tokens=20, temperature=0)
     assert greedy.startswith('{"')  # the argmax among what may follow "{": a key, or "}"
     # A bias composes with the mask: "}" made likely closes the object at once, and the grammar then ends it.
-    closed = generate_ids(model, [120], tokenizer=tokenizer, json_schema='{"type": "object"}', max_new_tokens=20,
-                          temperature=0, logit_bias={ord("}"): 100})  # fmt: skip
+    closed = generate_ids(
+        model,
+        [120],
+        tokenizer=tokenizer,
+        json_schema='{"type": "object"}',
+        max_new_tokens=20,
+        temperature=0,
+        logit_bias={ord("}"): 100},
+    )
     assert closed == [ord("{"), ord("}")]
 
 
 def test_the_mask_allows_exactly_what_the_grammar_allows_next():
     tokenizer = ByteTokenizer()
-    constraint = Grammar(tokenizer, '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": '
-                                    '["n"], "additionalProperties": false}', 300).start()  # fmt: skip
+    constraint = Grammar(
+        tokenizer,
+        '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": '
+        '["n"], "additionalProperties": false}',
+        300,
+    ).start()
     allowed = lambda: {i for i, v in enumerate(constraint.mask(torch.zeros(300)).tolist()) if v == 0}  # noqa: E731
     assert allowed() == {ord("{")}
     for byte in b'{"n": ':
@@ -116,13 +182,20 @@ def test_a_tokenizer_that_cannot_write_the_json_is_refused_or_cut_short():
     with pytest.raises(SchemaError, match="no token that can begin JSON"):
         Grammar(no_brace, '{"type": "object"}', no_brace.vocab_size)
     with pytest.raises(SchemaError, match="no token that can begin JSON"):  # the key "q" cannot be written
-        Grammar(no_q := CharTokenizer.train(['{}":, 0123456789a']), '{"type": "object", "properties": {"q": {}}, "required": ["q"]}',
-                no_q.vocab_size)
+        Grammar(
+            no_q := CharTokenizer.train(['{}":, 0123456789a']),
+            '{"type": "object", "properties": {"q": {}}, "required": ["q"]}',
+            no_q.vocab_size,
+        )
     # Found only at "q", after the first key's value: the reply ends there, cut short ("length"), not "complete".
     model = GPT(ModelConfig(vocab_size=no_q.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16)).eval()
-    [completion] = complete_text(model, no_q, '{"type": "object", "properties": {"a": {"type": "integer"}, "q": '
-                                              '{"type": "integer"}}, "required": ["a", "q"], '
-                                              '"additionalProperties": false}')  # fmt: skip
+    [completion] = complete_text(
+        model,
+        no_q,
+        '{"type": "object", "properties": {"a": {"type": "integer"}, "q": '
+        '{"type": "integer"}}, "required": ["a", "q"], '
+        '"additionalProperties": false}',
+    )
     assert completion.finish_reason == "length" and no_q.decode(completion.ids).endswith(",")
 
 
@@ -132,8 +205,12 @@ def test_constrained_and_free_requests_share_a_batch(device):
     alone = generate_ids(model, [120, 121], max_new_tokens=12, temperature=0)
     engine = BatchEngine(model, 2, 512)
     free = Request([120, 121], SamplingParams(max_new_tokens=12, temperature=0), tokenizer.eos_ids)
-    constrained = Request([120], SamplingParams(max_new_tokens=100, temperature=0, json_schema=schema),
-                          tokenizer.eos_ids, constraint=Grammar(tokenizer, schema, 257).start())  # fmt: skip
+    constrained = Request(
+        [120],
+        SamplingParams(max_new_tokens=100, temperature=0, json_schema=schema),
+        tokenizer.eos_ids,
+        constraint=Grammar(tokenizer, schema, 257).start(),
+    )
     engine.add([free, constrained])
     while engine.rows:
         engine.step()
@@ -165,12 +242,24 @@ def test_bad_schemas_and_unsupported_combinations_are_clear_errors():
 def test_cli_generate_with_a_json_schema_file(model_dir, tmp_path, capsys):
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMAS[6]))
-    code = main(["generate", str(model_dir), "--prompt", "x", "--json-schema", str(schema_file), "--seed", "1",
-                 "--max-new-tokens", "300", "--json"])  # fmt: skip
+    code = main(
+        [
+            "generate",
+            str(model_dir),
+            "--prompt",
+            "x",
+            "--json-schema",
+            str(schema_file),
+            "--seed",
+            "1",
+            "--max-new-tokens",
+            "300",
+            "--json",
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    jsonschema.validate(json.loads(report["samples"][0]["text"] if "samples" in report else report["text"]),
-                        SCHEMAS[6])  # fmt: skip
+    jsonschema.validate(json.loads(report["samples"][0]["text"] if "samples" in report else report["text"]), SCHEMAS[6])
     with pytest.raises(SystemExit) as exit_:
         main(["generate", str(model_dir), "--json-schema", str(tmp_path / "missing.json")])
     assert exit_.value.code == 2
@@ -205,12 +294,25 @@ def test_a_schema_nested_too_deep_is_refused_in_one_line_by_the_cli_and_the_api(
 # ---------------------------------------------------------------- the chat template's tools
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                          "unit": {"enum": ["c", "f"]}},
-                         "required": ["city", "unit"], "additionalProperties": False}}},
-         {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
-                                                                         "additionalProperties": False}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+    },
+]
 TOOL_TEMPLATE = (
     "{% if tools is defined %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for call in m.tool_calls %}"
@@ -221,10 +323,19 @@ TOOL_TEMPLATE = (
 )
 CALL_TURNS = [
     {"role": "user", "content": "Weather in Paris, in °C?"},
-    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-        "name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "21"},
-]  # fmt: skip
+]
 
 
 def test_tools_and_tool_turns_render_as_transformers_renders_them(tmp_path):
@@ -232,8 +343,9 @@ def test_tools_and_tool_turns_render_as_transformers_renders_them(tmp_path):
 
     directory = chatml_dir(tmp_path / "tok")
     hf = AutoTokenizer.from_pretrained(directory)
-    want = hf.apply_chat_template(CALL_TURNS, tools=TOOLS, chat_template=TOOL_TEMPLATE, tokenize=False,
-                                  add_generation_prompt=True)  # fmt: skip
+    want = hf.apply_chat_template(
+        CALL_TURNS, tools=TOOLS, chat_template=TOOL_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
     assert "°C" in want and '"maxLength": 12' in want  # transformers' tojson: keys in order, text unescaped
     assert ChatTemplate(TOOL_TEMPLATE).render(CALL_TURNS, tools=TOOLS) == want
 
@@ -269,8 +381,9 @@ class Person(pydantic.BaseModel):
 
 
 def test_the_openai_client_parse_gets_a_pydantic_object(client):
-    completion = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Who?"}],
-                                               response_format=Person, max_tokens=300, seed=2)  # fmt: skip
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Who?"}], response_format=Person, max_tokens=300, seed=2
+    )
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, Person)
@@ -280,11 +393,17 @@ def test_the_openai_client_parse_gets_a_pydantic_object(client):
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_response_format_on_both_endpoints_validates(server, endpoint):
     schema = SCHEMAS[8]
-    body = {"model": MODEL, "max_tokens": 300, "n": 3, "seed": 5,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}}
+    body = {
+        "model": MODEL,
+        "max_tokens": 300,
+        "n": 3,
+        "seed": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}},
+    }
     if endpoint == "chat":
-        reply = httpx.post(f"{server}/v1/chat/completions", json=body | {"messages": [{"role": "user",
-                                                                                        "content": "A pet?"}]})
+        reply = httpx.post(
+            f"{server}/v1/chat/completions", json=body | {"messages": [{"role": "user", "content": "A pet?"}]}
+        )
         texts = [c["message"]["content"] for c in reply.json()["choices"]]
     else:
         reply = httpx.post(f"{server}/v1/completions", json=body | {"prompt": "A pet:"})
@@ -293,32 +412,48 @@ def test_response_format_on_both_endpoints_validates(server, endpoint):
     assert len(texts) == 3
     for text in texts:
         jsonschema.validate(json.loads(text), schema)
-    json_mode = httpx.post(f"{server}/v1/chat/completions", json=body | {
-        "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}, "n": 1,
-        "temperature": 0, "logit_bias": {str(ord("}")): 100}})  # fmt: skip
+    json_mode = httpx.post(
+        f"{server}/v1/chat/completions",
+        json=body
+        | {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_object"},
+            "n": 1,
+            "temperature": 0,
+            "logit_bias": {str(ord("}")): 100},
+        },
+    )
     assert json_mode.json()["choices"][0]["message"]["content"] == "{}"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}}},
-     "response_format"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools"),
-    ({"functions": [{"name": "f"}]}, "functions"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, param):
-    reply = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL, "messages": [
-        {"role": "user", "content": "x"}], **body})  # fmt: skip
+    reply = httpx.post(
+        f"{server}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], **body}
+    )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
 
 
 def test_the_server_refuses_a_schema_nested_too_deep_with_the_same_check(server):
-    body = ('{"model": "%s", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
-            '"json_schema", "json_schema": {"name": "deep", "schema": %s}}}') % (MODEL, nested_schema_text(60))
+    body = (
+        '{"model": "%s", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+        '"json_schema", "json_schema": {"name": "deep", "schema": %s}}}'
+    ) % (MODEL, nested_schema_text(60))
     reply = httpx.post(f"{server}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert reply.status_code == 400 and "more than 100 levels deep" in reply.json()["error"]["message"], reply.text
     assert reply.json()["error"]["param"] == "response_format"  # the request's field, not SamplingParams'
@@ -333,25 +468,42 @@ def _arguments_valid(call) -> dict:
 
 def test_a_required_tool_call_round_trips_through_the_openai_client(client):
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
-                                           parallel_tool_calls=False, max_tokens=200, seed=3)  # fmt: skip
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=200,
+        seed=3,
+    )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
     _arguments_valid(call)
-    messages += [choice.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"}]  # fmt: skip
-    final = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",
-                                           max_tokens=5, seed=3)  # fmt: skip
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"},
+    ]
+    final = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=5, seed=3
+    )
     assert final.choices[0].message.tool_calls is None
     assert isinstance(final.choices[0].message.content, str) and final.usage.prompt_tokens > first.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_streamed_tool_call_equals_the_whole_one(client, choice):
-    request = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, tool_choice=choice,
-                   parallel_tool_calls=False, max_tokens=200, seed=4)  # fmt: skip
+    request = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=TOOLS,
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_tokens=200,
+        seed=4,
+    )
     whole = client.chat.completions.create(**request).choices[0].message.tool_calls[0]
     events = list(client.chat.completions.create(**request, stream=True))
     deltas = [d for e in events if e.choices for d in (e.choices[0].delta.tool_calls or [])]
@@ -375,17 +527,25 @@ class Trip(pydantic.BaseModel):
     end: Place
 
 
-NESTED_TOOLS = [{"type": "function", "function": {"name": "plan_trip", "parameters": Trip.model_json_schema()}},
-                TOOLS[0]]  # pydantic writes the nested model under $defs, referred to by "#/$defs/Place"
+NESTED_TOOLS = [
+    {"type": "function", "function": {"name": "plan_trip", "parameters": Trip.model_json_schema()}},
+    TOOLS[0],
+]  # pydantic writes the nested model under $defs, referred to by "#/$defs/Place"
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "plan_trip"}}])
 def test_a_tool_whose_parameters_have_defs_is_called_with_valid_arguments(client, choice):
     assert "$defs" in NESTED_TOOLS[0]["function"]["parameters"]
     for seed in range(3):
-        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}],
-                                               tools=NESTED_TOOLS, tool_choice=choice, max_tokens=300, seed=seed,
-                                               parallel_tool_calls=False)  # fmt: skip
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Go"}],
+            tools=NESTED_TOOLS,
+            tool_choice=choice,
+            max_tokens=300,
+            seed=seed,
+            parallel_tool_calls=False,
+        )
         choice_ = reply.choices[0]
         assert choice_.finish_reason == "tool_calls", choice_
         [call] = choice_.message.tool_calls
@@ -397,8 +557,14 @@ def test_a_tool_whose_parameters_have_defs_is_called_with_valid_arguments(client
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_required_tool_call_cut_short_by_max_tokens_comes_back_as_a_call(client, stream):
-    request = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS[:1],
-                   tool_choice="required", parallel_tool_calls=False, seed=4)  # fmt: skip
+    request = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=TOOLS[:1],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        seed=4,
+    )
     reply = client.chat.completions.create(**request, max_tokens=200)
     assert reply.choices[0].finish_reason == "tool_calls"
     cut = reply.usage.completion_tokens - 6  # a byte model: 6 bytes short of the end is inside the arguments
@@ -421,8 +587,13 @@ def test_a_required_tool_call_cut_short_by_max_tokens_comes_back_as_a_call(clien
 def test_references_are_rebased_and_data_values_kept_as_written():
     from gptkit.serving.tools import _rebased
 
-    schema = {"type": "object", "properties": {"$ref": {"$ref": "#/$defs/A"}, "a": {"$ref": "#"}},
-              "const": {"$ref": "#/x"}, "enum": [{"$ref": "#/y"}], "default": {"$ref": "#/z"}}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"$ref": {"$ref": "#/$defs/A"}, "a": {"$ref": "#"}},
+        "const": {"$ref": "#/x"},
+        "enum": [{"$ref": "#/y"}],
+        "default": {"$ref": "#/z"},
+    }
     out = _rebased(schema, "#/$defs/tool0")
     assert out["properties"] == {"$ref": {"$ref": "#/$defs/tool0/$defs/A"}, "a": {"$ref": "#/$defs/tool0"}}
     assert (out["const"], out["enum"], out["default"]) == (schema["const"], schema["enum"], schema["default"])

@@ -50,10 +50,14 @@ def test_exact_match_counts_the_replies_the_model_writes_greedily():
     k = next(k for k in range(1, 8) if greedy[k] not in greedy[:k])  # greedy[k] ends the reply: the "end" id
     tokenizer = SimpleNamespace(eos_ids=(greedy[k],))
     wrong = [(greedy[0] + 1) % 40] + greedy[1 : k + 1]
-    examples = _examples([_example(prompt, greedy[: k + 1]),  # the reply and its end: a match
-                          _example(prompt, wrong),  # one token off
-                          _example(prompt, greedy[:k] + [greedy[k] + 1 if greedy[k] < 39 else 0]),  # no end
-                          _example(prompt, greedy[:2])])  # cut short (no end id): its tokens as far as they go
+    examples = _examples(
+        [
+            _example(prompt, greedy[: k + 1]),  # the reply and its end: a match
+            _example(prompt, wrong),  # one token off
+            _example(prompt, greedy[:k] + [greedy[k] + 1 if greedy[k] < 39 else 0]),  # no end
+            _example(prompt, greedy[:2]),
+        ]
+    )  # cut short (no end id): its tokens as far as they go
     assert exact_match(model, tokenizer, examples, 4) == pytest.approx(2 / 4)
     assert exact_match(model, tokenizer, examples, 1) == 1.0
 
@@ -73,8 +77,9 @@ def test_supervised_runs_log_the_exact_match_of_their_replies(sft, tmp_path, cap
     assert (run.run_dir / "loss.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("objective, metrics", [("classify", ("val_accuracy", "val_macro_f1")),
-                                                ("dpo", ("val_accuracy", "val_margin"))])  # fmt: skip
+@pytest.mark.parametrize(
+    "objective, metrics", [("classify", ("val_accuracy", "val_macro_f1")), ("dpo", ("val_accuracy", "val_margin"))]
+)
 def test_classification_and_dpo_runs_log_their_task_metrics(objective, metrics, prepared, tmp_path):  # noqa: F811
     base, pairs, texts = prepared
     data = texts if objective == "classify" else pairs
@@ -91,8 +96,10 @@ def test_macro_f1_is_the_mean_f1_over_the_labels():
 
 
 def test_loss_png_has_a_panel_per_task_metric(tmp_path, monkeypatch):
-    history = [{"step": s, "loss": 1.0 / (s + 1), "val_loss": 1.0, "val_reward": s / 10, "val_pass_at_1": s / 20}
-               for s in range(0, 30, 10)]  # fmt: skip
+    history = [
+        {"step": s, "loss": 1.0 / (s + 1), "val_loss": 1.0, "val_reward": s / 10, "val_pass_at_1": s / 20}
+        for s in range(0, 30, 10)
+    ]
     panels = []
     from matplotlib.figure import Figure
 
@@ -112,19 +119,35 @@ def _first_reply(ids: np.ndarray, trained: np.ndarray) -> tuple[list[int], list[
 
 
 def test_the_logged_exact_match_is_what_the_final_model_writes(sft, tmp_path):  # noqa: F811
-    from gptkit.data import load_examples, read_meta
-    from gptkit.loading import load
+    from test_finetune import WORDS, write_jsonl
 
     from gptkit.cli import main
-    from test_finetune import WORDS, write_jsonl
+    from gptkit.data import load_examples, read_meta
+    from gptkit.loading import load
 
     base, _ = sft
     rows = [{"prompt": f"{w} {w[::-1]}?", "completion": " yes" if w[0] in "aeiou" else " no"} for w in WORDS * 8]
     data = tmp_path / "data"  # a task a few steps learn in part: the logged share is neither 0 nor 1
-    assert main(["prepare", "--input", str(write_jsonl(tmp_path / "r.jsonl", rows)), "--tokenizer", str(base),
-                 "--out", str(data), "--val-fraction", "0.2"]) == 0  # fmt: skip
-    run = train(_run_config(data, tmp_path / "run", base, train={"eval_examples": 6, "max_steps": 30,
-                                                                 "eval_interval": 30}), progress=False)  # fmt: skip
+    assert (
+        main(
+            [
+                "prepare",
+                "--input",
+                str(write_jsonl(tmp_path / "r.jsonl", rows)),
+                "--tokenizer",
+                str(base),
+                "--out",
+                str(data),
+                "--val-fraction",
+                "0.2",
+            ]
+        )
+        == 0
+    )
+    run = train(
+        _run_config(data, tmp_path / "run", base, train={"eval_examples": 6, "max_steps": 30, "eval_interval": 30}),
+        progress=False,
+    )
     logged = _evaluations(run.run_dir)[-1]["val_exact_match"]
     model, tokenizer = load(run.checkpoint)
     val = load_examples(data, "val", read_meta(data))
@@ -154,8 +177,13 @@ def test_the_logged_dpo_margin_and_accuracy_are_the_final_models(prepared, tmp_p
             logprobs = model(ids[None, :-1])[0].double().log_softmax(-1)
         return sum(float(logprobs[t - 1, ids[t]]) for t in range(1, len(ids)) if trained[t])
 
-    margins = [0.5 * ((summed(policy, 2 * p) - summed(reference, 2 * p)) - (summed(policy, 2 * p + 1)
-                                                                           - summed(reference, 2 * p + 1)))
-               for p in range(min(len(val) // 2, 2 * 4))]  # eval_iters x batch_size pairs at most  # fmt: skip
+    margins = [
+        0.5
+        * (
+            (summed(policy, 2 * p) - summed(reference, 2 * p))
+            - (summed(policy, 2 * p + 1) - summed(reference, 2 * p + 1))
+        )
+        for p in range(min(len(val) // 2, 2 * 4))
+    ]  # eval_iters x batch_size pairs at most
     assert last["val_margin"] == pytest.approx(float(np.mean(margins)), rel=1e-4, abs=1e-5)
     assert last["val_accuracy"] == pytest.approx(float(np.mean([m > 0 for m in margins])))

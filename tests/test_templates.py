@@ -40,8 +40,11 @@ def test_a_worker_that_dies_again_on_the_same_request_fails_it_in_one_line(monke
     monkeypatch.setattr(templates, "WORKER_COMMAND", (sys.executable, "-c", "pass"))  # every worker ends at once
     workers = TemplateWorkers(ChatTemplate("{{ messages[0].content }}"), 5.0, size=2)
     try:
-        with pytest.raises(ChatTemplateError, match=r"^the chat template's rendering process died twice before "
-                                                     r"answering; stopped$"):  # fmt: skip
+        with pytest.raises(
+            ChatTemplateError,
+            match=r"^the chat template's rendering process died twice before "
+            r"answering; stopped$",
+        ):
             workers.render(HELLO, None, 1000)
         assert workers.started == 0  # both places given back
     finally:

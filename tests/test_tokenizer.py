@@ -169,8 +169,12 @@ def test_bpe_rejects_a_vocabulary_too_small_for_bytes_and_specials() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.sampled_from(["\n", "\n\n", "\r\n", " ", "    ", "\t", "a", "return", "'s", "日本", "🌍", "12", ".",
-                                 EOT]), max_size=80))  # fmt: skip
+@given(
+    st.lists(
+        st.sampled_from(["\n", "\n\n", "\r\n", " ", "    ", "\t", "a", "return", "'s", "日本", "🌍", "12", ".", EOT]),
+        max_size=80,
+    )
+)
 def test_bpe_cut_points_never_change_the_encoding(bpe: BPETokenizer, parts: list[str]) -> None:
     text = "".join(parts)
     cuts = bpe.cut_points(text, 3)
@@ -211,7 +215,11 @@ def test_save_and_load_give_the_same_tokenizer(kind: str, bpe: BPETokenizer, tmp
     for path in (tmp_path, tmp_path / "gptkit_tokenizer.json"):
         loaded = load_tokenizer(path)
         assert type(loaded) is type(tok) and loaded.kind == kind
-        assert (loaded.vocab_size, loaded.eos_id, loaded.special_tokens) == (tok.vocab_size, tok.eos_id, tok.special_tokens)
+        assert (loaded.vocab_size, loaded.eos_id, loaded.special_tokens) == (
+            tok.vocab_size,
+            tok.eos_id,
+            tok.special_tokens,
+        )
         assert loaded.encode(SHAKESPEARE[:3000]) == tok.encode(SHAKESPEARE[:3000])
     if kind == "bpe":
         assert json.loads((tmp_path / "tokenizer.json").read_text())["model"]["type"] == "BPE"
@@ -225,7 +233,9 @@ def test_loads_a_plain_hugging_face_tokenizer_json_like_gpt2s(bpe: BPETokenizer,
     hf = Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     hf.train_from_iterator([SHAKESPEARE[:100_000]], trainer)
     hf.add_special_tokens([AddedToken(EOT, special=True)])
     hf.save(str(tmp_path / "tokenizer.json"))

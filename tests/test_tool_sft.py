@@ -14,15 +14,29 @@ from gptkit.serving.schemas import ChatMessage
 from gptkit.serving.tools import template_message
 from gptkit.tokenizer import ByteTokenizer
 
-TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {
-    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 CALL = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}
-ROW = {"tools": TOOLS, "messages": [
-    {"role": "user", "content": "What is 2 times 3?"},
-    {"role": "assistant", "content": None, "tool_calls": [CALL]},
-    {"role": "tool", "tool_call_id": "c1", "content": "6"},
-    {"role": "assistant", "content": "It is 6."},
-]}  # fmt: skip
+ROW = {
+    "tools": TOOLS,
+    "messages": [
+        {"role": "user", "content": "What is 2 times 3?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": "6"},
+        {"role": "assistant", "content": "It is 6."},
+    ],
+}
 
 
 def test_a_tool_using_conversation_trains_its_calls_as_the_server_renders_them():
@@ -40,12 +54,15 @@ def test_a_tool_using_conversation_trains_its_calls_as_the_server_renders_them()
     assert json.loads(served.split("assistant: ")[1].split(eos)[0])["arguments"] == {"expression": "2*3"}
 
 
-@pytest.mark.parametrize("change, says", [
-    (lambda row: row["messages"][1].update(tool_calls=[{"function": {"arguments": "{}"}}]), "tool_calls must be"),
-    (lambda row: row["messages"][1]["tool_calls"][0]["function"].update(arguments="{oops"), "must be JSON"),
-    (lambda row: row.update(tools=[{"name": "calculator"}]), "'tools' must be a list of function tools"),
-    (lambda row: row["messages"][0].update(content=None), "needs a string \"content\""),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda row: row["messages"][1].update(tool_calls=[{"function": {"arguments": "{}"}}]), "tool_calls must be"),
+        (lambda row: row["messages"][1]["tool_calls"][0]["function"].update(arguments="{oops"), "must be JSON"),
+        (lambda row: row.update(tools=[{"name": "calculator"}]), "'tools' must be a list of function tools"),
+        (lambda row: row["messages"][0].update(content=None), 'needs a string "content"'),
+    ],
+)
 def test_a_malformed_tool_row_is_one_line_naming_the_row(change, says):
     row = json.loads(json.dumps(ROW))
     change(row)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging
 import math
 import os
 import re
@@ -20,20 +19,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import same_run, write_char_data_dir
 
 from gptkit.checkpoint import CHECKPOINTS, checkpoint_dirs, latest_checkpoint, read_latest, verify_checkpoint
-from gptkit.manifest import write_manifest
 from gptkit.cli import main
+from gptkit.devices import measured_cpu_matmul_flops, peak_flops
 from gptkit.errors import ConfigError
 from gptkit.formats.modeldir import load_model_dir
-from gptkit.tensors import load_tensors
 from gptkit.loading import load
-from gptkit.tokenizer import load_tokenizer
-from gptkit.devices import measured_cpu_matmul_flops, peak_flops
-from gptkit.train import Trainer, TrainingStopped, train
+from gptkit.manifest import write_manifest
 from gptkit.run_sources import from_sources
-
-from conftest import same_run, write_char_data_dir
+from gptkit.tensors import load_tensors
+from gptkit.tokenizer import load_tokenizer
+from gptkit.train import Trainer, TrainingStopped, train
 
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1, "activation": "gelu"}
 
@@ -46,8 +44,18 @@ def data_dir(tmp_path_factory) -> Path:
 
 def tiny(data_dir: Path, out: Path, **train_overrides):
     """A few-step run of a 2-layer, 16-wide model with dropout (so the RNG state matters for resume)."""
-    settings = dict(data_dir=str(data_dir), out_dir=str(out), max_steps=8, batch_size=4, eval_interval=4,
-                    eval_iters=2, log_interval=1, checkpoint_interval=3, device="cpu", plot=False)  # fmt: skip
+    settings = dict(
+        data_dir=str(data_dir),
+        out_dir=str(out),
+        max_steps=8,
+        batch_size=4,
+        eval_interval=4,
+        eval_iters=2,
+        log_interval=1,
+        checkpoint_interval=3,
+        device="cpu",
+        plot=False,
+    )
     settings.update(train_overrides)
     optim = {"warmup_steps": 2, "decay_steps": 8, "lr": 3e-3}
     return from_sources(None, {"model": dict(TINY_MODEL), "optim": optim, "train": settings})
@@ -109,8 +117,11 @@ def test_resume_with_muon_is_bit_identical(data_dir, tmp_path, capsys):
     assert "tok_emb.weight.exp_avg" in state  # the embedding stays with AdamW
     # A Muon checkpoint does not resume under AdamW: one line, not a traceback.
     assert main(["train", *_cli_flags(data_dir, out, max_steps=10), "--resume"]) == 2
-    assert capsys.readouterr().err.strip().endswith("trained with optim.name muon, this run has adamw; resume with "
-                                                    "--optim.name muon")  # fmt: skip
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("trained with optim.name muon, this run has adamw; resume with --optim.name muon")
+    )
 
 
 def test_run_directory_contents(data_dir, reference):
@@ -168,10 +179,35 @@ def test_kill9_and_sigterm_then_resume_are_bit_identical(data_dir, tmp_path):
     settings = dict(max_steps=steps, checkpoint_interval=7, eval_interval=100)
     with threads(1):
         train(tiny(data_dir, ref, **settings), progress=False)
-    flags = ["--data", str(data_dir), "--out", str(out), "--quiet", "--train.device", "cpu",
-             "--train.max_steps", str(steps), "--train.batch_size", "4", "--train.eval_interval", "100",
-             "--train.eval_iters", "2", "--train.log_interval", "1", "--train.checkpoint_interval", "7",
-             "--train.plot", "false", "--optim.warmup_steps", "2", "--optim.decay_steps", "8", "--optim.lr", "3e-3"]
+    flags = [
+        "--data",
+        str(data_dir),
+        "--out",
+        str(out),
+        "--quiet",
+        "--train.device",
+        "cpu",
+        "--train.max_steps",
+        str(steps),
+        "--train.batch_size",
+        "4",
+        "--train.eval_interval",
+        "100",
+        "--train.eval_iters",
+        "2",
+        "--train.log_interval",
+        "1",
+        "--train.checkpoint_interval",
+        "7",
+        "--train.plot",
+        "false",
+        "--optim.warmup_steps",
+        "2",
+        "--optim.decay_steps",
+        "8",
+        "--optim.lr",
+        "3e-3",
+    ]
     flags += [arg for key, value in TINY_MODEL.items() for arg in (f"--model.{key}", str(value))]
     command = [sys.executable, "-m", "gptkit", "train"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -264,8 +300,11 @@ def test_failed_checkpoint_write_leaves_latest_intact(data_dir, tmp_path, monkey
     monkeypatch.setattr(gptkit.checkpoint, "save_tensors", failing)
     assert main(["train", *_cli_flags(data_dir, out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.fullmatch(r"gptkit train: error: could not write the checkpoint of step 6: No space left on device "
-                        r"\(.*optimizer.safetensors\); the last intact checkpoint is .*/step-000003", err), err
+    assert re.fullmatch(
+        r"gptkit train: error: could not write the checkpoint of step 6: No space left on device "
+        r"\(.*optimizer.safetensors\); the last intact checkpoint is .*/step-000003",
+        err,
+    ), err
     assert latest_checkpoint(out).name == "step-000003"
     load_model_dir(latest_checkpoint(out))
     assert sorted(p.name for p in (out / CHECKPOINTS).iterdir()) == ["step-000003"]
@@ -313,20 +352,28 @@ FALLBACK_DAMAGE = {
     "truncated weights": (lambda c: os.truncate(c / "model.safetensors", 1000), r"model.safetensors has 1000 bytes"),
     "missing optimizer": (lambda c: (c / "optimizer.safetensors").unlink(), r"optimizer.safetensors is missing"),
     "flipped byte": (lambda c: _flip_byte(c / "model.safetensors"), r"model.safetensors does not match its checksum"),
-    "foreign tensor file": (lambda c: shutil.copy(c / "rng.safetensors", c / "optimizer.safetensors"),
-                            r"optimizer.safetensors has \d+ bytes, the manifest says"),
+    "foreign tensor file": (
+        lambda c: shutil.copy(c / "rng.safetensors", c / "optimizer.safetensors"),
+        r"optimizer.safetensors has \d+ bytes, the manifest says",
+    ),
     "trainer.json without keys": (_empty_trainer_json, r"trainer.json has no int 'step'"),
-    "garbage manifest": (lambda c: (c / "manifest.json").write_bytes(b"\xff\xfe\x00garbage"), r"manifest.json is unreadable"),
+    "garbage manifest": (
+        lambda c: (c / "manifest.json").write_bytes(b"\xff\xfe\x00garbage"),
+        r"manifest.json is unreadable",
+    ),
     "incomplete": (lambda c: [(c / f).unlink() for f in ("manifest.json", "trainer.json")], r"is incomplete"),
     # Unverifiable: without its manifest the flipped byte cannot be seen, so the older verified checkpoint is taken.
-    "deleted manifest, flipped byte": (lambda c: [(c / "manifest.json").unlink(), _flip_byte(c / "model.safetensors")],
-                                       r"step-000006 has no manifest.json, so its files cannot be verified"),
-}  # fmt: skip
+    "deleted manifest, flipped byte": (
+        lambda c: [(c / "manifest.json").unlink(), _flip_byte(c / "model.safetensors")],
+        r"step-000006 has no manifest.json, so its files cannot be verified",
+    ),
+}
 
 
 @pytest.mark.parametrize("damage", list(FALLBACK_DAMAGE))
-def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(data_dir, reference, six_steps, tmp_path, capsys,
-                                                                  damage):  # fmt: skip
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
+    data_dir, reference, six_steps, tmp_path, capsys, damage
+):
     run = tmp_path / "run"
     shutil.copytree(six_steps, run)
     harm, said = FALLBACK_DAMAGE[damage]
@@ -335,8 +382,10 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(data_dir, refe
     assert code == 0, err
     warnings = [line for line in err if line.startswith("gptkit: ")]
     assert len(warnings) == 1 and re.search(said, warnings[0]), err
-    assert warnings[0].endswith("resuming from " + str(run / CHECKPOINTS / "step-000003") + ", the newest checkpoint "
-                                "that verifies (the newer ones are removed)")  # fmt: skip
+    assert warnings[0].endswith(
+        "resuming from " + str(run / CHECKPOINTS / "step-000003") + ", the newest checkpoint "
+        "that verifies (the newer ones are removed)"
+    )
     assert losses(run) == losses(reference)  # the lines of the abandoned steps 4-6 were dropped and redone
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))  # no step twice
@@ -344,8 +393,10 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(data_dir, refe
     verify_checkpoint(run / CHECKPOINTS / "step-000006")  # rewritten whole by the resumed run
 
 
-@pytest.mark.parametrize("latest", [b"\xff\xfe\x00\x01binary", b"../../../elsewhere/step-000001\n",
-                                    b"/etc\n", b"checkpoints/../../step-000006\n"])  # fmt: skip
+@pytest.mark.parametrize(
+    "latest",
+    [b"\xff\xfe\x00\x01binary", b"../../../elsewhere/step-000001\n", b"/etc\n", b"checkpoints/../../step-000006\n"],
+)
 def test_garbage_or_an_escape_in_latest_is_ignored(data_dir, reference, six_steps, tmp_path, capsys, latest):
     run = tmp_path / "run"
     shutil.copytree(six_steps, run)
@@ -355,7 +406,8 @@ def test_garbage_or_an_escape_in_latest_is_ignored(data_dir, reference, six_step
     assert code == 0, err
     assert [line for line in err if line.startswith("gptkit: ")] == [
         f"gptkit: {run / 'latest'} does not name a checkpoint inside checkpoints (ignored); resuming from "
-        f"{run / CHECKPOINTS / 'step-000006'}"]  # fmt: skip
+        f"{run / CHECKPOINTS / 'step-000006'}"
+    ]
     assert losses(run) == losses(reference) and (run / "latest").read_text() == "checkpoints/step-000008\n"
 
 
@@ -367,12 +419,14 @@ def test_latest_naming_a_missing_checkpoint_is_warned_about(data_dir, reference,
     assert code == 0, err
     assert [line for line in err if line.startswith("gptkit: ")] == [
         f"gptkit: {run / 'latest'} names {run / CHECKPOINTS / 'step-000009'}, which does not exist (ignored); "
-        f"resuming from {run / CHECKPOINTS / 'step-000006'}"]  # fmt: skip
+        f"resuming from {run / CHECKPOINTS / 'step-000006'}"
+    ]
     assert losses(run) == losses(reference) and (run / "latest").read_text() == "checkpoints/step-000008\n"
 
 
-def test_a_checkpoint_without_manifest_is_taken_when_named_or_when_none_verifies(data_dir, reference, six_steps,
-                                                                                 tmp_path, capsys):  # fmt: skip
+def test_a_checkpoint_without_manifest_is_taken_when_named_or_when_none_verifies(
+    data_dir, reference, six_steps, tmp_path, capsys
+):
     run = tmp_path / "named"
     shutil.copytree(six_steps, run)
     newest = run / CHECKPOINTS / "step-000006"
@@ -381,7 +435,8 @@ def test_a_checkpoint_without_manifest_is_taken_when_named_or_when_none_verifies
     assert code == 0, err
     assert [line for line in err if line.startswith("gptkit: ")] == [
         f"gptkit: {newest} has no manifest.json, so its files cannot be verified (a damaged byte would go "
-        "unnoticed); continuing from it all the same, as --resume-from names it"]  # fmt: skip
+        "unnoticed); continuing from it all the same, as --resume-from names it"
+    ]
     assert losses(run) == losses(reference)  # it was whole, so the run goes on from step 6 exactly
     run = tmp_path / "none"  # an older gptkit's run: no checkpoint has a manifest
     shutil.copytree(six_steps, run)
@@ -392,7 +447,8 @@ def test_a_checkpoint_without_manifest_is_taken_when_named_or_when_none_verifies
     newest = run / CHECKPOINTS / "step-000006"
     assert [line for line in err if line.startswith("gptkit: ")] == [
         f"gptkit: {newest} has no manifest.json, so its files cannot be verified (a damaged byte would go "
-        f"unnoticed); resuming from {newest} all the same, as no checkpoint of the run verifies"]  # fmt: skip
+        f"unnoticed); resuming from {newest} all the same, as no checkpoint of the run verifies"
+    ]
     assert losses(run) == losses(reference)
 
 
@@ -400,8 +456,10 @@ def test_a_resume_drops_the_metrics_lines_after_its_checkpoint(data_dir, referen
     run = tmp_path / "run"
     shutil.copytree(six_steps, run)
     with open(run / "metrics.jsonl", "a") as f:  # a run killed after logging steps 7 and 8, before their checkpoint
-        f.write('{"step": 7, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}\n{"step": 8, "loss": 99.0, "lr": 0.0, '
-                '"grad_norm": 0.0}\n')  # fmt: skip
+        f.write(
+            '{"step": 7, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}\n{"step": 8, "loss": 99.0, "lr": 0.0, '
+            '"grad_norm": 0.0}\n'
+        )
     code, err = _resume(run, capsys, "--resume")
     assert code == 0, err
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -409,8 +467,9 @@ def test_a_resume_drops_the_metrics_lines_after_its_checkpoint(data_dir, referen
     assert losses(run) == losses(reference)
 
 
-def test_a_checkpoint_renamed_into_place_counts_before_latest_names_it(data_dir, reference, six_steps, tmp_path,
-                                                                       capsys):  # fmt: skip
+def test_a_checkpoint_renamed_into_place_counts_before_latest_names_it(
+    data_dir, reference, six_steps, tmp_path, capsys
+):
     run = tmp_path / "run"
     shutil.copytree(six_steps, run)
     (run / "latest").write_text("checkpoints/step-000003\n")  # a kill after step 6's rename, before `latest` moved
@@ -432,14 +491,18 @@ def test_a_damaged_metrics_file_is_read_past(data_dir, reference, six_steps, tmp
     assert [json.loads(line)["step"] for line in lines] == list(range(9)) and losses(run) == losses(reference)
 
 
-@pytest.mark.parametrize("line", [
-    '{"step": true, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',  # true is an int to Python: it was kept as step 1
-    '{"step": 4, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',  # a step the file already has, again
-    '{"step": 9, "step": 2, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',  # "step" twice: JSON keeps the last
-    '{"step": -1, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',
-])  # fmt: skip
-def test_a_well_formed_but_wrong_metrics_line_never_repeats_a_step(data_dir, reference, six_steps, tmp_path, capsys,
-                                                                   line):  # fmt: skip
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"step": true, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',  # true is an int to Python: it was kept as step 1
+        '{"step": 4, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',  # a step the file already has, again
+        '{"step": 9, "step": 2, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',  # "step" twice: JSON keeps the last
+        '{"step": -1, "loss": 99.0, "lr": 0.0, "grad_norm": 0.0}',
+    ],
+)
+def test_a_well_formed_but_wrong_metrics_line_never_repeats_a_step(
+    data_dir, reference, six_steps, tmp_path, capsys, line
+):
     run = tmp_path / "run"
     shutil.copytree(six_steps, run)
     with open(run / "metrics.jsonl", "a") as f:
@@ -454,9 +517,11 @@ def test_a_well_formed_but_wrong_metrics_line_never_repeats_a_step(data_dir, ref
 def test_a_sample_longer_than_any_run_needs_is_refused_before_any_work(data_dir, tmp_path):
     with pytest.raises(ConfigError) as caught:  # (it was taken: the first evaluation stalled for good, silently)
         Trainer(tiny(data_dir, tmp_path / "run", sample_tokens=10_000_000), resume=False)
-    assert str(caught.value) == ("train.sample_tokens 10000000 is longer than a sample may be: at most 4096 (the "
-                                 "model's block_size 16 or 4096, whichever is more); lower it, or set "
-                                 "train.sample_every 0 for no samples")  # fmt: skip
+    assert str(caught.value) == (
+        "train.sample_tokens 10000000 is longer than a sample may be: at most 4096 (the "
+        "model's block_size 16 or 4096, whichever is more); lower it, or set "
+        "train.sample_every 0 for no samples"
+    )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing started
     Trainer(tiny(data_dir, tmp_path / "off", sample_tokens=10_000_000, sample_every=0), resume=False)  # unused
 
@@ -467,7 +532,8 @@ def test_resume_from_an_older_checkpoint_rewinds_the_run(data_dir, reference, si
     code, err = _resume(run, capsys, "--resume-from", str(run / CHECKPOINTS / "step-000003"))
     assert code == 0, err
     assert [line for line in err if line.startswith("gptkit: ")] == [
-        "gptkit: continuing from step-000003: removed the later checkpoint(s) step-000006"]
+        "gptkit: continuing from step-000003: removed the later checkpoint(s) step-000006"
+    ]
     assert losses(run) == losses(reference)
     assert_same_weights(latest_checkpoint(run), latest_checkpoint(reference))
 
@@ -475,15 +541,23 @@ def test_resume_from_an_older_checkpoint_rewinds_the_run(data_dir, reference, si
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--resume-from", "{run}/checkpoints/step-000006"], r"{run}/checkpoints/step-000006/model.safetensors does "
-         r"not match its checksum in the manifest \(changed or damaged\)"),
-        (["--resume-from", "{run}/checkpoints/step-000009"], r"--resume-from {run}/checkpoints/step-000009 does not "
-         "exist"),
+        (
+            ["--resume-from", "{run}/checkpoints/step-000006"],
+            r"{run}/checkpoints/step-000006/model.safetensors does "
+            r"not match its checksum in the manifest \(changed or damaged\)",
+        ),
+        (
+            ["--resume-from", "{run}/checkpoints/step-000009"],
+            r"--resume-from {run}/checkpoints/step-000009 does not "
+            "exist",
+        ),
         (["--resume-from", "{run}/config.yaml"], r"--resume-from {run}/config.yaml is not a checkpoint directory .*"),
-        (["--resume-from", "{run}/checkpoints/step-000003", "--out", "{run}/../other"],
-         r"--resume-from {run}/checkpoints/step-000003 belongs to the run {run}, not to --out {run}/../other"),
+        (
+            ["--resume-from", "{run}/checkpoints/step-000003", "--out", "{run}/../other"],
+            r"--resume-from {run}/checkpoints/step-000003 belongs to the run {run}, not to --out {run}/../other",
+        ),
     ],
-)  # fmt: skip
+)
 def test_resume_from_a_damaged_or_wrong_checkpoint_is_one_line(six_steps, tmp_path, capsys, flags, message):
     run = tmp_path / "run"
     shutil.copytree(six_steps, run)
@@ -491,8 +565,11 @@ def test_resume_from_a_damaged_or_wrong_checkpoint_is_one_line(six_steps, tmp_pa
     flags = [f.replace("{run}", str(run)) for f in flags]
     code = main(["train", "--quiet", *flags])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and re.fullmatch("gptkit train: error: " + message.replace("{run}", str(run)),
-                                                        err[0]), err  # fmt: skip
+    assert (
+        code == 2
+        and len(err) == 1
+        and re.fullmatch("gptkit train: error: " + message.replace("{run}", str(run)), err[0])
+    ), err
 
 
 def test_every_checkpoint_damaged_or_a_foreign_file_ends_in_one_line(six_steps, tmp_path, capsys):
@@ -502,8 +579,11 @@ def test_every_checkpoint_damaged_or_a_foreign_file_ends_in_one_line(six_steps, 
         _flip_byte(run / CHECKPOINTS / step / "optimizer.safetensors")
     code, err = _resume(run, capsys, "--resume")
     assert code == 2 and len(err) == 1, err
-    assert re.fullmatch(r"gptkit train: error: no checkpoint of .*run can be resumed from: .*step-000006/optimizer"
-                        r".safetensors does not match .*; .*step-000003/optimizer.safetensors does not match .*", err[0])
+    assert re.fullmatch(
+        r"gptkit train: error: no checkpoint of .*run can be resumed from: .*step-000006/optimizer"
+        r".safetensors does not match .*; .*step-000003/optimizer.safetensors does not match .*",
+        err[0],
+    )
     # Another tensor file in place of the optimiser's, with a manifest that agrees: the load names it.
     shutil.rmtree(run)
     shutil.copytree(six_steps, run)
@@ -512,8 +592,11 @@ def test_every_checkpoint_damaged_or_a_foreign_file_ends_in_one_line(six_steps, 
     write_manifest(newest)
     code, err = _resume(run, capsys, "--resume")
     assert code == 2 and len(err) == 1, err
-    assert re.fullmatch(r"gptkit train: error: .*step-000006/optimizer.safetensors does not fit this run's optimiser "
-                        r"\(KeyError: .*\); is it another run's file\?", err[0]), err
+    assert re.fullmatch(
+        r"gptkit train: error: .*step-000006/optimizer.safetensors does not fit this run's optimiser "
+        r"\(KeyError: .*\); is it another run's file\?",
+        err[0],
+    ), err
 
 
 def test_a_run_killed_before_its_first_checkpoint(data_dir, tmp_path, capsys):
@@ -521,8 +604,10 @@ def test_a_run_killed_before_its_first_checkpoint(data_dir, tmp_path, capsys):
     run.mkdir()  # killed before config.yaml was written
     code = main(["train", "--out", str(run), "--resume", "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err == [f"gptkit train: error: {run} has no checkpoint to resume from (the run stopped before "
-                                 "its first checkpoint): start it again without --resume"]  # fmt: skip
+    assert code == 2 and err == [
+        f"gptkit train: error: {run} has no checkpoint to resume from (the run stopped before "
+        "its first checkpoint): start it again without --resume"
+    ]
     (run / "metrics.jsonl").write_text('{"step": 0, "val_loss": 4.0}\n')  # a first run's step-0 line
     assert main(["train", *_cli_flags(data_dir, run, max_steps=2)]) == 0
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -533,8 +618,7 @@ def test_conflicting_flags_are_one_line_usage_errors(data_dir, tmp_path, capsys)
     for alias, field in (("--data", "--train.data_dir"), ("--out", "--train.out_dir")):
         code = main(["train", alias, str(tmp_path / "a"), field, str(tmp_path / "b")])
         err = capsys.readouterr().err.strip().splitlines()
-        assert code == 2 and err == [f"gptkit train: error: {alias} and {field} both set {field[2:]}; give one of "
-                                     "them"]  # fmt: skip
+        assert code == 2 and err == [f"gptkit train: error: {alias} and {field} both set {field[2:]}; give one of them"]
 
 
 def test_the_manifest_lists_every_file_and_save_verifies(data_dir, reference):
@@ -563,22 +647,33 @@ def test_a_full_tmpfs_during_a_save_is_one_line_naming_the_intact_checkpoint(dat
     mount.mkdir()
     namespace = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
     try:
-        probe = subprocess.run([*namespace, f"mount -t tmpfs -o size=64k tmpfs {mount}"], capture_output=True, timeout=60)
+        probe = subprocess.run(
+            [*namespace, f"mount -t tmpfs -o size=64k tmpfs {mount}"], capture_output=True, timeout=60
+        )
     except FileNotFoundError:
         pytest.skip("no unshare command")
     if probe.returncode != 0:
         pytest.skip("cannot mount a tmpfs here (no user namespaces)")
     one = sum(-(-p.stat().st_size // 4096) * 4 for p in latest_checkpoint(reference).iterdir())  # KiB, in pages
     out, err = mount / "run", tmp_path / "stderr.txt"
-    child = TMPFS_CHILD.format(size=int(one * 1.5) + 32, mount=mount, python=shlex.quote(sys.executable), err=err,
-                               run=out, flags=" ".join(shlex.quote(f) for f in _cli_flags(data_dir, out)))  # fmt: skip
+    child = TMPFS_CHILD.format(
+        size=int(one * 1.5) + 32,
+        mount=mount,
+        python=shlex.quote(sys.executable),
+        err=err,
+        run=out,
+        flags=" ".join(shlex.quote(f) for f in _cli_flags(data_dir, out)),
+    )
     result = subprocess.run([*namespace, child], capture_output=True, text=True, timeout=300)
     assert result.stdout.startswith("exit 2\n"), (result.stdout, result.stderr, err.read_text()[-3000:])
     intact = result.stdout.splitlines()[1]  # the newest checkpoint that verifies, seen inside the namespace
     assert intact.endswith(("step-000003", "step-000006")), result.stdout
     last = err.read_text().strip().splitlines()[-1]
-    assert re.fullmatch(r"gptkit train: error: could not (write the checkpoint of step \d|append to .*metrics.jsonl): "
-                        r"No space left on device.*; the last intact checkpoint is " + re.escape(intact), last), last
+    assert re.fullmatch(
+        r"gptkit train: error: could not (write the checkpoint of step \d|append to .*metrics.jsonl): "
+        r"No space left on device.*; the last intact checkpoint is " + re.escape(intact),
+        last,
+    ), last
 
 
 def test_compiled_model_checkpoints_without_orig_mod(data_dir, tmp_path, monkeypatch):
@@ -612,9 +707,17 @@ def test_data_of_another_tokenizer_with_as_many_ids_is_refused(data_dir, referen
     (tmp_path / "other").mkdir()
     other = write_char_data_dir(tmp_path / "other", 60_000)
     alphabet = load_tokenizer(data_dir).chars
-    (other / "gptkit_tokenizer.json").write_text(json.dumps({
-        "format": "gptkit-tokenizer", "format_version": 1, "kind": "char", "chars": "".join(reversed(alphabet)),
-        "specials": []}))  # fmt: skip
+    (other / "gptkit_tokenizer.json").write_text(
+        json.dumps(
+            {
+                "format": "gptkit-tokenizer",
+                "format_version": 1,
+                "kind": "char",
+                "chars": "".join(reversed(alphabet)),
+                "specials": [],
+            }
+        )
+    )
     config = tiny(other, tmp_path / "ft", max_steps=1)
     config.model.init_from = str(latest_checkpoint(reference))
     with pytest.raises(InputError, match="different tokenizer"):
@@ -728,8 +831,9 @@ def test_float16_with_its_gradient_scaler_follows_float32_and_resumes_exactly(da
     # Exact resume: the scaler's state (scale, growth tracker) travels with the checkpoint, with dropout's generator.
     whole = train(tiny(data_dir, tmp_path / "whole", max_steps=6, dtype="float16", device="cuda"), progress=False)
     train(tiny(data_dir, tmp_path / "part", max_steps=4, dtype="float16", device="cuda"), progress=False)
-    resumed = train(tiny(data_dir, tmp_path / "part", max_steps=6, dtype="float16", device="cuda"), resume=True,
-                    progress=False)  # fmt: skip
+    resumed = train(
+        tiny(data_dir, tmp_path / "part", max_steps=6, dtype="float16", device="cuda"), resume=True, progress=False
+    )
     assert resumed.step == 6 and losses(resumed.run_dir).keys() == losses(whole.run_dir).keys() == set(range(1, 7))
     torch.testing.assert_close(losses(resumed.run_dir), losses(whole.run_dir), **same_run(device))
     scalers = [json.loads((r.checkpoint / "trainer.json").read_text())["scaler"] for r in (resumed, whole)]
@@ -739,6 +843,7 @@ def test_float16_with_its_gradient_scaler_follows_float32_and_resumes_exactly(da
 
 def test_a_device_run_resumes_on_the_cpu_and_back(data_dir, tmp_path, device):
     """A checkpoint written on the device loads on the CPU (weights, AdamW moments) and back, and the run goes on."""
+
     def run(max_steps: int, on: str, resume: bool, out: Path):
         config = tiny(data_dir, out, max_steps=max_steps, device=on)
         config.model.fields["dropout"] = 0.0  # the CPU's and a GPU's dropout draw differently

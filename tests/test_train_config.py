@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from gptkit.cli import build_parser, main
-from gptkit.config import ModelConfig
+from gptkit.config import ModelConfig, resolve_model
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
 from gptkit.optim import lr_at, param_groups
-from gptkit.tokenizer import CharTokenizer
-from gptkit.config import resolve_model
-from gptkit.train_config import OptimConfig, RunConfig, TrainConfig
 from gptkit.run_sources import from_sources
+from gptkit.tokenizer import CharTokenizer
+from gptkit.train_config import OptimConfig, RunConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,8 +34,13 @@ def data_dir(tmp_path_factory) -> Path:
     ids[:18_000].tofile(path / "train.bin")
     ids[18_000:].tofile(path / "val.bin")
     tokenizer.save(path)
-    meta = {"vocab_size": tokenizer.vocab_size, "dtype": "uint16", "train_tokens": 18_000,
-            "val_tokens": len(ids) - 18_000, "tokenizer": "char"}  # fmt: skip
+    meta = {
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": "uint16",
+        "train_tokens": 18_000,
+        "val_tokens": len(ids) - 18_000,
+        "tokenizer": "char",
+    }
     (path / "meta.json").write_text(json.dumps(meta))
     return path
 
@@ -55,8 +59,11 @@ def flags_of(argv: list[str]) -> RunConfig:
 def test_flags_are_generated_from_the_dataclasses():
     parser_help = build_parser().parse_args(["train"])  # no flags: nothing overridden
     assert not [k for k in vars(parser_help) if k.startswith("cfg:")]
-    text = " ".join(a for action in build_parser()._subparsers._group_actions[0].choices["train"]._actions
-                    for a in action.option_strings)  # fmt: skip
+    text = " ".join(
+        a
+        for action in build_parser()._subparsers._group_actions[0].choices["train"]._actions
+        for a in action.option_strings
+    )
     for f in fields(ModelConfig):
         assert f"--model.{f.name}" in text
     for section, cls in (("optim", OptimConfig), ("train", TrainConfig)):
@@ -64,16 +71,40 @@ def test_flags_are_generated_from_the_dataclasses():
             assert f"--{section}.{f.name}" in text
     for name in ("lr", "min_lr", "warmup_steps", "schedule", "weight_decay", "beta1", "beta2", "grad_clip"):
         assert f"--optim.{name}" in text
-    for name in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters", "log_interval",
-                 "checkpoint_interval", "keep_checkpoints", "seed", "device", "dtype", "compile"):  # fmt: skip
+    for name in (
+        "max_steps",
+        "batch_size",
+        "grad_accum",
+        "eval_interval",
+        "eval_iters",
+        "log_interval",
+        "checkpoint_interval",
+        "keep_checkpoints",
+        "seed",
+        "device",
+        "dtype",
+        "compile",
+    ):
         assert f"--train.{name}" in text
 
 
 def test_precedence_defaults_yaml_flags(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model:\n  preset: shakespeare-char-cpu\n  n_layer: 3\noptim:\n  lr: 3e-4\ntrain:\n  seed: 7\n")
-    config = flags_of(["--config", str(recipe), "--optim.lr", "1e-3", "--model.dropout", "0.1",
-                       "--train.compile", "true", "--train.peak_flops", "1e12"])  # fmt: skip
+    config = flags_of(
+        [
+            "--config",
+            str(recipe),
+            "--optim.lr",
+            "1e-3",
+            "--model.dropout",
+            "0.1",
+            "--train.compile",
+            "true",
+            "--train.peak_flops",
+            "1e12",
+        ]
+    )
     assert config.optim.lr == 1e-3 and config.train.seed == 7 and config.train.compile is True
     assert config.train.peak_flops == 1e12
     assert config.optim.beta2 == OptimConfig().beta2  # untouched keys keep the dataclass default
@@ -152,9 +183,31 @@ def test_missing_data_and_runs_that_exist(tmp_path, data_dir, capsys):
 
 def test_cli_run_then_resume_and_guards(tmp_path, data_dir, capsys):
     out = tmp_path / "run"
-    tiny = ["--data", str(data_dir), "--out", str(out), "--quiet", "--model.n_layer", "1", "--model.n_head", "2",
-            "--model.n_embd", "16", "--model.block_size", "8", "--train.batch_size", "2", "--train.eval_iters", "1",
-            "--train.max_steps", "2", "--train.eval_interval", "2", "--train.keep_checkpoints", "1"]  # fmt: skip
+    tiny = [
+        "--data",
+        str(data_dir),
+        "--out",
+        str(out),
+        "--quiet",
+        "--model.n_layer",
+        "1",
+        "--model.n_head",
+        "2",
+        "--model.n_embd",
+        "16",
+        "--model.block_size",
+        "8",
+        "--train.batch_size",
+        "2",
+        "--train.eval_iters",
+        "1",
+        "--train.max_steps",
+        "2",
+        "--train.eval_interval",
+        "2",
+        "--train.keep_checkpoints",
+        "1",
+    ]
     code, err = run_cli(tiny, capsys)
     assert code == 0 and "step 2" in err
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -171,10 +224,12 @@ def test_cli_run_then_resume_and_guards(tmp_path, data_dir, capsys):
 def test_init_from_vocab_mismatch(tmp_path, data_dir, capsys):
     from gptkit.formats.modeldir import save_model_dir
 
-    model_dir = save_model_dir(GPT(ModelConfig(vocab_size=50, block_size=8, n_layer=1, n_head=2, n_embd=16)),
-                               tmp_path / "m")  # fmt: skip
-    code, err = run_cli(["--data", str(data_dir), "--out", str(tmp_path / "r"), "--model.init_from", str(model_dir)],
-                        capsys)  # fmt: skip
+    model_dir = save_model_dir(
+        GPT(ModelConfig(vocab_size=50, block_size=8, n_layer=1, n_head=2, n_embd=16)), tmp_path / "m"
+    )
+    code, err = run_cli(
+        ["--data", str(data_dir), "--out", str(tmp_path / "r"), "--model.init_from", str(model_dir)], capsys
+    )
     assert code == 2 and err.count("\n") == 1 and "has vocab_size 50 but the data's is" in err
 
 
@@ -183,12 +238,23 @@ def test_recipes_are_nanogpts():
     model = resolve_model(cpu.model, vocab_size=65)
     assert (model.n_layer, model.n_head, model.n_embd, model.block_size, model.dropout) == (4, 4, 128, 64, 0.0)
     assert (model.attn_bias, model.mlp_bias, model.norm_bias, model.activation, model.tie_embeddings) == (
-        False, False, False, "gelu", True)  # fmt: skip
+        False,
+        False,
+        False,
+        "gelu",
+        True,
+    )
     o, t = cpu.optim, cpu.train
     assert (o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.beta1, o.beta2) == (1e-3, 1e-4, 100, 2000, 0.9, 0.99)
     assert (o.weight_decay, o.grad_clip, o.schedule) == (0.1, 1.0, "cosine")
     assert (t.max_steps, t.batch_size, t.grad_accum, t.eval_interval, t.eval_iters, t.log_interval) == (
-        2000, 12, 1, 250, 20, 1)  # fmt: skip
+        2000,
+        12,
+        1,
+        250,
+        20,
+        1,
+    )
     assert (t.device, t.dtype, t.compile) == ("cpu", "float32", False)
     gpu = from_sources(REPO / "configs" / "shakespeare-char.yaml", {})
     model = resolve_model(gpu.model, vocab_size=65)
@@ -201,7 +267,11 @@ def test_recipes_are_nanogpts():
     assert (gpt2.optim.lr, gpt2.optim.min_lr, gpt2.optim.warmup_steps, gpt2.optim.beta2) == (6e-4, 6e-5, 2000, 0.95)
     # nanoGPT's 40 micro-batches per update over 8 processes: grad_accum counts one process's.
     assert (gpt2.train.batch_size, 8 * gpt2.train.grad_accum, gpt2.train.max_steps, gpt2.train.dtype) == (
-        12, 40, 600000, "bfloat16")  # fmt: skip
+        12,
+        40,
+        600000,
+        "bfloat16",
+    )
 
 
 def test_lr_schedule_is_nanogpts_get_lr():
@@ -221,7 +291,8 @@ def test_lr_schedule_is_nanogpts_get_lr():
     assert lr_at(5, const, 100) == pytest.approx(1e-3 * 6 / 11) and lr_at(90, const, 100) == 1e-3
     # decay_steps defaults to max_steps.
     assert lr_at(99, OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0), 100) == pytest.approx(
-        0.5 * (1 + math.cos(math.pi * 0.99)))  # fmt: skip
+        0.5 * (1 + math.cos(math.pi * 0.99))
+    )
 
 
 def test_weight_decay_only_on_matrices():
@@ -235,8 +306,7 @@ def test_weight_decay_only_on_matrices():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     # Every parameter exactly once (the tied head shares the token embedding).
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
-    assert sum(p.numel() for p in decay["params"] + no_decay["params"]) == sum(
-        p.numel() for p in model.parameters())  # fmt: skip
+    assert sum(p.numel() for p in decay["params"] + no_decay["params"]) == sum(p.numel() for p in model.parameters())
     assert isinstance(decay["params"][0], torch.nn.Parameter)
 
 
@@ -273,7 +343,11 @@ def test_a_setting_of_a_part_the_run_does_not_use_is_warned_about(tmp_path, capl
     [
         ({"method": "lora"}, {}, "finetune.method lora trains adapters over a base model: set model.init_from"),
         ({"objective": "dpo"}, {"parallel": "fsdp"}, "finetune.objective dpo aligns an existing model"),
-        ({"objective": "orpo"}, {"parallel": "fsdp"}, "finetune.objective orpo trains under train.parallel ddp; use ddp"),
+        (
+            {"objective": "orpo"},
+            {"parallel": "fsdp"},
+            "finetune.objective orpo trains under train.parallel ddp; use ddp",
+        ),
     ],
 )
 def test_a_part_declares_its_run_rules_and_the_catalogue_enforces_them(tmp_path, finetune, train, message):
@@ -294,8 +368,11 @@ def test_list_and_nested_model_settings_take_flags_and_describe_themselves():
     kinds = section_types("model")
     assert describe(kinds["layer_types"]) == "a list of values, each one of full, sliding or null"
     assert coerce("model.layer_types", ["full", "sliding"], kinds["layer_types"]) == ["full", "sliding"]
-    with pytest.raises(ConfigError, match=r"^model.layer_types must be a list of values, each one of full, sliding or "
-                       r"null, got \['full', 'local'\]$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.layer_types must be a list of values, each one of full, sliding or "
+        r"null, got \['full', 'local'\]$",
+    ):
         coerce("model.layer_types", ["full", "local"], kinds["layer_types"])
     assert describe(kinds["nope_layers"]) == "a list of integers or null"
     rope = {"rope_type": "linear", "factor": 2.0}

@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from test_serve_helpers import live_server
+from test_serve_playground import CHROMIUM, CHROMIUM_FLAGS, _need_browser
 
 from gptkit.cli import main
 from gptkit.observe.run_reader import CONFIG_FILE, RUN_FILES, parse_records, read_config, read_from, read_run
 from gptkit.serving.watch import create_watch_app
-from test_serve_helpers import live_server
-from test_serve_playground import CHROMIUM, CHROMIUM_FLAGS, _need_browser
 
 LAYERS, HEADS, BLOCK = 2, 4, 16
 EVALUATIONS = (0, 100, 200)  # the steps the fake run evaluates at; the phase change is located at the third
@@ -38,10 +38,17 @@ def step_record(step: int, shift: float = 0.0) -> dict:
     record = {"step": step, "loss": 4.2 - 0.008 * step + shift, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 900.0}
     if step in EVALUATIONS:
         k = EVALUATIONS.index(step)
-        record.update(val_loss=4.3 - 0.009 * step + shift, train_eval_loss=4.25 - 0.009 * step,
-                      icl_score=-0.01 - 0.1 * k, induction_score=strongest(k), induction_chance=0.06,
-                      induction_loss=4.1 - 1.5 * k, first_half_loss=4.2, ablation_icl_change=0.02 * k,
-                      ablation_repeat_change=0.5 * k)  # fmt: skip
+        record.update(
+            val_loss=4.3 - 0.009 * step + shift,
+            train_eval_loss=4.25 - 0.009 * step,
+            icl_score=-0.01 - 0.1 * k,
+            induction_score=strongest(k),
+            induction_chance=0.06,
+            induction_loss=4.1 - 1.5 * k,
+            first_half_loss=4.2,
+            ablation_icl_change=0.02 * k,
+            ablation_repeat_change=0.5 * k,
+        )
         if k == 2:
             record["phase_change_step"] = PHASE + round(shift)
     return record
@@ -57,16 +64,30 @@ def insight_record(step: int) -> dict:
     induction = [[round(0.05 + 0.01 * (layer + head), 2) for head in range(HEADS)] for layer in range(LAYERS)]
     induction[1][2] = strongest(k)
     position_loss = [round(4.2 - 0.3 * k * math.log(1 + p), 4) for p in range(BLOCK)]
-    heads = [{"head": h, "icl_change": 0.01 * k * (h == 2) - 0.001, "repeat_change": 0.4 * k * (h == 2) + 0.01}
-             for h in range(HEADS)]  # fmt: skip
-    return {"step": step, "induction": induction, "induction_chance": 0.06, "position_loss": position_loss,
-            "ablation": {"layer": 1, "head": 2, "icl_change": heads[2]["icl_change"],
-                         "repeat_change": heads[2]["repeat_change"], "layer_heads": heads}}  # fmt: skip
+    heads = [
+        {"head": h, "icl_change": 0.01 * k * (h == 2) - 0.001, "repeat_change": 0.4 * k * (h == 2) + 0.01}
+        for h in range(HEADS)
+    ]
+    return {
+        "step": step,
+        "induction": induction,
+        "induction_chance": 0.06,
+        "position_loss": position_loss,
+        "ablation": {
+            "layer": 1,
+            "head": 2,
+            "icl_change": heads[2]["icl_change"],
+            "repeat_change": heads[2]["repeat_change"],
+            "layer_heads": heads,
+        },
+    }
 
 
 def sample_records(step: int) -> list[dict]:
-    return [{"step": step, "prompt": "ROMEO:", "completion": f" greedy words at {step}", "kind": "greedy"},
-            {"step": step, "prompt": "ROMEO:", "completion": f" sampled words at {step}", "kind": "sampled"}]
+    return [
+        {"step": step, "prompt": "ROMEO:", "completion": f" greedy words at {step}", "kind": "greedy"},
+        {"step": step, "prompt": "ROMEO:", "completion": f" sampled words at {step}", "kind": "sampled"},
+    ]
 
 
 def lines(records: list[dict]) -> str:
@@ -88,10 +109,20 @@ def replace(path: Path, text: str) -> None:
 def write_run(run_dir: Path, up_to: int, insight: bool = True) -> Path:
     """A run directory as far as step up_to (logged every 10 steps), with config.yaml and samples."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = {"model": {"vocab_size": 65, "block_size": BLOCK, "n_layer": LAYERS, "n_head": HEADS, "n_kv_head": HEADS,
-                        "n_embd": 32, "position": "learned"},
-              "optim": {"lr": 1e-3}, "train": {"max_steps": 300, "eval_interval": 100},
-              "finetune": {"method": "full", "objective": "lm"}}  # fmt: skip
+    config = {
+        "model": {
+            "vocab_size": 65,
+            "block_size": BLOCK,
+            "n_layer": LAYERS,
+            "n_head": HEADS,
+            "n_kv_head": HEADS,
+            "n_embd": 32,
+            "position": "learned",
+        },
+        "optim": {"lr": 1e-3},
+        "train": {"max_steps": 300, "eval_interval": 100},
+        "finetune": {"method": "full", "objective": "lm"},
+    }
     header = "# The resolved settings of this run.\n"
     (run_dir / CONFIG_FILE).write_text(header + yaml.safe_dump(config, sort_keys=False))
     (run_dir / "metrics.jsonl").write_text(lines([step_record(s) for s in range(0, up_to + 1, 10)]))
@@ -146,10 +177,21 @@ def test_a_run_without_insight_is_read_with_what_it_has(tmp_path):
     assert [r["step"] for r in run["files"]["metrics"]["records"]] == list(range(0, 121, 10))
     assert run["files"]["insight"] == {"records": [], "reset": False}
     assert [r["completion"] for r in run["files"]["samples"]["records"]] == [
-        " greedy words at 0", " sampled words at 0", " greedy words at 100", " sampled words at 100"]
+        " greedy words at 0",
+        " sampled words at 0",
+        " greedy words at 100",
+        " sampled words at 100",
+    ]
     config = run["config"]
-    assert config["model"] == {"n_layer": 2, "n_head": 4, "n_kv_head": 4, "n_embd": 32, "block_size": 16,
-                               "vocab_size": 65, "position": "learned"}  # fmt: skip
+    assert config["model"] == {
+        "n_layer": 2,
+        "n_head": 4,
+        "n_kv_head": 4,
+        "n_embd": 32,
+        "block_size": 16,
+        "vocab_size": 65,
+        "position": "learned",
+    }
     assert (config["objective"], config["method"], config["max_steps"]) == ("lm", "full", 300)
     assert config["text"].startswith("# The resolved settings")
     # Nothing new since the cursor; then an insight.jsonl appears (observation turned on at a resume).
@@ -173,8 +215,12 @@ def test_the_reader_names_the_files_gptkit_train_writes():
     from gptkit.observe.training import INSIGHT_FILE
     from gptkit.train import CONFIG_FILE as TRAIN_CONFIG
 
-    assert (RUN_FILES["metrics"], RUN_FILES["samples"], RUN_FILES["insight"], CONFIG_FILE) == \
-        (METRICS_FILE, SAMPLES_FILE, INSIGHT_FILE, TRAIN_CONFIG)  # fmt: skip
+    assert (RUN_FILES["metrics"], RUN_FILES["samples"], RUN_FILES["insight"], CONFIG_FILE) == (
+        METRICS_FILE,
+        SAMPLES_FILE,
+        INSIGHT_FILE,
+        TRAIN_CONFIG,
+    )
 
 
 # ----- the API and the command
@@ -242,8 +288,9 @@ def test_the_watch_server_imports_no_torch():
 
 def test_the_command_prints_its_url_and_serves_the_run(tmp_path):
     run_dir = write_run(tmp_path / "run", up_to=100)
-    server = subprocess.Popen([sys.executable, "-m", "gptkit", "watch", str(run_dir), "--port", "0"],
-                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gptkit", "watch", str(run_dir), "--port", "0"], stderr=subprocess.PIPE, text=True
+    )
     try:
         line = server.stderr.readline()
         found = re.search(r"at (http://127\.0\.0\.1:\d+/)$", line.strip())
@@ -315,11 +362,21 @@ def test_the_page_follows_a_run_being_written_and_resumed(tmp_path, browser):
         assert heads_shown(page) == pytest.approx([x for row in insight_record(100)["induction"] for x in row])
         assert page.get_attribute("#heads td.strongest", "data-layer") == "1"
         assert page.get_attribute("#heads td.strongest", "data-head") == "2"
-        curves = {el.get_attribute("data-label"): el.get_attribute("data-points")
-                  for el in page.locator(".chart polyline").all()}  # fmt: skip
-        assert curves == {"training": "20", "validation": "2", "ICL score": "2", "strongest head": "2",
-                          "uniform attention": "2", "repeated half": "2", "first half": "2",
-                          "repeated-half loss change": "2", "ICL score change": "2"}  # fmt: skip
+        curves = {
+            el.get_attribute("data-label"): el.get_attribute("data-points")
+            for el in page.locator(".chart polyline").all()
+        }
+        assert curves == {
+            "training": "20",
+            "validation": "2",
+            "ICL score": "2",
+            "strongest head": "2",
+            "uniform attention": "2",
+            "repeated half": "2",
+            "first half": "2",
+            "repeated-half loss change": "2",
+            "ICL score change": "2",
+        }
         assert page.get_attribute("#olsson", "data-columns") == "2"
         # Olsson's map: position 0 costs the most (4.2, the top of the colour map), step 100's last position the
         # least (4.2 - 0.3 ln 16: the bottom).
@@ -381,8 +438,10 @@ def test_a_run_that_has_just_started_fills_in(tmp_path, browser):
         assert page.inner_text("#chart-loss") == "No losses logged yet."
         assert page.is_hidden("#player") and page.get_attribute("#olsson", "data-columns") == "0"
         # An older run's records: losses and evaluations, no measures of induction and no insight.jsonl.
-        old = [{k: v for k, v in step_record(s).items() if k in ("step", "loss", "lr", "val_loss")}
-               for s in range(0, 101, 10)]  # fmt: skip
+        old = [
+            {k: v for k, v in step_record(s).items() if k in ("step", "loss", "lr", "val_loss")}
+            for s in range(0, 101, 10)
+        ]
         stopped = {"step": 110, "loss": 3.3, "lr": 1e-3, "evaluation": "stopped"}  # a signal came during it
         append(run_dir / "metrics.jsonl", lines(old + [stopped]))
         wait_for(page, "document.querySelectorAll('#chart-loss polyline').length === 2")

@@ -18,9 +18,23 @@ from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 
 W = 7
-MIXED = dict(vocab_size=96, block_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, position="rope",
-             norm="rmsnorm", activation="swiglu", attn_bias=False, mlp_bias=False, norm_bias=False,
-             sliding_window=W, layer_types=["sliding", "full", "sliding"], rope_local_theta=100.0)  # fmt: skip
+MIXED = dict(
+    vocab_size=96,
+    block_size=256,
+    n_layer=3,
+    n_head=4,
+    n_kv_head=2,
+    n_embd=32,
+    position="rope",
+    norm="rmsnorm",
+    activation="swiglu",
+    attn_bias=False,
+    mlp_bias=False,
+    norm_bias=False,
+    sliding_window=W,
+    layer_types=["sliding", "full", "sliding"],
+    rope_local_theta=100.0,
+)
 # The cached and uncached passes sum the same terms in other orders and shapes (fp32): measured within 2.5e-7 of the
 # largest logit over these tests' chunkings and seeds 0-2; the limit is about 8 times that.
 TOLERANCE = 2e-6

@@ -17,14 +17,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "classify",
         help=HELP,
         description="Print each text's most likely label and its probability (--json: every label's). Texts come "
-        "from --input (JSONL rows with a \"text\" field, or a text file with one text per line) or, without it, "
+        'from --input (JSONL rows with a "text" field, or a text file with one text per line) or, without it, '
         "standard input (one text per line).",
     )
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="a classifier's model (or LoRA) directory")
-    parser.add_argument("--input", metavar="FILE", type=Path, help="JSONL rows {\"text\": ...} or one text per line")
+    parser.add_argument("--input", metavar="FILE", type=Path, help='JSONL rows {"text": ...} or one text per line')
     parser.add_argument("--batch-size", type=int, default=16, help="texts per forward pass (default: 16)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default="auto",
-                        help="where to run (default: auto)")  # fmt: skip
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda", "mps"), default="auto", help="where to run (default: auto)"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per text, with every probability")
     parser.set_defaults(run=run)
 
@@ -53,7 +54,7 @@ def read_texts(path: Path | None) -> list[tuple[str, str]]:
         except ValueError as err:
             raise InputError(f"{path} line {n} is not valid JSON ({err})") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise InputError(f"{path} line {n} has no string field \"text\"")
+            raise InputError(f'{path} line {n} has no string field "text"')
         texts.append((row["text"], f"{path} line {n}"))
     return texts
 
@@ -69,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     args.model_dir = str(resolve_model_path(args.model_dir))  # a run directory: its newest checkpoint
     if not is_classifier_dir(args.model_dir):
-        raise InputError(f"{args.model_dir} has no classification head (classifier.json); train one with "
-                         "`gptkit train --finetune.objective classify` on labelled data")  # fmt: skip
+        raise InputError(
+            f"{args.model_dir} has no classification head (classifier.json); train one with "
+            "`gptkit train --finetune.objective classify` on labelled data"
+        )
     texts = read_texts(args.input)
     if not texts:
         raise InputError(f"no text to classify in {args.input or 'stdin'}")
@@ -88,8 +91,11 @@ def run(args: argparse.Namespace) -> int:
     for (text, _), p in zip(texts, probabilities.tolist()):
         best = max(range(len(p)), key=p.__getitem__)
         if args.json:
-            print(json.dumps({"text": text, "label": classifier.labels[best],
-                              "probabilities": dict(zip(classifier.labels, p))}))  # fmt: skip
+            print(
+                json.dumps(
+                    {"text": text, "label": classifier.labels[best], "probabilities": dict(zip(classifier.labels, p))}
+                )
+            )
         else:
             print(f"{classifier.labels[best]}\t{p[best]:.4f}\t{text}")
     return 0

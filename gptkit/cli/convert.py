@@ -37,19 +37,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR", type=Path, help="Hugging Face directory to import")
-    direction.add_argument("--to-hf", metavar="MODEL_DIR", type=Path, help="gptkit model directory to export (a "
-                           "LoRA directory: merged, with its adapters in PEFT's format in OUT/adapter)")
-    direction.add_argument("--merge", metavar="LORA_DIR", type=Path, help="LoRA directory (or checkpoint) to fold "
-                           "into its base as a plain gptkit model directory")  # fmt: skip
-    direction.add_argument("--to-gguf", metavar="MODEL_DIR", type=Path, help="model directory to write as a GGUF "
-                           "file for llama.cpp (--out FILE.gguf; a LoRA directory is merged first)")  # fmt: skip
-    direction.add_argument("--from-gguf", metavar="FILE", type=Path, help="GGUF file (gpt2 or llama architecture) "
-                           "to import as a gptkit model directory")  # fmt: skip
-    parser.add_argument("--out", metavar="PATH", type=Path, required=True, help="directory to write (--to-gguf: the "
-                        ".gguf file)")  # fmt: skip
-    parser.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0", "q4_0"), default="f16", dest="gguf_type",
-                        help="--to-gguf: the matrices' type (vectors stay f32; default f16, as llama.cpp's converter; "
-                        "q4_0 repacks an int4 model's own bits)")  # fmt: skip
+    direction.add_argument(
+        "--to-hf",
+        metavar="MODEL_DIR",
+        type=Path,
+        help="gptkit model directory to export (a "
+        "LoRA directory: merged, with its adapters in PEFT's format in OUT/adapter)",
+    )
+    direction.add_argument(
+        "--merge",
+        metavar="LORA_DIR",
+        type=Path,
+        help="LoRA directory (or checkpoint) to fold into its base as a plain gptkit model directory",
+    )
+    direction.add_argument(
+        "--to-gguf",
+        metavar="MODEL_DIR",
+        type=Path,
+        help="model directory to write as a GGUF "
+        "file for llama.cpp (--out FILE.gguf; a LoRA directory is merged first)",
+    )
+    direction.add_argument(
+        "--from-gguf",
+        metavar="FILE",
+        type=Path,
+        help="GGUF file (gpt2 or llama architecture) to import as a gptkit model directory",
+    )
+    parser.add_argument(
+        "--out", metavar="PATH", type=Path, required=True, help="directory to write (--to-gguf: the .gguf file)"
+    )
+    parser.add_argument(
+        "--type",
+        choices=("f32", "f16", "bf16", "q8_0", "q4_0"),
+        default="f16",
+        dest="gguf_type",
+        help="--to-gguf: the matrices' type (vectors stay f32; default f16, as llama.cpp's converter; "
+        "q4_0 repacks an int4 model's own bits)",
+    )
     parser.add_argument(
         "--dtype", choices=DTYPES, default=None, help="store the weights in this dtype (default: as they are)"
     )
@@ -101,8 +125,9 @@ def _merge(source: Path, out: Path, dtype: object) -> int:
     from gptkit.loading import load
 
     if not is_lora_dir(source):
-        raise GptkitError(f"{source} is not a LoRA directory (no lora_config.json); --merge folds adapters into "
-                          "their base")  # fmt: skip
+        raise GptkitError(
+            f"{source} is not a LoRA directory (no lora_config.json); --merge folds adapters into their base"
+        )
     model, tokenizer = load(source, dtype=dtype)
     with _building(out) as stage:
         save_model_dir(model, stage, tokenizer=tokenizer)
@@ -127,8 +152,10 @@ def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
         export_gguf(model, out, tokenizer, file_type, chat_template=template.jinja, name=source.resolve().name)
     config = model.config
     params = sum(p.numel() for p in model.parameters())
-    print(f"{source} -> {out}: GGUF {file_type}, {config.n_layer} layers, width {config.n_embd}, vocab "
-          f"{config.vocab_size}, {params:,} parameters, {out.stat().st_size / 2**20:.1f} MiB")  # fmt: skip
+    print(
+        f"{source} -> {out}: GGUF {file_type}, {config.n_layer} layers, width {config.n_embd}, vocab "
+        f"{config.vocab_size}, {params:,} parameters, {out.stat().st_size / 2**20:.1f} MiB"
+    )
     return 0
 
 
@@ -146,9 +173,11 @@ def _import(source: Path, out: Path, dtype: object) -> int:
         if tokenizer is not None:  # chat templates and special-token names, for serving and a later export
             _carry_tokenizer_config(source, stage)
     if tokenizer is None:
-        hint = " (it has vocab.json/merges.txt only; re-save it with a fast tokenizer)" if (
-            source / "vocab.json"
-        ).is_file() else ""
+        hint = (
+            " (it has vocab.json/merges.txt only; re-save it with a fast tokenizer)"
+            if (source / "vocab.json").is_file()
+            else ""
+        )
         print(f"note: {source} has no {TOKENIZER_FILE}; the model directory has no tokenizer{hint}", file=sys.stderr)
     _summary(model, source, out)
     return 0
@@ -215,9 +244,11 @@ def _export(source: Path, out: Path, dtype: object, family: str | None) -> int:
     if tokenizer is None:
         print(f"note: {source} has no tokenizer; the Hugging Face directory has none either", file=sys.stderr)
     if is_lora_dir(source):
-        print(f"note: the adapters alone, in PEFT's format, are in {out / 'adapter'}: load them with "
-              "peft.PeftModel.from_pretrained over the base exported by `gptkit convert --to-hf BASE`",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"note: the adapters alone, in PEFT's format, are in {out / 'adapter'}: load them with "
+            "peft.PeftModel.from_pretrained over the base exported by `gptkit convert --to-hf BASE`",
+            file=sys.stderr,
+        )
     _summary(model, source, out)
     return 0
 

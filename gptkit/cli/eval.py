@@ -31,10 +31,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--input", metavar="FILE", help="a UTF-8 text file, encoded as the tokenizer encodes it")
     source.add_argument("--data", metavar="DATA_DIR", help="a directory made by `gptkit prepare`: scores its val.bin")
     add_dataclass_flags(parser, EvalOptions)
-    parser.add_argument("--icl", action="store_true", help="instead of the loss: the in-context learning score "
-                        "(late minus early loss in the context) and the induction-head test")  # fmt: skip
-    parser.add_argument("--icl-windows", type=int, default=None, metavar="N", help="context windows the ICL score "
-                        "averages over (default: 64)")  # fmt: skip
+    parser.add_argument(
+        "--icl",
+        action="store_true",
+        help="instead of the loss: the in-context learning score "
+        "(late minus early loss in the context) and the induction-head test",
+    )
+    parser.add_argument(
+        "--icl-windows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context windows the ICL score averages over (default: 64)",
+    )
     parser.add_argument(
         "--context",
         type=int,
@@ -77,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from gptkit.data import is_examples, load_examples, read_meta
+    from gptkit.devices import pick_device
     from gptkit.errors import InputError
     from gptkit.evaluate import (
         EvalOptions,
@@ -89,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
     )
     from gptkit.finetune.heads import is_classifier_dir
     from gptkit.loading import load, resolve_model_path
-    from gptkit.devices import pick_device
     from gptkit.quantization import is_quantized, quantize
 
     options = dataclass_from_args(EvalOptions, args)
@@ -118,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
         if args.icl and is_examples(meta):
             raise InputError(f"--icl reads running text; {args.data} holds separate examples")
         if options.kv_cache is not None and is_examples(meta):
-            raise InputError("--kv-cache scores a text (--input, or a data directory of text); examples are scored "
-                             "without a cache")  # fmt: skip
+            raise InputError(
+                "--kv-cache scores a text (--input, or a data directory of text); examples are scored without a cache"
+            )
         if meta.kind == "labelled" and is_classifier_dir(args.model_dir):
             return _classify_report(args, model, meta, options.batch_size)
         if is_examples(meta) and (args.context is not None or args.by_position is not None):
@@ -128,8 +138,12 @@ def run(args: argparse.Namespace) -> int:
             examples = load_examples(args.data, "val", meta)
             with tqdm(total=len(examples), unit="example", desc="eval", file=sys.stderr, disable=args.quiet) as bar:
                 result = evaluate_examples(model, examples, lengths, options.batch_size, bar.update)
-            return _report(args, result, f"{source}: {len(examples):,} examples, {result.tokens:,} trained tokens "
-                                         f"scored ({result.bytes:,} bytes)")  # fmt: skip
+            return _report(
+                args,
+                result,
+                f"{source}: {len(examples):,} examples, {result.tokens:,} trained tokens "
+                f"scored ({result.bytes:,} bytes)",
+            )
     if args.icl:
         return _icl_report(args, model, ids, source, options.kv_cache)
     if len(ids) < 2:
@@ -141,8 +155,12 @@ def run(args: argparse.Namespace) -> int:
         result = evaluate_ids(
             model, ids, lengths, options.stride, options.batch_size, bar.update, options.kv_cache, context
         )
-    return _report(args, result, f"{source}: {result.tokens:,} tokens scored ({result.bytes:,} bytes), context "
-                                 f"{context}, stride {options.stride or max(1, context // 2)}")  # fmt: skip
+    return _report(
+        args,
+        result,
+        f"{source}: {result.tokens:,} tokens scored ({result.bytes:,} bytes), context "
+        f"{context}, stride {options.stride or max(1, context // 2)}",
+    )
 
 
 def _positions_report(args: argparse.Namespace, model, ids, lengths, source: str, context: int, options) -> int:
@@ -200,8 +218,10 @@ def _icl_report(args: argparse.Namespace, model, ids, source: str, kv_cache: str
         raise InputError("--icl reads attention weights from the plain forward pass; drop --kv-cache")
     context = model.config.block_size
     if len(ids) < context + 1:
-        raise InputError(f"{source} holds {len(ids):,} tokens; --icl needs at least block_size + 1 = "
-                         f"{context + 1:,} for a full context window")  # fmt: skip
+        raise InputError(
+            f"{source} holds {len(ids):,} tokens; --icl needs at least block_size + 1 = "
+            f"{context + 1:,} for a full context window"
+        )
     summary = icl_summary(model, ids, windows)
     if args.json:
         print(json.dumps(summary))
@@ -209,13 +229,19 @@ def _icl_report(args: argparse.Namespace, model, ids, source: str, kv_cache: str
     induction = summary["induction"]
     print(f"{source}: {summary['windows']} windows of {context} tokens")
     stderr = f" +- {summary['icl_stderr']:.4f}" if summary["icl_stderr"] is not None else ""
-    print(f"ICL score {summary['icl_score']:+.4f}{stderr} nats (late loss {summary['late_loss']:.4f}, last tenth of "
-          f"the context, minus early loss {summary['early_loss']:.4f}, 5-10% in; negative: the context helps)")
-    print(f"induction test ({induction['length']} random tokens repeated): loss {induction['first_half_loss']:.4f} "
-          f"on the first half, {induction['repeated_half_loss']:.4f} on the repeat")
+    print(
+        f"ICL score {summary['icl_score']:+.4f}{stderr} nats (late loss {summary['late_loss']:.4f}, last tenth of "
+        f"the context, minus early loss {summary['early_loss']:.4f}, 5-10% in; negative: the context helps)"
+    )
+    print(
+        f"induction test ({induction['length']} random tokens repeated): loss {induction['first_half_loss']:.4f} "
+        f"on the first half, {induction['repeated_half_loss']:.4f} on the repeat"
+    )
     heads = ", ".join(f"L{h['layer']}H{h['head']} {h['score']:.3f}" for h in induction["top_heads"])
-    print(f"strongest induction heads (layer, head, score): {heads}; uniform attention scores "
-          f"{induction['chance']:.3f}, a perfect induction head 1")
+    print(
+        f"strongest induction heads (layer, head, score): {heads}; uniform attention scores "
+        f"{induction['chance']:.3f}, a perfect induction head 1"
+    )
     return 0
 
 
@@ -232,8 +258,10 @@ def _classify_report(args: argparse.Namespace, model, meta: dict, batch_size: in
     classifier = load_head(model, args.model_dir)
     unknown = sorted(set(meta.labels) - set(classifier.labels))
     if unknown:
-        raise InputError(f"{args.data} has label(s) {', '.join(map(repr, unknown))} that the classifier "
-                         f"{args.model_dir} does not know (it knows {', '.join(map(repr, classifier.labels))})")
+        raise InputError(
+            f"{args.data} has label(s) {', '.join(map(repr, unknown))} that the classifier "
+            f"{args.model_dir} does not know (it knows {', '.join(map(repr, classifier.labels))})"
+        )
     examples = load_examples(args.data, "val", meta)
     if len(examples) == 0:
         raise InputError(f"{args.data} has no validation texts (prepared with --val-fraction 0)")

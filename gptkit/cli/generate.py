@@ -20,10 +20,10 @@ HELP = "generate text from a model directory (streamed, or --json with ids and t
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate` sub-command."""
+    from gptkit.decoding.sampling import SamplingParams
     from gptkit.decoding.speculative import DRAFT_K
     from gptkit.kv_cache import KV_DTYPES
     from gptkit.quantization import QUANTIZATION_METHODS
-    from gptkit.decoding.sampling import SamplingParams
 
     parser = subparsers.add_parser(
         "generate",
@@ -40,19 +40,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weight precision (default: float32)")
     parser.add_argument("--device", choices=DEVICES, default="auto", help="where to run (default: auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, timing")
-    parser.add_argument("--quantize", choices=QUANTIZATION_METHODS, default=None,
-                        help="weight-only quantisation of a float model after loading: int8 (a byte a weight) or "
-                        "int4 (llama.cpp's Q4_0: 4.5 bits a weight) (default: none)")
-    parser.add_argument("--kv-cache", choices=list(KV_DTYPES), default=None,
-                        help="int8: keep the keys and values as int8 with a scale per token and head, a quarter of "
-                        "fp32's memory (default: the model's dtype)")
-    parser.add_argument("--compile", action="store_true",
-                        help="compile the decode step with torch.compile: a one-off cost (reported in --json "
-                        "timing) that pays back over long generations (default: eager)")
-    parser.add_argument("--draft", default=None, metavar="DRAFT_DIR",
-                        help="speculative decoding with this smaller model of the same tokenizer (default: none)")
-    parser.add_argument("--draft-k", type=int, default=DRAFT_K, metavar="K",
-                        help=f"tokens the draft proposes per target pass (default: {DRAFT_K})")  # fmt: skip
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="weight-only quantisation of a float model after loading: int8 (a byte a weight) or "
+        "int4 (llama.cpp's Q4_0: 4.5 bits a weight) (default: none)",
+    )
+    parser.add_argument(
+        "--kv-cache",
+        choices=list(KV_DTYPES),
+        default=None,
+        help="int8: keep the keys and values as int8 with a scale per token and head, a quarter of "
+        "fp32's memory (default: the model's dtype)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step with torch.compile: a one-off cost (reported in --json "
+        "timing) that pays back over long generations (default: eager)",
+    )
+    parser.add_argument(
+        "--draft",
+        default=None,
+        metavar="DRAFT_DIR",
+        help="speculative decoding with this smaller model of the same tokenizer (default: none)",
+    )
+    parser.add_argument(
+        "--draft-k",
+        type=int,
+        default=DRAFT_K,
+        metavar="K",
+        help=f"tokens the draft proposes per target pass (default: {DRAFT_K})",
+    )
     parser.set_defaults(run=run)
 
 
@@ -76,8 +96,8 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, generate, and print the text (or the JSON report)."""
-    from gptkit.devices import pick_device
     from gptkit.decoding.sampling import SamplingParams
+    from gptkit.devices import pick_device
 
     params = dataclass_from_args(SamplingParams, args)  # validated before the (slow) model load
     prompt = read_prompt(args)
@@ -105,16 +125,26 @@ def run(args: argparse.Namespace) -> int:
     fast = dict(compile=args.compile, draft=draft, draft_k=args.draft_k, kv_cache=args.kv_cache)
     prompt_length = len(encode_prompt(tokenizer, prompt))  # a bad prompt fails before anything is printed
     if model.config.position == "learned" and prompt_length > model.config.block_size:
-        print(f"gptkit generate: note: the prompt has {prompt_length} tokens; this model (learned positions) reads "
-              f"only its last {model.config.block_size}", file=sys.stderr)  # fmt: skip
+        print(
+            f"gptkit generate: note: the prompt has {prompt_length} tokens; this model (learned positions) reads "
+            f"only its last {model.config.block_size}",
+            file=sys.stderr,
+        )
     if args.json:
         with torch.no_grad():  # warm up (allocator, kernels) so that the timing measures steady work
             model(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))
         [texts], result = generate_text(model, tokenizer, [prompt], params, **fast)
-        samples = [{"text": text, "ids": c.ids, "finish_reason": c.finish_reason}
-                   for text, c in zip(texts, result.completions[0])]  # fmt: skip
-        report = {"prompt": prompt, "prompt_ids": encode_prompt(tokenizer, prompt), **samples[0],
-                  "samples": samples, "timing": result.timing.to_dict()}  # fmt: skip
+        samples = [
+            {"text": text, "ids": c.ids, "finish_reason": c.finish_reason}
+            for text, c in zip(texts, result.completions[0])
+        ]
+        report = {
+            "prompt": prompt,
+            "prompt_ids": encode_prompt(tokenizer, prompt),
+            **samples[0],
+            "samples": samples,
+            "timing": result.timing.to_dict(),
+        }
         print(json.dumps(report, ensure_ascii=False))
         return 0
     if params.num_beams > 1 or params.num_samples > 1:  # not streamed
@@ -127,5 +157,5 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         text += piece
     if not text.endswith("\n"):  # a shell prompt (or the next line of a log) starts on a line of its own;
-        sys.stdout.write("\n")    # --json and the Python API give the text exactly
+        sys.stdout.write("\n")  # --json and the Python API give the text exactly
     return 0

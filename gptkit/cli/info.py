@@ -24,7 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Print the parameter breakdown, FLOPs per token and KV-cache bytes of a preset, "
         "a config JSON file or a model directory.",
     )
-    parser.add_argument("model", metavar="PRESET_OR_CONFIG", help="a preset name (e.g. gpt2), a JSON file or a model dir")
+    parser.add_argument(
+        "model", metavar="PRESET_OR_CONFIG", help="a preset name (e.g. gpt2), a JSON file or a model dir"
+    )
     parser.add_argument("--context", type=int, default=None, help="context length for FLOPs (default: block_size)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(run=run)
@@ -151,10 +153,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     c, p = report["config"], report["params"]
     padded = report["padded_vocab_size"]
-    extras = "".join([f" (padded to {padded})" if padded != c["vocab_size"] else "",
-                      f", {'tied' if c['tie_embeddings'] else 'untied'} head",
-                      ", q/k norms" if c["qk_norm"] else "",
-                      f", logits soft-capped at {c['logit_softcap']:g}" if c["logit_softcap"] is not None else ""])
+    extras = "".join(
+        [
+            f" (padded to {padded})" if padded != c["vocab_size"] else "",
+            f", {'tied' if c['tie_embeddings'] else 'untied'} head",
+            ", q/k norms" if c["qk_norm"] else "",
+            f", logits soft-capped at {c['logit_softcap']:g}" if c["logit_softcap"] is not None else "",
+        ]
+    )
     print(
         f"{args.model}: {c['n_layer']} layers, {c['n_head']} heads ({c['n_kv_head']} kv), width {c['n_embd']}, "
         f"ffn {c['ffn_hidden']} {c['activation']}, {c['norm']} {c['norm_position']}-norm, {c['position']} positions, "

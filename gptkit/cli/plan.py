@@ -24,9 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "without activation checkpointing), whether it fits a device, the KV cache for inference, and the wall time.",
     )
     parser.add_argument(
-        "model", metavar="PRESET_OR_CONFIG", nargs="?", default="gpt2",
+        "model",
+        metavar="PRESET_OR_CONFIG",
+        nargs="?",
+        default="gpt2",
         help="a preset name, a ModelConfig JSON file or a model directory (default: gpt2)",
-    )  # fmt: skip
+    )
     add_dataclass_flags(parser, PlanSettings)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
     parser.set_defaults(run=run)
@@ -75,19 +78,29 @@ def run(args: argparse.Namespace) -> int:
     muon = settings.optimizer == "muon"
     print(f"memory per device ({settings.dtype}, {'Muon + AdamW' if muon else 'AdamW'}):")
     rows = [
-        ("weights", m.weights), ("gradients", m.gradients),
+        ("weights", m.weights),
+        ("gradients", m.gradients),
         ("Muon + AdamW state" if muon else "AdamW moments", m.optimizer),
-        ("autocast weight copies", m.autocast_copies), ("AdamW step temporaries", m.optimizer_step),
+        ("autocast weight copies", m.autocast_copies),
+        ("AdamW step temporaries", m.optimizer_step),
         ("activations", m.activations),
-        ("total", m.total), ("activations, checkpointed", m.activations_checkpointed),
+        ("total", m.total),
+        ("activations, checkpointed", m.activations_checkpointed),
         ("total, checkpointed", m.total_checkpointed),
-    ]  # fmt: skip
+    ]
     for label, nbytes in rows:
         if nbytes or label != "autocast weight copies":
             print(f"  {label:<26} {_gib(nbytes):>12}")
     if plan.fits is not None:
-        verdict = "fits" if plan.fits else ("fits only with activation checkpointing" if plan.fits_checkpointed
-                                            else "does not fit, even with activation checkpointing")  # fmt: skip
+        verdict = (
+            "fits"
+            if plan.fits
+            else (
+                "fits only with activation checkpointing"
+                if plan.fits_checkpointed
+                else "does not fit, even with activation checkpointing"
+            )
+        )
         print(f"  {settings.device_memory:g} GiB device: {verdict}")
     kv = plan.kv_cache
     windows = f"; {kv['windowed_layers']} layers keep their last {kv['window']}" if kv["windowed_layers"] else ""

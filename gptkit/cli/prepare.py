@@ -23,10 +23,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Tokenize text, JSONL, CSV/TSV and Parquet files (plain or gzip/xz/bzip2/zstd compressed) and "
         "directories of them into DATA_DIR/train.bin, val.bin, the tokenizer files and meta.json. With no --input, "
         "the bundled tiny shakespeare is used. The new data set replaces the old one only once it is complete. "
-        "Rows of supervised examples (\"messages\" conversations, \"prompt\" and \"completion\", or "
-        "\"instruction\" and \"output\") make a data set of examples for fine-tuning: each rendered with the chat "
+        'Rows of supervised examples ("messages" conversations, "prompt" and "completion", or '
+        '"instruction" and "output") make a data set of examples for fine-tuning: each rendered with the chat '
         "template of the model given as --tokenizer, with which tokens are trained on. Rows that are prompts "
-        "(a \"prompt\" without \"completion\", or \"messages\" ending with a user turn; any other fields kept) "
+        '(a "prompt" without "completion", or "messages" ending with a user turn; any other fields kept) '
         "make a data set of prompts for reinforcement learning.",
     )
     # Unset flags stay out of the namespace, so that run() can tell an explicit --vocab-size from the default.
@@ -53,16 +53,20 @@ def run(args: argparse.Namespace) -> int:
         rows = ", ".join(sorted({row_format(i["format"]).title for i in meta.inputs if i["format"]}))
         labels = f" of the labels {', '.join(meta.labels)}" if meta.labels else ""
         cut = f"; longer than {meta.max_length} tokens: {meta.truncated} truncated, {meta.dropped} dropped"
-        print(f"wrote {config.out}: recognised {rows} rows: {train + val:,} {noun}{labels} (train {train:,}, val "
-              f"{val:,}); {meta.tokenizer} vocabulary {meta.vocab_size:,}, {meta.train_targets:,} trained "
-              f"tokens of {meta.train_tokens:,} in train{cut if meta.truncated or meta.dropped else ''}")
+        print(
+            f"wrote {config.out}: recognised {rows} rows: {train + val:,} {noun}{labels} (train {train:,}, val "
+            f"{val:,}); {meta.tokenizer} vocabulary {meta.vocab_size:,}, {meta.train_targets:,} trained "
+            f"tokens of {meta.train_tokens:,} in train{cut if meta.truncated or meta.dropped else ''}"
+        )
         return 0
     if meta.kind == "prompts":
         kept = meta.train_prompts + meta.val_prompts
         dropped = f"; longer than {meta.max_length} tokens: {meta.dropped} dropped" if meta.dropped else ""
-        print(f"wrote {config.out}: {meta.tokenizer} vocabulary {meta.vocab_size:,}, {kept:,} prompts "
-              f"(train {meta.train_prompts:,}, val {meta.val_prompts:,}), {meta.train_tokens:,} tokens in "
-              f"train, the longest {meta.longest_prompt:,}{dropped}")
+        print(
+            f"wrote {config.out}: {meta.tokenizer} vocabulary {meta.vocab_size:,}, {kept:,} prompts "
+            f"(train {meta.train_prompts:,}, val {meta.val_prompts:,}), {meta.train_tokens:,} tokens in "
+            f"train, the longest {meta.longest_prompt:,}{dropped}"
+        )
         return 0
     print(
         f"wrote {config.out}: {meta.tokenizer} vocabulary {meta.vocab_size:,}, "

@@ -42,8 +42,11 @@ def run(args: argparse.Namespace) -> int:
     if options.api_key is None and os.environ.get(API_KEY_ENV):
         options.api_key = os.environ[API_KEY_ENV]  # keeps the key out of the process list
     if not is_loopback(options.host) and not options.api_key:
-        print(f"gptkit serve: warning: binding {options.host} without --api-key lets anyone who can reach this "
-              "machine use the model", file=sys.stderr)  # fmt: skip
+        print(
+            f"gptkit serve: warning: binding {options.host} without --api-key lets anyone who can reach this "
+            "machine use the model",
+            file=sys.stderr,
+        )
     model_dir = resolve_model_path(args.model_dir)  # a run directory: its newest checkpoint
     check_port_free(options.host, options.port)  # before the model loads, and before its URL is printed
     host = f"[{options.host}]" if ":" in options.host else options.host  # an IPv6 address goes in brackets
@@ -65,5 +68,7 @@ def check_port_free(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as err:
-            raise GptkitError(f"cannot listen on {host}:{port}: {err.strerror or err}; is another server on it? "
-                              "Stop it or pick another --port") from None  # fmt: skip
+            raise GptkitError(
+                f"cannot listen on {host}:{port}: {err.strerror or err}; is another server on it? "
+                "Stop it or pick another --port"
+            ) from None

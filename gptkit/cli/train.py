@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gptkit.train_config import RunConfig
 
-USAGE = ("gptkit train [--config FILE.yaml] [--data DIR] [--out RUN_DIR] [--resume | --resume-from CHECKPOINT] "
-         "[--SECTION.KEY VALUE ...]")
+USAGE = (
+    "gptkit train [--config FILE.yaml] [--data DIR] [--out RUN_DIR] [--resume | --resume-from CHECKPOINT] "
+    "[--SECTION.KEY VALUE ...]"
+)
 # Short flags that set a config field, and the field's own flag: giving both is an error, not a silent choice.
 ALIASES = {"data": "train.data_dir", "out": "train.out_dir"}
 
@@ -37,12 +39,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--config", metavar="FILE.yaml", help="a recipe, e.g. configs/shakespeare-char-cpu.yaml")
     parser.add_argument("--data", metavar="DIR", help="prepared data directory (same as --train.data_dir)")
-    parser.add_argument("--out", metavar="RUN_DIR", help="run directory (same as --train.out_dir; default "
-                        "runs/<config name>)")  # fmt: skip
-    parser.add_argument("--resume", action="store_true", help="continue the run in RUN_DIR from its newest checkpoint "
-                        "that verifies (a damaged newer one is passed over, with a warning)")  # fmt: skip
-    parser.add_argument("--resume-from", metavar="CHECKPOINT", help="continue the run from this checkpoint, "
-                        "RUN_DIR/checkpoints/step-N (an error if it is damaged); later checkpoints are removed")  # fmt: skip
+    parser.add_argument(
+        "--out", metavar="RUN_DIR", help="run directory (same as --train.out_dir; default runs/<config name>)"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in RUN_DIR from its newest checkpoint "
+        "that verifies (a damaged newer one is passed over, with a warning)",
+    )
+    parser.add_argument(
+        "--resume-from",
+        metavar="CHECKPOINT",
+        help="continue the run from this checkpoint, "
+        "RUN_DIR/checkpoints/step-N (an error if it is damaged); later checkpoints are removed",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_flags(parser)
     parser.set_defaults(run=run)
@@ -52,9 +63,9 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     """The run's settings from the arguments; with --resume, the run directory's config.yaml is the base."""
     from gptkit.checkpoint import CHECKPOINTS, latest_checkpoint
     from gptkit.errors import ConfigError
-    from gptkit.train import CONFIG_FILE
     from gptkit.finetune.catalogue import resume_may_change
     from gptkit.run_sources import flag_overrides, from_sources
+    from gptkit.train import CONFIG_FILE
 
     flags = flag_overrides(args)
     for option, field in ALIASES.items():
@@ -68,7 +79,9 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         checkpoint = Path(args.resume_from)
         folder = checkpoint.parent if checkpoint.parent.name == CHECKPOINTS else checkpoint.resolve().parent
         if folder.name != CHECKPOINTS:
-            raise ConfigError(f"--resume-from {checkpoint} is not a checkpoint directory (RUN_DIR/{CHECKPOINTS}/step-N)")
+            raise ConfigError(
+                f"--resume-from {checkpoint} is not a checkpoint directory (RUN_DIR/{CHECKPOINTS}/step-N)"
+            )
         run_dir = folder.parent
         given = flags.get("train", {}).get("out_dir")
         if given is not None and Path(given).resolve() != run_dir.resolve():
@@ -87,8 +100,10 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         if not run_dir.is_dir():
             raise ConfigError(f"{run_dir} does not exist: there is no run to resume (start it without --resume)")
         if latest_checkpoint(run_dir) is None:
-            raise ConfigError(f"{run_dir} has no checkpoint to resume from (the run stopped before its first "
-                              "checkpoint): start it again without --resume")  # fmt: skip
+            raise ConfigError(
+                f"{run_dir} has no checkpoint to resume from (the run stopped before its first "
+                "checkpoint): start it again without --resume"
+            )
         raise ConfigError(f"{saved_path} is missing, so the run's settings are unknown; restore it to resume")
     fixed = ("model", "finetune")  # what the checkpoint's weights were built as
     config = from_sources(saved_path, {section: values for section, values in flags.items() if section not in fixed})
@@ -104,16 +119,17 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         if key in resume_may_change():
             config.finetune.set(key, given.value(key))
         elif config.finetune.value(key) != given.value(key):
-            raise ConfigError(f"finetune.{key} cannot change on --resume (the run has "
-                              f"{config.finetune.value(key)!r}); start a new run instead")  # fmt: skip
+            raise ConfigError(
+                f"finetune.{key} cannot change on --resume (the run has "
+                f"{config.finetune.value(key)!r}); start a new run instead"
+            )
     return config
 
 
 def run(args: argparse.Namespace) -> int:
     """Train, then say where the model is and how to continue."""
-    from gptkit.train import train
-
     from gptkit.distributed import world_from_env
+    from gptkit.train import train
 
     config = build_config(args)
     result = train(config, resume=args.resume, progress=not args.quiet, resume_from=args.resume_from)
@@ -144,5 +160,7 @@ def resume_command(run_dir: Path, env: dict[str, str] | None = None) -> str:
     nodes = max(1, world // local)
     if nodes == 1:
         return f"torchrun --nproc_per_node {local} -m {command}"
-    return (f"torchrun --nnodes {nodes} --nproc_per_node {local} -m {command} (on every machine, each with its "
-            "--node_rank and the --master_addr and --master_port of the first)")
+    return (
+        f"torchrun --nnodes {nodes} --nproc_per_node {local} -m {command} (on every machine, each with its "
+        "--node_rank and the --master_addr and --master_port of the first)"
+    )

@@ -24,9 +24,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a gptkit train run directory (its --out)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the page")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (0 picks a free one)")
-    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
-                        help="a host name the page may be opened by besides loopback ones (while the server binds a "
-                        "loopback address, any other Host header is refused); repeatable")  # fmt: skip
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name the page may be opened by besides loopback ones (while the server binds a "
+        "loopback address, any other Host header is refused); repeatable",
+    )
     parser.set_defaults(run=run)
 
 
@@ -39,13 +44,17 @@ def run(args: argparse.Namespace) -> int:
     run_dir = check_run_dir(args.run_dir)
     blank = next((name for name in args.allowed_host if not name.strip()), None)
     if blank is not None:
-        raise GptkitError(f"--allowed-host {blank!r} names no host: give a host name such as mybox.lan (loopback "
-                          "names need no flag)")  # fmt: skip
+        raise GptkitError(
+            f"--allowed-host {blank!r} names no host: give a host name such as mybox.lan (loopback names need no flag)"
+        )
     sock = listen(args.host, args.port)
     loopback = is_loopback(args.host)
     if not loopback:
-        print(f"gptkit watch: warning: binding {args.host} lets anyone who can reach this machine read the run's "
-              "metrics and samples", file=sys.stderr)  # fmt: skip
+        print(
+            f"gptkit watch: warning: binding {args.host} lets anyone who can reach this machine read the run's "
+            "metrics and samples",
+            file=sys.stderr,
+        )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host  # an IPv6 address goes in brackets
     print(f"gptkit watch: {run_dir} at http://{shown}:{port}/", file=sys.stderr, flush=True)

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gptkit.data.batch import Batch
-from gptkit.data.meta import DataMeta, EXAMPLE_FILES
-from gptkit.data.tokens import load_tokens, map_array
 
+from gptkit.data.batch import Batch
+from gptkit.data.meta import EXAMPLE_FILES, DataMeta
+from gptkit.data.tokens import load_tokens, map_array
 from gptkit.data_kinds import DATA_KINDS
 from gptkit.errors import GptkitError, InputError
 from gptkit.loss import IGNORE_INDEX
@@ -82,8 +82,9 @@ def load_examples(data_dir: str | Path, split: str, meta: DataMeta) -> Examples:
     if DATA_KINDS[meta.kind].labels:
         labels = np.fromfile(data_dir / files["labels"], dtype=np.int64)
         if len(labels) and (labels.min() < 0 or labels.max() >= len(meta.labels)):
-            raise GptkitError(f"{data_dir / files['labels']} holds a label outside meta.json's labels; rerun gptkit "
-                              "prepare")  # fmt: skip
+            raise GptkitError(
+                f"{data_dir / files['labels']} holds a label outside meta.json's labels; rerun gptkit prepare"
+            )
     return Examples(ids, trained, offsets, meta.kind, labels)
 
 
@@ -110,9 +111,13 @@ def example_rows(examples: Examples, rows: list[list[int]], block_size: int, pac
             at += n
         last[r] = at - 1
     labelled = examples.labels is not None
-    return Batch(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(docs) if packed else None,
-                 labels=torch.from_numpy(examples.labels[[row[0] for row in rows]]) if labelled else None,
-                 last=torch.from_numpy(last) if labelled else None)  # fmt: skip
+    return Batch(
+        torch.from_numpy(x),
+        torch.from_numpy(y),
+        torch.from_numpy(docs) if packed else None,
+        labels=torch.from_numpy(examples.labels[[row[0] for row in rows]]) if labelled else None,
+        last=torch.from_numpy(last) if labelled else None,
+    )
 
 
 # Padded batches are as wide as their longest example, rounded up to this: fewer distinct shapes for a compiled
@@ -132,13 +137,13 @@ class ExampleBatches:
     mean over the update's trained tokens (or pairs, or texts).
     """
 
-    def __init__(self, examples: Examples, block_size: int, batch_size: int, seed: int, packed: bool,
-                 group: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self, examples: Examples, block_size: int, batch_size: int, seed: int, packed: bool, group: int = 1
+    ) -> None:
         if examples.items() == 0:
             raise InputError("the data set has no examples to train on")
         if packed and not DATA_KINDS[examples.kind].packable:
-            raise InputError(f"packing applies to supervised examples, not {examples.kind}; set finetune.packing "
-                             "false")  # fmt: skip
+            raise InputError(f"packing applies to supervised examples, not {examples.kind}; set finetune.packing false")
         self.positions = examples.positions()
         longest, next_token = int(self.positions.max()), not DATA_KINDS[examples.kind].whole_input
         if longest > block_size:
@@ -159,7 +164,8 @@ class ExampleBatches:
         if epoch not in self._epochs:
             key = np.random.SeedSequence([self.seed, 1]).generate_state(2, dtype=np.uint64)
             order = np.random.Generator(np.random.Philox(key=key, counter=[0, 0, 0, epoch])).permutation(
-                self.examples.items())
+                self.examples.items()
+            )
             self._epochs = {e: items for e, items in self._epochs.items() if e >= epoch - 1}  # memory stays bounded
             self._epochs[epoch] = self._pack(order) if self.packed else [[int(i)] for i in order]
         return self._epochs[epoch]
@@ -199,8 +205,12 @@ class ExampleBatches:
         if self._update[0] != first:  # the update's count, once per update rather than once per micro-batch
             self._update = (first, sum(self._count(b) for b in range(first, first + self.group)))
         positions = sum(int(self.positions[row].sum()) for row in rows)
-        return dataclasses.replace(batch, units=sum(int(self.units[item].sum()) for item in items),
-                                   step_units=self._update[1], tokens=positions)  # fmt: skip
+        return dataclasses.replace(
+            batch,
+            units=sum(int(self.units[item].sum()) for item in items),
+            step_units=self._update[1],
+            tokens=positions,
+        )
 
     def state_dict(self) -> dict[str, int]:
         """The position in the batch stream (JSON-able)."""
@@ -219,8 +229,9 @@ class ExampleBatches:
         self.step = step
 
 
-def example_batches(examples: Examples, block_size: int, batch_size: int, limit: int | None = None,
-                    order: np.ndarray | None = None) -> Iterator[Batch]:  # fmt: skip
+def example_batches(
+    examples: Examples, block_size: int, batch_size: int, limit: int | None = None, order: np.ndarray | None = None
+) -> Iterator[Batch]:
     """Padded batches over the first `limit` items of a split (in `order`, default as stored): evaluation."""
     chosen = np.arange(examples.items()) if order is None else order
     chosen = chosen[:limit] if limit is not None else chosen

@@ -27,9 +27,15 @@ SPLIT_FILES = {"train": "train.bin", "val": "val.bin"}
 # per example into the token file, then the total). Preference pairs ("preferences") are stored the same way, each
 # pair's chosen example then its rejected one; labelled texts ("labelled") add each example's label (int64, an
 # index into meta.json's "labels").
-EXAMPLE_FILES = {split: {"ids": name, "mask": name.replace(".bin", ".mask.bin"),
-                         "offsets": name.replace(".bin", ".offsets.bin"), "labels": name.replace(".bin", ".labels.bin")}
-                 for split, name in SPLIT_FILES.items()}  # fmt: skip
+EXAMPLE_FILES = {
+    split: {
+        "ids": name,
+        "mask": name.replace(".bin", ".mask.bin"),
+        "offsets": name.replace(".bin", ".offsets.bin"),
+        "labels": name.replace(".bin", ".labels.bin"),
+    }
+    for split, name in SPLIT_FILES.items()
+}
 
 
 # A data set of prompts ("kind": "prompts", what reinforcement learning samples completions of) stores each prompt's
@@ -39,9 +45,11 @@ EXAMPLE_FILES = {split: {"ids": name, "mask": name.replace(".bin", ".mask.bin"),
 PROMPT_KIND = PROMPTS.name
 
 
-PROMPT_FILES = {split: {key: files[key] for key in ("ids", "mask", "offsets")}
-                | {"rows": SPLIT_FILES[split].replace(".bin", ".prompts.jsonl")}
-                for split, files in EXAMPLE_FILES.items()}  # fmt: skip
+PROMPT_FILES = {
+    split: {key: files[key] for key in ("ids", "mask", "offsets")}
+    | {"rows": SPLIT_FILES[split].replace(".bin", ".prompts.jsonl")}
+    for split, files in EXAMPLE_FILES.items()
+}
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,9 @@ class DataMeta:
         for name in ("vocab_size", "train_tokens", "val_tokens"):
             _count(meta, name, path)
         if meta.get("dtype") not in TOKEN_DTYPES:
-            raise GptkitError(f"{path}: field 'dtype' must be one of {', '.join(TOKEN_DTYPES)}, got {meta.get('dtype')!r}")
+            raise GptkitError(
+                f"{path}: field 'dtype' must be one of {', '.join(TOKEN_DTYPES)}, got {meta.get('dtype')!r}"
+            )
         data_kind(meta, path)
         known = {f.name for f in fields(cls)} - {"raw"}
         return cls(**{k: v for k, v in meta.items() if k in known}, raw=dict(meta))
@@ -176,8 +186,10 @@ def data_kind(meta: dict[str, Any], path: Path) -> DataKind:
     """The kind of data set meta.json says (text when it says none); an unknown kind is a one-line error."""
     name = meta.get("kind", "text")
     if name not in DATA_KINDS:
-        raise GptkitError(f"{path}: unknown data kind {name!r} (kinds: {', '.join(DATA_KINDS)}); it was written by a "
-                          "newer gptkit, or damaged: rerun gptkit prepare")  # fmt: skip
+        raise GptkitError(
+            f"{path}: unknown data kind {name!r} (kinds: {', '.join(DATA_KINDS)}); it was written by a "
+            "newer gptkit, or damaged: rerun gptkit prepare"
+        )
     return DATA_KINDS[name]
 
 

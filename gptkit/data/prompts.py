@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gptkit.data.meta import DataMeta, PROMPT_FILES
-from gptkit.data.tokens import load_tokens
 
+from gptkit.data.meta import PROMPT_FILES, DataMeta
+from gptkit.data.tokens import load_tokens
 from gptkit.errors import GptkitError
 
 
@@ -51,14 +51,17 @@ def load_prompts(data_dir: str | Path, split: str, meta: DataMeta) -> Prompts:
                     item = json.loads(line)
                 except ValueError:
                     item = None
-                if not (isinstance(item, dict) and isinstance(item.get("text"), str)
-                        and isinstance(item.get("row"), dict)):  # fmt: skip
-                    raise GptkitError(f"{path} line {n} is not a {{\"text\", \"row\"}} object; rerun gptkit prepare")
+                if not (
+                    isinstance(item, dict) and isinstance(item.get("text"), str) and isinstance(item.get("row"), dict)
+                ):
+                    raise GptkitError(f'{path} line {n} is not a {{"text", "row"}} object; rerun gptkit prepare')
                 texts.append(item["text"])
                 rows.append(item["row"])
     except (OSError, UnicodeDecodeError) as err:
         raise GptkitError(f"cannot read {path}: {err}; rerun gptkit prepare") from None
     if len(rows) != len(offsets) - 1:
-        raise GptkitError(f"{path} holds {len(rows)} prompts but {data_dir / files['offsets']} describes "
-                          f"{len(offsets) - 1}; rerun gptkit prepare")  # fmt: skip
+        raise GptkitError(
+            f"{path} holds {len(rows)} prompts but {data_dir / files['offsets']} describes "
+            f"{len(offsets) - 1}; rerun gptkit prepare"
+        )
     return Prompts(ids, offsets, texts, rows)

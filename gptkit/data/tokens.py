@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from gptkit.data.meta import TOKEN_DTYPES
 
+from gptkit.data.meta import TOKEN_DTYPES
 from gptkit.errors import GptkitError, InputError
 
 

@@ -98,16 +98,20 @@ def grammar_for(model: GPT, tokenizer: Tokenizer | None, params: SamplingParams)
     return Grammar(tokenizer, params.json_schema, base(model).config.vocab_size)
 
 
-def _fits_draft(model: GPT, draft: GPT | None, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                draft_k: int) -> bool:  # fmt: skip
+def _fits_draft(
+    model: GPT, draft: GPT | None, prompts: Sequence[Sequence[int]], params: SamplingParams, draft_k: int
+) -> bool:
     """Whether to speculate: a draft given, checked, and room for it (else a warning, and plain decoding)."""
     if draft is None:
         return False
     check_draft(model, draft, params, draft_k)
     need = max(len(p) for p in prompts) + params.max_new_tokens + draft_k
     if not fits(model, draft, need):  # a learned-position window would have to slide: decode without the draft
-        log.warning("decoding without the draft: speculative decoding needs prompt + max_new_tokens + draft_k "
-                    "(%d) positions, more than a learned-position model's block_size holds", need)  # fmt: skip
+        log.warning(
+            "decoding without the draft: speculative decoding needs prompt + max_new_tokens + draft_k "
+            "(%d) positions, more than a learned-position model's block_size holds",
+            need,
+        )
         return False
     return True
 
@@ -133,8 +137,9 @@ def complete(
     """
     check_prompts(model, prompts)
     if (params.json_schema is None) != (grammar is None):
-        raise ConfigError("give a grammar (grammar_for(model, tokenizer, params)) exactly when params has a "
-                          "json_schema")  # fmt: skip
+        raise ConfigError(
+            "give a grammar (grammar_for(model, tokenizer, params)) exactly when params has a json_schema"
+        )
     kv_dtype = _kv_dtype(kv_cache, params, draft)
     device, _ = device_dtype(model)
     timing = Timing(prefill_tokens=sum(len(p) for p in prompts))
@@ -171,8 +176,10 @@ def complete(
         timing.decode_seconds = time.perf_counter() - start
         timing.decode_tokens = sum(max(len(r.generated) - 1, 0) for r in requests)  # the first came with prefill
     S = params.num_samples
-    completions = [[Completion(r.generated, r.finish_reason, r.end_id) for r in requests[i * S : (i + 1) * S]]
-                   for i in range(len(prompts))]  # fmt: skip
+    completions = [
+        [Completion(r.generated, r.finish_reason, r.end_id) for r in requests[i * S : (i + 1) * S]]
+        for i in range(len(prompts))
+    ]
     return Result(completions, timing)
 
 
@@ -180,8 +187,10 @@ def _kv_dtype(kv_cache: str | None, params: SamplingParams, draft: GPT | None) -
     """The cache's element type for kv_cache; a ConfigError where the decoding path keeps its own cache."""
     kv_dtype = kv_dtype_of(kv_cache)
     if kv_dtype is not None and (params.num_beams > 1 or draft is not None):
-        raise ConfigError(f"kv_cache {kv_cache} works with greedy and sampled decoding; beam search and a draft "
-                          "model keep their caches in the model's dtype")  # fmt: skip
+        raise ConfigError(
+            f"kv_cache {kv_cache} works with greedy and sampled decoding; beam search and a draft "
+            "model keep their caches in the model's dtype"
+        )
     return kv_dtype
 
 
@@ -215,8 +224,18 @@ def generate_ids(
     batched = bool(prompt_ids) and not isinstance(prompt_ids[0], numbers.Integral)
     prompts = [list(p) for p in prompt_ids] if batched else [list(prompt_ids)]
     decode = tokenizer.decode if tokenizer is not None else None
-    result = complete(model, prompts, params, eos_id, decode, compile=compile, draft=draft, draft_k=draft_k,
-                      grammar=grammar_for(model, tokenizer, params), kv_cache=kv_cache)  # fmt: skip
+    result = complete(
+        model,
+        prompts,
+        params,
+        eos_id,
+        decode,
+        compile=compile,
+        draft=draft,
+        draft_k=draft_k,
+        grammar=grammar_for(model, tokenizer, params),
+        kv_cache=kv_cache,
+    )
     return _shape([[c.ids for c in row] for row in result.completions], batched, params.num_samples)
 
 
@@ -257,8 +276,18 @@ def generate_text(
     if not prompts:
         raise InputError("no prompts given")
     ids = [encode_prompt(tokenizer, p) for p in prompts]
-    result = complete(model, ids, params, tokenizer.eos_ids, tokenizer.decode, compile=compile, draft=draft,
-                      draft_k=draft_k, grammar=grammar_for(model, tokenizer, params), kv_cache=kv_cache)  # fmt: skip
+    result = complete(
+        model,
+        ids,
+        params,
+        tokenizer.eos_ids,
+        tokenizer.decode,
+        compile=compile,
+        draft=draft,
+        draft_k=draft_k,
+        grammar=grammar_for(model, tokenizer, params),
+        kv_cache=kv_cache,
+    )
     texts = [[completion_text(tokenizer, c, params.stop) for c in row] for row in result.completions]
     return texts, result
 
@@ -284,8 +313,9 @@ def generate(
     """
     params = sampling_params(params, overrides)
     batched = not isinstance(prompt, str)
-    texts, _ = generate_text(model, tokenizer, list(prompt) if batched else [prompt], params, compile, draft, draft_k,
-                             kv_cache)  # fmt: skip
+    texts, _ = generate_text(
+        model, tokenizer, list(prompt) if batched else [prompt], params, compile, draft, draft_k, kv_cache
+    )
     return _shape(texts, batched, params.num_samples)
 
 

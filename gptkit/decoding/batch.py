@@ -31,9 +31,18 @@ from gptkit.decoding.prefix_cache import PrefixCache, block_layout, model_finger
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
 from gptkit.decoding.step import (
-    PREFILL_CHUNK, base, check_prompts, compiled, decode_one_token, device_dtype, inference, new_cache, prefill_chunks,
-    sync, window,
-)  # fmt: skip
+    PREFILL_CHUNK,
+    base,
+    check_prompts,
+    compiled,
+    decode_one_token,
+    device_dtype,
+    inference,
+    new_cache,
+    prefill_chunks,
+    sync,
+    window,
+)
 from gptkit.errors import InputError
 from gptkit.model import GPT
 from gptkit.multi_lora import rows_using
@@ -43,10 +52,17 @@ class BatchEngine:
     """Rows of one KVCache for up to batch_size requests; add, step, cancel. Not thread-safe (one driver)."""
 
     def __init__(
-        self, model: GPT, batch_size: int, max_len: int, compile: bool = False, max_context: int | None = None,
-        buckets: bool = False, kv_dtype: torch.dtype | None = None, prefix_cache: PrefixCache | None = None,
+        self,
+        model: GPT,
+        batch_size: int,
+        max_len: int,
+        compile: bool = False,
+        max_context: int | None = None,
+        buckets: bool = False,
+        kv_dtype: torch.dtype | None = None,
+        prefix_cache: PrefixCache | None = None,
         adapter: str = "",
-    ) -> None:  # fmt: skip
+    ) -> None:
         """kv_dtype: what the cache stores, the model's dtype (None) or torch.int8 (gptkit.kv_cache). prefix_cache:
         where prompts' blocks of keys and values are kept and found again (the model's weights must not change while
         it is used); adapter: a name that keeps this model's blocks apart from another adapter's on the same base."""
@@ -103,9 +119,12 @@ class BatchEngine:
         start = time.perf_counter()
         with inference(self.model):
             for rows in self.row_buckets() if self.compile else [self.batch_size]:
-                self.decode_step(self.model, torch.zeros(rows, 1, dtype=torch.long, device=self.device),
-                                 self.cache.view(rows, self.max_len),
-                                 torch.full((rows,), self.max_len - 1, device=self.device))  # fmt: skip
+                self.decode_step(
+                    self.model,
+                    torch.zeros(rows, 1, dtype=torch.long, device=self.device),
+                    self.cache.view(rows, self.max_len),
+                    torch.full((rows,), self.max_len - 1, device=self.device),
+                )
         sync(self.device)
         return time.perf_counter() - start
 
@@ -119,8 +138,9 @@ class BatchEngine:
         request.seed); the rest of the engine never reads another request's state.
         """
         if len(requests) > self.free_rows:
-            raise InputError(f"{len(requests)} requests do not fit: only {self.free_rows} of {self.batch_size} "
-                             "batch rows are free")  # fmt: skip
+            raise InputError(
+                f"{len(requests)} requests do not fit: only {self.free_rows} of {self.batch_size} batch rows are free"
+            )
         check_prompts(self.model, [r.prompt for r in requests])
         for request in requests:
             outside = [token for token, _ in request.params.logit_bias if token >= self.vocab_size]
@@ -142,8 +162,7 @@ class BatchEngine:
         rows = {source: first + i for i, source in reversed(list(enumerate(sources)))}  # each seq's first row
         owners = {source: requests[i] for i, source in reversed(list(enumerate(sources)))}
         with inference(self.model):
-            logits = torch.stack([self._prefill(rows[source], seq, owners[source])
-                                  for source, seq in enumerate(seqs)])  # fmt: skip
+            logits = torch.stack([self._prefill(rows[source], seq, owners[source]) for source, seq in enumerate(seqs)])
             for i, source in enumerate(sources):
                 if first + i != rows[source]:  # a prompt that runs once: its other rows copy the first
                     self.cache.move_row(first + i, rows[source], len(seqs[source]))
@@ -306,11 +325,23 @@ def _token_logprob(logprobs: Tensor, token: int, top: int) -> TokenLogprob:
 
 
 def requests_for(
-    prompts: Sequence[Sequence[int]], params: SamplingParams, eos_ids: tuple[int, ...] = (),
-    decode: Decode | None = None, grammar: Grammar | None = None,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    eos_ids: tuple[int, ...] = (),
+    decode: Decode | None = None,
+    grammar: Grammar | None = None,
 ) -> list[Request]:
     """params.num_samples requests per prompt, prompt-major; request r of the call draws with params.seed + r;
     each follows its own start of grammar when one is given."""
-    return [Request(list(p), params, eos_ids, decode, seed=row_seed(params.seed, i * params.num_samples + j),
-                    constraint=grammar.start() if grammar is not None else None)
-            for i, p in enumerate(prompts) for j in range(params.num_samples)]  # fmt: skip
+    return [
+        Request(
+            list(p),
+            params,
+            eos_ids,
+            decode,
+            seed=row_seed(params.seed, i * params.num_samples + j),
+            constraint=grammar.start() if grammar is not None else None,
+        )
+        for i, p in enumerate(prompts)
+        for j in range(params.num_samples)
+    ]

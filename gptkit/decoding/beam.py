@@ -15,8 +15,17 @@ from torch import Tensor
 from gptkit.decoding.request import Decode, EosIds, FinishReason, end_ids, first_stop
 from gptkit.decoding.sampling import EarlyStopping, SamplingParams, apply_repetition_penalty
 from gptkit.decoding.step import (
-    base, cache_len, check_prompts, compiled, decode_one_token, device_dtype, inference, new_cache, prefill_rows, window,
-)  # fmt: skip
+    base,
+    cache_len,
+    check_prompts,
+    compiled,
+    decode_one_token,
+    device_dtype,
+    inference,
+    new_cache,
+    prefill_rows,
+    window,
+)
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
 
@@ -25,7 +34,11 @@ _FINISHED = -1.0e9  # Hugging Face's beam search marks impossible candidates wit
 
 @torch.no_grad()
 def beam_search(
-    model: GPT, prompt: Sequence[int], params: SamplingParams, eos_id: EosIds = None, decode: Decode | None = None,
+    model: GPT,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    eos_id: EosIds = None,
+    decode: Decode | None = None,
     compile: bool = False,
 ) -> list[tuple[list[int], FinishReason]]:
     """Hugging Face's beam search for one prompt: the best params.num_samples (new ids, finish reason), best first.
@@ -92,8 +105,9 @@ def beam_search(
             done_flags = torch.cat([done_flags, just_done])[best]
 
             cur += 1
-            improvable = improvable and _can_improve(scores, done_scores, done_flags, cur, total_len, prompt_len,
-                                                     params.early_stopping, lp)  # fmt: skip
+            improvable = improvable and _can_improve(
+                scores, done_scores, done_flags, cur, total_len, prompt_len, params.early_stopping, lp
+            )
             if not improvable or bool(ends.all()) or (bool(done_flags.all()) and params.early_stopping is True):
                 break
             seen = seen[parent_of]
@@ -118,9 +132,15 @@ def beam_search(
 
 
 def _candidate_ends(
-    cand: Tensor, tokens: Tensor, prompt_len: int, cur: int, total_len: int, eos_ids: tuple[int, ...],
-    stops: Sequence[str], decode: Decode | None,
-) -> Tensor:  # fmt: skip
+    cand: Tensor,
+    tokens: Tensor,
+    prompt_len: int,
+    cur: int,
+    total_len: int,
+    eos_ids: tuple[int, ...],
+    stops: Sequence[str],
+    decode: Decode | None,
+) -> Tensor:
     """Which candidates end here: at the end-of-text token, a stop string or the length limit."""
     if cur + 1 >= total_len:
         return torch.ones_like(tokens, dtype=torch.bool)
@@ -133,9 +153,15 @@ def _candidate_ends(
 
 
 def _can_improve(
-    scores: Tensor, done_scores: Tensor, done_flags: Tensor, cur: int, total_len: int, prompt_len: int,
-    early_stopping: EarlyStopping, length_penalty: float,
-) -> bool:  # fmt: skip
+    scores: Tensor,
+    done_scores: Tensor,
+    done_flags: Tensor,
+    cur: int,
+    total_len: int,
+    prompt_len: int,
+    early_stopping: EarlyStopping,
+    length_penalty: float,
+) -> bool:
     """Hugging Face's test: could the best open beam still beat the worst kept finished hypothesis?"""
     if early_stopping == "never" and length_penalty > 0.0:
         best_length = total_len - prompt_len

@@ -62,8 +62,20 @@ _LOGGED: set[str] = set()
 
 
 # The modules the step computes, by exact type (a subclass may compute something else); a norm by config.norm.
-_COMPUTED = (GPT, Block, CausalSelfAttention, FeedForward, nn.ModuleList, nn.Embedding, nn.Dropout, Linear, nn.Linear,
-             Int8Linear, Int4Linear, AdapterSet)  # fmt: skip
+_COMPUTED = (
+    GPT,
+    Block,
+    CausalSelfAttention,
+    FeedForward,
+    nn.ModuleList,
+    nn.Embedding,
+    nn.Dropout,
+    Linear,
+    nn.Linear,
+    Int8Linear,
+    Int4Linear,
+    AdapterSet,
+)
 _NORM_TYPES = {"layernorm": nn.LayerNorm, "rmsnorm": RMSNorm}
 
 
@@ -103,8 +115,9 @@ def _unknown_part(model: GPT) -> str | None:
 def _adapted_layers(model: GPT) -> list[nn.Module]:
     """The block layers a served adapter may update, in the order the native step numbers them (csrc/step.cpp's
     Adapted: per block q/k/v, output projection, MLP up, MLP down)."""
-    return [layer for block in model.blocks
-            for layer in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj)]  # fmt: skip
+    return [
+        layer for block in model.blocks for layer in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj)
+    ]
 
 
 def _misplaced_adapter(model: GPT) -> str | None:
@@ -154,8 +167,15 @@ def step_for(model: GPT) -> Step | None:
                 return decode_one_token(model, tokens, cache, positions)
             plan, planned = _plan(model), adapters_version(model)
         with torch.profiler.record_function("gptkit::fused_step"):  # one named entry in a profile (a few us)
-            logits = plan.step(tokens.reshape(rows), positions.to(torch.long).contiguous(), cache.keys, cache.values,
-                               cache.key_scales, cache.value_scales, _row_adapters(model, rows))  # fmt: skip
+            logits = plan.step(
+                tokens.reshape(rows),
+                positions.to(torch.long).contiguous(),
+                cache.keys,
+                cache.values,
+                cache.key_scales,
+                cache.value_scales,
+                _row_adapters(model, rows),
+            )
         return logits[:, :vocab] if logits.size(-1) != vocab else logits  # (rows, V): a padded head's rows dropped
 
     return fused
@@ -180,8 +200,14 @@ def _read(model: GPT, gains: bool = False) -> list[Tensor]:
     _norm = functools.partial(_norm_tensors, gains=gains)
     tensors = [model.tok_emb.weight, model.pos_emb.weight if model.pos_emb is not None else _NONE]
     for block in model.blocks:
-        tensors += [*_norm(block.norm1), *_linear(block.attn.qkv), *_linear(block.attn.proj), *_norm(block.norm2),
-                    *_linear(block.mlp.fc), *_linear(block.mlp.proj)]  # fmt: skip
+        tensors += [
+            *_norm(block.norm1),
+            *_linear(block.attn.qkv),
+            *_linear(block.attn.proj),
+            *_norm(block.norm2),
+            *_linear(block.mlp.fc),
+            *_linear(block.mlp.proj),
+        ]
         tensors += [*_norm(block.norm1_post), *_norm(block.norm2_post)]
         tensors += [_norm(block.attn.q_norm)[0], _norm(block.attn.k_norm)[0]]
     return tensors + [*_norm(model.norm_f), *_linear(model.lm_head)]
@@ -191,9 +217,19 @@ def _plan(model: GPT) -> torch.ScriptObject:
     """The native step over model's weights (shared, not copied; norms and biases as fp32 copies)."""
     config = model.config
     dtype = model.tok_emb.weight.dtype
-    settings = [config.n_layer, config.n_embd, config.n_head, config.n_kv_head, config.head_dim, config.ffn_hidden,
-                config.padded_vocab_size, NORMS[config.norm], ACTIVATIONS[config.activation],
-                POSITIONS[config.position], int(dtype == torch.bfloat16)]  # fmt: skip
+    settings = [
+        config.n_layer,
+        config.n_embd,
+        config.n_head,
+        config.n_kv_head,
+        config.head_dim,
+        config.ffn_hidden,
+        config.padded_vocab_size,
+        NORMS[config.norm],
+        ACTIVATIONS[config.activation],
+        POSITIONS[config.position],
+        int(dtype == torch.bfloat16),
+    ]
     qk_norm = QK_NORMS[config.qk_norm_scope] if config.qk_norm else 0
     rotary = config.rotary_dim if config.position == "rope" else 0  # (a head of any width rotates nothing)
     settings += [NORM_POSITIONS[config.norm_position], int(config.parallel_residual), qk_norm, rotary]
@@ -296,4 +332,6 @@ def _faster_than_eager(rows: int = 1) -> bool:
     with inference(model):
         return cpu_kernels.faster(
             lambda: [plan.step(tokens[:, 0], p, cache.keys, cache.values, [], [], _NO_ADAPTERS) for p in positions],
-            lambda: [decode_one_token(model, tokens, cache, p) for p in range(start, start + count)], rounds=3)
+            lambda: [decode_one_token(model, tokens, cache, p) for p in range(start, start + count)],
+            rounds=3,
+        )

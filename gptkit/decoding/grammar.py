@@ -49,8 +49,10 @@ def schema_text(schema: str | dict[str, Any]) -> str:
 
 
 def _too_deep() -> str:
-    return (f"the JSON schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep; flatten it (a part "
-            "that repeats can be named once under \"$defs\" and referred to with \"$ref\")")  # fmt: skip
+    return (
+        f"the JSON schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep; flatten it (a part "
+        'that repeats can be named once under "$defs" and referred to with "$ref")'
+    )
 
 
 def _depth(value: Any, limit: int) -> int:
@@ -152,11 +154,17 @@ class Grammar:
         schema = schema_text(schema)  # checked here too for callers that build a Grammar without SamplingParams
         # Compiled without the lead first: a schema whose JSON no token can begin is refused here, not found at the
         # first token past the lead.
-        self._compile(tokenizer, vocab_size,
-                      lambda ll: ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
+        self._compile(
+            tokenizer, vocab_size, lambda ll: ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        )
         if lead:
-            self._compile(tokenizer, vocab_size, lambda ll: ll.LLMatcher.grammar_from_lark(
-                f"start: {lark_literal(lead)}? value\nvalue: {json_rule(schema)}\n"))  # fmt: skip
+            self._compile(
+                tokenizer,
+                vocab_size,
+                lambda ll: ll.LLMatcher.grammar_from_lark(
+                    f"start: {lark_literal(lead)}? value\nvalue: {json_rule(schema)}\n"
+                ),
+            )
 
     @classmethod
     def from_lark(cls, tokenizer: Tokenizer, lark: str, vocab_size: int) -> Grammar:

@@ -75,8 +75,15 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 def namespace_for(fingerprint: str, kv_dtype: torch.dtype | None, adapter: str = "") -> str:
     """A hex name for everything besides the tokens that decides a block's bits: the model (model_fingerprint), an
     adapter, the KV dtype, and the code computing them (this format, torch's version, its threads, gptkit's kernels)."""
-    parts = [FORMAT, fingerprint, adapter, str(kv_dtype), torch.__version__, str(torch.get_num_threads()),
-             json.dumps(cpu_kernels.choices(), sort_keys=True) if cpu_kernels.load(wait=False) else "no kernels"]
+    parts = [
+        FORMAT,
+        fingerprint,
+        adapter,
+        str(kv_dtype),
+        torch.__version__,
+        str(torch.get_num_threads()),
+        json.dumps(cpu_kernels.choices(), sort_keys=True) if cpu_kernels.load(wait=False) else "no kernels",
+    ]
     return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
 
 
@@ -161,8 +168,9 @@ class PrefixCache:
                 self._keep(name, block)
                 if self.store is not None:
                     parent = names[first + b - 1] if first + b else b""
-                    self.store.put(namespace, name, parent, tokens[(first + b) * PREFILL_CHUNK :][:PREFILL_CHUNK],
-                                   block)  # fmt: skip
+                    self.store.put(
+                        namespace, name, parent, tokens[(first + b) * PREFILL_CHUNK :][:PREFILL_CHUNK], block
+                    )
             for name in reversed(names):
                 if name in self.blocks:
                     self.blocks.move_to_end(name)
@@ -182,8 +190,13 @@ class PrefixCache:
     def report(self) -> dict[str, int]:
         """Counters and sizes for /health and /metrics."""
         with self.lock:
-            report = {**vars(self.stats), "blocks": len(self.blocks), "ram_bytes": self.used_bytes,
-                      "ram_budget_bytes": self.ram_bytes, "block_tokens": PREFILL_CHUNK}  # fmt: skip
+            report = {
+                **vars(self.stats),
+                "blocks": len(self.blocks),
+                "ram_bytes": self.used_bytes,
+                "ram_budget_bytes": self.ram_bytes,
+                "block_tokens": PREFILL_CHUNK,
+            }
         if self.store is not None:
             report.update(self.store.report())
         return report

@@ -135,8 +135,13 @@ class Request:
     @property
     def plain_greedy(self) -> bool:
         """Whether its next token is the bare argmax of the logits (no penalty, grammar or log-probabilities)."""
-        return (self.params.greedy and self.constraint is None and self.top_logprobs is None
-                and self.params.repetition_penalty in (None, 1.0) and not self.params.reshapes_logits)  # fmt: skip
+        return (
+            self.params.greedy
+            and self.constraint is None
+            and self.top_logprobs is None
+            and self.params.repetition_penalty in (None, 1.0)
+            and not self.params.reshapes_logits
+        )
 
     def accept(self, token: int, logprob: TokenLogprob | None = None) -> None:
         """Record the next token: end at an end-of-text token, a stop string, a complete structured output or

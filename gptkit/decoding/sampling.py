@@ -62,31 +62,48 @@ class SamplingParams:
         default=None, metadata={"help": "drop tokens less likely than min_p times the top token's probability"}
     )
     repetition_penalty: float | None = field(
-        default=None, metadata={"help": "divide (or multiply, if negative) the logits of seen tokens by this; > 1 "
-                                        "discourages repeats"}
-    )  # fmt: skip
+        default=None,
+        metadata={
+            "help": "divide (or multiply, if negative) the logits of seen tokens by this; > 1 discourages repeats"
+        },
+    )
     frequency_penalty: float = field(
-        default=0.0, metadata={"help": "subtract this times the number of times a token was generated so far from "
-                                       "its logit (OpenAI's; -2 to 2)"}
-    )  # fmt: skip
+        default=0.0,
+        metadata={
+            "help": "subtract this times the number of times a token was generated so far from "
+            "its logit (OpenAI's; -2 to 2)"
+        },
+    )
     presence_penalty: float = field(
-        default=0.0, metadata={"help": "subtract this from the logit of every token generated so far (OpenAI's; "
-                                       "-2 to 2)"}
-    )  # fmt: skip
+        default=0.0,
+        metadata={"help": "subtract this from the logit of every token generated so far (OpenAI's; -2 to 2)"},
+    )
     logit_bias: tuple[tuple[int, float], ...] = field(
-        default=(), metadata={"help": "add BIAS to token ID's logit before sampling (-100 bans it, 100 forces it); "
-                                      "repeatable", "repeatable": True, "parse": parse_logit_bias,
-                              "metavar": "ID=BIAS"}
-    )  # fmt: skip
+        default=(),
+        metadata={
+            "help": "add BIAS to token ID's logit before sampling (-100 bans it, 100 forces it); repeatable",
+            "repeatable": True,
+            "parse": parse_logit_bias,
+            "metavar": "ID=BIAS",
+        },
+    )
     stop: tuple[str, ...] = field(
-        default=(), metadata={"help": "stop when the output contains this string (not returned); repeatable",
-                              "repeatable": True, "metavar": "S"}
-    )  # fmt: skip
+        default=(),
+        metadata={
+            "help": "stop when the output contains this string (not returned); repeatable",
+            "repeatable": True,
+            "metavar": "S",
+        },
+    )
     json_schema: str | None = field(
-        default=None, metadata={"help": "the output is JSON valid against the JSON schema in FILE (structured "
-                                        "output); '{\"type\": \"object\"}' asks for any object",
-                                "parse": read_schema_file, "metavar": "FILE"}
-    )  # fmt: skip
+        default=None,
+        metadata={
+            "help": "the output is JSON valid against the JSON schema in FILE (structured "
+            'output); \'{"type": "object"}\' asks for any object',
+            "parse": read_schema_file,
+            "metavar": "FILE",
+        },
+    )
     seed: int | None = field(default=None, metadata={"help": "random seed; row i of a call uses seed + i"})
     num_samples: int = field(default=1, metadata={"help": "samples per prompt, sharing one prefill"})
     num_beams: int = field(default=1, metadata={"help": "beam search with this many beams (deterministic)"})
@@ -94,10 +111,13 @@ class SamplingParams:
         default=1.0, metadata={"help": "beam search: score = log-prob / length**length_penalty"}
     )
     early_stopping: EarlyStopping = field(
-        default=False, metadata={"help": "beam search: stop when num_beams hypotheses are done (true), on a "
-                                         "heuristic (false) or never", "parse": parse_early_stopping,
-                                 "metavar": "{true,false,never}"}
-    )  # fmt: skip
+        default=False,
+        metadata={
+            "help": "beam search: stop when num_beams hypotheses are done (true), on a heuristic (false) or never",
+            "parse": parse_early_stopping,
+            "metavar": "{true,false,never}",
+        },
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -148,8 +168,9 @@ class SamplingParams:
             _check_number("repetition_penalty", self.repetition_penalty)
             low, high = REPETITION_PENALTY_RANGE
             if not low <= self.repetition_penalty <= high:
-                raise ConfigError(f"repetition_penalty must be in [{low:g}, {high:g}] (1 means none), "
-                                  f"got {self.repetition_penalty}")  # fmt: skip
+                raise ConfigError(
+                    f"repetition_penalty must be in [{low:g}, {high:g}] (1 means none), got {self.repetition_penalty}"
+                )
         for name in ("frequency_penalty", "presence_penalty"):
             _check_number(name, getattr(self, name))
             if not PRESENCE_FREQUENCY_RANGE[0] <= getattr(self, name) <= PRESENCE_FREQUENCY_RANGE[1]:
@@ -176,8 +197,10 @@ class SamplingParams:
                 if getattr(self, name) is not None:
                     raise ConfigError(f"beam search is deterministic: drop {name} or use num_beams=1")
             if self.reshapes_logits or self.json_schema is not None:
-                raise ConfigError("beam search does not apply frequency_penalty, presence_penalty, logit_bias or "
-                                  "json_schema; drop them or use num_beams=1")  # fmt: skip
+                raise ConfigError(
+                    "beam search does not apply frequency_penalty, presence_penalty, logit_bias or "
+                    "json_schema; drop them or use num_beams=1"
+                )
             if self.num_samples > self.num_beams:
                 raise ConfigError(
                     f"beam search returns at most num_beams ({self.num_beams}) sequences; got num_samples "
@@ -250,8 +273,9 @@ def apply_presence_frequency(logits: Tensor, counts: Tensor, frequency: float, p
     return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
 
 
-def process_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None = None,
-                   counts: Tensor | None = None) -> Tensor:  # fmt: skip
+def process_logits(
+    logits: Tensor, params: SamplingParams, seen: Tensor | None = None, counts: Tensor | None = None
+) -> Tensor:
     """Apply params' rules to fp32 logits (B, V): OpenAI's logit bias and penalties, then Hugging Face's order;
     greedy skips the sampling filters. counts (B, V) are the generated tokens' counts (for OpenAI's penalties)."""
     if params.logit_bias:
@@ -278,7 +302,10 @@ def process_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None =
 
 
 def sample(
-    logits: Tensor, generator: torch.Generator | None, params: SamplingParams, seen: Tensor | None = None,
+    logits: Tensor,
+    generator: torch.Generator | None,
+    params: SamplingParams,
+    seen: Tensor | None = None,
     counts: Tensor | None = None,
 ) -> Tensor:
     """The next token (B,) for logits (B, V): the argmax when greedy, else a draw from the filtered softmax."""

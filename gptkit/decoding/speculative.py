@@ -23,9 +23,16 @@ from torch import Tensor
 from gptkit.decoding.request import Request, seeded
 from gptkit.decoding.sampling import SamplingParams, process_logits
 from gptkit.decoding.step import (
-    COMPILE_CACHE_MULTIPLE, base, compiled, device_dtype, extend, inference, new_cache, prefill,
+    COMPILE_CACHE_MULTIPLE,
+    base,
+    compiled,
+    device_dtype,
+    extend,
+    inference,
+    new_cache,
+    prefill,
     window,
-)  # fmt: skip
+)
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
 
@@ -53,8 +60,12 @@ class SpeculativeStats:
 
     def to_dict(self) -> dict[str, float | int | None]:
         """The counts and the acceptance rate, for JSON."""
-        return {"draft_proposed": self.proposed, "draft_accepted": self.accepted,
-                "target_passes": self.target_passes, "acceptance_rate": self.acceptance_rate}  # fmt: skip
+        return {
+            "draft_proposed": self.proposed,
+            "draft_accepted": self.accepted,
+            "target_passes": self.target_passes,
+            "acceptance_rate": self.acceptance_rate,
+        }
 
 
 def check_draft(target: GPT, draft: GPT, params: SamplingParams, k: int) -> None:
@@ -63,13 +74,17 @@ def check_draft(target: GPT, draft: GPT, params: SamplingParams, k: int) -> None
         raise ConfigError(f"the draft must propose k >= 1 tokens per pass, got {k!r}")
     t_vocab, d_vocab = base(target).config.vocab_size, base(draft).config.vocab_size
     if t_vocab != d_vocab:
-        raise ConfigError(f"the draft's vocabulary ({d_vocab}) differs from the target's ({t_vocab}); a draft "
-                          "must share the target's tokenizer")  # fmt: skip
+        raise ConfigError(
+            f"the draft's vocabulary ({d_vocab}) differs from the target's ({t_vocab}); a draft "
+            "must share the target's tokenizer"
+        )
     if params.num_beams > 1:
         raise ConfigError("speculative decoding does not combine with beam search; use num_beams=1 or no draft")
     if params.repetition_penalty not in (None, 1.0) or params.reshapes_logits or params.json_schema is not None:
-        raise ConfigError("speculative decoding does not support repetition_penalty, frequency_penalty, "
-                          "presence_penalty, logit_bias or json_schema; drop them or the draft")  # fmt: skip
+        raise ConfigError(
+            "speculative decoding does not support repetition_penalty, frequency_penalty, "
+            "presence_penalty, logit_bias or json_schema; drop them or the draft"
+        )
 
 
 def fits(target: GPT, draft: GPT, total_len: int) -> bool:
@@ -135,8 +150,7 @@ def speculate(
         yield
 
 
-def _one_pass(t_side: _Model, d_side: _Model, request: Request, stats: SpeculativeStats, k: int,
-              drafted: int) -> int:  # fmt: skip
+def _one_pass(t_side: _Model, d_side: _Model, request: Request, stats: SpeculativeStats, k: int, drafted: int) -> int:
     """The draft proposes, the target checks, the request takes the accepted tokens; returns the draft's fill."""
     params, device = request.params, t_side.device
     tokens = request.tokens

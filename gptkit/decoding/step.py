@@ -222,8 +222,12 @@ def compiled(model: GPT, step: Step = decode_one_token) -> Step:
         # it would fall back to eager without a word.
         autotune = _autotune(device, dtype, int8, tokens.size(0))
         # The autotuner writes a table of kernel timings to stderr per matrix shape unless told not to.
-        inductor = dict(freezing=device.type == "cpu", max_autotune=autotune, autotune_num_choices_displayed=0,
-                        max_autotune_report_choices_stats=False)  # fmt: skip
+        inductor = dict(
+            freezing=device.type == "cpu",
+            max_autotune=autotune,
+            autotune_num_choices_displayed=0,
+            max_autotune_report_choices_stats=False,
+        )
         with torch._inductor.config.patch(inductor), torch._dynamo.config.patch(recompile_limit=COMPILED_VERSIONS):
             if cuda:
                 for t in cache.tensors:

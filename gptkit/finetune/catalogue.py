@@ -31,8 +31,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 METHODS = {"full": Full, "lora": Lora}
-OBJECTIVES = {"lm": LanguageModeling, "dpo": Preference, "classify": Classification, "grpo": GroupPolicyGradient,
-              "orpo": OddsRatioPreference, "kto": Unpaired}
+OBJECTIVES = {
+    "lm": LanguageModeling,
+    "dpo": Preference,
+    "classify": Classification,
+    "grpo": GroupPolicyGradient,
+    "orpo": OddsRatioPreference,
+    "kto": Unpaired,
+}
 SECTION_KEYS = ("method", "objective", "packing")  # the finetune section's own keys (FinetuneConfig's)
 
 
@@ -66,8 +72,9 @@ def part_keys() -> dict[str, tuple[type[PartSettings], Any]]:
 
 def choices_help(catalogue: dict[str, Any]) -> str:
     """The names of a catalogue, each with its part's one-line description (its docstring's first line)."""
-    return "; ".join(f"{name}: {(part.__doc__ or '').strip().splitlines()[0].rstrip('.')}"
-                     for name, part in catalogue.items())  # fmt: skip
+    return "; ".join(
+        f"{name}: {(part.__doc__ or '').strip().splitlines()[0].rstrip('.')}" for name, part in catalogue.items()
+    )
 
 
 def resume_may_change() -> tuple[str, ...]:
@@ -85,12 +92,21 @@ def check_parts(run: RunConfig) -> None:
         if kind in used:
             check_rules(kind, owner, run)
             continue
-        changed = [field.name for field in dataclasses.fields(kind) if getattr(settings, field.name) !=
-                   getattr(kind(), field.name)]  # fmt: skip
+        changed = [
+            field.name
+            for field in dataclasses.fields(kind)
+            if getattr(settings, field.name) != getattr(kind(), field.name)
+        ]
         if changed:
-            logger.warning("finetune.%s %s a setting of %s, which this run does not use (finetune.method %s, "
-                           "finetune.objective %s): it has no effect", ", finetune.".join(changed),
-                           "is" if len(changed) == 1 else "are", owner, f.method, f.objective)  # fmt: skip
+            logger.warning(
+                "finetune.%s %s a setting of %s, which this run does not use (finetune.method %s, "
+                "finetune.objective %s): it has no effect",
+                ", finetune.".join(changed),
+                "is" if len(changed) == 1 else "are",
+                owner,
+                f.method,
+                f.objective,
+            )
 
 
 def check_rules(kind: type[PartSettings], owner: str, run: RunConfig) -> None:
@@ -114,9 +130,11 @@ def check_data(config: RunConfig, data: RunData) -> None:
     if data.kind in wanted:
         return
     fits = next((other for other, objective in OBJECTIVES.items() if data.kind in objective.data_kinds), "lm")
-    raise ConfigError(f"finetune.objective {name} trains on {wanted[-1]} (prepared from "
-                      f"{DATA_KINDS[wanted[-1]].rows}), but {data.directory} holds {data.kind}: use "
-                      f"finetune.objective {fits}, or prepare other data")  # fmt: skip
+    raise ConfigError(
+        f"finetune.objective {name} trains on {wanted[-1]} (prepared from "
+        f"{DATA_KINDS[wanted[-1]].rows}), but {data.directory} holds {data.kind}: use "
+        f"finetune.objective {fits}, or prepare other data"
+    )
 
 
 def objective_for(setup: Setup) -> Objective:

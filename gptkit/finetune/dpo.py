@@ -23,14 +23,20 @@ from gptkit.loss import IGNORE_INDEX, row_logprobs
 from gptkit.settings import PartSettings, check_range
 
 
-def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: Tensor, reference_rejected: Tensor,
-             beta: float) -> dict[str, Tensor]:  # fmt: skip
+def dpo_loss(
+    policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: Tensor, reference_rejected: Tensor, beta: float
+) -> dict[str, Tensor]:
     """Per pair: the loss, the chosen and rejected implicit rewards, their margin and whether it is positive."""
     chosen = beta * (policy_chosen - reference_chosen)
     rejected = beta * (policy_rejected - reference_rejected)
     margin = chosen - rejected
-    return {"loss": -F.logsigmoid(margin), "chosen_reward": chosen, "rejected_reward": rejected, "margin": margin,
-            "accuracy": (margin > 0).float()}  # fmt: skip
+    return {
+        "loss": -F.logsigmoid(margin),
+        "chosen_reward": chosen,
+        "rejected_reward": rejected,
+        "margin": margin,
+        "accuracy": (margin > 0).float(),
+    }
 
 
 @dataclass
@@ -77,8 +83,9 @@ class Preference(ExampleObjective):
         return preference_loss(policy, reference, batch.y, self.beta, self.nll_weight)
 
 
-def preference_loss(policy_logits: Tensor, reference_logits: Tensor, targets: Tensor, beta: float,
-                    nll_weight: float = 0.0) -> tuple[Tensor, Stats]:  # fmt: skip
+def preference_loss(
+    policy_logits: Tensor, reference_logits: Tensor, targets: Tensor, beta: float, nll_weight: float = 0.0
+) -> tuple[Tensor, Stats]:
     """The mean DPO loss over rows that alternate chosen and rejected completions (targets IGNORE_INDEX outside
     the completions), plus nll_weight x the chosen completions' mean token loss; and the statistics to log."""
     policy = row_logprobs(policy_logits, targets, "sum")  # (2P,): chosen, rejected, chosen, ...

@@ -45,8 +45,9 @@ class Full:
         if section.init_from is None:
             return RunModel(GPT(resolve_model(section, vocab_size)), None, None)
         pretrained, tokenizer = load(section.init_from)
-        return RunModel(with_config(pretrained, resolve_model(section, vocab_size, pretrained.config)), tokenizer,
-                        section.init_from)  # fmt: skip
+        return RunModel(
+            with_config(pretrained, resolve_model(section, vocab_size, pretrained.config)), tokenizer, section.init_from
+        )
 
     def resume(self, checkpoint: Path) -> RunModel:
         """A model of the checkpoint's config (restore fills its weights)."""
@@ -67,8 +68,10 @@ class Full:
     def reference(self, gpt: GPT, config: RunConfig, device: torch.device) -> Callable[[Tensor], Tensor]:
         """model.init_from loaded again, frozen (also when the run resumes: the model it started from)."""
         if config.model.init_from is None:
-            raise ConfigError(f"finetune.objective {config.finetune.objective} keeps the policy near the model it "
-                              "starts from: set model.init_from")  # fmt: skip
+            raise ConfigError(
+                f"finetune.objective {config.finetune.objective} keeps the policy near the model it "
+                "starts from: set model.init_from"
+            )
         frozen, _ = load(config.model.init_from)
         if frozen.config.vocab_size != gpt.config.vocab_size or frozen.config.n_embd != gpt.config.n_embd:
             raise ConfigError(f"model.init_from {config.model.init_from} is not the model this run started from")

@@ -87,10 +87,17 @@ class Group:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Group:
         """The group to_state wrote."""
-        tensors = {"rewards": torch.float32, "passed": torch.bool, "scored": torch.bool, "truncated": torch.bool,
-                   "reward_parts": torch.float32, "old_logprobs": torch.float32}  # fmt: skip
-        values = {k: torch.tensor(v, dtype=tensors[k]) if k in tensors and v is not None else v
-                  for k, v in state.items()}  # fmt: skip
+        tensors = {
+            "rewards": torch.float32,
+            "passed": torch.bool,
+            "scored": torch.bool,
+            "truncated": torch.bool,
+            "reward_parts": torch.float32,
+            "old_logprobs": torch.float32,
+        }
+        values = {
+            k: torch.tensor(v, dtype=tensors[k]) if k in tensors and v is not None else v for k, v in state.items()
+        }
         return cls(**values)
 
 

@@ -55,8 +55,9 @@ class SequenceClassifier(nn.Module):
         """The GPT's ModelConfig."""
         return self.gpt.config
 
-    def forward(self, ids: Tensor, last: Tensor, document_ids: Tensor | None = None,
-                targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    def forward(
+        self, ids: Tensor, last: Tensor, document_ids: Tensor | None = None, targets: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """(class logits (B, labels), the mean language-modelling loss over targets or None).
 
         last (B,) holds each row's last real position; document_ids (B, T) keeps padding apart (left padding:
@@ -90,7 +91,7 @@ def load_head(gpt: nn.Module, path: str | Path) -> SequenceClassifier:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise GptkitError(f"cannot read {path / HEAD_CONFIG}: {err}") from None
     if not isinstance(labels, list) or not all(isinstance(label, str) for label in labels):
-        raise GptkitError(f"{path / HEAD_CONFIG}: \"labels\" must be a list of strings")
+        raise GptkitError(f'{path / HEAD_CONFIG}: "labels" must be a list of strings')
     classifier = SequenceClassifier(gpt, labels)
     load_head_weights(classifier, path)
     return classifier
@@ -101,15 +102,20 @@ def load_head_weights(classifier: SequenceClassifier, path: str | Path) -> None:
     path = Path(path)
     weight = load_tensors(path / HEAD_WEIGHTS, classifier.score.weight.device).get("score.weight")
     if weight is None or tuple(weight.shape) != tuple(classifier.score.weight.shape):
-        raise GptkitError(f"{path / HEAD_WEIGHTS} does not hold a score.weight of shape "
-                          f"{tuple(classifier.score.weight.shape)}")  # fmt: skip
+        raise GptkitError(
+            f"{path / HEAD_WEIGHTS} does not hold a score.weight of shape {tuple(classifier.score.weight.shape)}"
+        )
     with torch.no_grad():
         classifier.score.weight.copy_(weight)
 
 
 @torch.no_grad()
-def predict(classifier: SequenceClassifier, rows: list[list[int]], batch_size: int = 16,
-            on_rows: Callable[[int], Any] = lambda n: None) -> Tensor:  # fmt: skip
+def predict(
+    classifier: SequenceClassifier,
+    rows: list[list[int]],
+    batch_size: int = 16,
+    on_rows: Callable[[int], Any] = lambda n: None,
+) -> Tensor:
     """Label probabilities (len(rows), labels) of token-id rows, each read at its last token (right-padded
     batches: causal attention keeps padding out of every real position)."""
     device = classifier.score.weight.device
@@ -202,4 +208,3 @@ class Classification(ObjectiveBase):
     def restore(self, module: nn.Module, directory: Path) -> None:
         """The checkpoint's head, copied into the run's."""
         load_head_weights(module, directory)
-

@@ -69,8 +69,11 @@ def kto_loss(policy: Tensor, reference: Tensor, kl: Tensor, desirable: Tensor, s
     beta = settings.kto_beta
     good = settings.desirable_weight * (1 - torch.sigmoid(beta * (reward - kl)))
     bad = settings.undesirable_weight * (1 - torch.sigmoid(beta * (kl - reward)))
-    return {"loss": torch.where(desirable, good, bad), "reward": beta * reward,
-            "agrees": torch.where(desirable, reward > kl, reward < kl).float()}  # fmt: skip
+    return {
+        "loss": torch.where(desirable, good, bad),
+        "reward": beta * reward,
+        "agrees": torch.where(desirable, reward > kl, reward < kl).float(),
+    }
 
 
 class Unpaired(ExampleObjective):
@@ -98,7 +101,10 @@ class Unpaired(ExampleObjective):
         desirable = batch.labels == self.desirable
         out = kto_loss(policy, reference, kl, desirable, self.settings)
         good, bad = desirable.float(), (~desirable).float()
-        stats = {"kl": kl, "accuracy": out["agrees"].mean(),
-                 "desirable_reward": (out["reward"].detach() * good).sum() / good.sum().clamp(min=1),
-                 "undesirable_reward": (out["reward"].detach() * bad).sum() / bad.sum().clamp(min=1)}  # fmt: skip
+        stats = {
+            "kl": kl,
+            "accuracy": out["agrees"].mean(),
+            "desirable_reward": (out["reward"].detach() * good).sum() / good.sum().clamp(min=1),
+            "undesirable_reward": (out["reward"].detach() * bad).sum() / bad.sum().clamp(min=1),
+        }
         return out["loss"].mean(), stats

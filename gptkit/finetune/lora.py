@@ -70,16 +70,23 @@ class Lora:
             raise ConfigError("finetune.method lora trains adapters over a base model: set model.init_from")
         pretrained, tokenizer, fingerprint = load_base(section.init_from)
         model = with_config(pretrained, resolve_model(section, vocab_size, pretrained.config))
-        self.settings = {"base": str(Path(section.init_from).resolve()), "base_fingerprint": fingerprint,
-                         "rank": lora.lora_rank, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
-                         "targets": lora.lora_targets, "base_precision": lora.base_precision}  # fmt: skip
+        self.settings = {
+            "base": str(Path(section.init_from).resolve()),
+            "base_fingerprint": fingerprint,
+            "rank": lora.lora_rank,
+            "alpha": lora.lora_alpha,
+            "dropout": lora.lora_dropout,
+            "targets": lora.lora_targets,
+            "base_precision": lora.base_precision,
+        }
         return RunModel(adapt(model, self.settings), tokenizer, section.init_from)
 
     def resume(self, checkpoint: Path) -> RunModel:
         """The base of the checkpoint's settings with fresh adapters (restore fills them)."""
         if not is_lora_dir(checkpoint):
-            raise ConfigError(f"{checkpoint} holds a whole model, not LoRA adapters: resume the run with "
-                              "finetune.method full")  # fmt: skip
+            raise ConfigError(
+                f"{checkpoint} holds a whole model, not LoRA adapters: resume the run with finetune.method full"
+            )
         settings = read_lora_config(checkpoint)
         model, tokenizer = adapted_model(settings)
         self.settings = {k: v for k, v in settings.items() if k not in ("format", "format_version")}

@@ -72,18 +72,29 @@ class LanguageModeling(ObjectiveBase):
         t, data, device = self.train_settings, self.setup.data, self.setup.device
         if data.kind != "text":
             train_loss, val_loss, _ = example_split_losses(self.loss, forward, self.setup)
-            metrics = {"train_eval_loss": train_loss, "val_loss": val_loss, "train_eval_ppl": _exp(train_loss),
-                       "val_ppl": _exp(val_loss)}  # fmt: skip
+            metrics = {
+                "train_eval_loss": train_loss,
+                "val_loss": val_loss,
+                "train_eval_ppl": _exp(train_loss),
+                "val_ppl": _exp(val_loss),
+            }
             if self.task_metrics:  # (not under FSDP)
-                metrics["val_exact_match"] = exact_match(self.setup.gpt, self.setup.tokenizer, data.val,
-                                                         self.train_settings.eval_examples)  # fmt: skip
+                metrics["val_exact_match"] = exact_match(
+                    self.setup.gpt, self.setup.tokenizer, data.val, self.train_settings.eval_examples
+                )
             return metrics
-        train_loss = window_loss(forward, data.train, t.batch_size, t.eval_iters, self.block_size, t.seed + 1,
-                                 device, t.dtype)  # fmt: skip
-        val_loss = window_loss(forward, data.val, t.batch_size, t.eval_iters, self.block_size, t.seed + 2, device,
-                               t.dtype)  # fmt: skip
-        metrics = {"train_eval_loss": train_loss, "val_loss": val_loss, "train_eval_ppl": _exp(train_loss),
-                   "val_ppl": _exp(val_loss)}  # fmt: skip
+        train_loss = window_loss(
+            forward, data.train, t.batch_size, t.eval_iters, self.block_size, t.seed + 1, device, t.dtype
+        )
+        val_loss = window_loss(
+            forward, data.val, t.batch_size, t.eval_iters, self.block_size, t.seed + 2, device, t.dtype
+        )
+        metrics = {
+            "train_eval_loss": train_loss,
+            "val_loss": val_loss,
+            "train_eval_ppl": _exp(train_loss),
+            "val_ppl": _exp(val_loss),
+        }
         if self.val_bytes_per_token:
             metrics["val_bpb"] = val_loss / (math.log(2) * self.val_bytes_per_token)
         return metrics
@@ -111,13 +122,27 @@ class ExampleObjective(ObjectiveBase):
 def example_stream(setup: Setup, per_update: int) -> ExampleBatches:
     """Whole examples (pairs, labelled texts), batched as finetune.packing says; per_update micro-batches an update."""
     t = setup.config.train
-    return ExampleBatches(setup.data.train, setup.gpt.config.block_size, t.batch_size, t.seed,
-                          setup.config.finetune.packing, group=per_update)  # fmt: skip
+    return ExampleBatches(
+        setup.data.train,
+        setup.gpt.config.block_size,
+        t.batch_size,
+        t.seed,
+        setup.config.finetune.packing,
+        group=per_update,
+    )
 
 
 @torch.no_grad()  # not inference_mode: FSDP2 reuses its all-gather buffers in the next training step
-def window_loss(forward: Callable[..., Any], tokens: np.ndarray, batch_size: int, batches: int, block_size: int,
-                seed: int, device: torch.device, dtype: str) -> float:  # fmt: skip
+def window_loss(
+    forward: Callable[..., Any],
+    tokens: np.ndarray,
+    batch_size: int,
+    batches: int,
+    block_size: int,
+    seed: int,
+    device: torch.device,
+    dtype: str,
+) -> float:
     """Mean loss over batches x batch_size fixed windows of a split (the same windows at every evaluation)."""
     stream = TrainBatches(tokens, block_size, batch_size, seed)
     x, y = (torch.cat(parts) for parts in zip(*(stream.next_batch() for _ in range(batches))))
@@ -133,8 +158,9 @@ def window_loss(forward: Callable[..., Any], tokens: np.ndarray, batch_size: int
 LossFn = Callable[[Callable[..., Any], Batch], tuple[Tensor, Stats]]  # an objective's loss(forward, batch)
 
 
-def example_split_losses(loss: LossFn, forward: Callable[..., Any], setup: Setup,
-                      val_loss: LossFn | None = None) -> tuple[float, float, dict]:  # fmt: skip
+def example_split_losses(
+    loss: LossFn, forward: Callable[..., Any], setup: Setup, val_loss: LossFn | None = None
+) -> tuple[float, float, dict]:
     """(train loss, validation loss, the validation statistics) of an objective's loss over example sets: the same
     eval_iters x batch_size items of each split at every evaluation (val_loss, if given, reads the validation
     batches instead: the same loss, also keeping what else the objective measures on them)."""
@@ -151,8 +177,16 @@ def example_split_losses(loss: LossFn, forward: Callable[..., Any], setup: Setup
 
 
 @torch.no_grad()
-def split_means(loss: LossFn, forward: Callable[..., Any], examples: Examples, block_size: int, batch_size: int,
-                limit: int | None, order: np.ndarray | None, device: torch.device) -> dict[str, float]:  # fmt: skip
+def split_means(
+    loss: LossFn,
+    forward: Callable[..., Any],
+    examples: Examples,
+    block_size: int,
+    batch_size: int,
+    limit: int | None,
+    order: np.ndarray | None,
+    device: torch.device,
+) -> dict[str, float]:
     """An objective's loss and statistics averaged over the first `limit` items of a split (in `order`)."""
     sums: dict[str, Tensor] = {}
     units = 0
@@ -183,8 +217,10 @@ def reply_of(ids: np.ndarray, trained: np.ndarray) -> tuple[list[int], list[int]
 def exact_match(gpt: Any, tokenizer: Tokenizer | None, examples: Examples, count: int) -> float:
     """The fraction of the first `count` held-out examples whose first reply the model writes exactly, greedily
     (the reply's end-of-text token included: a reply that runs on does not match)."""
-    pairs = [reply_of(np.asarray(examples.ids[a:b]), np.asarray(examples.trained[a:b]))
-             for a, b in zip(examples.offsets[:-1][:count], examples.offsets[1:][:count])]  # fmt: skip
+    pairs = [
+        reply_of(np.asarray(examples.ids[a:b]), np.asarray(examples.trained[a:b]))
+        for a, b in zip(examples.offsets[:-1][:count], examples.offsets[1:][:count])
+    ]
     pairs = [p for p in pairs if p is not None]
     if not pairs:
         return math.nan
@@ -204,8 +240,10 @@ def exact_match(gpt: Any, tokenizer: Tokenizer | None, examples: Examples, count
 def check_tokens(name: str, tokens: np.ndarray, vocab_size: int, block_size: int) -> None:
     """Each split must be long enough for one window and hold only ids inside the vocabulary (the model skips it)."""
     if len(tokens) == 0 and name.startswith("val"):
-        raise GptkitError(f"{name} is empty (data prepared with --val-fraction 0): training evaluates on it; "
-                          "prepare the data again with --val-fraction above 0")  # fmt: skip
+        raise GptkitError(
+            f"{name} is empty (data prepared with --val-fraction 0): training evaluates on it; "
+            "prepare the data again with --val-fraction above 0"
+        )
     if len(tokens) < block_size + 1:
         raise GptkitError(
             f"{name} has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}; "
@@ -226,11 +264,15 @@ def check_examples(setup: Setup) -> None:
     vocab_size = setup.data.meta.vocab_size
     for name, split in (("train", setup.data.train), ("val", setup.data.val)):
         if len(split) == 0 and name == "val":
-            raise GptkitError("the data set has no validation examples (prepared with --val-fraction 0): training "
-                              "evaluates on them; prepare the data again with --val-fraction above 0")  # fmt: skip
+            raise GptkitError(
+                "the data set has no validation examples (prepared with --val-fraction 0): training "
+                "evaluates on them; prepare the data again with --val-fraction above 0"
+            )
         if len(split.ids) and int(split.ids.max()) >= vocab_size:
-            raise GptkitError(f"{name} examples hold token id {int(split.ids.max())}, outside the vocabulary of "
-                              f"{vocab_size}; re-prepare the data")  # fmt: skip
+            raise GptkitError(
+                f"{name} examples hold token id {int(split.ids.max())}, outside the vocabulary of "
+                f"{vocab_size}; re-prepare the data"
+            )
     check_template(setup)
 
 
@@ -240,8 +282,10 @@ def check_template(setup: Setup) -> None:
     own = load_chat_template(setup.template_dir).source
     if meta.chat_template != own:
         which = "a different" if meta.chat_template else "the default"
-        raise GptkitError(f"the {setup.data.kind} were rendered with {which} chat template than the model's "
-                          f"({setup.template_dir}); prepare them again with --tokenizer {setup.template_dir}")
+        raise GptkitError(
+            f"the {setup.data.kind} were rendered with {which} chat template than the model's "
+            f"({setup.template_dir}); prepare them again with --tokenizer {setup.template_dir}"
+        )
 
 
 def bytes_per_token(meta: DataMeta, split: str, tokens: np.ndarray, tokenizer: Tokenizer | None) -> float | None:
@@ -258,4 +302,3 @@ def bytes_per_token(meta: DataMeta, split: str, tokens: np.ndarray, tokenizer: T
 
 def _exp(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
-

@@ -51,11 +51,17 @@ def orpo_loss(logits: Tensor, targets: Tensor, beta: float) -> tuple[Tensor, Sta
     log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
     ratio = F.logsigmoid(log_odds)
     chosen_targets = targets[0::2]
-    nll = F.cross_entropy(logits[0::2].float().reshape(-1, logits.size(-1)), chosen_targets.reshape(-1),
-                          ignore_index=IGNORE_INDEX)  # fmt: skip
+    nll = F.cross_entropy(
+        logits[0::2].float().reshape(-1, logits.size(-1)), chosen_targets.reshape(-1), ignore_index=IGNORE_INDEX
+    )
     margin = beta * (chosen - rejected)
-    stats = {"chosen_nll": nll.detach(), "log_odds_ratio": ratio.detach().mean(), "log_odds": log_odds.detach().mean(),
-             "margin": margin.detach().mean(), "accuracy": (margin > 0).float().mean()}  # fmt: skip
+    stats = {
+        "chosen_nll": nll.detach(),
+        "log_odds_ratio": ratio.detach().mean(),
+        "log_odds": log_odds.detach().mean(),
+        "margin": margin.detach().mean(),
+        "accuracy": (margin > 0).float().mean(),
+    }
     return nll - beta * ratio.mean(), stats
 
 

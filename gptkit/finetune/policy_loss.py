@@ -32,7 +32,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-
 LossType = Literal["dapo", "grpo", "bnpo", "dr_grpo"]
 # Added to a group's standard deviation before dividing by it (TRL's value): a group of nearly equal rewards
 # does not blow its tiny differences up to unit size.
@@ -52,6 +51,7 @@ def group_advantages(rewards: Tensor, scale: bool, scored: Tensor | None = None)
         return centred
     variance = (centred**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
     return centred / (variance.sqrt() + STD_EPS)
+
 
 @dataclass
 class PolicyLoss:
@@ -87,9 +87,14 @@ class PolicyLoss:
         return masked.sum() / mask.sum().clamp(min=1)
 
 
-def policy_gradient_loss(rule: PolicyLoss, logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                         reference: Tensor | None = None,
-                         old: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+def policy_gradient_loss(
+    rule: PolicyLoss,
+    logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    reference: Tensor | None = None,
+    old: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """(the micro-batch's loss under rule, its statistics: mean KL and clipped fraction over the trained tokens) of
     N completions (mask (N, T), one advantage each (N,)); old is the sampling policy's log-probabilities (default:
     logprobs, detached: one update per sampling)."""

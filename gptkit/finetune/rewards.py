@@ -33,8 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from gptkit.errors import ConfigError, StepAbandoned
-from gptkit.worker import PACKAGE_ROOT, Interrupted, LineWorker, child_pipes, exit_with_parent, send_line, \
-    signals_end_waits  # fmt: skip
+from gptkit.worker import (
+    PACKAGE_ROOT,
+    Interrupted,
+    LineWorker,
+    child_pipes,
+    exit_with_parent,
+    send_line,
+    signals_end_waits,
+)
 
 ANSWER_MARK = "####"  # GSM8K's solutions end with "#### <answer>"
 BUILT_IN = ("exact_match", "regex:PATTERN", "json_schema")
@@ -67,9 +74,11 @@ class Reward:
         for i, row in enumerate(rows):
             for field in self.needs:
                 if field not in row:
-                    raise ConfigError(f"reward {self.name} needs a {field!r} field in every prompt row; prompt {i} has "
-                                      f"none (its fields: {', '.join(map(repr, list(row)[:10])) or 'none'}); add it "
-                                      "and prepare the prompts again")  # fmt: skip
+                    raise ConfigError(
+                        f"reward {self.name} needs a {field!r} field in every prompt row; prompt {i} has "
+                        f"none (its fields: {', '.join(map(repr, list(row)[:10])) or 'none'}); add it "
+                        "and prepare the prompts again"
+                    )
             problem = self._row_problem(row)
             if problem:
                 raise ConfigError(f"reward {self.name}: prompt {i}'s {problem}")
@@ -104,7 +113,7 @@ class ExactMatch(Reward):
     def _row_problem(self, row: dict[str, Any]) -> str | None:
         answer = row["answer"]
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            return f"\"answer\" must be a string or a number, got {type(answer).__name__}"
+            return f'"answer" must be a string or a number, got {type(answer).__name__}'
         return None
 
 
@@ -116,8 +125,10 @@ class Regex(Reward):
         try:
             self.pattern = re.compile(name.removeprefix("regex:"))
         except re.error as err:
-            raise ConfigError(f"reward {name}: the pattern is not a valid regular expression ({err}); write a "
-                              "Python re pattern after regex:") from None  # fmt: skip
+            raise ConfigError(
+                f"reward {name}: the pattern is not a valid regular expression ({err}); write a "
+                "Python re pattern after regex:"
+            ) from None
 
     def __call__(self, prompt: str, completion: str, row: dict[str, Any]) -> float:
         return float(self.pattern.search(completion) is not None)
@@ -148,22 +159,25 @@ class JsonSchema(Reward):
         try:
             self._validator(row["schema"])
         except self.schema_errors as err:
-            return f"\"schema\" is not a valid JSON schema: {_schema_problem(err)}"
+            return f'"schema" is not a valid JSON schema: {_schema_problem(err)}'
         return None
 
     def __call__(self, prompt: str, completion: str, row: dict[str, Any]) -> float:
         try:
             validator = self._validator(row["schema"])
         except self.schema_errors as err:
-            raise RewardError(f"reward {self.name}: the row's \"schema\" is not a valid JSON schema "
-                              f"({_schema_problem(err)})") from None  # fmt: skip
+            raise RewardError(
+                f'reward {self.name}: the row\'s "schema" is not a valid JSON schema ({_schema_problem(err)})'
+            ) from None
         try:
             return float(validator.is_valid(json.loads(completion)))
         except (ValueError, RecursionError):  # not JSON, or nested past what the parser or validator can follow
             return 0.0
         except Exception as err:  # the schema's fault, not the completion's (a "$ref" it cannot resolve, say)
-            raise RewardError(f"reward {self.name}: validating against the row's \"schema\" failed: "
-                              f"{type(err).__name__}: {_one_line(str(err))}") from None  # fmt: skip
+            raise RewardError(
+                f'reward {self.name}: validating against the row\'s "schema" failed: '
+                f"{type(err).__name__}: {_one_line(str(err))}"
+            ) from None
 
 
 @functools.lru_cache(maxsize=256)  # a prompt's schema is checked once, not at each of its completions
@@ -184,27 +198,34 @@ class UserFunction(Reward):
         super().__init__(name)
         module, _, attribute = name.partition(":")
         if not all(part.isidentifier() for part in module.split(".")) or not attribute.isidentifier():
-            raise ConfigError(f"reward {name!r} is not module:function (a Python module name, a colon, a function "
-                              "name)")  # fmt: skip
+            raise ConfigError(
+                f"reward {name!r} is not module:function (a Python module name, a colon, a function name)"
+            )
         self.function = getattr(_import(module, name), attribute, _MISSING)
         if self.function is _MISSING:
-            raise ConfigError(f"reward {name}: module {module} has no {attribute!r}; define "
-                              f"def {attribute}(prompt, completion, row) in it")  # fmt: skip
+            raise ConfigError(
+                f"reward {name}: module {module} has no {attribute!r}; define "
+                f"def {attribute}(prompt, completion, row) in it"
+            )
         if not callable(self.function):
-            raise ConfigError(f"reward {name}: {module}.{attribute} is a {type(self.function).__name__}, not a "
-                              "function")  # fmt: skip
+            raise ConfigError(
+                f"reward {name}: {module}.{attribute} is a {type(self.function).__name__}, not a function"
+            )
 
     def __call__(self, prompt: str, completion: str, row: dict[str, Any]) -> float | None:
         try:
             value = self.function(prompt, completion, row)
         except Exception as err:  # the user's code: any failure is reported as theirs, in one line
-            raise RewardError(f"reward function {self.name} raised {type(err).__name__}: "
-                              f"{_one_line(str(err))}") from err  # fmt: skip
+            raise RewardError(
+                f"reward function {self.name} raised {type(err).__name__}: {_one_line(str(err))}"
+            ) from err
         if value is None:  # the reward does not apply to this completion
             return None
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise RewardError(f"reward function {self.name} returned {_shown(value)} ({type(value).__name__}), not a "
-                              "number; return an int or a float (or None where the reward does not apply)")  # fmt: skip
+            raise RewardError(
+                f"reward function {self.name} returned {_shown(value)} ({type(value).__name__}), not a "
+                "number; return an int or a float (or None where the reward does not apply)"
+            )
         try:
             number = float(value)
         except OverflowError:  # an int too large for a float
@@ -225,18 +246,23 @@ def _import(module: str, spec: str) -> Any:
         imported = importlib.import_module(module)
     except ModuleNotFoundError as err:
         if err.name is not None and module.startswith(err.name) and module[len(err.name) :][:1] in ("", "."):
-            raise ConfigError(f"reward {spec}: no module {module!r} in the working directory ({here}) or on "
-                              f"the Python path; put {module.replace('.', '/')}.py there") from None  # fmt: skip
+            raise ConfigError(
+                f"reward {spec}: no module {module!r} in the working directory ({here}) or on "
+                f"the Python path; put {module.replace('.', '/')}.py there"
+            ) from None
         raise ConfigError(f"reward {spec}: importing {module} failed: {_one_line(str(err))}") from None
     except Exception as err:  # the module's own code failed while it was imported
-        raise ConfigError(f"reward {spec}: importing {module} raised {type(err).__name__}: "
-                          f"{_one_line(str(err))}") from None  # fmt: skip
+        raise ConfigError(
+            f"reward {spec}: importing {module} raised {type(err).__name__}: {_one_line(str(err))}"
+        ) from None
     own = Path(here, *module.split("."))
     found = Path(getattr(imported, "__file__", None) or "")
     if (own.with_suffix(".py").is_file() or own.is_dir()) and not found.is_relative_to(here):
         # A name Python had already imported (the standard library's string, a package's) hides the user's file.
-        raise ConfigError(f"reward {spec}: {module} is already the module at {found}, not {own}.py; rename your "
-                          "file (and the spec) to a name Python does not already use")  # fmt: skip
+        raise ConfigError(
+            f"reward {spec}: {module} is already the module at {found}, not {own}.py; rename your "
+            "file (and the spec) to a name Python does not already use"
+        )
     return imported
 
 
@@ -268,8 +294,10 @@ def load_reward(spec: str) -> Reward:
         return Regex(spec)
     if ":" in spec:
         return UserFunction(spec)
-    raise ConfigError(f"unknown reward {spec!r}: use {', '.join(BUILT_IN)} or module:function (a function(prompt, "
-                      "completion, row) -> float in module.py of the working directory)")  # fmt: skip
+    raise ConfigError(
+        f"unknown reward {spec!r}: use {', '.join(BUILT_IN)} or module:function (a function(prompt, "
+        "completion, row) -> float in module.py of the working directory)"
+    )
 
 
 class RewardProcess:
@@ -327,8 +355,10 @@ class RewardProcess:
                 return worker.ask(request, time.monotonic() + seconds)
         except TimeoutError:
             self.close()
-            problem = (f"was still {doing} after {seconds:g} s, so its process was stopped (finetune.reward_timeout is "
-                       f"{self.seconds:g} s)")  # fmt: skip
+            problem = (
+                f"was still {doing} after {seconds:g} s, so its process was stopped (finetune.reward_timeout is "
+                f"{self.seconds:g} s)"
+            )
         except (EOFError, OSError):  # the process ended: sys.exit is answered, so os._exit, a crash or a kill
             self.worker = None
             self._finalizer.detach()
@@ -338,8 +368,9 @@ class RewardProcess:
             problem = f"wrote something other than an answer while {doing}"
         except Interrupted as err:
             self.close()
-            raise RewardError(f"{err} came while reward {self.name} was {doing}; it was stopped",
-                              interrupted=True) from None  # fmt: skip
+            raise RewardError(
+                f"{err} came while reward {self.name} was {doing}; it was stopped", interrupted=True
+            ) from None
         except BaseException:  # (a request that cannot be sent, a second Ctrl-C): the process's state is unknown
             self.close()
             raise

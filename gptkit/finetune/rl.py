@@ -51,8 +51,7 @@ class GrpoSettings(PartSettings):
     """GRPO's settings."""
 
     # The policy starts from a model that can attempt the task.
-    needs_base = ("improves a model that can already attempt the task (its sampled completions are the "
-                  "data)")
+    needs_base = "improves a model that can already attempt the task (its sampled completions are the data)"
     data_parallel_only = True
 
     may_change_on_resume = ("reward_timeout",)  # a reward that timed out can be given longer
@@ -101,8 +100,10 @@ class GrpoSettings(PartSettings):
             raise ConfigError("finetune.reward is empty: name at least one reward function")
         if self.reward_weights is not None:
             if len(self.reward_weights) != len(self.reward):
-                raise ConfigError(f"finetune.reward_weights has {len(self.reward_weights)} weight(s) for "
-                                  f"{len(self.reward)} reward(s) in finetune.reward: give one per reward")  # fmt: skip
+                raise ConfigError(
+                    f"finetune.reward_weights has {len(self.reward_weights)} weight(s) for "
+                    f"{len(self.reward)} reward(s) in finetune.reward: give one per reward"
+                )
             for i, weight in enumerate(self.reward_weights):
                 check_range(f"finetune.reward_weights[{i}]", weight, low=-math.inf)
 
@@ -129,10 +130,21 @@ class GroupPolicyGradient(ObjectiveBase):
         self._check_memory(setup)
         self._check_sampling(f.group_size, f.temperature)
         self.group, self.weights = f.group_size, f.weights()
-        self.rule = PolicyLoss(f.loss_type, f.epsilon, f.epsilon if f.epsilon_high is None else f.epsilon_high,
-                               f.kl_weight, f.completion_tokens)  # fmt: skip
-        self.params = SamplingParams(max_new_tokens=f.completion_tokens, temperature=f.temperature, top_k=f.top_k,
-                                     top_p=f.top_p, stop=tuple(f.stop or ()), json_schema=_schema(f.json_schema))
+        self.rule = PolicyLoss(
+            f.loss_type,
+            f.epsilon,
+            f.epsilon if f.epsilon_high is None else f.epsilon_high,
+            f.kl_weight,
+            f.completion_tokens,
+        )
+        self.params = SamplingParams(
+            max_new_tokens=f.completion_tokens,
+            temperature=f.temperature,
+            top_k=f.top_k,
+            top_p=f.top_p,
+            stop=tuple(f.stop or ()),
+            json_schema=_schema(f.json_schema),
+        )
         try:
             self.grammar = grammar_for(self.gpt, self.tokenizer, self.params)
         except SchemaError as err:  # read, but no grammar compiles from it
@@ -150,31 +162,42 @@ class GroupPolicyGradient(ObjectiveBase):
         self.calls = 0  # loss() calls so far: which micro-batch of which update comes next
         self.kept: dict[int, Group] = {}  # micro-batch -> its group, kept for the later iterations of its sampling
         self.update_tokens = torch.zeros((), device=setup.device)  # trained tokens of this update so far (dapo)
-        self.task_metrics = {"val_reward": "reward", "val_pass_at_1": "pass_rate",
-                             f"val_pass_at_{f.eval_samples}": None}  # fmt: skip
+        self.task_metrics = {
+            "val_reward": "reward",
+            "val_pass_at_1": "pass_rate",
+            f"val_pass_at_{f.eval_samples}": None,
+        }
 
     def _check_prompts(self, setup: Setup) -> None:
         """Prompts rendered with the model's template, of its vocabulary, with held-out ones to evaluate on."""
         check_template(setup)
         for name, split in (("train", self.train_prompts), ("val", self.val_prompts)):
             if len(split.ids) and int(split.ids.max()) >= self.gpt.config.vocab_size:
-                raise ConfigError(f"{name} prompts hold token id {int(split.ids.max())}, outside the model's "
-                                  "vocabulary: prepare them with --tokenizer MODEL (the model trained)")  # fmt: skip
+                raise ConfigError(
+                    f"{name} prompts hold token id {int(split.ids.max())}, outside the model's "
+                    "vocabulary: prepare them with --tokenizer MODEL (the model trained)"
+                )
         if len(self.val_prompts) == 0:
-            raise ConfigError(f"{setup.data.directory} holds no held-out prompts (prepared with --val-fraction 0): "
-                              "evaluations measure reward and pass@k on them; prepare the prompts again with "
-                              "--val-fraction above 0")  # fmt: skip
+            raise ConfigError(
+                f"{setup.data.directory} holds no held-out prompts (prepared with --val-fraction 0): "
+                "evaluations measure reward and pass@k on them; prepare the prompts again with "
+                "--val-fraction above 0"
+            )
 
     @staticmethod
     def _check_sampling(group_size: int, temperature: float) -> None:
         """Greedy completions of a prompt are all the same, so their group has no advantage: refused. A group of one
         has none either; it runs (a step's cost without the group's, as bench_finetune measures) with a warning."""
         if temperature < GREEDY_BELOW:
-            raise ConfigError(f"finetune.temperature {temperature} samples greedily: every completion of a prompt "
-                              "would be the same and nothing would train; use a temperature such as 1.0")  # fmt: skip
+            raise ConfigError(
+                f"finetune.temperature {temperature} samples greedily: every completion of a prompt "
+                "would be the same and nothing would train; use a temperature such as 1.0"
+            )
         if group_size == 1:
-            logger.warning("finetune.group_size 1: a completion alone has no group to compare with, so nothing "
-                           "trains; use 2 or more (8 is usual)")  # fmt: skip
+            logger.warning(
+                "finetune.group_size 1: a completion alone has no group to compare with, so nothing "
+                "trains; use 2 or more (8 is usual)"
+            )
 
     def _check_lengths(self, completion_tokens: int) -> int:
         """Every prompt and its longest completion must fit a learned-position model's block_size; returns the
@@ -184,9 +207,11 @@ class GroupPolicyGradient(ObjectiveBase):
         if config.position == "learned" and longest + completion_tokens > config.block_size:
             room = config.block_size - longest
             fix = f"lower finetune.completion_tokens to {room} or " if room > 0 else ""
-            raise ConfigError(f"a prompt of {longest} tokens and finetune.completion_tokens {completion_tokens} "
-                              f"exceed the model's block_size {config.block_size}: {fix}prepare shorter prompts "
-                              "(gptkit prepare --max-length)")  # fmt: skip
+            raise ConfigError(
+                f"a prompt of {longest} tokens and finetune.completion_tokens {completion_tokens} "
+                f"exceed the model's block_size {config.block_size}: {fix}prepare shorter prompts "
+                "(gptkit prepare --max-length)"
+            )
         return longest + completion_tokens
 
     def _check_memory(self, setup: Setup) -> None:
@@ -198,15 +223,29 @@ class GroupPolicyGradient(ObjectiveBase):
         step_rows, eval_rows = t.batch_size * f.group_size, min(t.eval_examples, len(self.val_prompts)) * f.eval_samples
         memory = training_memory(config, step_rows, self.longest_row, t.dtype)
         forward = memory.activations_checkpointed if t.activation_checkpointing else memory.activations
-        needs = [("finetune.group_size", f.group_size, f"x train.batch_size {t.batch_size}", step_rows,
-                  max(forward, kv_cache_bytes(config, step_rows, self.longest_row, "float32"))),
-                 ("finetune.eval_samples", f.eval_samples, f"x {eval_rows // f.eval_samples} held-out prompts",
-                  eval_rows, kv_cache_bytes(config, eval_rows, self.longest_row, "float32"))]  # fmt: skip
+        needs = [
+            (
+                "finetune.group_size",
+                f.group_size,
+                f"x train.batch_size {t.batch_size}",
+                step_rows,
+                max(forward, kv_cache_bytes(config, step_rows, self.longest_row, "float32")),
+            ),
+            (
+                "finetune.eval_samples",
+                f.eval_samples,
+                f"x {eval_rows // f.eval_samples} held-out prompts",
+                eval_rows,
+                kv_cache_bytes(config, eval_rows, self.longest_row, "float32"),
+            ),
+        ]
         for name, value, times, rows, need in needs:
             if need > free:
-                raise ConfigError(f"{name} {value} {times} = {rows:,} completions of up to {self.longest_row} tokens "
-                                  f"need about {need / GIB:,.1f} GiB (gptkit plan's estimate), more than the "
-                                  f"{free / GIB:,.1f} GiB free on {setup.device.type}: lower {name}")  # fmt: skip
+                raise ConfigError(
+                    f"{name} {value} {times} = {rows:,} completions of up to {self.longest_row} tokens "
+                    f"need about {need / GIB:,.1f} GiB (gptkit plan's estimate), more than the "
+                    f"{free / GIB:,.1f} GiB free on {setup.device.type}: lower {name}"
+                )
 
     def stream(self, per_update: int) -> PromptBatches:
         """The training prompts in a seeded order, train.batch_size per micro-batch, each update's repeated for the
@@ -227,8 +266,9 @@ class GroupPolicyGradient(ObjectiveBase):
         params = dataclasses.replace(self.params, num_samples=samples, seed=seed)
         device = self.setup.device
         with evaluation_mode(self.gpt), torch.autocast(device.type, enabled=False):
-            result = complete(self.gpt, ids, params, eos_id=self.tokenizer.eos_ids, decode=self.tokenizer.decode,
-                              grammar=self.grammar)  # fmt: skip
+            result = complete(
+                self.gpt, ids, params, eos_id=self.tokenizer.eos_ids, decode=self.tokenizer.decode, grammar=self.grammar
+            )
         completions, parts, truncated = [], [], []
         for index, row in zip(indices, result.completions):
             for completion in row:
@@ -243,9 +283,15 @@ class GroupPolicyGradient(ObjectiveBase):
         lengths = torch.tensor([len(c.ids) for row in result.completions for c in row], dtype=torch.float32)
         penalty = self.settings.length_penalty * lengths.view(shape) / self.params.max_new_tokens
         scored = applies.any(dim=-1)
-        return Group(ids, completions, torch.where(scored, total - penalty, 0.0),
-                     scored & (total >= self.settings.pass_reward), scored, torch.tensor(truncated).view(shape),
-                     values)  # fmt: skip
+        return Group(
+            ids,
+            completions,
+            torch.where(scored, total - penalty, 0.0),
+            scored & (total >= self.settings.pass_reward),
+            scored,
+            torch.tensor(truncated).view(shape),
+            values,
+        )
 
     def _text_and_ids(self, completion: Completion) -> tuple[str, list[int]]:
         """(the text the reward reads: cut before a stop string, the ids trained on: the sampled ones, with the
@@ -332,11 +378,16 @@ class GroupPolicyGradient(ObjectiveBase):
         """What a step logs of its groups (means over completions; reward over the scored ones)."""
         spread = group.rewards.std(dim=1) if self.group > 1 else torch.zeros(len(group.prompts))
         scored = group.scored.float()
-        stats = {"reward": (group.rewards * scored).sum() / scored.sum().clamp(min=1), "reward_std": spread.mean(),
-                 "zero_spread": (spread == 0).float().mean(), "pass_rate": group.passed.float().mean(),
-                 "unscored": 1 - scored.mean(), "truncated": group.truncated.float().mean(),
-                 "completion_tokens": torch.tensor([len(c) for c in group.completions], dtype=torch.float).mean(),
-                 "sample_s": torch.tensor(sampling)}  # fmt: skip
+        stats = {
+            "reward": (group.rewards * scored).sum() / scored.sum().clamp(min=1),
+            "reward_std": spread.mean(),
+            "zero_spread": (spread == 0).float().mean(),
+            "pass_rate": group.passed.float().mean(),
+            "unscored": 1 - scored.mean(),
+            "truncated": group.truncated.float().mean(),
+            "completion_tokens": torch.tensor([len(c) for c in group.completions], dtype=torch.float).mean(),
+            "sample_s": torch.tensor(sampling),
+        }
         if len(self.rewards) > 1:  # each reward's mean where it applies
             for k in range(len(self.rewards)):
                 values = group.reward_parts[..., k]
@@ -353,16 +404,21 @@ class GroupPolicyGradient(ObjectiveBase):
         group = self.sample(self.val_prompts, list(range(count)), n, self.seed + 3)
         correct = group.passed.sum(dim=1).tolist()
         scored = group.scored.float()
-        return {"val_reward": float((group.rewards * scored).sum() / scored.sum().clamp(min=1)),
-                "val_pass_at_1": float(np.mean([pass_at_k(n, c, 1) for c in correct])),
-                f"val_pass_at_{n}": float(np.mean([pass_at_k(n, c, n) for c in correct])),
-                "val_completion_tokens": float(np.mean([len(c) for c in group.completions]))}  # fmt: skip
+        return {
+            "val_reward": float((group.rewards * scored).sum() / scored.sum().clamp(min=1)),
+            "val_pass_at_1": float(np.mean([pass_at_k(n, c, 1) for c in correct])),
+            f"val_pass_at_{n}": float(np.mean([pass_at_k(n, c, n) for c in correct])),
+            "val_completion_tokens": float(np.mean([len(c) for c in group.completions])),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The sampling generator's state (how many seeds it has drawn), where the updates stand, and the groups kept
         for the later iterations of a sampling."""
-        return {"sampling_draws": self.draws, "calls": self.calls,
-                "kept": {str(micro): group.to_state() for micro, group in self.kept.items()}}  # fmt: skip
+        return {
+            "sampling_draws": self.draws,
+            "calls": self.calls,
+            "kept": {str(micro): group.to_state() for micro, group in self.kept.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the sampling seeds, the updates and their kept groups where the checkpoint left them."""
@@ -385,5 +441,3 @@ def _schema(path: str | None) -> str | None:
         return read_schema_file(path) if path is not None else None
     except ValueError as err:
         raise ConfigError(f"finetune.json_schema {path}: {err}") from None
-
-

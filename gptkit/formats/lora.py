@@ -26,8 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as tensors_from_bytes
 from torch import Tensor, nn
 
-from gptkit.adapters import (TARGETS, add_lora, load_lora_state, lora_state, merge_lora, peft_adapter,
-                             wrap_block_layers)
+from gptkit.adapters import TARGETS, add_lora, load_lora_state, lora_state, merge_lora, peft_adapter, wrap_block_layers
 from gptkit.atomic import atomic_write_text
 from gptkit.errors import GptkitError
 from gptkit.tensors import check_version, save_tensors
@@ -66,8 +65,15 @@ def read_lora_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise GptkitError(f'{file} is not a gptkit LoRA config (no "format": "{FORMAT}")')
     check_version(data, file, FORMAT_VERSION)
-    kinds = {"base": str, "base_fingerprint": str, "rank": int, "alpha": (int, float), "dropout": (int, float),
-             "targets": str, "base_precision": str}  # fmt: skip
+    kinds = {
+        "base": str,
+        "base_fingerprint": str,
+        "rank": int,
+        "alpha": (int, float),
+        "dropout": (int, float),
+        "targets": str,
+        "base_precision": str,
+    }
     for key, kind in kinds.items():
         if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
             raise GptkitError(f"{file}: field {key!r} is missing or malformed")
@@ -126,15 +132,18 @@ def base_chain(path: str | Path) -> list[Path]:
         base = Path(read_lora_config(chain[-1])["base"])
         if base.resolve() in seen:  # followed blindly, the bases load one another until Python's stack runs out
             loop = " -> ".join(str(p) for p in [*chain, base])
-            raise GptkitError(f"the LoRA bases form a cycle ({loop}); set \"base\" in {chain[-1] / CONFIG_FILE} to "
-                              "the model the adapters were trained on")  # fmt: skip
+            raise GptkitError(
+                f'the LoRA bases form a cycle ({loop}); set "base" in {chain[-1] / CONFIG_FILE} to '
+                "the model the adapters were trained on"
+            )
         seen.add(base.resolve())
         chain.append(base)
     return chain
 
 
-def write_lora_dir(model: nn.Module, path: str | Path, settings: dict[str, Any],
-                   tokenizer_config: bytes | None = None) -> Path:  # fmt: skip
+def write_lora_dir(
+    model: nn.Module, path: str | Path, settings: dict[str, Any], tokenizer_config: bytes | None = None
+) -> Path:
     """Write model's adapters and settings (see the module docstring) into path; each file lands atomically."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -186,8 +195,9 @@ PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
-def write_peft_dir(path: str | Path, out: str | Path, hf_modules: dict[str, list[tuple[str, int | None]]],
-                   fan_in_fan_out: bool) -> Path:  # fmt: skip
+def write_peft_dir(
+    path: str | Path, out: str | Path, hf_modules: dict[str, list[tuple[str, int | None]]], fan_in_fan_out: bool
+) -> Path:
     """Write a LoRA directory's adapters in PEFT's format, for its base as `gptkit convert --to-hf` exports it:
     peft.PeftModel.from_pretrained(that HF base, out) computes what the merged model does. hf_modules and
     fan_in_fan_out describe that HF base (gptkit.formats.hf.hf_block_modules of the base's config)."""

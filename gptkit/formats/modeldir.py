@@ -43,9 +43,7 @@ def save_model_dir(model: GPT, path: str | Path, tokenizer: Tokenizer | None = N
     return path
 
 
-def load_model_dir(
-    path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-) -> GPT:
+def load_model_dir(path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> GPT:
     """Build the GPT saved in a gptkit model directory, in eval mode, without holding two copies of the weights."""
     path = Path(path)
     config = read_model_config(path)

@@ -47,7 +47,9 @@ def quantization_of(path: str | Path) -> str | None:
     method = read_config_json(path).get("quantization")
     if method is not None:
         if method not in QUANTIZATION_METHODS:
-            raise ConfigError(f"{path}: unknown quantization {method!r}; gptkit knows {', '.join(QUANTIZATION_METHODS)}")
+            raise ConfigError(
+                f"{path}: unknown quantization {method!r}; gptkit knows {', '.join(QUANTIZATION_METHODS)}"
+            )
     return method
 
 
@@ -66,8 +68,10 @@ def load_quantized_dir(
         state.update(load_tensors(file, device))
     # Floats converted (or copied; never the fp16 block scales of int4), integer weights copied: out of the memory
     # map into aligned, writable memory.
-    state = {name: t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != torch.float16
-             else t.clone() for name, t in state.items()}  # fmt: skip
+    state = {
+        name: t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != torch.float16 else t.clone()
+        for name, t in state.items()
+    }
     with torch.device("meta"):
         model = GPT(config)
         _quantized_layers(model, state)
@@ -82,8 +86,10 @@ def load_quantized_dir(
         want = expected[name]
         wrong_dtype = (tensor.dtype in kept or want.dtype in kept) and tensor.dtype != want.dtype
         if tuple(tensor.shape) != tuple(want.shape) or wrong_dtype:
-            raise ModelDirError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)} / dtype {tensor.dtype}, "
-                                f"the config needs {tuple(expected[name].shape)} / {expected[name].dtype}")  # fmt: skip
+            raise ModelDirError(
+                f"{path}: tensor {name!r} has shape {tuple(tensor.shape)} / dtype {tensor.dtype}, "
+                f"the config needs {tuple(expected[name].shape)} / {expected[name].dtype}"
+            )
     check_finite(state, str(path))  # the int4 blocks' fp16 scales too
     model.load_state_dict(state, strict=True, assign=True)
     probe_kernels(device.type)

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from gptkit.model import GPT
@@ -30,8 +29,10 @@ ABLATION_WINDOWS = 16  # text windows an ablation's ICL change is measured on (p
 def mean_ablated(model: GPT, layer: int, head: int) -> Iterator[None]:
     """Within the block, head `head` of block `layer` outputs its mean over the batch at each position."""
     if not (0 <= layer < model.config.n_layer and 0 <= head < model.config.n_head):
-        raise ValueError(f"no head {head} in layer {layer}: the model has {model.config.n_layer} layers of "
-                         f"{model.config.n_head} heads, numbered from 0")  # fmt: skip
+        raise ValueError(
+            f"no head {head} in layer {layer}: the model has {model.config.n_layer} layers of "
+            f"{model.config.n_head} heads, numbered from 0"
+        )
     width = model.config.head_dim
     part = slice(head * width, (head + 1) * width)
 
@@ -64,8 +65,18 @@ def ablation_study(model: GPT, scores: Tensor, tokens: np.ndarray | None = None)
     for head in range(model.config.n_head):
         with mean_ablated(model, layer, head):
             ablated_repeat, ablated_icl = _effects(model, tokens)
-        heads.append({"head": head, "repeat_change": ablated_repeat - repeat,
-                      "icl_change": None if icl is None else ablated_icl - icl})  # fmt: skip
+        heads.append(
+            {
+                "head": head,
+                "repeat_change": ablated_repeat - repeat,
+                "icl_change": None if icl is None else ablated_icl - icl,
+            }
+        )
     mine = heads[strongest]
-    return {"layer": layer, "head": strongest, "repeat_change": mine["repeat_change"],
-            "icl_change": mine["icl_change"], "layer_heads": heads}  # fmt: skip
+    return {
+        "layer": layer,
+        "head": strongest,
+        "repeat_change": mine["repeat_change"],
+        "icl_change": mine["icl_change"],
+        "layer_heads": heads,
+    }

@@ -177,8 +177,9 @@ def draw_activation(activation: str) -> Figure:
     return fig
 
 
-def draw_logit_lens(final_prob: Tensor, top_labels: Sequence[Sequence[str]], rows: Sequence[str],
-                    labels: Sequence[str]) -> Figure:  # fmt: skip
+def draw_logit_lens(
+    final_prob: Tensor, top_labels: Sequence[Sequence[str]], rows: Sequence[str], labels: Sequence[str]
+) -> Figure:
     """Heatmap of the logit lens: per stage (row) and position (column) the probability of the model's eventual
     prediction, each cell labelled with that stage's own top token."""
     S, T = final_prob.shape
@@ -256,8 +257,9 @@ def draw_icl(attention: Tensor, labels: Sequence[str], losses: Tensor, loss_sour
     image = top.imshow(attention.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=float(attention.max()))
     tick_labels(top, labels, y=False)
     top.set_yticks(range(L), [f"layer {i}" for i in range(L)], fontsize=8)
-    top.set_title("attention from the answer position (last token)\nto the few-shot prompt, mean over heads",
-                  fontsize=10)  # two lines: one is wider than the figure of a short prompt
+    top.set_title(
+        "attention from the answer position (last token)\nto the few-shot prompt, mean over heads", fontsize=10
+    )  # two lines: one is wider than the figure of a short prompt
     fig.colorbar(image, ax=top, label="attention weight")
     positions = np.arange(1, len(losses) + 1)
     bottom.plot(positions, losses.numpy(), color="#c44e52", linewidth=1)

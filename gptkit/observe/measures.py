@@ -133,14 +133,16 @@ def induction_score_of(attentions: Sequence[Tensor], length: int) -> Tensor:
 
 
 @torch.no_grad()
-def induction_test(model: GPT, length: int | None = None, batch: int = INDUCTION_BATCH,
-                   seed: int = INDUCTION_SEED) -> InductionResult:  # fmt: skip
+def induction_test(
+    model: GPT, length: int | None = None, batch: int = INDUCTION_BATCH, seed: int = INDUCTION_SEED
+) -> InductionResult:
     """Run batch random sequences of length tokens, each repeated twice, through model with a trace."""
     config = model.config
     length = length if length is not None else min(config.block_size // 2, 256)
     if not 2 <= length <= config.block_size // 2:
-        raise InputError(f"the repeated sequence must be 2 to block_size / 2 = {config.block_size // 2} tokens, "
-                         f"got {length}")  # fmt: skip
+        raise InputError(
+            f"the repeated sequence must be 2 to block_size / 2 = {config.block_size // 2} tokens, got {length}"
+        )
     generator = torch.Generator().manual_seed(seed)
     half = torch.randint(0, config.vocab_size, (batch, length), generator=generator)
     ids = torch.cat([half, half], dim=1).to(_device(model))  # (batch, 2L)
@@ -213,8 +215,7 @@ def logit_lens_top(model: GPT, ids: Sequence[int] | Tensor, k: int = 1) -> LensT
 
 
 @torch.no_grad()
-def head_contributions(model: GPT, ids: Sequence[int] | Tensor, position: int = -1,
-                       token: int | None = None) -> Tensor:  # fmt: skip
+def head_contributions(model: GPT, ids: Sequence[int] | Tensor, position: int = -1, token: int | None = None) -> Tensor:
     """(n_layer, n_head): each head's direct contribution to the logit of `token` (default: the model's own
     prediction) at `position`: its output through the output projection, the final norm's scale at that position
     (held fixed, as direct logit attribution does) and the LM head's row of the token. Pre-norm models only.
@@ -239,8 +240,10 @@ def head_contributions(model: GPT, ids: Sequence[int] | Tensor, position: int = 
     for layer, block in enumerate(model.blocks):
         attn = block.attn
         x = block.norm1(trace.hidden_states[layer][0])  # (T, d): what the attention read
-        _, _, v = attn.qkv(x).split([config.n_head * config.head_dim, config.n_kv_head * config.head_dim,
-                                     config.n_kv_head * config.head_dim], dim=-1)  # fmt: skip
+        _, _, v = attn.qkv(x).split(
+            [config.n_head * config.head_dim, config.n_kv_head * config.head_dim, config.n_kv_head * config.head_dim],
+            dim=-1,
+        )
         v = v.view(-1, config.n_kv_head, config.head_dim).repeat_interleave(config.n_head // config.n_kv_head, 1)
         weights = trace.attentions[layer][0, :, position]  # (H, T): how the position spread over the keys
         heads = torch.einsum("ht,thd->hd", weights.to(v.dtype), v)  # (H, hd): each head's output there
@@ -255,7 +258,6 @@ def head_contributions(model: GPT, ids: Sequence[int] | Tensor, position: int = 
 def chance_induction_score(length: int) -> float:
     """What uniform causal attention scores on the induction test: the mean of 1 / (i + 1) over the scored rows."""
     return sum(1 / (i + 1) for i in range(length + 1, 2 * length)) / (length - 1)
-
 
 
 def top_heads(scores: Tensor, k: int = 5) -> list[tuple[int, int, float]]:
@@ -295,7 +297,7 @@ def icl_summary(model: GPT, tokens: np.ndarray | Tensor, windows: int = ICL_WIND
             "first_half_loss": test.first_half_loss,
             "repeated_half_loss": test.repeated_half_loss,
             "chance": chance_induction_score(test.length),
-            "top_heads": [{"layer": l, "head": h, "score": v} for l, h, v in top_heads(test.scores, heads)],
+            "top_heads": [{"layer": layer, "head": h, "score": v} for layer, h, v in top_heads(test.scores, heads)],
             "scores": test.scores.tolist(),
         },
     }

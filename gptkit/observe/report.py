@@ -108,36 +108,68 @@ def write_report(
         pictures.append(Picture(file, heading, caption, data_file))
 
     total = param_breakdown(config).total
-    add(draw_parameters(config), "parameters.png", "Parameter breakdown",
+    add(
+        draw_parameters(config),
+        "parameters.png",
+        "Parameter breakdown",
         f"{total:,} parameters: the token embedding, each block's attention (fused q, k, v and output "
-        "projections) and MLP, all norms together, and the LM head when it is not tied to the embedding.")
+        "projections) and MLP, all norms together, and the LM head when it is not tied to the embedding.",
+    )
     for layer, weights in enumerate(attention_maps(insight)):  # layers and heads are numbered from 0
-        add(draw_attention(weights[:, cut:, cut:], labels, layer), f"attention_layer{layer}.png",
+        add(
+            draw_attention(weights[:, cut:, cut:], labels, layer),
+            f"attention_layer{layer}.png",
             f"Attention, layer {layer}",
             f"softmax(QK^T/sqrt(d_k) + M) for each of the {config.n_head} heads: row i shows how query token i "
             "spreads its attention over keys 0..i; each full row sums to 1 and nothing lies above the diagonal."
-            + shown_note + rows_note + context_note)  # fmt: skip
-    add(draw_norms(hidden_state_norms(insight.hidden_states)[:, cut:], insight.state_labels, labels),
-        "hidden_norms.png", "Hidden-state norms",
+            + shown_note
+            + rows_note
+            + context_note,
+        )
+    add(
+        draw_norms(hidden_state_norms(insight.hidden_states)[:, cut:], insight.state_labels, labels),
+        "hidden_norms.png",
+        "Hidden-state norms",
         "The L2 norm of each position's hidden state after the embedding, after each block"
-        + (" and after the final norm." if config.norm_position == "pre" else " (post-norm: each block ends in a "
-           "norm).") + shown_note + context_note)  # fmt: skip
+        + (
+            " and after the final norm."
+            if config.norm_position == "pre"
+            else " (post-norm: each block ends in a norm)."
+        )
+        + shown_note
+        + context_note,
+    )
     last = token_labels(tokenizer, insight.ids[-1:])[0]
-    add(draw_similarity(layer_similarity(insight.hidden_states), insight.state_labels, last),
-        "layer_similarity.png", "Similarity between layers",
+    add(
+        draw_similarity(layer_similarity(insight.hidden_states), insight.state_labels, last),
+        "layer_similarity.png",
+        "Similarity between layers",
         "Cosine similarity between the representations of the last prompt token after each stage: how much each "
-        "block changes the residual stream.")  # fmt: skip
+        "block changes the residual stream.",
+    )
     distributions = next_token_distributions(insight.logits[-1])
-    add(draw_distributions(distributions, tokenizer), "next_token.png", "Next-token distribution",
+    add(
+        draw_distributions(distributions, tokenizer),
+        "next_token.png",
+        "Next-token distribution",
         f"The top {TOP_TOKENS} next tokens after the prompt under softmax(z / tau) for tau = "
-        + ", ".join(f"{t:g}" for t in TEMPERATURES) + ": a low temperature sharpens the distribution, a high one "
-        "flattens it (the order never changes).")  # fmt: skip
-    add(draw_mask(shown, labels), "causal_mask.png", "Causal mask",
-        "M_ij = 0 where key j <= query i and -inf above the diagonal, so no position sees the future."
-        + shown_note)  # fmt: skip
+        + ", ".join(f"{t:g}" for t in TEMPERATURES)
+        + ": a low temperature sharpens the distribution, a high one "
+        "flattens it (the order never changes).",
+    )
+    add(
+        draw_mask(shown, labels),
+        "causal_mask.png",
+        "Causal mask",
+        "M_ij = 0 where key j <= query i and -inf above the diagonal, so no position sees the future." + shown_note,
+    )
     if config.activation != "relu":
-        add(draw_activation(config.activation), "activation.png", "Activation function",
-            f"This model's MLP uses {config.activation}; ReLU (the original Transformer's) for comparison.")
+        add(
+            draw_activation(config.activation),
+            "activation.png",
+            "Activation function",
+            f"This model's MLP uses {config.activation}; ReLU (the original Transformer's) for comparison.",
+        )
     add(*_lens_picture(model, tokenizer, insight.ids, cut, labels, shown_note + context_note))
     if config.norm_position == "pre":
         add(*_contributions_picture(model, tokenizer, insight.ids))
@@ -154,25 +186,38 @@ def _texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     return [tokenizer.decode([i]) for i in ids]
 
 
-def _lens_picture(model: GPT, tokenizer: Any, ids: list[int], cut: int, labels: list[str],
-                  notes: str) -> tuple[Figure, str, str, str, dict]:  # fmt: skip
+def _lens_picture(
+    model: GPT, tokenizer: Any, ids: list[int], cut: int, labels: list[str], notes: str
+) -> tuple[Figure, str, str, str, dict]:
     """The logit lens over the prompt: each stage's top token and its probability of the final prediction."""
     config = model.config
     top, top_prob, final_prob = measures.lens_predictions(measures.logit_lens(model, ids, first=cut))
     rows = lens_rows(config)
     top_labels = [token_labels(tokenizer, row.tolist()) for row in top]
     norm = ("the final norm and " if config.norm_position == "pre" else "") + "the LM head"
-    skipped = "" if config.norm_position == "pre" else (
-        " Head contributions are not drawn: in a post-norm model every block ends in a norm, so a head's output "
-        "reaches the logits only through the norms after it and no head has a direct path of its own.")
-    data = {"rows": rows, "positions": list(range(cut, len(ids))), "tokens": _texts(tokenizer, ids[cut:]),
-            "top_token_ids": top.tolist(), "top_tokens": [_texts(tokenizer, row.tolist()) for row in top],
-            "top_probability": top_prob.tolist(), "final_prediction_probability": final_prob.tolist()}  # fmt: skip
+    skipped = (
+        ""
+        if config.norm_position == "pre"
+        else (
+            " Head contributions are not drawn: in a post-norm model every block ends in a norm, so a head's output "
+            "reaches the logits only through the norms after it and no head has a direct path of its own."
+        )
+    )
+    data = {
+        "rows": rows,
+        "positions": list(range(cut, len(ids))),
+        "tokens": _texts(tokenizer, ids[cut:]),
+        "top_token_ids": top.tolist(),
+        "top_tokens": [_texts(tokenizer, row.tolist()) for row in top],
+        "top_probability": top_prob.tolist(),
+        "final_prediction_probability": final_prob.tolist(),
+    }
     caption = (
         f"The residual stream after the embedding and after each block, read out through {norm} as if the model "
         "ended there. Each cell's text is the token that stage would predict next at that position; its colour is "
         "the probability that stage gives the model's eventual prediction (the top row), so a column darkens "
-        "upward from where the model settles on its answer. The numbers are in logit_lens.json." + notes + skipped)
+        "upward from where the model settles on its answer. The numbers are in logit_lens.json." + notes + skipped
+    )
     return draw_logit_lens(final_prob, top_labels, rows, labels), "logit_lens.png", "Logit lens", caption, data
 
 
@@ -182,19 +227,24 @@ def _contributions_picture(model: GPT, tokenizer: Any, ids: list[int]) -> tuple[
     with torch.no_grad():
         token = int(model(torch.tensor([ids], device=next(model.parameters()).device))[0, -1].argmax())
     label = token_labels(tokenizer, [token])[0]
-    data = {"token_id": token, "token": tokenizer.decode([token]), "position": len(ids) - 1,
-            "contributions": contributions.tolist()}  # fmt: skip
+    data = {
+        "token_id": token,
+        "token": tokenizer.decode([token]),
+        "position": len(ids) - 1,
+        "contributions": contributions.tolist(),
+    }
     caption = (
         f"Direct logit attribution: how much each head's output at the last position, passed through the output "
         f"projection, the final norm (its scale at that position held fixed) and the LM head, adds to the logit of "
         f"the predicted next token {label}. Red heads push the prediction up, blue ones down; the embeddings, MLPs "
-        "and biases make up the rest of the logit. The numbers are in head_contributions.json.")
-    return draw_head_contributions(contributions, label), "head_contributions.png", "Head contributions", \
-        caption, data
+        "and biases make up the rest of the logit. The numbers are in head_contributions.json."
+    )
+    return draw_head_contributions(contributions, label), "head_contributions.png", "Head contributions", caption, data
 
 
-def icl_picture(model: GPT, tokenizer: Any, prompt: str, icl_prompt: str | None, data_tokens: np.ndarray | None,
-                 max_tokens: int) -> tuple[Figure, str, str, str, dict]:  # fmt: skip
+def icl_picture(
+    model: GPT, tokenizer: Any, prompt: str, icl_prompt: str | None, data_tokens: np.ndarray | None, max_tokens: int
+) -> tuple[Figure, str, str, str, dict]:
     """Attention from a few-shot prompt's answer position, per layer, and the loss along the context."""
     config = model.config
     answer = None
@@ -207,29 +257,40 @@ def icl_picture(model: GPT, tokenizer: Any, prompt: str, icl_prompt: str | None,
         raise InputError("--icl-prompt encodes to no tokens; give a few-shot prompt")
     attention = measures.attention_from(model, ids)
     shown = min(len(ids), max(max_tokens, 128))  # the whole few-shot prompt where it fits: its demonstrations matter
-    data: dict[str, Any] = {"prompt": icl_prompt, "expected_answer": answer, "tokens": _texts(tokenizer, ids),
-                            "attention_from_last": attention.tolist()}  # fmt: skip
+    data: dict[str, Any] = {
+        "prompt": icl_prompt,
+        "expected_answer": answer,
+        "tokens": _texts(tokenizer, ids),
+        "attention_from_last": attention.tolist(),
+    }
     if data_tokens is not None:
         losses = measures.position_losses(model, data_tokens)
         early, late = measures.early_late_losses(losses)
         data.update(losses_over="data", icl_score=late - early, early_loss=early, late_loss=late)
         source = f"mean over {measures.ICL_WINDOWS} windows of the data"
-        loss_note = (f" The loss curve is the mean over {measures.ICL_WINDOWS} {config.block_size}-token windows "
-                     f"of the data: ICL score {late - early:+.3f} (late loss {late:.3f} minus early loss "
-                     f"{early:.3f}; negative when the model uses its context).")  # fmt: skip
+        loss_note = (
+            f" The loss curve is the mean over {measures.ICL_WINDOWS} {config.block_size}-token windows "
+            f"of the data: ICL score {late - early:+.3f} (late loss {late:.3f} minus early loss "
+            f"{early:.3f}; negative when the model uses its context)."
+        )
     else:
         losses = measures.sequence_losses(model, ids) if len(ids) > 1 else torch.zeros(0)
         data["losses_over"] = "prompt"
         source = "the few-shot prompt itself"
-        loss_note = (" The loss curve is over the few-shot prompt itself (give --data for the mean over windows of "
-                     "real text and the ICL score): a model that learns in context predicts later demonstrations "
-                     "better than the first.")  # fmt: skip
+        loss_note = (
+            " The loss curve is over the few-shot prompt itself (give --data for the mean over windows of "
+            "real text and the ICL score): a model that learns in context predicts later demonstrations "
+            "better than the first."
+        )
     data["position_losses"] = losses.tolist()
     with torch.no_grad():
         last = model(torch.tensor([ids], device=next(model.parameters()).device))[0, -1].float().softmax(-1)
     predicted = int(last.argmax())
-    data["predicted"] = {"token_id": predicted, "token": tokenizer.decode([predicted]),
-                         "probability": float(last[predicted])}  # fmt: skip
+    data["predicted"] = {
+        "token_id": predicted,
+        "token": tokenizer.decode([predicted]),
+        "probability": float(last[predicted]),
+    }
     expected = f" (the expected answer is {answer!r})" if answer is not None else ""
     caption = (
         f"In-context learning. Top: for the few-shot prompt {icl_prompt!r}, how the last position, where the "
@@ -237,10 +298,17 @@ def icl_picture(model: GPT, tokenizer: Any, prompt: str, icl_prompt: str | None,
         f"bright columns are the demonstration tokens it copies from. The model predicts "
         f"{tokenizer.decode([predicted])!r} with probability {float(last[predicted]):.2f}{expected}."
         + (f" Only the last {shown} of its {len(ids)} tokens are drawn." if shown < len(ids) else "")
-        + loss_note + " The numbers are in icl.json.")
+        + loss_note
+        + " The numbers are in icl.json."
+    )
     labels = token_labels(tokenizer, ids)[len(ids) - shown :]
-    return draw_icl(attention[:, len(ids) - shown :], labels, losses, source), "icl.png", "In-context learning", \
-        caption, data
+    return (
+        draw_icl(attention[:, len(ids) - shown :], labels, losses, source),
+        "icl.png",
+        "In-context learning",
+        caption,
+        data,
+    )
 
 
 def _induction_picture(model: GPT, tokens: Any | None) -> tuple[Figure, str, str, str, dict]:
@@ -248,11 +316,17 @@ def _induction_picture(model: GPT, tokens: Any | None) -> tuple[Figure, str, str
     strongest head (and each head of its layer) changes."""
     test = measures.induction_test(model)
     chance = measures.chance_induction_score(test.length)
-    strongest = ", ".join(f"layer {l} head {h} ({v:.2f})" for l, h, v in measures.top_heads(test.scores, 3))
+    strongest = ", ".join(f"layer {layer} head {h} ({v:.2f})" for layer, h, v in measures.top_heads(test.scores, 3))
     text = tokens if tokens is not None and len(tokens) > model.config.block_size else None  # (ICL needs a window)
     ablation = ablation_study(model, test.scores, text)
-    data = {"length": test.length, "chance": chance, "first_half_loss": test.first_half_loss,
-            "repeated_half_loss": test.repeated_half_loss, "scores": test.scores.tolist(), "ablation": ablation}
+    data = {
+        "length": test.length,
+        "chance": chance,
+        "first_half_loss": test.first_half_loss,
+        "repeated_half_loss": test.repeated_half_loss,
+        "scores": test.scores.tolist(),
+        "ablation": ablation,
+    }
     on_text = "" if ablation["icl_change"] is None else f" and the ICL score by {ablation['icl_change']:+.3f}"
     caption = (
         f"Induction heads. {measures.INDUCTION_BATCH} random sequences of {test.length} tokens, each repeated "
@@ -263,7 +337,8 @@ def _induction_picture(model: GPT, tokens: Any | None) -> tuple[Figure, str, str
         "falls well below the first once induction heads copy from the context. Mean-ablating the strongest head "
         f"(its output replaced by its mean over the batch) changes the repeated-half loss by "
         f"{ablation['repeat_change']:+.3f}{on_text}: a head that scores high but changes little is not the one the "
-        "model copies with. The numbers, each head of its layer's ablation included, are in induction.json.")
+        "model copies with. The numbers, each head of its layer's ablation included, are in induction.json."
+    )
     return draw_induction(test.scores, chance), "induction.png", "Induction heads", caption, data
 
 
@@ -289,7 +364,8 @@ def _routing_picture(
         "to (columns are tokens, rows experts), coloured by the router weight its output is scaled by; blank cells "
         "are experts the token skipped. "
         "routing.json holds the choices and, per layer, the share of each expert's tokens that are punctuation, "
-        "capitals, newlines or spaces against the prompt's own share (an expert far above it specialises).")
+        "capitals, newlines or spaces against the prompt's own share (an expert far above it specialises)."
+    )
     return draw_routing(routing, labels), "routing.png", "Expert routing", caption, data
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from gptkit.errors import InputError
 from gptkit.model import GPT
 from gptkit.moe import moe_layers, route
-from gptkit.observe.figures import tick_labels, new_figure
+from gptkit.observe.figures import new_figure, tick_labels
 
 # Kinds of token the specialisation measure counts, each a test on the token's text.
 TOKEN_KINDS: dict[str, Callable[[str], bool]] = {

@@ -50,8 +50,14 @@ def read_history(path: Path, up_to: int) -> list[dict[str, Any]]:
 class RunLog:
     """The metrics records of one run (history: those of the steps up to now, the plot's data) and where they go."""
 
-    def __init__(self, run_dir: Path, history: list[dict[str, Any]], is_main: bool,
-                 task_metrics: dict[str, str | None], step_shown: tuple[str, ...]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: Path,
+        history: list[dict[str, Any]],
+        is_main: bool,
+        task_metrics: dict[str, str | None],
+        step_shown: tuple[str, ...],
+    ) -> None:
         self.run_dir, self.history, self.is_main = run_dir, history, is_main
         self.task_metrics, self.step_shown = task_metrics, step_shown  # the objective's panels and bar statistics
         self.metrics: Any = None
@@ -66,8 +72,19 @@ class RunLog:
             self.metrics = open(self.run_dir / METRICS_FILE, "a")
             if tensorboard:
                 self.tensorboard = open_tensorboard(self.run_dir / TENSORBOARD_DIR)
-        self.bar = tqdm(total=max_steps, initial=step, desc="train", unit="step", file=sys.stderr,
-                        dynamic_ncols=True, smoothing=0.1) if progress else None  # fmt: skip
+        self.bar = (
+            tqdm(
+                total=max_steps,
+                initial=step,
+                desc="train",
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                smoothing=0.1,
+            )
+            if progress
+            else None
+        )
 
     def write(self, record: dict[str, Any]) -> None:
         """Append a record to metrics.jsonl (a line, flushed: a kill loses at most the line being written), to
@@ -113,6 +130,7 @@ class RunLog:
         from tqdm import tqdm
 
         bar = tqdm(desc=f"evaluating step {step}", unit=" passes", file=sys.stderr, leave=False, dynamic_ncols=True)
+
         def count(*_: Any) -> None:  # (returns None: a forward hook's value would replace the output)
             bar.update(1)
 
@@ -136,8 +154,10 @@ class RunLog:
         if record is not None:
             shown = "".join(f" {key} {record[key]:.3g}" for key in self.step_shown if record.get(key) is not None)
             mfu = f" MFU {100 * record['mfu']:.0f}%" if "mfu" in record else ""
-            self.bar.set_postfix_str(f"loss {record['loss']:.4f}{shown} lr {record['lr']:.2e} "
-                                     f"{_si(record['tokens_per_s'])}tok/s{mfu}", refresh=False)  # fmt: skip
+            self.bar.set_postfix_str(
+                f"loss {record['loss']:.4f}{shown} lr {record['lr']:.2e} {_si(record['tokens_per_s'])}tok/s{mfu}",
+                refresh=False,
+            )
 
     def close(self) -> None:
         """Close the files and the bar."""

@@ -39,8 +39,10 @@ def check_run_dir(path: str | Path) -> Path:
     if not run_dir.is_dir():
         raise GptkitError(f"{path} is a file, not a run directory; give the directory gptkit train writes (its --out)")
     if not (run_dir / RUN_FILES["metrics"]).is_file():
-        raise GptkitError(f"{path} holds no {RUN_FILES['metrics']}: it is not a gptkit train run directory, or the "
-                          "run has not started yet (gptkit train writes it first)")  # fmt: skip
+        raise GptkitError(
+            f"{path} holds no {RUN_FILES['metrics']}: it is not a gptkit train run directory, or the "
+            "run has not started yet (gptkit train writes it first)"
+        )
     return run_dir
 
 
@@ -123,8 +125,10 @@ def parse_cursor(text: str) -> dict[str, tuple[int, str]]:
     for part in text.split(","):
         name, offset, digest = (part.split(":") + ["", ""])[:3]
         if name not in RUN_FILES or not offset.isdigit() or part.count(":") != 2:
-            raise InputError(f"since: {part!r} is not a run file's place (name:offset:digest); send the cursor the "
-                             "previous response gave, or leave since out to read the whole run")  # fmt: skip
+            raise InputError(
+                f"since: {part!r} is not a run file's place (name:offset:digest); send the cursor the "
+                "previous response gave, or leave since out to read the whole run"
+            )
         places[name] = (int(offset), digest)
     return places
 
@@ -156,5 +160,9 @@ def read_run(run_dir: Path, since: str | None = None) -> dict[str, Any]:
         chunk = read_from(run_dir / file_name, *places.get(name, START))
         files[name] = {"records": chunk["records"], "reset": chunk["reset"]}
         cursor[name] = (chunk["offset"], chunk["digest"])
-    return {"name": run_dir.resolve().name, "config": read_config(run_dir / CONFIG_FILE), "files": files,
-            "cursor": format_cursor(cursor)}  # fmt: skip
+    return {
+        "name": run_dir.resolve().name,
+        "config": read_config(run_dir / CONFIG_FILE),
+        "files": files,
+        "cursor": format_cursor(cursor),
+    }

@@ -21,7 +21,6 @@ from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import ConfigError, InputError
 from gptkit.model import GPT
 
-
 SAMPLES_FILE = "samples.jsonl"
 DEFAULT_PROMPTS = 2  # validation windows sampled from when train.sample_prompts is not set
 PROMPT_TOKENS = 24  # tokens of each default prompt (at most half the block)
@@ -49,14 +48,17 @@ def configured_prompts(texts: list[str], tokenizer: Any, block_size: int) -> lis
         except InputError as err:
             raise ConfigError(f"train.sample_prompts[{i}]: {err}") from None
         if len(ids) >= block_size:
-            raise ConfigError(f"train.sample_prompts[{i}] is {len(ids)} tokens; it must be shorter than the "
-                              f"model's block_size {block_size}")  # fmt: skip
+            raise ConfigError(
+                f"train.sample_prompts[{i}] is {len(ids)} tokens; it must be shorter than the "
+                f"model's block_size {block_size}"
+            )
         prompts.append(ids)
     return prompts
 
 
 def _line_start(tokens: np.ndarray, start: int, tokenizer: Any) -> int:
     """The first position at or after start that follows an end-of-text token or a line break (else start)."""
+
     def breaks(pos: int) -> bool:
         token = int(tokens[pos])
         return token in tokenizer.eos_ids or tokenizer.decode([token]).endswith("\n")
@@ -70,8 +72,9 @@ def _line_start(tokens: np.ndarray, start: int, tokenizer: Any) -> int:
     return start
 
 
-def validation_prompts(tokens: np.ndarray, tokenizer: Any, block_size: int,
-                       count: int = DEFAULT_PROMPTS) -> list[list[int]]:  # fmt: skip
+def validation_prompts(
+    tokens: np.ndarray, tokenizer: Any, block_size: int, count: int = DEFAULT_PROMPTS
+) -> list[list[int]]:
     """The first tokens of `count` fixed, evenly spaced windows of the validation split, each moved forward to
     start a line (or a document) where one starts close by."""
     length = min(PROMPT_TOKENS, block_size // 2)
@@ -99,8 +102,9 @@ def example_prompts(examples: Any, block_size: int, count: int = DEFAULT_PROMPTS
     return prompts
 
 
-def take_samples(model: GPT, tokenizer: Any, prompts: list[list[int]], tokens: int, seed: int,
-                 step: int) -> list[Sample]:  # fmt: skip
+def take_samples(
+    model: GPT, tokenizer: Any, prompts: list[list[int]], tokens: int, seed: int, step: int
+) -> list[Sample]:
     """A greedy and a sampled completion (seeded: the same weights give the same text) of each prompt."""
     samples = []
     for kind, temperature in (("greedy", 0.0), ("sampled", SAMPLE_TEMPERATURE)):

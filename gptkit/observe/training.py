@@ -20,14 +20,13 @@ from typing import Any
 import numpy as np
 
 from gptkit.atomic import atomic_write
+from gptkit.data import SPLIT_FILES, load_tokens, read_meta
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
-from gptkit.data import SPLIT_FILES, load_tokens, read_meta
 from gptkit.observe.ablation import ablation_study
 from gptkit.observe.measures import chance_induction_score, icl_score_of, induction_test, position_losses
 from gptkit.observe.phase_change import phase_change_step
 from gptkit.observe.routing import draw_load_history
-from gptkit.train_config import TrainConfig
 from gptkit.observe.samples import (
     SAMPLES_FILE,
     Sample,
@@ -39,6 +38,7 @@ from gptkit.observe.samples import (
     take_samples,
     validation_prompts,
 )
+from gptkit.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,18 @@ SAMPLE_TOKENS_CAP = 4096
 class Observer:
     """The measures and samples one run takes at its evaluations (rank 0 only; nothing under FSDP)."""
 
-    def __init__(self, train: TrainConfig, run_dir: Path, model: GPT, tokenizer: Any | None,
-                 val_tokens: np.ndarray | None, examples: Any | None, objective: str, is_main: bool,
-                 sharded: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        train: TrainConfig,
+        run_dir: Path,
+        model: GPT,
+        tokenizer: Any | None,
+        val_tokens: np.ndarray | None,
+        examples: Any | None,
+        objective: str,
+        is_main: bool,
+        sharded: bool,
+    ) -> None:
         """val_tokens: a text run's validation split (measured and sampled from); examples: a supervised run's
         validation examples (sampled from); objective names the run's in a log line."""
         self.settings, self.model, self.tokenizer = train, model, tokenizer
@@ -64,9 +73,11 @@ class Observer:
         self.insight: dict[str, Any] | None = None  # the evaluation's insight.jsonl line, written with its samples
         longest = max(model.config.block_size, SAMPLE_TOKENS_CAP)
         if train.sample_every and train.sample_tokens > longest:  # checked before any work, on every rank
-            raise ConfigError(f"train.sample_tokens {train.sample_tokens} is longer than a sample may be: at most "
-                              f"{longest} (the model's block_size {model.config.block_size} or {SAMPLE_TOKENS_CAP}, "
-                              "whichever is more); lower it, or set train.sample_every 0 for no samples")  # fmt: skip
+            raise ConfigError(
+                f"train.sample_tokens {train.sample_tokens} is longer than a sample may be: at most "
+                f"{longest} (the model's block_size {model.config.block_size} or {SAMPLE_TOKENS_CAP}, "
+                "whichever is more); lower it, or set train.sample_every 0 for no samples"
+            )
         self.measures = False
         self.prompts: list[list[int]] = []
         if not is_main:
@@ -88,8 +99,9 @@ class Observer:
             keep_samples(self.insight_path, resumed_at)
             self.phase = next((r["phase_change_step"] for r in reversed(history) if "phase_change_step" in r), None)
 
-    def _prompts(self, val_tokens: np.ndarray | None, examples: Any | None, objective: str,
-                 block: int) -> list[list[int]]:  # fmt: skip
+    def _prompts(
+        self, val_tokens: np.ndarray | None, examples: Any | None, objective: str, block: int
+    ) -> list[list[int]]:
         """The token ids of the prompts to sample from, or none (with one log line saying why)."""
         t = self.settings
         if self.tokenizer is None:
@@ -120,15 +132,25 @@ class Observer:
         positions = position_losses(self.model, tokens)
         ablation = ablation_study(self.model, induction.scores, tokens)
         chance = chance_induction_score(induction.length)
-        record = dict(icl_score=icl_score_of(positions), induction_score=float(induction.scores.max()),
-                      induction_loss=induction.repeated_half_loss, induction_chance=chance,
-                      ablation_repeat_change=ablation["repeat_change"], ablation_icl_change=ablation["icl_change"])
+        record = dict(
+            icl_score=icl_score_of(positions),
+            induction_score=float(induction.scores.max()),
+            induction_loss=induction.repeated_half_loss,
+            induction_chance=chance,
+            ablation_repeat_change=ablation["repeat_change"],
+            ablation_icl_change=ablation["icl_change"],
+        )
         points = [(r["step"], r["icl_score"]) for r in history if r.get("icl_score") is not None]
         phase = phase_change_step([*points, (step, record["icl_score"])])
         if phase is not None:
             record["phase_change_step"] = phase
-        self.insight = {"step": step, "induction": induction.scores.tolist(), "induction_chance": chance,
-                        "position_loss": positions.tolist(), "ablation": ablation}  # fmt: skip
+        self.insight = {
+            "step": step,
+            "induction": induction.scores.tolist(),
+            "induction_chance": chance,
+            "position_loss": positions.tolist(),
+            "ablation": ablation,
+        }
         return record
 
     def summary(self, record: dict[str, Any]) -> str:
@@ -176,13 +198,17 @@ def _observe_tokens(train: TrainConfig, model: GPT) -> np.ndarray | None:
         return None
     meta = read_meta(train.observe_data)
     if meta.kind != "text" or meta.vocab_size != model.config.vocab_size:
-        raise ConfigError(f"train.observe_data {train.observe_data} must be text prepared with the model's tokenizer "
-                          f"(vocab_size {model.config.vocab_size}); it holds {meta.kind} of vocab_size "
-                          f"{meta.vocab_size}")  # fmt: skip
+        raise ConfigError(
+            f"train.observe_data {train.observe_data} must be text prepared with the model's tokenizer "
+            f"(vocab_size {model.config.vocab_size}); it holds {meta.kind} of vocab_size "
+            f"{meta.vocab_size}"
+        )
     tokens = load_tokens(Path(train.observe_data) / SPLIT_FILES["val"], meta.dtype)
     if len(tokens) < model.config.block_size + 1:
-        raise ConfigError(f"train.observe_data {train.observe_data}: its validation split has {len(tokens)} tokens, "
-                          f"fewer than the model's block_size + 1; prepare it with more text or --val-fraction")
+        raise ConfigError(
+            f"train.observe_data {train.observe_data}: its validation split has {len(tokens)} tokens, "
+            f"fewer than the model's block_size + 1; prepare it with more text or --val-fraction"
+        )
     return tokens
 
 
@@ -192,8 +218,11 @@ def _points(history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
 
 def _draw_losses(axes: Any, history: list[dict[str, Any]]) -> None:
     """The training and validation losses (the induction test's loss, on another scale, is drawn with its score)."""
-    series = [("loss", "train (logged steps)", 0.5), ("train_eval_loss", "train (eval)", 1.0),
-              ("val_loss", "validation", 1.0)]  # fmt: skip
+    series = [
+        ("loss", "train (logged steps)", 0.5),
+        ("train_eval_loss", "train (eval)", 1.0),
+        ("val_loss", "validation", 1.0),
+    ]
     for key, label, alpha in series:
         points = _points(history, key)
         if points:
@@ -211,8 +240,9 @@ def draw_icl_history(axes: Any, history: list[dict[str, Any]]) -> None:
 
 def draw_induction_history(axes: Any, history: list[dict[str, Any]]) -> None:
     """The strongest induction head's score over steps, with what uniform attention scores drawn."""
-    axes.plot(*zip(*_points(history, "induction_score")), marker="o", markersize=3, color="tab:red",
-              label="strongest head")  # fmt: skip
+    axes.plot(
+        *zip(*_points(history, "induction_score")), marker="o", markersize=3, color="tab:red", label="strongest head"
+    )
     chance = _points(history, "induction_chance")
     if chance:
         axes.axhline(chance[-1][1], color="grey", linestyle="--", linewidth=0.8, label="uniform attention")
@@ -230,8 +260,13 @@ def draw_induction_history(axes: Any, history: list[dict[str, Any]]) -> None:
 def draw_ablation(axes: Any, history: list[dict[str, Any]]) -> None:
     """What mean-ablating the strongest induction head changes over steps: the repeated-sequence loss (up: it
     carried the copying) and the ICL score (up: it carried the context's help)."""
-    axes.plot(*zip(*_points(history, "ablation_repeat_change")), marker="o", markersize=3, color="tab:red",
-              label="repeated-half loss")  # fmt: skip
+    axes.plot(
+        *zip(*_points(history, "ablation_repeat_change")),
+        marker="o",
+        markersize=3,
+        color="tab:red",
+        label="repeated-half loss",
+    )
     icl = _points(history, "ablation_icl_change")
     if icl:
         axes.plot(*zip(*icl), marker="o", markersize=3, color="tab:purple", label="ICL score")
@@ -269,8 +304,9 @@ def mark_phase(panels: Any, history: list[dict[str, Any]]) -> None:
         return
     for axes in panels:
         axes.axvline(phase[-1][1], color="tab:orange", linestyle=":", linewidth=1.2)
-    panels[0].set_title(f"phase change (the ICL score's fastest fall): step {int(phase[-1][1])}", fontsize=9,
-                        color="tab:orange")  # fmt: skip
+    panels[0].set_title(
+        f"phase change (the ICL score's fastest fall): step {int(phase[-1][1])}", fontsize=9, color="tab:orange"
+    )
 
 
 def draw_metric(axes: Any, history: list[dict[str, Any]], key: str, trained_key: str | None) -> None:
@@ -293,8 +329,11 @@ def plot_run(history: list[dict[str, Any]], path: Path, task_metrics: dict[str, 
 
     losses = any(_points(history, key) for key in ("loss", "val_loss"))
     drawers = [lambda axes: _draw_losses(axes, history)] if losses else []
-    drawers += [lambda axes, key=key, twin=twin: draw_metric(axes, history, key, twin)
-                for key, twin in (task_metrics or {}).items() if _points(history, key)]
+    drawers += [
+        lambda axes, key=key, twin=twin: draw_metric(axes, history, key, twin)
+        for key, twin in (task_metrics or {}).items()
+        if _points(history, key)
+    ]
     if _points(history, "icl_score"):
         drawers += [lambda axes: draw_icl_history(axes, history), lambda axes: draw_induction_history(axes, history)]
     if _points(history, "ablation_repeat_change"):

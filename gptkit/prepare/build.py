@@ -39,8 +39,15 @@ from gptkit.tokenizer import (
 logger = logging.getLogger(__name__)
 
 # The files a data set is made of; anything else found in an output directory is the user's and stays there.
-DATA_FILES = {META_FILE, *SPLIT_FILES.values(), *(n for f in EXAMPLE_FILES.values() for n in f.values()),
-              *(f["rows"] for f in PROMPT_FILES.values()), GPTKIT_FILE, HF_FILE, TOKENIZER_CONFIG}  # fmt: skip
+DATA_FILES = {
+    META_FILE,
+    *SPLIT_FILES.values(),
+    *(n for f in EXAMPLE_FILES.values() for n in f.values()),
+    *(f["rows"] for f in PROMPT_FILES.values()),
+    GPTKIT_FILE,
+    HF_FILE,
+    TOKENIZER_CONFIG,
+}
 
 
 def _owned(out: Path) -> Callable[[str], bool]:
@@ -59,7 +66,9 @@ def _sweep(out: Path) -> None:
     """Remove what killed runs left: staging directories, and the temporary files of older gptkit versions."""
     sweep_staging(out)
     if out.is_dir():
-        prefixes = tuple(f".{name}." for name in (*DATA_FILES, "tokens", "examples"))  # atomic_write's, and the streams'
+        prefixes = tuple(
+            f".{name}." for name in (*DATA_FILES, "tokens", "examples")
+        )  # atomic_write's, and the streams'
         for path in out.glob(".*.tmp"):
             if path.is_file() and path.name.startswith(prefixes):
                 path.unlink(missing_ok=True)
@@ -89,8 +98,11 @@ def prepare(config: PrepareConfig, progress: bool = False) -> DataMeta:
     tokenizer = tokenizer_for(config.tokenizer, config, reader, progress, total_input)
     if config.tokenizer == "bpe" and tokenizer.vocab_size < config.vocab_size:
         logger.warning("the corpus allowed only %d BPE tokens (asked for %d)", tokenizer.vocab_size, config.vocab_size)
-    return _publish(out, config.out, lambda stage: write_text_set(stage, files, reader, tokenizer, config, progress,
-                                                                   total_input, started))  # fmt: skip
+    return _publish(
+        out,
+        config.out,
+        lambda stage: write_text_set(stage, files, reader, tokenizer, config, progress, total_input, started),
+    )
 
 
 def _publish(out: Path, name: str, write: Callable[[Path], DataMeta]) -> DataMeta:

@@ -121,16 +121,16 @@ def _locate_error(tokenizer: Tokenizer, batch: list[Piece]) -> None:
             ) from None
 
 
-def tokenizer_for(
-    name: str, config: PrepareConfig, reader: Reader, progress: bool, total: int
-) -> Tokenizer:
+def tokenizer_for(name: str, config: PrepareConfig, reader: Reader, progress: bool, total: int) -> Tokenizer:
     """Build the tokenizer named by --tokenizer, training it on the input when it is char or bpe."""
     if name == "byte":
         return ByteTokenizer()
     if name not in KINDS:
         path = Path(name)
         if not path.exists():
-            raise InputError(f"--tokenizer must be char, byte, bpe or a directory holding a tokenizer; {name} does not exist")
+            raise InputError(
+                f"--tokenizer must be char, byte, bpe or a directory holding a tokenizer; {name} does not exist"
+            )
         try:
             return gguf_tokenizer(path) if is_gguf_file(path) else load_tokenizer(path)
         except TokenizerNotFound as err:
@@ -159,8 +159,16 @@ def no_text(files: list[Path]) -> InputError:
 def progress_bar(total: int, desc: str, enabled: bool) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, disable=not enabled,
-                mininterval=0.5, dynamic_ncols=True)  # fmt: skip
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=not enabled,
+        mininterval=0.5,
+        dynamic_ncols=True,
+    )
 
 
 def token_dtype(vocab_size: int) -> str:

@@ -34,6 +34,7 @@ from gptkit.tokenizer import (
 
 logger = logging.getLogger(__name__)
 
+
 def row_formats(files: list[Path], config: PrepareConfig) -> dict[Path, str | None]:
     """Each row file's format, told by the keys of its first row: "text" (its --text-field holds the text), a
     supervised one or "prompt" (gptkit.prepare.rows); plain text files are None."""
@@ -51,17 +52,20 @@ def row_formats(files: list[Path], config: PrepareConfig) -> dict[Path, str | No
         if fmt not in SUPERVISED:
             if not (isinstance(record, dict) and isinstance(record.get(config.text_field), str)):
                 fields = ", ".join(map(repr, list(record)[:10])) if isinstance(record, dict) else "none"
-                raise InputError(f"{where} has no string field \"{config.text_field}\" (nor is it a supervised example "
-                                 "with \"messages\", \"prompt\" and \"completion\", or \"instruction\" and "
-                                 f"\"output\"); its fields: {fields}; --text-field names the field that holds the "
-                                 "text")  # fmt: skip
+                raise InputError(
+                    f'{where} has no string field "{config.text_field}" (nor is it a supervised example '
+                    'with "messages", "prompt" and "completion", or "instruction" and '
+                    f'"output"); its fields: {fields}; --text-field names the field that holds the '
+                    "text"
+                )
             fmt = "text"
         formats[path] = fmt
     return formats
 
 
-def example_rows(files: list[Path], formats: dict[Path, str | None], errors: str,
-          on_bytes: Callable[[int], Any] = lambda n: None) -> Iterator[tuple[Any, str, str]]:  # fmt: skip
+def example_rows(
+    files: list[Path], formats: dict[Path, str | None], errors: str, on_bytes: Callable[[int], Any] = lambda n: None
+) -> Iterator[tuple[Any, str, str]]:
     """(record, format, "file line N") for every row of the example files."""
     for path in files:
         fmt = formats.get(path)
@@ -70,8 +74,9 @@ def example_rows(files: list[Path], formats: dict[Path, str | None], errors: str
                 yield record, fmt, where
 
 
-def example_tokenizer(config: PrepareConfig, rows: Callable[[], Iterable[tuple[Any, str, str]]],
-                       progress: bool) -> tuple[Tokenizer, ChatTemplate]:  # fmt: skip
+def example_tokenizer(
+    config: PrepareConfig, rows: Callable[[], Iterable[tuple[Any, str, str]]], progress: bool
+) -> tuple[Tokenizer, ChatTemplate]:
     """The tokenizer and chat template of a supervised data set: a directory's own, or a new one with the default
     template (char and bpe are trained on the rendered examples)."""
     name = config.tokenizer
@@ -102,8 +107,14 @@ def context_of(tokenizer_source: str) -> int | None:
     return model_context(tokenizer_source)
 
 
-def write_examples(stage: Path, config: PrepareConfig, files: list[Path], formats: dict[Path, str | None],
-                    started: float, progress: bool) -> DataMeta:  # fmt: skip
+def write_examples(
+    stage: Path,
+    config: PrepareConfig,
+    files: list[Path],
+    formats: dict[Path, str | None],
+    started: float,
+    progress: bool,
+) -> DataMeta:
     """Encode supervised examples into stage's train/val token, trained-token and offset files (see gptkit.data)."""
     kind = example_kind(files, formats)
     spec = DATA_KINDS[kind]
@@ -116,12 +127,17 @@ def write_examples(stage: Path, config: PrepareConfig, files: list[Path], format
     offsets, targets, labels = [0], [], []
     truncated = dropped = identical = 0
     first_identical = ""  # where the first preference pair with the same reply twice is
-    with open(temporaries[0], "wb") as ids_file, open(temporaries[1], "wb") as mask_file, \
-            progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:  # fmt: skip
+    with (
+        open(temporaries[0], "wb") as ids_file,
+        open(temporaries[1], "wb") as mask_file,
+        progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar,
+    ):
         for record, fmt, where in example_rows(files, formats, config.errors, bar.update):
             examples, label = encoder.encode_row(record, fmt, where)
-            fitted = [fit(e, max_length, config.overlong, not spec.whole_input)  # type: ignore[arg-type]
-                      for e in examples]  # fmt: skip
+            fitted = [
+                fit(e, max_length, config.overlong, not spec.whole_input)  # type: ignore[arg-type]
+                for e in examples
+            ]
             if any(e is None for e in fitted):  # a pair is kept or dropped whole
                 dropped += 1
                 continue
@@ -139,8 +155,12 @@ def write_examples(stage: Path, config: PrepareConfig, files: list[Path], format
     if len(offsets) == 1:
         raise InputError(f"no example fits --max-length {max_length} ({dropped} dropped); raise --max-length")
     if identical:  # kept (DPO's loss stays at log 2 on them), but most likely a mistake in the data
-        logger.warning("%d preference pair(s) have the same chosen and rejected reply, from which DPO learns nothing "
-                       "(the first at %s); fix or drop them", identical, first_identical)  # fmt: skip
+        logger.warning(
+            "%d preference pair(s) have the same chosen and rejected reply, from which DPO learns nothing "
+            "(the first at %s); fix or drop them",
+            identical,
+            first_identical,
+        )
     label_names = list(spec.label_names) if spec.label_names is not None else sorted(set(labels))
     if len(set(labels)) < spec.min_labels:
         raise InputError(f"every {kind} row has the label {labels[0]!r}: a classifier needs at least two labels")
@@ -152,7 +172,10 @@ def write_examples(stage: Path, config: PrepareConfig, files: list[Path], format
     for path in temporaries:
         path.unlink()
     save_tokenizer(stage, config, tokenizer, template)
-    split_targets = {"train": int(np.delete(np.asarray(targets), val).sum()), "val": int(np.asarray(targets)[val].sum())}
+    split_targets = {
+        "train": int(np.delete(np.asarray(targets), val).sum()),
+        "val": int(np.asarray(targets)[val].sum()),
+    }
     own = {
         "kind": kind,
         "train_tokens": counts["train"][0],
@@ -187,8 +210,10 @@ def example_kind(files: list[Path], formats: dict[Path, str | None]) -> str:
     """The kind of data set the row files make (as _data_kind); a plain text file among them is an error."""
     plain = [str(p) for p in files if formats.get(p) is None]
     if plain:
-        raise InputError(f"{plain[0]} is plain text, the other inputs supervised examples or prompts; prepare them "
-                         "separately (or give the text as {\"text\": ...} JSONL rows)")  # fmt: skip
+        raise InputError(
+            f"{plain[0]} is plain text, the other inputs supervised examples or prompts; prepare them "
+            'separately (or give the text as {"text": ...} JSONL rows)'
+        )
     return _data_kind(files, formats)
 
 
@@ -222,8 +247,9 @@ def write_synced(path: Path, chunks: Iterable[bytes]) -> None:
         os.fsync(sink.fileno())
 
 
-def write_example_splits(temporaries: list[Path], offsets: np.ndarray, val: np.ndarray, stage: Path, dtype: str,
-                          labels: np.ndarray | None) -> dict[str, tuple[int, int]]:  # fmt: skip
+def write_example_splits(
+    temporaries: list[Path], offsets: np.ndarray, val: np.ndarray, stage: Path, dtype: str, labels: np.ndarray | None
+) -> dict[str, tuple[int, int]]:
     """Copy each split's examples from the temporary files into its token, mask and offset (and label) files in
     stage (see gptkit.data.EXAMPLE_FILES; fsynced before the swap); returns {split: (tokens, examples)}."""
     ids = np.memmap(temporaries[0], dtype=dtype, mode="r") if offsets[-1] else np.zeros(0, dtype=dtype)

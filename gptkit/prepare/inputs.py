@@ -53,6 +53,7 @@ REPLACE_MAX_INVALID = 0.01
 UTF8_WINDOW = 1 << 16
 PARQUET_BATCH_ROWS = 1024  # rows converted to Python at a time  # bytes each side of the first invalid one over which that share is measured
 
+
 @dataclass(frozen=True)
 class Piece:
     """A run of text from one document; `starts_document` marks a document's first piece."""
@@ -82,8 +83,12 @@ class Source:
 # ---------------------------------------------------------------- telling formats apart
 
 # Compressions read transparently: (magic bytes, name, extra that provides the module or None for the stdlib).
-COMPRESSIONS = [(b"\x1f\x8b", "gzip", None), (b"\xfd7zXZ\x00", "xz", None), (b"BZh", "bzip2", None),
-                (b"\x28\xb5\x2f\xfd", "zstd", "zstd")]  # fmt: skip
+COMPRESSIONS = [
+    (b"\x1f\x8b", "gzip", None),
+    (b"\xfd7zXZ\x00", "xz", None),
+    (b"BZh", "bzip2", None),
+    (b"\x28\xb5\x2f\xfd", "zstd", "zstd"),
+]
 COMPRESSION_SUFFIXES = {".gz", ".gzip", ".xz", ".bz2", ".zst", ".zstd"}
 PARQUET_MAGIC = b"PAR1"
 
@@ -92,8 +97,12 @@ _LEAVE_OUT = "it holds no text to train on: leave it out (in a directory, --glob
 _UNPACK = "unpack it and prepare the files it holds"
 # Binary formats recognised by their first bytes: (magic, offset, what the file is, what to do instead).
 BINARY_FORMATS = [
-    (b"%PDF-", 0, "a PDF document", "extract its text first (e.g. pdftotext FILE FILE.txt, from poppler-utils) and "
-     "prepare that"),
+    (
+        b"%PDF-",
+        0,
+        "a PDF document",
+        "extract its text first (e.g. pdftotext FILE FILE.txt, from poppler-utils) and prepare that",
+    ),
     (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1", 0, "a Microsoft Office document (.doc, .xls, .ppt)", _EXTRACT),
     (b"{\\rtf", 0, "an RTF document", "extract its text first (e.g. unrtf --text FILE) and prepare that"),
     (b"\x89PNG\r\n\x1a\n", 0, "a PNG image", _LEAVE_OUT),
@@ -107,8 +116,12 @@ BINARY_FORMATS = [
     (b"fLaC", 0, "a FLAC audio file", _LEAVE_OUT),
     (b"ID3", 0, "an MP3 audio file", _LEAVE_OUT),
     (b"ftyp", 4, "an MP4 / QuickTime video or audio file", _LEAVE_OUT),
-    (b"PK\x03\x04", 0, "a ZIP archive (.zip, or a .docx / .xlsx / .epub / .jar, which are ZIP archives)",
-     f"{_UNPACK} (or, for a document, {_EXTRACT})"),
+    (
+        b"PK\x03\x04",
+        0,
+        "a ZIP archive (.zip, or a .docx / .xlsx / .epub / .jar, which are ZIP archives)",
+        f"{_UNPACK} (or, for a document, {_EXTRACT})",
+    ),
     (b"ustar", 257, "a tar archive", f"{_UNPACK} (tar xf FILE)"),
     (b"7z\xbc\xaf\x27\x1c", 0, "a 7-Zip archive", _UNPACK),
     (b"Rar!\x1a\x07", 0, "a RAR archive", _UNPACK),
@@ -117,7 +130,7 @@ BINARY_FORMATS = [
     (b"SQLite format 3\x00", 0, "an SQLite database", "export the text it holds (e.g. as JSONL) and prepare that"),
     (b"\x89HDF\r\n\x1a\n", 0, "an HDF5 file", _LEAVE_OUT),
     (b"\x93NUMPY", 0, "a NumPy array file", _LEAVE_OUT),
-]  # fmt: skip
+]
 
 
 def _compression(head: bytes) -> tuple[str, str | None] | None:
@@ -131,8 +144,10 @@ def binary_kind(head: bytes) -> tuple[str, str] | None:
         if head[offset : offset + len(magic)] == magic:
             return what, advice
     if b"\0" in head:
-        return ("binary, not UTF-8 text (it holds NUL bytes)",
-                "if it is UTF-16 text, convert it (e.g. iconv -f UTF-16 -t UTF-8); otherwise leave it out")  # fmt: skip
+        return (
+            "binary, not UTF-8 text (it holds NUL bytes)",
+            "if it is UTF-16 text, convert it (e.g. iconv -f UTF-16 -t UTF-8); otherwise leave it out",
+        )
     return None
 
 
@@ -142,7 +157,9 @@ def _format(path: Path) -> str:
     while suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
         suffixes.pop()
     last = suffixes[-1] if suffixes else ""
-    return {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}.get(last, "text")
+    return {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}.get(
+        last, "text"
+    )
 
 
 def _optional(module: str, extra: str, what: str) -> Any:
@@ -225,8 +242,10 @@ def _read_error(path: Path, err: Exception, compression: str | None, offset: int
     at = f" at or before byte {offset:,} of the file" if offset is not None else ""
     errno_less = isinstance(err, OSError) and err.errno is None  # (bzip2's "Invalid data stream", BadGzipFile)
     if compression is not None and (isinstance(err, _damage_types()) or errno_less):
-        return InputError(f"{path}: damaged or truncated compressed file ({compression} data{at}: {err}); check it "
-                          f"with `{compression} -t {path}` and re-create or re-download it")  # fmt: skip
+        return InputError(
+            f"{path}: damaged or truncated compressed file ({compression} data{at}: {err}); check it "
+            f"with `{compression} -t {path}` and re-create or re-download it"
+        )
     if isinstance(err, OSError):
         where = f" at byte {offset:,}" if offset is not None else ""
         return InputError(f"cannot read input {path}{where}: {err.strerror or err}")
@@ -339,8 +358,10 @@ def _invalid_utf8_error(where: str, offset: int, reason: str, around: bytes, lin
     if share <= REPLACE_MAX_INVALID:
         advice = "fix the file or pass --errors replace"
     else:
-        advice = (f"{share:.0%} of the bytes around it are invalid, so this is not UTF-8 text: convert text in "
-                  "another encoding first (e.g. iconv -f LATIN1 -t UTF-8), and leave binary files out")  # fmt: skip
+        advice = (
+            f"{share:.0%} of the bytes around it are invalid, so this is not UTF-8 text: convert text in "
+            "another encoding first (e.g. iconv -f LATIN1 -t UTF-8), and leave binary files out"
+        )
     return InputError(f"{where}: invalid UTF-8 at byte offset {offset} ({line}{reason}); {advice}")
 
 
@@ -376,8 +397,10 @@ def without_surrogates(value: Any, where: str, errors: str) -> Any:
         if found is None:
             return value
         if errors == "strict":
-            raise InputError(f"{where}: a string holds a lone surrogate at character {found.start()}, which UTF-8 "
-                             "cannot encode; fix the file or pass --errors replace")  # fmt: skip
+            raise InputError(
+                f"{where}: a string holds a lone surrogate at character {found.start()}, which UTF-8 "
+                "cannot encode; fix the file or pass --errors replace"
+            )
         return re.sub("[\ud800-\udfff]", "\ufffd", value)
     if isinstance(value, list):
         return [without_surrogates(v, where, errors) for v in value]
@@ -471,8 +494,12 @@ def read_parquet(src: Source, columns: list[str] | None = None) -> Rows:
         pa.default_memory_pool().release_unused()  # hand the row group's buffers back to the system
 
 
-ROW_READERS: dict[str, Callable[..., Rows]] = {"jsonl": read_jsonl, "csv": read_csv, "tsv": read_tsv,
-                                               "parquet": read_parquet}  # fmt: skip
+ROW_READERS: dict[str, Callable[..., Rows]] = {
+    "jsonl": read_jsonl,
+    "csv": read_csv,
+    "tsv": read_tsv,
+    "parquet": read_parquet,
+}
 
 
 def row_kind(path: Path) -> str | None:
@@ -597,8 +624,9 @@ def _opened(path: Path, errors: str, on_bytes: Callable[[int], None]) -> Iterato
         raise error from None
 
 
-def records(path: Path, errors: str, columns: list[str] | None = None,
-            on_bytes: Callable[[int], None] = lambda n: None) -> Rows:  # fmt: skip
+def records(
+    path: Path, errors: str, columns: list[str] | None = None, on_bytes: Callable[[int], None] = lambda n: None
+) -> Rows:
     """(record, where) for each row of a JSONL, CSV, TSV or Parquet file, lone surrogates handled as `errors` says."""
     with _opened(path, errors, on_bytes) as (src, _):
         for record, where in ROW_READERS[_format(path)](src, columns):
@@ -626,8 +654,9 @@ class Reader:
     """Streams the documents of the input files as Pieces, counting bytes read and hashing each file: a text file is
     one document; each row of the other formats is one, its text in the field (column) named `field`."""
 
-    def __init__(self, files: list[Path], errors: str, field: str = "text",
-                 on_bytes: Callable[[int], None] = lambda n: None) -> None:  # fmt: skip
+    def __init__(
+        self, files: list[Path], errors: str, field: str = "text", on_bytes: Callable[[int], None] = lambda n: None
+    ) -> None:
         self.files = files
         self.errors = errors
         self.field = field
@@ -654,6 +683,8 @@ class Reader:
         for record, where in read(src, [self.field]):
             text = record.get(self.field) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise InputError(f"{where} has no string field \"{self.field}\" (each row must have one; "
-                                 "--text-field names another field)")  # fmt: skip
+                raise InputError(
+                    f'{where} has no string field "{self.field}" (each row must have one; '
+                    "--text-field names another field)"
+                )
             yield Piece(without_surrogates(text, where, self.errors), True, where, 0)

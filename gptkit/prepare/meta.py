@@ -18,8 +18,9 @@ META_FORMAT = "gptkit-data"
 META_VERSION = 1
 
 
-def write_meta(stage: Path, own: dict[str, Any], tokenizer: Tokenizer, dtype: str, config: PrepareConfig,
-               started: float) -> DataMeta:
+def write_meta(
+    stage: Path, own: dict[str, Any], tokenizer: Tokenizer, dtype: str, config: PrepareConfig, started: float
+) -> DataMeta:
     """Write stage's meta.json: the fields every data set has, its kind's own fields (own), the options it was made
     with and the list of its files; returns it as readers will see it (DataMeta checks it before it is written)."""
     meta = {

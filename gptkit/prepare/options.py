@@ -29,13 +29,18 @@ class PrepareConfig:
     out: str = field(metadata=_flag("the data directory to write (created if missing)", "DATA_DIR"))
     inputs: list[str] = field(
         default_factory=list,
-        metadata=_flag("a file (text, .jsonl, .csv, .tsv, .parquet; also .gz, .xz, .bz2 or .zst compressed) or a "
-                       "directory of them (searched recursively); repeatable (default: the bundled tiny shakespeare)",
-                       "PATH") | {"flag": "--input", "repeatable": True},
-    )  # fmt: skip
+        metadata=_flag(
+            "a file (text, .jsonl, .csv, .tsv, .parquet; also .gz, .xz, .bz2 or .zst compressed) or a "
+            "directory of them (searched recursively); repeatable (default: the bundled tiny shakespeare)",
+            "PATH",
+        )
+        | {"flag": "--input", "repeatable": True},
+    )
     tokenizer: str = field(
         default="char",
-        metadata=_flag("char, byte, bpe (trained on the input) or a directory holding a tokenizer", "char|byte|bpe|DIR"),
+        metadata=_flag(
+            "char, byte, bpe (trained on the input) or a directory holding a tokenizer", "char|byte|bpe|DIR"
+        ),
     )
     vocab_size: int = field(default=4096, metadata=_flag("vocabulary size of a trained bpe tokenizer", "N"))
     val_fraction: float = field(
@@ -45,7 +50,8 @@ class PrepareConfig:
         default=None, metadata=_flag("file name pattern inside input directories (default: every text file)", "PATTERN")
     )
     text_field: str = field(
-        default="text", metadata=_flag("the JSONL field, or the CSV, TSV or Parquet column, that holds the text", "NAME")
+        default="text",
+        metadata=_flag("the JSONL field, or the CSV, TSV or Parquet column, that holds the text", "NAME"),
     )
     errors: str = field(
         default="strict",
@@ -54,15 +60,20 @@ class PrepareConfig:
     )
     loss_on: str = field(
         default="completion",
-        metadata=_flag("supervised examples: train on the replies and completions only (completion) or on every "
-                       "token (all)") | {"choices": ["completion", "all"]},
-    )  # fmt: skip
+        metadata=_flag(
+            "supervised examples: train on the replies and completions only (completion) or on every token (all)"
+        )
+        | {"choices": ["completion", "all"]},
+    )
     max_length: int | None = field(
         default=None,
-        metadata=_flag("supervised examples and prompts: the most tokens an example or prompt may have (default: "
-                       f"the context of the model given as --tokenizer, else {DEFAULT_MAX_LENGTH}); a longer prompt "
-                       "is dropped", "N"),
-    )  # fmt: skip
+        metadata=_flag(
+            "supervised examples and prompts: the most tokens an example or prompt may have (default: "
+            f"the context of the model given as --tokenizer, else {DEFAULT_MAX_LENGTH}); a longer prompt "
+            "is dropped",
+            "N",
+        ),
+    )
     overlong: str = field(
         default="truncate",
         metadata=_flag("supervised examples longer than --max-length: truncate (keep the start) or drop")

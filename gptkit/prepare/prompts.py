@@ -27,8 +27,15 @@ from gptkit.prepare.rows import ExampleEncoder
 
 logger = logging.getLogger(__name__)
 
-def write_prompts(stage: Path, config: PrepareConfig, files: list[Path], formats: dict[Path, str | None],
-                   started: float, progress: bool) -> DataMeta:  # fmt: skip
+
+def write_prompts(
+    stage: Path,
+    config: PrepareConfig,
+    files: list[Path],
+    formats: dict[Path, str | None],
+    started: float,
+    progress: bool,
+) -> DataMeta:
     """Encode prompt rows into stage: per split, the token, mask (all zeros) and offset files examples have, and
     the rows file, one {"text", "row"} JSON line per prompt (see gptkit.data.PROMPT_FILES)."""
     tokenizer, template = example_tokenizer(config, lambda: example_rows(files, formats, config.errors), progress)
@@ -38,9 +45,12 @@ def write_prompts(stage: Path, config: PrepareConfig, files: list[Path], formats
     temporaries = [stage / ".ids.tmp", stage / ".mask.tmp", stage / ".rows.tmp"]  # all prompts, before the split
     offsets = [0]
     dropped, first_dropped = 0, ""
-    with open(temporaries[0], "wb") as ids_file, open(temporaries[1], "wb") as mask_file, \
-            open(temporaries[2], "wb") as rows_file, \
-            progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:  # fmt: skip
+    with (
+        open(temporaries[0], "wb") as ids_file,
+        open(temporaries[1], "wb") as mask_file,
+        open(temporaries[2], "wb") as rows_file,
+        progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar,
+    ):
         for record, _, where in example_rows(files, formats, config.errors, bar.update):
             text, ids = encoder.encode_prompt(record, where)
             if len(ids) > max_length:  # dropped, never cut: a cut prompt asks another question
@@ -54,8 +64,13 @@ def write_prompts(stage: Path, config: PrepareConfig, files: list[Path], formats
     if len(offsets) == 1:
         raise InputError(f"no prompt fits --max-length {max_length} (all {dropped} are longer); raise --max-length")
     if dropped:
-        logger.warning("%d prompt(s) longer than %d tokens were dropped, not cut (a cut prompt asks another question; "
-                       "the first at %s); raise --max-length to keep them", dropped, max_length, first_dropped)
+        logger.warning(
+            "%d prompt(s) longer than %d tokens were dropped, not cut (a cut prompt asks another question; "
+            "the first at %s); raise --max-length to keep them",
+            dropped,
+            max_length,
+            first_dropped,
+        )
     val = val_examples(len(offsets) - 1, config.val_fraction)
     counts = write_example_splits(temporaries[:2], np.asarray(offsets, dtype=np.int64), val, stage, dtype, None)
     row_bytes = _write_prompt_rows(temporaries[2], val, stage)
@@ -84,8 +99,9 @@ def _prompt_line(text: str, record: Any, where: str) -> bytes:
     try:
         return (json.dumps({"text": text, "row": record}, ensure_ascii=False) + "\n").encode("utf-8")
     except (TypeError, ValueError) as err:  # a Parquet column of dates or bytes, say
-        raise InputError(f"{where}: the row holds a value JSON cannot store ({err}); make that field a string or a "
-                         "number") from None  # fmt: skip
+        raise InputError(
+            f"{where}: the row holds a value JSON cannot store ({err}); make that field a string or a number"
+        ) from None
 
 
 def _write_prompt_rows(source: Path, val: np.ndarray, stage: Path) -> dict[str, int]:

@@ -73,8 +73,12 @@ def is_prompt_row(record: Any) -> bool:
 
 
 def _ends_with_user(messages: Any) -> bool:
-    return (isinstance(messages, list) and bool(messages) and isinstance(messages[-1], dict)
-            and messages[-1].get("role") == "user")  # fmt: skip
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and isinstance(messages[-1], dict)
+        and messages[-1].get("role") == "user"
+    )
 
 
 class ExampleEncoder:
@@ -138,15 +142,21 @@ class ExampleEncoder:
         prompt, chosen, rejected = record.get("prompt"), record["chosen"], record["rejected"]
         if prompt is None:  # TRL's implicit prompt: the messages both conversations begin with
             chosen, rejected = _messages(chosen, where, "chosen"), _messages(rejected, where, "rejected")
-            shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+            shared = next(
+                (i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected))
+            )
             prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
             if not prompt or not chosen or not rejected:
-                raise InputError(f"{where}: without a \"prompt\", \"chosen\" and \"rejected\" must be conversations "
-                                 "that share their first messages and differ after them")  # fmt: skip
+                raise InputError(
+                    f'{where}: without a "prompt", "chosen" and "rejected" must be conversations '
+                    "that share their first messages and differ after them"
+                )
         if self.loss_on == "all":
             raise InputError("preference pairs are scored on their completions; prepare them without --loss-on all")
-        return (self.encode({"prompt": prompt, "completion": chosen}, "prompt_completion", where),
-                self.encode({"prompt": prompt, "completion": rejected}, "prompt_completion", where))  # fmt: skip
+        return (
+            self.encode({"prompt": prompt, "completion": chosen}, "prompt_completion", where),
+            self.encode({"prompt": prompt, "completion": rejected}, "prompt_completion", where),
+        )
 
     def encode_labelled(self, record: Any, where: str) -> Example:
         """A labelled text's example: encoded as a prompt, every token trained."""
@@ -163,23 +173,28 @@ class ExampleEncoder:
         if fmt == "prompt_completion":
             prompt, completion = record["prompt"], record["completion"]
             if isinstance(prompt, str) and isinstance(completion, str):
-                return self._example([(self._ids(prompt, prompt=True), False),
-                                      (self._ids(completion) + self._end(), True)])  # fmt: skip
+                return self._example(
+                    [(self._ids(prompt, prompt=True), False), (self._ids(completion) + self._end(), True)]
+                )
             if isinstance(prompt, list) and isinstance(completion, list):
                 context = _messages(prompt, where, "prompt")
                 return self._conversation(context + _messages(completion, where, "completion"), len(context), where)
-            raise InputError(f"{where}: \"prompt\" and \"completion\" must both be strings or both lists of messages")
+            raise InputError(f'{where}: "prompt" and "completion" must both be strings or both lists of messages')
         if fmt == "alpaca":
             instruction, extra = _string(record, "instruction", where), record.get("input") or ""
             if not isinstance(extra, str):
-                raise InputError(f"{where}: \"input\" must be a string")
+                raise InputError(f'{where}: "input" must be a string')
             user = instruction + ("\n\n" + extra if extra else "")
-            messages = [{"role": "user", "content": user}, {"role": "assistant", "content": _string(record, "output", where)}]
+            messages = [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": _string(record, "output", where)},
+            ]
             return self._conversation(messages, 0, where)
         return self._conversation(_messages(record["messages"], where, "messages"), 0, where, _tools(record, where))
 
-    def _conversation(self, messages: list[dict[str, Any]], first_trained: int, where: str,
-                      tools: list[dict[str, Any]] | None = None) -> Example:  # fmt: skip
+    def _conversation(
+        self, messages: list[dict[str, Any]], first_trained: int, where: str, tools: list[dict[str, Any]] | None = None
+    ) -> Example:
         """The rendered messages (with the row's tools offered, as a chat request offers them); replies from message
         index first_trained on are trained (all with loss_on all): an assistant turn that calls tools is trained on
         its calls, as the template writes them."""
@@ -222,8 +237,9 @@ class ExampleEncoder:
         return [self.tokenizer.eos_id]
 
 
-def fit(example: Example, max_length: int, overlong: Literal["truncate", "drop"],
-        needs_targets: bool = True) -> Example | None:  # fmt: skip
+def fit(
+    example: Example, max_length: int, overlong: Literal["truncate", "drop"], needs_targets: bool = True
+) -> Example | None:
     """The example cut to max_length tokens (truncate) or None (drop, or, where it needs_targets, nothing trained
     left after the cut: a labelled text is read for its label and needs none)."""
     if len(example.ids) <= max_length:
@@ -244,10 +260,10 @@ def _label(record: dict[str, Any], key: str, names: tuple[str, ...] | None, wher
     label = record[key]
     if names is not None:
         if not isinstance(label, bool):
-            raise InputError(f"{where}: \"{key}\" must be true or false, got {json_type(label)}")
+            raise InputError(f'{where}: "{key}" must be true or false, got {json_type(label)}')
         return "true" if label else "false"
     if isinstance(label, bool) or not isinstance(label, (str, int)):
-        raise InputError(f"{where}: \"{key}\" must be a string (or an integer), got {json_type(label)}")
+        raise InputError(f'{where}: "{key}" must be a string (or an integer), got {json_type(label)}')
     return str(label)
 
 
@@ -260,7 +276,7 @@ def json_type(value: Any) -> str:
 def _string(record: dict[str, Any], key: str, where: str) -> str:
     value = record.get(key)
     if not isinstance(value, str):
-        raise InputError(f"{where}: \"{key}\" must be a string, got {type(value).__name__}")
+        raise InputError(f'{where}: "{key}" must be a string, got {type(value).__name__}')
     return value
 
 
@@ -269,10 +285,14 @@ def _tools(record: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
     tools = record.get("tools")
     if tools is None:
         return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
-                                              and isinstance(t["function"].get("name"), str) for t in tools):  # fmt: skip
-        raise InputError(f"{where}: 'tools' must be a list of function tools as a chat request sends them: "
-                         '[{"type": "function", "function": {"name": ..., "parameters": {...}}}, ...]')  # fmt: skip
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+        for t in tools
+    ):
+        raise InputError(
+            f"{where}: 'tools' must be a list of function tools as a chat request sends them: "
+            '[{"type": "function", "function": {"name": ..., "parameters": {...}}}, ...]'
+        )
     return tools
 
 
@@ -284,17 +304,21 @@ def _tool_calls(message: dict[str, Any], where: str, n: int) -> list[dict[str, A
     for call in calls if isinstance(calls, list) else [None]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise InputError(f"{where}: message {n}'s tool_calls must be a list of calls as OpenAI writes them: "
-                             '[{"type": "function", "function": {"name": ..., "arguments": ...}}, ...]')  # fmt: skip
+            raise InputError(
+                f"{where}: message {n}'s tool_calls must be a list of calls as OpenAI writes them: "
+                '[{"type": "function", "function": {"name": ..., "arguments": ...}}, ...]'
+            )
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
-                raise InputError(f"{where}: message {n}: a tool call's arguments must be JSON, got "
-                                 f"{arguments[:40]!r}") from None  # fmt: skip
-        out.append({"id": call.get("id"), "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments}})  # fmt: skip
+                raise InputError(
+                    f"{where}: message {n}: a tool call's arguments must be JSON, got {arguments[:40]!r}"
+                ) from None
+        out.append(
+            {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        )
     return out
 
 
@@ -302,22 +326,23 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
     """A list of {"role", "content"} messages with known roles, content as a string or a list of text parts; an
     assistant's "tool_calls" (its content may then be null) and a tool's "tool_call_id" kept."""
     if not isinstance(value, list) or not value:
-        raise InputError(f"{where}: \"{key}\" must be a non-empty list of messages")
+        raise InputError(f'{where}: "{key}" must be a non-empty list of messages')
     messages = []
     for n, message in enumerate(value, start=1):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InputError(f"{where}: message {n} of \"{key}\" must be an object with a \"role\"")
+            raise InputError(f'{where}: message {n} of "{key}" must be an object with a "role"')
         role, content = message["role"], message.get("content")
         if role not in ROLES:
             raise InputError(f"{where}: message {n} has unknown role {role!r}; roles are {', '.join(ROLES)}")
         if isinstance(content, list):  # OpenAI's content parts: the text parts joined, as the server reads them
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):  # fmt: skip
-                raise InputError(f"{where}: message {n}'s content parts must be {{\"type\": \"text\", \"text\": ...}}")
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise InputError(f'{where}: message {n}\'s content parts must be {{"type": "text", "text": ...}}')
             content = "".join(p["text"] for p in content)
         calls = role == "assistant" and message.get("tool_calls") is not None
         if not isinstance(content, str) and not (calls and content is None):
-            raise InputError(f"{where}: message {n} ({role}) needs a string \"content\"")
+            raise InputError(f'{where}: message {n} ({role}) needs a string "content"')
         entry: dict[str, Any] = {"role": role, "content": content}
         if calls:
             entry["tool_calls"] = _tool_calls(message, where, n)

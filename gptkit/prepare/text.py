@@ -36,8 +36,16 @@ def _split_tail(stage: Path, dtype: str, total: int, val_fraction: float, length
     return train, total - train, val_bytes
 
 
-def write_text_set(stage: Path, files: list[Path], reader: Reader, tokenizer: Tokenizer, config: PrepareConfig,
-                    progress: bool, total_input: int, started: float) -> DataMeta:  # fmt: skip
+def write_text_set(
+    stage: Path,
+    files: list[Path],
+    reader: Reader,
+    tokenizer: Tokenizer,
+    config: PrepareConfig,
+    progress: bool,
+    total_input: int,
+    started: float,
+) -> DataMeta:
     """Encode the input into stage: train.bin, val.bin, the tokenizer, and meta.json last; returns the meta."""
     dtype = token_dtype(tokenizer.vocab_size)
     cutter = Cutter(tokenizer.cut_points)
@@ -57,8 +65,7 @@ def write_text_set(stage: Path, files: list[Path], reader: Reader, tokenizer: To
             total_tokens += len(ids)
     if total_tokens == 0:
         raise no_text(files)
-    train, val, val_bytes = _split_tail(stage, dtype, total_tokens, config.val_fraction,
-                                        tokenizer.token_byte_lengths())  # fmt: skip
+    train, val, val_bytes = _split_tail(stage, dtype, total_tokens, config.val_fraction, tokenizer.token_byte_lengths())
     tokenizer.save(stage)
     own = {
         "train_tokens": train,

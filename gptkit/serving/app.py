@@ -20,8 +20,13 @@ from gptkit.serving.lora_registry import AdapterError, AdapterRegistry, ReadAdap
 from gptkit.serving.metrics import RequestCounter
 from gptkit.serving.middleware import BODY_KEY, BearerAuth, BodyLimit, HostGuard
 from gptkit.serving.nesting import deepest, field_name
-from gptkit.serving.schemas import (DetokenizeRequest, LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest,
-                                    error_body)
+from gptkit.serving.schemas import (
+    DetokenizeRequest,
+    LoadAdapterRequest,
+    TokenizeRequest,
+    UnloadAdapterRequest,
+    error_body,
+)
 from gptkit.serving.state import APIError, ServerState, check_model, model_cards
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -65,8 +70,12 @@ def _register_adapter_routes(app: FastAPI, state: ServerState) -> None:
 
 def _runtime_registry(state: ServerState) -> AdapterRegistry:
     if not state.api_key or state.adapters is None:
-        raise APIError(403, "loading adapters at run time needs a server started with --api-key (anyone who can "
-                       "reach it could otherwise make it read any directory)", code="forbidden")  # fmt: skip
+        raise APIError(
+            403,
+            "loading adapters at run time needs a server started with --api-key (anyone who can "
+            "reach it could otherwise make it read any directory)",
+            code="forbidden",
+        )
     return state.adapters
 
 
@@ -130,14 +139,21 @@ def _props(state: ServerState) -> dict[str, Any]:
         "context_length": state.engine.scoring_context,
         "max_context": state.context_length,
         "vocab_size": state.tokenizer.vocab_size,
-        "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_embd": config.n_embd,
         "chat_template": state.chat_template.jinja,
         "chat_template_is_default": state.chat_template.source is None,
         "eos_token": eos_text(state.tokenizer) or None,
-        "max_batch_size": state.engine.max_batch_size, "max_queue": state.engine.max_queue,
-        "default_generation_settings": {"max_tokens": defaults.max_new_tokens, "temperature": defaults.temperature,
-                                        "top_p": defaults.top_p, "top_k": defaults.top_k},
-    }  # fmt: skip
+        "max_batch_size": state.engine.max_batch_size,
+        "max_queue": state.engine.max_queue,
+        "default_generation_settings": {
+            "max_tokens": defaults.max_new_tokens,
+            "temperature": defaults.temperature,
+            "top_p": defaults.top_p,
+            "top_k": defaults.top_k,
+        },
+    }
 
 
 def _register_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
@@ -147,10 +163,14 @@ def _register_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenizer_info() -> dict[str, Any]:
         tokenizer = state.tokenizer
         bos = tokenizer.prompt_bos_id()
-        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": eos_text(tokenizer) or None,
-                "bos_token": tokenizer.decode([bos]) if bos is not None else None,
-                "pad_token": None, "model_max_length": state.engine.scoring_context,
-                "chat_template": state.chat_template.jinja}  # fmt: skip
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": eos_text(tokenizer) or None,
+            "bos_token": tokenizer.decode([bos]) if bos is not None else None,
+            "pad_token": None,
+            "model_max_length": state.engine.scoring_context,
+            "chat_template": state.chat_template.jinja,
+        }
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -204,8 +224,9 @@ def _validation_error(err: RequestValidationError) -> JSONResponse:
     first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
-        return JSONResponse(error_body(f"the request body is not valid JSON: {detail}".rstrip(": "),
-                                       code="invalid_json"), 400)  # fmt: skip
+        return JSONResponse(
+            error_body(f"the request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json"), 400
+        )
     # A union's alternatives add their type to the location (prompt.str, prompt.list[int]): the field is enough.
     loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     param = ".".join(loc) or None
@@ -218,5 +239,6 @@ def _validation_error(err: RequestValidationError) -> JSONResponse:
 
 
 def _is_type_tag(part: Any) -> bool:
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part
-                                      or part.startswith("function-"))  # fmt: skip
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool", "none") or "[" in part or part.startswith("function-")
+    )

@@ -12,14 +12,25 @@ from gptkit.chat import reply_lead as template_reply_lead
 from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import GptkitError
-from gptkit.serving.sequences import (Collector, check_fields, check_prompt, collect, compile_grammar, max_tokens_of,
-                                    off_loop, openai_closing, response_schema, sampling_params, stream_events, submit)
 from gptkit.serving.engine import Chunk, TokenInfo
-from gptkit.serving.schemas import ChatRequest, ResponsesRequest, Tool, SamplingFields
+from gptkit.serving.envelope import Envelope, finish, sse, sse_response, usage
+from gptkit.serving.schemas import ChatRequest, ResponsesRequest, SamplingFields, Tool
+from gptkit.serving.sequences import (
+    Collector,
+    check_fields,
+    check_prompt,
+    collect,
+    compile_grammar,
+    max_tokens_of,
+    off_loop,
+    openai_closing,
+    response_schema,
+    sampling_params,
+    stream_events,
+    submit,
+)
 from gptkit.serving.state import RENDER_SECONDS, APIError, ServerState, check_model
 from gptkit.serving.tools import ToolCalls, ToolChoiceError, template_message, template_tools, tool_shape
-from gptkit.serving.envelope import Envelope, finish, sse, sse_response, usage
-
 
 
 def register(app: FastAPI, state: ServerState) -> None:
@@ -54,8 +65,9 @@ async def _render(state: ServerState, work: Callable[[], Any]) -> Any:
     except GptkitError as err:
         raise APIError(400, str(err), param="messages") from None
     except asyncio.TimeoutError:
-        raise APIError(400, f"the chat template did not render within {2 * RENDER_SECONDS:g} s",
-                       param="messages") from None  # fmt: skip
+        raise APIError(
+            400, f"the chat template did not render within {2 * RENDER_SECONDS:g} s", param="messages"
+        ) from None
 
 
 async def reply_lead(state: ServerState) -> str:
@@ -72,17 +84,30 @@ async def prompt_ids(state: ServerState, messages: list[dict[str, Any]], tools: 
     return await _render(state, lambda: state.tokenizer.encode(state.render_chat(messages, rendered)))
 
 
-async def plan_chat(state: ServerState, body: SamplingFields | ResponsesRequest, messages: list[dict[str, Any]],
-                    tools: list[Tool] | None, tool_choice: Any, parallel: bool | None, schema: str | None,
-                    max_tokens: int | None, max_tokens_field: str) -> ChatPlan:  # fmt: skip
+async def plan_chat(
+    state: ServerState,
+    body: SamplingFields | ResponsesRequest,
+    messages: list[dict[str, Any]],
+    tools: list[Tool] | None,
+    tool_choice: Any,
+    parallel: bool | None,
+    schema: str | None,
+    max_tokens: int | None,
+    max_tokens_field: str,
+) -> ChatPlan:
     """Render, tokenize and check a chat request; its sampling settings, grammar and reply shape."""
     try:
         shape = tool_shape(tools, tool_choice, parallel, schema is not None)
     except ToolChoiceError as err:
         raise APIError(400, str(err), param=err.param) from None
     prompt = check_prompt(state, await prompt_ids(state, messages, tools), "messages")
-    params = sampling_params(state, body, max_tokens_of(state, max_tokens, len(prompt), param=max_tokens_field),
-                             state.chat_template.stop, schema)  # fmt: skip
+    params = sampling_params(
+        state,
+        body,
+        max_tokens_of(state, max_tokens, len(prompt), param=max_tokens_field),
+        state.chat_template.stop,
+        schema,
+    )
     grammar = None
     if shape is not None or schema is not None:
         lead = await reply_lead(state)
@@ -116,8 +141,17 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
     except ToolChoiceError as err:
         raise APIError(400, str(err), param=err.param) from None
     use_max = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    plan = await plan_chat(state, body, messages, body.tools, body.tool_choice, body.parallel_tool_calls,
-                           response_schema(body), getattr(body, use_max), use_max)  # fmt: skip
+    plan = await plan_chat(
+        state,
+        body,
+        messages,
+        body.tools,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        response_schema(body),
+        getattr(body, use_max),
+        use_max,
+    )
     top = (body.top_logprobs or 0) if body.logprobs else None
     envelope = Envelope("chat.completion", body.model, "chatcmpl")
     collector = Collector(stream=bool(body.stream))
@@ -128,17 +162,30 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
     choices = []
     for index, per_choice in enumerate(chunks):
         tokens = [t for c in per_choice for t in c.tokens]
-        message, reason = plan.message("".join(c.text for c in per_choice),
-                                       per_choice[-1].finish_reason if per_choice else "length")  # fmt: skip
-        choices.append({"index": index, "message": message,
-                        "logprobs": {"content": chat_logprobs(tokens)} if top is not None else None,
-                        "finish_reason": reason})  # fmt: skip
+        message, reason = plan.message(
+            "".join(c.text for c in per_choice), per_choice[-1].finish_reason if per_choice else "length"
+        )
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": {"content": chat_logprobs(tokens)} if top is not None else None,
+                "finish_reason": reason,
+            }
+        )
     completion_tokens = sum(c[-1].completion_tokens for c in chunks if c)
     return envelope.body(choices, usage(len(plan.prompt), completion_tokens))
 
 
-def _streamed(state: ServerState, body: ChatRequest, plan: ChatPlan, envelope: Envelope, sequences: list[Any],
-              collector: Collector, top: int | None) -> Any:  # fmt: skip
+def _streamed(
+    state: ServerState,
+    body: ChatRequest,
+    plan: ChatPlan,
+    envelope: Envelope,
+    sequences: list[Any],
+    collector: Collector,
+    top: int | None,
+) -> Any:
     """The reply as chat.completion.chunk events: content deltas, or tool calls as their names and arguments come."""
     completion_tokens = [0] * len(sequences)
     readers = [plan.shape.stream() if plan.shape is not None else None for _ in sequences]
@@ -160,12 +207,26 @@ def _streamed(state: ServerState, body: ChatRequest, plan: ChatPlan, envelope: E
         return [sse(envelope.body([choice], kind="chat.completion.chunk"))]
 
     calls_only = plan.shape is not None and not plan.shape.text_allowed
-    opening = [sse(envelope.body([{"index": i, "delta": {"role": "assistant", "content": None if calls_only else ""},
-                                   "logprobs": None, "finish_reason": None}], kind="chat.completion.chunk"))
-               for i in range(len(sequences))]  # fmt: skip
+    opening = [
+        sse(
+            envelope.body(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": None if calls_only else ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                kind="chat.completion.chunk",
+            )
+        )
+        for i in range(len(sequences))
+    ]
     want_usage = body.stream_options is not None and body.stream_options.include_usage
-    total = None
-    if want_usage:
-        total = lambda: envelope.body([], usage(len(plan.prompt), sum(completion_tokens)),  # noqa: E731
-                                      kind="chat.completion.chunk")  # fmt: skip
-    return sse_response(stream_events(state, sequences, collector, render, openai_closing(total), opening))
+
+    def total() -> dict[str, Any]:  # the closing chunk with the usage, where the request asked for it
+        return envelope.body([], usage(len(plan.prompt), sum(completion_tokens)), kind="chat.completion.chunk")
+
+    closing = openai_closing(total if want_usage else None)
+    return sse_response(stream_events(state, sequences, collector, render, closing, opening))

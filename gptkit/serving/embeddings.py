@@ -18,8 +18,8 @@ from fastapi import FastAPI
 
 from gptkit.model import GPT
 from gptkit.multi_lora import rows_using
-from gptkit.serving.sequences import check_prompt
 from gptkit.serving.schemas import EmbeddingRequest
+from gptkit.serving.sequences import check_prompt
 from gptkit.serving.state import APIError, ServerState, check_model
 
 POOLINGS = ("mean", "last")
@@ -55,8 +55,12 @@ def _inputs(state: ServerState, value: Any) -> list[list[int]]:
     for i, item in enumerate(value):
         ids = check_prompt(state, state.tokenizer.encode(item) if isinstance(item, str) else list(item), "input")
         if len(ids) > window:
-            raise APIError(400, f"input[{i}] is {len(ids)} tokens; this model embeds at most {window} (its context): "
-                           "split the text", param="input", code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"input[{i}] is {len(ids)} tokens; this model embeds at most {window} (its context): split the text",
+                param="input",
+                code="context_length_exceeded",
+            )
         out.append(ids)
     return out
 
@@ -65,18 +69,28 @@ async def _embeddings(state: ServerState, body: EmbeddingRequest) -> dict[str, A
     adapter = check_model(state, body.model)
     width = state.engine.model.config.n_embd
     if body.dimensions is not None and body.dimensions != width:
-        raise APIError(400, f"dimensions {body.dimensions} is not supported: this model's embeddings have {width} "
-                       "(leave dimensions out)", param="dimensions")  # fmt: skip
+        raise APIError(
+            400,
+            f"dimensions {body.dimensions} is not supported: this model's embeddings have {width} "
+            "(leave dimensions out)",
+            param="dimensions",
+        )
     inputs = await asyncio.to_thread(_inputs, state, body.input)
     model, pooling = state.engine.model, state.pooling
     # One job per input: decode steps of other requests run between them.
     futures = [state.engine.call(lambda ids=ids: embed(model, ids, pooling, adapter)) for ids in inputs]
     vectors = [await asyncio.wrap_future(f) for f in futures]
-    data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
-            for i, v in enumerate(vectors)]  # fmt: skip
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+        for i, v in enumerate(vectors)
+    ]
     tokens = sum(len(ids) for ids in inputs)
-    return {"object": "list", "data": data, "model": body.model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+    return {
+        "object": "list",
+        "data": data,
+        "model": body.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
 
 
 def _encoded(vector: list[float], encoding: str) -> list[float] | str:

@@ -67,9 +67,17 @@ _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # OpenAI's names
 class Engine:
     """Owns the model and its batch engine; a background thread admits queued requests and steps the batch."""
 
-    def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch_size: int = 8, max_queue: int = 64,
-                 compile: bool = False, max_context: int | None = None,
-                 kv_dtype: torch.dtype | None = None, prefix_cache: PrefixCache | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: GPT,
+        tokenizer: Tokenizer,
+        max_batch_size: int = 8,
+        max_queue: int = 64,
+        compile: bool = False,
+        max_context: int | None = None,
+        kv_dtype: torch.dtype | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         if max_batch_size < 1:
             raise GptkitError(f"--max-batch-size must be >= 1, got {max_batch_size}")
         if max_queue < 0:
@@ -82,8 +90,16 @@ class Engine:
         self.max_context = max_context or CONTEXT_BLOCKS * block_size
         # Compiled: the whole context up front, so that the shapes compiled at start-up are the only ones.
         length = self.max_context if compile else min(block_size, self.max_context)
-        self.batch = BatchEngine(self.model, max_batch_size, length, compile=compile, max_context=self.max_context,
-                                 buckets=True, kv_dtype=kv_dtype, prefix_cache=prefix_cache)  # fmt: skip
+        self.batch = BatchEngine(
+            self.model,
+            max_batch_size,
+            length,
+            compile=compile,
+            max_context=self.max_context,
+            buckets=True,
+            kv_dtype=kv_dtype,
+            prefix_cache=prefix_cache,
+        )
         self.emits: dict[Request, Emit] = {}
         self.at_end: set[Request] = set()  # requests whose caller wants one chunk, at the end
         self.waiting: deque[Request] = deque()
@@ -194,8 +210,13 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Rows in use, requests waiting, decode steps run so far and what the prefix cache holds and has saved."""
-        stats: dict[str, Any] = {"active": len(self.active), "waiting": len(self.waiting), "steps": self.steps,
-                                 "cancelled": self.cancelled, "max_batch_size": self.max_batch_size}  # fmt: skip
+        stats: dict[str, Any] = {
+            "active": len(self.active),
+            "waiting": len(self.waiting),
+            "steps": self.steps,
+            "cancelled": self.cancelled,
+            "max_batch_size": self.max_batch_size,
+        }
         if self.batch.prefix_cache is not None:
             stats["prefix_cache"] = self.batch.prefix_cache.report()
         return stats

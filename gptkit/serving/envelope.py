@@ -25,11 +25,17 @@ class Envelope:
     def __post_init__(self) -> None:
         self.id = self.id or f"{self.prefix}-{uuid.uuid4().hex}"
 
-    def body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
-             kind: str | None = None) -> dict[str, Any]:  # fmt: skip
+    def body(
+        self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None, kind: str | None = None
+    ) -> dict[str, Any]:
         """The answer (or, with kind, one event of its stream) holding these choices and, if given, the usage."""
-        out = {"id": self.id, "object": kind or self.kind, "created": self.created, "model": self.model,
-               "choices": choices}  # fmt: skip
+        out = {
+            "id": self.id,
+            "object": kind or self.kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if usage is not None:
             out["usage"] = usage
         return out
@@ -37,8 +43,11 @@ class Envelope:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """OpenAI's usage object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def finish(reason: str | None) -> str | None:
@@ -57,8 +66,9 @@ DONE = "data: [DONE]\n\n"
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     """An event stream that proxies must not buffer or cache."""
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 async def one_shot(event: dict[str, Any]) -> AsyncIterator[str]:

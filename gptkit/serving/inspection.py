@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gptkit.observe.prompt import attention_maps, prompt_insight, state_labels, token_probabilities
 from gptkit.model import GPT
 from gptkit.observe.measures import chance_induction_score, induction_test, logit_lens_top
+from gptkit.observe.prompt import attention_maps, prompt_insight, state_labels, token_probabilities
 
 DIGITS = 4  # probabilities, scores and losses are rounded to this many decimals (small payloads)
 
@@ -56,11 +56,17 @@ def lens_positions(model: GPT, ids: list[int], position: int | None = None, top:
     prediction = tokens[-1, :, 0]  # (T,): the last layer reads the model's own distribution
     decided = (tokens[:, :, 0] == prediction).int().argmax(dim=0)  # first True; the last layer always is
     rows = range(len(window)) if position is None else [len(window) - 1]
-    return [LensPosition(
-        position=start + t, token=window[t], prediction=int(prediction[t]),
-        top=[list(zip(tokens[k, t].tolist(), values[k, t].tolist())) for k in range(tokens.size(0))],
-        prediction_probs=lens.prediction_probs[:, t].tolist(), decided_at=int(decided[t]),
-    ) for t in rows]  # fmt: skip
+    return [
+        LensPosition(
+            position=start + t,
+            token=window[t],
+            prediction=int(prediction[t]),
+            top=[list(zip(tokens[k, t].tolist(), values[k, t].tolist())) for k in range(tokens.size(0))],
+            prediction_probs=lens.prediction_probs[:, t].tolist(),
+            decided_at=int(decided[t]),
+        )
+        for t in rows
+    ]
 
 
 def lens_labels(model: GPT) -> list[str]:

@@ -93,7 +93,9 @@ class Reply:
             "usage": {"input_tokens": len(self.plan.prompt), "output_tokens": output_tokens},
         }
 
-    def stop(self, reason: str | None, text: str, sequence: DecodeRequest, tokenizer: Tokenizer) -> tuple[str, str | None]:
+    def stop(
+        self, reason: str | None, text: str, sequence: DecodeRequest, tokenizer: Tokenizer
+    ) -> tuple[str, str | None]:
         """The stop reason and stop sequence of a finished reply: reason is the chat pipeline's, text the reply as
         sent (cut before a stop string); which stop string ended it is read from the whole decoded output."""
         if reason == "stop" and self.stop_sequences and sequence.finish_reason == "stop":

@@ -18,8 +18,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 # Routes counted under their own label; any other path (a 404 scan) is counted as "other", so that the number of
 # series stays bounded whatever clients send.
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/models", "/health",
-          "/metrics", "/props", "/tokenize", "/detokenize", "/tokenizer_info")  # fmt: skip
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/props",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+)
 
 
 class Histogram:
@@ -86,36 +97,75 @@ class Metrics:
             lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples])
 
         with self.lock:
-            metric("gptkit_requests_total", "counter", "HTTP requests answered, by route and status",
-                   [f'gptkit_requests_total{{route="{route}",status="{status}"}} {count}'
-                    for (route, status), count in sorted(self.requests.items())])  # fmt: skip
-            metric("gptkit_sequences_total", "counter", "sequences decoded to their end (one per choice)",
-                   [f"gptkit_sequences_total {self.sequences}"])  # fmt: skip
-            metric("gptkit_prompt_tokens_total", "counter", "prompt tokens of finished sequences",
-                   [f"gptkit_prompt_tokens_total {self.prompt_tokens}"])  # fmt: skip
-            metric("gptkit_generation_tokens_total", "counter", "tokens generated",
-                   [f"gptkit_generation_tokens_total {self.generation_tokens}"])  # fmt: skip
+            metric(
+                "gptkit_requests_total",
+                "counter",
+                "HTTP requests answered, by route and status",
+                [
+                    f'gptkit_requests_total{{route="{route}",status="{status}"}} {count}'
+                    for (route, status), count in sorted(self.requests.items())
+                ],
+            )
+            metric(
+                "gptkit_sequences_total",
+                "counter",
+                "sequences decoded to their end (one per choice)",
+                [f"gptkit_sequences_total {self.sequences}"],
+            )
+            metric(
+                "gptkit_prompt_tokens_total",
+                "counter",
+                "prompt tokens of finished sequences",
+                [f"gptkit_prompt_tokens_total {self.prompt_tokens}"],
+            )
+            metric(
+                "gptkit_generation_tokens_total",
+                "counter",
+                "tokens generated",
+                [f"gptkit_generation_tokens_total {self.generation_tokens}"],
+            )
             for name, histogram, help_ in (
                 ("gptkit_time_to_first_token_seconds", self.time_to_first_token, "from queued to first token"),
-                ("gptkit_time_per_output_token_seconds", self.time_per_output_token, "mean gap between tokens after "
-                 "the first, per sequence"),
+                (
+                    "gptkit_time_per_output_token_seconds",
+                    self.time_per_output_token,
+                    "mean gap between tokens after the first, per sequence",
+                ),
                 ("gptkit_request_latency_seconds", self.request_latency, "from queued to last token, per sequence"),
-            ):  # fmt: skip
+            ):
                 metric(name, "histogram", help_, histogram.lines(name))
-        metric("gptkit_requests_running", "gauge", "sequences in the batch now",
-               [f"gptkit_requests_running {engine['active']}"])  # fmt: skip
-        metric("gptkit_requests_waiting", "gauge", "sequences queued for a batch row",
-               [f"gptkit_requests_waiting {engine['waiting']}"])  # fmt: skip
-        metric("gptkit_requests_cancelled_total", "counter", "sequences dropped because their client left",
-               [f"gptkit_requests_cancelled_total {engine['cancelled']}"])  # fmt: skip
+        metric(
+            "gptkit_requests_running",
+            "gauge",
+            "sequences in the batch now",
+            [f"gptkit_requests_running {engine['active']}"],
+        )
+        metric(
+            "gptkit_requests_waiting",
+            "gauge",
+            "sequences queued for a batch row",
+            [f"gptkit_requests_waiting {engine['waiting']}"],
+        )
+        metric(
+            "gptkit_requests_cancelled_total",
+            "counter",
+            "sequences dropped because their client left",
+            [f"gptkit_requests_cancelled_total {engine['cancelled']}"],
+        )
         cache = engine.get("prefix_cache")
         if cache is not None:
-            for key, help_ in (("lookups", "prefills that consulted the prefix cache"),
-                               ("hits", "prefills that found a cached prefix"),
-                               ("hit_tokens", "prompt tokens not computed thanks to the prefix cache"),
-                               ("computed_tokens", "prompt tokens prefilled")):  # fmt: skip
-                metric(f"gptkit_prefix_cache_{key}_total", "counter", help_,
-                       [f"gptkit_prefix_cache_{key}_total {cache[key]}"])  # fmt: skip
+            for key, help_ in (
+                ("lookups", "prefills that consulted the prefix cache"),
+                ("hits", "prefills that found a cached prefix"),
+                ("hit_tokens", "prompt tokens not computed thanks to the prefix cache"),
+                ("computed_tokens", "prompt tokens prefilled"),
+            ):
+                metric(
+                    f"gptkit_prefix_cache_{key}_total",
+                    "counter",
+                    help_,
+                    [f"gptkit_prefix_cache_{key}_total {cache[key]}"],
+                )
         return "\n".join(lines) + "\n"
 
 

@@ -85,8 +85,10 @@ class HostGuard:
         if scope["type"] in ("http", "websocket") and header is not None:
             name = _host_name(header.decode("latin-1"))
             if not (is_loopback(name) or name in self.allowed):
-                message = (f"Host {name!r} is not served: this server answers loopback names only; start it with "
-                           f"--allowed-host {name} to serve that name")  # fmt: skip
+                message = (
+                    f"Host {name!r} is not served: this server answers loopback names only; start it with "
+                    f"--allowed-host {name} to serve that name"
+                )
                 response = JSONResponse(error_body(message, code="host_not_allowed"), status_code=403)
                 await response(scope, receive, send)
                 return

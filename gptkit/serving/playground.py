@@ -11,8 +11,8 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from gptkit.errors import GptkitError
-from gptkit.serving.sequences import check_prompt
 from gptkit.serving.schemas import AttentionRequest, LensRequest
+from gptkit.serving.sequences import check_prompt
 from gptkit.serving.state import APIError, ServerState
 
 if TYPE_CHECKING:
@@ -81,8 +81,7 @@ async def _lens(state: ServerState, body: LensRequest) -> dict[str, Any]:
 
     ids = _text_ids(state, body.text)
     if body.position is not None and body.position >= len(ids):
-        raise APIError(400, f"position must be < {len(ids)} (the text's tokens), got {body.position}",
-                       param="position")  # fmt: skip
+        raise APIError(400, f"position must be < {len(ids)} (the text's tokens), got {body.position}", param="position")
     model = state.engine.model
     rows = await asyncio.wrap_future(state.engine.call(lambda: lens_positions(model, ids, body.position, body.top)))
     return {"labels": lens_labels(model), "positions": [_lens_row(state, row) for row in rows]}
@@ -95,10 +94,17 @@ def _lens_row(state: ServerState, row: LensPosition) -> dict[str, Any]:
     def text(token: int) -> str:
         return state.tokenizer.decode([token])
 
-    layers = [{"top": [[text(t), round(p, DIGITS)] for t, p in top], "prediction_p": round(q, DIGITS)}
-              for top, q in zip(row.top, row.prediction_probs)]  # fmt: skip
-    return {"position": row.position, "token": text(row.token), "prediction": text(row.prediction),
-            "decided_at": row.decided_at, "layers": layers}  # fmt: skip
+    layers = [
+        {"top": [[text(t), round(p, DIGITS)] for t, p in top], "prediction_p": round(q, DIGITS)}
+        for top, q in zip(row.top, row.prediction_probs)
+    ]
+    return {
+        "position": row.position,
+        "token": text(row.token),
+        "prediction": text(row.prediction),
+        "decided_at": row.decided_at,
+        "layers": layers,
+    }
 
 
 async def _induction(state: ServerState) -> dict[str, Any]:

@@ -19,9 +19,16 @@ NullableFlag = Annotated[bool, BeforeValidator(lambda value: False if value is N
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 # Fields of OpenAI's API that gptkit does not implement, accepted only when null or at a value that means "unused".
 UNUSED_VALUES: dict[str, tuple[Any, ...]] = {
-    "functions": ([],), "function_call": ("none",), "suffix": ("",), "modalities": (["text"],), "prediction": (),
-    "audio": (), "reasoning_effort": (), "web_search_options": (), "verbosity": (),
-}  # fmt: skip
+    "functions": ([],),
+    "function_call": ("none",),
+    "suffix": ("",),
+    "modalities": (["text"],),
+    "prediction": (),
+    "audio": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "verbosity": (),
+}
 
 
 class _Request(BaseModel):
@@ -124,8 +131,15 @@ def _is_int(value: Any) -> bool:
 
 
 def _json_type(value: Any) -> str:
-    names = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-             list: "a list", dict: "an object"}  # fmt: skip
+    names = {
+        type(None): "null",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -169,8 +183,9 @@ def _text_parts_only(value: Any) -> Any:
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind != "text":
-                raise ValueError(f"content[{i}] is a {kind!r} part: gptkit serves text-only models, so only text parts "
-                                 "are supported")  # fmt: skip
+                raise ValueError(
+                    f"content[{i}] is a {kind!r} part: gptkit serves text-only models, so only text parts are supported"
+                )
     return value
 
 
@@ -254,10 +269,26 @@ class ResponsesRequest(DecodingFields):
 # Fields of the Responses API that never change the output here: accepted and ignored. `store` (whose default is
 # true) asks OpenAI to keep the response for previous_response_id; this server keeps nothing and says so in the
 # answer (store: false). `reasoning` configures models that think before answering; gptkit's do not.
-RESPONSES_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                               "include", "reasoning", "stream_options"})  # fmt: skip
-RESPONSES_UNUSED: dict[str, tuple[Any, ...]] = {"background": (False,), "truncation": ("disabled",),
-                                                "max_tool_calls": (), "prompt": (), "conversation": ()}  # fmt: skip
+RESPONSES_IGNORED = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+        "include",
+        "reasoning",
+        "stream_options",
+    }
+)
+RESPONSES_UNUSED: dict[str, tuple[Any, ...]] = {
+    "background": (False,),
+    "truncation": ("disabled",),
+    "max_tool_calls": (),
+    "prompt": (),
+    "conversation": (),
+}
 
 
 class AttentionRequest(_Request):
@@ -302,8 +333,9 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:  # fmt: skip
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

@@ -20,9 +20,9 @@ from gptkit.decoding.sampling import SamplingParams, row_seed
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.serving.engine import Chunk, QueueFull
+from gptkit.serving.envelope import DONE, sse
 from gptkit.serving.schemas import SamplingFields, refused_field
 from gptkit.serving.state import APIError, ServerState, check_model
-from gptkit.serving.envelope import DONE, sse
 
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
 RETRY_AFTER_SECONDS = 1
@@ -60,13 +60,18 @@ def check_prompt(state: ServerState, ids: list[int], param: str = "prompt") -> l
     if bad:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
     if len(ids) > state.context_length:
-        raise APIError(400, f"the {param} is {len(ids)} tokens; this server's context is {state.context_length} "
-                       "tokens", param=param, code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"the {param} is {len(ids)} tokens; this server's context is {state.context_length} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
     return ids
 
 
-def max_tokens_of(state: ServerState, requested: int | None, prompt_len: int, allow_zero: bool = False,
-                  param: str = "max_tokens") -> int:  # fmt: skip
+def max_tokens_of(
+    state: ServerState, requested: int | None, prompt_len: int, allow_zero: bool = False, param: str = "max_tokens"
+) -> int:
     """The tokens to generate: as requested (checked against the context), else the default capped to fit."""
     room = state.context_length - prompt_len
     if requested is not None and requested < (0 if allow_zero else 1):
@@ -76,27 +81,51 @@ def max_tokens_of(state: ServerState, requested: int | None, prompt_len: int, al
         return 0
     if room < 1:
         hint = "; send max_tokens 0 with echo to score it" if allow_zero else ""
-        raise APIError(400, f"the prompt ({prompt_len} tokens) fills this server's context of {state.context_length} "
-                       f"tokens: nothing can be generated; shorten the prompt{hint}", param="prompt",
-                       code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"the prompt ({prompt_len} tokens) fills this server's context of {state.context_length} "
+            f"tokens: nothing can be generated; shorten the prompt{hint}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if requested is None:
         return min(DEFAULT_MAX_TOKENS, room)
     if requested > room:
-        raise APIError(400, f"{param} {requested} plus the prompt's {prompt_len} tokens exceed this server's context "
-                       f"of {state.context_length} tokens; ask for at most {room}", param=param,
-                       code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"{param} {requested} plus the prompt's {prompt_len} tokens exceed this server's context "
+            f"of {state.context_length} tokens; ask for at most {room}",
+            param=param,
+            code="context_length_exceeded",
+        )
     return requested
 
 
-def sampling_params(state: ServerState, body: SamplingFields, max_tokens: int, extra_stop: tuple[str, ...] = (),
-                    json_schema: str | None = None,
-                    schema_field: str = "response_format") -> SamplingParams:  # fmt: skip
+def sampling_params(
+    state: ServerState,
+    body: SamplingFields,
+    max_tokens: int,
+    extra_stop: tuple[str, ...] = (),
+    json_schema: str | None = None,
+    schema_field: str = "response_format",
+) -> SamplingParams:
     """SamplingParams from the request's fields; fields the request leaves out keep SamplingParams' defaults.
     schema_field: the request field json_schema came from (a refused schema is a 400 naming it)."""
     given: dict[str, Any] = {"json_schema": json_schema} if json_schema is not None else {}
-    given |= {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                                      "frequency_penalty", "presence_penalty", "seed")
-              if getattr(body, name) is not None}  # fmt: skip
+    given |= {
+        name: getattr(body, name)
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+            "seed",
+        )
+        if getattr(body, name) is not None
+    }
     if body.logit_bias:
         given["logit_bias"] = logit_bias(body.logit_bias, state.tokenizer.vocab_size)
     if body.n is not None:
@@ -118,8 +147,11 @@ def logit_bias(bias: dict[str, float], vocab: int) -> tuple[tuple[int, float], .
     pairs = []
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit()) or int(key) >= vocab:
-            raise APIError(400, f"logit_bias keys are token ids in [0, {vocab}) written as strings, got {key!r}",
-                           param="logit_bias")  # fmt: skip
+            raise APIError(
+                400,
+                f"logit_bias keys are token ids in [0, {vocab}) written as strings, got {key!r}",
+                param="logit_bias",
+            )
         pairs.append((int(key), value))
     return tuple(pairs)
 
@@ -198,34 +230,55 @@ class Collector:
         return emit
 
 
-def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams, top: int | None,
-           collector: Collector, grammar: Grammar | None = None, model: str = "") -> list[DecodeRequest]:  # fmt: skip
+def submit(
+    state: ServerState,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    top: int | None,
+    collector: Collector,
+    grammar: Grammar | None = None,
+    model: str = "",
+) -> list[DecodeRequest]:
     """One decode request per prompt and choice (choice i of n seeded seed + i), queued on the engine; model: the
     request's `model`, naming the base or one of its adapters."""
     adapter = check_model(state, model or state.model_name)
     key = state.adapters.key_of(adapter) if adapter else ""  # its weights' hash: the name may be reloaded with others
     count, capacity = len(prompts) * params.num_samples, state.engine.max_batch_size + state.engine.max_queue
     if count > capacity:
-        raise APIError(400, f"n x prompts = {count} sequences exceed the {capacity} this server can hold "
-                       "(--max-batch-size + --max-queue); ask for fewer", param="n")  # fmt: skip
+        raise APIError(
+            400,
+            f"n x prompts = {count} sequences exceed the {capacity} this server can hold "
+            "(--max-batch-size + --max-queue); ask for fewer",
+            param="n",
+        )
     sequences = []
     for p, prompt in enumerate(prompts):
         for i in range(params.num_samples):
             choice = dataclasses.replace(params, seed=row_seed(params.seed, i), num_samples=1)
-            request = DecodeRequest(prompt, choice, state.tokenizer.eos_ids, state.tokenizer.decode, seed=choice.seed,
-                                    top_logprobs=top, constraint=grammar.start() if grammar else None,
-                                    adapter=adapter, adapter_name=key)  # fmt: skip
+            request = DecodeRequest(
+                prompt,
+                choice,
+                state.tokenizer.eos_ids,
+                state.tokenizer.decode,
+                seed=choice.seed,
+                top_logprobs=top,
+                constraint=grammar.start() if grammar else None,
+                adapter=adapter,
+                adapter_name=key,
+            )
             sequences.append((request, collector.sink(p * params.num_samples + i)))
     try:
         state.engine.submit(sequences, stream=collector.stream)
     except QueueFull as err:
-        raise APIError(503, str(err), code="server_busy", type_="server_error",
-                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None  # fmt: skip
+        raise APIError(
+            503, str(err), code="server_busy", type_="server_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+        ) from None
     return [request for request, _ in sequences]
 
 
-async def collect(state: ServerState, sequences: list[DecodeRequest], collector: Collector,
-                  request: Request) -> list[list[Chunk]]:  # fmt: skip
+async def collect(
+    state: ServerState, sequences: list[DecodeRequest], collector: Collector, request: Request
+) -> list[list[Chunk]]:
     """Every chunk of every sequence, waiting for the last; a client that leaves cancels its sequences."""
     chunks: list[list[Chunk]] = [[] for _ in sequences]
     remaining = len(sequences)
@@ -250,9 +303,14 @@ async def collect(state: ServerState, sequences: list[DecodeRequest], collector:
     return chunks
 
 
-async def stream_events(state: ServerState, sequences: list[DecodeRequest], collector: Collector,
-                        render: Callable[[int, Chunk], list[str]], closing: Callable[[], list[str]],
-                        preamble: list[str]) -> AsyncIterator[str]:  # fmt: skip
+async def stream_events(
+    state: ServerState,
+    sequences: list[DecodeRequest],
+    collector: Collector,
+    render: Callable[[int, Chunk], list[str]],
+    closing: Callable[[], list[str]],
+    preamble: list[str],
+) -> AsyncIterator[str]:
     """Server-sent events: the preamble, the events render makes of each chunk, then the closing events."""
     remaining = len(sequences)
     try:

@@ -22,11 +22,11 @@ from gptkit.devices import pick_device
 from gptkit.errors import GptkitError
 from gptkit.kv_cache import kv_dtype_of
 from gptkit.serving.app import create_app
+from gptkit.serving.embeddings import POOLINGS
+from gptkit.serving.engine import Engine
+from gptkit.serving.lora_registry import AdapterMisfit, AdapterRegistry, adapters_beside, resolved
 from gptkit.serving.middleware import is_loopback
 from gptkit.serving.state import ServerState
-from gptkit.serving.embeddings import POOLINGS
-from gptkit.serving.lora_registry import AdapterMisfit, AdapterRegistry, adapters_beside, resolved
-from gptkit.serving.engine import Engine
 from gptkit.serving.threads import ThreadGovernor
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -49,58 +49,113 @@ class ServeOptions:
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "largest request body accepted (413 beyond)"})
     model_name: str | None = field(default=None, metadata={"help": "model id clients send (default: dir name)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, mps or auto"})
-    threads: int | None = field(default=None, metadata={"help": "CPU threads for the model (default: every core "
-                                                                 "this process may use)"})
-    quantize: str | None = field(default=None, metadata={"help": "weight-only quantisation of the loaded float "
-                                                                  "model: int8 or int4 (llama.cpp's Q4_0)"})
-    kv_cache: str | None = field(default=None, metadata={"help": "int8: keep the keys and values as int8 with a "
-                                                                  "scale per token and head (default: the model's "
-                                                                  "dtype)"})
+    threads: int | None = field(
+        default=None, metadata={"help": "CPU threads for the model (default: every core this process may use)"}
+    )
+    quantize: str | None = field(
+        default=None,
+        metadata={"help": "weight-only quantisation of the loaded float model: int8 or int4 (llama.cpp's Q4_0)"},
+    )
+    kv_cache: str | None = field(
+        default=None,
+        metadata={
+            "help": "int8: keep the keys and values as int8 with a "
+            "scale per token and head (default: the model's "
+            "dtype)"
+        },
+    )
     dtype: str = field(default="float32", metadata={"help": "weight precision", "choices": DTYPES})
-    compile: bool = field(default=False, metadata={"help": "compile the decode step (every batch shape, before the "
-                                                            "server reports ready)"})
-    allowed_host: tuple[str, ...] = field(default=(), metadata={
-        "help": "a host name requests may address besides loopback ones (while the server binds a loopback address, "
-                "any other Host header is refused: a web page that rebinds its name to 127.0.0.1 cannot reach it); "
-                "repeatable", "repeatable": True, "metavar": "NAME"})  # fmt: skip
-    head_timeout: float = field(default=10.0, metadata={"help": "seconds a connection may stay silent while it owes a "
-                                                                 "request (or a body), and may take to send a "
-                                                                 "request head once begun; closed beyond"})  # fmt: skip
+    compile: bool = field(
+        default=False, metadata={"help": "compile the decode step (every batch shape, before the server reports ready)"}
+    )
+    allowed_host: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "a host name requests may address besides loopback ones (while the server binds a loopback address, "
+            "any other Host header is refused: a web page that rebinds its name to 127.0.0.1 cannot reach it); "
+            "repeatable",
+            "repeatable": True,
+            "metavar": "NAME",
+        },
+    )
+    head_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds a connection may stay silent while it owes a "
+            "request (or a body), and may take to send a "
+            "request head once begun; closed beyond"
+        },
+    )
     max_connections: int = field(default=512, metadata={"help": "open connections at most; requests beyond get 503"})
-    cache_ram: int | None = field(default=None, metadata={
-        "help": "memory for the prefix cache: keys and values of earlier prompts, so that a request sharing a prefix "
-                "with one (a conversation's next turn, a common system prompt) computes only the rest; bytes or "
-                "512M, 4G (default: a quarter of the memory available at start-up; 0 turns it off)",
-        "parse": parse_size, "metavar": "BYTES"})  # fmt: skip
-    cache_dir: str | None = field(default=None, metadata={
-        "help": "also keep the prefix cache's blocks in this directory: evicted blocks are read back from it, and a "
-                "restarted server finds them (default: RAM only); a new or empty directory, which the cache then "
-                "owns: one holding other files is refused", "metavar": "DIR"})  # fmt: skip
-    cache_disk: int = field(default=DEFAULT_CACHE_DISK, metadata={
-        "help": "most bytes --cache-dir may hold (least recently used blocks are removed first)", "parse": parse_size,
-        "metavar": "BYTES"})  # fmt: skip
-    lora: tuple[str, ...] = field(default=(), metadata={
-        "help": "also serve a LoRA fine-tune of this base under a name of its own: requests naming it in `model` "
-                "decode through its adapters, in the same batches as the base and other adapters; repeatable",
-        "repeatable": True, "metavar": "NAME=DIR"})  # fmt: skip
-    lora_beside: bool = field(default=False, metadata={
-        "help": "also serve each LoRA directory found beside the base (in the folder that holds it) that was "
-                "trained on it, under the directory's name (off by default: whoever can write in that folder would "
-                "choose what the server serves)"})  # fmt: skip
-    pooling: str = field(default="mean", metadata={
-        "help": "how /v1/embeddings makes one vector of a text's final hidden states: mean (every token) or last "
-                "(the last token's)", "choices": ("mean", "last")})  # fmt: skip
-    max_context: int | None = field(default=None, metadata={
-        "help": "most tokens (prompt + completion) one request may reach (default: 4 x the model's block_size; "
-                "models with learned positions slide a window of block_size past it, others continue, as "
-                "`gptkit generate` does)"})  # fmt: skip
+    cache_ram: int | None = field(
+        default=None,
+        metadata={
+            "help": "memory for the prefix cache: keys and values of earlier prompts, so that a request sharing a prefix "
+            "with one (a conversation's next turn, a common system prompt) computes only the rest; bytes or "
+            "512M, 4G (default: a quarter of the memory available at start-up; 0 turns it off)",
+            "parse": parse_size,
+            "metavar": "BYTES",
+        },
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "also keep the prefix cache's blocks in this directory: evicted blocks are read back from it, and a "
+            "restarted server finds them (default: RAM only); a new or empty directory, which the cache then "
+            "owns: one holding other files is refused",
+            "metavar": "DIR",
+        },
+    )
+    cache_disk: int = field(
+        default=DEFAULT_CACHE_DISK,
+        metadata={
+            "help": "most bytes --cache-dir may hold (least recently used blocks are removed first)",
+            "parse": parse_size,
+            "metavar": "BYTES",
+        },
+    )
+    lora: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "also serve a LoRA fine-tune of this base under a name of its own: requests naming it in `model` "
+            "decode through its adapters, in the same batches as the base and other adapters; repeatable",
+            "repeatable": True,
+            "metavar": "NAME=DIR",
+        },
+    )
+    lora_beside: bool = field(
+        default=False,
+        metadata={
+            "help": "also serve each LoRA directory found beside the base (in the folder that holds it) that was "
+            "trained on it, under the directory's name (off by default: whoever can write in that folder would "
+            "choose what the server serves)"
+        },
+    )
+    pooling: str = field(
+        default="mean",
+        metadata={
+            "help": "how /v1/embeddings makes one vector of a text's final hidden states: mean (every token) or last "
+            "(the last token's)",
+            "choices": ("mean", "last"),
+        },
+    )
+    max_context: int | None = field(
+        default=None,
+        metadata={
+            "help": "most tokens (prompt + completion) one request may reach (default: 4 x the model's block_size; "
+            "models with learned positions slide a window of block_size past it, others continue, as "
+            "`gptkit generate` does)"
+        },
+    )
 
     def __post_init__(self) -> None:
         # An empty name would let through a request whose Host header is empty, which the guard exists to refuse.
         blank = next((name for name in self.allowed_host if not name.strip()), None)
         if blank is not None:
-            raise GptkitError(f"--allowed-host {blank!r} names no host: give a host name such as mybox.lan (loopback "
-                              "names need no flag)")  # fmt: skip
+            raise GptkitError(
+                f"--allowed-host {blank!r} names no host: give a host name such as mybox.lan (loopback "
+                "names need no flag)"
+            )
 
 
 def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
@@ -121,8 +176,16 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     _add_adapters(model, adapters, options, beside)
     if tokenizer is None:
         raise GptkitError(f"{model_dir} has no tokenizer files; the server needs one to read and write text")
-    engine = Engine(model, tokenizer, options.max_batch_size, options.max_queue, options.compile, options.max_context,
-                    kv_dtype, cache)  # fmt: skip
+    engine = Engine(
+        model,
+        tokenizer,
+        options.max_batch_size,
+        options.max_queue,
+        options.compile,
+        options.max_context,
+        kv_dtype,
+        cache,
+    )
     if options.compile:
         log.info("compiling the decode step for batches of %s rows", engine.batch.row_buckets())
         log.info("compiled in %.1f s", engine.warm_up())
@@ -184,12 +247,14 @@ def _found_beside(model_dir: str | Path, options: ServeOptions) -> dict[str, Pat
         return {}
     names = {spec.partition("=")[0] for spec in options.lora}
     paths = {resolved(spec.partition("=")[2]) for spec in options.lora}
-    return {name: path for name, path in adapters_beside(model_dir).items()
-            if name not in names and resolved(path) not in paths}  # fmt: skip
+    return {
+        name: path
+        for name, path in adapters_beside(model_dir).items()
+        if name not in names and resolved(path) not in paths
+    }
 
 
-def _add_adapters(model: Any, adapters: AdapterRegistry | None, options: ServeOptions,
-                  beside: dict[str, Path]) -> None:  # fmt: skip
+def _add_adapters(model: Any, adapters: AdapterRegistry | None, options: ServeOptions, beside: dict[str, Path]) -> None:
     """Serve each --lora adapter (an error if it cannot be) and each one found beside the base: skipped, in a log
     line, when it is sound but not for this server (it was not asked for); an error when it is damaged."""
     for spec in options.lora:
@@ -214,8 +279,10 @@ def _adapter_registry(model: Any, options: ServeOptions, name: str, found: bool)
     if bad is not None:
         raise GptkitError(f"--lora {bad!r}: give NAME=DIR, the name requests send as `model` and a LoRA directory")
     if options.lora and options.compile:
-        raise GptkitError("--lora cannot be used with --compile: each batch applies its rows' adapters, which a "
-                          "compiled step cannot follow; leave out --compile")  # fmt: skip
+        raise GptkitError(
+            "--lora cannot be used with --compile: each batch applies its rows' adapters, which a "
+            "compiled step cannot follow; leave out --compile"
+        )
     if not options.lora and not found and not options.api_key:
         return None
     return AdapterRegistry.for_base(model, name)
@@ -231,8 +298,11 @@ def prefix_cache(options: ServeOptions) -> PrefixCache | None:
         store = KVStore(options.cache_dir, options.cache_disk)  # made if missing; refused if it holds other files
     if ram == 0 and store is None:
         return None
-    log.info("prefix cache: %.1f GiB of RAM%s", ram / (1 << 30),
-             f", {options.cache_disk / (1 << 30):.1f} GiB in {options.cache_dir}" if store else "")  # fmt: skip
+    log.info(
+        "prefix cache: %.1f GiB of RAM%s",
+        ram / (1 << 30),
+        f", {options.cache_disk / (1 << 30):.1f} GiB in {options.cache_dir}" if store else "",
+    )
     return PrefixCache(ram, store)
 
 
@@ -302,10 +372,16 @@ def uvicorn_config(app: FastAPI, options: ServeOptions, log_level: str = "info")
     """uvicorn's settings for the app: HTTP/1.1 with a deadline on each request head, a cap on connections."""
     import uvicorn
 
-    return uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level,
-                          timeout_graceful_shutdown=5, http=head_deadline_protocol(options.head_timeout),
-                          timeout_keep_alive=options.head_timeout,  # an idle connection: the same deadline
-                          limit_concurrency=options.max_connections)  # fmt: skip
+    return uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        http=head_deadline_protocol(options.head_timeout),
+        timeout_keep_alive=options.head_timeout,  # an idle connection: the same deadline
+        limit_concurrency=options.max_connections,
+    )
 
 
 def head_deadline_protocol(seconds: float) -> type:

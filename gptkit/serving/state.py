@@ -19,8 +19,15 @@ RENDER_SECONDS = 5.0  # a chat template rendering longer is stopped (templates c
 class APIError(Exception):
     """An error answered with an OpenAI error object and the given HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
         self.headers = headers
@@ -70,18 +77,29 @@ def check_model(state: ServerState, name: str) -> int:
     if state.adapters is not None and name in state.adapters.adapters:
         return state.adapters.adapters[name].index
     served = [state.model_name, *(state.adapters.adapters if state.adapters is not None else ())]
-    raise APIError(404, f"model {name!r} does not exist; this server serves {', '.join(map(repr, served))}",
-                   param="model", code="model_not_found")  # fmt: skip
+    raise APIError(
+        404,
+        f"model {name!r} does not exist; this server serves {', '.join(map(repr, served))}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def model_cards(state: ServerState) -> list[dict[str, Any]]:
     """The models as /v1/models lists them: the base, then each adapter with the base as its parent.
     context_length is the window a client must size its prompts to (what echo with logprobs can score);
     max_context the most tokens one request may reach, prompt and completion."""
-    card = {"object": "model", "created": 0, "owned_by": "gptkit", "context_length": state.engine.scoring_context,
-            "max_context": state.context_length}  # fmt: skip
+    card = {
+        "object": "model",
+        "created": 0,
+        "owned_by": "gptkit",
+        "context_length": state.engine.scoring_context,
+        "max_context": state.context_length,
+    }
     cards = [{"id": state.model_name, **card, "root": state.model_name, "parent": None}]
     if state.adapters is not None:
-        cards += [{"id": name, **card, "root": adapter.path, "parent": state.model_name}
-                  for name, adapter in state.adapters.adapters.items()]  # fmt: skip
+        cards += [
+            {"id": name, **card, "root": adapter.path, "parent": state.model_name}
+            for name, adapter in state.adapters.adapters.items()
+        ]
     return cards

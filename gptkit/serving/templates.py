@@ -48,9 +48,15 @@ class TemplateWorkers:
         if self.closed:
             raise ChatTemplateError("the server is shutting down; the chat template was not rendered")
         deadline = time.monotonic() + self.seconds
-        request = {"source": self.template.source, "bos_token": self.template.bos_token,
-                   "eos_token": self.template.eos_token, "messages": messages, "tools": tools,
-                   "add_generation_prompt": True, "max_chars": max_chars}  # fmt: skip
+        request = {
+            "source": self.template.source,
+            "bos_token": self.template.bos_token,
+            "eos_token": self.template.eos_token,
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": True,
+            "max_chars": max_chars,
+        }
         answer = self._ask(request, deadline)
         if "error" in answer:
             raise ChatTemplateError(answer["error"])
@@ -76,8 +82,7 @@ class TemplateWorkers:
         except TimeoutError:
             self._retire(worker)
             log.warning("a chat template still rendering after %g s was stopped (its process ended)", self.seconds)
-            raise ChatTemplateError(f"the chat template took more than {self.seconds:g} s to render; "
-                                    "stopped") from None  # fmt: skip
+            raise ChatTemplateError(f"the chat template took more than {self.seconds:g} s to render; stopped") from None
         except (EOFError, OSError):  # the process died (a kill from outside, its memory cap): a broken pipe
             self._retire(worker)
             return None
@@ -122,8 +127,10 @@ class TemplateWorkers:
                 return self._start()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ChatTemplateError(f"no chat template renderer came free within {self.seconds:g} s (the "
-                                        "others are busy with slow templates); try again")  # fmt: skip
+                raise ChatTemplateError(
+                    f"no chat template renderer came free within {self.seconds:g} s (the "
+                    "others are busy with slow templates); try again"
+                )
             try:
                 worker = self.idle.get(timeout=min(remaining, 0.05))  # short: a killed worker frees a place too
             except queue.Empty:
@@ -136,8 +143,10 @@ class TemplateWorkers:
         freed, so that no request is sent to it and fails for a death it did not cause."""
         if worker.process.poll() is None:
             return True
-        log.warning("a chat template rendering process had ended while idle (exit %s); starting another",
-                    worker.process.returncode)  # fmt: skip
+        log.warning(
+            "a chat template rendering process had ended while idle (exit %s); starting another",
+            worker.process.returncode,
+        )
         self._retire(worker)
         return False
 

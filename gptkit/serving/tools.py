@@ -70,11 +70,11 @@ def parse_calls(text: str) -> list[ParsedCall] | None:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:  # the last call, still being written
             name = json.loads(head.group(1)) if head else None
-            calls.append(ParsedCall(name, text[head.end():] if head and head.group(2) else None, False))
+            calls.append(ParsedCall(name, text[head.end() :] if head and head.group(2) else None, False))
             return calls
         if not (head and head.group(2) and isinstance(value, dict) and isinstance(value.get("name"), str)):
             return None  # JSON, but not a call (a model free to write text wrote an object)
-        calls.append(ParsedCall(value["name"], text[head.end(): end - 1], True))  # the arguments as written
+        calls.append(ParsedCall(value["name"], text[head.end() : end - 1], True))  # the arguments as written
         pos = end + len(text[end:]) - len(text[end:].lstrip(CALL_SEPARATOR))
     return calls
 
@@ -91,9 +91,15 @@ class ToolCalls:
     def grammar(self, tokenizer: Tokenizer, vocab_size: int, lead: str) -> Grammar:
         """The reply's grammar in llguidance's Lark dialect, lead allowed first."""
         defs = {f"tool{i}": _rebased(schema, f"#/$defs/tool{i}") for i, schema in enumerate(self.tools.values())}
-        one = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
-                "required": ["name", "arguments"], "additionalProperties": False}
-               for i, name in enumerate(self.tools)]  # fmt: skip
+        one = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for i, name in enumerate(self.tools)
+        ]
         schema = {**(one[0] if len(one) == 1 else {"anyOf": one}), "$defs": defs}
         calls = f"call ({lark_literal(CALL_SEPARATOR)} call)*" if self.parallel else "call"
         lines = [f"calls: {lark_literal(lead)}? {calls}" if lead else f"calls: {calls}", f"call: {json_rule(schema)}"]
@@ -139,17 +145,23 @@ class CallStream:
         self.text += piece
         calls = parse_calls(self.text)
         if calls is None or (reason is not None and not calls and self.shape.text_allowed):
-            new, self.content_sent = self.text[self.content_sent:], len(self.text)
+            new, self.content_sent = self.text[self.content_sent :], len(self.text)
             return ({"content": new} if new else {}), reason
         entries = []
         for index, call in enumerate(calls):
             if index == len(self.ids) and call.name is not None:
                 self.ids.append(new_call_id())
                 self.sent.append(0)
-                entries.append({"index": index, "id": self.ids[index], "type": "function",
-                                "function": {"name": call.name, "arguments": ""}})  # fmt: skip
+                entries.append(
+                    {
+                        "index": index,
+                        "id": self.ids[index],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
             if index < len(self.ids) and call.arguments is not None and len(call.arguments) > self.sent[index]:
-                entries.append({"index": index, "function": {"arguments": call.arguments[self.sent[index]:]}})
+                entries.append({"index": index, "function": {"arguments": call.arguments[self.sent[index] :]}})
                 self.sent[index] = len(call.arguments)
         if reason is not None:
             _, reason = self.shape.message(self.text, reason)
@@ -162,8 +174,9 @@ def _call(call_id: str, call: ParsedCall) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": call.name or "", "arguments": call.arguments or ""}}
 
 
-def tool_shape(tools: list[Tool] | None, choice: Any, parallel: bool | None,
-               response_format_given: bool) -> ToolCalls | None:  # fmt: skip
+def tool_shape(
+    tools: list[Tool] | None, choice: Any, parallel: bool | None, response_format_given: bool
+) -> ToolCalls | None:
     """The reply shape that tools and tool_choice ask for (None: free text)."""
     tools = tools or []
     if not tools:
@@ -176,8 +189,11 @@ def tool_shape(tools: list[Tool] | None, choice: Any, parallel: bool | None,
     if choice == "none":
         return None
     if response_format_given:
-        raise ToolChoiceError("tools with tool_choice other than 'none' fix the reply's form; drop response_format, "
-                              "or send tool_choice 'none'", "response_format")  # fmt: skip
+        raise ToolChoiceError(
+            "tools with tool_choice other than 'none' fix the reply's form; drop response_format, "
+            "or send tool_choice 'none'",
+            "response_format",
+        )
     parameters = {tool.function.name: tool.function.parameters or NO_ARGUMENTS for tool in tools}
     parallel = parallel is not False  # OpenAI's default: true
     if choice in (None, "auto"):
@@ -186,8 +202,9 @@ def tool_shape(tools: list[Tool] | None, choice: Any, parallel: bool | None,
         return ToolCalls(parameters, parallel)
     name = choice.function.name
     if name not in parameters:
-        raise ToolChoiceError(f"tool_choice names function {name!r}, which is not among the tools "
-                              f"({', '.join(names)})", "tool_choice")  # fmt: skip
+        raise ToolChoiceError(
+            f"tool_choice names function {name!r}, which is not among the tools ({', '.join(names)})", "tool_choice"
+        )
     return ToolCalls({name: parameters[name]}, parallel=False)
 
 
@@ -205,8 +222,7 @@ def _rebased(schema: Any, base: str) -> Any:
             out[key] = value
         elif key in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
             # maps of names to schemas: a property may itself be called "$ref"
-            out[key] = {name: _rebased(sub, base) for name, sub in value.items()} if isinstance(value, dict) \
-                else value  # fmt: skip
+            out[key] = {name: _rebased(sub, base) for name, sub in value.items()} if isinstance(value, dict) else value
         else:
             out[key] = _rebased(value, base)
     return out
@@ -223,10 +239,14 @@ def template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     if message.tool_calls:
         if message.content is None:
             out["content"] = None
-        out["tool_calls"] = [{"id": call.id, "type": "function",
-                              "function": {"name": call.function.name,
-                                           "arguments": _arguments(call.function.arguments, index)}}
-                             for call in message.tool_calls]  # fmt: skip
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments, index)},
+            }
+            for call in message.tool_calls
+        ]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
@@ -238,5 +258,6 @@ def _arguments(text: str, index: int) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        raise ToolChoiceError(f"messages[{index}]: a tool call's arguments must be JSON text, got {text[:40]!r}",
-                              "messages") from None  # fmt: skip
+        raise ToolChoiceError(
+            f"messages[{index}]: a tool call's arguments must be JSON text, got {text[:40]!r}", "messages"
+        ) from None

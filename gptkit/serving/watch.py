@@ -61,8 +61,10 @@ def listen(host: str, port: int) -> socket.socket:
         sock.listen(128)  # from now on a browser opening the printed URL waits for uvicorn rather than being refused
     except OSError as err:
         sock.close()
-        raise GptkitError(f"cannot listen on {host}:{port}: {err.strerror or err}; is another server on it? Stop it "
-                          "or pick another --port") from None  # fmt: skip
+        raise GptkitError(
+            f"cannot listen on {host}:{port}: {err.strerror or err}; is another server on it? Stop it "
+            "or pick another --port"
+        ) from None
     return sock
 
 

@@ -20,8 +20,10 @@ from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS, EOT, BPETokenizer, ByteTokenize
 # The regex of a byte-level pre-tokenizer, by the name llama.cpp's vocabulary loader knows it as
 # (llama.cpp src/llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2 and _LLAMA3).
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZERS = {"gpt-2": GPT2_REGEX, "llama-bpe": LLAMA3_REGEX}
 TOKEN_NORMAL, TOKEN_CONTROL = 1, 3  # llama.cpp's token types
 
@@ -47,8 +49,7 @@ def tokenizer_vocab(tokenizer: Tokenizer) -> Vocabulary:
     if isinstance(tokenizer, ByteTokenizer):
         specials = sorted(tokenizer.special_tokens.items(), key=lambda kv: kv[1])
         tokens = [BYTE_LEVEL_SYMBOLS[b] for b in range(256)] + [s for s, _ in specials]
-        return Vocabulary(tokens, [TOKEN_NORMAL] * 256 + [TOKEN_CONTROL] * len(specials), [], "gpt-2",
-                          tokenizer.eos_id)  # fmt: skip
+        return Vocabulary(tokens, [TOKEN_NORMAL] * 256 + [TOKEN_CONTROL] * len(specials), [], "gpt-2", tokenizer.eos_id)
     if isinstance(tokenizer, CharTokenizer):
         return _char_vocab(tokenizer)
     if isinstance(tokenizer, BPETokenizer):
@@ -61,23 +62,28 @@ def _char_vocab(tokenizer: CharTokenizer) -> Vocabulary:
     the module's docstring)."""
     wide = [c for c in tokenizer.chars if len(c.encode("utf-8")) != 1]
     if wide:
-        raise GGUFError(f"the char tokenizer's character {wide[0]!r} is several UTF-8 bytes: llama.cpp's "
-                        "byte-level tokenizer cannot give it one id; train a byte or bpe tokenizer instead")  # fmt: skip
+        raise GGUFError(
+            f"the char tokenizer's character {wide[0]!r} is several UTF-8 bytes: llama.cpp's "
+            "byte-level tokenizer cannot give it one id; train a byte or bpe tokenizer instead"
+        )
     tokens = [BYTE_LEVEL_SYMBOLS[ord(c)] for c in tokenizer.chars]
     specials = list(tokenizer.special_tokens) or [EOT]
     added = 0 if tokenizer.special_tokens else 1
     eos_id = len(tokens) + specials.index(EOT) if EOT in specials else tokenizer.eos_id
-    return Vocabulary(tokens + specials, [TOKEN_NORMAL] * len(tokens) + [TOKEN_CONTROL] * len(specials), [], "gpt-2",
-                      eos_id, added)  # fmt: skip
+    return Vocabulary(
+        tokens + specials, [TOKEN_NORMAL] * len(tokens) + [TOKEN_CONTROL] * len(specials), [], "gpt-2", eos_id, added
+    )
 
 
 def _bpe_vocab(tokenizer: BPETokenizer) -> Vocabulary:
     spec = json.loads(tokenizer.hf.to_str())
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
     if model.get("type") != "BPE" or spec.get("normalizer") is not None:
-        raise GGUFError("only a byte-level BPE tokenizer without a normaliser can be written as GGUF (this one: "
-                        f"{model.get('type')} model, normaliser {bool(spec.get('normalizer'))}); export with "
-                        "--to-hf and use llama.cpp's converter with the original tokenizer files")  # fmt: skip
+        raise GGUFError(
+            "only a byte-level BPE tokenizer without a normaliser can be written as GGUF (this one: "
+            f"{model.get('type')} model, normaliser {bool(spec.get('normalizer'))}); export with "
+            "--to-hf and use llama.cpp's converter with the original tokenizer files"
+        )
     name = _pre_tokenizer_name(pre)
     size = tokenizer.vocab_size
     vocab = tokenizer.hf.get_vocab(with_added_tokens=True)
@@ -96,14 +102,19 @@ def _pre_tokenizer_name(pre: dict[str, Any]) -> str:
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
         return "gpt-2"
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
-    if len(parts) == 2 and parts[0].get("type") == "Split" and parts[1].get("type") == "ByteLevel" \
-            and not parts[1].get("use_regex", True):  # fmt: skip
+    if (
+        len(parts) == 2
+        and parts[0].get("type") == "Split"
+        and parts[1].get("type") == "ByteLevel"
+        and not parts[1].get("use_regex", True)
+    ):
         regex = parts[0].get("pattern", {}).get("Regex")
         for name, known in PRE_TOKENIZERS.items():
             if regex == known:
                 return name
-    raise GGUFError(f"llama.cpp knows no pre-tokenizer like this tokenizer's ({json.dumps(pre)[:120]}); export "
-                    "with --to-hf instead")  # fmt: skip
+    raise GGUFError(
+        f"llama.cpp knows no pre-tokenizer like this tokenizer's ({json.dumps(pre)[:120]}); export with --to-hf instead"
+    )
 
 
 def inert_merge(tokens: list[str], types: list[int]) -> str:
@@ -150,16 +161,20 @@ def tokenizer_from_fields(fields: dict[str, Any], path: Path) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     # What the tokenizers library requires of a merge, checked here: it reports a damaged one as a Rust panic
-    broken = next((m for m, pair in zip(merges, pairs)
-                   if len(pair) != 2 or not {*pair, "".join(pair)} <= vocab.keys()), None)  # fmt: skip
+    broken = next(
+        (m for m, pair in zip(merges, pairs) if len(pair) != 2 or not {*pair, "".join(pair)} <= vocab.keys()), None
+    )
     if len(vocab) != len(tokens) or broken is not None:
         what = f"merge {broken!r} joins tokens outside the vocabulary" if broken else "the vocabulary repeats a token"
         raise GGUFError(f"{path}: the tokenizer is damaged ({what}); download or convert the file again")
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs))
     if pre == "llama-bpe":
-        hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])  # fmt: skip
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()

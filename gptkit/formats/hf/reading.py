@@ -240,6 +240,9 @@ def gpt_from_hf_model(hf_model: Any) -> GPT:
     loaders = {name: (lambda t=t: t.detach().clone()) for name, t in state.items()}  # no storage shared
     param = next(hf_model.parameters())
     return model_from_hf_state(
-        hf_model.config.to_dict(), loaders, type(hf_model).__name__, class_name=type(hf_model).__name__,
+        hf_model.config.to_dict(),
+        loaders,
+        type(hf_model).__name__,
+        class_name=type(hf_model).__name__,
         device=param.device,
-    )  # fmt: skip
+    )

@@ -95,5 +95,9 @@ def _set_name(config: dict[str, Any], key: str, name: str, hf: Any) -> None:
         return
     config.pop(key, None)
     if name:
-        log.warning("the chat template's %s %r is not a token of the tokenizer, so the Hugging Face export renders "
-                    "chats differently from gptkit there", key, name)  # fmt: skip
+        log.warning(
+            "the chat template's %s %r is not a token of the tokenizer, so the Hugging Face export renders "
+            "chats differently from gptkit there",
+            key,
+            name,
+        )

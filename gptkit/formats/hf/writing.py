@@ -43,30 +43,38 @@ def hf_checkpoint(
 
 
 # transformers' sequence-classification class for each causal-LM class gptkit writes.
-CLASSIFIER_ARCHITECTURES = {"GPT2LMHeadModel": "GPT2ForSequenceClassification",
-                            "LlamaForCausalLM": "LlamaForSequenceClassification",
-                            "MistralForCausalLM": "MistralForSequenceClassification",
-                            "Qwen2ForCausalLM": "Qwen2ForSequenceClassification",
-                            "Qwen3ForCausalLM": "Qwen3ForSequenceClassification",
-                            "Gemma2ForCausalLM": "Gemma2ForSequenceClassification",
-                            "Gemma3ForCausalLM": "Gemma3TextForSequenceClassification",
-                            "Phi3ForCausalLM": "Phi3ForSequenceClassification",
-                            "SmolLM3ForCausalLM": "SmolLM3ForSequenceClassification",
-                            "Olmo2ForCausalLM": "Olmo2ForSequenceClassification",
-                            "GPTNeoXForCausalLM": "GPTNeoXForSequenceClassification"}  # fmt: skip
+CLASSIFIER_ARCHITECTURES = {
+    "GPT2LMHeadModel": "GPT2ForSequenceClassification",
+    "LlamaForCausalLM": "LlamaForSequenceClassification",
+    "MistralForCausalLM": "MistralForSequenceClassification",
+    "Qwen2ForCausalLM": "Qwen2ForSequenceClassification",
+    "Qwen3ForCausalLM": "Qwen3ForSequenceClassification",
+    "Gemma2ForCausalLM": "Gemma2ForSequenceClassification",
+    "Gemma3ForCausalLM": "Gemma3TextForSequenceClassification",
+    "Phi3ForCausalLM": "Phi3ForSequenceClassification",
+    "SmolLM3ForCausalLM": "SmolLM3ForSequenceClassification",
+    "Olmo2ForCausalLM": "Olmo2ForSequenceClassification",
+    "GPTNeoXForCausalLM": "GPTNeoXForSequenceClassification",
+}
 
 
-def hf_classifier_checkpoint(hf: dict[str, Any], hf_state: dict[str, Tensor], labels: list[str], score: Tensor,
-                             pad_id: int | None) -> tuple[dict[str, Any], dict[str, Tensor]]:  # fmt: skip
+def hf_classifier_checkpoint(
+    hf: dict[str, Any], hf_state: dict[str, Tensor], labels: list[str], score: Tensor, pad_id: int | None
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A causal LM's config and state turned into its *ForSequenceClassification: the same body, and a linear
     head without bias (score) that transformers reads at each row's last token that is not pad_id."""
     architecture = CLASSIFIER_ARCHITECTURES.get(hf["architectures"][0])
     if architecture is None:
         raise ConversionError(f"transformers has no sequence classifier for {hf['architectures'][0]} here")
     head = f"{LAYOUTS[hf['architectures'][0]].head}.weight"
-    hf = dict(hf, architectures=[architecture], id2label=dict(enumerate(labels)),
-              label2id={label: i for i, label in enumerate(labels)}, pad_token_id=pad_id,
-              problem_type="single_label_classification")  # fmt: skip
+    hf = dict(
+        hf,
+        architectures=[architecture],
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+        pad_token_id=pad_id,
+        problem_type="single_label_classification",
+    )
     state = {name: tensor for name, tensor in hf_state.items() if name != head}
     state["score.weight"] = score.detach().to(next(iter(hf_state.values())).dtype)
     return hf, state
