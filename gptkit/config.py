@@ -411,10 +411,14 @@ def resolve_model(section: ModelSection, vocab_size: int, init_config: ModelConf
                 f"model.init_from {section.init_from} has vocab_size {base['vocab_size']} but the data's is "
                 f"{vocab_size}; prepare the data with that model's tokenizer"
             )
+        # A fine-tune may change dropout; and a RoPE model's context and its scaling, since its weights do not depend
+        # on them (extending a trained model's context: a longer block_size with rope_scaling).
+        changeable = {"dropout"} | ({"block_size", "rope_scaling"} if base["position"] == "rope" else set())
         for key, value in overrides.items():
-            if key != "dropout" and value != base[key]:
+            if key not in changeable and value != base[key]:
                 raise ConfigError(
-                    f"model.{key} {value!r} conflicts with init_from's {base[key]!r}; only dropout may change"
+                    f"model.{key} {value!r} conflicts with init_from's {base[key]!r}; only "
+                    f"{', '.join(sorted(changeable))} may change"
                 )
     elif section.preset is not None:
         ModelConfig.preset(section.preset)  # raises for an unknown name, listing the presets

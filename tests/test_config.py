@@ -3,6 +3,7 @@ import json
 import pytest
 
 from gptkit.config import PRESETS, ModelConfig
+from gptkit.errors import ConfigError
 
 
 def test_defaults_derive_kv_heads_and_ffn_width():
@@ -107,3 +108,18 @@ def test_load_reads_json_files_and_model_dirs(tmp_path):
     assert ModelConfig.load(tmp_path) == config
     with pytest.raises(ValueError, match="neither a preset nor a config file"):
         ModelConfig.load(tmp_path / "missing.json")
+
+
+def test_a_fine_tune_may_extend_a_rope_models_context_but_change_nothing_else():
+    from gptkit.config import ModelSection, resolve_model
+
+    rope = ModelConfig.preset("tiny-llama")
+    scaling = {"rope_type": "linear", "factor": 4.0}
+    section = ModelSection(init_from="base", fields={"block_size": 512, "rope_scaling": scaling, "dropout": 0.1})
+    extended = resolve_model(section, rope.vocab_size, rope)
+    assert (extended.block_size, extended.rope_scaling.rope_type, extended.rope_scaling.factor) == (512, "linear", 4.0)
+    with pytest.raises(ConfigError, match="^model.n_head 8 conflicts with init_from's 4; only block_size, dropout, "):
+        resolve_model(ModelSection(init_from="base", fields={"n_head": 8}), rope.vocab_size, rope)
+    learned = ModelConfig.preset("tiny")  # learned positions: a longer context needs new position rows
+    with pytest.raises(ConfigError, match="^model.block_size 512 conflicts with init_from's 128; only dropout may"):
+        resolve_model(ModelSection(init_from="base", fields={"block_size": 512}), learned.vocab_size, learned)
