@@ -159,6 +159,8 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         wants_text = kind is str or str in get_args(kind)  # a path named 2024 or yes stays a string
         if any(get_origin(k) is list for k in (kind, *get_args(kind))):
             value = value if isinstance(value, list) or value is None else [text]  # one flag value: one item
+        elif any(dataclasses.is_dataclass(k) for k in (kind, *get_args(kind))) and isinstance(value, dict):
+            pass  # a nested setting given as a YAML mapping: --model.rope_scaling '{rope_type: linear, factor: 4}'
         elif value is not None and (wants_text or not isinstance(value, (bool, int, float))):
             value = text  # keep strings (and anything structured) exactly as typed
         overrides.setdefault(section, {})[key] = value

@@ -381,3 +381,18 @@ def test_list_and_nested_model_settings_take_flags_and_describe_themselves():
         coerce("model.rope_scaling", "linear", kinds["rope_scaling"])
     config = from_sources(None, {"model": {"preset": "tiny-llama", "rope_scaling": rope, "layer_types": ["full"] * 2}})
     assert config.model.fields["rope_scaling"] == rope
+
+
+def test_a_nested_setting_takes_a_yaml_mapping_as_a_flag(tmp_path):
+    from gptkit.run_sources import flag_overrides
+
+    args = build_parser().parse_args(
+        ["train", "--model.rope_scaling", "{rope_type: linear, factor: 4}", "--model.block_size", "512"]
+    )
+    flags = flag_overrides(args)
+    assert flags["model"] == {"rope_scaling": {"rope_type": "linear", "factor": 4}, "block_size": 512}
+    config = from_sources(None, {"model": {"preset": "tiny-llama", **flags["model"]}})
+    assert resolve_model(config.model, 256).rope_scaling.factor == 4.0
+    args = build_parser().parse_args(["train", "--model.rope_scaling", "linear"])
+    with pytest.raises(ConfigError, match="^model.rope_scaling must be a mapping of RopeScaling's fields or null"):
+        from_sources(None, flag_overrides(args))
