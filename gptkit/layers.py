@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptkit import cpu_kernels
-from gptkit.config import ModelConfig
+from gptkit.config import GATED, ModelConfig
 
 
 class Linear(nn.Linear):
@@ -40,3 +41,17 @@ def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
     if config.norm == "rmsnorm":
         return RMSNorm(dim, config.norm_eps, config.norm_gain_offset)
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.norm_bias)
+
+
+def activate(h: Tensor, activation: str) -> Tensor:
+    """The feed-forward activation of ModelConfig.activation on h (..., fc width); a gated one halves the width."""
+    if activation in GATED:
+        gate, up = h.chunk(2, dim=-1)
+        return (F.silu(gate) if activation == "swiglu" else F.gelu(gate, approximate="tanh")) * up
+    if activation == "relu":
+        return F.relu(h)
+    if activation == "relu2":
+        return F.relu(h).square()
+    if activation == "gelu":
+        return F.gelu(h)
+    return F.gelu(h, approximate="tanh")

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -15,7 +14,7 @@ from gptkit.attention import CausalSelfAttention
 from gptkit.config import GATED, ModelConfig
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache, LayerKV
-from gptkit.layers import Linear, RMSNorm, make_norm
+from gptkit.layers import Linear, RMSNorm, activate, make_norm
 from gptkit.loss import linear_cross_entropy, soft_cap
 from gptkit.moe import MoEFeedForward, auxiliary_loss
 from gptkit.positions import document_positions, rope_tables, sinusoidal_embedding
@@ -42,19 +41,7 @@ class FeedForward(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.fc(x)
-        if self.activation in GATED:
-            gate, up = h.chunk(2, dim=-1)
-            h = (F.silu(gate) if self.activation == "swiglu" else F.gelu(gate, approximate="tanh")) * up
-        elif self.activation == "relu":
-            h = F.relu(h)
-        elif self.activation == "relu2":
-            h = F.relu(h).square()
-        elif self.activation == "gelu":
-            h = F.gelu(h)
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.drop(self.proj(h))
+        return self.drop(self.proj(activate(self.fc(x), self.activation)))
 
 
 def feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:

@@ -13,11 +13,10 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptkit.config import GATED, ModelConfig
-from gptkit.layers import Linear
+from gptkit.layers import Linear, activate
 
 # Each expert's rows are padded with zero rows to a multiple of this. A CPU matrix product gives a row other bits
 # when it has 1-4 rows (2 threads: also 5-6) than among many: measured with torch 2.13's fp32 mm on 32x64 to
@@ -25,20 +24,6 @@ from gptkit.layers import Linear
 # sat among them. (Not so for toy widths: with fewer than 8 inputs, or 9 outputs, a row's place in its block of 8
 # changed its bits.)
 ROW_BLOCK = 8
-
-
-def activate(h: Tensor, activation: str) -> Tensor:
-    """The feed-forward activation of ModelConfig.activation on h (..., fc width); a gated one halves the width."""
-    if activation in GATED:
-        gate, up = h.chunk(2, dim=-1)
-        return (F.silu(gate) if activation == "swiglu" else F.gelu(gate, approximate="tanh")) * up
-    if activation == "relu":
-        return F.relu(h)
-    if activation == "relu2":
-        return F.relu(h).square()
-    if activation == "gelu":
-        return F.gelu(h)
-    return F.gelu(h, approximate="tanh")
 
 
 def route(logits: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:

@@ -14,6 +14,7 @@ from gptkit import moe
 from gptkit.accounting import active_params, forward_flops_per_token, param_breakdown
 from gptkit.config import ModelConfig
 from gptkit.errors import ConfigError
+from gptkit.layers import activate
 from gptkit.model import GPT, FeedForward
 
 
@@ -60,7 +61,7 @@ def dense_reference(layer: moe.MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
         h = flat @ layer.fc.weight[e].T
         if layer.fc.bias is not None:
             h = h + layer.fc.bias[e]
-        y = moe.activate(h, layer.activation) @ layer.proj.weight[e].T
+        y = activate(h, layer.activation) @ layer.proj.weight[e].T
         outputs.append(y + layer.proj.bias[e] if layer.proj.bias is not None else y)
     out = (torch.stack(outputs, 1) * gate[..., None]).sum(1)
     if layer.shared is not None:
