@@ -46,6 +46,7 @@ import torch
 from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import complete
+from gptkit.decoding.options import DecodeOptions
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.speculative import SpeculativeStats
 from gptkit.decoding.step import inference, new_cache, prefill
@@ -193,7 +194,11 @@ def hf_generate(hf: Any, ids: torch.Tensor) -> Callable[[int], list[int]]:
 def gptkit_generate(model: GPT, ids: torch.Tensor, compile: bool) -> Callable[[int], list[int]]:
     prompts = ids.tolist()
     return lambda n: (
-        complete(model, prompts, SamplingParams(max_new_tokens=n, temperature=0), compile=compile).completions[0][0].ids
+        complete(
+            model, prompts, SamplingParams(max_new_tokens=n, temperature=0), options=DecodeOptions(compile=compile)
+        )
+        .completions[0][0]
+        .ids
     )
 
 
@@ -408,7 +413,7 @@ def speculative_section(args: argparse.Namespace) -> list[dict[str, Any]]:
         same = True
         for _ in range(args.rounds):
             plain = complete(target, prompt, params)
-            spec = complete(target, prompt, params, draft=draft, draft_k=k)
+            spec = complete(target, prompt, params, options=DecodeOptions(draft=draft, draft_k=k))
             same = same and plain.completions[0][0].ids == spec.completions[0][0].ids
             # Both rates over the whole request (prefill included: speculation does not time it apart).
             plain_rate = (plain.timing.decode_tokens + 1) / (plain.timing.decode_seconds + plain.timing.prefill_seconds)

@@ -343,6 +343,7 @@ def part_decode(args: argparse.Namespace, device: torch.device, report: dict, bu
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from gptkit.decoding.api import complete
+    from gptkit.decoding.options import DecodeOptions
     from gptkit.decoding.sampling import SamplingParams
     from gptkit.formats.hf import gpt_from_hf_model
 
@@ -389,7 +390,7 @@ def part_decode(args: argparse.Namespace, device: torch.device, report: dict, bu
         return ids.size(0) * (args.new_tokens - 1) / max(full - one, 1e-9), out[0, ids.size(1) :].tolist()
 
     def ours_rate(ids: Tensor, compile: bool) -> tuple[float, list[int], float | None]:
-        timing_result = complete(ours, ids.tolist(), params, compile=compile)
+        timing_result = complete(ours, ids.tolist(), params, options=DecodeOptions(compile=compile))
         timing = timing_result.timing
         return timing.decode_tokens / timing.decode_seconds, timing_result.completions[0][0].ids, timing.compile_seconds
 

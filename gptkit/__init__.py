@@ -29,6 +29,7 @@ _EXPORTS = {
     "generate_ids": "gptkit.decoding.api",
     "stream": "gptkit.decoding.api",
     "SamplingParams": "gptkit.decoding.sampling",
+    "DecodeOptions": "gptkit.decoding.options",
     "quantize": "gptkit.quantization",
     "save_quantized_dir": "gptkit.formats.quantized",
     "load_hf": "gptkit.formats.hf",

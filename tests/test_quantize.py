@@ -15,6 +15,7 @@ import gptkit.quantization as q
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import complete, generate_ids
+from gptkit.decoding.options import DecodeOptions
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import ConfigError
 from gptkit.formats.modeldir import save_model_dir
@@ -211,7 +212,9 @@ def test_compiled_int8_decode_matches_eager(trained, device, capfd):
     quantised = q.quantize(_copy(model).to(device), "int8")
     prompt = held_out[:20].tolist()
     eager = complete(quantised, [prompt], SamplingParams(max_new_tokens=12, temperature=0))
-    compiled = complete(quantised, [prompt], SamplingParams(max_new_tokens=12, temperature=0), compile=True)
+    compiled = complete(
+        quantised, [prompt], SamplingParams(max_new_tokens=12, temperature=0), options=DecodeOptions(compile=True)
+    )
     assert compiled.completions == eager.completions
     assert compiled.timing.compile_seconds is not None
     assert "AUTOTUNE" not in capfd.readouterr().err  # the autotuner's timing tables stay out of the user's terminal
@@ -219,7 +222,7 @@ def test_compiled_int8_decode_matches_eager(trained, device, capfd):
     prompts = [held_out[i : i + 20].tolist() for i in range(0, 600, 100)]
     params = SamplingParams(max_new_tokens=8, temperature=0)
     assert (
-        complete(quantised, prompts, params, compile=True).completions
+        complete(quantised, prompts, params, options=DecodeOptions(compile=True)).completions
         == complete(quantised, prompts, params).completions
     )
 

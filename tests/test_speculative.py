@@ -11,6 +11,7 @@ from conftest import TINY, VARIANTS
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import complete, generate_ids
+from gptkit.decoding.options import DecodeOptions
 from gptkit.decoding.request import Request
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.speculative import speculative_generate
@@ -85,7 +86,7 @@ def test_complete_with_draft_stops_at_eos_and_reports_stats():
     cut = next(i for i, t in enumerate(plain) if t not in plain[:i] and i >= 2)  # eos's first appearance
     eos = plain[cut]
     want = complete(target, [prompt, [1, 2]], GREEDY, eos_id=eos)
-    got = complete(target, [prompt, [1, 2]], GREEDY, eos_id=eos, draft=target, draft_k=4)
+    got = complete(target, [prompt, [1, 2]], GREEDY, eos_id=eos, options=DecodeOptions(draft=target, draft_k=4))
     assert [[c.ids for c in row] for row in got.completions] == [[c.ids for c in row] for row in want.completions]
     assert got.completions[0][0].finish_reason == "eos" and got.completions[0][0].ids == plain[:cut]
     timing = got.timing.to_dict()

@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from gptkit.decoding.api import encode_prompt, generate_text, stream_text
+    from gptkit.decoding.options import DecodeOptions
     from gptkit.decoding.speculative import check_draft
     from gptkit.loading import load
     from gptkit.quantization import is_quantized, quantize
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         if args.quantize and not is_quantized(draft):
             quantize(draft, args.quantize)
         check_draft(model, draft, params, args.draft_k)
-    fast = dict(compile=args.compile, draft=draft, draft_k=args.draft_k, kv_cache=args.kv_cache)
+    options = DecodeOptions(compile=args.compile, draft=draft, draft_k=args.draft_k, kv_cache=args.kv_cache)
     prompt_length = len(encode_prompt(tokenizer, prompt))  # a bad prompt fails before anything is printed
     if model.config.position == "learned" and prompt_length > model.config.block_size:
         print(
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with torch.no_grad():  # warm up (allocator, kernels) so that the timing measures steady work
             model(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))
-        [texts], result = generate_text(model, tokenizer, [prompt], params, **fast)
+        [texts], result = generate_text(model, tokenizer, [prompt], params, options)
         samples = [
             {"text": text, "ids": c.ids, "finish_reason": c.finish_reason}
             for text, c in zip(texts, result.completions[0])
@@ -148,11 +149,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, ensure_ascii=False))
         return 0
     if params.num_beams > 1 or params.num_samples > 1:  # not streamed
-        [texts], _ = generate_text(model, tokenizer, [prompt], params, **fast)
+        [texts], _ = generate_text(model, tokenizer, [prompt], params, options)
         print("\n---------------\n".join(texts))
         return 0
     text = ""
-    for piece in stream_text(model, tokenizer, prompt, params, **fast):
+    for piece in stream_text(model, tokenizer, prompt, params, options):
         sys.stdout.write(piece)
         sys.stdout.flush()
         text += piece

@@ -1,9 +1,9 @@
 """The public decoding API: generate_ids, generate and stream, and complete(), which all of them call.
 
-Each takes a SamplingParams (params=) and/or its fields as keywords (overrides of params, or of the defaults), the
-same fast paths: compile (a compiled decode step) and draft (speculative decoding with a smaller model), and the
-KV cache's element type (kv_cache="int8": gptkit.kv_cache). Every path decodes through the batch engine, beam
-search or speculative decoding, on the same Request.
+Each takes a SamplingParams (params=) and a DecodeOptions (options=: the fast paths, compile and draft, and the
+KV cache's element type; gptkit.decoding.options); the public ones also take the fields of both as keywords
+(overrides of params and options, or of the defaults). Every path decodes through the batch engine, beam search or
+speculative decoding, on the same Request.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import torch
 from gptkit.decoding.batch import BatchEngine, requests_for
 from gptkit.decoding.beam import beam_search
 from gptkit.decoding.grammar import Grammar
+from gptkit.decoding.options import DecodeOptions, split_overrides
 from gptkit.decoding.request import Decode, EosIds, FinishReason, Request, end_ids, first_stop
 from gptkit.decoding.sampling import SamplingParams
-from gptkit.decoding.speculative import DRAFT_K, SpeculativeStats, check_draft, fits, speculate
+from gptkit.decoding.speculative import SpeculativeStats, check_draft, fits, speculate
 from gptkit.decoding.step import base, cache_len, check_prompts, device_dtype, sync
 from gptkit.errors import ConfigError, InputError
 from gptkit.kv_cache import kv_dtype_of
@@ -98,10 +99,9 @@ def grammar_for(model: GPT, tokenizer: Tokenizer | None, params: SamplingParams)
     return Grammar(tokenizer, params.json_schema, base(model).config.vocab_size)
 
 
-def _fits_draft(
-    model: GPT, draft: GPT | None, prompts: Sequence[Sequence[int]], params: SamplingParams, draft_k: int
-) -> bool:
+def _fits_draft(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams, options: DecodeOptions) -> bool:
     """Whether to speculate: a draft given, checked, and room for it (else a warning, and plain decoding)."""
+    draft, draft_k = options.draft, options.draft_k
     if draft is None:
         return False
     check_draft(model, draft, params, draft_k)
@@ -122,33 +122,30 @@ def complete(
     params: SamplingParams,
     eos_id: EosIds = None,
     decode: Decode | None = None,
-    compile: bool = False,
-    draft: GPT | None = None,
-    draft_k: int = DRAFT_K,
+    options: DecodeOptions | None = None,
     grammar: Grammar | None = None,
-    kv_cache: str | None = None,
 ) -> Result:
     """Generate for a batch of token-id prompts under params; the engine behind generate_ids and generate.
 
-    compile: decode with a compiled step (its one-off cost is timing.compile_seconds). draft: a smaller model of
-    the same tokenizer proposing draft_k tokens per target pass (speculative decoding, one request at a time).
-    grammar: params.json_schema compiled by grammar_for (required with a schema). kv_cache: "int8" stores the
-    keys and values as int8 (gptkit.kv_cache), else they are kept in the model's dtype.
+    options: the decoding path (DecodeOptions; with compile its one-off cost is timing.compile_seconds; a draft
+    decodes one request at a time). grammar: params.json_schema compiled by grammar_for (required with a schema).
     """
+    options = options or DecodeOptions()
+    compile = options.compile
     check_prompts(model, prompts)
     if (params.json_schema is None) != (grammar is None):
         raise ConfigError(
             "give a grammar (grammar_for(model, tokenizer, params)) exactly when params has a json_schema"
         )
-    kv_dtype = _kv_dtype(kv_cache, params, draft)
+    kv_dtype = _kv_dtype(options, params)
     device, _ = device_dtype(model)
     timing = Timing(prefill_tokens=sum(len(p) for p in prompts))
     requests = requests_for(prompts, params, end_ids(eos_id), decode, grammar)
-    if _fits_draft(model, draft, prompts, params, draft_k):
+    if _fits_draft(model, prompts, params, options):
         timing.speculative = SpeculativeStats()
         start = time.perf_counter()
         for request in requests:
-            for _ in speculate(model, draft, request, timing.speculative, draft_k, compile):
+            for _ in speculate(model, options.draft, request, timing.speculative, options.draft_k, compile):
                 pass
         sync(device)
         timing.decode_seconds = time.perf_counter() - start  # speculation interleaves the phases
@@ -183,12 +180,12 @@ def complete(
     return Result(completions, timing)
 
 
-def _kv_dtype(kv_cache: str | None, params: SamplingParams, draft: GPT | None) -> torch.dtype | None:
-    """The cache's element type for kv_cache; a ConfigError where the decoding path keeps its own cache."""
-    kv_dtype = kv_dtype_of(kv_cache)
-    if kv_dtype is not None and (params.num_beams > 1 or draft is not None):
+def _kv_dtype(options: DecodeOptions, params: SamplingParams) -> torch.dtype | None:
+    """The cache's element type for options.kv_cache; a ConfigError where the decoding path keeps its own cache."""
+    kv_dtype = kv_dtype_of(options.kv_cache)
+    if kv_dtype is not None and (params.num_beams > 1 or options.draft is not None):
         raise ConfigError(
-            f"kv_cache {kv_cache} works with greedy and sampled decoding; beam search and a draft "
+            f"kv_cache {options.kv_cache} works with greedy and sampled decoding; beam search and a draft "
             "model keep their caches in the model's dtype"
         )
     return kv_dtype
@@ -207,10 +204,7 @@ def generate_ids(
     *,
     eos_id: EosIds = None,
     tokenizer: Tokenizer | None = None,
-    compile: bool = False,
-    draft: GPT | None = None,
-    draft_k: int = DRAFT_K,
-    kv_cache: str | None = None,
+    options: DecodeOptions | None = None,
     **overrides: Any,
 ) -> list[int] | list[list[int]] | list[list[list[int]]]:
     """The new token ids for one prompt (a list of ids) or a batch (a list of such lists).
@@ -218,24 +212,13 @@ def generate_ids(
     params and keyword overrides (SamplingParams' fields: max_new_tokens, temperature, top_k, ...) set the rules.
     With num_samples > 1 each prompt gives a list of samples. Generation stops at eos_id (an id or several; not
     returned) and at stop strings (found by decoding with tokenizer; the ids up to the one completing the string
-    are returned). compile, draft and draft_k choose the fast paths of complete(); kv_cache its cache's elements.
+    are returned). options and keyword overrides of its fields (compile, draft, ...) choose the decoding path.
     """
-    params = sampling_params(params, overrides)
+    params, options = split_overrides(params, options, overrides)
     batched = bool(prompt_ids) and not isinstance(prompt_ids[0], numbers.Integral)
     prompts = [list(p) for p in prompt_ids] if batched else [list(prompt_ids)]
     decode = tokenizer.decode if tokenizer is not None else None
-    result = complete(
-        model,
-        prompts,
-        params,
-        eos_id,
-        decode,
-        compile=compile,
-        draft=draft,
-        draft_k=draft_k,
-        grammar=grammar_for(model, tokenizer, params),
-        kv_cache=kv_cache,
-    )
+    result = complete(model, prompts, params, eos_id, decode, options, grammar_for(model, tokenizer, params))
     return _shape([[c.ids for c in row] for row in result.completions], batched, params.num_samples)
 
 
@@ -267,27 +250,14 @@ def generate_text(
     tokenizer: Tokenizer,
     prompts: Sequence[str],
     params: SamplingParams,
-    compile: bool = False,
-    draft: GPT | None = None,
-    draft_k: int = DRAFT_K,
-    kv_cache: str | None = None,
+    options: DecodeOptions | None = None,
 ) -> tuple[list[list[str]], Result]:
     """Texts per prompt (num_samples each) and the full result (ids, finish reasons, timing)."""
     if not prompts:
         raise InputError("no prompts given")
     ids = [encode_prompt(tokenizer, p) for p in prompts]
-    result = complete(
-        model,
-        ids,
-        params,
-        tokenizer.eos_ids,
-        tokenizer.decode,
-        compile=compile,
-        draft=draft,
-        draft_k=draft_k,
-        grammar=grammar_for(model, tokenizer, params),
-        kv_cache=kv_cache,
-    )
+    grammar = grammar_for(model, tokenizer, params)
+    result = complete(model, ids, params, tokenizer.eos_ids, tokenizer.decode, options, grammar)
     texts = [[completion_text(tokenizer, c, params.stop) for c in row] for row in result.completions]
     return texts, result
 
@@ -298,24 +268,19 @@ def generate(
     prompt: str | list[str],
     params: SamplingParams | None = None,
     *,
-    compile: bool = False,
-    draft: GPT | None = None,
-    draft_k: int = DRAFT_K,
-    kv_cache: str | None = None,
+    options: DecodeOptions | None = None,
     **overrides: Any,
 ) -> str | list[str] | list[list[str]]:
     """The generated text (without the prompt) for a prompt, or a list for a list of prompts.
 
     params and keyword overrides (SamplingParams' fields) set the rules. With num_samples > 1 each prompt gives a
-    list of samples. Neither the end-of-text token nor a stop string is part of the text. compile: a compiled
-    decode step; draft: a small model for speculative decoding (draft_k tokens proposed per pass); kv_cache:
-    "int8" keeps the keys and values in int8 (gptkit.kv_cache).
+    list of samples. Neither the end-of-text token nor a stop string is part of the text. options and keyword
+    overrides of its fields choose the decoding path: compile (a compiled decode step), draft and draft_k (a small
+    model for speculative decoding), kv_cache ("int8" keeps the keys and values in int8).
     """
-    params = sampling_params(params, overrides)
+    params, options = split_overrides(params, options, overrides)
     batched = not isinstance(prompt, str)
-    texts, _ = generate_text(
-        model, tokenizer, list(prompt) if batched else [prompt], params, compile, draft, draft_k, kv_cache
-    )
+    texts, _ = generate_text(model, tokenizer, list(prompt) if batched else [prompt], params, options)
     return _shape(texts, batched, params.num_samples)
 
 
@@ -324,21 +289,19 @@ def stream_text(
     tokenizer: Tokenizer,
     prompt: str,
     params: SamplingParams,
-    compile: bool = False,
-    draft: GPT | None = None,
-    draft_k: int = DRAFT_K,
-    kv_cache: str | None = None,
+    options: DecodeOptions | None = None,
 ) -> Iterator[str]:
     """Text pieces as tokens decode (single prompt, one sample, no beams); they join to generate()'s text."""
     if params.num_beams > 1 or params.num_samples > 1:
         raise ConfigError("streaming produces one sequence: use num_beams=1 and num_samples=1")
-    kv_dtype = _kv_dtype(kv_cache, params, draft)
+    options = options or DecodeOptions()
+    kv_dtype = _kv_dtype(options, params)
     ids = encode_prompt(tokenizer, prompt)
     [request] = requests_for([ids], params, tokenizer.eos_ids, tokenizer.decode, grammar_for(model, tokenizer, params))
-    if _fits_draft(model, draft, [ids], params, draft_k):
-        steps = speculate(model, draft, request, SpeculativeStats(), draft_k, compile)
+    if _fits_draft(model, [ids], params, options):
+        steps = speculate(model, options.draft, request, SpeculativeStats(), options.draft_k, options.compile)
     else:
-        steps = _engine_steps(model, request, compile, kv_dtype)
+        steps = _engine_steps(model, request, options.compile, kv_dtype)
     for _ in steps:
         text = request.take().text
         if text:
@@ -362,15 +325,12 @@ def stream(
     prompt: str,
     params: SamplingParams | None = None,
     *,
-    compile: bool = False,
-    draft: GPT | None = None,
-    draft_k: int = DRAFT_K,
-    kv_cache: str | None = None,
+    options: DecodeOptions | None = None,
     **overrides: Any,
 ) -> Iterator[str]:
     """Yield the generated text in pieces as it decodes, never splitting a character or showing a stop string.
 
     Takes what generate() takes (for one prompt and one sample), and yields pieces that join to its text.
     """
-    params = sampling_params(params, overrides)
-    return stream_text(model, tokenizer, prompt, params, compile, draft, draft_k, kv_cache)
+    params, options = split_overrides(params, options, overrides)
+    return stream_text(model, tokenizer, prompt, params, options)
