@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench_serve import start_server
+from serve_process import start_server
 
 CORPUS = Path(__file__).resolve().parent.parent / "gptkit" / "corpora" / "tinyshakespeare.txt"
 TASKS = {

@@ -36,7 +36,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -48,6 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from serve_process import start_server
 
 
 def build_model_dir(path: Path, n_layer: int, n_embd: int, block_size: int) -> Path:
@@ -69,34 +69,6 @@ def build_model_dir(path: Path, n_layer: int, n_embd: int, block_size: int) -> P
         n_embd=n_embd,
     )
     return save_model_dir(GPT(config), path / "bench-model", tokenizer=tokenizer)
-
-
-def start_server(
-    model_dir: Path, max_batch_size: int | None, threads: int | None, compile: bool = False, extra: tuple[str, ...] = ()
-) -> tuple[subprocess.Popen, str]:
-    """`gptkit serve` on 127.0.0.1 with a free port; returns the process and its base URL."""
-    extra = (
-        (["--threads", str(threads)] if threads else [])
-        + (["--compile"] if compile else [])
-        + (["--max-batch-size", str(max_batch_size)] if max_batch_size else [])
-        + list(extra)
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gptkit", "serve", str(model_dir), "--port", "0", "--device", "cpu", *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.monotonic() + (900 if compile else 120)  # compiling every batch shape comes before ready
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        match = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
-        if match:
-            return proc, match.group(1)
-    proc.kill()
-    raise SystemExit("bench_serve: the server did not start")
 
 
 # A chat template that renders normally, except for the message "loop", where it writes without end (the server

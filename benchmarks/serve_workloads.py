@@ -19,7 +19,6 @@ import concurrent.futures
 import json
 import os
 import platform
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
-from bench_serve import start_server
+from serve_process import free_port, start_server
 
 STREAM = True
 MODEL = "served-model"  # the model directory's name, which gptkit serve requires (llama-server ignores it)
@@ -155,12 +154,6 @@ def shared_system(url: str, eos: int, texts: Texts, requests: int) -> dict[str, 
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_llama_server(binary: Path, gguf: Path, settings: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     """llama-server on 127.0.0.1 with a free port (its output in log), once its /health answers 200."""
     port = free_port()
@@ -226,9 +219,9 @@ def _better(new: dict[str, Any], old: dict[str, Any]) -> bool:
 
 
 def cpu_line() -> str:
-    from gptkit import cpu_kernels
+    from gptkit.native import library
 
-    return cpu_kernels.capability() if platform.system() == "Linux" else platform.processor()
+    return library.capability() if platform.system() == "Linux" else platform.processor()
 
 
 def compare_with_llama_server(args: argparse.Namespace) -> None:
