@@ -62,7 +62,7 @@ class Timing:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     compile_seconds: float | None = None  # the one-off compile (and first step) when compile=True
-    speculative: SpeculativeStats | None = None  # when a draft model proposed tokens
+    speculative: SpeculativeStats | None = None  # when a draft model or lookup proposed tokens
 
     def to_dict(self) -> dict[str, float | None]:
         """Counts, seconds and tokens per second of both phases (None where a phase was not timed apart)."""
@@ -138,6 +138,7 @@ def complete(
             "give a grammar (grammar_for(model, tokenizer, params)) exactly when params has a json_schema"
         )
     kv_dtype = _kv_dtype(options, params)
+    lookup = options.lookup_proposer()
     device, _ = device_dtype(model)
     timing = Timing(prefill_tokens=sum(len(p) for p in prompts))
     requests = requests_for(prompts, params, end_ids(eos_id), decode, grammar)
@@ -159,7 +160,11 @@ def complete(
         return Result(completions, timing)
     else:
         need = max(len(p) for p in prompts) + params.max_new_tokens
-        engine = BatchEngine(model, len(requests), cache_len(model, need, compile), compile, kv_dtype=kv_dtype)
+        engine = BatchEngine(
+            model, len(requests), cache_len(model, need, compile), compile, kv_dtype=kv_dtype, lookup=lookup
+        )
+        if lookup is not None:
+            timing.speculative = engine.speculative
         if compile:
             timing.compile_seconds = engine.warm_up()
         start = time.perf_counter()
@@ -296,22 +301,24 @@ def stream_text(
         raise ConfigError("streaming produces one sequence: use num_beams=1 and num_samples=1")
     options = options or DecodeOptions()
     kv_dtype = _kv_dtype(options, params)
+    options.lookup_proposer()  # a bad lookup setting fails before anything is decoded
     ids = encode_prompt(tokenizer, prompt)
     [request] = requests_for([ids], params, tokenizer.eos_ids, tokenizer.decode, grammar_for(model, tokenizer, params))
     if _fits_draft(model, [ids], params, options):
         steps = speculate(model, options.draft, request, SpeculativeStats(), options.draft_k, options.compile)
     else:
-        steps = _engine_steps(model, request, options.compile, kv_dtype)
+        steps = _engine_steps(model, request, options, kv_dtype)
     for _ in steps:
         text = request.take().text
         if text:
             yield text
 
 
-def _engine_steps(model: GPT, request: Request, compile: bool, kv_dtype: torch.dtype | None) -> Iterator[None]:
+def _engine_steps(model: GPT, request: Request, options: DecodeOptions, kv_dtype: torch.dtype | None) -> Iterator[None]:
     """Decode one request on a batch engine of one row, pausing after the prefill and after each step."""
     need = len(request.prompt) + request.params.max_new_tokens
-    engine = BatchEngine(model, 1, cache_len(model, need, compile), compile, kv_dtype=kv_dtype)
+    length = cache_len(model, need, options.compile)
+    engine = BatchEngine(model, 1, length, options.compile, kv_dtype=kv_dtype, lookup=options.lookup_proposer())
     engine.add([request])
     yield
     while engine.rows:

@@ -11,6 +11,10 @@ through the fused step (gptkit.decoding.fused) where it covers the model and the
 fused.MAX_ROWS, more where measured faster), one native call a step; the first engine after a background build of
 gptkit's kernels switches to it at its next step.
 
+Lookup (gptkit.decoding.lookup): after each step, a row whose tokens repeat an earlier n-gram runs the tokens that
+followed it through the model in one extra forward pass of its own (speculative.take checks them): every step's
+first token is the batched step's, and a row without a match decodes exactly as without lookup.
+
 Context: a model with learned positions sees at most its last block_size tokens (once a row is full, each further
 token re-prefills that row's last block_size tokens, exactly as an uncached model cropped to block_size would see
 them). Other models continue past block_size: the cache grows (doubling) up to max_context positions.
@@ -27,16 +31,20 @@ from torch import Tensor
 from gptkit import cpu_kernels
 from gptkit.decoding import fused
 from gptkit.decoding.grammar import Grammar
+from gptkit.decoding.lookup import Lookup
 from gptkit.decoding.prefix_cache import PrefixCache, block_layout, model_fingerprint, namespace_for
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
+from gptkit.decoding.speculative import SpeculativeStats, room, speculable, take
 from gptkit.decoding.step import (
     PREFILL_CHUNK,
+    Step,
     base,
     check_prompts,
     compiled,
     decode_one_token,
     device_dtype,
+    extend,
     inference,
     new_cache,
     prefill_chunks,
@@ -62,10 +70,12 @@ class BatchEngine:
         kv_dtype: torch.dtype | None = None,
         prefix_cache: PrefixCache | None = None,
         adapter: str = "",
+        lookup: Lookup | None = None,
     ) -> None:
         """kv_dtype: what the cache stores, the model's dtype (None) or torch.int8 (gptkit.kv_cache). prefix_cache:
         where prompts' blocks of keys and values are kept and found again (the model's weights must not change while
-        it is used); adapter: a name that keeps this model's blocks apart from another adapter's on the same base."""
+        it is used); adapter: a name that keeps this model's blocks apart from another adapter's on the same base.
+        lookup: speculate with proposals found in each request's own tokens (its record: self.speculative)."""
         if batch_size < 1:
             raise InputError(f"a batch needs at least one row, got {batch_size}")
         self.model = model
@@ -75,11 +85,15 @@ class BatchEngine:
         if self.window is not None:
             max_len = min(max_len, self.window)
         self.max_context = max(max_context or max_len, max_len)  # positions a row's cache may grow to
-        self.cache = new_cache(model, batch_size, max_len, kv_dtype)
+        self.lookup = lookup
+        self.speculative = SpeculativeStats()
+        # A verify pass writes up to k + 1 tokens it may take back: a sliding-window layer's ring keeps that many
+        # spare slots, so that they never overwrite a key still in the window (gptkit.kv_cache).
+        self.cache = new_cache(model, batch_size, max_len, kv_dtype, spare=lookup.k + 1 if lookup else 0)
         self.compile = compile
         self.buckets = buckets  # compiled: run the fewest rows of a power of two (else always batch_size rows)
         self.decode_step = compiled(model) if compile else decode_one_token
-        self.fused = None if compile else fused.step_for(model)
+        self.fused = None if compile else self._fused_step()
         self.fused_later = self.fused is None and not compile and cpu_kernels.building()
         self.prefix_cache, self.adapter = prefix_cache, adapter
         self.fingerprint = model_fingerprint(base(model)) if prefix_cache is not None else ""
@@ -208,7 +222,12 @@ class BatchEngine:
     def model_changed(self) -> None:
         """Choose the decode step again after the model's layers changed (an adapter served or removed: the first
         one wraps layers in AdapterSet layers, which the fused step must see)."""
-        self.fused = None if self.compile else fused.step_for(self.model)
+        self.fused = None if self.compile else self._fused_step()
+
+    def _fused_step(self) -> Step | None:
+        """The fused step for this model, unless a ring holds spare slots (which the native step does not read)."""
+        spare_rings = self.cache.spare and any(w is not None for w in self.cache.windows)
+        return None if spare_rings else fused.step_for(self.model)
 
     def cancel(self, request: Request) -> None:
         """Free a request's row (finished or not); a request not in the batch is ignored."""
@@ -268,7 +287,29 @@ class BatchEngine:
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, k)
         self._choose(self.rows, logits)
+        if self.lookup is not None:
+            self._look_up()
         return finished + self._retire()
+
+    def _look_up(self) -> None:
+        """Each row whose tokens repeat an earlier n-gram: one forward pass checks what followed it (lookup)."""
+        for i, request in enumerate(self.rows):
+            if request.done or request.constraint is not None or request.top_logprobs is not None:
+                continue
+            if not speculable(request.params):
+                continue
+            # The pass writes positions p .. p + n: they must fit the cache (a learned window slides past it,
+            # token by token, in step()).
+            n = min(room(request, self.lookup.k), self.max_len - 1 - request.position)
+            proposal = self.lookup.propose(request, n) if n > 0 else None
+            if not proposal or not proposal.tokens:
+                continue
+            p = request.position
+            ids = torch.tensor([[request.last_token, *proposal.tokens]], device=self.device)
+            with inference(self.model), rows_using(self.model, [request.adapter]):
+                logits = extend(self.model, ids, self.cache.row(i, p + ids.size(1)), p)[0]
+            accepted = take(logits, proposal, request, self.speculative)
+            request.position = p + accepted + 1  # the keys of the last token and the accepted ones are kept
 
     def _decode(self, tokens: list[int], positions: list[int]) -> Tensor:
         """Logits (k, V) of one decode step over rows 0..k-1."""
@@ -280,7 +321,7 @@ class BatchEngine:
             where = torch.tensor(positions + [self.max_len - 1] * pad, device=self.device)
             return self.decode_step(self.model, ids, self.cache.view(rows, self.max_len), where)[:k]
         if self.fused_later and not cpu_kernels.building():  # the kernels' background build has ended
-            self.fused, self.fused_later = fused.step_for(self.model), False
+            self.fused, self.fused_later = self._fused_step(), False
         ids = torch.tensor(tokens, device=self.device)[:, None]
         if self.fused is not None and fused.covers(k):
             return self.fused(self.model, ids, self.cache.view(k, self.max_len), torch.tensor(positions))

@@ -1,9 +1,14 @@
-"""Speculative decoding: a small draft model proposes k tokens, the target checks them all in one forward pass.
+"""Speculative decoding: a proposer offers up to k tokens, the target checks them all in one forward pass.
+
+A proposer is a small draft model (here) or a lookup in the request's own tokens (gptkit.decoding.lookup, which the
+batch engine runs); both hand a Proposal to check(), which verifies it against the target's logits and records the
+tokens taken.
 
 Greedy: the target's argmax at every checked position decides; the output is exactly the target's greedy output
 (up to float ties), however good or bad the draft. Sampling: Leviathan et al. 2023's rule: accept draft token x with
 probability min(1, p(x) / q(x)), on rejection draw from max(0, p - q) renormalised, so the output follows the
-target's (filtered) distribution.
+target's (filtered) distribution. A lookup's proposal is deterministic: q is a point mass at x, so the rule accepts
+with probability p(x) and on rejection draws from p with x removed, renormalised (gptkit.decoding.lookup derives it).
 
 Both caches are written at explicit positions, so rejected tokens need no undo: the next pass overwrites them and
 attention never reads a position past the query's (a sliding-window layer's ring holds k + 1 spare slots, so that
@@ -15,7 +20,8 @@ read before the next pass overwrites it).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -68,6 +74,33 @@ class SpeculativeStats:
         }
 
 
+@dataclass
+class Proposal:
+    """Tokens a proposer offers, and the distributions they were drawn from (q, sampling with a draft model only;
+    empty: each token is certain, a point mass)."""
+
+    tokens: list[int]
+    q_rows: list[Tensor] = field(default_factory=list)
+
+
+class Proposer(Protocol):
+    """What offers tokens for the target to check: a draft model or a lookup in the request's own tokens."""
+
+    def propose(self, request: Request, n: int) -> Proposal:
+        """Up to n tokens to follow request.tokens."""
+        ...
+
+
+def speculable(params: SamplingParams) -> bool:
+    """Whether params let the target check proposals: no beams, penalties, logit bias or grammar."""
+    return (
+        params.num_beams == 1
+        and params.repetition_penalty in (None, 1.0)
+        and not params.reshapes_logits
+        and params.json_schema is None
+    )
+
+
 def check_draft(target: GPT, draft: GPT, params: SamplingParams, k: int) -> None:
     """Raise ConfigError when draft cannot speculate for target under params."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -80,7 +113,7 @@ def check_draft(target: GPT, draft: GPT, params: SamplingParams, k: int) -> None
         )
     if params.num_beams > 1:
         raise ConfigError("speculative decoding does not combine with beam search; use num_beams=1 or no draft")
-    if params.repetition_penalty not in (None, 1.0) or params.reshapes_logits or params.json_schema is not None:
+    if not speculable(params):
         raise ConfigError(
             "speculative decoding does not support repetition_penalty, frequency_penalty, "
             "presence_penalty, logit_bias or json_schema; drop them or the draft"
@@ -118,6 +151,39 @@ class _Model:
         return extend(self.model, ids, self.cache, position)[0]
 
 
+class DraftProposer:
+    """A draft model's proposals: it decodes n tokens from the request's tokens, catching up on those it missed."""
+
+    def __init__(self, side: _Model) -> None:
+        self.side = side
+        self.filled = 0  # the draft's cache holds the request's tokens at positions [0, filled)
+        self.reach = 0  # how far its cache was written by the last proposal
+
+    def propose(self, request: Request, n: int) -> Proposal:
+        """Up to n tokens drawn (or argmax'ed) from the draft, with their distributions when sampled."""
+        params, tokens = request.params, request.tokens
+        proposal = Proposal([])
+        pos = self.filled
+        for _ in range(n):
+            feed = tokens[pos:] if not proposal.tokens else [proposal.tokens[-1]]  # catch up on what it missed
+            d_logits = self.side.feed(feed, pos)[-1:].to(self.side.device)
+            pos += len(feed)
+            if params.greedy:
+                token = int(d_logits.argmax())
+            else:
+                q = _probs(d_logits, params)
+                token = int(torch.multinomial(q, 1, generator=request.generator))
+                proposal.q_rows.append(q[0])
+            proposal.tokens.append(token)
+        self.reach = pos
+        return proposal
+
+    def taken(self, length: int, accepted: int) -> None:
+        """The target took `accepted` proposed tokens after the request's first `length`: the draft's cache holds
+        what it wrote up to there."""
+        self.filled = min(self.reach, length + accepted)
+
+
 def speculative_generate(
     target: GPT, draft: GPT, request: Request, k: int = DRAFT_K, compile: bool = False
 ) -> SpeculativeStats:
@@ -135,7 +201,7 @@ def speculate(
     params = request.params
     check_draft(target, draft, params, k)
     total = len(request.prompt) + params.max_new_tokens + k + 1
-    t_side, d_side = _Model(target, total, compile, k), _Model(draft, total, compile, k)
+    t_side, proposer = _Model(target, total, compile, k), DraftProposer(_Model(draft, total, compile, k))
     device = t_side.device
     request.generator = request.generator or seeded(device, request.seed)
     with inference(target, draft):
@@ -143,49 +209,45 @@ def speculate(
         logits = prefill(target, ids, t_side.cache, torch.tensor([len(request.prompt)], device=device))
         request.accept(_pick(logits, params, request.generator)[0])
     yield
-    drafted = 0  # the draft's cache holds the tokens at positions [0, drafted)
     while not request.done:
         with inference(target, draft):
-            drafted = _one_pass(t_side, d_side, request, stats, k, drafted)
+            _one_pass(t_side, proposer, request, stats, k)
         yield
 
 
-def _one_pass(t_side: _Model, d_side: _Model, request: Request, stats: SpeculativeStats, k: int, drafted: int) -> int:
-    """The draft proposes, the target checks, the request takes the accepted tokens; returns the draft's fill."""
-    params, device = request.params, t_side.device
-    tokens = request.tokens
-    L = len(tokens)  # the target's cache holds positions [0, L - 1)
-    n_prop = min(k, params.max_new_tokens - len(request.generated) - 1)  # the target adds one more itself
-    proposals: list[int] = []
-    q_rows: list[Tensor] = []
-    pos = drafted
-    for _ in range(n_prop):
-        feed = tokens[pos:L] if not proposals else [proposals[-1]]  # the draft catches up on what it missed
-        d_logits = d_side.feed(feed, pos)[-1:].to(device)
-        pos += len(feed)
-        if params.greedy:
-            token = int(d_logits.argmax())
-        else:
-            q = _probs(d_logits, params)
-            token = int(torch.multinomial(q, 1, generator=request.generator))
-            q_rows.append(q[0])
-        proposals.append(token)
-    check = [tokens[-1], *proposals]
+def room(request: Request, k: int) -> int:
+    """Tokens to propose: up to k, leaving the one token the target adds itself within max_new_tokens."""
+    return min(k, request.params.max_new_tokens - len(request.generated) - 1)
+
+
+def _one_pass(t_side: _Model, proposer: DraftProposer, request: Request, stats: SpeculativeStats, k: int) -> None:
+    """The draft proposes, the target checks, the request takes the accepted tokens."""
+    L = len(request.tokens)  # the target's cache holds positions [0, L - 1)
+    proposal = proposer.propose(request, room(request, k))
+    n_prop = len(proposal.tokens)
+    check = [request.tokens[-1], *proposal.tokens]
     if t_side.compile:
         check += [0] * (k - n_prop)  # one shape; the padding's positions are overwritten before they are read
-    t_logits = t_side.feed(check, L - 1)[: n_prop + 1]
+    accepted = take(t_side.feed(check, L - 1)[: n_prop + 1], proposal, request, stats)
+    proposer.taken(L, accepted)
+
+
+def take(t_logits: Tensor, proposal: Proposal, request: Request, stats: SpeculativeStats) -> int:
+    """Check a proposal against the target's logits (n + 1, V) at the request's last token and the n proposed
+    ones; the request takes the accepted tokens and the target's next one. Returns how many were accepted."""
+    params, tokens = request.params, proposal.tokens
     if params.greedy:
-        accepted, extra = _verify_greedy(t_logits, proposals)
+        accepted, extra = _verify_greedy(t_logits, tokens)
     else:
-        accepted, extra = _verify_sampled(t_logits, proposals, q_rows, params, request.generator)
-    stats.proposed += n_prop
+        accepted, extra = _verify_sampled(t_logits, tokens, proposal.q_rows, params, request.generator)
+    stats.proposed += len(tokens)
     stats.accepted += accepted
     stats.target_passes += 1
-    for token in [*proposals[:accepted], extra]:
+    for token in [*tokens[:accepted], extra]:
         request.accept(token)
         if request.done:
             break
-    return min(pos, L + accepted)
+    return accepted
 
 
 def _pick(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> list[int]:
@@ -207,8 +269,11 @@ def _verify_greedy(t_logits: Tensor, proposals: list[int]) -> tuple[int, int]:
 def _verify_sampled(
     t_logits: Tensor, proposals: list[int], q_rows: list[Tensor], params: SamplingParams, generator: torch.Generator
 ) -> tuple[int, int]:
-    """The accept/reject rule: (proposals accepted, the token drawn after them)."""
+    """The accept/reject rule: (proposals accepted, the token drawn after them). No q_rows: each proposal is a
+    point mass (q(x) = 1), so x is accepted with probability p(x) and a rejection draws from p without x."""
     p = _probs(t_logits, params)  # (n_prop + 1, V)
+    if proposals and not q_rows:
+        q_rows = [torch.zeros_like(p[0]).index_fill_(0, torch.tensor([x], device=p.device), 1.0) for x in proposals]
     if proposals:
         index = torch.tensor(proposals, device=p.device)[:, None]
         p_x = p[:-1].gather(1, index)[:, 0]
