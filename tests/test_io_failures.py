@@ -22,6 +22,7 @@ import torch
 from conftest import TINY, write_char_data_dir
 
 import gptkit.prepare.inputs as inputs
+import gptkit.prepare.sniffing as sniffing
 from gptkit.adapters import add_lora, fingerprint
 from gptkit.cli import main
 from gptkit.config import ModelConfig
@@ -315,7 +316,7 @@ def test_a_damaged_compressed_input_is_one_line_naming_the_file_and_byte(suffix,
 
 def test_several_zstd_frames_are_read_in_full(tmp_path):
     (tmp_path / "two.txt.zst").write_bytes(_zstd(b"first frame, ") + _zstd(b"second frame"))  # as `cat a.zst b.zst`
-    with inputs._opened(tmp_path / "two.txt.zst", "strict", lambda n: None) as (src, _):
+    with inputs.opened(tmp_path / "two.txt.zst", "strict", lambda n: None) as (src, _):
         assert src.stream.read() == b"first frame, second frame"
 
 
@@ -366,7 +367,8 @@ def test_an_input_error_is_one_line_naming_the_file(limit, tmp_path, capsys, mon
             return _FailingFile(real(file, "rb", buffering=0), limit)
         return real(file, mode, *args, **kwargs)
 
-    monkeypatch.setattr(inputs, "open", failing_open, raising=False)  # the module's reads go through it
+    for module in (sniffing, inputs):  # the look at the file, then its reading
+        monkeypatch.setattr(module, "open", failing_open, raising=False)
     assert main(["prepare", "--input", str(path), "--tokenizer", "byte", "--out", str(tmp_path / "data")]) == 2
     where = f" at byte {limit:,}"  # (0: the first read, in the look at the file before reading it)
     assert (

@@ -12,8 +12,9 @@ import numpy as np
 
 from gptkit.errors import InputError
 from gptkit.formats.gguf import gguf_tokenizer, is_gguf_file
-from gptkit.prepare.inputs import Piece, Reader
+from gptkit.prepare.inputs import Reader
 from gptkit.prepare.options import PrepareConfig
+from gptkit.prepare.readers import Piece
 from gptkit.tokenizer import (
     EOT,
     KINDS,

@@ -19,9 +19,10 @@ from gptkit.data_kinds import DATA_KINDS, SUPERVISED
 from gptkit.data_kinds import row_format as row_format_spec
 from gptkit.errors import InputError
 from gptkit.prepare.encoding import progress_bar, token_dtype, tokenizer_for
-from gptkit.prepare.inputs import Reader, first_record, records, row_kind
+from gptkit.prepare.inputs import Reader, first_record, records
 from gptkit.prepare.meta import write_meta
 from gptkit.prepare.options import DEFAULT_MAX_LENGTH, SPLIT_SEED, PrepareConfig
+from gptkit.prepare.readers import row_kind
 from gptkit.prepare.rows import ExampleEncoder, fit, is_prompt_row, row_format
 from gptkit.tokenizer import (
     EOT,

@@ -10,9 +10,11 @@ import numpy as np
 
 from gptkit.data import DataMeta
 from gptkit.prepare.encoding import Cutter, encode_stream, no_text, progress_bar, token_dtype
-from gptkit.prepare.inputs import READ_CHUNK, Piece, Reader
+from gptkit.prepare.inputs import Reader
 from gptkit.prepare.meta import write_meta
 from gptkit.prepare.options import PrepareConfig
+from gptkit.prepare.readers import Piece
+from gptkit.prepare.streams import READ_CHUNK
 from gptkit.tokenizer import (
     EOT,
     Tokenizer,

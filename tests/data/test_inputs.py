@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gptkit.prepare.inputs as inputs
+import gptkit.prepare.readers as readers
+import gptkit.prepare.sniffing as sniffing
 from gptkit.cli import main
 from gptkit.data import load_tokens, read_meta
 from gptkit.errors import InputError
@@ -118,7 +119,7 @@ def test_parquet_is_streamed_row_group_by_row_group(tmp_path, plain, monkeypatch
 
     monkeypatch.setattr(pq.ParquetFile, "read", whole)
     monkeypatch.setattr(pq, "read_table", whole)
-    monkeypatch.setattr(inputs, "PARQUET_BATCH_ROWS", 1)
+    monkeypatch.setattr(readers, "PARQUET_BATCH_ROWS", 1)
     stream, meta = _prepare(tmp_path, path, text_field="content")
     assert stream == plain and meta.documents == len(DOCS)
     # A directory holding it reads it too (Parquet holds NUL bytes, but its magic says what it is).
@@ -245,7 +246,7 @@ def test_a_missing_optional_package_names_its_extra(tmp_path, monkeypatch):
         InputError, match=r"reading Parquet input needs the optional pyarrow package: pip install 'gptkit\[parquet\]'"
     ):
         _prepare(tmp_path, tmp_path / "t.parquet")
-    monkeypatch.setattr(inputs.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sniffing.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(
         InputError, match=r"zstd-compressed input needs the optional zstandard package: pip install 'gptkit\[zstd\]'"
     ):

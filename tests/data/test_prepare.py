@@ -15,7 +15,7 @@ import pytest
 
 import gptkit.prepare as prep
 import gptkit.prepare.encoding as encoding
-import gptkit.prepare.inputs as inputs
+import gptkit.prepare.readers as readers
 import gptkit.prepare.text as prep_text
 from gptkit.cli import main
 from gptkit.data import DataMeta, load_tokens, read_meta
@@ -78,7 +78,7 @@ def test_cut_stream_equals_whole_document_encoding(tmp_path: Path, monkeypatch: 
     """With small pieces and batches the text is cut hundreds of times; the tokens must not change."""
     monkeypatch.setattr(encoding, "PIECE_CHARS", 1000)
     monkeypatch.setattr(encoding, "BATCH_CHARS", 20_000)
-    monkeypatch.setattr(inputs, "READ_CHUNK", 7_777)
+    monkeypatch.setattr(readers, "READ_CHUNK", 7_777)
     corpus = tmp_path / "play.txt"
     corpus.write_text(SHAKESPEARE[:150_000] + "\nnaïve café 日本語 🌍\n" * 50)
     prepare(PrepareConfig(out=str(tmp_path / "a"), inputs=[str(corpus)], tokenizer="bpe", vocab_size=400))
@@ -137,7 +137,7 @@ def test_a_large_vocabulary_is_stored_as_uint32(tmp_path: Path) -> None:
 
 
 def test_invalid_utf8_names_file_and_byte_offset_and_replace_mode(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(inputs, "READ_CHUNK", 1000)  # the bad byte sits in the 6th chunk, after a split character
+    monkeypatch.setattr(readers, "READ_CHUNK", 1000)  # the bad byte sits in the 6th chunk, after a split character
     good = ("é" * 1000 + "x")[:2501]  # "é" is 2 bytes: 1000 of them and a split one at the chunk boundary
     bad = tmp_path / "bad.txt"
     bad.write_bytes(good.encode() + b"ab\xffcd")
