@@ -26,7 +26,7 @@ same text, and reports the draft's acceptance rate and the speed-up over plain g
         --new-tokens 8 --rounds 1 --no-compile --spec-steps 5    # smoke run
     GPTKIT_CPU_KERNELS=0 .venv/bin/python benchmarks/bench_generate.py --shapes gpt2   # without gptkit's CPU kernels
     .venv/bin/python benchmarks/bench_generate.py --shapes gpt2 --batch-sizes 1,8 --spec-steps 0 \\
-        --llama-cpp LLAMA_CPP/build/bin                               # the README's table
+        --llama-cpp LLAMA_CPP/build/bin                               # docs/benchmarks.md's table
 """
 
 from __future__ import annotations
@@ -520,7 +520,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.quantized = [m for m in args.quantized if m]
     if args.llama_cpp and not (Path(args.llama_cpp) / "llama-bench").is_file():
-        p.error(f"no llama-bench in {args.llama_cpp}; see the README's 'Building llama.cpp'")
+        p.error(f"no llama-bench in {args.llama_cpp}; see 'Building llama.cpp' in docs/convert.md")
     return args
 
 

@@ -9,7 +9,7 @@ tokens agree before the first difference.
 
     python benchmarks/bench_gguf.py --llama-cpp LLAMA_CPP/build/bin [--out runs/bench-gguf] [--json]
 
-Building llama.cpp: see the README ("llama.cpp: GGUF out and in").
+Building llama.cpp: see docs/convert.md ("llama.cpp: GGUF out and in").
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def main() -> int:
     args = parser.parse_args()
     binary = Path(args.llama_cpp) / "llama-simple"
     if not binary.is_file():
-        raise SystemExit(f"bench_gguf: no llama-simple in {args.llama_cpp}; see README's 'llama.cpp: GGUF out and in'")
+        raise SystemExit(f"bench_gguf: no llama-simple in {args.llama_cpp}; see docs/convert.md, 'Building llama.cpp'")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for arch in ARCHS:

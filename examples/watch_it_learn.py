@@ -50,7 +50,7 @@ from gptkit.prepare import DEFAULT_CORPUS
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "watch-it-learn.yaml"
 DATA = Path("data") / "shakespeare_copies"  # where the recipe's data goes: relative to where you run this, as the
-#                                            run directory is (run from the repository's root, as the README does)
+#                                            run directory is (run from the repository's root, as the docs do)
 # The copy documents. A span's two copies are 8-32 characters apart, reaching gptkit's induction test (a random
 # sequence of block/2 = 32 tokens, repeated); nothing marks where a copy starts, so only matching finds it.
 COPY_CHANCE = 0.3  # after this share of the speeches, one copy document (half the characters of the data set)

@@ -1,4 +1,4 @@
-"""Parameter, compute and memory accounting from a ModelConfig alone (SPEC section 2)."""
+"""Parameter, compute and memory accounting from a ModelConfig alone (docs/spec.md section 2)."""
 
 from __future__ import annotations
 

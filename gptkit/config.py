@@ -131,7 +131,7 @@ def _is_number(value: Any) -> bool:
 
 @dataclass
 class ModelConfig:
-    """Shape and architecture of a decoder-only transformer (SPEC section 1). Defaults are GPT-2 small."""
+    """Shape and architecture of a decoder-only transformer (docs/spec.md section 1). Defaults are GPT-2 small."""
 
     vocab_size: int = 50257  # token ids the model reads and predicts (a run takes it from the data's meta.json)
     block_size: int = 1024  # maximum context the model is trained for

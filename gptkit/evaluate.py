@@ -8,7 +8,7 @@ window is past). With S = block_size the windows do not overlap.
 With a quantised KV cache (kv_cache="int8") each window runs through the cache in chunks of KV_CHUNK tokens, so
 that every token attends to keys and values read back from the cache's elements, as decoding reads them.
 
-Bits per byte (SPEC section 3) = loss * tokens / (bytes * ln 2), where bytes are the UTF-8 bytes of the text
+Bits per byte (docs/spec.md section 3.3) = loss * tokens / (bytes * ln 2), where bytes are the UTF-8 bytes of the text
 that the scored tokens stand for: the sum of the tokenizer's token_byte_lengths() over every token but the
 first (special tokens count zero bytes). For text encoded by a byte-level tokenizer this is the UTF-8 length
 of the text minus the bytes of its first token.
@@ -77,7 +77,7 @@ class Window:
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Metrics of a scored text (SPEC section 3)."""
+    """Metrics of a scored text (docs/spec.md section 3.3)."""
 
     tokens: int  # scored tokens
     bytes: int  # UTF-8 bytes those tokens stand for

@@ -2,12 +2,12 @@
 
 Keys and values are held in the model's dtype, or as int8 with one fp32 scale per row, head and position
 (kv_dtype=torch.int8: a quarter of fp32's memory, half of bf16's): each head's vector of head_dim values v is stored
-as q = round(v * 127 / max|v|) with scale max|v| / 127, and read back as q * scale. SPEC section 4 names a quantised
-cache as one way long contexts fit; its cost in loss is measured in the README.
+as q = round(v * 127 / max|v|), scale max|v| / 127, read back as q * scale. docs/spec.md section 4.5 names a quantised
+cache as one way long contexts fit; its cost in loss is measured in docs/benchmarks.md.
 
 A sliding-window layer (config.layer_window(i) = W: query i sees keys i - W < j <= i) keeps a ring of
-R = min(W, max_len) slots instead of max_len positions, position p in slot p mod R (Mistral's rolling buffer): SPEC
-section 4's memory with min(T, W) in place of T for that layer. Full layers keep max_len positions. A caller that
+R = min(W, max_len) slots, not max_len positions, position p in slot p mod R (Mistral's rolling buffer): docs/spec.md
+section 2.3's memory with min(T, W) in place of T for that layer. Full layers keep max_len positions. A caller that
 writes tokens it may take back (speculative decoding's rejected drafts, overwritten by the next pass) asks for
 `spare` more slots, min(W + spare, max_len): its writes then never reach a position the next queries still see.
 """
@@ -229,7 +229,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Memory held by all keys and values, scales included (SPEC section 2)."""
+        """Memory held by all keys and values, scales included (docs/spec.md section 2.3)."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def layer(self, index: int, start_pos: int | Tensor) -> LayerKV:

@@ -1,4 +1,4 @@
-"""Next-token cross-entropy (SPEC section 3): from logits, or fused with the LM head over slices of rows."""
+"""Next-token cross-entropy (docs/spec.md section 3.1): from logits, or fused with the LM head over slices of rows."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ GPU_SLICE_LOGITS = 2**30
 
 
 def next_token_loss(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """Mean cross-entropy (nats) over the targets not equal to ignore_index (SPEC section 3)."""
+    """Mean cross-entropy (nats) over the targets not equal to ignore_index (docs/spec.md section 3.1)."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=ignore_index)
 
 

@@ -1,4 +1,4 @@
-"""GPT: one configurable decoder-only transformer, the forward pass of SPEC section 1."""
+"""GPT: one configurable decoder-only transformer, the forward pass of docs/spec.md section 1."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Attention then feed-forward, each in a residual connection, normalised as norm_position says (SPEC section 1):
+    """Attention then feed-forward, each in a residual, normalised as norm_position says (docs/spec.md section 1.2):
     pre x + f(norm(x)); post norm(x + f(x)); sandwich x + norm_post(f(norm(x))); sublayer_post x + norm(f(x)). Each
     sublayer's output is scaled by residual_scale; parallel_residual feeds both sublayers the same x (GPT-NeoX)."""
 

@@ -1,4 +1,4 @@
-"""The mixture-of-experts feed-forward (SPEC section 1): a linear router, E expert MLPs each token's top k of them
+"""The mixture-of-experts feed-forward (docs/spec.md section 1.7): a linear router, E expert MLPs, each token's top k
 compute, an optional shared expert every token passes; the training losses that balance the experts; and the
 routing statistics a run logs at its evaluations.
 

@@ -1,6 +1,6 @@
 """Size a training run before it starts: parameters, FLOPs, compute-optimal tokens, memory and wall time.
 
-Parameter counts, FLOPs per token and KV-cache bytes come from gptkit.accounting (SPEC section 2); this module
+Parameter counts, FLOPs per token and KV-cache bytes come from gptkit.accounting (docs/spec.md section 2); this module
 adds the memory of training (weights, gradients, AdamW state, activations) and the Chinchilla rule of thumb.
 
 Activation memory follows what autograd actually keeps for gptkit's GPT (gptkit.model), per token and layer:

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny configurations of every architecture variant in SPEC section 1."""
+"""Shared fixtures: tiny configurations of every architecture variant in docs/spec.md section 1."""
 
 from __future__ import annotations
 

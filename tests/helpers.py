@@ -1,5 +1,5 @@
 """Helpers the tests share (import them as `from helpers import ...`): tiny configurations of every architecture
-variant in SPEC section 1, run-to-run tolerances, a char-level data directory. Fixtures live in the conftest.py files."""
+variant in docs/spec.md section 1, run-to-run tolerances, a char-level data directory. Fixtures: conftest.py files."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Structured outputs: a JSON schema compiled into a token mask that keeps a request's output valid JSON.
 
 The grammar library is llguidance: benchmarks/bench_structured.py measured it against xgrammar and outlines-core
-on this CPU (compile time per schema and mask time per token; figures in the README), and it needs no per-schema
+on this CPU (compile time per schema and mask time per token; figures in docs/benchmarks.md), and it needs no per-schema
 precomputation over the vocabulary, so a new schema costs milliseconds. One Grammar per (tokenizer, schema) maps
 the schema onto the tokenizer's tokens; each request gets its own Constraint (a matcher that follows the tokens
 the request accepts) from Grammar.start().

@@ -289,7 +289,7 @@ def check_template(setup: Setup) -> None:
 
 
 def bytes_per_token(meta: DataMeta, split: str, tokens: np.ndarray, tokenizer: Tokenizer | None) -> float | None:
-    """UTF-8 bytes of text per token of a split, for bits per byte (SPEC section 3): from meta.json or counted."""
+    """UTF-8 bytes of text per token of a split, for bits per byte (docs/spec.md section 3.3): meta.json or counted."""
     text_bytes = meta.train_bytes if split == "train" else meta.val_bytes
     if isinstance(text_bytes, int) and len(tokens):
         return text_bytes / len(tokens)

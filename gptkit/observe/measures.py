@@ -1,4 +1,4 @@
-"""Measures of what a model does with its context (SPEC section 5): the in-context learning score, induction-head
+"""What a model does with its context (docs/spec.md section 5.2): the in-context learning score, induction-head
 scores, the logit lens and each head's direct contribution to a prediction.
 
 Each takes a GPT and token ids and returns plain tensors or floats, so that training (logged at evaluations),
@@ -19,7 +19,7 @@ from torch import Tensor
 from gptkit.errors import InputError
 from gptkit.model import GPT, Trace
 
-# SPEC section 5: loss late in the context (the last tenth of the block) against early (positions 5-10% in).
+# docs/spec.md section 5.2: loss late in the context (the last tenth of the block) against early (positions 5-10% in).
 EARLY = (0.05, 0.10)
 LATE = (0.90, 1.00)
 ICL_WINDOWS = 64  # windows of block_size tokens the ICL score averages over (16 left it +-0.5 nats on a char model)
@@ -117,7 +117,7 @@ def icl_score_of(losses: Tensor) -> float:
 
 
 def icl_score(model: GPT, tokens: np.ndarray | Tensor, windows: int = ICL_WINDOWS, seed: int = 0) -> float:
-    """The in-context learning score (Olsson et al. 2022, SPEC section 5): mean loss on positions in the last tenth
+    """The in-context learning score (Olsson et al. 2022; docs/spec.md section 5.2): mean loss on the last tenth
     of the block minus mean loss on positions 5-10% in, over windows of tokens; negative once the model uses its
     context."""
     return icl_score_of(position_losses(model, tokens, windows, seed))

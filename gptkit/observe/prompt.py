@@ -1,4 +1,4 @@
-"""What a prompt shows inside a model (SPEC section 5), as plain tensors and lists that every front end reuses
+"""What a prompt shows inside a model (docs/spec.md section 5), as plain tensors and lists every front end reuses
 (`gptkit inspect`'s report, the HTTP playground): attention, hidden-state norms, layer similarity, next-token
 distributions, the parameter breakdown, token labels."""
 

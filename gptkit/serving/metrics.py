@@ -1,6 +1,6 @@
 """GET /metrics: the server's counters and latency histograms in Prometheus' text format (version 0.0.4).
 
-Names follow Prometheus' conventions (a `gptkit_` prefix, units in the name, `_total` on counters); the README's
+Names follow Prometheus' conventions (a `gptkit_` prefix, units in the name, `_total` on counters); docs/serve.md's
 serving section lists them. The engine thread records tokens and latencies, an ASGI middleware records every
 answered request by route and status, and the queue and cache figures are read when scraped.
 """

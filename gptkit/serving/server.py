@@ -309,7 +309,7 @@ def prefix_cache(options: ServeOptions) -> PrefixCache | None:
 def default_threads() -> int:
     """Model threads when --threads is not given: at most every core this process may run on, fewer while other
     programs keep cores busy (gptkit.serving.threads). The HTTP side sleeps while a step runs, so leaving it a core
-    costs the model that core (GPT-2 small, 2-core EPYC: see the README's serving section for tokens/s at 1 and 8
+    costs the model that core (GPT-2 small, 2-core EPYC: docs/serve.md, 'On a shared machine', has tokens/s at 1 and 8
     clients with 1 and 2 threads)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

@@ -129,7 +129,7 @@ def test_window_larger_than_cache_grows_with_it() -> None:
 
 
 def test_cache_memory_follows_the_windows() -> None:
-    """Full layers hold max_len positions, sliding ones min(W, max_len) (SPEC section 4 with min(T, W))."""
+    """Full layers hold max_len positions, sliding ones min(W, max_len) (docs/spec.md section 2.3)."""
     config = _config(4, n_layer=3, layer_types=["sliding", "full", "sliding"])
     cache = KVCache(config, 2, 10)
     assert [t.size(2) for t in cache.keys] == [4, 10, 4]

@@ -40,7 +40,7 @@ def test_gpt2_small_has_spec_parameter_count():
 def test_gpt3_is_about_175b():
     gpt3 = ModelConfig(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, n_embd=12288)
     total = param_breakdown(gpt3).total
-    approx = 50257 * 12288 + 96 * 12 * 12288**2  # SPEC: about 0.6B + 96 * 12 * d^2
+    approx = 50257 * 12288 + 96 * 12 * 12288**2  # docs/spec.md section 2.1: about 0.6B + 96 * 12 * d^2
     assert abs(total - approx) / approx < 0.01
     assert 174e9 < total < 176e9
 

@@ -1,4 +1,4 @@
-"""gptkit plan: figures agree with accounting, SPEC section 2, autograd's saved tensors and a measured peak."""
+"""gptkit plan: figures agree with accounting, docs/spec.md section 2, autograd's saved tensors and a measured peak."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from gptkit.plan import (
 def test_gpt2_plan_matches_accounting_and_spec():
     config = ModelConfig.preset("gpt2")
     plan = make_plan(config, PlanSettings(tokens=10**9, batch_size=4, flops=100.0, mfu=0.5))
-    assert plan.params == 124_439_808  # SPEC section 2 worked number
+    assert plan.params == 124_439_808  # docs/spec.md section 2.1's worked number
     assert plan.training_flops == training_flops_per_token(config, 1024) * 10**9
     assert plan.training_flops_6nd == 6 * 124_439_808 * 10**9
     assert plan.training_flops > plan.training_flops_6nd  # the attention term
@@ -42,7 +42,7 @@ def test_gpt2_plan_matches_accounting_and_spec():
 
 def test_kv_cache_spec_worked_number():
     plan = make_plan(ModelConfig.preset("llama2-7b"), PlanSettings(dtype="float16", kv_context=2048, kv_batch=1))
-    assert plan.kv_cache["bytes"] == 1_073_741_824  # SPEC: 1 GiB
+    assert plan.kv_cache["bytes"] == 1_073_741_824  # docs/spec.md section 2.3: 1 GiB
 
 
 def test_compute_optimal_rules():

@@ -1,4 +1,4 @@
-"""SPEC section 3's worked numbers, computed through gptkit's own functions."""
+"""docs/spec.md section 3.2's worked numbers, computed through gptkit's own functions."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""gptkit eval: sliding-window scoring, metrics (SPEC section 3) and the command line."""
+"""gptkit eval: sliding-window scoring, metrics (docs/spec.md section 3.3) and the command line."""
 
 from __future__ import annotations
 
