@@ -428,6 +428,21 @@ def test_links_between_pages_and_to_the_repository_resolve():
     assert not broken, "\n".join(broken)
 
 
+def test_no_file_refers_outside_the_repository():
+    """A clone holds everything its files cite (issue 58): no path above the repository, no cited file outside it."""
+    outside = re.compile(r"\.\./" + "shared/|SPEC" + r" section \d|SPEC" + r"\.md")  # split: this file would match
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    found = []
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix in (".py", ".md", ".yaml", ".toml", ".cpp", ".h", ".sh", ".txt", "") and path.is_file():
+            text = path.read_text(errors="replace")
+            found += [f"{name}: {m.group(0)}" for m in outside.finditer(text)]
+    assert not found, "\n".join(found)
+
+
 def test_the_anchor_rule_is_githubs():
     assert slug("`gptkit serve` — an OpenAI-compatible HTTP server") == "gptkit-serve--an-openai-compatible-http-server"
     assert slug("llama.cpp: GGUF out and in") == "llamacpp-gguf-out-and-in"
