@@ -1,15 +1,20 @@
-"""Helpers (no tests here): a tiny model directory and a live uvicorn server on a free loopback port."""
+"""Helpers (no tests here): a tiny model directory, and a live server on a free loopback port (in a thread of the
+test process, or as a `gptkit serve` child process)."""
 
 from __future__ import annotations
 
 import socket
 import string
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import torch
 import uvicorn
 
@@ -59,3 +64,42 @@ def live_server(app, options: ServeOptions | None = None) -> Iterator[str]:
         thread.join(timeout=10)
         sock.close()
         torch.set_num_threads(threads)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_process(model_dir: Path, flags: list[str], seconds: float = 120) -> Iterator[str]:
+    """`gptkit serve model_dir *flags` as a child process on a free loopback port; yield its base URL once /health
+    answers, and kill it on the way out. For a test whose failure could leave the server stuck in a system call:
+    a thread of the test process could not be stopped, a child process can."""
+    port = free_port()
+    command = [sys.executable, "-m", "gptkit", "serve", str(model_dir), "--port", str(port), *flags]
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_for_health(process, url, seconds, log)
+            yield url
+        finally:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def _wait_for_health(process: subprocess.Popen, url: str, seconds: float, log) -> None:
+    """Return once url/health answers 200; raise with the server's output when it exits or seconds pass first."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass  # not listening yet
+        time.sleep(0.1)
+    log.seek(0)
+    raise RuntimeError(f"gptkit serve did not come up within {seconds:.0f} s: {log.read()[-2000:]}")

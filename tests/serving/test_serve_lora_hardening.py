@@ -25,7 +25,7 @@ from gptkit.formats.lora import CONFIG_FILE, WEIGHTS_FILE
 from gptkit.serving import lora_registry
 from gptkit.serving.server import ServeOptions, build_app
 from tests.serving.test_serve_lora import KEY, _base, _lora
-from tests.test_serve_helpers import live_server
+from tests.test_serve_helpers import live_server, serve_process
 
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3 + "Then"  # 139 bytes: two whole 64-token blocks
@@ -46,6 +46,14 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
 def url(dirs) -> Iterator[str]:
     """A server of the base that loads adapters at run time (behind the key), without a prefix cache."""
     with _serving(dirs["base"], cache_ram=0) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def child_url(dirs) -> Iterator[str]:
+    """The same server as `url`, as a child process: a test that could leave the server blocked in a system call
+    (a FIFO's open, an endless read of a device) fails at its request's timeout instead of hanging the test run."""
+    with serve_process(dirs["base"], ["--api-key", KEY, "--cache-ram", "0"]) as url:
         yield url
 
 
@@ -126,7 +134,8 @@ def _fifos_released(*dirs: Path) -> Iterator[None]:
 
 
 @pytest.mark.parametrize("file, kind", [(WEIGHTS_FILE, "fifo"), (WEIGHTS_FILE, "device"), (CONFIG_FILE, "fifo")])
-def test_a_fifo_or_device_in_an_adapter_is_a_400_and_the_server_goes_on(url, dirs, tmp_path, file, kind):
+def test_a_fifo_or_device_in_an_adapter_is_a_400_and_the_server_goes_on(child_url, dirs, tmp_path, file, kind):
+    url = child_url
     broken = _broken_copy(dirs["alice"], tmp_path / "broken", file, kind)
     with _fifos_released(broken):
         try:
