@@ -150,18 +150,17 @@ def _input(arguments: str) -> Any:
 
 
 def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat reply message as content blocks: its text, or a tool_use block per call."""
-    if message.get("tool_calls"):
-        return [
-            {
-                "type": "tool_use",
-                "id": tool_use_id(call["id"]),
-                "name": call["function"]["name"],
-                "input": _input(call["function"]["arguments"]),
-            }
-            for call in message["tool_calls"]
-        ]
-    return [{"type": "text", "text": message["content"]}] if message["content"] else []
+    """A chat reply message as content blocks: a tool_use block per call, then its text (a call cut short)."""
+    blocks = [
+        {
+            "type": "tool_use",
+            "id": tool_use_id(call["id"]),
+            "name": call["function"]["name"],
+            "input": _input(call["function"]["arguments"]),
+        }
+        for call in message.get("tool_calls") or []
+    ]
+    return blocks + ([{"type": "text", "text": message["content"]}] if message["content"] else [])
 
 
 def event(kind: str, **fields: Any) -> str:
@@ -199,9 +198,11 @@ class EventStream:
             delta, reason = self.reader.delta(chunk.text, reason)
         else:
             delta = {"content": chunk.text} if chunk.text else {}
-        events = self._text(delta["content"]) if delta.get("content") else []
+        events = []
         for entry in delta.get("tool_calls", []):
             events += self._call(entry)
+        if delta.get("content"):  # after the calls: text that follows calls is a call cut short
+            events += self._text(delta["content"])
         if chunk.finish_reason is not None:
             self.stop = self.reply.stop(reason, self.text, self.sequence, self.tokenizer)
             events += self._close()

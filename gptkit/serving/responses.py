@@ -222,13 +222,12 @@ class ResponseWriter:
         """A finished reply's output items and the response's status."""
         message, reason = self.plan.message(text, reason)
         status = "completed" if reason in ("stop", "tool_calls") else "incomplete"
-        if message.get("tool_calls"):
-            items = [
-                function_item(call["id"], call["function"]["name"], call["function"]["arguments"], status)
-                for call in message["tool_calls"]
-            ]
-        else:
-            items = [message_item(f"msg_{uuid.uuid4().hex}", message["content"], status)]
+        items = [
+            function_item(call["id"], call["function"]["name"], call["function"]["arguments"], status)
+            for call in message.get("tool_calls") or []
+        ]
+        if not items or message["content"]:  # after the calls: text that follows calls is a call cut short
+            items.append(message_item(f"msg_{uuid.uuid4().hex}", message["content"], status))
         return items, status
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -309,9 +308,11 @@ class EventStream:
             delta, reason = self.reader.delta(chunk.text, reason)
         else:
             delta = {"content": chunk.text} if chunk.text else {}
-        events = self._text(delta["content"]) if delta.get("content") else []
+        events = []
         for entry in delta.get("tool_calls", []):
             events += self._call(entry)
+        if delta.get("content"):  # after the calls: text that follows calls is a call cut short
+            events += self._text(delta["content"])
         if chunk.finish_reason is not None:
             self.status = "completed" if reason in ("stop", "tool_calls") else "incomplete"
             events += self._close()

@@ -48,11 +48,13 @@ def new_call_id() -> str:
 
 @dataclass
 class ParsedCall:
-    """One call read from a reply: its name once whole, its arguments' text as far as written."""
+    """One call read from a reply: its name once whole, its arguments' text as far as written, and where in the
+    reply's text it begins."""
 
     name: str | None
     arguments: str | None
     complete: bool
+    start: int = 0
 
 
 def parse_calls(text: str) -> list[ParsedCall] | None:
@@ -70,11 +72,11 @@ def parse_calls(text: str) -> list[ParsedCall] | None:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:  # the last call, still being written
             name = json.loads(head.group(1)) if head else None
-            calls.append(ParsedCall(name, text[head.end() :] if head and head.group(2) else None, False))
+            calls.append(ParsedCall(name, text[head.end() :] if head and head.group(2) else None, False, pos))
             return calls
         if not (head and head.group(2) and isinstance(value, dict) and isinstance(value.get("name"), str)):
             return None  # JSON, but not a call (a model free to write text wrote an object)
-        calls.append(ParsedCall(value["name"], text[head.end() : end - 1], True))  # the arguments as written
+        calls.append(ParsedCall(value["name"], text[head.end() : end - 1], True, pos))  # the arguments as written
         pos = end + len(text[end:]) - len(text[end:].lstrip(CALL_SEPARATOR))
     return calls
 
@@ -114,30 +116,42 @@ class ToolCalls:
         return Grammar.from_lark(tokenizer, "\n".join(lines) + "\n", vocab_size)
 
     def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """A finished reply as OpenAI's message and finish reason: calls ("tool_calls" when whole, "length" when cut
-        short, with the arguments as far as written), or text."""
+        """A finished reply as OpenAI's message and finish reason: the calls written whole as tool_calls
+        ("tool_calls" when nothing was cut short), a call cut short (max_tokens) as text with "length", or text.
+        Every message this returns is one the server accepts back in a conversation: no call is partial."""
         calls = parse_calls(text)
         if not calls and (self.text_allowed or calls is None):
             return {"role": "assistant", "content": text}, reason
-        calls = calls or [ParsedCall("", "", False)]
-        whole = reason == "stop" and all(call.complete for call in calls)
-        tool_calls = [_call(new_call_id(), call) for call in calls]
-        return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls" if whole else "length"
+        whole = [call for call in calls if call.complete]
+        cut = cut_text(text, calls)
+        if not whole:  # a client would read an unfinished call as one to a tool named '' (LangChain does)
+            return {"role": "assistant", "content": text}, "length"
+        tool_calls = [_call(new_call_id(), call) for call in whole]
+        finished = "tool_calls" if reason == "stop" and cut is None else "length"
+        return {"role": "assistant", "content": cut, "tool_calls": tool_calls}, finished
 
     def stream(self) -> CallStream:
         """A reader that turns this reply's text, as it comes, into OpenAI's chat deltas."""
         return CallStream(self)
 
 
+def cut_text(text: str, calls: list[ParsedCall]) -> str | None:
+    """The text of a reply's last call when it was cut short (None when every call is whole), from where it
+    begins, or the whole reply when no call before it is whole (the lead with it)."""
+    if calls and calls[-1].complete:
+        return None
+    return text[calls[-1].start :] if len(calls) > 1 else text  # only the last call can be unfinished
+
+
 @dataclass
 class CallStream:
-    """Turns one streamed reply into deltas: a call's id and name once its name is whole, then its arguments as
-    they are written; plain text ("auto") as content."""
+    """Turns one streamed reply into deltas: each call once it is written whole (its id, name and arguments in one
+    delta: a call cut short by max_tokens is never half-announced), a call cut short as content, as the whole
+    reply gives it; plain text ("auto") as content."""
 
     shape: ToolCalls
     text: str = ""
     ids: list[str] = field(default_factory=list)  # the announced calls' ids
-    sent: list[int] = field(default_factory=list)  # characters of each call's arguments sent
     content_sent: int = 0
 
     def delta(self, piece: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
@@ -147,27 +161,19 @@ class CallStream:
         if calls is None or (reason is not None and not calls and self.shape.text_allowed):
             new, self.content_sent = self.text[self.content_sent :], len(self.text)
             return ({"content": new} if new else {}), reason
+        out: dict[str, Any] = {}
         entries = []
         for index, call in enumerate(calls):
-            if index == len(self.ids) and call.name is not None:
+            if index == len(self.ids) and call.complete:
                 self.ids.append(new_call_id())
-                self.sent.append(0)
-                entries.append(
-                    {
-                        "index": index,
-                        "id": self.ids[index],
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": ""},
-                    }
-                )
-            if index < len(self.ids) and call.arguments is not None and len(call.arguments) > self.sent[index]:
-                entries.append({"index": index, "function": {"arguments": call.arguments[self.sent[index] :]}})
-                self.sent[index] = len(call.arguments)
+                entries.append({"index": index, **_call(self.ids[index], call)})
+        if entries:
+            out["tool_calls"] = entries
         if reason is not None:
-            _, reason = self.shape.message(self.text, reason)
-            if not self.ids:  # cut short before a name was whole: the call as far as known
-                entries.append({"index": 0, **_call(new_call_id(), ParsedCall("", "", False))})
-        return ({"tool_calls": entries} if entries else {}), reason
+            message, reason = self.shape.message(self.text, reason)
+            if message["content"]:
+                out["content"] = message["content"]
+        return out, reason
 
 
 def _call(call_id: str, call: ParsedCall) -> dict[str, Any]:

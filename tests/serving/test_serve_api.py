@@ -83,10 +83,11 @@ def test_a_streamed_auto_reply_equals_the_whole_one(client, bias):
 
 def test_parallel_calls_come_one_per_line_and_can_be_turned_off(client):
     # After a whole call the grammar allows a newline and another call: pushed towards the newline, the model
-    # writes calls until max_tokens, each but the last whole and valid.
+    # writes calls until max_tokens: the whole ones valid calls, the last (cut short) as text.
     many = chat(client, {NEWLINE: 100}, tools=TOOLS[:1], tool_choice="required", max_tokens=150).choices[0]
-    assert len(many.message.tool_calls) >= 2 and many.finish_reason == "length"
-    for made in many.message.tool_calls[:-1]:
+    assert len(many.message.tool_calls) >= 1 and many.finish_reason == "length"
+    assert many.message.content.startswith('{"name"')
+    for made in many.message.tool_calls:
         jsonschema.validate(json.loads(made.function.arguments), WEATHER)
     one = chat(client, {NEWLINE: 100}, tools=TOOLS[:1], tool_choice="required", parallel_tool_calls=False)
     assert len(one.choices[0].message.tool_calls) == 1 and one.choices[0].finish_reason == "tool_calls"
