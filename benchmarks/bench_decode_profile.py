@@ -19,9 +19,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import gptkit
-from gptkit import cpu_kernels
 from gptkit.config import PRESETS, ModelConfig
 from gptkit.model import GPT
+from gptkit.native import library
 
 
 def main() -> int:
@@ -51,7 +51,7 @@ def main() -> int:
     calls = {e.key: e.count / args.steps for e in events}
     in_operators = sum(per_step.values())
     report = {
-        "cpu": cpu_kernels.capability(),
+        "cpu": library.capability(),
         "shape": args.shape,
         "steps": args.steps,
         "weights_mb": weight_bytes / 1e6,

@@ -43,7 +43,6 @@ from typing import Any, Callable
 
 import torch
 
-from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import complete
 from gptkit.decoding.options import DecodeOptions
@@ -53,6 +52,7 @@ from gptkit.decoding.step import inference, new_cache, prefill
 from gptkit.formats.hf import gpt_from_hf_model
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
+from gptkit.native import library
 from gptkit.quantization import Int4Linear, Int8Linear, quantize
 
 CORPUS = Path(__file__).resolve().parents[1] / "gptkit" / "corpora" / "tinyshakespeare.txt"
@@ -81,7 +81,7 @@ def read_bandwidth(megabytes: int, rounds: int = 5) -> float:
     """Bytes/s every thread together streams from memory: gptkit's probe (threads pinned, the buffer on 2 MiB pages as
     the fused step's weights are, best of `rounds`) where its kernels are built, else a multi-threaded sum."""
     x = torch.ones(megabytes * (1 << 20) // 4)
-    if cpu_kernels.load():
+    if library.load():
         torch.ops.gptkit.huge_pages([x])
         return torch.ops.gptkit.read_bandwidth(x, rounds)
     best = float("inf")
@@ -442,7 +442,7 @@ def speculative_section(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def print_table(rows: list[dict[str, Any]], spec_rows: list[dict[str, Any]], bandwidth: float) -> None:
-    print(f"cpu: {cpu_kernels.capability()}")
+    print(f"cpu: {library.capability()}")
     bandwidth = max([bandwidth] + [r["read_bandwidth_gb_s"] * 1e9 for r in rows])
     print(
         f"measured read bandwidth (best of every round's probe): {bandwidth / 1e9:.1f} GB/s; threads: "
@@ -528,9 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cpu_kernels.prepare()  # built and measured before anything is timed
+    library.prepare()  # built and measured before anything is timed
     bandwidth = read_bandwidth(args.probe_mb)
-    log(f"cpu: {cpu_kernels.capability()}")
+    log(f"cpu: {library.capability()}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, hf in hf_models(args).items():
@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             json.dumps(
                 {
-                    "cpu": cpu_kernels.capability(),
+                    "cpu": library.capability(),
                     "read_bandwidth_gb_s": bandwidth / 1e9,
                     "threads": torch.get_num_threads(),
                     "rows": rows,

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gptkit import cpu_kernels
+from gptkit.native import library
 
 PROMPTS = ["ROMEO:\n", "First Citizen:\nWe are", "KING RICHARD II:\nNow", "To be, or not", "JULIET:\nO "]
 ARCHS = {
@@ -151,7 +151,7 @@ def main() -> int:
                     "tokens_agreed": agreed,
                 }
             )
-    report = {"cpu": cpu_kernels.capability(), "rows": rows}
+    report = {"cpu": library.capability(), "rows": rows}
     if args.json:
         print(json.dumps(report, indent=1))
         return 0

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from gptkit import cpu_kernels
+from gptkit.native import library, ops
 from gptkit.quantization import group_q4, quantize_q4
 
 SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072), (50257, 768)]  # (out, in): GPT-2 small's matrices
@@ -128,20 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
-    if not all(1 <= r <= cpu_kernels.GEMV_MAX_ROWS for r in rows) or args.rounds < 1 or args.calls < 1:
+    if not all(1 <= r <= ops.GEMV_MAX_ROWS for r in rows) or args.rounds < 1 or args.calls < 1:
         print(
-            f"bench_kernels: --rows must lie in 1..{cpu_kernels.GEMV_MAX_ROWS}; --rounds and --calls >= 1",
+            f"bench_kernels: --rows must lie in 1..{ops.GEMV_MAX_ROWS}; --rounds and --calls >= 1",
             file=sys.stderr,
         )
         return 2
-    if not cpu_kernels.load():
-        print("bench_kernels: gptkit's CPU kernels are not built on this machine (see cpu_kernels.py)", file=sys.stderr)
+    if not library.load():
+        print("bench_kernels: gptkit's CPU kernels are not built on this machine (see gptkit/native)", file=sys.stderr)
         return 1
     results = measure(rows, args.rounds, args.calls)
     if args.json:
-        print(json.dumps({"cpu": cpu_kernels.capability(), "threads": torch.get_num_threads(), "results": results}))
+        print(json.dumps({"cpu": library.capability(), "threads": torch.get_num_threads(), "results": results}))
         return 0
-    print(f"cpu: {cpu_kernels.capability()}; threads: {torch.get_num_threads()}")
+    print(f"cpu: {library.capability()}; threads: {torch.get_num_threads()}")
     print(f"{'rows':>4} {'format':6} {'torch us':>9} {'GB/s':>6} {'gptkit us':>9} {'GB/s':>6} {'torch/gptkit':>12}")
     for r in results:
         print(

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from gptkit import cpu_kernels
 from gptkit.config import PRESETS, ModelConfig
 from gptkit.model import GPT
+from gptkit.native import library
 from gptkit.optim import NS_COEFFICIENTS, block_matrices, iterate, iterate_on_gram, on_gram, same_shape_batches
 
 WAYS = {
@@ -77,7 +77,7 @@ def main() -> int:
     totals = {way: sum(r[way]["ms"] for r in results) for way in WAYS}
     totals["float32 as gptkit runs it"] = sum(r["float32 as gptkit runs it"] for r in results)
     report = {
-        "cpu": cpu_kernels.capability(),
+        "cpu": library.capability(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "preset": args.preset,

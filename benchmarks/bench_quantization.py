@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptkit import cpu_kernels
 from gptkit.data import load_tokens, read_meta
 from gptkit.evaluate import encode_text, evaluate_ids
 from gptkit.loading import load
+from gptkit.native import library
 from gptkit.quantization import quantize
 
 SETTINGS = {
@@ -59,8 +59,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
-    cpu_kernels.prepare()
-    report = {"cpu": cpu_kernels.capability(), "models": {}}
+    library.prepare()
+    report = {"cpu": library.capability(), "models": {}}
     for path in args.models:
         model, tokenizer = load(path)
         ids, lengths, what = tokens_of(args, tokenizer)

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 import gptkit
-from gptkit import cpu_kernels
 from gptkit.config import PRESETS, ModelConfig
 from gptkit.decoding.api import generate_text
 from gptkit.decoding.batch import BatchEngine
@@ -36,6 +35,7 @@ from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.request import Request
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.model import GPT
+from gptkit.native import library
 from gptkit.tokenizer import BPETokenizer, ByteTokenizer
 
 CORPUS = Path(gptkit.__file__).parent / "corpora" / "tinyshakespeare.txt"
@@ -411,7 +411,7 @@ def main() -> int:
     parser.add_argument("--train-steps", type=int, default=300, help="training steps of the trained model")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
-    report: dict = {"cpu": cpu_kernels.capability(), "threads": torch.get_num_threads()}
+    report: dict = {"cpu": library.capability(), "threads": torch.get_num_threads()}
     if args.part in ("all", "libraries"):
         report["libraries"] = libraries(args)
     if args.part in ("all", "cost"):

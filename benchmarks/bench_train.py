@@ -52,12 +52,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptkit import cpu_kernels
 from gptkit.accounting import training_flops_per_token
 from gptkit.config import PRESETS, ModelConfig
 from gptkit.devices import measured_cpu_matmul_flops
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
+from gptkit.native import library
 from gptkit.run_sources import from_sources
 from gptkit.train import train
 
@@ -574,7 +574,7 @@ def main() -> int:
         )
         ddp = bench_ddp(Path(tmp), args.ddp_processes, args.ddp_steps, args.ddp_batch) if args.ddp else None
     report = {
-        "cpu": cpu_kernels.capability(),
+        "cpu": library.capability(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "peak_flops": args.peak_flops,

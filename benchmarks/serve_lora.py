@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from gptkit import cpu_kernels
 from gptkit.adapters import adapters, add_lora, fingerprint
 from gptkit.formats.lora import write_lora_dir
 from gptkit.loading import load
+from gptkit.native import library
 from gptkit.weights import model_state
 
 RANK = 8
@@ -79,7 +79,7 @@ def compare(args: argparse.Namespace, build_model_dir, start_server, run_clients
     median = {name: statistics.median(values) for name, values in rates.items()}
     ratio = median["adapters"] / median["merged"]
     result = {
-        "cpu": cpu_kernels.capability(),
+        "cpu": library.capability(),
         "clients": clients,
         "adapters": args.adapters,
         "tokens_per_s": median,

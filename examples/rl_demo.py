@@ -260,9 +260,9 @@ def machine() -> str:
     """The CPU, what gptkit's CPU kernels run with here (and chose), and the thread count the runs inherit."""
     import torch
 
-    from gptkit import cpu_kernels
+    from gptkit.native import library
 
-    return f"{cpu_kernels.capability()}; {torch.get_num_threads()} threads"
+    return f"{library.capability()}; {torch.get_num_threads()} threads"
 
 
 def at_least(low: int) -> Callable[[str], int]:

@@ -6,15 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gptkit import cpu_kernels
 from gptkit.config import GATED, ModelConfig
+from gptkit.native import ops
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose inference on a CPU takes gptkit's faster products where measured faster (cpu_kernels.linear)."""
+    """nn.Linear whose inference on a CPU takes gptkit's faster products where measured faster (native.ops.linear)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return cpu_kernels.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

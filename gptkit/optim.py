@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gptkit import cpu_kernels
 from gptkit.adapters import adapters
 from gptkit.model import GPT
+from gptkit.native import cpu
 from gptkit.train_config import OptimConfig
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def newton_schulz_dtype(device: torch.device) -> str:
     """
     if device.type != "cpu":
         return "bfloat16"
-    return "bfloat16" if cpu_kernels.cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
+    return "bfloat16" if cpu.cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
 class Muon(torch.optim.Optimizer):

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from gptkit.cpu_kernels import cpu_flags
 from gptkit.distributed import World, any_rank
+from gptkit.native.cpu import cpu_flags
 from gptkit.plan import TRAIN_DTYPES
 
 # The /proc/cpuinfo flags of x86 CPUs with bf16 matmul instructions that PyTorch's CPU matmul (oneDNN) uses: AMX

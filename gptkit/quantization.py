@@ -9,7 +9,7 @@ int4 is Q4_0 exactly (llama.cpp's ggml-quants.c, quantize_row_q4_0_ref): per blo
 magnitude m sets d = m / -8, each weight becomes q = min(15, floor(w / d + 8.5)) in 0..15, and w ~ d (q - 8); so
 `gptkit convert --to-gguf --type q4_0` repacks these bits without rounding again. A layer whose input width is not a
 multiple of 32 (no whole blocks) is quantised to int8 instead. The few-row int4 product (decoding) rounds its
-activations to int8 per block of 32 as llama.cpp does (cpu_kernels.q4_linear); many rows run as a float GEMM over
+activations to int8 per block of 32 as llama.cpp does (native.ops.q4_linear); many rows run as a float GEMM over
 the dequantised weight.
 
 A quantised model saves as a gptkit model directory whose config.json carries "quantization": "int8" or "int4" and
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gptkit import cpu_kernels
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
+from gptkit.native import library, ops
 
 QUANTIZATION_METHODS = ("int8", "int4")
 QUANT_MAX = 127  # symmetric int8: -127..127, so that negating a weight never overflows
@@ -94,10 +94,10 @@ def _compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype | None:
 
 def gemm_dtype(x: Tensor) -> torch.dtype:
     """The dtype a quantised layer's many-row product runs in: x's, or bf16 for fp32 inference on a CPU whose bf16
-    GEMM the kernels' measurement found the faster (cpu_kernels: bf16_upcast False; 2.6x fp32's on a 2-core AVX512-BF16
+    GEMM the kernels' measurement found the faster (native.choices: bf16_upcast False; 2.6x fp32's on a 2-core AVX512-BF16
     EPYC). The weights are the quantised ones either way; the activations round to bf16 for the product, about
     what the few-row kernels' int8 rounding costs."""
-    fast = x.device.type == "cpu" and not torch.is_grad_enabled() and not cpu_kernels.choices().get("bf16_upcast", True)
+    fast = x.device.type == "cpu" and not torch.is_grad_enabled() and not library.choices().get("bf16_upcast", True)
     return torch.bfloat16 if x.dtype == torch.float32 and fast else x.dtype
 
 
@@ -171,7 +171,7 @@ class Int8Linear(nn.Module):
         if torch.is_grad_enabled() and x2.requires_grad:  # training adapters over this layer: x needs a gradient
             y = _DequantizedProduct.apply(x2, self.weight, self.scales)
         else:  # decoding on a CPU: the kernel adds the bias too
-            y = cpu_kernels.int8_linear(x2, self.weight, self.scales, self.bias)
+            y = ops.int8_linear(x2, self.weight, self.scales, self.bias)
             if y is not None:
                 return y.view(*x.shape[:-1], self.out_features)
             y = self._pytorch_product(x2)
@@ -282,7 +282,7 @@ class Int4Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The (N, K) float weight the blocks stand for (on a CPU by the kernels' one-pass op where built)."""
-        native = cpu_kernels.dequantize_q4(self.weight, self.scales, self.out_features, dtype)
+        native = ops.dequantize_q4(self.weight, self.scales, self.out_features, dtype)
         return native if native is not None else dequantize_q4(*self.plain(), dtype)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
@@ -308,7 +308,7 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         y = None
         if not torch.is_grad_enabled():
-            y = cpu_kernels.q4_linear(x2, self.weight, self.scales, self.bias, self.out_features)
+            y = ops.q4_linear(x2, self.weight, self.scales, self.bias, self.out_features)
         if y is None:  # many rows, autograd or another device: a float product over the dequantised weight
             gemm = gemm_dtype(x2)
             y = F.linear(x2.to(gemm), self.dequantized(gemm)).to(x.dtype)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptkit import cpu_kernels, kernel_cache
 from gptkit.config import ModelConfig
+from gptkit.native import contention, library
 
 TINY = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
@@ -44,7 +44,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 # A first decode builds gptkit's CPU kernels in the background and takes them once built: the tests take them built
 # (or ruled out) from the start, so that no test sees the switch between two of its calls.
-cpu_kernels.prepare()
+library.prepare()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -100,7 +100,7 @@ def _seed() -> None:
 def _quiet_machine(monkeypatch) -> None:
     """Kernel choices timed inside a test are kept as on a quiet machine: whether other programs share the machine
     running the suite is not what a test checks (test_cpu_kernels checks that rule with its own readings)."""
-    monkeypatch.setattr(kernel_cache, "others_busy", lambda window=kernel_cache.QUIET_WINDOW_S: 0.0)
+    monkeypatch.setattr(contention, "others_busy", lambda window=contention.QUIET_WINDOW_S: 0.0)
 
 
 def write_char_data_dir(path: Path, characters: int) -> Path:

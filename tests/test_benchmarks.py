@@ -269,9 +269,9 @@ def test_bench_muon_smoke_run_times_each_way_on_the_records_batches():
 
 
 def test_bench_kernels_smoke_run_times_every_format_on_both_sides():
-    from gptkit import cpu_kernels
+    from gptkit.native import library
 
-    if not cpu_kernels.load():
+    if not library.load():
         pytest.skip("gptkit's CPU kernels are not built on this machine")
     result = subprocess.run(
         [sys.executable, str(BENCH_DIR / "bench_kernels.py"), "--rows", "1", "--rounds", "1", "--calls", "1", "--json"],

@@ -80,7 +80,7 @@ def test_library_info_messages_reach_the_command_line_user(capsys):
 
     show_library_messages()
     show_library_messages()  # idempotent: one handler, one line per message
-    logging.getLogger("gptkit.cpu_kernels").info("building gptkit's CPU kernels")
+    logging.getLogger("gptkit.native").info("building gptkit's CPU kernels")
     logging.getLogger("elsewhere").info("not ours")
     assert capsys.readouterr().err == "gptkit: building gptkit's CPU kernels\n"
 

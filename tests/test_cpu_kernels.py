@@ -19,16 +19,18 @@ import torch
 import torch.nn.functional as F
 from conftest import VARIANTS
 
-from gptkit import cpu_kernels, kernel_cache
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import generate_ids
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
+from gptkit.native import build, choices, contention, cpu, ops
+from gptkit.native import cache as kernel_cache
+from gptkit.native import library as kernels
 from gptkit.quantization import Int8Linear, quantize_weight
 
-REAL_OTHERS_BUSY = kernel_cache.others_busy  # (conftest's _quiet_machine replaces it within each test)
+REAL_OTHERS_BUSY = contention.others_busy  # (conftest's _quiet_machine replaces it within each test)
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="this CPU has neither AVX2 nor AVX-512")
+needs_kernels = pytest.mark.skipif(not kernels.load(), reason="this CPU has neither AVX2 nor AVX-512")
 ALL = {"fp32": True, "bf16": True, "int8": True, "bf16_upcast": False}
 
 
@@ -37,7 +39,7 @@ def chosen(monkeypatch):
     """Set the kernels' choices as if measured so (restored after the test)."""
 
     def choose(**values: bool) -> None:
-        monkeypatch.setitem(cpu_kernels._STATE, "choices", dict(ALL, **values))
+        monkeypatch.setitem(kernels.STATE, "choices", dict(ALL, **values))
 
     return choose
 
@@ -51,7 +53,7 @@ def _inputs(rows: int, k: int, n: int, dtype: torch.dtype, bias: bool, seed: int
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", range(1, cpu_kernels.GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", range(1, ops.GEMV_MAX_ROWS + 1))
 @pytest.mark.parametrize("k", [17, 64, 100])  # 17 and 100 end in a partial vector of every width
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_equals_f_linear_at_every_row_count(rows, k, dtype):
@@ -82,7 +84,7 @@ def blockwise_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", range(1, cpu_kernels.GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", range(1, ops.GEMV_MAX_ROWS + 1))
 @pytest.mark.parametrize("k", [17, 64, 100])
 def test_int8_gemv_is_its_exact_product(rows, k):
     """Whole blocks of 32 (k = 64): activations rounded to int8 per block (llama.cpp's q8_0), integer sums; else the
@@ -101,7 +103,7 @@ def test_int8_gemv_is_its_exact_product(rows, k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", range(1, cpu_kernels.GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", range(1, ops.GEMV_MAX_ROWS + 1))
 @pytest.mark.parametrize("k", [32, 96])
 def test_q4_gemv_is_llama_cpps_q4_0_by_q8_0_product(rows, k):
     from gptkit.quantization import Q4_BLOCK, group_q4, quantize_q4
@@ -140,13 +142,13 @@ def test_linear_uses_the_kernel_for_few_rows_without_autograd_where_chosen(monke
     x, w, b = _inputs(8, 64, 48, dtype, True)
     chosen()
     with torch.no_grad():
-        y = cpu_kernels.linear(x.view(8, 1, 64), w, b)  # decode's (B, 1, C) with B = 8
+        y = ops.linear(x.view(8, 1, 64), w, b)  # decode's (B, 1, C) with B = 8
         assert y.shape == (8, 1, 48) and calls == [(8, 64)]
-        cpu_kernels.linear(torch.cat([x, x[:1]]), w, b)  # 9 rows: a GEMM, not a GEMV
-    cpu_kernels.linear(x, w.requires_grad_(), b)  # training keeps autograd's F.linear
+        ops.linear(torch.cat([x, x[:1]]), w, b)  # 9 rows: a GEMM, not a GEMV
+    ops.linear(x, w.requires_grad_(), b)  # training keeps autograd's F.linear
     chosen(**{"fp32": False, "bf16": False})  # measured slower here: PyTorch's product
     with torch.no_grad():
-        torch.testing.assert_close(cpu_kernels.linear(x, w, b), F.linear(x, w, b))
+        torch.testing.assert_close(ops.linear(x, w, b), F.linear(x, w, b))
     assert calls == [(8, 64)]
 
 
@@ -154,15 +156,15 @@ def test_linear_uses_the_kernel_for_few_rows_without_autograd_where_chosen(monke
 def test_many_bf16_rows_run_in_fp32_where_measured_faster(monkeypatch, chosen, upcast):
     dtypes = []
     real_linear = F.linear
-    monkeypatch.setattr(cpu_kernels.F, "linear", lambda *a: dtypes.append(a[0].dtype) or real_linear(*a))
+    monkeypatch.setattr(ops.F, "linear", lambda *a: dtypes.append(a[0].dtype) or real_linear(*a))
     chosen(bf16_upcast=upcast)
-    x, w, b = _inputs(cpu_kernels.BF16_UPCAST_MIN_ROWS, 64, 48, torch.bfloat16, True)
+    x, w, b = _inputs(choices.BF16_UPCAST_MIN_ROWS, 64, 48, torch.bfloat16, True)
     with torch.no_grad():
-        y = cpu_kernels.linear(x.view(2, -1, 64), w, b)
+        y = ops.linear(x.view(2, -1, 64), w, b)
     assert dtypes == [torch.float32 if upcast else torch.bfloat16] and y.dtype == torch.bfloat16
     want = F.linear(x.float(), w.float(), b.float()).view(2, -1, 48)
     assert ((y.float() - want).abs() <= want.abs() * 2**-7 + 1e-3).all()
-    cpu_kernels.linear(x, w.requires_grad_(), b)  # training keeps bf16 autograd
+    ops.linear(x, w.requires_grad_(), b)  # training keeps bf16 autograd
     assert dtypes[-1] == torch.bfloat16
 
 
@@ -188,18 +190,18 @@ def test_a_choice_timed_while_other_programs_are_busy_is_kept_until_a_quiet_star
     # Timing again at every start on a busy machine cost each process its start-up (40 s before `serve` was ready);
     # the first process that starts on a quiet machine times it again, once.
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
-    monkeypatch.delenv(cpu_kernels.UPCAST_VARIABLE, raising=False)
+    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)
+    monkeypatch.delenv(choices.UPCAST_VARIABLE, raising=False)
     measured, load = [], [1.0]  # another program keeps a core busy
-    monkeypatch.setattr(kernel_cache, "others_busy", lambda window=0.2: load[0])
-    monkeypatch.setattr(cpu_kernels, "_measure", lambda: measured.append(1) or dict(ALL, fp32=False))
-    path = cpu_kernels.build_directory() / cpu_kernels.CHOICES_FILE
+    monkeypatch.setattr(contention, "others_busy", lambda window=0.2: load[0])
+    monkeypatch.setattr(choices, "_measure", lambda: measured.append(1) or dict(ALL, fp32=False))
+    path = build.build_directory() / choices.CHOICES_FILE
 
     def new_process() -> dict[str, bool]:
-        monkeypatch.setattr(cpu_kernels, "_STATE", {"library": True})
-        return cpu_kernels.choices()
+        monkeypatch.setattr(kernels, "STATE", {"library": True})
+        return kernels.choices()
 
-    with caplog.at_level(logging.INFO, logger="gptkit.cpu_kernels"):
+    with caplog.at_level(logging.INFO, logger="gptkit.native"):
         assert new_process() == dict(ALL, fp32=False) and measured == [1]
     assert "1.0 cores while gptkit timed its CPU kernels: the choice is kept" in caplog.text
     assert list(json.loads(path.read_text()).values()) == [dict(ALL, fp32=False, timed_while_busy=True)]
@@ -213,21 +215,21 @@ def test_a_choice_timed_while_other_programs_are_busy_is_kept_until_a_quiet_star
 def test_others_busy_counts_other_programs_and_not_this_process():
     # /proc/stat's (busy, all) ticks over 0.2 s on 2 cores (40 ticks of all): a reading a busy test machine cannot
     # disturb. Another program spinning on a core: 20 busy ticks; this process's own core subtracted.
-    assert kernel_cache.others_cores((100, 1000), (120, 1040), own_cores=0.0, cores=2) == pytest.approx(1.0)
-    assert kernel_cache.others_cores((100, 1000), (120, 1040), own_cores=1.0, cores=2) == pytest.approx(0.0)
-    assert kernel_cache.others_cores((100, 1000), (140, 1040), own_cores=1.0, cores=2) == pytest.approx(1.0)
-    assert kernel_cache.others_cores((100, 1000), (100, 1000), own_cores=0.0, cores=2) is None  # no tick passed
+    assert contention.others_cores((100, 1000), (120, 1040), own_cores=0.0, cores=2) == pytest.approx(1.0)
+    assert contention.others_cores((100, 1000), (120, 1040), own_cores=1.0, cores=2) == pytest.approx(0.0)
+    assert contention.others_cores((100, 1000), (140, 1040), own_cores=1.0, cores=2) == pytest.approx(1.0)
+    assert contention.others_cores((100, 1000), (100, 1000), own_cores=0.0, cores=2) is None  # no tick passed
 
 
 def test_others_busy_reads_proc_stat_and_this_processs_own_time(monkeypatch, tmp_path):
     stat = tmp_path / "stat"
     stat.write_text("cpu  50 0 50 880 20 0 0 0 0 0\n")
     later = "cpu  70 0 50 900 20 0 0 0 0 0\n"  # 20 of 40 ticks busy
-    monkeypatch.setattr(kernel_cache, "PROC_STAT", stat)
-    monkeypatch.setattr(kernel_cache, "time", SimpleNamespace(sleep=lambda seconds: stat.write_text(later)))
-    monkeypatch.setattr(kernel_cache.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(contention, "PROC_STAT", stat)
+    monkeypatch.setattr(contention, "time", SimpleNamespace(sleep=lambda seconds: stat.write_text(later)))
+    monkeypatch.setattr(contention.os, "cpu_count", lambda: 2)
     assert REAL_OTHERS_BUSY(window=0.2) == pytest.approx(1.0, abs=0.1)  # (this process's own time: about none)
-    monkeypatch.setattr(kernel_cache, "PROC_STAT", tmp_path / "missing")
+    monkeypatch.setattr(contention, "PROC_STAT", tmp_path / "missing")
     assert REAL_OTHERS_BUSY(window=0.2) is None
 
 
@@ -235,7 +237,7 @@ def test_others_busy_reads_proc_stat_and_this_processs_own_time(monkeypatch, tmp
 def test_other_programs_busy_are_counted_and_this_process_is_not_on_a_quiet_machine():
     # On the real /proc/stat: a quiet machine is needed to tell one spinning program from the rest (the readings
     # above check the arithmetic whatever the machine is doing).
-    if (REAL_OTHERS_BUSY() or 0.0) > kernel_cache.BUSY_CORES or (os.cpu_count() or 1) < 2:
+    if (REAL_OTHERS_BUSY() or 0.0) > contention.BUSY_CORES or (os.cpu_count() or 1) < 2:
         pytest.skip("other programs keep this machine busy (or it has one core): one more cannot be told apart")
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -254,19 +256,19 @@ def test_other_programs_busy_are_counted_and_this_process_is_not_on_a_quiet_mach
 
 def test_the_choices_are_measured_once_and_kept(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
-    monkeypatch.delenv(cpu_kernels.UPCAST_VARIABLE, raising=False)
-    monkeypatch.setattr(cpu_kernels, "_STATE", {"library": True})
+    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)
+    monkeypatch.delenv(choices.UPCAST_VARIABLE, raising=False)
+    monkeypatch.setattr(kernels, "STATE", {"library": True})
     measured = []
-    monkeypatch.setattr(cpu_kernels, "_measure", lambda: measured.append(1) or dict(ALL, fp32=False))
-    assert cpu_kernels.choices()["fp32"] is False and measured == [1]
-    saved = json.loads((cpu_kernels.build_directory() / cpu_kernels.CHOICES_FILE).read_text())
+    monkeypatch.setattr(choices, "_measure", lambda: measured.append(1) or dict(ALL, fp32=False))
+    assert kernels.choices()["fp32"] is False and measured == [1]
+    saved = json.loads((build.build_directory() / choices.CHOICES_FILE).read_text())
     assert list(saved.values()) == [dict(ALL, fp32=False)]
-    monkeypatch.setattr(cpu_kernels, "_STATE", {"library": True})  # a new process reads the file
-    assert cpu_kernels.choices()["fp32"] is False and measured == [1]
-    monkeypatch.setattr(cpu_kernels, "_STATE", {"library": True})
-    monkeypatch.setenv(cpu_kernels.UPCAST_VARIABLE, "1")  # overridden
-    assert cpu_kernels.choices()["bf16_upcast"] is True and measured == [1]
+    monkeypatch.setattr(kernels, "STATE", {"library": True})  # a new process reads the file
+    assert kernels.choices()["fp32"] is False and measured == [1]
+    monkeypatch.setattr(kernels, "STATE", {"library": True})
+    monkeypatch.setenv(choices.UPCAST_VARIABLE, "1")  # overridden
+    assert kernels.choices()["bf16_upcast"] is True and measured == [1]
 
 
 def test_a_failed_build_logs_once_and_falls_back(monkeypatch, cache, caplog):
@@ -276,38 +278,38 @@ def test_a_failed_build_logs_once_and_falls_back(monkeypatch, cache, caplog):
         raise RuntimeError("Error building extension 'gptkit_gemv'")
 
     monkeypatch.setattr(cpp_extension, "load", broken_build)
-    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE)  # chosen by measuring: nothing is, without the library
+    monkeypatch.delenv(build.DISABLE_VARIABLE)  # chosen by measuring: nothing is, without the library
     x, w, b = _inputs(1, 64, 16, torch.float32, True)
-    with caplog.at_level(logging.WARNING, logger="gptkit.cpu_kernels"), torch.no_grad():
-        y1 = cpu_kernels.linear(x, w, b)  # the first product does not wait for the build: PyTorch's product
-        cpu_kernels.prepare()  # (waits for this process's build)
-        y2 = cpu_kernels.linear(x, w, b)
+    with caplog.at_level(logging.WARNING, logger="gptkit.native"), torch.no_grad():
+        y1 = ops.linear(x, w, b)  # the first product does not wait for the build: PyTorch's product
+        kernels.prepare()  # (waits for this process's build)
+        y2 = ops.linear(x, w, b)
     assert torch.equal(y1, F.linear(x, w, b)) and torch.equal(y2, y1)
     [said] = [r.getMessage() for r in caplog.records]
     assert "did not build" in said and "Error building extension 'gptkit_gemv'" in said and "build.log" in said
-    assert cpu_kernels.choices() == {"fp32": False, "bf16": False, "int8": False, "bf16_upcast": False}
+    assert kernels.choices() == {"fp32": False, "bf16": False, "int8": False, "bf16_upcast": False}
 
 
 @pytest.mark.parametrize("flags", [set(), {"avx", "sse4_2"}, {"avx512f", "avx2"}])
 def test_cpus_without_avx2_or_avx512_never_build(monkeypatch, flags):
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
-    monkeypatch.delenv(cpu_kernels.ISA_VARIABLE, raising=False)
-    monkeypatch.setenv(cpu_kernels.UPCAST_VARIABLE, "0")
+    monkeypatch.setattr(kernels, "STATE", {})
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    monkeypatch.delenv(cpu.ISA_VARIABLE, raising=False)
+    monkeypatch.setenv(choices.UPCAST_VARIABLE, "0")
     monkeypatch.setattr(kernel_cache, "spawn_build", lambda *_: pytest.fail("built on a CPU that cannot run them"))
-    assert cpu_kernels.load() is False and cpu_kernels.isa() == "none"
+    assert kernels.load() is False and kernels.isa() == "none"
     x, q = torch.randn(1, 32), torch.ones(8, 32, dtype=torch.int8)
     with torch.no_grad():
-        assert cpu_kernels.int8_linear(x, q, torch.ones(8)) is None
+        assert ops.int8_linear(x, q, torch.ones(8)) is None
 
 
 def test_the_environment_can_turn_the_kernels_off(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
-    monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
-    monkeypatch.setenv(cpu_kernels.UPCAST_VARIABLE, "0")
+    monkeypatch.setattr(kernels, "STATE", {})
+    monkeypatch.setenv(build.DISABLE_VARIABLE, "0")
+    monkeypatch.setenv(choices.UPCAST_VARIABLE, "0")
     monkeypatch.setattr(kernel_cache, "spawn_build", lambda *_: pytest.fail("built although turned off"))
-    assert cpu_kernels.load() is False
-    assert not any(cpu_kernels.choices().values())
+    assert kernels.load() is False
+    assert not any(kernels.choices().values())
 
 
 @needs_kernels
@@ -323,7 +325,7 @@ def test_compiled_bf16_decode_with_the_kernel_matches_eager(chosen):
     assert generate_ids(model, prompt, max_new_tokens=12, temperature=0, compile=True) == eager
 
 
-WIDER_THAN_AVX2 = cpu_kernels.isa_level() is not None and cpu_kernels.isa_level()[0] != "avx2"
+WIDER_THAN_AVX2 = cpu.isa_level() is not None and cpu.isa_level()[0] != "avx2"
 
 
 @pytest.mark.skipif(not WIDER_THAN_AVX2, reason="the AVX2 variant is what this CPU builds anyway")
@@ -331,7 +333,7 @@ def test_the_avx2_variant_computes_the_same_on_a_wider_cpu():
     """An AVX-512 machine builds and runs the AVX2 variant too ($GPTKIT_CPU_ISA): the code an AVX2-only CPU runs
     (8-lane vectors, vpmaddubsw in place of VNNI, widened bf16) passes the same product and fused-step tests."""
     tests = Path(__file__).parent
-    env = {**os.environ, cpu_kernels.ISA_VARIABLE: "avx2"}
+    env = {**os.environ, cpu.ISA_VARIABLE: "avx2"}
     done = subprocess.run(
         [
             sys.executable,
@@ -355,12 +357,12 @@ def test_the_avx2_variant_computes_the_same_on_a_wider_cpu():
 
 
 def test_an_unknown_instruction_set_is_a_one_line_error(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.ISA_VARIABLE, "avx1024")
+    monkeypatch.setenv(cpu.ISA_VARIABLE, "avx1024")
     with pytest.raises(ConfigError, match="GPTKIT_CPU_ISA=avx1024 is not one of avx512_bf16, avx512_vnni"):
-        cpu_kernels.isa_level()
+        cpu.isa_level()
 
 
-# ----- the kernel cache (gptkit/kernel_cache.py): shared by copies, never waited on, never loaded damaged -----
+# ----- the kernel cache (gptkit/native/cache.py): shared by copies, never waited on, never loaded damaged -----
 
 WHOLE_LIBRARY = b"\x7fELF a whole library, as a build leaves it"
 
@@ -397,24 +399,24 @@ def cache(monkeypatch, tmp_path) -> SimpleNamespace:
         (Path(build_directory) / f"{name}.so").write_bytes(WHOLE_LIBRARY)
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(state.root))
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
-    monkeypatch.delenv(cpu_kernels.ISA_VARIABLE, raising=False)
-    monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "1")
-    monkeypatch.setenv(cpu_kernels.UPCAST_VARIABLE, "0")
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.delenv(cpu.ISA_VARIABLE, raising=False)
+    monkeypatch.setenv(build.DISABLE_VARIABLE, "1")
+    monkeypatch.setenv(choices.UPCAST_VARIABLE, "0")
     monkeypatch.setattr(cpp_extension, "load", fake_build)
     monkeypatch.setattr(kernel_cache, "spawn_build", InProcessBuilder)
-    monkeypatch.setattr(cpu_kernels, "_load_library", lambda path: state.opened.append((path, path.read_bytes())))
-    monkeypatch.setattr(cpu_kernels, "_register_shape_functions", lambda: None)  # no real library is loaded
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
-    monkeypatch.setattr(cpu_kernels, "POLL_S", 0.02)
-    monkeypatch.setattr(cpu_kernels, "_EXITING", threading.Event())
+    monkeypatch.setattr(build, "_load_library", lambda path: state.opened.append((path, path.read_bytes())))
+    monkeypatch.setattr(build, "_register_shape_functions", lambda: None)  # no real library is loaded
+    monkeypatch.setattr(kernels, "STATE", {})
+    monkeypatch.setattr(kernels, "POLL_S", 0.02)
+    monkeypatch.setattr(kernels, "_EXITING", threading.Event())
     monkeypatch.setattr(kernel_cache, "_WARNED", set())
     return state
 
 
 def new_process(monkeypatch) -> None:
     """What a new process starts from: nothing loaded, nothing decided."""
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    monkeypatch.setattr(kernels, "STATE", {})
     monkeypatch.setattr(kernel_cache, "_WARNED", set())
 
 
@@ -431,13 +433,13 @@ def settle_within(seconds: float, call: Callable[[], object]) -> object:
 def test_the_build_is_announced_only_when_it_compiles(monkeypatch, cache, caplog):
     """The first process compiles and says it takes a while; a later one loads the cached library without a word
     and without running torch's build at all."""
-    with caplog.at_level(logging.INFO, logger="gptkit.cpu_kernels"):
+    with caplog.at_level(logging.INFO, logger="gptkit.native"):
         for _ in range(2):  # two processes, one after the other
             new_process(monkeypatch)
-            assert cpu_kernels.load() is True
+            assert kernels.load() is True
     announced = [r.getMessage() for r in caplog.records if "building gptkit's CPU kernels" in r.getMessage()]
     assert len(cache.built) == 1 and len(announced) == 1, announced
-    library = kernel_cache.verified_library(cpu_kernels.build_directory())
+    library = kernel_cache.verified_library(build.build_directory())
     assert cache.opened == [(library, WHOLE_LIBRARY)] * 2  # each process loads what the builder left
 
 
@@ -446,17 +448,17 @@ def test_a_builder_process_that_fails_is_one_warning_naming_its_log(monkeypatch,
     # in a thread. Its compiler here is `false`: it fails at once, and says so in build.log.
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
-    monkeypatch.delenv(cpu_kernels.ISA_VARIABLE, raising=False)
-    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
-    monkeypatch.setenv(cpu_kernels.UPCAST_VARIABLE, "0")
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
-    with caplog.at_level(logging.WARNING, logger="gptkit.cpu_kernels"):
-        assert settle_within(120, cpu_kernels.load) is False
-    log = cpu_kernels.build_directory() / kernel_cache.BUILD_LOG
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.delenv(cpu.ISA_VARIABLE, raising=False)
+    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setenv(choices.UPCAST_VARIABLE, "0")
+    monkeypatch.setattr(kernels, "STATE", {})
+    with caplog.at_level(logging.WARNING, logger="gptkit.native"):
+        assert settle_within(120, kernels.load) is False
+    log = build.build_directory() / kernel_cache.BUILD_LOG
     [said] = [r.getMessage() for r in caplog.records]
     assert "did not build" in said and str(log) in said and log.read_text().splitlines()[0] in said
-    assert cpu_kernels._STATE["builder"].returncode == 1
+    assert kernels.STATE["builder"].returncode == 1
 
 
 def test_copies_of_gptkit_share_one_library_and_never_rebuild_it(monkeypatch, cache, tmp_path):
@@ -466,13 +468,13 @@ def test_copies_of_gptkit_share_one_library_and_never_rebuild_it(monkeypatch, ca
 
     copies = [tmp_path / name / "csrc" for name in ("checkout_a", "checkout_b")]
     for copy in copies:
-        shutil.copytree(cpu_kernels.SOURCE_DIR, copy)
+        shutil.copytree(build.SOURCE_DIR, copy)
     directories = []
     for copy in copies * 2:
-        monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", copy)
+        monkeypatch.setattr(build, "SOURCE_DIR", copy)
         new_process(monkeypatch)
-        assert cpu_kernels.load() is True
-        directories.append(cpu_kernels.build_directory())
+        assert kernels.load() is True
+        directories.append(build.build_directory())
     assert len(set(directories)) == 1 and len(cache.built) == 1 and len(cache.opened) == 4
 
 
@@ -480,19 +482,19 @@ def test_the_cache_key_holds_the_sources_the_compiler_and_torch(monkeypatch, cac
     """A library is shared only by what builds the same bits: another header, compiler or torch is another library."""
     import shutil
 
-    directories = [cpu_kernels.build_directory()]
+    directories = [build.build_directory()]
     edited = tmp_path / "edited" / "csrc"
-    shutil.copytree(cpu_kernels.SOURCE_DIR, edited)
+    shutil.copytree(build.SOURCE_DIR, edited)
     (edited / "kernels.h").write_text((edited / "kernels.h").read_text() + "\n// one more line\n")
     with monkeypatch.context() as patch:
-        patch.setattr(cpu_kernels, "SOURCE_DIR", edited)
-        directories.append(cpu_kernels.build_directory())
+        patch.setattr(build, "SOURCE_DIR", edited)
+        directories.append(build.build_directory())
     with monkeypatch.context() as patch:
         patch.setattr(kernel_cache, "compiler_version", lambda: "c++ (GCC) 99.1.0")
-        directories.append(cpu_kernels.build_directory())
+        directories.append(build.build_directory())
     with monkeypatch.context() as patch:
         patch.setattr(torch, "__version__", "9.9.9+cpu")
-        directories.append(cpu_kernels.build_directory())
+        directories.append(build.build_directory())
     assert len(set(directories)) == 4 and {d.parent for d in directories} == {cache.root}
 
 
@@ -512,29 +514,29 @@ def holding_the_build_lock(directory: Path, line: str) -> Iterator[None]:
 def test_a_process_never_waits_for_another_processs_build_and_takes_the_library_once_built(monkeypatch, cache, caplog):
     # Issue 43 item 1: a process that found another's build under way waited for it (`gptkit serve` had no /health
     # after two minutes). It decodes with PyTorch's products meanwhile and takes the library once it is there.
-    directory = cpu_kernels.build_directory()
+    directory = build.build_directory()
     model = GPT(ModelConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval()
     with holding_the_build_lock(directory, f"{os.getpid()} {time.time():.0f}\n"):  # a live builder
-        with caplog.at_level(logging.INFO, logger="gptkit.cpu_kernels"):
-            assert settle_within(5, cpu_kernels.load) is False  # not even load(wait=True) waits for it
+        with caplog.at_level(logging.INFO, logger="gptkit.native"):
+            assert settle_within(5, kernels.load) is False  # not even load(wait=True) waits for it
             tokens = settle_within(30, lambda: generate_ids(model, [1, 2, 3], max_new_tokens=4, temperature=0))
-        assert len(tokens) == 4 and cpu_kernels.building() and cache.built == [] and cache.opened == []
-        sources = [cpu_kernels.SOURCE_DIR / name for name in cpu_kernels.SOURCES]
+        assert len(tokens) == 4 and kernels.building() and cache.built == [] and cache.opened == []
+        sources = [build.SOURCE_DIR / name for name in build.SOURCES]
         library = kernel_cache.build(directory, directory.name, sources, [])  # the other process's build ends
-    cpu_kernels._STATE["background"].join(10)
-    assert cpu_kernels.load(wait=False) is True and not cpu_kernels.building()
+    kernels.STATE["background"].join(10)
+    assert kernels.load(wait=False) is True and not kernels.building()
     assert cache.opened == [(library, WHOLE_LIBRARY)] and len(cache.built) == 1
     assert len([r for r in caplog.records if "being built by another process" in r.getMessage()]) == 1
 
 
 def test_a_process_awaiting_another_build_stops_looking_when_it_exits(cache):
-    directory = cpu_kernels.build_directory()
+    directory = build.build_directory()
     with holding_the_build_lock(directory, f"{os.getpid()} {time.time():.0f}\n"):
-        assert cpu_kernels.load(wait=False) is False
-        thread = cpu_kernels._STATE["background"]
-        cpu_kernels._EXITING.set()  # what the process's exit does first (atexit), before joining the thread
+        assert kernels.load(wait=False) is False
+        thread = kernels.STATE["background"]
+        kernels._EXITING.set()  # what the process's exit does first (atexit), before joining the thread
         thread.join(5)
-        assert not thread.is_alive() and "library" not in cpu_kernels._STATE
+        assert not thread.is_alive() and "library" not in kernels.STATE
 
 
 HOLD_LOCK = (
@@ -549,7 +551,7 @@ def test_a_stopped_or_stale_builder_never_blocks_and_is_named_once(cache, caplog
     # 90 s) and `serve` for good. It is detected and built past, with one warning naming the lock and its holder.
     import signal
 
-    directory = cpu_kernels.build_directory()
+    directory = build.build_directory()
     directory.mkdir(parents=True)
     lock = directory / kernel_cache.LOCK
     child = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True)
@@ -566,8 +568,8 @@ def test_a_stopped_or_stale_builder_never_blocks_and_is_named_once(cache, caplog
         else:  # running, but its line says it took the lock an hour ago: a build takes about a minute
             lock.write_text(f"{child.pid} {time.time() - 3600:.0f}\n")
             expected = f"has been held by process {child.pid} for 36"
-        with caplog.at_level(logging.WARNING, logger="gptkit.cpu_kernels"):
-            assert settle_within(10, cpu_kernels.load) is True
+        with caplog.at_level(logging.WARNING, logger="gptkit.native"):
+            assert settle_within(10, kernels.load) is True
     finally:
         child.kill()
         child.wait()
@@ -579,7 +581,7 @@ def test_a_stopped_or_stale_builder_never_blocks_and_is_named_once(cache, caplog
 def test_what_a_killed_build_left_does_not_block_the_next_and_is_cleared(cache):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    directory = cpu_kernels.build_directory()
+    directory = build.build_directory()
     leftover = directory / f"{kernel_cache.WORK_PREFIX}{gone.pid}"
     leftover.mkdir(parents=True)
     (leftover / "lock").touch()  # torch's own lock file, as a build killed with SIGKILL leaves it
@@ -587,7 +589,7 @@ def test_what_a_killed_build_left_does_not_block_the_next_and_is_cleared(cache):
     long_ago = time.time() - 2 * kernel_cache.STALE_AFTER_S
     os.utime(leftover, (long_ago, long_ago))
     (directory / kernel_cache.LOCK).write_text(f"{gone.pid} {long_ago:.0f}\n")  # its line, its flock gone with it
-    assert settle_within(10, cpu_kernels.load) is True
+    assert settle_within(10, kernels.load) is True
     assert not leftover.exists() and len(cache.built) == 1 and not Path(cache.built[0]).exists()
 
 
@@ -619,15 +621,15 @@ DAMAGE = {
 def test_every_damaged_cache_file_is_named_once_never_loaded_and_built_again(monkeypatch, cache, caplog, damage):
     # Issue 43 item 2: a library cut to half its size was a SIGBUS on every decode (exit 135, no message). Each file
     # is checked against the manifest before anything is loaded; what fails is built again, with one warning.
-    assert cpu_kernels.load() is True  # the first process builds
-    directory = cpu_kernels.build_directory()
+    assert kernels.load() is True  # the first process builds
+    directory = build.build_directory()
     library, manifest = kernel_cache.verified_library(directory), directory / kernel_cache.MANIFEST
     change, named = DAMAGE[damage]
     change(library, manifest)
-    with caplog.at_level(logging.WARNING, logger="gptkit.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="gptkit.native"):
         for _ in range(2):  # the next process finds the damage and builds again; the one after loads that build
             new_process(monkeypatch)
-            assert cpu_kernels.load() is True
+            assert kernels.load() is True
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and str(library if named == "lib" else manifest) in warnings[0], warnings
     assert len(cache.built) == 2 and cache.opened == [(library, WHOLE_LIBRARY)] * 3  # never the damaged bytes
@@ -640,22 +642,22 @@ def test_a_real_library_cut_in_half_is_never_loaded_and_decoding_goes_on(tmp_pat
     # so that what is checked is what loads.
     import shutil
 
-    built = cpu_kernels.build_directory()
+    built = build.build_directory()
     copy = tmp_path / built.name
     shutil.copytree(built, copy, ignore=shutil.ignore_patterns(kernel_cache.LOCK, f"{kernel_cache.WORK_PREFIX}*"))
     library = kernel_cache.verified_library(copy)
     library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])
     code = (
-        "import torch; from gptkit import cpu_kernels, kernel_cache; "
+        "import torch; from gptkit.native import cache, library; "
         "from gptkit.config import ModelConfig; from gptkit.model import GPT; "
         "from gptkit.decoding.api import generate_ids\n"
         "def refuse(*_): raise OSError('no compiler here')\n"
-        "kernel_cache.spawn_build = refuse; torch.manual_seed(0)\n"
+        "cache.spawn_build = refuse; torch.manual_seed(0)\n"
         "m = GPT(ModelConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval()\n"
         "print(len(generate_ids(m, [1, 2, 3], max_new_tokens=5, temperature=0)))\n"
-        "cpu_kernels.prepare(); print(cpu_kernels.load())"
+        "library.prepare(); print(library.load())"
     )
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), cpu_kernels.DISABLE_VARIABLE: "1"}
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), build.DISABLE_VARIABLE: "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["5", "False"]
@@ -669,16 +671,16 @@ def test_a_real_library_cut_in_half_is_never_loaded_and_decoding_goes_on(tmp_pat
 )
 def test_a_choices_file_of_the_wrong_shape_is_measured_again_and_rewritten(monkeypatch, tmp_path, caplog, content):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
-    monkeypatch.delenv(cpu_kernels.UPCAST_VARIABLE, raising=False)
-    monkeypatch.setattr(cpu_kernels, "_STATE", {"library": True})
-    monkeypatch.setattr(cpu_kernels, "_measure", lambda: dict(ALL, int8=False))
+    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)
+    monkeypatch.delenv(choices.UPCAST_VARIABLE, raising=False)
+    monkeypatch.setattr(kernels, "STATE", {"library": True})
+    monkeypatch.setattr(choices, "_measure", lambda: dict(ALL, int8=False))
     monkeypatch.setattr(kernel_cache, "_WARNED", set())
-    path = cpu_kernels.build_directory() / cpu_kernels.CHOICES_FILE
+    path = build.build_directory() / choices.CHOICES_FILE
     path.parent.mkdir(parents=True)
     path.write_text(content)
-    with caplog.at_level(logging.WARNING, logger="gptkit.cpu_kernels"):
-        assert cpu_kernels.choices() == dict(ALL, int8=False)
-        assert cpu_kernels.measured("fused_step", lambda: True) is True
+    with caplog.at_level(logging.WARNING, logger="gptkit.native"):
+        assert kernels.choices() == dict(ALL, int8=False)
+        assert kernels.measured("fused_step", lambda: True) is True
     assert len([r for r in caplog.records if str(path) in r.getMessage()]) == 1  # one warning naming the file
-    assert json.loads(path.read_text()) == {cpu_kernels._machine_key(): dict(ALL, int8=False, fused_step=True)}
+    assert json.loads(path.read_text()) == {choices.machine_key(): dict(ALL, int8=False, fused_step=True)}

@@ -13,7 +13,6 @@ import torch
 from conftest import VARIANTS
 from fastapi.testclient import TestClient
 
-from gptkit import cpu_kernels
 from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import generate, generate_ids, sampling_params, stream
@@ -22,6 +21,7 @@ from gptkit.errors import ConfigError
 from gptkit.formats.modeldir import save_model_dir
 from gptkit.loading import load
 from gptkit.model import GPT
+from gptkit.native import build, library
 from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tokenizer import CharTokenizer
 
@@ -55,14 +55,14 @@ def sharpened(variant: str, **overrides) -> GPT:
 
 def use_kernels(monkeypatch, on: bool) -> None:
     """gptkit's kernels for every product they take, or for none (as GPTKIT_CPU_KERNELS=0 leaves it)."""
-    monkeypatch.setitem(cpu_kernels._STATE, "choices", {"fp32": on, "bf16": on, "int8": on, "bf16_upcast": False})
+    monkeypatch.setitem(library.STATE, "choices", {"fp32": on, "bf16": on, "int8": on, "bf16_upcast": False})
 
 
 @pytest.fixture(params=["kernels on", "kernels off"])
 def kernels(request, monkeypatch):
     """Both settings; "kernels on" where this CPU runs them."""
     on = request.param == "kernels on"
-    if on and not cpu_kernels.load():
+    if on and not library.load():
         pytest.skip("this CPU runs no gptkit kernel")
     use_kernels(monkeypatch, on)
     return on
@@ -113,7 +113,7 @@ def test_eager_entry_points_give_the_uncached_greedy_tokens(kernels, variant, tm
 
 
 def test_compiled_entry_points_give_the_uncached_greedy_tokens(monkeypatch, quick_compile, model_dir, capsys):
-    use_kernels(monkeypatch, cpu_kernels.load())  # on where they run (see the next test for off)
+    use_kernels(monkeypatch, library.load())  # on where they run (see the next test for off)
     path, tokenizer = model_dir
     model, _ = load(path)
     ids = tokenizer.encode(PROMPT)
@@ -163,7 +163,7 @@ def test_cli_without_kernels_from_the_environment(model_dir):
     path, tokenizer = model_dir
     model, _ = load(path)
     want = tokenizer.decode(uncached_greedy(model, tokenizer.encode(PROMPT), 10))
-    env = {**os.environ, cpu_kernels.DISABLE_VARIABLE: "0"}
+    env = {**os.environ, build.DISABLE_VARIABLE: "0"}
     result = subprocess.run(
         [
             sys.executable,

@@ -10,7 +10,6 @@ import torch
 from conftest import TINY, VARIANTS
 from torch import nn
 
-from gptkit import cpu_kernels, kernel_cache
 from gptkit.adapters import add_lora
 from gptkit.config import ModelConfig
 from gptkit.decoding import batch, fused
@@ -20,9 +19,10 @@ from gptkit.decoding.step import decode_one_token, inference, prefill
 from gptkit.errors import GptkitError
 from gptkit.kv_cache import KVCache, quantize_rows
 from gptkit.model import GPT, Linear
+from gptkit.native import build, cache, choices, cpu, library
 from gptkit.quantization import quantize
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="this CPU has neither AVX2 nor AVX-512")
+needs_kernels = pytest.mark.skipif(not library.load(), reason="this CPU has neither AVX2 nor AVX-512")
 
 
 WIDE = {f"fused_step_{rows}_rows": True for rows in fused.WIDE_ROWS}
@@ -32,8 +32,8 @@ WIDE = {f"fused_step_{rows}_rows": True for rows in fused.WIDE_ROWS}
 def fused_chosen(monkeypatch):
     """The fused step as if measured faster here, at one row and at every batch size (it is chosen per machine;
     these tests check what it computes)."""
-    if cpu_kernels.load():
-        monkeypatch.setitem(cpu_kernels._STATE, "choices", dict(cpu_kernels.choices(), fused_step=True, **WIDE))
+    if library.load():
+        monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fused_step=True, **WIDE))
 
 
 COVERED = {
@@ -264,8 +264,8 @@ def test_what_the_fused_step_does_not_cover_decodes_eagerly_and_says_why_once(na
 def test_a_batch_decodes_fused_up_to_the_rows_measured_faster_and_eagerly_past_them(rows, fused_steps, monkeypatch):
     """Measured faster at 16 rows but not at 32: 12 rows decode fused (each row's tokens those it gets alone), 20
     eagerly."""
-    choices = dict(cpu_kernels.choices(), fused_step_16_rows=True, fused_step_32_rows=False)
-    monkeypatch.setitem(cpu_kernels._STATE, "choices", choices)
+    choices = dict(library.choices(), fused_step_16_rows=True, fused_step_32_rows=False)
+    monkeypatch.setitem(library.STATE, "choices", choices)
     assert [fused.covers(n) for n in (8, 9, 16, 17, 1000)] == [True, True, True, False, False]
     eager = []
     monkeypatch.setattr(batch, "decode_one_token", lambda *args: eager.append(1) or decode_one_token(*args))
@@ -282,10 +282,10 @@ def test_batches_past_max_rows_are_measured_once_per_size_in_turn(monkeypatch):
     timed = []
     faster_up_to = 32
     monkeypatch.setattr(fused, "_faster_than_eager", lambda rows: timed.append(rows) or rows <= faster_up_to)
-    monkeypatch.setattr(cpu_kernels, "_record", lambda name, measure: measure())  # (not kept in choices.json)
-    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)  # =1 would choose without measuring
-    monkeypatch.setitem(cpu_kernels._STATE, "library", True)
-    monkeypatch.setitem(cpu_kernels._STATE, "choices", {"fused_step": True})
+    monkeypatch.setattr(choices, "record", lambda name, measure: measure())  # (not kept in choices.json)
+    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)  # =1 would choose without measuring
+    monkeypatch.setitem(library.STATE, "library", True)
+    monkeypatch.setitem(library.STATE, "choices", {"fused_step": True})
     assert fused.covers(fused.MAX_ROWS) and timed == []  # never measured up to MAX_ROWS
     assert fused.covers(20) and timed == [16, 32]
     assert fused.covers(32) and not fused.covers(33) and timed == [16, 32, 64]  # 64 lost: not timed again
@@ -382,21 +382,21 @@ def test_a_first_decode_does_not_wait_for_the_kernels_to_build(monkeypatch, tmp_
             release.wait(30)
             return self.poll()
 
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    monkeypatch.setattr(library, "STATE", {})
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty kernel cache: the library is built
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
-    monkeypatch.delenv(cpu_kernels.ISA_VARIABLE, raising=False)
-    monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
-    monkeypatch.setenv(cpu_kernels.UPCAST_VARIABLE, "0")
-    monkeypatch.setattr(kernel_cache, "spawn_build", SlowBuilder)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.delenv(cpu.ISA_VARIABLE, raising=False)
+    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setenv(choices.UPCAST_VARIABLE, "0")
+    monkeypatch.setattr(cache, "spawn_build", SlowBuilder)
     model = sharpened(ModelConfig(**TINY))
     try:
         out = generate_ids(model, [1, 2, 3], max_new_tokens=4, temperature=0)  # decodes while the build runs
-        assert len(out) == 4 and cpu_kernels.building()
+        assert len(out) == 4 and library.building()
     finally:
         release.set()
-        cpu_kernels.prepare()
-    assert not cpu_kernels.building() and cpu_kernels._STATE["library"] is False
+        library.prepare()
+    assert not library.building() and library.STATE["library"] is False
 
 
 # What the C++ step does not compute: each is refused by name, and decoding falls back to the eager step.

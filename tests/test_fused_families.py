@@ -8,14 +8,14 @@ import logging
 import pytest
 import torch
 
-from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.decoding import fused
 from gptkit.decoding.step import decode_one_token, inference
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
+from gptkit.native import library
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="this CPU has neither AVX2 nor AVX-512")
+needs_kernels = pytest.mark.skipif(not library.load(), reason="this CPU has neither AVX2 nor AVX-512")
 
 BASE = dict(
     vocab_size=64,
@@ -84,8 +84,8 @@ LOGITS_TOLERANCE, CACHE_TOLERANCE = 5e-6, 3e-6
 @pytest.fixture(autouse=True)
 def fused_chosen(monkeypatch):
     """The fused step as if measured faster here (it is chosen per machine; these tests check what it computes)."""
-    if cpu_kernels.load():
-        monkeypatch.setitem(cpu_kernels._STATE, "choices", dict(cpu_kernels.choices(), fused_step=True))
+    if library.load():
+        monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fused_step=True))
 
 
 def family_model(settings: dict) -> GPT:
@@ -152,7 +152,7 @@ def test_uncovered_rope_rule_falls_back_with_one_log_line(caplog) -> None:
     model = GPT(ModelConfig(**settings)).eval()
     reason = fused.uncovered(model)
     assert reason is not None and "dynamic" in reason
-    if not cpu_kernels.load():
+    if not library.load():
         return
     fused._LOGGED.discard(reason)
     with caplog.at_level(logging.WARNING, logger="gptkit.decoding"):

@@ -239,11 +239,11 @@ def test_export_loads_as_the_same_family_with_the_same_logits(family, tmp_path) 
 
 
 def test_greedy_generation_matches_transformers(family, monkeypatch) -> None:
-    from gptkit import cpu_kernels
     from gptkit.decoding.api import generate_ids
+    from gptkit.native import library
 
-    if cpu_kernels.load():  # the fused CPU step as if measured faster here, wherever it covers the model
-        monkeypatch.setitem(cpu_kernels._STATE, "choices", dict(cpu_kernels.choices(), fused_step=True))
+    if library.load():  # the fused CPU step as if measured faster here, wherever it covers the model
+        monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fused_step=True))
     _, hf_model, path = family
     model, _ = load_hf(path)
     prompt = ids((1, 8), seed=3)[0].tolist()

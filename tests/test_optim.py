@@ -150,9 +150,9 @@ def test_a_dtensor_shard_takes_the_rounds_as_written(monkeypatch):
 def test_the_newton_schulz_dtype_is_bfloat16_on_a_gpu_or_bf16_hardware_and_float32_elsewhere(
     monkeypatch, flags, expected
 ):
-    from gptkit import cpu_kernels
+    from gptkit.native import cpu
 
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
     assert newton_schulz_dtype(torch.device("cpu")) == expected
     assert newton_schulz_dtype(torch.device("cuda")) == "bfloat16"
     optimizer, _ = make_optimizer(GPT(TINY), OptimConfig(name="muon"))

@@ -8,7 +8,6 @@ import logging
 import pytest
 import torch
 
-from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.decoding.batch import BatchEngine
 from gptkit.decoding.kv_store import KVStore
@@ -17,6 +16,7 @@ from gptkit.decoding.request import Request
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.step import PREFILL_CHUNK
 from gptkit.model import GPT
+from gptkit.native import library
 from gptkit.quantization import quantize
 
 GPT2 = dict(vocab_size=256, block_size=256, n_layer=2, n_head=4, n_embd=64)
@@ -33,8 +33,8 @@ NEW_TOKENS = 12
 @pytest.fixture(autouse=True)
 def fused_chosen(monkeypatch):
     """The fused step as if measured faster here: batch invariance is promised where it decodes."""
-    if cpu_kernels.load():
-        monkeypatch.setitem(cpu_kernels._STATE, "choices", dict(cpu_kernels.choices(), fused_step=True))
+    if library.load():
+        monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fused_step=True))
 
 
 def make_model(style: dict, weights: str, seed: int = 0) -> GPT:

@@ -13,12 +13,12 @@ import torch
 from safetensors import safe_open
 from test_prefix_cache import GPT2, LLAMA, answer, engine_for, make_model, prompt, request, run
 
-from gptkit import cpu_kernels
 from gptkit.decoding.kv_dir import MARKER
 from gptkit.decoding.kv_store import KVStore, checksum
 from gptkit.decoding.prefix_cache import PrefixCache, block_names
 from gptkit.decoding.step import PREFILL_CHUNK
 from gptkit.errors import GptkitError
+from gptkit.native import library
 from gptkit.tensors import save_tensors
 
 
@@ -26,7 +26,7 @@ from gptkit.tensors import save_tensors
 def kernels_settled():
     """gptkit's kernels loaded (or known absent) before a test: a namespace names them, so it must not change between
     a block's write and a test's look for its file."""
-    cpu_kernels.load()
+    library.load()
 
 
 def tree(directory: Path) -> dict[str, bytes]:

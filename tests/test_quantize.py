@@ -218,7 +218,7 @@ def test_compiled_int8_decode_matches_eager(trained, device, capfd):
     assert compiled.completions == eager.completions
     assert compiled.timing.compile_seconds is not None
     assert "AUTOTUNE" not in capfd.readouterr().err  # the autotuner's timing tables stay out of the user's terminal
-    # From cpu_kernels.COMPILED_INT8_MIN_ROWS rows on, the compiled graph calls gptkit's int8 kernel instead.
+    # From native.ops.COMPILED_INT8_MIN_ROWS rows on, the compiled graph calls gptkit's int8 kernel instead.
     prompts = [held_out[i : i + 20].tolist() for i in range(0, 600, 100)]
     params = SamplingParams(max_new_tokens=8, temperature=0)
     assert (

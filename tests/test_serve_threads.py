@@ -16,10 +16,10 @@ import httpx
 import pytest
 import torch
 
-from gptkit import kernel_cache
 from gptkit.config import ModelConfig
 from gptkit.formats.modeldir import save_model_dir
 from gptkit.model import GPT
+from gptkit.native import contention
 from gptkit.serving import threads
 from gptkit.serving.threads import ThreadGovernor
 from gptkit.tokenizer import ByteTokenizer
@@ -41,7 +41,7 @@ def machine(monkeypatch, tmp_path):
         write()
 
     write()
-    monkeypatch.setattr(kernel_cache, "PROC_STAT", stat)
+    monkeypatch.setattr(contention, "PROC_STAT", stat)
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(threads.os, "times", lambda: os.times_result((0.0, 0.0, 0.0, 0.0, 0.0)))
     before = torch.get_num_threads()
@@ -66,16 +66,16 @@ def test_the_decode_threads_follow_the_cores_other_programs_leave_free(machine):
 
 def test_at_start_the_count_follows_the_load_at_once(machine, monkeypatch):
     # Before the model loads, so that the kernels' choices are timed at the count decoding will use.
-    monkeypatch.setattr(kernel_cache, "others_busy", lambda window=kernel_cache.QUIET_WINDOW_S: 1.5)
+    monkeypatch.setattr(contention, "others_busy", lambda window=contention.QUIET_WINDOW_S: 1.5)
     assert ThreadGovernor(most=2, clock=machine.clock).settle() == 1 and torch.get_num_threads() == 1
-    monkeypatch.setattr(kernel_cache, "others_busy", lambda window=kernel_cache.QUIET_WINDOW_S: 0.0)
+    monkeypatch.setattr(contention, "others_busy", lambda window=contention.QUIET_WINDOW_S: 0.0)
     assert ThreadGovernor(most=2, clock=machine.clock).settle() == 2 and torch.get_num_threads() == 2
-    monkeypatch.setattr(kernel_cache, "others_busy", lambda window=kernel_cache.QUIET_WINDOW_S: None)  # not Linux
+    monkeypatch.setattr(contention, "others_busy", lambda window=contention.QUIET_WINDOW_S: None)  # not Linux
     assert ThreadGovernor(most=2, clock=machine.clock).settle() == 2
 
 
 def test_without_proc_stat_the_count_stays(machine, monkeypatch, tmp_path):
-    monkeypatch.setattr(kernel_cache, "PROC_STAT", tmp_path / "missing")
+    monkeypatch.setattr(contention, "PROC_STAT", tmp_path / "missing")
     governor = ThreadGovernor(most=2, clock=machine.clock)
     machine.busy(cores=2.0)
     assert governor.adjust() == 2 and torch.get_num_threads() == 2

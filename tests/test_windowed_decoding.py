@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.decoding import speculative
 from gptkit.decoding.batch import BatchEngine
@@ -16,6 +15,7 @@ from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.step import PREFILL_CHUNK, extend, inference
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
+from gptkit.native import library
 
 W = 7
 MIXED = dict(
@@ -106,9 +106,9 @@ def test_int8_ring_cache_stays_near_recomputation() -> None:
 @pytest.fixture(params=["fused", "eager"])
 def step_kind(request, monkeypatch):
     """Decode through the fused step (as if measured faster) or the eager one."""
-    if cpu_kernels.load():
-        choices = dict(cpu_kernels.choices(), fused_step=request.param == "fused")
-        monkeypatch.setitem(cpu_kernels._STATE, "choices", choices)
+    if library.load():
+        choices = dict(library.choices(), fused_step=request.param == "fused")
+        monkeypatch.setitem(library.STATE, "choices", choices)
     return request.param
 
 
@@ -141,7 +141,7 @@ def test_prefix_cache_hit_on_a_windowed_model_is_bit_identical(window: int, step
     engine = BatchEngine(model, 2, 256, prefix_cache=cache)
     run(engine, [request(shared)])
     hit = request(target)
-    fused = step_kind == "fused" and cpu_kernels.load()
+    fused = step_kind == "fused" and library.load()
     run(engine, [hit, request(target[:50])] if fused else [hit])
     assert cache.stats.hit_tokens == 2 * PREFILL_CHUNK
     assert answer(hit) == answer(alone)

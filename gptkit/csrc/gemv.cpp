@@ -261,7 +261,7 @@ int64_t huge_pages(const std::vector<at::Tensor>& tensors) {
   return collapsed;
 }
 
-// The instruction set the library was compiled for (cpu_kernels.ISA_LEVELS, in that order).
+// The instruction set the library was compiled for (native/cpu.py's ISA_LEVELS, in that order).
 int64_t isa() {
 #if defined(__AVX512BF16__)
   return 4;

@@ -1,5 +1,6 @@
 // One layer's keys or values in the KV cache as the fused decode step (step.cpp) reads and writes them: fp32, bf16,
-// or int8 with one fp32 scale per row, head and position (gptkit.kv_cache's layout, quantised as it quantises).
+// or int8 with one fp32 scale per row, head and position (gptkit.kv_cache's layout, quantised as it quantises);
+// and one query head's attention over them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels.h"
+#include "step_parts.h"
 
 namespace kvrows {
 
@@ -65,6 +67,33 @@ inline const float* cached(const CacheView& c, int64_t cache, int64_t head_dim, 
     for (int64_t i = 0; i < head_dim; ++i) buffer[i] = float(v[i]) * scale;
   }
   return buffer;
+}
+
+// softmax(q . k_s * scale, soft-capped at softcap: 0 none) over the S cached positions of (b, g), times their values,
+// into out (head_dim values). scores holds S + head_dim floats of scratch (the scores, then one converted row).
+inline void attend(const float* q, const CacheView& keys, const CacheView& values, int64_t cache, int64_t head_dim,
+                   int64_t b, int64_t g, int64_t S, float scale, float softcap, float* scores, float* out) {
+  float* row = scores + S;  // one dequantised key or value row
+  for (int64_t s = 0; s < S; ++s) scores[s] = gk::dot(q, cached(keys, cache, head_dim, b, g, s, row), head_dim) * scale;
+  if (softcap > 0.0f) parts::soft_cap(scores, S, softcap);
+  float top = -INFINITY;
+  for (int64_t s = 0; s < S; ++s) top = std::fmax(top, scores[s]);
+  int64_t s = 0;
+  gk::V total = gk::vzero();
+  for (; s + gk::kLanes <= S; s += gk::kLanes) {
+    const gk::V e = gk::vexp(gk::vsub(gk::vload(scores + s), gk::vset(top)));
+    gk::vstore(scores + s, e);
+    total = gk::vadd(total, e);
+  }
+  float sum = gk::vsum(total);
+  for (; s < S; ++s) {
+    scores[s] = std::exp(scores[s] - top);
+    sum += scores[s];
+  }
+  std::fill(out, out + head_dim, 0.0f);
+  for (int64_t j = 0; j < S; ++j) gk::axpy(scores[j], cached(values, cache, head_dim, b, g, j, row), out, head_dim);
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < head_dim; ++i) out[i] *= inv;
 }
 
 }  // namespace kvrows

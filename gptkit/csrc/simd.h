@@ -1,6 +1,6 @@
 // The vector layer every CPU kernel of gptkit is written against, compiled for one instruction set.
 //
-// The library is built once per machine for the widest set its CPU runs (cpu_kernels.ISA_LEVELS passes -mavx2 ...
+// The library is built once per machine for the widest set its CPU runs (native/cpu.py's ISA_LEVELS passes -mavx2 ...
 // -mavx512bf16 as the CPU allows), so each kernel is written once against the vector width the compiler targets:
 // 16 fp32 lanes under AVX-512, 8 under AVX2 + FMA. Here: bf16 and fp16 conversions, fp32 vectors (V) and their
 // operations, exp / tanh / erf, the activations, and small dot and axpy helpers.

@@ -32,6 +32,7 @@
 #include "low_rank.h"
 #include "weights.h"
 #include "kv_rows.h"
+#include "step_layout.h"
 #include "step_parts.h"
 
 namespace {
@@ -40,35 +41,7 @@ using kvrows::CacheView;
 using kvrows::kCacheBF16;
 using kvrows::kCacheF32;
 using kvrows::kCacheI8;
-
-enum Norm : int64_t { kLayerNorm = 0, kRmsNorm = 1 };
-enum Position : int64_t { kLearned = 0, kRope = 1, kNoPosition = 2 };
-enum NormPosition : int64_t { kPre = 0, kSandwich = 1, kSublayerPost = 2 };
-enum QkNorm : int64_t { kNoQkNorm = 0, kQkPerHead = 1, kQkWidth = 2 };
-constexpr int64_t kGeglu = 4;  // beside kernels.h's activations: GELU (tanh) of the gate times the up rows
-
-// The order of DecodeStep's integer settings (gptkit/decoding/fused.py writes them in this order); then one
-// sliding window per layer (0: full attention).
-enum Setting : int64_t {
-  kLayers, kWidth, kHeads, kKvHeads, kHeadDim, kHidden, kVocab, kNorm, kActivation, kPosition, kLogitsBF16,
-  kNormPosition, kParallel, kQkNormKind, kRotaryDim, kSettings
-};
-// Its numbers, in this order (a soft-cap of 0: none).
-enum Number : int64_t { kEps, kEmbeddingScale, kResidualScale, kAttnScale, kAttnSoftcap, kLogitScale, kLogitSoftcap,
-                        kNumbers };
-constexpr int64_t kLayerTensors = 22;  // per block: 2 norms, 4 linears of 3 tensors, 2 post-norms, q and k norms
-
-// The block layers an adapter may update, numbered layer * kAdapted + which (gptkit.decoding.fused's order).
-enum Adapted : int64_t { kQkv, kProj, kFc, kDown, kAdapted };
-
-struct Layer {
-  const float *norm1_w, *norm1_b, *norm2_w, *norm2_b, *post1_w, *post1_b, *post2_w, *post2_b, *q_norm, *k_norm;
-  gk::Weight qkv, proj, fc, down;
-  int64_t window;  // 0: full attention
-  const float* inv_freq;  // rotary_dim / 2 frequencies; null: no RoPE in this layer
-  float rope_factor;
-  int64_t rope_group;  // layers of one group share their angles (computed once per row)
-};
+using namespace layout;
 
 class DecodeStep : public torch::CustomClassHolder {
  public:
@@ -477,29 +450,8 @@ class DecodeStep : public torch::CustomClassHolder {
     const int64_t g = hh / (H_ / KV_), S = std::min(p + 1, keys.slots);
     const float scale = attn_scale_ > 0.0f ? attn_scale_ : 1.0f / std::sqrt(float(HD_));
     float* scores = scores_.data() + size_t(t) * scores_stride_;
-    float* row = scores + S;  // one dequantised key or value row
-    for (int64_t s = 0; s < S; ++s)
-      scores[s] = gk::dot(q, kvrows::cached(keys, cache, HD_, b, g, s, row), HD_) * scale;
-    if (attn_softcap_ > 0.0f) parts::soft_cap(scores, S, attn_softcap_);
-    float top = -INFINITY;
-    for (int64_t s = 0; s < S; ++s) top = std::fmax(top, scores[s]);
-    int64_t s = 0;
-    gk::V total = gk::vzero();
-    for (; s + gk::kLanes <= S; s += gk::kLanes) {
-      const gk::V e = gk::vexp(gk::vsub(gk::vload(scores + s), gk::vset(top)));
-      gk::vstore(scores + s, e);
-      total = gk::vadd(total, e);
-    }
-    float sum = gk::vsum(total);
-    for (; s < S; ++s) {
-      scores[s] = std::exp(scores[s] - top);
-      sum += scores[s];
-    }
-    float* out = att_.data() + b * H_ * HD_ + hh * HD_;
-    std::fill(out, out + HD_, 0.0f);
-    for (int64_t j = 0; j < S; ++j) gk::axpy(scores[j], kvrows::cached(values, cache, HD_, b, g, j, row), out, HD_);
-    const float inv = 1.0f / sum;
-    for (int64_t i = 0; i < HD_; ++i) out[i] *= inv;
+    kvrows::attend(q, keys, values, cache, HD_, b, g, S, scale, attn_softcap_, scores,
+                   att_.data() + b * H_ * HD_ + hh * HD_);
   }
 
   int64_t L_, D_, H_, KV_, HD_, F_, V_, norm_, act_, position_, max_k_, norm_position_, qk_norm_, rotary_;

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gptkit import cpu_kernels
 from gptkit.decoding import fused
 from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.lookup import Lookup
@@ -54,6 +53,7 @@ from gptkit.decoding.step import (
 from gptkit.errors import InputError
 from gptkit.model import GPT
 from gptkit.multi_lora import rows_using
+from gptkit.native import library
 
 
 class BatchEngine:
@@ -94,7 +94,7 @@ class BatchEngine:
         self.buckets = buckets  # compiled: run the fewest rows of a power of two (else always batch_size rows)
         self.decode_step = compiled(model) if compile else decode_one_token
         self.fused = None if compile else self._fused_step()
-        self.fused_later = self.fused is None and not compile and cpu_kernels.building()
+        self.fused_later = self.fused is None and not compile and library.building()
         self.prefix_cache, self.adapter = prefix_cache, adapter
         self.fingerprint = model_fingerprint(base(model)) if prefix_cache is not None else ""
         self.rows: list[Request] = []  # cache row i belongs to rows[i]
@@ -320,7 +320,7 @@ class BatchEngine:
             ids = torch.tensor(tokens + [0] * pad, device=self.device)[:, None]
             where = torch.tensor(positions + [self.max_len - 1] * pad, device=self.device)
             return self.decode_step(self.model, ids, self.cache.view(rows, self.max_len), where)[:k]
-        if self.fused_later and not cpu_kernels.building():  # the kernels' background build has ended
+        if self.fused_later and not library.building():  # the kernels' background build has ended
             self.fused, self.fused_later = self._fused_step(), False
         ids = torch.tensor(tokens, device=self.device)[:, None]
         if self.fused is not None and fused.covers(k):

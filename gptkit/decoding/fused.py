@@ -2,7 +2,7 @@
 
 The eager step (step.decode_one_token) costs a batch-1 token about a thousand operator dispatches and the Python
 between them, a third of a small model's step on a CPU, on top of reading the weights. The fused step runs every
-layer in one OpenMP region with only barriers between the stages (cpu_kernels' products, norms, rotary positions,
+layer in one OpenMP region with only barriers between the stages (native.ops' products, norms, rotary positions,
 attention over the cache, activations and residuals), so a step costs little more than streaming the weights.
 
 It covers the models `gptkit convert --to-gguf` writes and more: pre-norm, sandwich or sublayer-post blocks with
@@ -17,7 +17,7 @@ any number of rows; served LoRA adapters (gptkit.multi_lora's AdapterSet layers)
 any module, parameter or buffer the step does not compute (a training adapter around a layer, a module or parameter
 added to a block) is refused by what it holds, whatever its configuration says.
 Anything else decodes with the eager step, and the reason is logged once. Like gptkit's CPU kernels it is used
-where a measurement on this machine finds it faster than the eager step (cpu_kernels.measured: at one row, and for
+where a measurement on this machine finds it faster than the eager step (native.library.measured: at one row, and for
 batches past MAX_ROWS at each of WIDE_ROWS in turn) and where the kernels' library is loaded (a first build runs in
 the background: until it ends, the eager step). A row's logits are the same to the bit whatever rows decode beside
 it (csrc/kernels.h).
@@ -33,19 +33,20 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from gptkit import cpu_kernels
 from gptkit.config import ModelConfig
 from gptkit.decoding.step import Step, base, decode_one_token, inference
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT, Block, CausalSelfAttention, FeedForward, Linear, RMSNorm
 from gptkit.multi_lora import AdapterSet, adapter_sets, adapters_version, row_adapters
+from gptkit.native import library, ops
+from gptkit.native.choices import faster
 from gptkit.positions import layer_rope, scaled_frequencies, scaling_attention_factor
 from gptkit.quantization import Int4Linear, Int8Linear
 
 log = logging.getLogger("gptkit.decoding")
 
-MAX_ROWS = cpu_kernels.GEMV_MAX_ROWS  # rows a fused step takes wherever it is chosen (its weights' reading bound)
+MAX_ROWS = ops.GEMV_MAX_ROWS  # rows a fused step takes wherever it is chosen (its weights' reading bound)
 # Past MAX_ROWS a step's products are bound by arithmetic, where PyTorch's GEMM may win: the fused step takes a batch of
 # up to WIDE_ROWS[i] rows where it measured faster than the eager step at WIDE_ROWS[0..i] rows, timed on the first
 # batch that needs it. A larger batch decodes with the eager step.
@@ -142,7 +143,7 @@ def step_for(model: GPT) -> Step | None:
     model = base(model)
     if not isinstance(model, GPT) or next(model.parameters()).device.type != "cpu":
         return None
-    if not cpu_kernels.load(wait=False):
+    if not library.load(wait=False):
         return None
     reason = uncovered(model)
     if reason is not None:
@@ -150,7 +151,7 @@ def step_for(model: GPT) -> Step | None:
             _LOGGED.add(reason)
             log.warning("decoding with the eager step: the fused CPU step does not cover %s", reason)
         return None
-    if not cpu_kernels.measured("fused_step", _faster_than_eager):
+    if not library.measured("fused_step", _faster_than_eager):
         return None
     plan, planned = _plan(model), adapters_version(model)
     vocab = model.config.vocab_size
@@ -187,7 +188,7 @@ def covers(rows: int) -> bool:
     if rows <= MAX_ROWS:
         return True
     for wide in WIDE_ROWS:
-        if not cpu_kernels.measured(f"fused_step_{wide}_rows", functools.partial(_faster_than_eager, wide)):
+        if not library.measured(f"fused_step_{wide}_rows", functools.partial(_faster_than_eager, wide)):
             return False
         if rows <= wide:
             return True
@@ -237,7 +238,7 @@ def _plan(model: GPT) -> torch.ScriptObject:
     tensors = [t.detach() for t in _read(model, gains=True)]
     if not model.__dict__.get("_gptkit_huge_pages"):  # once per model: its weights stream faster from 2 MiB pages
         model.__dict__["_gptkit_huge_pages"] = True
-        cpu_kernels.back_with_huge_pages(tensors)
+        ops.back_with_huge_pages(tensors)
     tensors += _rope_tables(config)
     plan = torch.classes.gptkit.DecodeStep(settings, _numbers(config, dtype), tensors)
     _add_adapters(plan, model)
@@ -330,7 +331,7 @@ def _faster_than_eager(rows: int = 1) -> bool:
     plan = _plan(model)
     positions = [torch.full((rows,), p) for p in range(start, start + count)]
     with inference(model):
-        return cpu_kernels.faster(
+        return faster(
             lambda: [plan.step(tokens[:, 0], p, cache.keys, cache.values, [], [], _NO_ADAPTERS) for p in positions],
             lambda: [decode_one_token(model, tokens, cache, p) for p in range(start, start + count)],
             rounds=3,

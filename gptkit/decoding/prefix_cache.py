@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gptkit import cpu_kernels
 from gptkit.decoding.kv_dir import chain_name
 from gptkit.decoding.kv_store import BlockLayout, KVStore, tensor_bytes
 from gptkit.decoding.step import PREFILL_CHUNK
 from gptkit.kv_cache import KVCache
+from gptkit.native import library
 
 FORMAT = "gptkit-prefix-cache-1"  # in every namespace: a change of block layout or hashing starts afresh
 
@@ -82,7 +82,7 @@ def namespace_for(fingerprint: str, kv_dtype: torch.dtype | None, adapter: str =
         str(kv_dtype),
         torch.__version__,
         str(torch.get_num_threads()),
-        json.dumps(cpu_kernels.choices(), sort_keys=True) if cpu_kernels.load(wait=False) else "no kernels",
+        json.dumps(library.choices(), sort_keys=True) if library.load(wait=False) else "no kernels",
     ]
     return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
 

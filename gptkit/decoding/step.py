@@ -21,10 +21,10 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from gptkit import cpu_kernels
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
+from gptkit.native import library
 from gptkit.quantization import is_quantized
 
 Step = Callable[[GPT, Tensor, KVCache, Tensor], Tensor]
@@ -213,7 +213,7 @@ def compiled(model: GPT, step: Step = decode_one_token) -> Step:
     graph = torch.compile(step, dynamic=False, mode="reduce-overhead" if cuda else None)
     int8 = is_quantized(model_base)
     if device.type == "cpu":
-        cpu_kernels.prepare()  # built, measured (or ruled out) now: a compiled graph only reads the answers
+        library.prepare()  # built, measured (or ruled out) now: a compiled graph only reads the answers
 
     def run(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
         # Inductor reads its options from its global config when it compiles (torch.compile's options= does
@@ -247,6 +247,6 @@ def _autotune(device: torch.device, dtype: torch.dtype, int8: bool, batch: int) 
     oneDNN for fp32 and int8 weights at batch 1 and 8 (+15-60% tokens/s) and for bf16 at batch 1 (+9%), but loses
     to oneDNN's bf16 GEMM at batch 8 (-15%), which the autotuner, timing each matmul alone on warm caches, does not
     see. It roughly triples the one-off compile time. On CUDA the default kernels are kept (not measured here).
-    (Where gptkit's own kernels run, cpu_kernels, decoding's products bypass matmul and this choice.)
+    (Where gptkit's own kernels run, gptkit.native, decoding's products bypass matmul and this choice.)
     """
     return device.type == "cpu" and (int8 or dtype != torch.bfloat16 or batch == 1)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from gptkit import kernel_cache
+from gptkit.native import contention
 
 log = logging.getLogger("gptkit.serve")
 
@@ -39,12 +39,12 @@ class ThreadGovernor:
 
     def _reading(self) -> tuple[float, tuple[int, int] | None, float]:
         """(when, the machine's busy and all ticks, this process's CPU seconds)."""
-        return self.clock(), kernel_cache.busy_ticks(), sum(os.times()[:2])
+        return self.clock(), contention.busy_ticks(), sum(os.times()[:2])
 
     def settle(self) -> int:
-        """Look at the load now (over kernel_cache.QUIET_WINDOW_S) and set the thread count it allows: at start,
+        """Look at the load now (over contention.QUIET_WINDOW_S) and set the thread count it allows: at start,
         before the kernels' choices are timed and kept for that count; return the count in use."""
-        others = kernel_cache.others_busy()
+        others = contention.others_busy()
         if others is not None:
             self._set(others)
         self.last = self._reading()
@@ -60,7 +60,7 @@ class ThreadGovernor:
         self.last = (now, ticks, own)
         if ticks is None or last_ticks is None:  # no /proc/stat (not Linux): the count the server started with
             return self.threads
-        others = kernel_cache.others_cores(last_ticks, ticks, (own - last_own) / (now - when), os.cpu_count() or 1)
+        others = contention.others_cores(last_ticks, ticks, (own - last_own) / (now - when), os.cpu_count() or 1)
         if others is not None:
             self._set(others)
         return self.threads

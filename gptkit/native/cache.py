@@ -1,4 +1,4 @@
-"""The on-disk cache of gptkit's CPU kernel library (cpu_kernels.py): where it lives, what names it, how a build
+"""The on-disk cache of gptkit's CPU kernel library (native/build.py): where it lives, what names it, how a build
 claims it, and how a library is checked before it is loaded.
 
 One directory per instruction set and key, under $TORCH_EXTENSIONS_DIR or torch's default root. The key is a hash
@@ -29,15 +29,15 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO
 
 import torch
 
 from gptkit.atomic import atomic_write_text
 
-log = logging.getLogger("gptkit.cpu_kernels")
+log = logging.getLogger("gptkit.native")
 
 MANIFEST = "manifest.json"
 LOCK = "build.lock"
@@ -46,7 +46,6 @@ BUSY = 3  # the builder process's exit status where a live process is building a
 WORK_PREFIX = ".build-"  # + the building process's id
 # A build takes about a minute on 2 busy cores: a lock held ten times as long is a builder that will not finish.
 STALE_AFTER_S = 600.0
-T = TypeVar("T")
 _LIBRARY_NAME = re.compile(r"kernels-[0-9a-f]{16}\.so")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _WARNED: set[str] = set()  # one line per file per process (a waiting process looks again every second)
@@ -157,68 +156,6 @@ def saved_choices(path: Path) -> dict[str, dict[str, bool]]:
     return saved
 
 
-# Other programs using more than this many cores while a choice is timed make it a guess under contention, which
-# slows the kernels' many-barrier OpenMP regions far more than PyTorch's products (a fused-step choice timed beside
-# another job chose the eager step, 1.5x slower at 4 rows on a quiet machine). It is kept all the same, marked as
-# timed while busy, with a log line: timing again at every start on a busy machine cost each `gptkit serve` 40 s
-# before it was ready, and a busy machine gives no better answer the next time; the first process that finds the
-# machine quiet times it again (cpu_kernels). Deleting choices.json times everything again.
-BUSY_CORES = 0.25
-QUIET_WINDOW_S = 0.2  # how long the check watches, this process asleep (/proc/stat counts 100 ticks a second)
-PROC_STAT = Path("/proc/stat")
-
-
-def others_busy(window: float = QUIET_WINDOW_S) -> float | None:
-    """Cores' worth of CPU time that other processes used over `window` seconds (from /proc/stat, less this
-    process's own); None where /proc/stat cannot be read (not Linux)."""
-    start, own_start = busy_ticks(), sum(os.times()[:2])
-    time.sleep(window)
-    end, own_end = busy_ticks(), sum(os.times()[:2])
-    if start is None or end is None:
-        return None
-    return others_cores(start, end, (own_end - own_start) / window, os.cpu_count() or 1)
-
-
-def others_cores(start: tuple[int, int], end: tuple[int, int], own_cores: float, cores: int) -> float | None:
-    """Cores' worth of CPU that others used between two readings of (busy ticks, all ticks) of a machine with
-    `cores` cores, over which this process used own_cores; None where no tick passed."""
-    if end[1] == start[1]:
-        return None
-    busy = (end[0] - start[0]) / (end[1] - start[1]) * cores
-    return max(0.0, busy - own_cores)
-
-
-def busy_ticks() -> tuple[int, int] | None:
-    """(busy, all) ticks of every core since boot, from the first line of /proc/stat; None where it cannot be read."""
-    try:
-        values = [int(v) for v in PROC_STAT.read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    idle = values[3] + values[4]  # idle and waiting for I/O; the rest is busy (guest time is within user)
-    return sum(values) - idle, sum(values)
-
-
-def timed_choice(what: str, measure: Callable[[], T]) -> tuple[T, bool]:
-    """measure()'s answer, and whether other programs were busy (BUSY_CORES) just before or after it (then said in
-    a log line): the answer is kept all the same (see BUSY_CORES)."""
-    before = others_busy()
-    answer = measure()
-    busy = max(before or 0.0, others_busy() or 0.0)
-    if busy > BUSY_CORES:
-        log.info(
-            "other programs used %.1f cores while gptkit timed %s: the choice is kept all the same, and timed again "
-            "when a process starts on a quiet machine",
-            busy,
-            what,
-        )
-    return answer, busy > BUSY_CORES
-
-
-def quiet() -> bool:
-    """Whether other programs use at most BUSY_CORES now (True where /proc/stat cannot be read)."""
-    return (others_busy() or 0.0) <= BUSY_CORES
-
-
 def keep_choices(path: Path, saved: dict[str, dict[str, bool]]) -> None:
     """Write choices.json whole (a warning where the cache cannot be written: the choices hold for this process)."""
     try:
@@ -284,7 +221,7 @@ def spawn_build(cache: Path, name: str, sources: list[Path], cflags: list[str]) 
     first leaves it to finish, for the next command to load) and is not interrupted with it (Ctrl-C)."""
     args = [str(cache), name, json.dumps(cflags), *map(str, sources)]
     return subprocess.Popen(
-        [sys.executable, "-m", "gptkit.kernel_cache", *args],
+        [sys.executable, "-m", "gptkit.native.cache", *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

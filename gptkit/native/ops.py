@@ -1,0 +1,91 @@
+"""The products: F.linear, int8 and q4 weight-only products over few rows by gptkit's kernels where they run (and
+were measured faster), PyTorch's otherwise; the q4 dequantisation; and huge pages for a model's weights. Everything
+runs on CPU inference only (autograd off); training, CUDA and MPS keep PyTorch's products."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gptkit.native import library
+from gptkit.native.choices import BF16_UPCAST_MIN_ROWS
+
+GEMV_MAX_ROWS = 8  # above this many rows a product is no longer bound by reading the weights
+# Below this many rows a compiled graph keeps inductor's own int8 GEMM template (it prepacks the weights when it
+# freezes them), which won there on a 2-core AVX-512 machine; the kernel won in eager code at every batch. GPT-2
+# small, compiled, fp32 activations, tokens/s template vs kernel: batch 1 72 vs 58, 2 131 vs 109, 4 195 vs 180,
+# 6 156 vs 242, 8 185 vs 233.
+COMPILED_INT8_MIN_ROWS = 5
+HUGE_PAGES_EXIT_WAIT_S = 30.0  # moving huge pages is about a second per GB
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def cpu_inference_rows(x: Tensor) -> int:
+    """The rows of x (all dimensions but the last) if x is on a CPU with autograd off; else 0."""
+    if x.device.type != "cpu" or torch.is_grad_enabled() or not x.numel():
+        return 0
+    return x.numel() // x.size(-1)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear; for fp32 and bf16 inference on a CPU, by the GEMV kernel (few rows) where it is the faster, and
+    bf16 over many rows in fp32 where that is the faster."""
+    rows = cpu_inference_rows(x)
+    if not rows:
+        return F.linear(x, weight, bias)
+    name = _DTYPE_NAMES.get(weight.dtype)
+    same = name is not None and x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype)
+    if same and rows <= GEMV_MAX_ROWS and weight.is_contiguous() and library.choices().get(name, False):
+        y = torch.ops.gptkit.gemv(x.reshape(rows, x.size(-1)).contiguous(), weight, bias)
+        return y.view(*x.shape[:-1], weight.size(0))  # (rows, out) -> x's leading dimensions
+    if same and name == "bf16" and rows >= BF16_UPCAST_MIN_ROWS and library.choices().get("bf16_upcast", False):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
+
+
+def int8_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor | None:
+    """(x @ q^T) * scales (+ bias) in x's dtype by the int8 GEMV kernel, or None where it does not apply."""
+    rows = cpu_inference_rows(x)
+    if (
+        not 1 <= rows <= GEMV_MAX_ROWS
+        or not q.is_contiguous()
+        or (torch.compiler.is_compiling() and rows < COMPILED_INT8_MIN_ROWS)
+        or not library.choices().get("int8", False)
+    ):
+        return None
+    x2 = x.reshape(rows, x.size(-1)).float().contiguous()  # (rows, in)
+    y = torch.ops.gptkit.gemv_int8(x2, q, scales.float().contiguous(), bias)
+    return y.to(x.dtype).view(*x.shape[:-1], q.size(0))  # (rows, out) -> x's leading dimensions
+
+
+def q4_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None, out_features: int) -> Tensor | None:
+    """The q4 product (csrc/kernels.h: q and scales in groups of 8 rows, activations rounded to int8 per block of
+    32) in x's dtype, or None where it does not apply (autograd, another device, more than GEMV_MAX_ROWS rows, the
+    library not loaded): there is no PyTorch product to measure it against, so it runs wherever it can."""
+    rows = cpu_inference_rows(x)
+    if not 1 <= rows <= GEMV_MAX_ROWS or not (library.STATE.get("library") or library.load(wait=False)):
+        return None
+    x2 = x.reshape(rows, x.size(-1)).float().contiguous()  # (rows, in)
+    y = torch.ops.gptkit.gemv_q4(x2, q, scales, bias, out_features)
+    return y.to(x.dtype).view(*x.shape[:-1], out_features)  # (rows, out) -> x's leading dimensions
+
+
+def dequantize_q4(q: Tensor, scales: Tensor, rows: int, dtype: torch.dtype) -> Tensor | None:
+    """Grouped q4 blocks (q4_linear's q and scales) as the float (rows, K) weight in dtype (fp32 or bf16) in one
+    native pass, the values PyTorch's ops give; None where the library is not loaded or q is not on a CPU."""
+    if q.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not (library.STATE.get("library") or library.load(wait=False)):
+        return None
+    return torch.ops.gptkit.dequantize_q4(q, scales, rows, dtype)
+
+
+def back_with_huge_pages(tensors: list[Tensor]) -> None:
+    """Ask Linux to back the tensors' memory with 2 MiB pages (csrc/gemv.cpp's huge_pages says why: weights stream
+    about 15% faster), in a daemon thread: moving a model's pages takes about a second per GB, and decoding goes
+    on meanwhile (the call releases the GIL). A no-op without the library, or where the system refuses."""
+    if library.STATE.get("library"):
+        library.start_native_thread(
+            lambda: torch.ops.gptkit.huge_pages(tensors), "gptkit-huge-pages", HUGE_PAGES_EXIT_WAIT_S
+        )
