@@ -40,6 +40,7 @@ from gptkit.observe.figures import (
 from gptkit.observe.prompt import (
     MAX_HEATMAP_TOKENS,
     TEMPERATURES,
+    PromptInsight,
     attention_maps,
     default_icl_prompt,
     hidden_state_norms,
@@ -50,6 +51,7 @@ from gptkit.observe.prompt import (
     token_labels,
 )
 from gptkit.observe.routing import draw_routing, routing_of, specialisation, token_kinds
+from gptkit.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,13 @@ class Picture:
     data: str | None = None  # a JSON file beside the PNG holding the numbers drawn
 
 
+# A picture before it is written: (figure, file name, heading, caption[, the numbers drawn]).
+Drawn = tuple[Figure, str, str, str] | tuple[Figure, str, str, str, dict]
+
+
 def write_report(
     model: GPT,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     prompt: str,
     out_dir: str | Path,
     title: str = "model",
@@ -84,110 +90,133 @@ def write_report(
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; give a directory for the report")
     out.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    ids = tokenizer.encode(prompt)
-    insight = prompt_insight(model, ids)
+    insight = prompt_insight(model, tokenizer.encode(prompt))
     shown = min(len(insight.ids), max_tokens)
     cut = len(insight.ids) - shown
     labels = token_labels(tokenizer, insight.ids)[cut:]
     context_note = (
-        f" The prompt's first {insight.dropped} tokens were dropped to fit the {config.block_size}-token context."
+        f" The prompt's first {insight.dropped} tokens were dropped to fit the {model.config.block_size}-token context."
         if insight.dropped
         else ""
     )
     shown_note = f" Only the last {shown} of the {len(insight.ids)} positions are drawn." if cut else ""
+    drawn = _pass_pictures(model, tokenizer, insight, cut, labels, shown_note, context_note)
+    drawn.append(_lens_picture(model, tokenizer, insight.ids, cut, labels, shown_note + context_note))
+    if model.config.norm_position == "pre":
+        drawn.append(_contributions_picture(model, tokenizer, insight.ids))
+    drawn.append(icl_picture(model, tokenizer, prompt, icl_prompt, data_tokens, max_tokens))
+    drawn.append(_induction_picture(model, data_tokens))
+    if moe_layers(model):
+        drawn.append(_routing_picture(model, tokenizer, insight.ids, cut, labels))
+    pictures = [_save(out, *picture) for picture in drawn]
+    atomic_write_text(out / "index.html", render_index(pictures, title, prompt, model.config))
+    return pictures
+
+
+def _save(out: Path, fig: Figure, file: str, heading: str, caption: str, data: dict | None = None) -> Picture:
+    """Write a drawn picture's PNG (and its numbers as JSON beside it) into out."""
+    save_png(fig, out / file)
+    data_file = None
+    if data is not None:
+        data_file = Path(file).with_suffix(".json").name
+        atomic_write_text(out / data_file, json.dumps(data))
+    return Picture(file, heading, caption, data_file)
+
+
+def _pass_pictures(
+    model: GPT,
+    tokenizer: Tokenizer,
+    insight: PromptInsight,
+    cut: int,
+    labels: list[str],
+    shown_note: str,
+    context_note: str,
+) -> list[Drawn]:
+    """The pictures of the model and of the prompt's one pass: parameters, attention per layer, hidden-state norms,
+    layer similarity, next-token distribution, causal mask and the activation function."""
+    config = model.config
     rows_note = " The weights on earlier keys are left out, so a drawn row can sum to less than 1." if cut else ""
-    pictures: list[Picture] = []
+    drawn = [_parameters_picture(config)]
+    drawn += _attention_pictures(config, insight, cut, labels, shown_note + rows_note + context_note)
+    ends = " and after the final norm." if config.norm_position == "pre" else " (post-norm: each block ends in a norm)."
+    last = token_labels(tokenizer, insight.ids[-1:])[0]
+    drawn += [
+        (
+            draw_norms(hidden_state_norms(insight.hidden_states)[:, cut:], insight.state_labels, labels),
+            "hidden_norms.png",
+            "Hidden-state norms",
+            "The L2 norm of each position's hidden state after the embedding, after each block"
+            + ends
+            + shown_note
+            + context_note,
+        ),
+        (
+            draw_similarity(layer_similarity(insight.hidden_states), insight.state_labels, last),
+            "layer_similarity.png",
+            "Similarity between layers",
+            "Cosine similarity between the representations of the last prompt token after each stage: how much "
+            "each block changes the residual stream.",
+        ),
+        (
+            draw_distributions(next_token_distributions(insight.logits[-1]), tokenizer),
+            "next_token.png",
+            "Next-token distribution",
+            f"The top {TOP_TOKENS} next tokens after the prompt under softmax(z / tau) for tau = "
+            + ", ".join(f"{t:g}" for t in TEMPERATURES)
+            + ": a low temperature sharpens the distribution, a high one "
+            "flattens it (the order never changes).",
+        ),
+        (
+            draw_mask(len(labels), labels),
+            "causal_mask.png",
+            "Causal mask",
+            "M_ij = 0 where key j <= query i and -inf above the diagonal, so no position sees the future." + shown_note,
+        ),
+    ]
+    if config.activation != "relu":
+        drawn.append(_activation_picture(config))
+    return drawn
 
-    def add(fig: Figure, file: str, heading: str, caption: str, data: dict | None = None) -> None:
-        save_png(fig, out / file)
-        data_file = None
-        if data is not None:
-            data_file = Path(file).with_suffix(".json").name
-            atomic_write_text(out / data_file, json.dumps(data))
-        pictures.append(Picture(file, heading, caption, data_file))
 
-    total = param_breakdown(config).total
-    add(
-        draw_parameters(config),
-        "parameters.png",
-        "Parameter breakdown",
-        f"{total:,} parameters: the token embedding, each block's attention (fused q, k, v and output "
-        "projections) and MLP, all norms together, and the LM head when it is not tied to the embedding.",
+def _parameters_picture(config: ModelConfig) -> Drawn:
+    """Where the model's parameters are: embedding, each block's attention and MLP, norms, LM head."""
+    caption = (
+        f"{param_breakdown(config).total:,} parameters: the token embedding, each block's attention (fused q, k, v "
+        "and output projections) and MLP, all norms together, and the LM head when it is not tied to the embedding."
     )
-    for layer, weights in enumerate(attention_maps(insight)):  # layers and heads are numbered from 0
-        add(
+    return draw_parameters(config), "parameters.png", "Parameter breakdown", caption
+
+
+def _attention_pictures(
+    config: ModelConfig, insight: PromptInsight, cut: int, labels: list[str], notes: str
+) -> list[Drawn]:
+    """Each layer's attention weights over the prompt, its heads side by side."""
+    return [
+        (
             draw_attention(weights[:, cut:, cut:], labels, layer),
             f"attention_layer{layer}.png",
             f"Attention, layer {layer}",
             f"softmax(QK^T/sqrt(d_k) + M) for each of the {config.n_head} heads: row i shows how query token i "
             "spreads its attention over keys 0..i; each full row sums to 1 and nothing lies above the diagonal."
-            + shown_note
-            + rows_note
-            + context_note,
+            + notes,
         )
-    add(
-        draw_norms(hidden_state_norms(insight.hidden_states)[:, cut:], insight.state_labels, labels),
-        "hidden_norms.png",
-        "Hidden-state norms",
-        "The L2 norm of each position's hidden state after the embedding, after each block"
-        + (
-            " and after the final norm."
-            if config.norm_position == "pre"
-            else " (post-norm: each block ends in a norm)."
-        )
-        + shown_note
-        + context_note,
-    )
-    last = token_labels(tokenizer, insight.ids[-1:])[0]
-    add(
-        draw_similarity(layer_similarity(insight.hidden_states), insight.state_labels, last),
-        "layer_similarity.png",
-        "Similarity between layers",
-        "Cosine similarity between the representations of the last prompt token after each stage: how much each "
-        "block changes the residual stream.",
-    )
-    distributions = next_token_distributions(insight.logits[-1])
-    add(
-        draw_distributions(distributions, tokenizer),
-        "next_token.png",
-        "Next-token distribution",
-        f"The top {TOP_TOKENS} next tokens after the prompt under softmax(z / tau) for tau = "
-        + ", ".join(f"{t:g}" for t in TEMPERATURES)
-        + ": a low temperature sharpens the distribution, a high one "
-        "flattens it (the order never changes).",
-    )
-    add(
-        draw_mask(shown, labels),
-        "causal_mask.png",
-        "Causal mask",
-        "M_ij = 0 where key j <= query i and -inf above the diagonal, so no position sees the future." + shown_note,
-    )
-    if config.activation != "relu":
-        add(
-            draw_activation(config.activation),
-            "activation.png",
-            "Activation function",
-            f"This model's MLP uses {config.activation}; ReLU (the original Transformer's) for comparison.",
-        )
-    add(*_lens_picture(model, tokenizer, insight.ids, cut, labels, shown_note + context_note))
-    if config.norm_position == "pre":
-        add(*_contributions_picture(model, tokenizer, insight.ids))
-    add(*icl_picture(model, tokenizer, prompt, icl_prompt, data_tokens, max_tokens))
-    add(*_induction_picture(model, data_tokens))
-    if moe_layers(model):
-        add(*_routing_picture(model, tokenizer, insight.ids, cut, labels))
-    atomic_write_text(out / "index.html", render_index(pictures, title, prompt, config))
-    return pictures
+        for layer, weights in enumerate(attention_maps(insight))  # layers and heads are numbered from 0
+    ]
 
 
-def _texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+def _activation_picture(config: ModelConfig) -> Drawn:
+    """The MLP's activation function beside ReLU."""
+    caption = f"This model's MLP uses {config.activation}; ReLU (the original Transformer's) for comparison."
+    return draw_activation(config.activation), "activation.png", "Activation function", caption
+
+
+def _texts(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
     """Each token's own text, for the JSON files (the pictures use token_labels)."""
     return [tokenizer.decode([i]) for i in ids]
 
 
 def _lens_picture(
-    model: GPT, tokenizer: Any, ids: list[int], cut: int, labels: list[str], notes: str
+    model: GPT, tokenizer: Tokenizer, ids: list[int], cut: int, labels: list[str], notes: str
 ) -> tuple[Figure, str, str, str, dict]:
     """The logit lens over the prompt: each stage's top token and its probability of the final prediction."""
     config = model.config
@@ -221,7 +250,7 @@ def _lens_picture(
     return draw_logit_lens(final_prob, top_labels, rows, labels), "logit_lens.png", "Logit lens", caption, data
 
 
-def _contributions_picture(model: GPT, tokenizer: Any, ids: list[int]) -> tuple[Figure, str, str, str, dict]:
+def _contributions_picture(model: GPT, tokenizer: Tokenizer, ids: list[int]) -> tuple[Figure, str, str, str, dict]:
     """Each head's direct contribution to the logit of the model's prediction after the prompt."""
     contributions = measures.head_contributions(model, ids)
     with torch.no_grad():
@@ -243,7 +272,12 @@ def _contributions_picture(model: GPT, tokenizer: Any, ids: list[int]) -> tuple[
 
 
 def icl_picture(
-    model: GPT, tokenizer: Any, prompt: str, icl_prompt: str | None, data_tokens: np.ndarray | None, max_tokens: int
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompt: str,
+    icl_prompt: str | None,
+    data_tokens: np.ndarray | None,
+    max_tokens: int,
 ) -> tuple[Figure, str, str, str, dict]:
     """Attention from a few-shot prompt's answer position, per layer, and the loss along the context."""
     config = model.config
@@ -343,7 +377,7 @@ def _induction_picture(model: GPT, tokens: Any | None) -> tuple[Figure, str, str
 
 
 def _routing_picture(
-    model: GPT, tokenizer: Any, ids: list[int], cut: int, labels: list[str]
+    model: GPT, tokenizer: Tokenizer, ids: list[int], cut: int, labels: list[str]
 ) -> tuple[Figure, str, str, str, dict]:
     """Which experts each token of the prompt from position cut goes to in each MoE layer, with the router's
     weights (the whole prompt is run: a token's routing depends on its context)."""
