@@ -1,5 +1,5 @@
 """llama.cpp's GGUF architectures as gptkit maps them: what each one's graph fixes (norms, activation, block layout,
-RoPE pair order), which "<arch>.*" metadata keys it reads, and its tensor names.
+RoPE pair order, how it weighs its experts), which "<arch>.*" metadata keys it reads, and its tensor names.
 
 The graphs are llama.cpp's src/models/*.cpp; the names and keys its gguf-py constants and convert_hf_to_gguf.py.
 llama.cpp rotates interleaved pairs (x_2i, x_2i+1) in the llama-like architectures (its rope type NORM) and
@@ -10,7 +10,7 @@ the q and k weights are reordered per head, as llama.cpp's converter does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,6 +24,8 @@ SHAPE_KEYS = frozenset(
 ROPE_KEYS = frozenset({"rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor"})
 RMS = frozenset({"attention.layer_norm_rms_epsilon"})
 WINDOW_KEYS = frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})
+EXPERT_KEYS = frozenset({"expert_count", "expert_used_count"})
+QWEN_EXPERT_KEYS = EXPERT_KEYS | {"expert_feed_forward_length"}
 # Metadata accepted unread: the file's description (general.*) and the tokenizer's keys, which change no logit
 # (vocab reads the tokens, merges, types, pre-tokenizer and end-of-text id).
 TOKENIZER_KEYS = frozenset(
@@ -54,6 +56,10 @@ class Arch:
     rope_freqs: bool = False  # reads a rope_freqs tensor: per-frequency divisors (Llama 3's scaling)
     window_pattern: int = 0  # llama.cpp's default: layer i is sliding iff i % n < n - 1 (0: no sliding layers)
     extras: dict[str, Any] = field(default_factory=dict)  # per-architecture constants (tied: no output tensor)
+    # With experts: whether llama.cpp's graph divides the top-k weights by their sum (build_moe_ffn's norm_w, fixed
+    # per architecture in src/models/*.cpp; no key says it) and gates a shared expert by sigmoid(x w) (Qwen2-MoE).
+    renormalize: bool = True
+    shared_expert: bool = False
 
 
 ARCHS = {
@@ -66,7 +72,7 @@ ARCHS = {
             SHAPE_KEYS | {"attention.layer_norm_epsilon"},
             fused_qkv=True,
         ),
-        Arch("llama", _LLAMA_FIXED, SHAPE_KEYS | ROPE_KEYS | RMS, interleaved=True, rope_freqs=True),
+        Arch("llama", _LLAMA_FIXED, SHAPE_KEYS | ROPE_KEYS | RMS | EXPERT_KEYS, interleaved=True, rope_freqs=True),
         Arch("qwen2", _LLAMA_FIXED | {"attn_bias": True}, SHAPE_KEYS | ROPE_KEYS | RMS, no_proj_bias=True),
         Arch("qwen3", _LLAMA_FIXED | {"qk_norm": True}, SHAPE_KEYS | ROPE_KEYS | RMS),
         Arch(
@@ -116,8 +122,43 @@ ARCHS = {
             window_pattern=6,
             extras={"wide_scale_layers": 62, "tied": True},  # Gemma 3 27B, as above
         ),
+        # Mixtures of experts (Mixtral is llama with experts); llama.cpp's qwen2moe and olmoe keep the softmax's
+        # own top-k weights, its llama and qwen3moe renormalise them.
+        Arch(
+            "qwen2moe",
+            _LLAMA_FIXED | {"attn_bias": True},
+            SHAPE_KEYS | ROPE_KEYS | RMS | QWEN_EXPERT_KEYS | {"expert_shared_feed_forward_length"},
+            no_proj_bias=True,
+            renormalize=False,
+            shared_expert=True,
+        ),
+        Arch("qwen3moe", _LLAMA_FIXED | {"qk_norm": True}, SHAPE_KEYS | ROPE_KEYS | RMS | QWEN_EXPERT_KEYS),
+        Arch(
+            "olmoe",
+            _LLAMA_FIXED | {"qk_norm": True, "qk_norm_scope": "width"},
+            SHAPE_KEYS | ROPE_KEYS | RMS | EXPERT_KEYS,
+            renormalize=False,
+        ),
     )
 }
+# An expert layer's tensors that map one to one; llama.cpp's converter keeps the two routers in float32.
+EXPERT_TENSORS = {
+    "mlp.router": "ffn_gate_inp",
+    "mlp.proj": "ffn_down_exps",
+    "mlp.shared.proj": "ffn_down_shexp",
+    "mlp.shared_gate": "ffn_gate_inp_shexp",
+}
+ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")
+
+
+class Piece(NamedTuple):
+    """One GGUF tensor of a gptkit tensor it holds in pieces: its name, its rows, the heads whose rows are reordered
+    for interleaved RoPE (0: none), and the dimension the pieces stack along (1 for experts' (E, rows, in))."""
+
+    name: str
+    rows: int
+    heads: int = 0
+    dim: int = 0
 
 
 def tensor_names(config: ModelConfig, arch: Arch) -> dict[str, str]:
@@ -148,30 +189,47 @@ def tensor_names(config: ModelConfig, arch: Arch) -> dict[str, str]:
     if config.activation not in ("swiglu", "geglu") or arch.fused_gate_up:
         per_block["mlp.fc"] = "ffn_up"
     for i in range(config.n_layer):
-        for ours, theirs in per_block.items():
+        block = per_block | EXPERT_TENSORS if config.is_moe_layer(i) else per_block
+        for ours, theirs in block.items():
             for part in ("weight", "bias"):
                 names[f"blocks.{i}.{ours}.{part}"] = f"blk.{i}.{theirs}.{part}"
     return names
 
 
-def split_tensors(config: ModelConfig, arch: Arch) -> dict[str, list[tuple[str, int, int]]]:
-    """gptkit's fused tensors that GGUF holds in pieces: name -> [(GGUF name, rows, heads whose rows are reordered
-    for interleaved RoPE (0: none))], the pieces stacked in order."""
+def router_names(config: ModelConfig) -> set[str]:
+    """The GGUF names of the routers' weights, which are written in float32 whatever the file type."""
+    return {f"blk.{i}.{name}.weight" for i in range(config.n_layer) if config.is_moe_layer(i) for name in ROUTERS}
+
+
+def split_tensors(config: ModelConfig, arch: Arch) -> dict[str, list[Piece]]:
+    """gptkit's fused tensors that GGUF holds in pieces: name -> its pieces, stacked in order."""
     hd, split = config.head_dim, {}
     q, kv = config.n_head * hd, config.n_kv_head * hd
     heads = (config.n_head, config.n_kv_head) if arch.interleaved else (0, 0)
+    gated = config.activation in ("swiglu", "geglu")
     for i in range(config.n_layer):
         for part in ("weight", "bias"):
             if not arch.fused_qkv:
                 split[f"blocks.{i}.attn.qkv.{part}"] = [
-                    (f"blk.{i}.attn_q.{part}", q, heads[0]),
-                    (f"blk.{i}.attn_k.{part}", kv, heads[1]),
-                    (f"blk.{i}.attn_v.{part}", kv, 0),
+                    Piece(f"blk.{i}.attn_q.{part}", q, heads[0]),
+                    Piece(f"blk.{i}.attn_k.{part}", kv, heads[1]),
+                    Piece(f"blk.{i}.attn_v.{part}", kv),
                 ]
-            if config.activation in ("swiglu", "geglu") and not arch.fused_gate_up:
+            if config.is_moe_layer(i) and gated:  # experts' fc (E, [gate; up], d), their bias (E, [gate; up])
+                hidden = config.expert_hidden
                 split[f"blocks.{i}.mlp.fc.{part}"] = [
-                    (f"blk.{i}.ffn_gate.{part}", config.ffn_hidden, 0),
-                    (f"blk.{i}.ffn_up.{part}", config.ffn_hidden, 0),
+                    Piece(f"blk.{i}.ffn_gate_exps.{part}", hidden, dim=1),
+                    Piece(f"blk.{i}.ffn_up_exps.{part}", hidden, dim=1),
+                ]
+                if config.moe_shared_hidden is not None:
+                    split[f"blocks.{i}.mlp.shared.fc.{part}"] = [
+                        Piece(f"blk.{i}.ffn_gate_shexp.{part}", config.moe_shared_hidden),
+                        Piece(f"blk.{i}.ffn_up_shexp.{part}", config.moe_shared_hidden),
+                    ]
+            elif gated and not arch.fused_gate_up:
+                split[f"blocks.{i}.mlp.fc.{part}"] = [
+                    Piece(f"blk.{i}.ffn_gate.{part}", config.ffn_hidden),
+                    Piece(f"blk.{i}.ffn_up.{part}", config.ffn_hidden),
                 ]
     return split
 

@@ -28,10 +28,13 @@ FLOAT_KEYS = frozenset(
 )
 # Fields that do not change what a model computes (or that the file holds elsewhere): not compared.
 UNCOMPARED = ("dropout", "zero_init_proj", "vocab_multiple", "vocab_size", "attn_bias", "mlp_bias", "norm_bias")
+UNCOMPARED += ("moe_aux_loss", "moe_z_loss")  # training losses: nothing a forward computes
 WHY = {
     "activation": "llama.cpp computes GELU as its tanh approximation in every architecture (no erf GELU); train "
     "with --model.activation gelu_tanh to export to llama.cpp",
     "lm_head_bias": "llama.cpp's architectures have no output bias",
+    "moe_layer_step": "every layer of llama.cpp's expert architectures has experts",
+    "moe_dense_layers": "every layer of llama.cpp's expert architectures has experts",
 }
 
 
@@ -76,6 +79,11 @@ def config_keys(config: ModelConfig, arch: Arch) -> dict[str, Any]:
         keys["logit_scale"] = 1 / config.logit_scale  # llama.cpp divides the logits by it
     if arch.name == "gptneox":
         keys["use_parallel_residual"] = config.parallel_residual
+    if config.n_experts is not None:
+        keys["expert_count"], keys["expert_used_count"] = config.n_experts, config.n_experts_per_token
+        keys["expert_feed_forward_length"] = config.expert_hidden
+        if config.moe_shared_hidden is not None:
+            keys["expert_shared_feed_forward_length"] = config.moe_shared_hidden
     return {key: value for key, value in keys.items() if key in arch.keys}
 
 
@@ -109,6 +117,7 @@ def config_from_keys(
         fields.update(_rope_fields(arch, get, head_dim, fields["block_size"], divisors))
     fields.update(_window_fields(arch, get, n_layer))
     fields.update(_arch_fields(arch, get, fields))
+    fields.update(_expert_fields(arch, get, fields["ffn_hidden"]))
     return ModelConfig(**fields)
 
 
@@ -180,6 +189,23 @@ def _arch_fields(arch: Arch, get: Callable[..., Any], fields: dict[str, Any]) ->
     return out
 
 
+def _expert_fields(arch: Arch, get: Callable[..., Any], ffn_hidden: int) -> dict[str, Any]:
+    """n_experts and the moe_* fields of an architecture with experts (none where expert_count is absent or 0),
+    with llama.cpp's defaults for the hidden sizes (src/llama-model.cpp: an expert's n_ff / n_expert_used, the
+    shared expert's n_ff; the tensors' shapes are checked against them on loading)."""
+    if "expert_count" not in arch.keys or not int(get("expert_count", 0)):
+        return {}
+    out: dict[str, Any] = {"n_experts": int(get("expert_count")), "n_experts_per_token": int(get("expert_used_count"))}
+    out["moe_renormalize"] = arch.renormalize
+    if "expert_feed_forward_length" in arch.keys:
+        hidden = int(get("expert_feed_forward_length", ffn_hidden // out["n_experts_per_token"]))
+        out["moe_ffn_hidden"] = hidden if hidden != ffn_hidden else None
+    if arch.shared_expert:
+        out["moe_shared_hidden"] = int(get("expert_shared_feed_forward_length", ffn_hidden))
+        out["moe_shared_gate"] = True
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- writing's check
 
 
@@ -248,6 +274,12 @@ def _same(a: Any, b: Any) -> bool:
 
 def _candidate(config: ModelConfig) -> str:
     """The one architecture that could compute config, by its distinctive switch (checked in full afterwards)."""
+    if config.n_experts is not None:
+        if config.moe_shared_hidden is not None:
+            return "qwen2moe"
+        if config.qk_norm:
+            return "olmoe" if config.qk_norm_scope == "width" else "qwen3moe"
+        return "llama"  # Mixtral
     if config.position == "learned":
         return "gpt2"
     if config.parallel_residual or config.norm == "layernorm":

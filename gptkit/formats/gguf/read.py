@@ -40,7 +40,7 @@ def load_gguf(
     for tensor in reader.tensors:
         shape = tuple(int(n) for n in reversed(tensor.shape))
         data = np.asarray(tensor.data)
-        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0 and len(shape) == 2:
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0 and len(shape) == 2:  # experts' 3-D: dequantised
             q4[tensor.name] = q4_0_parts(data.reshape(shape[0], -1))
         if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
             try:
@@ -76,9 +76,7 @@ def _int4_layers(model: GPT, q4: dict[str, tuple[torch.Tensor, torch.Tensor]], a
     for i in range(config.n_layer):
         for layer in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"):
             weight = f"blocks.{i}.{layer}.weight"
-            pieces = (
-                [(names[weight], 0)] if weight in names else [(theirs, heads) for theirs, _, heads in split[weight]]
-            )
+            pieces = [(names[weight], 0)] if weight in names else [(piece.name, piece.heads) for piece in split[weight]]
             parts[f"blocks.{i}.{layer}"] = pieces
     for layer, pieces in parts.items():
         if not all(name in q4 for name, _ in pieces):
@@ -148,7 +146,7 @@ def _gptkit_state(
     """GGUF's tensors under gptkit's names and layout (split tensors stacked, q/k rows back to rotate-half pairs)."""
     names = {theirs: ours for ours, theirs in tensor_names(config, arch).items()}
     split = split_tensors(config, arch)
-    pieces = {theirs for parts in split.values() for theirs, _, _ in parts}
+    pieces = {piece.name for parts in split.values() for piece in parts}
     used = {"rope_freqs.weight"} if arch.rope_freqs else set()
     unmapped = [name for name in tensors if name not in names and name not in pieces and name not in used]
     if unmapped:  # dropped, it would leave the model computing something else (Llama 3's rope_freqs.weight)
@@ -158,13 +156,14 @@ def _gptkit_state(
         )
     state = {names[name]: tensor for name, tensor in tensors.items() if name in names}
     for ours, parts in split.items():
-        found = [tensors.get(theirs) for theirs, _, _ in parts]
+        found = [tensors.get(piece.name) for piece in parts]
         if all(t is None for t in found) and ours.endswith(".bias"):
             continue
-        missing = [theirs for (theirs, _, _), t in zip(parts, found) if t is None]
+        missing = [piece.name for piece, t in zip(parts, found) if t is None]
         if missing:
             raise GGUFError(f"{path} has no tensor {missing[0]}")
-        state[ours] = torch.cat([rope_rows(t, heads, False) if heads else t for (_, _, heads), t in zip(parts, found)])
+        arranged = [rope_rows(t, piece.heads, False) if piece.heads else t for piece, t in zip(parts, found)]
+        state[ours] = torch.cat(arranged, dim=parts[0].dim)
     if config.tie_embeddings:
         state.pop("lm_head.weight", None)
         state["lm_head.weight"] = state["tok_emb.weight"]

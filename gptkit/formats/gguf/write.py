@@ -11,7 +11,7 @@ import torch
 
 from gptkit.atomic import atomic_write
 from gptkit.config import ModelConfig
-from gptkit.formats.gguf.archs import Arch, rope_rows, split_tensors, tensor_names
+from gptkit.formats.gguf.archs import Arch, rope_rows, router_names, split_tensors, tensor_names
 from gptkit.formats.gguf.header import gguf_package
 from gptkit.formats.gguf.hparams import FLOAT_KEYS, architecture, config_keys, rope_divisors
 from gptkit.formats.gguf.q4_0 import q4_0_blocks
@@ -56,9 +56,10 @@ def gguf_tensors(model: GPT, q4_blocks: bool = False, added_tokens: int = 0) -> 
         if name in names:
             out[names[name]] = tensor
         elif name in split:
-            rows = tensor.split([piece_rows for _, piece_rows, _ in split[name]])
-            for (theirs, _, heads), piece in zip(split[name], rows):
-                out[theirs] = rope_rows(piece, heads, to_gguf=True) if heads else piece
+            pieces = split[name]
+            rows = tensor.split([piece.rows for piece in pieces], dim=pieces[0].dim)
+            for piece, part in zip(pieces, rows):
+                out[piece.name] = rope_rows(part, piece.heads, to_gguf=True) if piece.heads else part.contiguous()
         else:
             raise GGUFError(f"tensor {name} has no place in a GGUF {arch.name} model")
     divisors = rope_divisors(config) if arch.rope_freqs else None
@@ -138,9 +139,10 @@ def export_gguf(
             writer.add_bos_token_id(bos)
         if chat_template:
             writer.add_chat_template(chat_template)
-        quantized = is_quantized(model)
+        float32 = router_names(config) | (set(EMBEDDINGS) if is_quantized(model) else set())
         for tensor_name, tensor in tensors.items():
-            kind = "f32" if quantized and tensor_name in EMBEDDINGS else file_type  # looked up, never multiplied
+            # embeddings are looked up, never multiplied; a rounded router could route a token elsewhere
+            kind = "f32" if tensor_name in float32 else file_type
             data, raw_type = _encoded(gguf, tensor.numpy(), kind)
             writer.add_tensor(tensor_name, data, raw_dtype=raw_type)
         writer.write_header_to_file()
@@ -181,5 +183,6 @@ def _encoded(gguf: Any, array: np.ndarray, file_type: str) -> tuple[np.ndarray, 
     if target == kinds.F16:
         return array.astype(np.float16), kinds.F16
     if target == kinds.Q4_0:  # gptkit's own Q4_0 (what an int4 model holds), in GGUF's blocks
-        return q4_0_blocks(*quantize_q4(torch.from_numpy(array))), target
+        rows = torch.from_numpy(array).reshape(-1, array.shape[-1])  # experts' (E, out, in) -> (E * out, in)
+        return q4_0_blocks(*quantize_q4(rows)).reshape(*array.shape[:-1], -1), target
     return gguf.quants.quantize(array.astype(np.float32), target), target
