@@ -168,6 +168,8 @@ def test_decoding_imports_flow_one_way():
         "gptkit.decoding.kv_store",
         "gptkit.decoding.prefix_cache",
         "gptkit.decoding.request",
+        "gptkit.decoding.verify",
+        "gptkit.decoding.lookup",
         "gptkit.decoding.batch",
         "gptkit.decoding.beam",
         "gptkit.decoding.speculative",
@@ -175,12 +177,19 @@ def test_decoding_imports_flow_one_way():
     ]
     for i, module in enumerate(order):
         assert not graph[module] & set(order[i + 1 :]), module  # nothing above it
-    # The engine drives the batch engine; it also holds the prefix cache it hands it (to report on it and close it).
+    # The engine drives the batch engine; it also holds the prefix cache it hands it (to report on it and close it)
+    # and the lookup settings requests speculate with.
     assert not {
         m
         for m in graph["gptkit.serving.engine"]
         if m.startswith("gptkit.decoding.")
-        and m not in ("gptkit.decoding.batch", "gptkit.decoding.request", "gptkit.decoding.prefix_cache")
+        and m
+        not in (
+            "gptkit.decoding.batch",
+            "gptkit.decoding.request",
+            "gptkit.decoding.prefix_cache",
+            "gptkit.decoding.lookup",
+        )
     }
 
 

@@ -20,6 +20,7 @@ HELP = "generate text from a model directory (streamed, or --json with ids and t
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `generate` sub-command."""
+    from gptkit.decoding.lookup import LOOKUP_K, LOOKUP_NGRAM
     from gptkit.decoding.sampling import SamplingParams
     from gptkit.decoding.speculative import DRAFT_K
     from gptkit.kv_cache import KV_DTYPES
@@ -73,6 +74,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="K",
         help=f"tokens the draft proposes per target pass (default: {DRAFT_K})",
     )
+    parser.add_argument(
+        "--lookup",
+        action="store_true",
+        help="speculate without a draft model: propose the tokens that followed an earlier occurrence of the last "
+        "few tokens in the prompt and output (fast on text that copies its prompt: edits, code) (default: off)",
+    )
+    parser.add_argument(
+        "--lookup-k",
+        type=int,
+        default=LOOKUP_K,
+        metavar="K",
+        help=f"with --lookup, tokens proposed per check (default: {LOOKUP_K})",
+    )
+    parser.add_argument(
+        "--lookup-ngram",
+        type=int,
+        default=LOOKUP_NGRAM,
+        metavar="N",
+        help=f"with --lookup, the longest match looked for, in tokens (down to 1) (default: {LOOKUP_NGRAM})",
+    )
     parser.set_defaults(run=run)
 
 
@@ -123,7 +144,16 @@ def run(args: argparse.Namespace) -> int:
         if args.quantize and not is_quantized(draft):
             quantize(draft, args.quantize)
         check_draft(model, draft, params, args.draft_k)
-    options = DecodeOptions(compile=args.compile, draft=draft, draft_k=args.draft_k, kv_cache=args.kv_cache)
+    options = DecodeOptions(
+        compile=args.compile,
+        draft=draft,
+        draft_k=args.draft_k,
+        kv_cache=args.kv_cache,
+        lookup=args.lookup,
+        lookup_k=args.lookup_k,
+        lookup_ngram=args.lookup_ngram,
+    )
+    options.lookup_proposer()  # bad --lookup-k or --lookup-ngram, or --lookup with --draft: said before decoding
     prompt_length = len(encode_prompt(tokenizer, prompt))  # a bad prompt fails before anything is printed
     if model.config.position == "learned" and prompt_length > model.config.block_size:
         print(

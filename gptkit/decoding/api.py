@@ -24,8 +24,9 @@ from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.options import DecodeOptions, split_overrides
 from gptkit.decoding.request import Decode, EosIds, FinishReason, Request, end_ids, first_stop
 from gptkit.decoding.sampling import SamplingParams
-from gptkit.decoding.speculative import SpeculativeStats, check_draft, fits, speculate
+from gptkit.decoding.speculative import check_draft, fits, speculate
 from gptkit.decoding.step import base, cache_len, check_prompts, device_dtype, sync
+from gptkit.decoding.verify import SpeculativeStats
 from gptkit.errors import ConfigError, InputError
 from gptkit.kv_cache import kv_dtype_of
 from gptkit.model import GPT
@@ -141,7 +142,7 @@ def complete(
     lookup = options.lookup_proposer()
     device, _ = device_dtype(model)
     timing = Timing(prefill_tokens=sum(len(p) for p in prompts))
-    requests = requests_for(prompts, params, end_ids(eos_id), decode, grammar)
+    requests = requests_for(prompts, params, end_ids(eos_id), decode, grammar, lookup)
     if _fits_draft(model, prompts, params, options):
         timing.speculative = SpeculativeStats()
         start = time.perf_counter()
@@ -160,8 +161,9 @@ def complete(
         return Result(completions, timing)
     else:
         need = max(len(p) for p in prompts) + params.max_new_tokens
+        length = cache_len(model, need, compile)
         engine = BatchEngine(
-            model, len(requests), cache_len(model, need, compile), compile, kv_dtype=kv_dtype, lookup=lookup
+            model, len(requests), length, compile, kv_dtype=kv_dtype, lookup_k=lookup.k if lookup else 0
         )
         if lookup is not None:
             timing.speculative = engine.speculative
@@ -301,9 +303,10 @@ def stream_text(
         raise ConfigError("streaming produces one sequence: use num_beams=1 and num_samples=1")
     options = options or DecodeOptions()
     kv_dtype = _kv_dtype(options, params)
-    options.lookup_proposer()  # a bad lookup setting fails before anything is decoded
+    lookup = options.lookup_proposer()
     ids = encode_prompt(tokenizer, prompt)
-    [request] = requests_for([ids], params, tokenizer.eos_ids, tokenizer.decode, grammar_for(model, tokenizer, params))
+    grammar = grammar_for(model, tokenizer, params)
+    [request] = requests_for([ids], params, tokenizer.eos_ids, tokenizer.decode, grammar, lookup)
     if _fits_draft(model, [ids], params, options):
         steps = speculate(model, options.draft, request, SpeculativeStats(), options.draft_k, options.compile)
     else:
@@ -318,7 +321,8 @@ def _engine_steps(model: GPT, request: Request, options: DecodeOptions, kv_dtype
     """Decode one request on a batch engine of one row, pausing after the prefill and after each step."""
     need = len(request.prompt) + request.params.max_new_tokens
     length = cache_len(model, need, options.compile)
-    engine = BatchEngine(model, 1, length, options.compile, kv_dtype=kv_dtype, lookup=options.lookup_proposer())
+    lookup_k = options.lookup_k if options.lookup else 0
+    engine = BatchEngine(model, 1, length, options.compile, kv_dtype=kv_dtype, lookup_k=lookup_k)
     engine.add([request])
     yield
     while engine.rows:

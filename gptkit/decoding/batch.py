@@ -11,9 +11,10 @@ through the fused step (gptkit.decoding.fused) where it covers the model and the
 fused.MAX_ROWS, more where measured faster), one native call a step; the first engine after a background build of
 gptkit's kernels switches to it at its next step.
 
-Lookup (gptkit.decoding.lookup): after each step, a row whose tokens repeat an earlier n-gram runs the tokens that
-followed it through the model in one extra forward pass of its own (speculative.take checks them): every step's
-first token is the batched step's, and a row without a match decodes exactly as without lookup.
+Lookup (gptkit.decoding.lookup): after each step, a row whose request asks for lookup (request.lookup_k) and whose
+tokens repeat an earlier n-gram runs the tokens that followed it through the model in one extra forward pass of its
+own (verify.take checks them): every step's first token is the batched step's, and a row without a match
+decodes exactly as without lookup.
 
 Context: a model with learned positions sees at most its last block_size tokens (once a row is full, each further
 token re-prefills that row's last block_size tokens, exactly as an uncached model cropped to block_size would see
@@ -34,7 +35,6 @@ from gptkit.decoding.lookup import Lookup
 from gptkit.decoding.prefix_cache import PrefixCache, block_layout, model_fingerprint, namespace_for
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
-from gptkit.decoding.speculative import SpeculativeStats, room, speculable, take
 from gptkit.decoding.step import (
     PREFILL_CHUNK,
     Step,
@@ -50,6 +50,7 @@ from gptkit.decoding.step import (
     sync,
     window,
 )
+from gptkit.decoding.verify import SpeculativeStats, room, speculable, take
 from gptkit.errors import InputError
 from gptkit.model import GPT
 from gptkit.multi_lora import rows_using
@@ -70,12 +71,13 @@ class BatchEngine:
         kv_dtype: torch.dtype | None = None,
         prefix_cache: PrefixCache | None = None,
         adapter: str = "",
-        lookup: Lookup | None = None,
+        lookup_k: int = 0,
     ) -> None:
         """kv_dtype: what the cache stores, the model's dtype (None) or torch.int8 (gptkit.kv_cache). prefix_cache:
         where prompts' blocks of keys and values are kept and found again (the model's weights must not change while
         it is used); adapter: a name that keeps this model's blocks apart from another adapter's on the same base.
-        lookup: speculate with proposals found in each request's own tokens (its record: self.speculative)."""
+        lookup_k: the most tokens a request's lookup may propose per pass here (0: no lookup; the record of what
+        was proposed and accepted: self.speculative)."""
         if batch_size < 1:
             raise InputError(f"a batch needs at least one row, got {batch_size}")
         self.model = model
@@ -85,11 +87,11 @@ class BatchEngine:
         if self.window is not None:
             max_len = min(max_len, self.window)
         self.max_context = max(max_context or max_len, max_len)  # positions a row's cache may grow to
-        self.lookup = lookup
+        self.lookup_k = lookup_k
         self.speculative = SpeculativeStats()
         # A verify pass writes up to k + 1 tokens it may take back: a sliding-window layer's ring keeps that many
         # spare slots, so that they never overwrite a key still in the window (gptkit.kv_cache).
-        self.cache = new_cache(model, batch_size, max_len, kv_dtype, spare=lookup.k + 1 if lookup else 0)
+        self.cache = new_cache(model, batch_size, max_len, kv_dtype, spare=lookup_k + 1 if lookup_k else 0)
         self.compile = compile
         self.buckets = buckets  # compiled: run the fewest rows of a power of two (else always batch_size rows)
         self.decode_step = compiled(model) if compile else decode_one_token
@@ -287,22 +289,22 @@ class BatchEngine:
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, k)
         self._choose(self.rows, logits)
-        if self.lookup is not None:
+        if self.lookup_k:
             self._look_up()
         return finished + self._retire()
 
     def _look_up(self) -> None:
         """Each row whose tokens repeat an earlier n-gram: one forward pass checks what followed it (lookup)."""
         for i, request in enumerate(self.rows):
-            if request.done or request.constraint is not None or request.top_logprobs is not None:
+            if request.done or not request.lookup_k or request.constraint is not None:
                 continue
-            if not speculable(request.params):
+            if request.top_logprobs is not None or not speculable(request.params):
                 continue
             # The pass writes positions p .. p + n: they must fit the cache (a learned window slides past it,
             # token by token, in step()).
-            n = min(room(request, self.lookup.k), self.max_len - 1 - request.position)
-            proposal = self.lookup.propose(request, n) if n > 0 else None
-            if not proposal or not proposal.tokens:
+            n = min(room(request, min(request.lookup_k, self.lookup_k)), self.max_len - 1 - request.position)
+            proposal = Lookup(request.lookup_k, request.lookup_ngram).propose(request, n) if n > 0 else None
+            if proposal is None or not proposal.tokens:
                 continue
             p = request.position
             ids = torch.tensor([[request.last_token, *proposal.tokens]], device=self.device)
@@ -371,9 +373,10 @@ def requests_for(
     eos_ids: tuple[int, ...] = (),
     decode: Decode | None = None,
     grammar: Grammar | None = None,
+    lookup: Lookup | None = None,
 ) -> list[Request]:
     """params.num_samples requests per prompt, prompt-major; request r of the call draws with params.seed + r;
-    each follows its own start of grammar when one is given."""
+    each follows its own start of grammar when one is given, and speculates by lookup when one is given."""
     return [
         Request(
             list(p),
@@ -382,6 +385,8 @@ def requests_for(
             decode,
             seed=row_seed(params.seed, i * params.num_samples + j),
             constraint=grammar.start() if grammar is not None else None,
+            lookup_k=lookup.k if lookup is not None else 0,
+            lookup_ngram=lookup.ngram if lookup is not None else 0,
         )
         for i, p in enumerate(prompts)
         for j in range(params.num_samples)

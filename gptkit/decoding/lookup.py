@@ -3,7 +3,7 @@
 For n from max_ngram down to 1, find the most recent earlier occurrence of the sequence's last n tokens in its own
 tokens (prompt and output so far) and propose the k tokens that followed it (copying on into the proposal itself
 where the match runs up to the end, as in a repetition); the first n that matches wins. Editing, code and quoting copy long runs of the prompt, so the proposals are often right, and the target
-checks them all in one forward pass (gptkit.decoding.speculative.take). No match: no proposal, and the batch
+checks them all in one forward pass (gptkit.decoding.verify.take). No match: no proposal, and the batch
 engine's step decodes the row as it would without lookup.
 
 Sampling keeps the target's distribution. A proposal x is certain, a point mass q = delta_x, so the draft-model rule
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gptkit.decoding.request import Request
-from gptkit.decoding.speculative import Proposal
+from gptkit.decoding.verify import Proposal
 from gptkit.errors import ConfigError
 
 # The defaults of `gptkit generate --lookup` and `gptkit serve --lookup`, chosen by benchmarks/bench_speculation.py's

@@ -99,6 +99,8 @@ class Request:
     constraint: Constraint | None = None  # a grammar the output must follow (structured outputs)
     adapter: int = 0  # which of the model's served LoRA adapters decodes it (gptkit.multi_lora; 0: the base)
     adapter_name: str = ""  # what keeps its prefix-cache blocks apart from another adapter's
+    lookup_k: int = 0  # tokens a prompt lookup may propose per pass (gptkit.decoding.lookup; 0: no lookup)
+    lookup_ngram: int = 0  # the longest match that lookup looks for
     generated: list[int] = field(default_factory=list)  # the new tokens (never the end-of-text token)
     finish_reason: FinishReason | None = None
     end_id: int | None = None  # the end-of-text id that ended it (None: it ended otherwise, or a grammar ended it)

@@ -1,14 +1,6 @@
-"""Speculative decoding: a proposer offers up to k tokens, the target checks them all in one forward pass.
-
-A proposer is a small draft model (here) or a lookup in the request's own tokens (gptkit.decoding.lookup, which the
-batch engine runs); both hand a Proposal to check(), which verifies it against the target's logits and records the
-tokens taken.
-
-Greedy: the target's argmax at every checked position decides; the output is exactly the target's greedy output
-(up to float ties), however good or bad the draft. Sampling: Leviathan et al. 2023's rule: accept draft token x with
-probability min(1, p(x) / q(x)), on rejection draw from max(0, p - q) renormalised, so the output follows the
-target's (filtered) distribution. A lookup's proposal is deterministic: q is a point mass at x, so the rule accepts
-with probability p(x) and on rejection draws from p with x removed, renormalised (gptkit.decoding.lookup derives it).
+"""Speculative decoding with a draft model: a small model proposes k tokens, the target checks them all in one
+forward pass (gptkit.decoding.verify: the check both proposers share, a draft model here and a lookup in the request's
+own tokens in gptkit.decoding.lookup).
 
 Both caches are written at explicit positions, so rejected tokens need no undo: the next pass overwrites them and
 attention never reads a position past the query's (a sliding-window layer's ring holds k + 1 spare slots, so that
@@ -20,14 +12,12 @@ read before the next pass overwrites it).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from gptkit.decoding.request import Request, seeded
-from gptkit.decoding.sampling import SamplingParams, process_logits
+from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.step import (
     COMPILE_CACHE_MULTIPLE,
     base,
@@ -39,66 +29,11 @@ from gptkit.decoding.step import (
     prefill,
     window,
 )
+from gptkit.decoding.verify import Proposal, SpeculativeStats, probs, room, speculable, take
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
 
 DRAFT_K = 4  # tokens a draft model proposes per target pass
-
-
-@dataclass
-class SpeculativeStats:
-    """How the draft fared: tokens proposed, tokens the target accepted, and target forward passes."""
-
-    proposed: int = 0
-    accepted: int = 0
-    target_passes: int = 0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted / proposed (None before anything was proposed)."""
-        return self.accepted / self.proposed if self.proposed else None
-
-    def add(self, other: SpeculativeStats) -> None:
-        """Accumulate another request's counts."""
-        self.proposed += other.proposed
-        self.accepted += other.accepted
-        self.target_passes += other.target_passes
-
-    def to_dict(self) -> dict[str, float | int | None]:
-        """The counts and the acceptance rate, for JSON."""
-        return {
-            "draft_proposed": self.proposed,
-            "draft_accepted": self.accepted,
-            "target_passes": self.target_passes,
-            "acceptance_rate": self.acceptance_rate,
-        }
-
-
-@dataclass
-class Proposal:
-    """Tokens a proposer offers, and the distributions they were drawn from (q, sampling with a draft model only;
-    empty: each token is certain, a point mass)."""
-
-    tokens: list[int]
-    q_rows: list[Tensor] = field(default_factory=list)
-
-
-class Proposer(Protocol):
-    """What offers tokens for the target to check: a draft model or a lookup in the request's own tokens."""
-
-    def propose(self, request: Request, n: int) -> Proposal:
-        """Up to n tokens to follow request.tokens."""
-        ...
-
-
-def speculable(params: SamplingParams) -> bool:
-    """Whether params let the target check proposals: no beams, penalties, logit bias or grammar."""
-    return (
-        params.num_beams == 1
-        and params.repetition_penalty in (None, 1.0)
-        and not params.reshapes_logits
-        and params.json_schema is None
-    )
 
 
 def check_draft(target: GPT, draft: GPT, params: SamplingParams, k: int) -> None:
@@ -123,11 +58,6 @@ def check_draft(target: GPT, draft: GPT, params: SamplingParams, k: int) -> None
 def fits(target: GPT, draft: GPT, total_len: int) -> bool:
     """Whether both models can hold total_len positions (a learned-position model stops at block_size)."""
     return all((window(m) or total_len) >= total_len for m in (target, draft))
-
-
-def _probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """The sampling distribution (rows of logits (N, V)) after params' filters."""
-    return process_logits(logits.float(), params).softmax(dim=-1)
 
 
 class _Model:
@@ -171,7 +101,7 @@ class DraftProposer:
             if params.greedy:
                 token = int(d_logits.argmax())
             else:
-                q = _probs(d_logits, params)
+                q = probs(d_logits, params)
                 token = int(torch.multinomial(q, 1, generator=request.generator))
                 proposal.q_rows.append(q[0])
             proposal.tokens.append(token)
@@ -215,11 +145,6 @@ def speculate(
         yield
 
 
-def room(request: Request, k: int) -> int:
-    """Tokens to propose: up to k, leaving the one token the target adds itself within max_new_tokens."""
-    return min(k, request.params.max_new_tokens - len(request.generated) - 1)
-
-
 def _one_pass(t_side: _Model, proposer: DraftProposer, request: Request, stats: SpeculativeStats, k: int) -> None:
     """The draft proposes, the target checks, the request takes the accepted tokens."""
     L = len(request.tokens)  # the target's cache holds positions [0, L - 1)
@@ -232,64 +157,8 @@ def _one_pass(t_side: _Model, proposer: DraftProposer, request: Request, stats: 
     proposer.taken(L, accepted)
 
 
-def take(t_logits: Tensor, proposal: Proposal, request: Request, stats: SpeculativeStats) -> int:
-    """Check a proposal against the target's logits (n + 1, V) at the request's last token and the n proposed
-    ones; the request takes the accepted tokens and the target's next one. Returns how many were accepted."""
-    params, tokens = request.params, proposal.tokens
-    if params.greedy:
-        accepted, extra = _verify_greedy(t_logits, tokens)
-    else:
-        accepted, extra = _verify_sampled(t_logits, tokens, proposal.q_rows, params, request.generator)
-    stats.proposed += len(tokens)
-    stats.accepted += accepted
-    stats.target_passes += 1
-    for token in [*tokens[:accepted], extra]:
-        request.accept(token)
-        if request.done:
-            break
-    return accepted
-
-
 def _pick(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> list[int]:
     """The next token for each row of logits (N, V): argmax, or a draw from the filtered distribution."""
     if params.greedy:
         return logits.float().argmax(dim=-1).tolist()
-    return torch.multinomial(_probs(logits, params), 1, generator=generator)[:, 0].tolist()
-
-
-def _verify_greedy(t_logits: Tensor, proposals: list[int]) -> tuple[int, int]:
-    """(leading proposals equal to the target's argmax, the target's token after them)."""
-    best = t_logits.float().argmax(dim=-1).tolist()  # one host sync for all k + 1 positions
-    n = 0
-    while n < len(proposals) and proposals[n] == best[n]:
-        n += 1
-    return n, best[n]
-
-
-def _verify_sampled(
-    t_logits: Tensor, proposals: list[int], q_rows: list[Tensor], params: SamplingParams, generator: torch.Generator
-) -> tuple[int, int]:
-    """The accept/reject rule: (proposals accepted, the token drawn after them). No q_rows: each proposal is a
-    point mass (q(x) = 1), so x is accepted with probability p(x) and a rejection draws from p without x."""
-    p = _probs(t_logits, params)  # (n_prop + 1, V)
-    if proposals and not q_rows:
-        q_rows = [torch.zeros_like(p[0]).index_fill_(0, torch.tensor([x], device=p.device), 1.0) for x in proposals]
-    if proposals:
-        index = torch.tensor(proposals, device=p.device)[:, None]
-        p_x = p[:-1].gather(1, index)[:, 0]
-        q_x = torch.stack(q_rows).gather(1, index)[:, 0]
-        u = torch.rand(len(proposals), generator=generator, device=p.device)
-        ok = (u * q_x <= p_x).tolist()  # u < p/q without dividing by a zero q
-    else:
-        ok = []
-    n = 0
-    while n < len(proposals) and ok[n]:
-        n += 1
-    if n < len(proposals):
-        residual = (p[n] - q_rows[n]).clamp(min=0)
-        if float(residual.sum()) <= 0:  # p == q: any draw from p is right
-            residual = p[n]
-        dist = residual / residual.sum()
-    else:
-        dist = p[n]
-    return n, int(torch.multinomial(dist[None], 1, generator=generator))
+    return torch.multinomial(probs(logits, params), 1, generator=generator)[:, 0].tolist()

@@ -155,7 +155,7 @@ async def _chat(state: ServerState, body: ChatRequest, request: Request) -> Any:
     top = (body.top_logprobs or 0) if body.logprobs else None
     envelope = Envelope("chat.completion", body.model, "chatcmpl")
     collector = Collector(stream=bool(body.stream))
-    sequences = submit(state, [plan.prompt], plan.params, top, collector, plan.grammar, body.model)
+    sequences = submit(state, [plan.prompt], plan.params, top, collector, plan.grammar, body.model, body.lookup)
     if body.stream:
         return _streamed(state, body, plan, envelope, sequences, collector, top)
     chunks = await collect(state, sequences, collector, request)

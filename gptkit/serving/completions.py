@@ -106,7 +106,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
         )
         return sse_response(one_shot(result)) if body.stream else result
     collector = Collector(stream=bool(body.stream))
-    sequences = submit(state, prompts, params, body.logprobs, collector, grammar, body.model)
+    sequences = submit(state, prompts, params, body.logprobs, collector, grammar, body.model, body.lookup)
     if body.stream:
         completion_tokens = [0] * len(sequences)
         offsets = [len(texts[i // n]) for i in range(len(sequences))]  # where each choice's next text starts

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from gptkit.decoding.batch import BatchEngine
+from gptkit.decoding.lookup import Lookup
 from gptkit.decoding.prefix_cache import PrefixCache
 from gptkit.decoding.request import Request, TokenLogprob
 from gptkit.errors import GptkitError
@@ -77,7 +78,11 @@ class Engine:
         max_context: int | None = None,
         kv_dtype: torch.dtype | None = None,
         prefix_cache: PrefixCache | None = None,
+        lookup: Lookup | None = None,
+        lookup_by_default: bool = False,
     ) -> None:
+        """lookup: the prompt lookup requests speculate with (its k the most they may ask for); lookup_by_default:
+        whether requests that do not say speculate."""
         if max_batch_size < 1:
             raise GptkitError(f"--max-batch-size must be >= 1, got {max_batch_size}")
         if max_queue < 0:
@@ -90,6 +95,11 @@ class Engine:
         self.max_context = max_context or CONTEXT_BLOCKS * block_size
         # Compiled: the whole context up front, so that the shapes compiled at start-up are the only ones.
         length = self.max_context if compile else min(block_size, self.max_context)
+        self.lookup, self.lookup_by_default = lookup or Lookup(), lookup_by_default
+        # A request may ask for lookup whatever the default, up to lookup_k tokens a pass; but a sliding-window model
+        # keeps spare ring slots for it, which its fused step cannot read: there only when the server was asked to.
+        windowed = any(model.config.layer_window(i) for i in range(model.config.n_layer))
+        self.lookup_k = 0 if windowed and not lookup_by_default else self.lookup.k
         self.batch = BatchEngine(
             self.model,
             max_batch_size,
@@ -99,6 +109,7 @@ class Engine:
             buckets=True,
             kv_dtype=kv_dtype,
             prefix_cache=prefix_cache,
+            lookup_k=self.lookup_k,
         )
         self.emits: dict[Request, Emit] = {}
         self.at_end: set[Request] = set()  # requests whose caller wants one chunk, at the end
@@ -216,6 +227,7 @@ class Engine:
             "steps": self.steps,
             "cancelled": self.cancelled,
             "max_batch_size": self.max_batch_size,
+            "speculative": self.batch.speculative.to_dict(),
         }
         if self.batch.prefix_cache is not None:
             stats["prefix_cache"] = self.batch.prefix_cache.report()

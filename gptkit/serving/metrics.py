@@ -152,6 +152,18 @@ class Metrics:
             "sequences dropped because their client left",
             [f"gptkit_requests_cancelled_total {engine['cancelled']}"],
         )
+        speculative = engine.get("speculative", {})
+        for key, name, help_ in (
+            ("draft_proposed", "draft_tokens", "tokens proposed for the model to check (prompt lookup)"),
+            ("draft_accepted", "accepted_tokens", "proposed tokens the model's check accepted"),
+            ("target_passes", "verify_passes", "forward passes that checked proposed tokens"),
+        ):
+            metric(
+                f"gptkit_speculative_{name}_total",
+                "counter",
+                help_,
+                [f"gptkit_speculative_{name}_total {speculative.get(key, 0)}"],
+            )
         cache = engine.get("prefix_cache")
         if cache is not None:
             for key, help_ in (

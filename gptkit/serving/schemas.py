@@ -47,6 +47,27 @@ class JsonSchemaFormat(_Request):
     strict: bool | None = None
 
 
+class LookupSettings(_Request):
+    """gptkit's extension: how a request speculates by prompt lookup (gptkit.decoding.lookup)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")  # a misspelt setting is refused, not ignored
+
+    k: int | None = Field(default=None, ge=1)  # tokens proposed per check (default and most: the server's --lookup-k)
+    ngram: int | None = Field(default=None, ge=1)  # the longest match looked for (default: --lookup-ngram)
+
+
+def _lookup_value(value: Any) -> Any:
+    """The lookup field's three forms, each misfit refused in words naming the field or the setting."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f'lookup is {_json_type(value)}; it must be true, false or {{"k": K, "ngram": N}}')
+    unknown = sorted(set(value) - {"k", "ngram"})
+    if unknown:
+        raise ValueError(f"lookup has no setting {unknown[0]!r}; its settings are k and ngram")
+    return value
+
+
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -82,6 +103,7 @@ class SamplingFields(DecodingFields):
     stop: str | list[str] | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    lookup: Annotated[bool | LookupSettings | None, BeforeValidator(_lookup_value)] = None  # None: --lookup's
 
 
 def refused_field(body: SamplingFields) -> tuple[str, str] | None:

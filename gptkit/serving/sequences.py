@@ -21,7 +21,7 @@ from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.serving.engine import Chunk, QueueFull
 from gptkit.serving.envelope import DONE, sse
-from gptkit.serving.schemas import SamplingFields, refused_field
+from gptkit.serving.schemas import LookupSettings, SamplingFields, refused_field
 from gptkit.serving.state import APIError, ServerState, check_model
 
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
@@ -238,9 +238,11 @@ def submit(
     collector: Collector,
     grammar: Grammar | None = None,
     model: str = "",
+    lookup: bool | LookupSettings | None = None,
 ) -> list[DecodeRequest]:
     """One decode request per prompt and choice (choice i of n seeded seed + i), queued on the engine; model: the
-    request's `model`, naming the base or one of its adapters."""
+    request's `model`, naming the base or one of its adapters; lookup: the request's `lookup` field."""
+    lookup_k, lookup_ngram = lookup_settings(state, lookup)
     adapter = check_model(state, model or state.model_name)
     key = state.adapters.key_of(adapter) if adapter else ""  # its weights' hash: the name may be reloaded with others
     count, capacity = len(prompts) * params.num_samples, state.engine.max_batch_size + state.engine.max_queue
@@ -265,6 +267,8 @@ def submit(
                 constraint=grammar.start() if grammar else None,
                 adapter=adapter,
                 adapter_name=key,
+                lookup_k=lookup_k,
+                lookup_ngram=lookup_ngram,
             )
             sequences.append((request, collector.sink(p * params.num_samples + i)))
     try:
@@ -274,6 +278,23 @@ def submit(
             503, str(err), code="server_busy", type_="server_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
         ) from None
     return [request for request, _ in sequences]
+
+
+def lookup_settings(state: ServerState, lookup: bool | LookupSettings | None) -> tuple[int, int]:
+    """(k, ngram) of the prompt lookup a request asked for (true, false or settings; None: the server's default),
+    k 0 for none; a 400 where the server cannot give it."""
+    default = state.engine.lookup
+    if lookup is None:
+        lookup = state.engine.lookup_by_default
+    if lookup is False:
+        return 0, 0
+    settings = LookupSettings() if lookup is True else lookup
+    k, ngram = settings.k or default.k, settings.ngram or default.ngram
+    if k > state.engine.lookup_k:
+        most = state.engine.lookup_k
+        hint = f"ask for k <= {most}" if most else "start the server with --lookup to serve it (a sliding-window model)"
+        raise APIError(400, f"lookup k {k} is more than this server proposes per check; {hint}", param="lookup")
+    return k, ngram
 
 
 async def collect(

@@ -17,6 +17,7 @@ import torch
 from fastapi import FastAPI
 
 from gptkit.decoding.kv_store import KVStore
+from gptkit.decoding.lookup import LOOKUP_K, LOOKUP_NGRAM, Lookup
 from gptkit.decoding.prefix_cache import PrefixCache, available_memory, parse_size
 from gptkit.devices import pick_device
 from gptkit.errors import GptkitError
@@ -67,6 +68,21 @@ class ServeOptions:
     dtype: str = field(default="float32", metadata={"help": "weight precision", "choices": DTYPES})
     compile: bool = field(
         default=False, metadata={"help": "compile the decode step (every batch shape, before the server reports ready)"}
+    )
+    lookup: bool = field(
+        default=False,
+        metadata={
+            "help": "speculate by prompt lookup for every request that does not say otherwise: the tokens that "
+            "followed an earlier occurrence of the last few tokens are checked in one forward pass (faster where "
+            'replies copy their prompt: edits, code); a request sets it with "lookup": true, false or '
+            '{"k": K, "ngram": N}'
+        },
+    )
+    lookup_k: int = field(
+        default=LOOKUP_K, metadata={"help": "tokens prompt lookup proposes per check, and the most a request may ask"}
+    )
+    lookup_ngram: int = field(
+        default=LOOKUP_NGRAM, metadata={"help": "the longest match prompt lookup looks for, in tokens (down to 1)"}
     )
     allowed_host: tuple[str, ...] = field(
         default=(),
@@ -185,6 +201,8 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
         options.max_context,
         kv_dtype,
         cache,
+        Lookup(options.lookup_k, options.lookup_ngram),
+        options.lookup,
     )
     if options.compile:
         log.info("compiling the decode step for batches of %s rows", engine.batch.row_buckets())
@@ -229,6 +247,7 @@ def _check_options(options: ServeOptions) -> None:
 
     if options.max_body_bytes < 1:
         raise GptkitError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
+    Lookup(options.lookup_k, options.lookup_ngram)  # --lookup-k and --lookup-ngram: integers >= 1
     if options.pooling not in POOLINGS:
         raise GptkitError(f"--pooling must be one of {', '.join(POOLINGS)}, got {options.pooling!r}")
     if options.dtype not in DTYPES:

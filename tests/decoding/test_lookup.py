@@ -3,9 +3,12 @@ and sampling that keeps the model's distribution."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from gptkit.cli import main
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import complete, generate, generate_ids, stream
 from gptkit.decoding.batch import BatchEngine
@@ -13,8 +16,9 @@ from gptkit.decoding.lookup import Lookup, find
 from gptkit.decoding.options import DecodeOptions
 from gptkit.decoding.request import Request
 from gptkit.decoding.sampling import SamplingParams
-from gptkit.decoding.speculative import Proposal, SpeculativeStats, take
+from gptkit.decoding.verify import Proposal, SpeculativeStats, take
 from gptkit.errors import ConfigError
+from gptkit.formats.modeldir import save_model_dir
 from gptkit.model import GPT
 from gptkit.tokenizer import CharTokenizer
 
@@ -109,9 +113,9 @@ def test_lookup_and_a_draft_do_not_combine():
 def test_requests_with_penalties_or_logprobs_decode_without_proposals():
     model = sharpened(ModelConfig(**ROPE))
     params = SamplingParams(max_new_tokens=20, temperature=0, repetition_penalty=1.3)
-    engine = BatchEngine(model, 2, 128, lookup=Lookup())
-    plain = Request(PROMPT, GREEDY, top_logprobs=2)
-    engine.add([Request(PROMPT, params), plain])
+    engine = BatchEngine(model, 2, 128, lookup_k=8)
+    plain = Request(PROMPT, GREEDY, top_logprobs=2, lookup_k=8, lookup_ngram=3)
+    engine.add([Request(PROMPT, params, lookup_k=8, lookup_ngram=3), plain])
     while engine.rows:
         engine.step()
     assert engine.speculative.proposed == 0 and len(plain.logprobs) == GREEDY.max_new_tokens
@@ -187,3 +191,17 @@ def test_sampled_tokens_through_the_engine_follow_the_model():
     assert stats is not None and stats.proposed >= n // 2 and 0 < stats.accepted < stats.proposed
     statistic, dof = chi_square(counts, exact)
     assert dof > 10 and statistic < chi2_999(dof)
+
+
+def test_gptkit_generate_lookup_prints_the_same_text_and_its_acceptance(tmp_path, capsys):
+    tokenizer = CharTokenizer(list("abcdefgh ,.\n"))
+    model = sharpened(ModelConfig(**dict(ROPE, vocab_size=tokenizer.vocab_size)))
+    model_dir = save_model_dir(model, tmp_path / "model", tokenizer=tokenizer)
+    args = ["--prompt", "abc def, abc def, abc ", "--max-new-tokens", "30", "--temperature", "0", "--json"]
+    assert main(["generate", str(model_dir), *args]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["generate", str(model_dir), "--lookup", "--lookup-k", "4", "--lookup-ngram", "2", *args]) == 0
+    looked = json.loads(capsys.readouterr().out)
+    assert looked["ids"] == plain["ids"] and looked["timing"]["draft_accepted"] > 0
+    assert main(["generate", str(model_dir), "--lookup", "--lookup-k", "0", *args]) == 2
+    assert "lookup_k must be an integer >= 1" in capsys.readouterr().err
