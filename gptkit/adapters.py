@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.moe import ExpertWeights
 from gptkit.settings import check_range
 
 # Which block layers each target name adapts (paths inside a gptkit Block).
@@ -90,10 +91,25 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets:
     if adapters(gpt):
         raise ConfigError("the model already has LoRA adapters")
     paths = target_paths(targets)
+    check_expert_targets(gpt, paths, targets)
     for param in gpt.parameters():
         param.requires_grad_(False)
     wrap_block_layers(gpt, paths, lambda name, layer: LoRALinear(layer, rank, alpha, dropout))
     return model
+
+
+def check_expert_targets(model: nn.Module, paths: tuple[str, ...], targets: str) -> None:
+    """Refuse targets that reach a mixture of experts' expert weights: LoRA adapts one matrix per layer, and an
+    expert layer holds E of them (E, out, in) (LoRA on experts is not built yet; the attention layers adapt alike)."""
+    for index, block in enumerate(unwrap_model(model).blocks):
+        for path in paths:
+            parent_path, _, attribute = path.rpartition(".")
+            layer = getattr(block.get_submodule(parent_path), attribute)
+            if isinstance(layer, ExpertWeights):
+                raise ConfigError(
+                    f"finetune.lora_targets {targets!r} reaches blocks.{index}.{path}, a mixture of experts' "
+                    f"{layer.weight.size(0)} expert weights, which LoRA does not adapt yet: set it to attention"
+                )
 
 
 def wrap_block_layers(model: nn.Module, paths: tuple[str, ...], wrap: Callable[[str, nn.Module], nn.Module]) -> None:
