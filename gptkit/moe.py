@@ -4,7 +4,9 @@ routing statistics a run logs at its evaluations.
 
 Each token's output depends on that token alone: no expert has a capacity that other tokens could fill, ties between
 experts go to the lower index, and every expert's product runs on a multiple of ROW_BLOCK rows, so that the same
-rows reach the same matrix kernel however many other tokens chose that expert.
+rows reach the same matrix kernel however many other tokens chose that expert. Inference over few tokens (a decode
+step: N * k at most E) computes each token's routed experts one row at a time instead (routed_experts), reading only
+those experts' weights, each token's result again its own.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import Tensor, nn
 
 from gptkit.config import GATED, ModelConfig
 from gptkit.layers import Linear, activate
+from gptkit.native.ops import linear
 
 # Each expert's rows are padded with zero rows to a multiple of this. A CPU matrix product gives a row other bits
 # when it has 1-4 rows (2 threads: also 5-6) than among many: measured with torch 2.13's fp32 mm on 32x64 to
@@ -125,7 +128,9 @@ class MoEFeedForward(nn.Module):
         flat = x.reshape(-1, x.size(-1))  # (N, d)
         logits = self.router(flat).float()  # (N, E)
         weights, experts = route(logits, self.k, self.renormalize)  # (N, k) each
-        out = self.drop(self.experts(flat, weights.to(flat.dtype), experts))  # (N, d)
+        few = not torch.is_grad_enabled() and experts.numel() <= self.n_experts
+        compute = self.routed_experts if few else self.experts
+        out = self.drop(compute(flat, weights.to(flat.dtype), experts))  # (N, d)
         self.aux_loss = None  # nothing left from an earlier forward for GPT's loss to read
         if self.training and torch.is_grad_enabled() and (self.aux_coefficient or self.z_coefficient):
             balance = load_balance(logits.softmax(dim=-1), experts, self.n_experts)
@@ -161,6 +166,20 @@ class MoEFeedForward(nn.Module):
         y = grouped_linear(activate(h, self.activation), self.proj.weight, self.proj.bias, ends, row_expert)
         slot_rows = torch.empty_like(rows).index_copy_(0, order, rows)  # each slot's row, slots in token order
         y = y[slot_rows].view(N, k, -1)  # (N, k, d)
+        return (y * weights[..., None].to(y.dtype)).sum(dim=1)  # (N, d)
+
+    def routed_experts(self, flat: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """experts()' result for inference over few tokens (N * k at most E): each token's k experts one product of
+        one row at a time, so that only the routed experts' weights are read (the grouped products read every
+        expert's) and a token's output is computed from that token alone."""
+        N, k = experts.shape
+        ys = []
+        for token, expert in zip(torch.arange(N).repeat_interleave(k).tolist(), experts.reshape(-1).tolist()):
+            x = flat[token : token + 1]  # (1, d)
+            h = linear(x, self.fc.weight[expert], None if self.fc.bias is None else self.fc.bias[expert])
+            h = activate(h, self.activation)  # (1, hidden)
+            ys.append(linear(h, self.proj.weight[expert], None if self.proj.bias is None else self.proj.bias[expert]))
+        y = torch.cat(ys).view(N, k, -1)  # (N * k, d) -> (N, k, d)
         return (y * weights[..., None].to(y.dtype)).sum(dim=1)  # (N, d)
 
     def count(self, logits: Tensor, experts: Tensor) -> None:
