@@ -6,13 +6,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from gptkit.errors import ConfigError
-from gptkit.presets import PRESETS
+from gptkit.presets import PRESETS, RENAMED
+
+logger = logging.getLogger(__name__)
 
 # relu2: relu(x)^2 (Primer); geglu: GELU(tanh)(x W_gate) * (x W_up) (Gemma), swiglu with SiLU (Llama)
 Activation = Literal["relu", "relu2", "gelu", "gelu_tanh", "swiglu", "geglu"]
@@ -350,9 +353,7 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
         """The named architecture from PRESETS; unknown names are a ConfigError listing the choices."""
-        if name not in PRESETS:
-            raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
-        return cls(**PRESETS[name])
+        return cls(**PRESETS[preset_name(name)])
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> ModelConfig:
@@ -368,12 +369,22 @@ class ModelConfig:
             if isinstance(data, dict) and isinstance(data.get("model"), dict):
                 data = data["model"]  # a model directory's config.json nests the fields
             return cls.from_dict(data)
-        if str(name_or_path) in PRESETS:
+        if str(name_or_path) in PRESETS or str(name_or_path) in RENAMED:
             return cls.preset(str(name_or_path))
         raise ConfigError(f"{str(name_or_path)!r} is neither a preset nor a config file; presets: {', '.join(PRESETS)}")
 
 
 @functools.cache
+def preset_name(name: str) -> str:
+    """The preset called name now (a former name is read with a warning); unknown names are a ConfigError."""
+    if name in RENAMED:
+        logger.warning("preset %r is now called %r: the same shape; write the new name", name, RENAMED[name])
+        return RENAMED[name]
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return name
+
+
 def _field_types() -> dict[str, Any]:
     """Each field's annotation with Optional stripped, e.g. {"n_kv_head": int, "norm": Norm}."""
     types = {}
@@ -421,8 +432,7 @@ def resolve_model(section: ModelSection, vocab_size: int, init_config: ModelConf
                     f"{', '.join(sorted(changeable))} may change"
                 )
     elif section.preset is not None:
-        ModelConfig.preset(section.preset)  # raises for an unknown name, listing the presets
-        base = dict(PRESETS[section.preset])  # raw, so derived sizes follow overridden widths
+        base = dict(PRESETS[preset_name(section.preset)])  # raw, so derived sizes follow overridden widths
     else:
         base = {}
     base.update(overrides)

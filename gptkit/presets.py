@@ -32,6 +32,11 @@ _NANOGPT_CHAR = dict(
     position="learned",
 )
 
+# Former names, still read (a run's saved config.yaml names its preset): the old name -> the preset's name now.
+# "llama-tiny" (llama2.c's 15M story model) read as one with the test-sized "tiny-llama"; it is named as its 110M
+# sibling is.
+RENAMED = {"llama-tiny": "llama-15m"}
+
 # Sizes from the papers and model cards they are named after.
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt2": dict(_GPT2, n_layer=12, n_head=12, n_embd=768),
@@ -39,7 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-large": dict(_GPT2, n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": dict(_GPT2, n_layer=48, n_head=25, n_embd=1600),
     # Llama-style family: the first two follow llama2.c's story models (with GQA), then TinyLlama and Llama 2 7B.
-    "llama-tiny": dict(
+    "llama-15m": dict(
         _LLAMA, vocab_size=32000, block_size=512, n_layer=6, n_head=6, n_kv_head=2, n_embd=288, ffn_hidden=768
     ),
     "llama-110m": dict(

@@ -149,7 +149,7 @@ def test_bench_structured_smoke_run_compares_and_validates():
             "--part",
             "cost",
             "--shape",
-            "llama-tiny",
+            "llama-15m",
             "--vocab-size",
             "300",
             "--steps",

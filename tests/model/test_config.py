@@ -16,7 +16,7 @@ def test_defaults_derive_kv_heads_and_ffn_width():
 
 
 def test_json_round_trip_is_exact():
-    config = ModelConfig.preset("llama-tiny")
+    config = ModelConfig.preset("llama-15m")
     again = ModelConfig.from_dict(json.loads(json.dumps(config.to_dict())))
     assert again == config
 
