@@ -339,14 +339,14 @@ def evaluate_examples(
     return metrics(nll_sum, scored, n_bytes)
 
 
-def encode_text(tokenizer: Any, text: str) -> np.ndarray:
+def encode_text(tokenizer: Tokenizer, text: str) -> np.ndarray:
     """text's ids as `gptkit prepare` encodes a file: special-token text such as <|endoftext|> stays text."""
     return np.asarray(tokenizer.encode_arrays([text])[0], dtype=np.int64)
 
 
 def evaluate_text(
     model: GPT,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     text: str,
     stride: int | None = None,
     batch_size: int = 8,

@@ -122,7 +122,7 @@ def adapted_model(settings: dict[str, Any], device: torch.device | str | None = 
 def export_hf(
     model_or_dir: GPT | str | Path,
     out_dir: str | Path,
-    tokenizer: Any | None = None,
+    tokenizer: Tokenizer | None = None,
     tokenizer_config: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     head: tuple[list[str], torch.Tensor] | None = None,

@@ -21,7 +21,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from safetensors import SafetensorError, safe_open
 
@@ -43,6 +43,20 @@ GPTKIT_FORMAT_VERSION = 1
 
 class ModelDirError(WeightsError):
     """A model directory or tensor file that is missing, incomplete or corrupt; the message names the file."""
+
+
+class TokenizerFiles(Protocol):
+    """What a model directory needs of its tokenizer (gptkit.tokenizer.Tokenizer is one; that module builds on this
+    one, so it is named by what it does)."""
+
+    eos_id: int | None
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation."""
+
+    def save(self, directory: Path) -> None:
+        """Write the tokenizer's files into directory."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -143,7 +157,7 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
 
 
 def write_config_and_tokenizer(
-    path: Path, config: ModelConfig, tokenizer: Any | None, extra: dict[str, Any] | None = None
+    path: Path, config: ModelConfig, tokenizer: TokenizerFiles | None, extra: dict[str, Any] | None = None
 ) -> None:
     """The tokenizer's files and a gptkit config.json (last: it makes the directory loadable) beside written
     weights; extra holds further fields (a quantised directory's "quantization")."""

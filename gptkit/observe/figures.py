@@ -7,7 +7,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +22,10 @@ from gptkit.observe.prompt import (
     parameter_parts,
     token_labels,
 )
+from gptkit.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # matplotlib is loaded where a figure is drawn, not for a hint
+    from matplotlib.axes import Axes
 
 TOP_TOKENS = 10
 
@@ -36,7 +40,7 @@ def new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(min(width, 40), min(height, 60)), dpi=DPI, layout="constrained")
 
 
-def tick_labels(ax: Any, labels: Sequence[str], x: bool = True, y: bool = True) -> None:
+def tick_labels(ax: Axes, labels: Sequence[str], x: bool = True, y: bool = True) -> None:
     """Token labels on an axis of a heatmap, their size shrinking with their count (x: the columns, y: the rows)."""
     size = max(4.0, min(9.0, 300 / max(1, len(labels))))
     ticks = range(len(labels))
@@ -122,7 +126,7 @@ def draw_similarity(similarity: Tensor, state_names: Sequence[str], token: str) 
     return fig
 
 
-def draw_distributions(distributions: dict[float, Tensor], tokenizer: Any, k: int = TOP_TOKENS) -> Figure:
+def draw_distributions(distributions: dict[float, Tensor], tokenizer: Tokenizer, k: int = TOP_TOKENS) -> Figure:
     """Bars of the top-k next tokens under each temperature (temperature keeps the order, so one token set)."""
     temps = list(distributions)
     first = distributions[temps[0]]
@@ -218,7 +222,7 @@ def draw_head_contributions(contributions: Tensor, token: str) -> Figure:
     return fig
 
 
-def _layer_head_axes(ax: Any, n_layer: int, n_head: int) -> None:
+def _layer_head_axes(ax: Axes, n_layer: int, n_head: int) -> None:
     step_h, step_l = max(1, n_head // 16), max(1, n_layer // 24)
     ax.set_xticks(range(0, n_head, step_h), [str(h) for h in range(0, n_head, step_h)], fontsize=8)
     ax.set_yticks(range(0, n_layer, step_l), [str(i) for i in range(0, n_layer, step_l)], fontsize=8)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,6 +15,7 @@ from gptkit.config import ModelConfig
 from gptkit.errors import InputError
 from gptkit.model import GPT, Trace
 from gptkit.observe import measures
+from gptkit.tokenizer import Tokenizer
 
 TEMPERATURES = (0.5, 1.0, 2.0)
 
@@ -134,7 +134,7 @@ def token_label(text: str, width: int = 12) -> str:
     return label if len(label) <= width else label[: width - 1] + "\u2026"
 
 
-def token_labels(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+def token_labels(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
     """The display label of each token, decoded one by one; a token holding part of a character shows its bytes."""
     labels = []
     for i in ids:
@@ -145,7 +145,7 @@ def token_labels(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     return labels
 
 
-def _encodes(tokenizer: Any, text: str) -> bool:
+def _encodes(tokenizer: Tokenizer, text: str) -> bool:
     """Whether tokenizer encodes text and decodes it back unchanged (a char vocabulary may lack a character)."""
     try:
         return tokenizer.decode(tokenizer.encode(text)) == text
@@ -153,7 +153,7 @@ def _encodes(tokenizer: Any, text: str) -> bool:
         return False
 
 
-def default_icl_prompt(prompt: str, tokenizer: Any) -> tuple[str, str]:
+def default_icl_prompt(prompt: str, tokenizer: Tokenizer) -> tuple[str, str]:
     """A few-shot copying prompt built from the prompt's own words, and its expected answer: demonstrations
     "w1 w1", "w2 w2", ... one a line, then the query "wq " whose answer is wq. Only the prompt's characters and
     separators the tokenizer round-trips are used, so it works for char, byte and BPE tokenizers alike."""

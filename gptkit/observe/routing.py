@@ -11,7 +11,7 @@ from __future__ import annotations
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,6 +22,10 @@ from gptkit.errors import InputError
 from gptkit.model import GPT
 from gptkit.moe import moe_layers, route
 from gptkit.observe.figures import new_figure, tick_labels
+from gptkit.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # matplotlib is loaded where a figure is drawn, not for a hint
+    from matplotlib.axes import Axes
 
 # Kinds of token the specialisation measure counts, each a test on the token's text.
 TOKEN_KINDS: dict[str, Callable[[str], bool]] = {
@@ -118,7 +122,7 @@ def specialisation(experts: Tensor, kinds: dict[str, np.ndarray], n_experts: int
     return {"text_share": text_share, "share": shares, "top": top}
 
 
-def specialisation_of_text(model: GPT, tokenizer: Any, text: str) -> dict[str, Any]:
+def specialisation_of_text(model: GPT, tokenizer: Tokenizer, text: str) -> dict[str, Any]:
     """specialisation() of the model's routing of text, with the MoE layers' block indices and their load CVs."""
     ids = tokenizer.encode(text)
     routing = routing_of(model, ids)
@@ -163,7 +167,7 @@ def load_history(history: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndar
     return np.array([r["step"] for r in rows], dtype=float), relative
 
 
-def draw_load_history(axes: Any, history: Sequence[dict[str, Any]]) -> None:
+def draw_load_history(axes: Axes, history: Sequence[dict[str, Any]]) -> None:
     """Expert load per layer over training on a loss.png panel: a row per layer and expert, a column per
     evaluation, coloured by the expert's load relative to a balanced one (1; log scale from 1/4 to 4)."""
     from matplotlib.colors import LogNorm

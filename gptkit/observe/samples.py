@@ -16,10 +16,12 @@ from typing import Any
 import numpy as np
 
 from gptkit.atomic import atomic_write_text
+from gptkit.data import Examples
 from gptkit.decoding.api import complete, encode_prompt
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.errors import ConfigError, InputError
 from gptkit.model import GPT
+from gptkit.tokenizer import Tokenizer
 
 SAMPLES_FILE = "samples.jsonl"
 DEFAULT_PROMPTS = 2  # validation windows sampled from when train.sample_prompts is not set
@@ -39,7 +41,7 @@ class Sample:
     kind: str  # "greedy" or "sampled"
 
 
-def configured_prompts(texts: list[str], tokenizer: Any, block_size: int) -> list[list[int]]:
+def configured_prompts(texts: list[str], tokenizer: Tokenizer, block_size: int) -> list[list[int]]:
     """The ids of train.sample_prompts; an empty or too long prompt is a one-line ConfigError."""
     prompts = []
     for i, text in enumerate(texts):
@@ -56,7 +58,7 @@ def configured_prompts(texts: list[str], tokenizer: Any, block_size: int) -> lis
     return prompts
 
 
-def _line_start(tokens: np.ndarray, start: int, tokenizer: Any) -> int:
+def _line_start(tokens: np.ndarray, start: int, tokenizer: Tokenizer) -> int:
     """The first position at or after start that follows an end-of-text token or a line break (else start)."""
 
     def breaks(pos: int) -> bool:
@@ -73,7 +75,7 @@ def _line_start(tokens: np.ndarray, start: int, tokenizer: Any) -> int:
 
 
 def validation_prompts(
-    tokens: np.ndarray, tokenizer: Any, block_size: int, count: int = DEFAULT_PROMPTS
+    tokens: np.ndarray, tokenizer: Tokenizer, block_size: int, count: int = DEFAULT_PROMPTS
 ) -> list[list[int]]:
     """The first tokens of `count` fixed, evenly spaced windows of the validation split, each moved forward to
     start a line (or a document) where one starts close by."""
@@ -88,7 +90,7 @@ def validation_prompts(
     return prompts
 
 
-def example_prompts(examples: Any, block_size: int, count: int = DEFAULT_PROMPTS) -> list[list[int]]:
+def example_prompts(examples: Examples, block_size: int, count: int = DEFAULT_PROMPTS) -> list[list[int]]:
     """The prompts (the tokens before the first trained one) of the first `count` supervised validation examples
     that have one shorter than the block."""
     prompts = []
@@ -103,7 +105,7 @@ def example_prompts(examples: Any, block_size: int, count: int = DEFAULT_PROMPTS
 
 
 def take_samples(
-    model: GPT, tokenizer: Any, prompts: list[list[int]], tokens: int, seed: int, step: int
+    model: GPT, tokenizer: Tokenizer, prompts: list[list[int]], tokens: int, seed: int, step: int
 ) -> list[Sample]:
     """A greedy and a sampled completion (seeded: the same weights give the same text) of each prompt."""
     samples = []

@@ -15,12 +15,12 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gptkit.atomic import atomic_write
-from gptkit.data import SPLIT_FILES, load_tokens, read_meta
+from gptkit.data import SPLIT_FILES, Examples, load_tokens, read_meta
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
 from gptkit.observe.ablation import ablation_study
@@ -38,7 +38,11 @@ from gptkit.observe.samples import (
     take_samples,
     validation_prompts,
 )
+from gptkit.tokenizer import Tokenizer
 from gptkit.train_config import TrainConfig
+
+if TYPE_CHECKING:  # matplotlib is loaded where a figure is drawn, not for a hint
+    from matplotlib.axes import Axes
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +61,9 @@ class Observer:
         train: TrainConfig,
         run_dir: Path,
         model: GPT,
-        tokenizer: Any | None,
+        tokenizer: Tokenizer | None,
         val_tokens: np.ndarray | None,
-        examples: Any | None,
+        examples: Examples | None,
         objective: str,
         is_main: bool,
         sharded: bool,
@@ -100,7 +104,7 @@ class Observer:
             self.phase = next((r["phase_change_step"] for r in reversed(history) if "phase_change_step" in r), None)
 
     def _prompts(
-        self, val_tokens: np.ndarray | None, examples: Any | None, objective: str, block: int
+        self, val_tokens: np.ndarray | None, examples: Examples | None, objective: str, block: int
     ) -> list[list[int]]:
         """The token ids of the prompts to sample from, or none (with one log line saying why)."""
         t = self.settings
@@ -216,7 +220,7 @@ def _points(history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in history if r.get(key) is not None and math.isfinite(r[key])]
 
 
-def _draw_losses(axes: Any, history: list[dict[str, Any]]) -> None:
+def _draw_losses(axes: Axes, history: list[dict[str, Any]]) -> None:
     """The training and validation losses (the induction test's loss, on another scale, is drawn with its score)."""
     series = [
         ("loss", "train (logged steps)", 0.5),
@@ -231,14 +235,14 @@ def _draw_losses(axes: Any, history: list[dict[str, Any]]) -> None:
     axes.legend()
 
 
-def draw_icl_history(axes: Any, history: list[dict[str, Any]]) -> None:
+def draw_icl_history(axes: Axes, history: list[dict[str, Any]]) -> None:
     """The in-context learning score over steps, with zero (no use of the context) drawn."""
     axes.plot(*zip(*_points(history, "icl_score")), marker="o", markersize=3, color="tab:purple")
     axes.axhline(0.0, color="grey", linewidth=0.8)
     axes.set_ylabel("ICL score (nats)\nlate - early loss")
 
 
-def draw_induction_history(axes: Any, history: list[dict[str, Any]]) -> None:
+def draw_induction_history(axes: Axes, history: list[dict[str, Any]]) -> None:
     """The strongest induction head's score over steps, with what uniform attention scores drawn."""
     axes.plot(
         *zip(*_points(history, "induction_score")), marker="o", markersize=3, color="tab:red", label="strongest head"
@@ -257,7 +261,7 @@ def draw_induction_history(axes: Any, history: list[dict[str, Any]]) -> None:
         twin.legend(loc="upper right")
 
 
-def draw_ablation(axes: Any, history: list[dict[str, Any]]) -> None:
+def draw_ablation(axes: Axes, history: list[dict[str, Any]]) -> None:
     """What mean-ablating the strongest induction head changes over steps: the repeated-sequence loss (up: it
     carried the copying) and the ICL score (up: it carried the context's help)."""
     axes.plot(
@@ -275,7 +279,7 @@ def draw_ablation(axes: Any, history: list[dict[str, Any]]) -> None:
     axes.legend(loc="upper left")
 
 
-def draw_position_map(axes: Any, insight: list[dict[str, Any]]) -> None:
+def draw_position_map(axes: Axes, insight: list[dict[str, Any]]) -> None:
     """Olsson's map: the loss at each position of the context (rows, log scale) at each evaluation (columns, at
     their steps), from insight.jsonl's records; the colour is the loss."""
     rows = [r for r in insight if r.get("position_loss")]
@@ -309,7 +313,7 @@ def mark_phase(panels: Any, history: list[dict[str, Any]]) -> None:
     )
 
 
-def draw_metric(axes: Any, history: list[dict[str, Any]], key: str, trained_key: str | None) -> None:
+def draw_metric(axes: Axes, history: list[dict[str, Any]], key: str, trained_key: str | None) -> None:
     """One task metric over the evaluations (exact match, accuracy, reward, pass@k, ...), and beside it the
     training steps' statistic it pairs with, where there is one (val_reward with each step's reward)."""
     trained = _points(history, trained_key) if trained_key is not None else []
