@@ -6,12 +6,14 @@
    never seen in training.
 2. Each assistant turn becomes a prompt/completion row: the conversation before it rendered with gptkit's default
    chat template, the tools first (as `gptkit serve` renders a request), and the reply as the template writes it
-   (a call as {"name": ..., "arguments": {...}}). gptkit's "messages" rows carry no tools or tool calls yet, so
-   the demo renders the conversations itself.
+   (a call as {"name": ..., "arguments": {...}}). The demo renders the conversations itself (it was written before
+   "messages" rows could carry "tools" and "tool_calls"); such rows render the same turns (docs/finetune.md).
 3. A small model trained from scratch on them (`gptkit prepare`, `gptkit train`).
-4. `gptkit serve` on it, and an agent loop through LangChain's ChatOpenAI(...).bind_tools([calculator]) with the
-   default tool_choice (auto) on the held-out questions: how often it calls the tool when it should, answers
-   directly when it should not, and answers right after the tool's result.
+4. `gptkit serve` on it, and an agent loop through LangChain's ChatOpenAI(...).bind_tools([calculator],
+   parallel_tool_calls=False) with the default tool_choice (auto) on the held-out questions: how often it calls the
+   tool when it should, answers directly when it should not, and answers right after the tool's result. (The
+   model learnt one call a turn: parallel_tool_calls=False holds it to one; with OpenAI's default, true, a weak
+   model may begin a second call after the first, which max_tokens then cuts short.)
 
 Needs langchain-openai (pip install langchain-openai). Run: python examples/tool_use_demo.py [--out
 runs/tool-use-demo] [--quick] [--json]
@@ -310,7 +312,7 @@ def evaluate(
     """The held-out figures: tool questions called and answered right, other questions answered directly."""
     llm = ChatOpenAI(
         model=name, base_url=url, api_key="unused", temperature=0, max_tokens=64, max_retries=0
-    ).bind_tools([calculator])
+    ).bind_tools([calculator], parallel_tool_calls=False)  # one call a turn, as it learnt (see the docstring)
     rng = random.Random(2)
     calls = [arithmetic(rng, split["pairs"][1]) for _ in range(count)]
     directs = [direct(rng, split["things"][1], split["greetings"][1], split["names"][1])[0] for _ in range(count)]
