@@ -428,6 +428,17 @@ def test_links_between_pages_and_to_the_repository_resolve():
     assert not broken, "\n".join(broken)
 
 
+def test_the_repository_files_the_pages_name_exist():
+    """A file named in code spans (`gptkit/serving/app.py`, `tests/serving/test_serve_api.py`) is there: files move."""
+    named = re.compile(r"\b(?:gptkit|benchmarks|examples|configs|scripts|tests)/[\w./-]*\w")
+    missing = []
+    for name in page_names():
+        for number, line in enumerate((ROOT / name).read_text().split("\n"), 1):
+            for span in re.findall(r"`([^`]+)`", line):
+                missing += [f"{name} line {number}: {p}" for p in named.findall(span) if not (ROOT / p).exists()]
+    assert not missing, "\n".join(missing)
+
+
 def test_no_file_refers_outside_the_repository():
     """A clone holds everything its files cite (issue 58): no path above the repository, no cited file outside it."""
     outside = re.compile(r"\.\./" + "shared/|SPEC" + r" section \d|SPEC" + r"\.md")  # split: this file would match
