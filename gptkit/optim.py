@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from gptkit.adapters import adapters
 from gptkit.model import GPT
+from gptkit.moe import ExpertWeights
 from gptkit.native import cpu
 from gptkit.train_config import OptimConfig
 
@@ -30,10 +31,12 @@ GRAM_ROUNDS = 5
 
 
 def param_groups(model: nn.Module, weight_decay: float, exclude: set[nn.Parameter] = frozenset()) -> list[dict]:
-    """Two AdamW groups: matrices (linear weights, embeddings) decay; vectors (biases, norm gains) do not."""
+    """Two AdamW groups: matrices (linear weights, embeddings, expert stacks) decay; vectors (biases, norm gains, and
+    experts' stacked biases (E, out)) do not."""
     params = [p for p in model.parameters() if p.requires_grad and p not in exclude]  # a tied weight comes once
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    vectors = {m.bias for m in model.modules() if isinstance(m, ExpertWeights) and m.bias is not None}
+    decay = [p for p in params if p.dim() >= 2 and p not in vectors]
+    no_decay = [p for p in params if p.dim() < 2 or p in vectors]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -41,22 +44,26 @@ def param_groups(model: nn.Module, weight_decay: float, exclude: set[nn.Paramete
 
 
 def block_matrices(model: nn.Module) -> list[nn.Parameter]:
-    """The 2-D weights that train inside every GPT's blocks: what Muon takes.
+    """The 2-D weights that train inside every GPT's blocks, and its experts' (E, out, in) stacks: what Muon takes.
 
     Embeddings, the LM head, a task head and every vector stay with AdamW, as in modded-nanogpt and nanochat:
     Muon's orthogonalised update suits a hidden layer's matrix, not a lookup table or an output layer. LoRA's
     adapter matrices stay with AdamW too: fine-tuning the CPU recipe's model with rank-8 adapters for 300 steps,
     AdamW reached validation loss 1.9876 (lr 3e-3; 1.9945 at 1e-3) and Muon 1.9889 (muon_lr 0.02; 2.0153 at 0.05),
     for more time a step.
+
+    A mixture of experts' stack (E, out, in) is E matrices, each orthogonalised alone as E separate layers would be;
+    its router (E, d) is a block matrix like any other, and its stacked biases (E, out) are vectors, AdamW's.
     """
     adapter_weights = {p for lora in adapters(model).values() for p in (lora.lora_A, lora.lora_B)}
+    expert_biases = {m.bias for m in model.modules() if isinstance(m, ExpertWeights) and m.bias is not None}
     matrices: dict[nn.Parameter, None] = {}  # ordered, each parameter once
     for module in model.modules():
         if isinstance(module, GPT):
             matrices.update(
                 (p, None)
                 for p in module.blocks.parameters()
-                if p.requires_grad and p.dim() == 2 and p not in adapter_weights
+                if p.requires_grad and p.dim() in (2, 3) and p not in adapter_weights | expert_biases
             )
     return list(matrices)
 
@@ -148,7 +155,7 @@ def same_shape_batches(matrices: list[Tensor]) -> list[list[int]]:
     batches: list[list[int]] = []
     shapes: dict[tuple, list[int]] = {}
     for index, matrix in enumerate(matrices):
-        if type(matrix) is not Tensor:
+        if type(matrix) is not Tensor or matrix.dim() == 3:  # an expert stack is a batch already
             batches.append([index])
         else:
             shapes.setdefault((min(matrix.shape), max(matrix.shape), matrix.dtype, matrix.device), []).append(index)
@@ -193,8 +200,8 @@ class Muon(torch.optim.Optimizer):
     bfloat16, and it ships Muon from 2.9 only."""
 
     def __init__(self, params: list[nn.Parameter], config: OptimConfig) -> None:
-        if any(p.dim() != 2 for p in params):
-            raise ValueError("Muon takes 2-D weight matrices only")
+        if any(p.dim() not in (2, 3) for p in params):
+            raise ValueError("Muon takes 2-D weight matrices and experts' 3-D stacks of them only")
         defaults = dict(
             lr=config.muon_lr,
             weight_decay=config.muon_weight_decay,
@@ -220,7 +227,7 @@ class Muon(torch.optim.Optimizer):
                 updates = [self.momentum_update(params[i], momentum, group["nesterov"]) for i in batch]
                 updates = orthogonalise_batch(updates, group["ns_steps"], dtype, group["ns_coefficients"], group["eps"])
                 for p, update in zip((params[i] for i in batch), updates):
-                    rows, cols = p.shape
+                    rows, cols = p.shape[-2:]  # each expert's matrix (out, in) where p is a stack
                     scale = (
                         0.2 * math.sqrt(max(rows, cols))
                         if group["adjust_lr_fn"] == "match_rms_adamw"
