@@ -233,7 +233,7 @@ def plan(pages: list[tuple[str, str]]) -> list[Command]:
         if argv is not None:
             _gptkit_paths(command, argv, runs)
         elif command.words[0] == "python":
-            _python_paths(command)
+            _python_paths(command, made)
         else:
             _other_program(command)
         command.inputs, command.outputs = [str(p) for p in command.inputs], [str(p) for p in command.outputs]
@@ -311,12 +311,14 @@ def _gptkit_paths(command: Command, argv: list[str], runs: dict[str, object]) ->
         command.inputs = [args.model]  # a file or directory, not a preset
 
 
-def _python_paths(command: Command) -> None:
-    """A `python ...` command: the script must exist (examples take their own options), `-c` code must compile."""
+def _python_paths(command: Command, made: set[str]) -> None:
+    """A `python ...` command: the script must exist (examples take their own options), `-c` code must compile and
+    reads the paths it quotes: a data set's, or any an earlier command made."""
     words = command.words
     if words[1] == "-c":
         compile(words[2], f"{command.where}", "exec")
-        command.inputs = re.findall(r"'(data/[\w/]+|gpt2-finetuned)'", words[2])
+        quoted = re.findall(r"'([\w][\w./-]*)'", words[2])
+        command.inputs = [q for q in quoted if q.startswith("data/") or q.rstrip("/") in made]
         return
     if words[1] == "-m":
         command.runnable = False
