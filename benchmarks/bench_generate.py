@@ -27,6 +27,13 @@ same text, and reports the draft's acceptance rate and the speed-up over plain g
     GPTKIT_CPU_KERNELS=0 .venv/bin/python benchmarks/bench_generate.py --shapes gpt2   # without gptkit's CPU kernels
     .venv/bin/python benchmarks/bench_generate.py --shapes gpt2 --batch-sizes 1,8 --spec-steps 0 \\
         --llama-cpp LLAMA_CPP/build/bin                               # docs/benchmarks.md's table
+
+The shapes llama3.2-1b, gemma3-1b and qwen3-moe (a Qwen3-MoE-shaped model of 64 experts) give the decode table
+against llama.cpp instead: gptkit models built from the presets, bf16, int8 and int4 beside llama.cpp's bf16, q8_0
+and q4_0 of the same weights, batch 1 (llama_cpp_shapes.py says how); --tiny-shapes shrinks them for a smoke run.
+
+    make llama-cpp && .venv/bin/python benchmarks/bench_generate.py --shapes llama3.2-1b,gemma3-1b,qwen3-moe \
+        --spec-steps 0 --llama-cpp .cache/llama.cpp/build/bin       # docs/benchmarks.md's decode table
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ from gptkit.loss import next_token_loss
 from gptkit.model import GPT
 from gptkit.native import library
 from gptkit.quantization import Int4Linear, Int8Linear, quantize
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_cpp_shapes  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "gptkit" / "corpora" / "tinyshakespeare.txt"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -205,30 +215,6 @@ def gptkit_generate(model: GPT, ids: torch.Tensor, compile: bool) -> Callable[[i
 # ----- llama.cpp -----
 
 
-def vocabulary_of(size: int) -> Any:
-    """A byte-level BPE tokenizer of exactly `size` tokens (the 256 bytes, merges of byte pairs, <|endoftext|> last):
-    GGUF needs one token per embedding, and the random models here have GPT-2's or Llama's vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS, EOT, BPETokenizer
-
-    symbols = [BYTE_LEVEL_SYMBOLS[b] for b in range(256)]
-    merges = [(a, b) for a in symbols for b in symbols][: size - 257]
-    vocab = {s: i for i, s in enumerate(symbols + [a + b for a, b in merges])}
-    hf = Tokenizer(models.BPE(vocab, merges))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens([EOT])
-    return BPETokenizer(hf)
-
-
-def write_gguf(model: GPT, path: Path, kind: str) -> Path:
-    """model's weights as a GGUF file of tensor type kind, by gptkit's own writer (`gptkit convert --to-gguf`)."""
-    from gptkit.formats.gguf import export_gguf
-
-    return export_gguf(model, path, vocabulary_of(model.config.vocab_size), file_type=kind)
-
-
 def llama_bench(binary: Path, gguf: Path, args: argparse.Namespace) -> dict[str, float]:
     """One llama-bench repetition (after its own warm-up): {"prefill": tokens/s, "decode": tokens/s}."""
     command = [
@@ -266,7 +252,7 @@ def compare_shape(
     ggufs = {}
     if args.llama_cpp:
         for label, model in ours.items():
-            ggufs[label] = write_gguf(model, tmp / f"{name}-{label}.gguf", GGUF_TYPES[label])
+            ggufs[label] = llama_cpp_shapes.write_gguf(model, tmp / f"{name}-{label}.gguf", GGUF_TYPES[label])
     compiled_hf = {}
     if args.hf_compile:
         # Every (batch, length) pair is a static cache of its own shape: a compile each, more than dynamo's
@@ -478,7 +464,13 @@ def print_table(rows: list[dict[str, Any]], spec_rows: list[dict[str, Any]], ban
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     csv = lambda kind: lambda s: [kind(x) for x in s.split(",")]  # noqa: E731
-    p.add_argument("--shapes", type=csv(str), default=["gpt2", "llama"], help="gpt2,llama (default: both)")
+    p.add_argument(
+        "--shapes",
+        type=csv(str),
+        default=["gpt2", "llama"],
+        help=f"gpt2,llama (default: both), or the decode table's {','.join(llama_cpp_shapes.SHAPES)}",
+    )
+    p.add_argument("--tiny-shapes", action="store_true", help="the decode table's shapes at a smoke run's size")
     p.add_argument("--dtypes", type=csv(str), default=["fp32", "bf16"], help="fp32,bf16 (default: both)")
     p.add_argument(
         "--quantized",
@@ -519,6 +511,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     args.quantized = [m for m in args.quantized if m]
+    unknown = set(args.shapes) - {"gpt2", "llama"} - set(llama_cpp_shapes.SHAPES)
+    if unknown:
+        p.error(f"unknown shape {sorted(unknown)[0]!r}: choose from gpt2, llama, {', '.join(llama_cpp_shapes.SHAPES)}")
     if args.llama_cpp and not (Path(args.llama_cpp) / "llama-bench").is_file():
         p.error(f"no llama-bench in {args.llama_cpp}; see 'Building llama.cpp' in docs/convert.md")
     return args
@@ -535,6 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, hf in hf_models(args).items():
             rows += compare_shape(name, hf, args, bandwidth, Path(tmp))
+        shape_rows = []
+        for name in args.shapes:
+            if name in llama_cpp_shapes.SHAPES:
+                shape_rows += llama_cpp_shapes.compare_shape(name, args, bandwidth, Path(tmp))
     spec_rows = speculative_section(args) if args.spec_steps > 0 else []
     if args.json:
         print(
@@ -545,13 +544,18 @@ def main(argv: list[str] | None = None) -> int:
                     "threads": torch.get_num_threads(),
                     "rows": rows,
                     "speculative": spec_rows,
+                    "llama_cpp_decode": shape_rows,
                     "timing_notes": TIMING_NOTES if args.llama_cpp else [],
                 },
                 indent=2,
             )
         )
     else:
-        print_table(rows, spec_rows, bandwidth)
+        if rows or spec_rows:
+            print_table(rows, spec_rows, bandwidth)
+        if shape_rows:
+            print(f"cpu: {library.capability()}; threads: {torch.get_num_threads()}")
+            llama_cpp_shapes.print_rows(shape_rows, bandwidth)
     return 0
 
 
