@@ -441,6 +441,18 @@ def test_the_repository_files_the_pages_name_exist():
     assert not missing, "\n".join(missing)
 
 
+def test_every_cited_spec_section_exists():
+    """Code cites the model's math as "docs/spec.md section N" (or N.M): each such section is a heading there."""
+    headings = set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", (ROOT / "docs" / "spec.md").read_text(), re.MULTILINE))
+    cited = []
+    for folder in ("gptkit", "tests", "benchmarks", "examples", "docs"):
+        for path in (ROOT / folder).rglob("*.py" if folder != "docs" else "*.md"):
+            for section in re.findall(r"spec\.md section (\d+(?:\.\d+)?)", path.read_text(errors="replace")):
+                cited.append((path.relative_to(ROOT), section))
+    assert cited and "3.2" in headings
+    assert not [c for c in cited if c[1] not in headings], [c for c in cited if c[1] not in headings]
+
+
 def test_no_file_refers_outside_the_repository():
     """A clone holds everything its files cite (issue 58): no path above the repository, no cited file outside it."""
     outside = re.compile(r"\.\./" + "shared/|SPEC" + r" section \d|SPEC" + r"\.md")  # split: this file would match
