@@ -1,42 +1,15 @@
-"""Shared fixtures: tiny configurations of every architecture variant in docs/spec.md section 1."""
+"""Fixtures and settings for every test; the helpers the tests share are in helpers.py."""
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from helpers import VARIANTS
 
 from gptkit.config import ModelConfig
 from gptkit.native import contention, library
-
-TINY = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
-
-# One entry per variant worth telling apart; together they cover every value of every enum field.
-VARIANTS: dict[str, dict] = {
-    "gpt2": dict(TINY),
-    "llama-gqa": dict(
-        TINY,
-        norm="rmsnorm",
-        position="rope",
-        activation="swiglu",
-        n_kv_head=2,
-        attn_bias=False,
-        mlp_bias=False,
-        norm_bias=False,
-        tie_embeddings=False,
-    ),
-    "original-decoder": dict(TINY, norm_position="post", position="sinusoidal", activation="relu"),
-    "gpt1-style": dict(TINY, norm_position="post", position="learned", activation="gelu"),
-    "mqa-no-position": dict(TINY, n_kv_head=1, position="none"),
-    "nanogpt-no-bias": dict(TINY, attn_bias=False, mlp_bias=False, norm_bias=False, activation="gelu"),
-    "untied-head-bias": dict(TINY, tie_embeddings=False, lm_head_bias=True, ffn_hidden=40),
-    "rmsnorm-post-rope": dict(TINY, norm="rmsnorm", norm_position="post", position="rope", rope_theta=500.0),
-}
-
 
 # The models here are tiny: one thread beats two (no thread hand-offs per small op), and the subprocesses the
 # tests start inherit the setting through the environment.
@@ -68,22 +41,22 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--device {name}: MPS is not available here")
 
 
+# pytest-timeout's limit (pyproject's `timeout`) is for a default test; a slow one may take several minutes of work.
+SLOW_TIMEOUT_S = 900
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "device" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.device)
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")
 def device(request) -> torch.device:
     """The device of --device: the CPU by default, so that CI runs every such test; a GPU when asked for."""
     return torch.device(request.config.getoption("--device"))
-
-
-def same_run(device: torch.device) -> dict[str, float]:
-    """assert_close tolerances for two runs of one computation: bit for bit on the CPU; on a GPU, whose attention
-    backward adds its partial sums in no fixed order, within float32 rounding."""
-    return dict(atol=0.0, rtol=0.0) if device.type == "cpu" else dict(atol=1e-6, rtol=1e-5)
 
 
 @pytest.fixture(params=list(VARIANTS), ids=list(VARIANTS))
@@ -101,26 +74,3 @@ def _quiet_machine(monkeypatch) -> None:
     """Kernel choices timed inside a test are kept as on a quiet machine: whether other programs share the machine
     running the suite is not what a test checks (test_cpu_kernels checks that rule with its own readings)."""
     monkeypatch.setattr(contention, "others_busy", lambda window=contention.QUIET_WINDOW_S: 0.0)
-
-
-def write_char_data_dir(path: Path, characters: int) -> Path:
-    """A char-level data directory (90/10 split) from the first `characters` characters of the bundled corpus."""
-    from gptkit.tokenizer import CharTokenizer
-
-    text = (Path(__file__).resolve().parents[1] / "gptkit" / "corpora" / "tinyshakespeare.txt").read_text()
-    text = text[:characters]
-    tokenizer = CharTokenizer.train([text])
-    ids = np.asarray(tokenizer.encode(text), dtype=np.uint16)
-    split = int(0.9 * len(ids))
-    ids[:split].tofile(path / "train.bin")
-    ids[split:].tofile(path / "val.bin")
-    tokenizer.save(path)
-    meta = {
-        "vocab_size": tokenizer.vocab_size,
-        "dtype": "uint16",
-        "train_tokens": split,
-        "val_tokens": len(ids) - split,
-        "tokenizer": "char",
-    }
-    (path / "meta.json").write_text(json.dumps(meta))
-    return path

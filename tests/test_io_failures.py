@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, write_char_data_dir
+from helpers import TINY, write_char_data_dir
 
 import gptkit.prepare.inputs as inputs
 import gptkit.prepare.sniffing as sniffing

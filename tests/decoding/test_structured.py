@@ -28,7 +28,7 @@ from gptkit.model import GPT
 from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tokenizer import ByteTokenizer, CharTokenizer
 from tests.finetune.test_finetune import chatml_dir
-from tests.test_serve_helpers import live_server
+from tests.serving.servers import live_server
 
 MODEL = "json-served"
 # Schemas whose strings, arrays and numbers are bounded: a random model ends a free string only by chance.

@@ -14,7 +14,7 @@ from gptkit.config import ModelConfig
 from gptkit.errors import GptkitError
 from gptkit.formats.hf import export_hf, gpt_from_hf_model, load_hf
 from gptkit.model import GPT
-from tests.test_hf_families import FAMILIES, LLAMA3_ROPE, assert_same_logits, make_hf
+from tests.formats.test_hf_families import FAMILIES, LLAMA3_ROPE, assert_same_logits, make_hf
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM

@@ -21,8 +21,8 @@ import yaml
 from gptkit.cli import main
 from gptkit.observe.run_reader import CONFIG_FILE, RUN_FILES, parse_records, read_config, read_from, read_run
 from gptkit.serving.watch import create_watch_app
+from tests.serving.servers import live_server
 from tests.serving.test_serve_playground import CHROMIUM, CHROMIUM_FLAGS, _need_browser
-from tests.test_serve_helpers import live_server
 
 LAYERS, HEADS, BLOCK = 2, 4, 16
 EVALUATIONS = (0, 100, 200)  # the steps the fake run evaluates at; the phase change is located at the third

@@ -7,7 +7,7 @@ import json
 
 from gptkit.serving.watch import create_watch_app
 from tests.observe.test_watch import browser, open_page, wait_for  # noqa: F401 (browser is a fixture)
-from tests.test_serve_helpers import live_server
+from tests.serving.servers import live_server
 
 
 def test_expert_load_panel(tmp_path, browser) -> None:  # noqa: F811

@@ -24,7 +24,7 @@ from gptkit.decoding.request import Request, visible_end
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.loading import load
 from gptkit.serving.server import ServeOptions, build_app
-from tests.test_serve_helpers import live_server, make_model_dir
+from tests.serving.servers import live_server, make_model_dir
 
 MODEL = "tiny-served"
 PROMPTS = ["Hello", "The cat sat", "abc", "Once upon a time", "x", "1, 2, 3,", "What is it?", "Zebra\n"]

@@ -21,7 +21,7 @@ from gptkit.serving.server import ServeOptions, build_app
 from gptkit.serving.tools import parse_calls
 from gptkit.tokenizer import ByteTokenizer
 from tests.decoding.test_structured import TOOLS, byte_model
-from tests.test_serve_helpers import live_server
+from tests.serving.servers import live_server
 
 MODEL = "api-served"
 WEATHER = TOOLS[0]["function"]["parameters"]
@@ -242,7 +242,7 @@ def test_embeddings_are_the_mean_pooled_final_states_in_both_encodings(client, s
 
 
 def test_similar_texts_embed_closer_than_unrelated_ones_on_a_trained_model():
-    from tests.test_quantize import trained
+    from tests.decoding.test_quantize import trained
 
     model, tokenizer, _ = trained.__wrapped__()
     lines = [

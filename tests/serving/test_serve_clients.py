@@ -26,7 +26,7 @@ from gptkit.serving.embeddings import embed
 from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tokenizer import ByteTokenizer
 from tests.decoding.test_structured import TOOLS, byte_model
-from tests.test_serve_helpers import live_server
+from tests.serving.servers import live_server
 
 # LiteLLM fetches a price list from the internet when imported unless told to use the copy it ships (the tests
 # reach nothing but this machine).

@@ -23,7 +23,7 @@ from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tensors import load_tensors
 from gptkit.tokenizer import ByteTokenizer
 from gptkit.weights import model_state
-from tests.test_serve_helpers import live_server
+from tests.serving.servers import live_server
 
 KEY = "secret"
 PROMPTS = ["Hello", "The cat", "abc", "Once upon"]

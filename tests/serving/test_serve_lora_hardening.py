@@ -24,8 +24,8 @@ from gptkit.errors import GptkitError
 from gptkit.formats.lora import CONFIG_FILE, WEIGHTS_FILE
 from gptkit.serving import lora_registry
 from gptkit.serving.server import ServeOptions, build_app
+from tests.serving.servers import live_server, serve_process
 from tests.serving.test_serve_lora import KEY, _base, _lora
-from tests.test_serve_helpers import live_server, serve_process
 
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3 + "Then"  # 139 bytes: two whole 64-token blocks

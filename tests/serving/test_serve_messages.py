@@ -15,8 +15,8 @@ from gptkit.serving.messages_schema import MessagesRequest, parse, to_chat
 from gptkit.serving.server import ServeOptions, build_app
 from gptkit.tokenizer import ByteTokenizer
 from tests.decoding.test_structured import byte_model
+from tests.serving.servers import live_server
 from tests.serving.test_serve_clients import WEATHER_TOOL, check_weather_call, prompt_tokens
-from tests.test_serve_helpers import live_server
 
 anthropic = pytest.importorskip("anthropic")
 

@@ -16,7 +16,7 @@ import torch
 
 from gptkit.observe.measures import chance_induction_score, induction_scores, logit_lens
 from gptkit.serving.server import ServeOptions, build_app
-from tests.test_serve_helpers import live_server, make_model_dir
+from tests.serving.servers import live_server, make_model_dir
 
 TEXT = "Hello there, general Kenobi"
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VARIANTS
+from helpers import VARIANTS
 
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import generate_ids
@@ -332,7 +332,7 @@ WIDER_THAN_AVX2 = cpu.isa_level() is not None and cpu.isa_level()[0] != "avx2"
 def test_the_avx2_variant_computes_the_same_on_a_wider_cpu():
     """An AVX-512 machine builds and runs the AVX2 variant too ($GPTKIT_CPU_ISA): the code an AVX2-only CPU runs
     (8-lane vectors, vpmaddubsw in place of VNNI, widened bf16) passes the same product and fused-step tests."""
-    tests = Path(__file__).parent
+    tests = Path(__file__).parents[1]
     env = {**os.environ, cpu.ISA_VARIABLE: "avx2"}
     done = subprocess.run(
         [
@@ -342,8 +342,8 @@ def test_the_avx2_variant_computes_the_same_on_a_wider_cpu():
             "-q",
             "-p",
             "no:cacheprovider",
-            str(tests / "test_cpu_kernels.py"),
-            str(tests / "test_fused.py"),
+            str(tests / "native" / "test_cpu_kernels.py"),
+            str(tests / "decoding" / "test_fused.py"),
             "-k",
             "gemv or fused_step_gives or every_weight_and_cache or long_positions",
         ],

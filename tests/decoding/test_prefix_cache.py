@@ -211,9 +211,9 @@ def test_sizes_read_from_flags():
 
 def test_the_server_reports_its_cache_and_finds_it_again_after_a_restart(tmp_path):
     from fastapi.testclient import TestClient
-    from test_serve_helpers import make_model_dir
 
     from gptkit.serving.server import ServeOptions, build_app
+    from tests.serving.servers import make_model_dir
 
     model_dir = make_model_dir(tmp_path / "model", block_size=256)
     options = ServeOptions(cache_ram=1 << 28, cache_dir=str(tmp_path / "kv"), allowed_host=("testserver",))

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from test_prefix_cache import GPT2, LLAMA, answer, engine_for, make_model, prompt, request, run
 
 from gptkit.decoding.kv_dir import MARKER
 from gptkit.decoding.kv_store import KVStore, checksum
@@ -20,6 +19,7 @@ from gptkit.decoding.step import PREFILL_CHUNK
 from gptkit.errors import GptkitError
 from gptkit.native import library
 from gptkit.tensors import save_tensors
+from tests.decoding.test_prefix_cache import GPT2, LLAMA, answer, engine_for, make_model, prompt, request, run
 
 
 @pytest.fixture(autouse=True)
@@ -92,9 +92,9 @@ def test_a_directory_holding_other_files_is_refused_and_left_as_it_was(tmp_path,
 
 def test_serve_refuses_a_models_folder_as_cache_dir_and_deletes_nothing(tmp_path, monkeypatch, capsys):
     import uvicorn
-    from test_serve_helpers import make_model_dir
 
     from gptkit.cli import main
+    from tests.serving.servers import make_model_dir
 
     model_dir = make_model_dir(tmp_path / "model")
     models = tmp_path / "models"
@@ -232,9 +232,9 @@ def test_a_block_with_a_matching_checksum_but_the_wrong_contents_is_a_miss(tmp_p
 
 def test_a_poisoned_block_does_not_reach_a_restarted_servers_answers(tmp_path):
     from fastapi.testclient import TestClient
-    from test_serve_helpers import make_model_dir
 
     from gptkit.serving.server import ServeOptions, build_app
+    from tests.serving.servers import make_model_dir
 
     model_dir = make_model_dir(tmp_path / "model", block_size=256)
     options = ServeOptions(cache_ram=1 << 28, cache_dir=str(tmp_path / "kv"), allowed_host=("testserver",))

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import TINY, VARIANTS
+from helpers import TINY, VARIANTS
 from torch import nn
 
 from gptkit.adapters import add_lora

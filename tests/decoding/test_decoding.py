@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from conftest import VARIANTS
 from fastapi.testclient import TestClient
+from helpers import VARIANTS
 
 from gptkit.cli import main
 from gptkit.config import ModelConfig

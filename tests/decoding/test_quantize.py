@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VARIANTS
+from helpers import VARIANTS
 
 import gptkit.formats.quantized as fq
 import gptkit.quantization as q
@@ -25,7 +25,7 @@ from gptkit.model import GPT
 from gptkit.tensors import ModelDirError
 from gptkit.tokenizer import CharTokenizer
 
-CORPUS = Path(__file__).resolve().parents[1] / "gptkit" / "corpora" / "tinyshakespeare.txt"
+CORPUS = Path(__file__).resolve().parents[2] / "gptkit" / "corpora" / "tinyshakespeare.txt"
 
 
 @pytest.fixture(scope="module")
