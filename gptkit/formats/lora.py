@@ -158,11 +158,16 @@ def write_lora_dir(
 def with_precision(model: nn.Module, precision: str) -> nn.Module:
     """The frozen base in the precision its adapters train over: float32, or the blocks' linear weights stored in
     bfloat16 or int8 (weight-only) and multiplied in float32; embeddings, norms and the head stay float (the fused
-    loss reads the head's weight, and they are a small part of the weights)."""
+    loss reads the head's weight, and they are a small part of the weights), as do a mixture of experts' stacks
+    (E, out, in), which neither form holds yet."""
+    from gptkit.moe import ExpertWeights
     from gptkit.quantization import Bfloat16Linear, quantize
 
+    def stored(name: str, layer: nn.Module) -> nn.Module:
+        return layer if isinstance(layer, ExpertWeights) else Bfloat16Linear(layer)
+
     if precision == "bfloat16":
-        wrap_block_layers(model, TARGETS["all"], lambda name, layer: Bfloat16Linear(layer))
+        wrap_block_layers(model, TARGETS["all"], stored)
         return model
     if precision == "int8":
         return quantize(model, "int8", include_head=False)
