@@ -138,6 +138,7 @@ def _merge(source: Path, out: Path, dtype: object) -> int:
 
 def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
     from gptkit.formats.gguf import export_gguf
+    from gptkit.formats.gguf.vocab import tokenizer_vocab
     from gptkit.loading import load
 
     if not source.is_dir():
@@ -152,9 +153,11 @@ def _to_gguf(source: Path, out: Path, file_type: str, force: bool) -> int:
         export_gguf(model, out, tokenizer, file_type, chat_template=template.jinja, name=source.resolve().name)
     config = model.config
     params = sum(p.numel() for p in model.parameters())
+    vocab = tokenizer_vocab(tokenizer)  # the file's tokens: a char tokenizer's gains an end-of-text token
+    added = f" ({config.vocab_size} + {', '.join(vocab.tokens[-vocab.added :])})" if vocab.added else ""
     print(
         f"{source} -> {out}: GGUF {file_type}, {config.n_layer} layers, width {config.n_embd}, vocab "
-        f"{config.vocab_size}, {params:,} parameters, {out.stat().st_size / 2**20:.1f} MiB"
+        f"{len(vocab.tokens)}{added}, {params:,} parameters, {out.stat().st_size / 2**20:.1f} MiB"
     )
     return 0
 

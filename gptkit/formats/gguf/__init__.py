@@ -22,7 +22,8 @@ so that its logit is 0 and the model's own tokens keep their logits. Reading acc
 architectures with any tensor type the `gguf` package can dequantise.
 
 GELU: every llama.cpp architecture computes it as the tanh approximation (ggml_gelu, whatever the architecture;
-its exact erf form, ggml_gelu_erf, serves only the multimodal encoders), so a model with exact GELU is refused.
+its exact erf form, ggml_gelu_erf, serves only the multimodal encoders), so a model with exact GELU is written with
+the change in its logits measured and stated, or refused when that change is large (gelu.py).
 
 Q4_0 is gptkit's int4 (gptkit.quantization.Int4Linear holds the same blocks): writing an int4 model as q4_0 repacks
 its bits, and reading a Q4_0 file keeps every layer whose weights are all Q4_0 as an Int4Linear (decoded by

@@ -3,6 +3,7 @@ hyperparameters, tokenizer and chat template."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from gptkit.atomic import atomic_write
 from gptkit.config import ModelConfig
 from gptkit.formats.gguf.archs import Arch, rope_rows, router_names, split_tensors, tensor_names
+from gptkit.formats.gguf.gelu import MAX_CHANGE, PROBE_LENGTH, PROBE_ROWS, tanh_gelu_change
 from gptkit.formats.gguf.header import gguf_package
 from gptkit.formats.gguf.hparams import FLOAT_KEYS, architecture, config_keys, rope_divisors
 from gptkit.formats.gguf.q4_0 import q4_0_blocks
@@ -22,6 +24,7 @@ from gptkit.quantization import Int4Linear, dequantized_state, is_quantized, qua
 from gptkit.tokenizer import Tokenizer
 from gptkit.weights import real_vocab_state
 
+logger = logging.getLogger(__name__)
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 LLAMA_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 EMBEDDINGS = ("token_embd.weight", "position_embd.weight")
@@ -115,6 +118,8 @@ def export_gguf(
             f"the tokenizer has {len(tokens) - vocab.added} tokens and the model {config.vocab_size} "
             "embeddings; llama.cpp needs one token per embedding"
         )
+    if config.activation == "gelu":
+        _check_tanh_gelu(model)
     tensors = gguf_tensors(model, q4_blocks=file_type == "q4_0", added_tokens=vocab.added)
     path = Path(path)
 
@@ -167,6 +172,25 @@ def _add_key(gguf: Any, writer: Any, key: str, value: Any) -> None:
         writer.add_key_value(key, float(value), kinds.FLOAT32)
     else:
         writer.add_key_value(key, int(value), kinds.UINT32)
+
+
+def _check_tanh_gelu(model: GPT) -> None:
+    """Warn how much an exact-GELU model's logits change as llama.cpp computes it (tanh GELU); refuse past
+    MAX_CHANGE."""
+    change = tanh_gelu_change(model)
+    if change > MAX_CHANGE:
+        raise GGUFError(
+            f"activation 'gelu' cannot be written as GGUF: llama.cpp computes GELU as its tanh approximation, which "
+            f"changes this model's logits by up to {change:.3g} (more than {MAX_CHANGE}); train with "
+            "--model.activation gelu_tanh to export to llama.cpp"
+        )
+    logger.warning(
+        "exact GELU written as llama.cpp's tanh approximation (the only GELU it computes): on %d x %d random tokens "
+        "this model's logits change by at most %.2g",
+        PROBE_ROWS,
+        min(model.config.block_size, PROBE_LENGTH),
+        change,
+    )
 
 
 def _encoded(gguf: Any, array: np.ndarray, file_type: str) -> tuple[np.ndarray, Any]:
