@@ -64,6 +64,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"model": args.model, **plan.to_dict()}, indent=2))
         return 0
     m = plan.memory
+    budget = (
+        f"a budget of {_si(plan.budget_flops, 'FLOP')} is best spent on {_si(plan.budget_optimal_params)} parameters "
+        f"x {_si(plan.budget_optimal_tokens)} tokens (C = 6ND, D = 20N)"
+    )
+    if settings.budget is not None:  # the question asked: its answer first
+        print(budget)
     print(f"{args.model}: {plan.params:,} parameters ({_si(plan.params)})")
     print(
         f"training: {plan.tokens:,} tokens ({plan.tokens_source}), {plan.steps:,} steps of {plan.batch_size} x "
@@ -71,10 +77,8 @@ def run(args: argparse.Namespace) -> int:
         f"(6ND alone: {_si(plan.training_flops_6nd, 'FLOP')})"
     )
     print(f"compute-optimal (Chinchilla, 20 tokens per parameter): {plan.compute_optimal_tokens:,} tokens")
-    print(
-        f"a budget of {_si(plan.budget_flops, 'FLOP')} is best spent on {_si(plan.budget_optimal_params)} parameters "
-        f"x {_si(plan.budget_optimal_tokens)} tokens (C = 6ND, D = 20N)"
-    )
+    if settings.budget is None:
+        print(budget)
     muon = settings.optimizer == "muon"
     print(f"memory per device ({settings.dtype}, {'Muon + AdamW' if muon else 'AdamW'}):")
     rows = [
