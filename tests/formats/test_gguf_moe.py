@@ -268,3 +268,26 @@ def test_a_dense_layer_among_expert_layers_is_refused_by_its_tensor(tmp_path):
     dense = {"blk.1.ffn_down.weight": np.zeros((64, 64)), "blk.1.ffn_gate.weight": np.zeros((64, 64))}
     with pytest.raises(GGUFError, match=r"holds tensor blk\.1\.ffn_down\.weight, which gptkit does not map"):
         load_gguf(rewritten(path, tmp_path / "x.gguf", None, dense))
+
+
+def test_gptkit_convert_takes_an_moe_model_to_gguf_and_back(tmp_path, capsys):
+    from gptkit.cli import main
+    from gptkit.formats.modeldir import save_model_dir
+    from gptkit.loading import load
+
+    model = random_model(CONFIGS["qwen2moe"])
+    source = save_model_dir(model, tmp_path / "model", tokenizer=ByteTokenizer())
+    out = tmp_path / "m.gguf"
+    assert main(["convert", "--to-gguf", str(source), "--out", str(out), "--type", "f32"]) == 0
+    assert main(["convert", "--from-gguf", str(out), "--out", str(tmp_path / "back")]) == 0
+    back, _ = load(tmp_path / "back")
+    ids = torch.randint(0, 257, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(back(ids), model(ids))
+    assert back.config.moe_shared_hidden == 96 and back.config.n_experts == 4
+    dense_layer = random_model({**CONFIGS["olmoe"], "moe_layer_step": 2})
+    changed = save_model_dir(dense_layer, tmp_path / "dense-layer", tokenizer=ByteTokenizer())
+    capsys.readouterr()
+    assert main(["convert", "--to-gguf", str(changed), "--out", str(tmp_path / "x.gguf")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (earlier lines: the kernel timings' log, if any)
+    assert "moe_layer_step 2 cannot be written as GGUF" in last and not (tmp_path / "x.gguf").exists()
