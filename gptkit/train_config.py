@@ -31,7 +31,7 @@ S = TypeVar("S", bound=PartSettings)
 class OptimConfig:
     """The optimiser (AdamW, or Muon on the blocks' matrices beside AdamW) and its learning-rate schedule."""
 
-    name: OptimizerName = "adamw"  # muon: Muon on the blocks' 2-D weights, AdamW (the settings below) on the rest
+    name: OptimizerName = "adamw"  # muon: Muon on the blocks' 2-D weights (each expert's too), AdamW on the rest
     lr: float = 6e-4  # AdamW's peak learning rate, reached after warm-up
     min_lr: float = 6e-5  # where cosine and wsd end (muon's group ends at muon_lr x min_lr / lr)
     warmup_steps: int = 100  # linear warm-up from lr/(warmup_steps+1)

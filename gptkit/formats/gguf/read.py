@@ -1,5 +1,5 @@
-"""A GGUF file of llama.cpp's gpt2 or llama architecture read as a gptkit model and tokenizer, refusing any tensor
-or metadata key it does not map."""
+"""A GGUF file of one of the llama.cpp architectures gptkit maps (archs.ARCHS) read as a gptkit model and tokenizer,
+refusing any tensor or metadata key it does not map."""
 
 from __future__ import annotations
 
