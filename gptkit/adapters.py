@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.moe import ExpertWeights
 from gptkit.settings import check_range
 
 # Which block layers each target name adapts (paths inside a gptkit Block).
@@ -101,6 +100,8 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets:
 def check_expert_targets(model: nn.Module, paths: tuple[str, ...], targets: str) -> None:
     """Refuse targets that reach a mixture of experts' expert weights: LoRA adapts one matrix per layer, and an
     expert layer holds E of them (E, out, in) (LoRA on experts is not built yet; the attention layers adapt alike)."""
+    from gptkit.moe import ExpertWeights  # here, not above: the optimiser imports this module without the model
+
     for index, block in enumerate(unwrap_model(model).blocks):
         for path in paths:
             parent_path, _, attribute = path.rpartition(".")

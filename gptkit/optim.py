@@ -1,4 +1,7 @@
-"""The optimiser a run trains with (AdamW, or Muon on the blocks' matrices beside AdamW) and its lr schedule."""
+"""The optimiser a run trains with (AdamW, or Muon on the blocks' matrices beside AdamW) and its lr schedule.
+
+The model's classes and the CPU's flags are imported by the functions that look for them, so that importing the
+optimiser and its schedule loads neither the model nor gptkit's native kernels beneath it."""
 
 from __future__ import annotations
 
@@ -11,9 +14,6 @@ import torch
 from torch import Tensor, nn
 
 from gptkit.adapters import adapters
-from gptkit.model import GPT
-from gptkit.moe import ExpertWeights
-from gptkit.native import cpu
 from gptkit.train_config import OptimConfig
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ GRAM_ROUNDS = 5
 def param_groups(model: nn.Module, weight_decay: float, exclude: set[nn.Parameter] = frozenset()) -> list[dict]:
     """Two AdamW groups: matrices (linear weights, embeddings, expert stacks) decay; vectors (biases, norm gains, and
     experts' stacked biases (E, out)) do not."""
+    from gptkit.moe import ExpertWeights
+
     params = [p for p in model.parameters() if p.requires_grad and p not in exclude]  # a tied weight comes once
     vectors = {m.bias for m in model.modules() if isinstance(m, ExpertWeights) and m.bias is not None}
     decay = [p for p in params if p.dim() >= 2 and p not in vectors]
@@ -55,6 +57,9 @@ def block_matrices(model: nn.Module) -> list[nn.Parameter]:
     A mixture of experts' stack (E, out, in) is E matrices, each orthogonalised alone as E separate layers would be;
     its router (E, d) is a block matrix like any other, and its stacked biases (E, out) are vectors, AdamW's.
     """
+    from gptkit.model import GPT
+    from gptkit.moe import ExpertWeights
+
     adapter_weights = {p for lora in adapters(model).values() for p in (lora.lora_A, lora.lora_B)}
     expert_biases = {m.bias for m in model.modules() if isinstance(m, ExpertWeights) and m.bias is not None}
     matrices: dict[nn.Parameter, None] = {}  # ordered, each parameter once
@@ -189,9 +194,11 @@ def newton_schulz_dtype(device: torch.device) -> str:
     took 1.32 ms in bf16 and 1.88 in fp32, 384 x 128 1.16 and 1.79. A rule of the hardware rather than a timing, so
     that every process of a run (every rank of a DDP or FSDP job) chooses alike.
     """
+    from gptkit.native.cpu import cpu_flags
+
     if device.type != "cpu":
         return "bfloat16"
-    return "bfloat16" if cpu.cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
+    return "bfloat16" if cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
 class Muon(torch.optim.Optimizer):
