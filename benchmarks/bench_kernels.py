@@ -14,6 +14,16 @@ the int4 kernel rather than using PyTorch's: the ratio column is PyTorch's time 
 
     .venv/bin/python benchmarks/bench_kernels.py
     .venv/bin/python benchmarks/bench_kernels.py --rows 1 --rounds 3 --json
+
+--shapes qwen3-moe times whole decode steps of a Qwen3-MoE-shaped model of random weights instead (issue 55: 16
+layers, 64 experts of hidden 256, top 8, 1024 wide; --quick: 2 layers, 256 wide, of 16 experts), fused and eager, at batch 1
+in fp32 and bf16 (the fused step where this machine chose it; GPTKIT_CPU_KERNELS=1 takes it without timing it
+first): tokens/s, the weight bytes a token reads (gptkit.accounting.decode_weight_bytes: the routed
+experts only), the rate they stream at, and its share of this machine's read bandwidth (the best of a few passes
+summing a 1 GiB array), which bounds a memory-bound step:
+
+    .venv/bin/python benchmarks/bench_kernels.py --shapes qwen3-moe
+    .venv/bin/python benchmarks/bench_kernels.py --shapes qwen3-moe --quick --json
 """
 
 from __future__ import annotations
@@ -28,6 +38,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from gptkit.accounting import decode_weight_bytes
+from gptkit.config import ModelConfig
+from gptkit.decoding import fused
+from gptkit.decoding.step import decode_one_token, inference
+from gptkit.kv_cache import KVCache
+from gptkit.model import GPT
 from gptkit.native import library, ops
 from gptkit.quantization import group_q4, quantize_q4
 
@@ -120,12 +136,83 @@ def measure(rows_list: list[int], rounds: int, calls: int) -> list[dict]:
     return results
 
 
+# Qwen3-MoE's layout (q/k norms, 128-wide heads, SwiGLU experts, top-k renormalised) at the issue's CPU size.
+QWEN3_MOE = dict(
+    vocab_size=32768,
+    block_size=512,
+    n_layer=16,
+    n_head=8,
+    n_kv_head=4,
+    n_embd=1024,
+    head_dim=128,
+    norm="rmsnorm",
+    position="rope",
+    activation="swiglu",
+    attn_bias=False,
+    mlp_bias=False,
+    norm_bias=False,
+    tie_embeddings=False,
+    qk_norm=True,
+    n_experts=64,
+    n_experts_per_token=8,
+    moe_ffn_hidden=256,
+)
+QUICK = dict(
+    n_layer=2, n_embd=256, n_head=4, n_kv_head=2, head_dim=64, n_experts=16, moe_ffn_hidden=64, vocab_size=4096
+)
+
+
+def read_bandwidth(megabytes: int, rounds: int = 5) -> float:
+    """Bytes per second this machine reads: the best of a few passes summing an fp32 array of that size."""
+    x = torch.ones(megabytes * (1 << 20) // 4)
+    best = min(best_time([x.sum], 1) for _ in range(rounds))
+    return x.numel() * 4 / best
+
+
+def moe_steps(quick: bool, steps: int) -> list[dict]:
+    """Fused and eager decode steps of the Qwen3-MoE-shaped model at batch 1, in fp32 and bf16."""
+    config = ModelConfig(**dict(QWEN3_MOE, **(QUICK if quick else {})))
+    bandwidth = read_bandwidth(64 if quick else 1024)
+    results = []
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        torch.manual_seed(0)
+        model = GPT(config).eval().to(dtype)
+        fused_step = fused.step_for(model)
+        ways = {"fused": fused_step, "eager": decode_one_token} if fused_step else {"eager": decode_one_token}
+        nbytes = decode_weight_bytes(config, size)
+        for way, step in ways.items():
+            cache = KVCache(config, 1, config.block_size, dtype=dtype)
+            tokens = torch.zeros(1, 1, dtype=torch.long)
+            with inference(model):
+                step(model, tokens, cache, 0)  # warm-up: page faults, the plan's buffers
+                start = time.perf_counter()
+                for position in range(1, steps + 1):
+                    tokens = step(model, tokens, cache, position).argmax(-1, keepdim=True)  # (1, 1): greedy
+                seconds = (time.perf_counter() - start) / steps
+            rate = nbytes / seconds
+            results.append(
+                {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "step": way,
+                    "tokens_s": 1 / seconds,
+                    "weight_bytes_per_token": nbytes,
+                    "gb_s": rate / 1e9,
+                    "bandwidth_gb_s": bandwidth / 1e9,
+                    "share_of_bound": rate / bandwidth,
+                }
+            )
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8", help="comma-separated activation row counts (1 to 8)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; each side scored by its best")
     p.add_argument("--calls", type=int, default=20, help="passes over the five products per round")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--shapes", choices=("gpt2", "qwen3-moe"), default="gpt2", help="products, or MoE decode steps")
+    p.add_argument("--quick", action="store_true", help="qwen3-moe: a 2-layer model of 16 experts (a smoke run)")
+    p.add_argument("--steps", type=int, default=32, help="qwen3-moe: decode steps timed per way")
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     if not all(1 <= r <= ops.GEMV_MAX_ROWS for r in rows) or args.rounds < 1 or args.calls < 1:
@@ -137,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if not library.load():
         print("bench_kernels: gptkit's CPU kernels are not built on this machine (see gptkit/native)", file=sys.stderr)
         return 1
+    if args.shapes == "qwen3-moe":
+        return report_moe(moe_steps(args.quick, args.steps), args.json)
     results = measure(rows, args.rounds, args.calls)
     if args.json:
         print(json.dumps({"cpu": library.capability(), "threads": torch.get_num_threads(), "results": results}))
@@ -148,6 +237,22 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['rows']:4d} {r['format']:6} {r['torch']['us']:9.0f} {r['torch']['gb_s']:6.1f} "
             f"{r['gptkit']['us']:9.0f} {r['gptkit']['gb_s']:6.1f} {r['ratio']:11.2f}x"
         )
+    return 0
+
+
+def report_moe(results: list[dict], as_json: bool) -> int:
+    """Print the MoE decode steps' figures (a table, or one JSON object)."""
+    if as_json:
+        print(json.dumps({"cpu": library.capability(), "threads": torch.get_num_threads(), "results": results}))
+        return 0
+    print(f"cpu: {library.capability()}; threads: {torch.get_num_threads()}")
+    print(f"{'dtype':9} {'step':6} {'tokens/s':>9} {'MB/token':>9} {'GB/s':>6} {'of bound':>8}")
+    for r in results:
+        print(
+            f"{r['dtype']:9} {r['step']:6} {r['tokens_s']:9.1f} {r['weight_bytes_per_token'] / 1e6:9.1f} "
+            f"{r['gb_s']:6.1f} {100 * r['share_of_bound']:7.0f}%"
+        )
+    print(f"read bandwidth: {results[0]['bandwidth_gb_s']:.1f} GB/s")
     return 0
 
 

@@ -121,6 +121,12 @@ def matmul_params(config: ModelConfig) -> int:
     return parts.total - lookup_only
 
 
+def decode_weight_bytes(config: ModelConfig, bytes_per_weight: float) -> float:
+    """The weight bytes one decoded token reads at batch 1, at bytes_per_weight: each parameter it multiplies by,
+    once (matmul_params less the experts its routers did not choose); the rows it looks up left out."""
+    return (matmul_params(config) - inactive_params(config)) * bytes_per_weight
+
+
 def forward_flops_per_token(config: ModelConfig, context: int | None = None) -> int:
     """FLOPs of one forward pass per token: 2 N plus 4 L T d for QK^T and AV (PaLM, Chowdhery et al. 2022, app. B),
     with min(T, W) in place of T for a layer with sliding window W.

@@ -379,5 +379,11 @@ def quantize(model: GPT, method: str = "int8", include_head: bool = True) -> GPT
     base = getattr(model, "_orig_mod", model)
     if is_quantized(base):
         raise ConfigError("this model is already quantised")
+    if base.config.n_experts is not None:
+        # Quantising only the router and attention would leave most of its weights (the expert stacks) in float.
+        raise ConfigError(
+            f"{method} quantisation does not cover a mixture of experts yet (its (E, out, in) expert stacks have no "
+            "quantised form); decode it in float32 or bfloat16"
+        )
     swap_linears(base if include_head else base.blocks, Int8Linear.from_linear if method == "int8" else int4_or_int8)
     return model.eval()

@@ -23,6 +23,24 @@ struct CacheView {  // one layer's keys or values: element (b, g, s, i) at data 
   int64_t slots;  // positions held: max_len, or a windowed layer's ring (position p in slot p mod slots)
 };
 
+// The cache's kind from its keys' type (an int8 cache needs its scales).
+inline int64_t kind(const at::Tensor& keys, bool scaled) {
+  const int64_t cache = keys.scalar_type() == at::kFloat      ? kCacheF32
+                        : keys.scalar_type() == at::kBFloat16 ? kCacheBF16
+                                                              : kCacheI8;
+  TORCH_CHECK(cache != kCacheI8 || (keys.scalar_type() == at::kChar && scaled),
+              "DecodeStep: an int8 cache needs its scales");
+  return cache;
+}
+
+// That layer l's cache of `slots` positions holds the positions up to longest - 1: a full layer every one, a ring of
+// its window (window > 0, no spare slot) any.
+inline void check_slots(int64_t slots, int64_t window, int64_t longest, int64_t l) {
+  TORCH_CHECK(longest <= slots || (window > 0 && slots >= window), "DecodeStep: position ", longest - 1,
+              " outside the cache of layer ", l);
+  TORCH_CHECK(window == 0 || slots <= window, "DecodeStep: a ring of more slots than its window (spare)");
+}
+
 inline CacheView view(const at::Tensor& t, const at::Tensor* scales, int64_t cache) {
   TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "DecodeStep: cache tensors (B, KV, S, head_dim) expected");
   CacheView v{t.data_ptr(), nullptr, t.stride(0), t.stride(1), t.stride(2), 0, 0, 0, t.size(2)};

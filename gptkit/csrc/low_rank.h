@@ -4,6 +4,8 @@
 // outputs it computed. A row's result depends on its own adapter only, never on the rows beside it.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -17,6 +19,18 @@ struct Update {  // one layer's update under one adapter: A (rank, K) and B (N, 
   int64_t rank = 0;
   float scale = 0.0f;
 };
+
+// A layer's update from its A (rank, K) and B (N, rank) (contiguous fp32, kept alive in kept) and scale.
+inline Update update(const at::Tensor& a, const at::Tensor& b, const gk::Weight& w, float scale,
+                     std::vector<at::Tensor>& kept) {
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.is_contiguous() &&
+                  b.is_contiguous() && a.dim() == 2 && b.dim() == 2 && a.size(1) == w.K && b.size(0) == w.N &&
+                  a.size(0) == b.size(1) && a.size(0) >= 1,
+              "DecodeStep: an adapter's A (rank, in) and B (out, rank) must be contiguous fp32 for its layer");
+  kept.push_back(a);
+  kept.push_back(b);
+  return {a.data_ptr<float>(), b.data_ptr<float>(), a.size(0), scale};
+}
 
 // Every adapter's updates by adapter number (1, 2, ...; 0 is the base alone) and layer index.
 class Adapters {

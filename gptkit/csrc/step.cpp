@@ -30,6 +30,7 @@
 
 #include "kernels.h"
 #include "low_rank.h"
+#include "moe_step.h"
 #include "weights.h"
 #include "kv_rows.h"
 #include "step_layout.h"
@@ -38,9 +39,6 @@
 namespace {
 
 using kvrows::CacheView;
-using kvrows::kCacheBF16;
-using kvrows::kCacheF32;
-using kvrows::kCacheI8;
 using namespace layout;
 
 class DecodeStep : public torch::CustomClassHolder {
@@ -59,9 +57,14 @@ class DecodeStep : public torch::CustomClassHolder {
     logit_softcap_ = float(numbers[kLogitSoftcap]);
     // The residual add straight from the products (accumulate) where nothing comes between: pre-norm, unscaled.
     direct_ = norm_position_ == kPre && residual_scale_ == 1.0f;
-    TORCH_CHECK(int64_t(settings.size()) == kSettings + L_, "DecodeStep: one window per layer expected");
-    TORCH_CHECK(int64_t(tensors.size()) == 2 + kLayerTensors * L_ + 7, "DecodeStep: ", tensors.size(), " tensors for ",
-                L_, " layers");
+    TORCH_CHECK(int64_t(settings.size()) == kSettings + 3 * L_,
+                "DecodeStep: a window, a hidden size and a kind of feed-forward per layer expected");
+    const int64_t* moe = settings.data() + kSettings + 2 * L_;
+    const int64_t moe_layers = std::count(moe, moe + L_, 1);
+    TORCH_CHECK(int64_t(tensors.size()) == 2 + kLayerTensors * L_ + 7 + kMoeTensors * moe_layers, "DecodeStep: ",
+                tensors.size(), " tensors for ", L_, " layers");
+    experts_.configure(settings[kExperts], settings[kExpertsPerToken], settings[kRenormalize] != 0,
+                       settings[kExpertHidden], act_, D_, logits_bf16_);
     size_t i = 0;
     tok_emb_ = tensors[i++];
     pos_emb_ = tensors[i++];
@@ -75,8 +78,14 @@ class DecodeStep : public torch::CustomClassHolder {
       layer.proj = weights::weight(tensors, i, D_, H_ * HD_, keep_);
       layer.norm2_w = weights::vector(tensors[i++], keep_);
       layer.norm2_b = weights::vector(tensors[i++], keep_);
-      layer.fc = weights::weight(tensors, i, gated() ? 2 * F_ : F_, D_, keep_);
-      layer.down = weights::weight(tensors, i, D_, F_, keep_);
+      layer.hidden = settings[kSettings + L_ + l];
+      layer.moe = moe[l] != 0;
+      if (layer.hidden) {
+        layer.fc = weights::weight(tensors, i, gated() ? 2 * layer.hidden : layer.hidden, D_, keep_);
+        layer.down = weights::weight(tensors, i, D_, layer.hidden, keep_);
+      } else {
+        i += 6;  // a MoE layer without a shared expert
+      }
       layer.post1_w = weights::vector(tensors[i++], keep_);
       layer.post1_b = weights::vector(tensors[i++], keep_);
       layer.post2_w = weights::vector(tensors[i++], keep_);
@@ -89,8 +98,14 @@ class DecodeStep : public torch::CustomClassHolder {
     normf_w_ = weights::vector(tensors[i++], keep_);
     normf_b_ = weights::vector(tensors[i++], keep_);
     head_ = weights::weight(tensors, i, V_, D_, keep_);
-    rope_tables(tensors[i], tensors[i + 1]);
-    max_k_ = std::max({D_, F_, H_ * HD_});
+    if (position_ == kRope) rope_tables(layers_, tensors[i], tensors[i + 1], rotary_, keep_);
+    i += 2;
+    max_hidden_ = 0;
+    for (Layer& layer : layers_) {
+      max_hidden_ = std::max(max_hidden_, layer.hidden);
+      if (layer.moe) layer.experts = experts_.layer_weights(tensors, i, keep_);
+    }
+    max_k_ = std::max({D_, max_hidden_, H_ * HD_});
     TORCH_CHECK(HD_ <= 512 && rotary_ <= HD_ && rotary_ % 2 == 0 && H_ % KV_ == 0,
                 "DecodeStep: heads of up to 512 values and an even rotary width expected");
   }
@@ -104,12 +119,7 @@ class DecodeStep : public torch::CustomClassHolder {
                     positions.is_contiguous(),
                 "DecodeStep: int64 tokens and positions expected");
     TORCH_CHECK(int64_t(keys.size()) == L_ && int64_t(values.size()) == L_, "DecodeStep: a cache of ", L_, " layers");
-    const bool scaled = !key_scales.empty();
-    const int64_t cache = keys[0].scalar_type() == at::kFloat ? kCacheF32
-                          : keys[0].scalar_type() == at::kBFloat16 ? kCacheBF16
-                                                                   : kCacheI8;
-    TORCH_CHECK(cache != kCacheI8 || (keys[0].scalar_type() == at::kChar && scaled),
-                "DecodeStep: an int8 cache needs its scales");
+    const int64_t cache = kvrows::kind(keys[0], !key_scales.empty());
     TORCH_CHECK(keys[0].size(0) >= B && keys[0].size(1) == KV_ && keys[0].size(3) == HD_,
                 "DecodeStep: the cache does not fit this model and batch");
     const int64_t* tok = tokens.data_ptr<int64_t>();
@@ -121,16 +131,11 @@ class DecodeStep : public torch::CustomClassHolder {
       TORCH_CHECK(position_ != kLearned || pos[b] < pos_emb_.size(0), "DecodeStep: position past block_size");
       longest = std::max(longest, pos[b] + 1);
     }
-    for (int64_t l = 0; l < L_; ++l) {  // a full layer holds every position; a ring of W slots any
-      const int64_t slots = keys[l].size(2), window = layers_[l].window;
-      TORCH_CHECK(longest <= slots || (window > 0 && slots >= window), "DecodeStep: position ", longest - 1,
-                  " outside the cache of layer ", l);
-      TORCH_CHECK(window == 0 || slots <= window, "DecodeStep: a ring of more slots than its window (spare)");
-    }
     std::vector<CacheView> kv(2 * L_);
     for (int64_t l = 0; l < L_; ++l) {
-      kv[l] = kvrows::view(keys[l], scaled ? &key_scales[l] : nullptr, cache);
-      kv[L_ + l] = kvrows::view(values[l], scaled ? &value_scales[l] : nullptr, cache);
+      kvrows::check_slots(keys[l].size(2), layers_[l].window, longest, l);
+      kv[l] = kvrows::view(keys[l], key_scales.empty() ? nullptr : &key_scales[l], cache);
+      kv[L_ + l] = kvrows::view(values[l], value_scales.empty() ? nullptr : &value_scales[l], cache);
     }
     choose_adapters(adapters, B);
     const int T = at::get_num_threads();
@@ -177,45 +182,13 @@ class DecodeStep : public torch::CustomClassHolder {
                             : i % kAdapted == kProj ? layer.proj
                             : i % kAdapted == kFc   ? layer.fc
                                                     : layer.down;
-      TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.is_contiguous() &&
-                      b.is_contiguous() && a.dim() == 2 && b.dim() == 2 && a.size(1) == w.K && b.size(0) == w.N &&
-                      a.size(0) == b.size(1) && a.size(0) >= 1,
-                  "DecodeStep: an adapter's A (rank, in) and B (out, rank) must be contiguous fp32 for its layer");
-      kept.push_back(a);
-      kept.push_back(b);
-      updates[i] = {a.data_ptr<float>(), b.data_ptr<float>(), a.size(0), float(scales[i])};
+      updates[i] = lowrank::update(a, b, w, float(scales[i]), kept);
     }
     adapters_.set(slot, std::move(updates));
   }
 
  private:
   // ----- building -----
-
-  // Each layer's RoPE: freqs (L, rotary / 2) fp32, factors (L,) fp32 with 0 for a layer without RoPE; layers with
-  // equal frequencies and factor share a group, whose angles a row computes once.
-  void rope_tables(const at::Tensor& freqs, const at::Tensor& factors) {
-    if (position_ != kRope) return;
-    TORCH_CHECK(freqs.scalar_type() == at::kFloat && freqs.dim() == 2 && freqs.size(0) == L_ &&
-                    freqs.size(1) == rotary_ / 2 && factors.scalar_type() == at::kFloat && factors.numel() == L_,
-                "DecodeStep: RoPE frequencies (layers, rotary_dim / 2) and factors (layers,) in fp32 expected");
-    keep_.push_back(freqs.contiguous());
-    keep_.push_back(factors.contiguous());
-    const float* f = keep_[keep_.size() - 2].data_ptr<float>();
-    const float* factor = keep_.back().data_ptr<float>();
-    const int64_t half = rotary_ / 2;
-    for (int64_t l = 0; l < L_; ++l) {
-      Layer& layer = layers_[l];
-      layer.inv_freq = factor[l] != 0.0f ? f + l * half : nullptr;
-      layer.rope_factor = factor[l];
-      layer.rope_group = l;
-      for (int64_t m = 0; m < l; ++m)
-        if (layer.inv_freq && layers_[m].inv_freq && layers_[m].rope_factor == factor[l] &&
-            std::equal(f + m * half, f + (m + 1) * half, f + l * half)) {
-          layer.rope_group = layers_[m].rope_group;
-          break;
-        }
-    }
-  }
 
   void reserve(int64_t B, int T, int64_t longest) {
     const size_t rows = size_t(B);
@@ -224,8 +197,10 @@ class DecodeStep : public torch::CustomClassHolder {
       h_.resize(rows * D_);
       qkv_.resize(rows * qkv_width());
       att_.resize(rows * H_ * HD_);
-      up_.resize(rows * 2 * F_);
-      ff_.resize(rows * F_);
+      up_.resize(rows * 2 * max_hidden_);
+      ff_.resize(rows * max_hidden_);
+      moe_out_.resize(rows * D_);
+      shared_.resize(rows * D_);
       xb_.resize(rows * max_k_);
       xq_.resize(rows * max_k_);
       dx_.resize(rows * (max_k_ / gk::kQ4Block + 1));
@@ -233,6 +208,7 @@ class DecodeStep : public torch::CustomClassHolder {
       rope_.resize(rows * HD_);
       if (parallel_) h2_.resize(rows * D_);
     }
+    experts_.reserve(B);
     if (scores_.size() < size_t(T) * (longest + HD_)) scores_.resize(size_t(T) * (longest + HD_) * 2);
     scores_stride_ = scores_.size() / T;
   }
@@ -293,23 +269,19 @@ class DecodeStep : public torch::CustomClassHolder {
   // The feed-forward sublayer of block l (after the attention's residual add, where it was left in h).
   void feed_forward(int64_t l, int64_t B, int t, int nt) {
     const Layer& layer = layers_[l];
+    if (layer.moe) return moe_feed_forward(layer, B, t, nt);
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
-      if (!direct_) residual_add(x_.data() + b * D_, h_.data() + b * D_, layer.norm1_w, layer.norm1_b,
-                                 layer.post1_w, layer.post1_b);
-      if (parallel_)
-        std::copy(h2_.data() + b * D_, h2_.data() + (b + 1) * D_, h_.data() + b * D_);
-      else
-        sublayer_input(x_.data() + b * D_, h_.data() + b * D_, layer.norm2_w, layer.norm2_b);
+      feed_forward_input(layer, b);
       prepare(layer.fc, h_.data(), b);
       adapters_.down(l * kAdapted + kFc, h_.data(), D_, b);
     }
-    mlp_up(layer.fc, B, t, nt, l * kAdapted + kFc);
+    mlp_up(layer.fc, layer.hidden, B, t, nt, l * kAdapted + kFc);
 #pragma omp barrier
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
       prepare(layer.down, ff_.data(), b);
-      adapters_.down(l * kAdapted + kDown, ff_.data(), F_, b);
+      adapters_.down(l * kAdapted + kDown, ff_.data(), layer.hidden, b);
     }
     product(layer.down, input(ff_.data()), B, direct_ ? x_.data() : h_.data(), D_, direct_, t, nt,
             l * kAdapted + kDown);
@@ -320,6 +292,48 @@ class DecodeStep : public torch::CustomClassHolder {
         residual_add(x_.data() + b * D_, h_.data() + b * D_, layer.norm2_w, layer.norm2_b, layer.post2_w,
                      layer.post2_b);
     }
+  }
+
+  // A mixture-of-experts feed-forward (moe_step.h): the routed experts' sum, plus the shared expert's output (times
+  // its gate, where it has one), added to x as the dense MLP's output is.
+  void moe_feed_forward(const Layer& layer, int64_t B, int t, int nt) {
+#pragma omp for
+    for (int64_t b = 0; b < B; ++b) {
+      feed_forward_input(layer, b);
+      if (layer.hidden) prepare(layer.fc, h_.data(), b);
+    }
+    experts_.run(layer.experts, h_.data(), B, moe_out_.data(), t, nt);
+    if (layer.hidden) {
+      mlp_up(layer.fc, layer.hidden, B, t, nt, -1);
+#pragma omp barrier
+#pragma omp for
+      for (int64_t b = 0; b < B; ++b) prepare(layer.down, ff_.data(), b);
+      product(layer.down, input(ff_.data()), B, shared_.data(), D_, false, t, nt, -1);
+#pragma omp barrier
+    }
+#pragma omp for
+    for (int64_t b = 0; b < B; ++b) {
+      float *out = moe_out_.data() + b * D_, *x = x_.data() + b * D_;
+      const float* shared = shared_.data() + b * D_;
+      const float gate = layer.experts.gate.N ? experts_.gates()[b] : 1.0f;
+      if (layer.hidden)
+        for (int64_t i = 0; i < D_; ++i) out[i] += gate * shared[i];
+      if (direct_) {
+        for (int64_t i = 0; i < D_; ++i) x[i] += out[i];
+      } else {
+        residual_add(x, out, layer.norm2_w, layer.norm2_b, layer.post2_w, layer.post2_b);
+      }
+    }
+  }
+
+  // Row b's feed-forward input in h (the attention's output added to x first, where it was left in h).
+  void feed_forward_input(const Layer& layer, int64_t b) {
+    float *x = x_.data() + b * D_, *h = h_.data() + b * D_;
+    if (!direct_) residual_add(x, h, layer.norm1_w, layer.norm1_b, layer.post1_w, layer.post1_b);
+    if (parallel_)
+      std::copy(h2_.data() + b * D_, h2_.data() + (b + 1) * D_, h);
+    else
+      sublayer_input(x, h, layer.norm2_w, layer.norm2_b);
   }
 
   // A sublayer's input from the residual stream x: its norm's output (pre, sandwich), or x itself (sublayer_post).
@@ -390,30 +404,25 @@ class DecodeStep : public torch::CustomClassHolder {
 
   // ff = act(h W_fc + b) over this thread's hidden units; a gated activation's fc holds the gate rows, then the up
   // rows (SwiGLU: silu(gate) * up; GeGLU: gelu_tanh(gate) * up).
-  void mlp_up(const gk::Weight& fc, int64_t B, int t, int nt, int64_t adapted) {
+  void mlp_up(const gk::Weight& fc, int64_t F, int64_t B, int t, int nt, int64_t adapted) {
     const gk::Input in = input(h_.data());
     int64_t lo, hi;
-    gk::split(F_, t, nt, 16, &lo, &hi);
+    gk::split(F, t, nt, 16, &lo, &hi);
     if (gated()) {
       float* raw = up_.data();  // (B, 2F): gate then up
-      gk::product_range(fc, in, B, raw, 2 * F_, lo, hi);
-      gk::product_range(fc, in, B, raw, 2 * F_, F_ + lo, F_ + hi);  // the up rows land after the gate rows
-      adapters_.up(adapted, B, raw, 2 * F_, lo, hi);
-      adapters_.up(adapted, B, raw, 2 * F_, F_ + lo, F_ + hi);
+      gk::product_range(fc, in, B, raw, 2 * F, lo, hi);
+      gk::product_range(fc, in, B, raw, 2 * F, F + lo, F + hi);  // the up rows land after the gate rows
+      adapters_.up(adapted, B, raw, 2 * F, lo, hi);
+      adapters_.up(adapted, B, raw, 2 * F, F + lo, F + hi);
       for (int64_t b = 0; b < B; ++b) {
-        float *gate = raw + b * 2 * F_ + lo, *up = gate + F_, *out = ff_.data() + b * F_ + lo;
-        if (act_ == gk::kSwiglu) {
-          gk::swiglu(gate, up, out, hi - lo);
-        } else {
-          gk::activate(gate, hi - lo, gk::kGeluTanh);
-          for (int64_t i = 0; i < hi - lo; ++i) out[i] = gate[i] * up[i];
-        }
+        float* gate = raw + b * 2 * F + lo;
+        moestep::activate(act_, gate, gate + F, ff_.data() + b * F + lo, hi - lo);
       }
       return;
     }
-    gk::product_range(fc, in, B, ff_.data(), F_, lo, hi);
-    adapters_.up(adapted, B, ff_.data(), F_, lo, hi);
-    for (int64_t b = 0; b < B; ++b) gk::activate(ff_.data() + b * F_ + lo, hi - lo, act_);
+    gk::product_range(fc, in, B, ff_.data(), F, lo, hi);
+    adapters_.up(adapted, B, ff_.data(), F, lo, hi);
+    for (int64_t b = 0; b < B; ++b) gk::activate(ff_.data() + b * F + lo, hi - lo, act_);
   }
 
   // ----- served adapters -----
@@ -454,7 +463,8 @@ class DecodeStep : public torch::CustomClassHolder {
                    att_.data() + b * H_ * HD_ + hh * HD_);
   }
 
-  int64_t L_, D_, H_, KV_, HD_, F_, V_, norm_, act_, position_, max_k_, norm_position_, qk_norm_, rotary_;
+  int64_t L_, D_, H_, KV_, HD_, F_, V_, norm_, act_, position_, max_k_, max_hidden_, norm_position_, qk_norm_, rotary_;
+  moestep::Experts experts_;
   bool logits_bf16_, parallel_, direct_;
   float eps_, embedding_scale_, residual_scale_, attn_scale_, attn_softcap_, logit_scale_, logit_softcap_;
   at::Tensor tok_emb_, pos_emb_;
@@ -462,7 +472,7 @@ class DecodeStep : public torch::CustomClassHolder {
   const float *normf_w_, *normf_b_;
   gk::Weight head_;
   std::vector<at::Tensor> keep_;  // every tensor the raw pointers above point into
-  std::vector<float> x_, h_, h2_, qkv_, att_, up_, ff_, dx_, rope_, scores_;
+  std::vector<float> x_, h_, h2_, qkv_, att_, up_, ff_, dx_, rope_, scores_, moe_out_, shared_;
   std::vector<gk::bf16> xb_;
   std::vector<int8_t> xq_;
   std::vector<float> dsum_;

@@ -57,4 +57,20 @@ inline gk::Weight weight(const std::vector<at::Tensor>& tensors, size_t& i, int6
   return out;
 }
 
+// E experts' (N, K) products from one stack tensors[i..i+2] (weight (E, ...), scales (E, ...), bias (E, N); each
+// expert's slice in weight()'s format), i moved past them.
+inline std::vector<gk::Weight> stack(const std::vector<at::Tensor>& tensors, size_t& i, int64_t E, int64_t N, int64_t K,
+                                     std::vector<at::Tensor>& keep) {
+  TORCH_CHECK(tensors[i].dim() >= 3 && tensors[i].size(0) == E, "DecodeStep: a stack of ", E, " experts expected");
+  std::vector<gk::Weight> out;
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<at::Tensor> one;
+    for (size_t j = i; j < i + 3; ++j) one.push_back(tensors[j].numel() ? tensors[j][e] : tensors[j]);
+    size_t at = 0;
+    out.push_back(weight(one, at, N, K, keep));
+  }
+  i += 3;
+  return out;
+}
+
 }  // namespace weights

@@ -7,8 +7,9 @@ attention over the cache, activations and residuals), so a step costs little mor
 
 It covers the models `gptkit convert --to-gguf` writes and more: pre-norm, sandwich or sublayer-post blocks with
 LayerNorm or RMSNorm (with a gain offset), plain or parallel residuals (scaled or not), GELU (tanh or erf), ReLU,
-SwiGLU or GeGLU, learned, rotary or no positions (RoPE per layer from gptkit.positions: scaled, partial, a local
-base for sliding layers, none in NoPE layers), grouped-query attention with any head_dim up to MAX_HEAD_DIM, q/k
+SwiGLU or GeGLU (dense, or a mixture of experts: gptkit.moe's router, top k, renormalised or not, a shared expert
+and its gate, each row reading only its routed experts' weights, csrc/moe_step.h), learned, rotary or no positions
+(RoPE per layer from gptkit.positions: scaled, partial, a local base for sliding layers, none in NoPE layers), grouped-query attention with any head_dim up to MAX_HEAD_DIM, q/k
 norms per head or over the width, a score scale and soft-cap, sliding-window layers (their KV cache a ring), scaled
 embeddings and logits, soft-capped logits, biases anywhere, a tied or own LM head with or without a bias, a padded
 vocabulary (the step computes every row of the head; the padded logits are dropped); fp32 or bf16 weights, int8 or
@@ -38,6 +39,7 @@ from gptkit.decoding.step import Step, base, decode_one_token, inference
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT, Block, CausalSelfAttention, FeedForward, Linear, RMSNorm
+from gptkit.moe import ExpertWeights, MoEFeedForward
 from gptkit.multi_lora import AdapterSet, adapter_sets, adapters_version, row_adapters
 from gptkit.native import library, ops
 from gptkit.native.choices import faster
@@ -76,6 +78,8 @@ _COMPUTED = (
     Int8Linear,
     Int4Linear,
     AdapterSet,
+    MoEFeedForward,
+    ExpertWeights,
 )
 _NORM_TYPES = {"layernorm": nn.LayerNorm, "rmsnorm": RMSNorm}
 
@@ -105,7 +109,7 @@ def _unknown_part(model: GPT) -> str | None:
     for name, module in model.named_modules():
         if type(module) not in computed:
             return f"{name or 'the model'} ({type(module).__name__})"
-    read = {id(t) for t in _read(model)}
+    read = {id(t) for t in _read(model) + _expert_tensors(model)}
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, tensor in named:
             if id(tensor) not in read:
@@ -116,9 +120,11 @@ def _unknown_part(model: GPT) -> str | None:
 def _adapted_layers(model: GPT) -> list[nn.Module]:
     """The block layers a served adapter may update, in the order the native step numbers them (csrc/step.cpp's
     Adapted: per block q/k/v, output projection, MLP up, MLP down)."""
-    return [
-        layer for block in model.blocks for layer in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj)
-    ]
+    layers = []
+    for block in model.blocks:
+        dense = not isinstance(block.mlp, MoEFeedForward)  # (a MoE block takes no adapter on its feed-forward)
+        layers += [block.attn.qkv, block.attn.proj, block.mlp.fc if dense else None, block.mlp.proj if dense else None]
+    return layers
 
 
 def _misplaced_adapter(model: GPT) -> str | None:
@@ -133,7 +139,7 @@ def _misplaced_adapter(model: GPT) -> str | None:
 def _layer_dtypes(model: GPT, dtype: torch.dtype) -> str | None:
     """A float layer whose weight's dtype is not the embeddings' (the step reads one float format)."""
     for name, module in model.named_modules():
-        if type(module) in (Linear, nn.Linear) and module.weight.dtype != dtype:
+        if type(module) in (Linear, nn.Linear, ExpertWeights) and module.weight.dtype != dtype:
             return f"its {name} layer's {module.weight.dtype} weight beside {dtype} embeddings"
     return None
 
@@ -206,12 +212,40 @@ def _read(model: GPT, gains: bool = False) -> list[Tensor]:
             *_linear(block.attn.qkv),
             *_linear(block.attn.proj),
             *_norm(block.norm2),
-            *_linear(block.mlp.fc),
-            *_linear(block.mlp.proj),
+            *_dense_mlp(block.mlp),
         ]
         tensors += [*_norm(block.norm1_post), *_norm(block.norm2_post)]
         tensors += [_norm(block.attn.q_norm)[0], _norm(block.attn.k_norm)[0]]
     return tensors + [*_norm(model.norm_f), *_linear(model.lm_head)]
+
+
+def _dense_mlp(mlp: nn.Module) -> list[Tensor]:
+    """A dense MLP's fc and down tensors: a MoE layer's shared expert's, or _NONE for one without."""
+    dense = mlp.shared if isinstance(mlp, MoEFeedForward) else mlp
+    return [*_linear(dense.fc), *_linear(dense.proj)] if dense is not None else [_NONE] * 6
+
+
+def _expert_tensors(model: GPT) -> list[Tensor]:
+    """Each MoE layer's router, expert stacks (weight, no scales, bias) and shared gate, in layer order (csrc's
+    kMoeTensors per MoE layer)."""
+    tensors = []
+    for block in model.blocks:
+        mlp = block.mlp
+        if isinstance(mlp, MoEFeedForward):
+            stacks = [[e.weight, _NONE, e.bias if e.bias is not None else _NONE] for e in (mlp.fc, mlp.proj)]
+            gate = _linear(mlp.shared_gate) if mlp.shared_gate is not None else [_NONE] * 3
+            tensors += [*_linear(mlp.router), *stacks[0], *stacks[1], *gate]
+    return tensors
+
+
+def _moe_settings(config: ModelConfig) -> tuple[list[int], list[int]]:
+    """csrc/step_layout.h's kExperts..kExpertHidden (zeros for a dense model), and per layer the dense MLP's hidden
+    size (a MoE layer's shared expert's, 0 for none) and whether it is a mixture of experts."""
+    moe = [config.is_moe_layer(i) for i in range(config.n_layer)]
+    shared = config.moe_shared_hidden or 0
+    experts = [config.n_experts, config.n_experts_per_token, int(config.moe_renormalize), config.expert_hidden]
+    hidden = [shared if is_moe else config.ffn_hidden for is_moe in moe]
+    return (experts if config.n_experts else [0, 0, 0, 0]), hidden + [int(is_moe) for is_moe in moe]
 
 
 def _plan(model: GPT) -> torch.ScriptObject:
@@ -234,12 +268,16 @@ def _plan(model: GPT) -> torch.ScriptObject:
     qk_norm = QK_NORMS[config.qk_norm_scope] if config.qk_norm else 0
     rotary = config.rotary_dim if config.position == "rope" else 0  # (a head of any width rotates nothing)
     settings += [NORM_POSITIONS[config.norm_position], int(config.parallel_residual), qk_norm, rotary]
+    experts, per_layer = _moe_settings(config)
+    settings += experts
     settings += [config.layer_window(i) or 0 for i in range(config.n_layer)]  # csrc/step.cpp: 0 is full attention
+    settings += per_layer
     tensors = [t.detach() for t in _read(model, gains=True)]
+    expert_tensors = [t.detach() for t in _expert_tensors(model)]
     if not model.__dict__.get("_gptkit_huge_pages"):  # once per model: its weights stream faster from 2 MiB pages
         model.__dict__["_gptkit_huge_pages"] = True
-        ops.back_with_huge_pages(tensors)
-    tensors += _rope_tables(config)
+        ops.back_with_huge_pages(tensors + expert_tensors)
+    tensors += _rope_tables(config) + expert_tensors
     plan = torch.classes.gptkit.DecodeStep(settings, _numbers(config, dtype), tensors)
     _add_adapters(plan, model)
     return plan
