@@ -290,6 +290,7 @@ function fillSelect(select, count, chosen, label, withMean) {
 }
 
 const HEATMAP_MARGIN = 48;  // canvas pixels left and above the map for the token labels
+const HEATMAP_LABEL_PX = 10;  // the labels' font size: below it, a 560-pixel map's labels (past ~50 tokens) blur
 
 function heatmapCell(n) {  // the side of one cell, in canvas pixels
   return Math.max(1, Math.floor(($("heatmap").width - HEATMAP_MARGIN) / n));
@@ -309,25 +310,29 @@ function drawHeatmap() {
       ctx.fillRect(m + j * cell, m + i * cell, cell, cell);
     }
   }
-  const labelled = cell >= 7;  // rows: queries, left; columns: keys, above (too small to read below 7 pixels)
-  if (labelled) {
-    ctx.fillStyle = "#333";
-    ctx.font = Math.min(cell - 1, 11) + "px monospace";
-    ctx.textBaseline = "middle";
-    ctx.textAlign = "right";
-    const label = (t) => { const s = JSON.stringify(t).slice(1, -1); return s.length > 6 ? s.slice(0, 5) + "…" : s; };
-    for (let i = 0; i < n; i++) {
-      ctx.fillText(label(data.tokens[i]), m - 3, m + (i + 0.5) * cell);
-      ctx.save();
-      ctx.translate(m + (i + 0.5) * cell, m - 3);
-      ctx.rotate(-Math.PI / 2);
-      ctx.textAlign = "left";
-      ctx.fillText(label(data.tokens[i]), 0, 0);
-      ctx.restore();
-    }
+  // Rows (queries, left) and columns (keys, above) are labelled with their tokens in a readable 10-pixel font: every
+  // token while cells are that tall, else every k-th (its position with it), so that labels never overlap.
+  const every = Math.ceil((HEATMAP_LABEL_PX + 1) / cell);
+  ctx.fillStyle = "#333";
+  ctx.font = HEATMAP_LABEL_PX + "px monospace";
+  ctx.textBaseline = "middle";
+  ctx.textAlign = "right";
+  const label = (i) => {
+    const s = JSON.stringify(data.tokens[i]).slice(1, -1), short = s.length > 6 ? s.slice(0, 5) + "…" : s;
+    return every > 1 ? (i + ":" + short).slice(0, 7) : short;
+  };
+  for (let i = 0; i < n; i += every) {
+    ctx.fillText(label(i), m - 3, m + (i + 0.5) * cell);
+    ctx.save();
+    ctx.translate(m + (i + 0.5) * cell, m - 3);
+    ctx.rotate(-Math.PI / 2);
+    ctx.textAlign = "left";
+    ctx.fillText(label(i), 0, 0);
+    ctx.restore();
   }
   canvas.dataset.drawn = String(n);
-  canvas.dataset.labelled = String(labelled);
+  canvas.dataset.labelled = String(true);
+  canvas.dataset.labelEvery = String(every);
   const shown = data.offset ? "the last " + n + " tokens (the model's context; the " + data.offset +
     " before them are not read)" : n + " tokens";
   $("heatmap-info").textContent = shown + "; rows are queries, columns keys; hover a cell to see its weight.";

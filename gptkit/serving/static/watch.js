@@ -69,10 +69,12 @@ function render() {
   ], phase, "No losses logged yet.");
   lineChart($("chart-icl"), [{ label: "ICL score", points: series("icl_score"), color: "#7a5af8", dots: true }],
     phase, "No ICL scores (not logged by this run, or no evaluation yet).");
+  // Induction scores lie in [0, 1] (1: a perfect induction head): the axis always spans it, so that a small model's
+  // scores near chance read as near chance instead of filling the chart with their noise.
   lineChart($("chart-induction"), [
     { label: "strongest head", points: series("induction_score"), color: "#e8590c", dots: true },
     { label: "uniform attention", points: series("induction_chance"), color: "#667085", dashed: true },
-  ], phase, "No induction scores (not logged by this run, or no evaluation yet).");
+  ], phase, "No induction scores (not logged by this run, or no evaluation yet).", [0, 1]);
   lineChart($("chart-repeat"), [
     { label: "repeated half", points: series("induction_loss"), color: "#0e9384", dots: true },
     { label: "first half", points: series("first_half_loss"), color: "#98a2b3", dots: true },
@@ -299,12 +301,12 @@ function legend(svg, items, M) {
   }
 }
 
-function lineChart(box, lines, phase, empty) {
+function lineChart(box, lines, phase, empty, span = []) {  // span: values the y-axis always includes
   box.textContent = "";
   const points = lines.flatMap((line) => line.points);
   if (!points.length) { box.textContent = empty; return; }
   const steps = points.map((p) => p[0]).concat(phase === null ? [] : [phase]);
-  const { svg, x, y, H, M } = frame(box, extent(steps), extent(points.map((p) => p[1])), true);
+  const { svg, x, y, H, M } = frame(box, extent(steps), extent(points.map((p) => p[1]).concat(span)), true);
   for (const line of lines.filter((l) => l.points.length)) {
     const drawn = thin(line.points, 1500);
     svgNode("polyline", { points: drawn.map((p) => x(p[0]).toFixed(1) + "," + y(p[1]).toFixed(1)).join(" "),
