@@ -23,9 +23,11 @@ from gptkit.decoding.request import Request
 from gptkit.decoding.verify import Proposal
 from gptkit.errors import ConfigError
 
-# The defaults of `gptkit generate --lookup` and `gptkit serve --lookup`, chosen by benchmarks/bench_speculation.py's
-# smoke runs (see docs/generate.md): a verify pass of up to 9 tokens costs little more than one of 5 on a CPU, and
-# matches of 3 tokens down to 1 still propose on text that repeats words rather than phrases.
+# The defaults of `gptkit generate --lookup` and `gptkit serve --lookup`. Not yet chosen by measurement (only smoke
+# runs so far: benchmarks/bench_speculation.py gives the figures to choose by): k = 8 because a checking pass of 9
+# tokens reads the weights once, as one of 5 does, so on a memory-bound CPU a long copy costs little more per pass;
+# matches of 3 tokens down to 1: the longer ones first, being likelier right, the shorter still proposing on text
+# that repeats words rather than phrases.
 LOOKUP_K = 8
 LOOKUP_NGRAM = 3
 _ITEM = 4  # bytes per token in the searched buffer (array type "i")

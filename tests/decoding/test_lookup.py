@@ -205,3 +205,20 @@ def test_gptkit_generate_lookup_prints_the_same_text_and_its_acceptance(tmp_path
     assert looked["ids"] == plain["ids"] and looked["timing"]["draft_accepted"] > 0
     assert main(["generate", str(model_dir), "--lookup", "--lookup-k", "0", *args]) == 2
     assert "lookup_k must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_greedy_output_through_the_fused_step_is_plain_greedy(monkeypatch):
+    """Where the native kernels load, the batched step is the fused one (forced on, as measured faster): the rows
+    without a match and the first token of each step come from it, the rest from the checking pass."""
+    from gptkit.native import library
+
+    if not library.load():
+        pytest.skip("this CPU has neither AVX2 nor AVX-512: no fused step")
+    monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fused_step=True))
+    model = sharpened(ModelConfig(**dict(ROPE, n_kv_head=2, activation="swiglu")))
+    assert BatchEngine(model, 2, 128, lookup_k=8).fused is not None
+    prompts = [PROMPT, [3, 1, 4, 1, 5]]
+    plain = complete(model, prompts, GREEDY)
+    looked = complete(model, prompts, GREEDY, options=DecodeOptions(lookup=True))
+    assert [r[0].ids for r in looked.completions] == [r[0].ids for r in plain.completions]
+    assert looked.timing.speculative is not None and looked.timing.speculative.accepted > 0
