@@ -375,6 +375,14 @@ def test_the_readme_stays_short_and_runs_its_tests_as_ci_does():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_the_readmes_table_names_every_command():
+    """The README's command-to-page table sends a reader to the page of every `gptkit` command."""
+    from gptkit.cli import COMMANDS
+
+    rows = [line for line in README.read_text().split("\n") if line.startswith("|") and "](docs/" in line]
+    assert not [name for name in COMMANDS if not any(f"`gptkit {name}" in row for row in rows)]
+
+
 def test_every_python_block_compiles():
     for name in page_names():
         for first, lines in bash_blocks((ROOT / name).read_text(), "python"):
