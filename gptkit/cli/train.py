@@ -64,8 +64,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     from gptkit.checkpoint import CHECKPOINTS, latest_checkpoint
     from gptkit.errors import ConfigError
     from gptkit.finetune.catalogue import resume_may_change
+    from gptkit.run_files import CONFIG_FILE
     from gptkit.run_sources import flag_overrides, from_sources
-    from gptkit.train import CONFIG_FILE
 
     flags = flag_overrides(args)
     for option, field in ALIASES.items():

@@ -213,7 +213,7 @@ def test_the_reader_names_the_files_gptkit_train_writes():
     from gptkit.observe.run_log import METRICS_FILE
     from gptkit.observe.samples import SAMPLES_FILE
     from gptkit.observe.training import INSIGHT_FILE
-    from gptkit.train import CONFIG_FILE as TRAIN_CONFIG
+    from gptkit.run_files import CONFIG_FILE as TRAIN_CONFIG
 
     assert (RUN_FILES["metrics"], RUN_FILES["samples"], RUN_FILES["insight"], CONFIG_FILE) == (
         METRICS_FILE,
