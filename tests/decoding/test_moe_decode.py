@@ -221,6 +221,19 @@ def test_the_fused_step_takes_moe_layers_and_gives_the_eager_logits(name, rows, 
 
 
 @needs_kernels
+def test_tied_router_probabilities_go_to_the_lower_expert_in_the_fused_step_too(fused_chosen) -> None:
+    """Every expert gets the same router row, so all probabilities tie to the bit for every token: gptkit.moe.route's
+    stable sort takes experts 0 and 1, and so must the fused step (the experts themselves differ, so taking others
+    would move the logits far past the tolerance)."""
+    model = moe_model("mixtral-like")
+    with torch.no_grad():
+        for layer in moe.moe_layers(model):
+            layer.router.weight[:] = layer.router.weight[0]
+    eager, native = eager_and_fused(model, 3)
+    assert float((native - eager).abs().max() / eager.abs().max()) <= 1e-5
+
+
+@needs_kernels
 @pytest.mark.parametrize("name", ["mixtral-like", "qwen2-moe-like"])
 def test_a_rows_fused_logits_do_not_depend_on_the_rows_beside_it(name, fused_chosen) -> None:
     """Row 0 decodes the same tokens alone and beside rows that route to the same and to other experts."""
