@@ -272,10 +272,16 @@ def _other_program(command: Command) -> None:
     command.outputs = [command.stdout] if command.stdout else []
 
 
+@functools.cache
+def _parser(name: str):
+    """gptkit's parser with one command's flags, built once per command (train's takes a second: every setting)."""
+    return build_parser(full=[name])
+
+
 def _gptkit_paths(command: Command, argv: list[str], runs: dict[str, object]) -> None:
     """Parse a gptkit command as `gptkit` would and note the paths it reads and makes."""
     name = argv[0]
-    parser = build_parser(full=[name])
+    parser = _parser(name)
     try:
         args, unknown = parser.parse_known_args(argv)
     except SystemExit:
