@@ -408,6 +408,7 @@ def _run_config(data: Path, out: Path, base: Path | None, **finetune) -> object:
         checkpoint_interval=3,
         device="cpu",
         plot=False,
+        sample_every=0,  # samples: tests/observe/test_observe_training.py (most of such a run's time)
     )
     train_settings.update(finetune.pop("train", {}))
     model = (

@@ -233,7 +233,7 @@ def test_under_two_processes_rank_0_alone_samples_and_measures(data_dir, tmp_pat
     from tests.train.test_distributed import settings, torchrun
 
     run = tmp_path / parallel
-    torchrun(settings(data_dir, run, parallel=parallel, sample_tokens=6))
+    torchrun(settings(data_dir, run, parallel=parallel, sample_every=1, sample_tokens=6))
     evals = [r for r in metrics(run) if "val_loss" in r]
     if parallel == "ddp":  # once each: rank 1 neither writes nor samples
         assert [s["step"] for s in read_samples(run / SAMPLES_FILE)] == [0] * 4 + [6] * 4
@@ -250,7 +250,10 @@ def test_supervised_examples_sample_their_validation_prompts(tmp_path):
     rows = write_jsonl(tmp_path / "chat.jsonl", reversal_rows(60))
     assert main(["prepare", "--input", str(rows), "--tokenizer", str(base), "--out", str(tmp_path / "data")]) == 0
     run = tmp_path / "run"
-    train(_run_config(tmp_path / "data", run, base, train={"max_steps": 3, "sample_tokens": 4}), progress=False)
+    train(
+        _run_config(tmp_path / "data", run, base, train={"max_steps": 3, "sample_every": 1, "sample_tokens": 4}),
+        progress=False,
+    )
     samples = read_samples(run / SAMPLES_FILE)
     assert [s["step"] for s in samples] == [0] * 4 + [3] * 4
     # The prompt is the rendered conversation up to the reply: the question, not the answer.

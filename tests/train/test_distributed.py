@@ -45,6 +45,7 @@ def settings(data: Path, out: Path, **train) -> dict[str, dict]:
             "keep_checkpoints": 3,
             "device": "cpu",
             "plot": False,
+            "sample_every": 0,  # samples: tests/observe/test_observe_training.py (most of such a run's time)
             **train,
         },
     }

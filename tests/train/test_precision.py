@@ -42,6 +42,7 @@ def tiny(data_dir: Path, out: Path, **train_overrides):
         checkpoint_interval=2,
         device="cpu",
         plot=False,
+        sample_every=0,  # samples: tests/observe/test_observe_training.py (most of such a run's time)
     )
     settings.update(train_overrides)
     optim = {"warmup_steps": 1, "decay_steps": 4, "lr": 3e-3}

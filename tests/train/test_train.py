@@ -55,6 +55,7 @@ def tiny(data_dir: Path, out: Path, **train_overrides):
         checkpoint_interval=3,
         device="cpu",
         plot=False,
+        sample_every=0,  # samples: tests/observe/test_observe_training.py (most of such a run's time)
     )
     settings.update(train_overrides)
     optim = {"warmup_steps": 2, "decay_steps": 8, "lr": 3e-3}
@@ -201,6 +202,8 @@ def test_kill9_and_sigterm_then_resume_are_bit_identical(data_dir, tmp_path):
         "7",
         "--train.plot",
         "false",
+        "--train.sample_every",
+        "0",
         "--optim.warmup_steps",
         "2",
         "--optim.decay_steps",
@@ -516,7 +519,7 @@ def test_a_well_formed_but_wrong_metrics_line_never_repeats_a_step(
 
 def test_a_sample_longer_than_any_run_needs_is_refused_before_any_work(data_dir, tmp_path):
     with pytest.raises(ConfigError) as caught:  # (it was taken: the first evaluation stalled for good, silently)
-        Trainer(tiny(data_dir, tmp_path / "run", sample_tokens=10_000_000), resume=False)
+        Trainer(tiny(data_dir, tmp_path / "run", sample_tokens=10_000_000, sample_every=1), resume=False)
     assert str(caught.value) == (
         "train.sample_tokens 10000000 is longer than a sample may be: at most 4096 (the "
         "model's block_size 16 or 4096, whichever is more); lower it, or set "
