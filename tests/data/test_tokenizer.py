@@ -29,7 +29,8 @@ AWKWARD = "héllo wörld\n\n  日本語 🌍🎉 \t\r\n<|endoftext|>x\x00y  'll 
 def bpe() -> BPETokenizer:
     # Tiny shakespeare, indented code (merges of newlines with spaces, which unsafe cuts would break) and a little
     # non-ASCII text (merges across multi-byte characters).
-    code = (Path(__file__).parents[2] / "gptkit" / "tokenizer.py").read_text(encoding="utf-8")
+    package = Path(__file__).parents[2] / "gptkit" / "tokenizer"
+    code = "".join(path.read_text(encoding="utf-8") for path in sorted(package.glob("*.py")))
     return BPETokenizer.train([SHAKESPEARE[:300_000], code, AWKWARD * 20], vocab_size=600)
 
 
