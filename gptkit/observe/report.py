@@ -310,11 +310,15 @@ def icl_picture(
     else:
         losses = measures.sequence_losses(model, ids) if len(ids) > 1 else torch.zeros(0)
         data["losses_over"] = "prompt"
-        source = "the few-shot prompt itself"
+        # Said on the figure too: one short text's per-token losses are mostly noise, read as a trend otherwise.
+        source = (
+            "the few-shot prompt itself: one short text, so mostly\nper-token noise on a small model; "
+            "--data averages windows of real text"
+        )
         loss_note = (
-            " The loss curve is over the few-shot prompt itself (give --data for the mean over windows of "
-            "real text and the ICL score): a model that learns in context predicts later demonstrations "
-            "better than the first."
+            " The loss curve is over the few-shot prompt itself, one short text, so on a small model it is mostly "
+            "the noise of single tokens (give --data for the mean over windows of real text and the ICL score): a "
+            "model that learns in context predicts later demonstrations better than the first."
         )
     data["position_losses"] = losses.tolist()
     with torch.no_grad():
