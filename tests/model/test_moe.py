@@ -335,6 +335,7 @@ def test_training_logs_routing_statistics(tmp_path: Path) -> None:
         "checkpoint_interval": 4,
         "device": "cpu",
         "plot": False,
+        "sample_every": 0,  # samples: tests/observe/test_observe_training.py (most of such a run's time)
     }
     result = train(from_sources(None, {"model": model, "train": train_settings}), progress=False)
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
