@@ -13,7 +13,9 @@
    positive) and, in the text the model generates greedily (as `gptkit serve` answers a chat), the share of
    replies ending with a full stop and the share still reversing the word correctly.
 
-Run: python examples/dpo_demo.py [--sft-out runs/finetune-demo] [--out runs/dpo-demo] [--quick]
+Run: python examples/dpo_demo.py [--sft-out DIR] [--out DIR] [--quick]
+(--quick: from finetune_demo.py --quick's weaker model, 60 reference steps and 50 steps a method instead of 100
+and 100, scored on 200 of the held-out words: about 10 minutes on two cores, the scores moved but not as far.)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from finetune_demo import TASK, gptkit_cli, task_words
+from finetune_demo import TASK, gptkit_cli, task_words, train_cli
 
 import gptkit
 from gptkit.chat import eos_text, load_chat_template
@@ -131,40 +133,50 @@ def main() -> int:
     parser.add_argument(
         "--sft-out",
         type=Path,
-        default=Path("runs/finetune-demo"),
-        help="the supervised fine-tuning demonstration's --out (run first if missing)",
+        help="the supervised fine-tuning demonstration's --out, run first if missing (runs/finetune-demo, or "
+        "runs/finetune-demo-quick)",
     )
-    parser.add_argument("--out", type=Path, default=Path("runs/dpo-demo"), help="where everything is written")
-    parser.add_argument("--quick", action="store_true", help="a fraction of the steps (a smoke run, not the result)")
+    parser.add_argument("--out", type=Path, help="where everything is written (runs/dpo-demo, or runs/dpo-demo-quick)")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer steps from the quick fine-tuning demonstration: minutes, not hours"
+    )
     args = parser.parse_args()
-    out: Path = args.out
+    suffix = "-quick" if args.quick else ""
+    out: Path = args.out or Path(f"runs/dpo-demo{suffix}")
+    sft_out: Path = args.sft_out or Path(f"runs/finetune-demo{suffix}")
     out.mkdir(parents=True, exist_ok=True)
-    scale = 10 if args.quick else 1
+    reference_steps, steps = (60, 50) if args.quick else (100, 100)
+    print(
+        'expected: the reference ends about 30% of replies with "."; every method learns the preference (accuracy '
+        'near 100%) and ends most replies with "."; plain DPO, without the NLL term, stops reversing the words'
+        + (" (--quick: the same, less far)" if args.quick else ""),
+        flush=True,
+    )
     started = time.perf_counter()
 
-    if not (args.sft_out / "full" / "latest").is_file():
+    if not (sft_out / "full" / "latest").is_file():
+        print("\n0. the supervised fine-tuning demonstration, whose chat model this starts from", flush=True)
         demo = Path(__file__).with_name("finetune_demo.py")
         subprocess.run(
-            [sys.executable, str(demo), "--out", str(args.sft_out), *(["--quick"] if args.quick else [])], check=True
+            [sys.executable, str(demo), "--out", str(sft_out), *(["--quick"] if args.quick else [])], check=True
         )
-    sft = args.sft_out / "full" / (args.sft_out / "full" / "latest").read_text().strip()
+    sft = sft_out / "full" / (sft_out / "full" / "latest").read_text().strip()
 
+    print("\n1. the reference: the word-reversal model fine-tuned on replies in both styles", flush=True)
     train_words, held_out = task_words()
+    held_out = held_out[:200] if args.quick else held_out
     rng = np.random.default_rng(2)
     rows = [mixed(train_words[i], bool(i % 2)) for i in rng.integers(0, len(train_words), 2000)]
     (out / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     gptkit_cli("prepare", "--input", str(out / "mixed.jsonl"), "--tokenizer", str(sft), "--out", str(out / "mixed"))
     if not (out / "reference" / "latest").is_file():
-        gptkit_cli(
-            "train",
+        train_cli(
+            out / "reference",
+            reference_steps,
             "--data",
             str(out / "mixed"),
-            "--out",
-            str(out / "reference"),
             "--model.init_from",
             str(sft),
-            "--train.max_steps",
-            str(max(100 // scale, 2)),
             "--train.batch_size",
             "32",
             "--optim.lr",
@@ -177,9 +189,10 @@ def main() -> int:
             "100",
             "--train.eval_iters",
             "4",
-            "--quiet",
+            every=20,
         )
     sft = out / "reference" / (out / "reference" / "latest").read_text().strip()
+    print("\n2. preference pairs: the reply ending with a full stop chosen", flush=True)
     rows = [pair(train_words[i]) for i in rng.integers(0, len(train_words), 2000)]  # the same words, new draws
     (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out / "marked.jsonl").write_text("".join(json.dumps(u) + "\n" for r in rows for u in unpaired(r)))
@@ -197,7 +210,6 @@ def main() -> int:
         "--val-fraction",
         "0",
     )
-    steps = str(max(100 // scale, 2))
     runs = {  # name: (run directory, data, flags)
         "DPO, full": ("full", "pairs", DPO + FULL),
         "DPO, full, no NLL term": ("full-dpo-only", "pairs", DPO + FULL + ["--finetune.dpo_nll_weight", "0"]),
@@ -209,24 +221,24 @@ def main() -> int:
     }
     reference = completion_logprobs(sft, out / "held_out")  # log ref(y | x) of each held-out pair
     results = {}
-    for name, (run, data, flags) in [("reference (both styles)", (None, None, None)), *runs.items()]:
+    for stage, (name, (run, data, flags)) in enumerate(
+        [("reference (both styles)", (None, None, None)), *runs.items()], 3
+    ):
+        print(f"\n{stage}. {name}: " + ("train, then score" if run else "score"), flush=True)
         checkpoint = sft
         if run is not None:
             run_dir = out / run
             if not (run_dir / "latest").is_file():
-                gptkit_cli(
-                    "train",
+                train_cli(
+                    run_dir,
+                    steps,
                     "--data",
                     str(out / data),
-                    "--out",
-                    str(run_dir),
                     "--model.init_from",
                     str(sft),
-                    "--train.max_steps",
-                    steps,
                     *COMMON,
                     *flags,
-                    "--quiet",
+                    every=25,
                 )
             checkpoint = run_dir / (run_dir / "latest").read_text().strip()
         policy = completion_logprobs(checkpoint, out / "held_out")
