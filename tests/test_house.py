@@ -53,12 +53,9 @@ LONG_FUNCTIONS = {
     "cli/generate.py:run": "one command's steps in order (load, quantise, draft, template, decode, print)",
     "cli/eval.py:run": "one command's steps in order (load, choose the measure, score, print)",
     "cli/plan.py:run": "one command's steps in order (read, plan, print the table)",
-    "cli/train.py:build_config": "the resume rules read in order: which flags may change a saved run",
     "checkpoint.py:save_checkpoint": "the write order that makes a checkpoint atomic, kept in one place to read",
     "formats/gguf/write.py:export_gguf": "the GGUF file's parts in the order written: keys, tokenizer, tensors",
     "observe/report.py:icl_picture": "one picture's data, figure and caption",
-    "prepare/examples.py:write_examples": "the examples writer's stages in order (rows, split, encode, write, meta)",
-    "prepare/prompts.py:write_prompts": "the prompts writer's stages in order (rows, split, encode, write, meta)",
 }
 
 

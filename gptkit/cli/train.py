@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gptkit.train_config import RunConfig
@@ -61,10 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def build_config(args: argparse.Namespace) -> RunConfig:
     """The run's settings from the arguments; with --resume, the run directory's config.yaml is the base."""
-    from gptkit.checkpoint import CHECKPOINTS, latest_checkpoint
+    from gptkit.checkpoint import CHECKPOINTS
     from gptkit.errors import ConfigError
-    from gptkit.finetune.catalogue import resume_may_change
-    from gptkit.run_files import CONFIG_FILE
     from gptkit.run_sources import flag_overrides, from_sources
 
     flags = flag_overrides(args)
@@ -92,8 +90,18 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         recipe.train.out_dir = str(Path("runs") / (Path(args.config).stem if args.config else "run"))
     if not (args.resume or args.resume_from):
         return recipe
-    # Resuming: the run's own resolved config.yaml is the base (the recipe was baked into it); flags may extend
-    # the run (e.g. --train.max_steps) but not change the model it trains.
+    return resumed_config(recipe, flags)
+
+
+def resumed_config(recipe: RunConfig, flags: dict[str, dict[str, Any]]) -> RunConfig:
+    """A resumed run's settings: its own resolved config.yaml is the base (the recipe was baked into it); flags may
+    extend the run (e.g. --train.max_steps) but not change the model it trains."""
+    from gptkit.checkpoint import latest_checkpoint
+    from gptkit.errors import ConfigError
+    from gptkit.finetune.catalogue import resume_may_change
+    from gptkit.run_files import CONFIG_FILE
+    from gptkit.run_sources import from_sources
+
     run_dir = Path(recipe.train.out_dir)
     saved_path = run_dir / CONFIG_FILE
     if not saved_path.is_file():

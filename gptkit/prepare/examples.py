@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,43 +126,13 @@ def write_examples(
     dtype = token_dtype(tokenizer.vocab_size)
 
     temporaries = [stage / ".ids.tmp", stage / ".mask.tmp"]  # all examples, before the split
-    offsets, targets, labels = [0], [], []
-    truncated = dropped = identical = 0
-    first_identical = ""  # where the first preference pair with the same reply twice is
-    with (
-        open(temporaries[0], "wb") as ids_file,
-        open(temporaries[1], "wb") as mask_file,
-        progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar,
-    ):
-        for record, fmt, where in example_rows(files, formats, config.errors, bar.update):
-            examples, label = encoder.encode_row(record, fmt, where)
-            fitted = [
-                fit(e, max_length, config.overlong, not spec.whole_input)  # type: ignore[arg-type]
-                for e in examples
-            ]
-            if any(e is None for e in fitted):  # a pair is kept or dropped whole
-                dropped += 1
-                continue
-            truncated += any(f is not e for f, e in zip(fitted, examples))
-            if fmt == "preference" and np.array_equal(examples[0].ids, examples[1].ids):
-                identical += 1
-                first_identical = first_identical or where
-            for example in fitted:
-                ids_file.write(example.ids.astype(dtype).tobytes())
-                mask_file.write(example.trained.astype(np.uint8).tobytes())
-                offsets.append(offsets[-1] + len(example.ids))
-                targets.append(example.targets)
-            if label is not None:
-                labels.append(label)
+    with progress_bar(sum(p.stat().st_size for p in files), "encoding", progress) as bar:
+        rows = example_rows(files, formats, config.errors, bar.update)
+        encoded = _encode_examples(rows, encoder, temporaries, max_length, config.overlong, not spec.whole_input, dtype)
+    offsets, targets, labels = encoded.offsets, encoded.targets, encoded.labels
     if len(offsets) == 1:
-        raise InputError(f"no example fits --max-length {max_length} ({dropped} dropped); raise --max-length")
-    if identical:  # kept (DPO's loss stays at log 2 on them), but most likely a mistake in the data
-        logger.warning(
-            "%d preference pair(s) have the same chosen and rejected reply, from which DPO learns nothing "
-            "(the first at %s); fix or drop them",
-            identical,
-            first_identical,
-        )
+        raise InputError(f"no example fits --max-length {max_length} ({encoded.dropped} dropped); raise --max-length")
+    _warn_identical(encoded)
     label_names = list(spec.label_names) if spec.label_names is not None else sorted(set(labels))
     if len(set(labels)) < spec.min_labels:
         raise InputError(f"every {kind} row has the label {labels[0]!r}: a classifier needs at least two labels")
@@ -189,11 +160,67 @@ def write_examples(
         **({"labels": label_names} if spec.labels else {}),
         "loss_on": config.loss_on,
         "max_length": max_length,
-        "truncated": truncated,
-        "dropped": dropped,
+        "truncated": encoded.truncated,
+        "dropped": encoded.dropped,
         "inputs": [{"path": str(p), "bytes": p.stat().st_size, "format": formats[p]} for p in files],
     }
     return write_meta(stage, own, tokenizer, dtype, config, started)
+
+
+@dataclass
+class _Encoded:
+    """What encoding the example rows into the temporary token and mask files found."""
+
+    offsets: list[int] = field(default_factory=lambda: [0])  # where each example starts in the token file
+    targets: list[int] = field(default_factory=list)  # each example's trained tokens
+    labels: list[Any] = field(default_factory=list)  # each row's label (classification only)
+    truncated: int = 0
+    dropped: int = 0
+    identical: int = 0  # preference pairs with the same reply twice
+    first_identical: str = ""  # where the first of them is
+
+
+def _encode_examples(
+    rows: Iterable[tuple[Any, str, str]],
+    encoder: ExampleEncoder,
+    temporaries: list[Path],
+    max_length: int,
+    overlong: str,
+    cut_input: bool,
+    dtype: np.dtype,
+) -> _Encoded:
+    """Encode each row's examples into temporaries (tokens, trained-token mask), fitted to max_length."""
+    found = _Encoded()
+    with open(temporaries[0], "wb") as ids_file, open(temporaries[1], "wb") as mask_file:
+        for record, fmt, where in rows:
+            examples, label = encoder.encode_row(record, fmt, where)
+            fitted = [fit(e, max_length, overlong, cut_input) for e in examples]  # type: ignore[arg-type]
+            if any(e is None for e in fitted):  # a pair is kept or dropped whole
+                found.dropped += 1
+                continue
+            found.truncated += any(f is not e for f, e in zip(fitted, examples))
+            if fmt == "preference" and np.array_equal(examples[0].ids, examples[1].ids):
+                found.identical += 1
+                found.first_identical = found.first_identical or where
+            for example in fitted:
+                ids_file.write(example.ids.astype(dtype).tobytes())
+                mask_file.write(example.trained.astype(np.uint8).tobytes())
+                found.offsets.append(found.offsets[-1] + len(example.ids))
+                found.targets.append(example.targets)
+            if label is not None:
+                found.labels.append(label)
+    return found
+
+
+def _warn_identical(encoded: _Encoded) -> None:
+    """A warning for preference pairs whose chosen and rejected replies are the same."""
+    if encoded.identical:  # kept (DPO's loss stays at log 2 on them), but most likely a mistake in the data
+        logger.warning(
+            "%d preference pair(s) have the same chosen and rejected reply, from which DPO learns nothing "
+            "(the first at %s); fix or drop them",
+            encoded.identical,
+            encoded.first_identical,
+        )
 
 
 def save_tokenizer(stage: Path, config: PrepareConfig, tokenizer: Tokenizer, template: ChatTemplate) -> None:

@@ -61,16 +61,7 @@ def write_prompts(
             mask_file.write(bytes(len(ids)))
             rows_file.write(_prompt_line(text, record, where))
             offsets.append(offsets[-1] + len(ids))
-    if len(offsets) == 1:
-        raise InputError(f"no prompt fits --max-length {max_length} (all {dropped} are longer); raise --max-length")
-    if dropped:
-        logger.warning(
-            "%d prompt(s) longer than %d tokens were dropped, not cut (a cut prompt asks another question; "
-            "the first at %s); raise --max-length to keep them",
-            dropped,
-            max_length,
-            first_dropped,
-        )
+    _report_dropped(len(offsets) - 1, dropped, max_length, first_dropped)
     val = val_examples(len(offsets) - 1, config.val_fraction)
     counts = write_example_splits(temporaries[:2], np.asarray(offsets, dtype=np.int64), val, stage, dtype, None)
     row_bytes = _write_prompt_rows(temporaries[2], val, stage)
@@ -92,6 +83,20 @@ def write_prompts(
         "inputs": [{"path": str(p), "bytes": p.stat().st_size, "format": formats[p]} for p in files],
     }
     return write_meta(stage, own, tokenizer, dtype, config, started)
+
+
+def _report_dropped(kept: int, dropped: int, max_length: int, first_dropped: str) -> None:
+    """An error when no prompt fits max_length; a warning naming the first one dropped when some do not."""
+    if not kept:
+        raise InputError(f"no prompt fits --max-length {max_length} (all {dropped} are longer); raise --max-length")
+    if dropped:
+        logger.warning(
+            "%d prompt(s) longer than %d tokens were dropped, not cut (a cut prompt asks another question; "
+            "the first at %s); raise --max-length to keep them",
+            dropped,
+            max_length,
+            first_dropped,
+        )
 
 
 def _prompt_line(text: str, record: Any, where: str) -> bytes:
