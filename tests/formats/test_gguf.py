@@ -135,6 +135,10 @@ def test_a_byte_tokenizer_comes_back_as_itself_and_a_gguf_file_fine_tunes(tmp_pa
                 "1",
                 "--train.device",
                 "cpu",
+                "--train.sample_every",
+                "0",  # samples and the plot: tests/observe (most of such a run's time)
+                "--train.plot",
+                "false",
                 "--quiet",
             ]
         )
