@@ -14,7 +14,7 @@ Activation memory follows what autograd actually keeps for gptkit's GPT (gptkit.
   SwiGLU (the [gate; up] output, SiLU(gate) and the product);
 - the head keeps the final norm's tensors, the logits and their log-softmax, and backward adds two
   vocabulary-sized gradients (of the log-probabilities and of the logits) while the logits are still held.
-tests/test_plan.py checks these counts against the tensors autograd saves and a measured peak.
+tests/model/test_plan.py checks these counts against the tensors autograd saves and a measured peak.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Named architectures: published shapes, each a dict of ModelConfig fields (ModelConfig.preset builds one).
 
-The published families' parameter counts are checked against their config.json files in tests/test_presets.py.
+The published families' parameter counts are checked against their config.json files in tests/model/test_presets.py.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ batches past MAX_ROWS at each of WIDE_ROWS in turn) and where the kernels' libra
 the background: until it ends, the eager step). A row's logits are the same to the bit whatever rows decode beside
 it (csrc/kernels.h).
 Its arithmetic is fp32 between the products (a bf16 model's activations are not rounded to bf16 between layers): an fp32
-model's logits agree with the eager step's within 1e-4 (tests/test_fused.py).
+model's logits agree with the eager step's within 1e-4 (tests/decoding/test_fused.py).
 """
 
 from __future__ import annotations

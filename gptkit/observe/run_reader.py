@@ -22,7 +22,7 @@ from gptkit.errors import GptkitError, InputError
 
 # The files gptkit train writes (observe.run_log.METRICS_FILE, observe.training.INSIGHT_FILE,
 # observe.samples.SAMPLES_FILE, train.CONFIG_FILE), named here again so that reading them imports none of the
-# training code (tests/test_watch.py ties the names together).
+# training code (tests/observe/test_watch.py ties the names together).
 RUN_FILES = {"metrics": "metrics.jsonl", "insight": "insight.jsonl", "samples": "samples.jsonl"}
 CONFIG_FILE = "config.yaml"
 DIGEST_SPAN = 1024  # bytes before a cursor's offset that must be unchanged for a read to go on from it
