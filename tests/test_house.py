@@ -55,7 +55,6 @@ LONG_FUNCTIONS = {
     "cli/plan.py:run": "one command's steps in order (read, plan, print the table)",
     "checkpoint.py:save_checkpoint": "the write order that makes a checkpoint atomic, kept in one place to read",
     "formats/gguf/write.py:export_gguf": "the GGUF file's parts in the order written: keys, tokenizer, tensors",
-    "observe/report.py:icl_picture": "one picture's data, figure and caption",
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from torch import Tensor
 
 from gptkit.accounting import param_breakdown
 from gptkit.atomic import atomic_write_text
@@ -297,29 +298,7 @@ def icl_picture(
         "tokens": _texts(tokenizer, ids),
         "attention_from_last": attention.tolist(),
     }
-    if data_tokens is not None:
-        losses = measures.position_losses(model, data_tokens)
-        early, late = measures.early_late_losses(losses)
-        data.update(losses_over="data", icl_score=late - early, early_loss=early, late_loss=late)
-        source = f"mean over {measures.ICL_WINDOWS} windows of the data"
-        loss_note = (
-            f" The loss curve is the mean over {measures.ICL_WINDOWS} {config.block_size}-token windows "
-            f"of the data: ICL score {late - early:+.3f} (late loss {late:.3f} minus early loss "
-            f"{early:.3f}; negative when the model uses its context)."
-        )
-    else:
-        losses = measures.sequence_losses(model, ids) if len(ids) > 1 else torch.zeros(0)
-        data["losses_over"] = "prompt"
-        # Said on the figure too: one short text's per-token losses are mostly noise, read as a trend otherwise.
-        source = (
-            "the few-shot prompt itself: one short text, so mostly\nper-token noise on a small model; "
-            "--data averages windows of real text"
-        )
-        loss_note = (
-            " The loss curve is over the few-shot prompt itself, one short text, so on a small model it is mostly "
-            "the noise of single tokens (give --data for the mean over windows of real text and the ICL score): a "
-            "model that learns in context predicts later demonstrations better than the first."
-        )
+    losses, source, loss_note = _icl_losses(model, ids, data_tokens, data)
     data["position_losses"] = losses.tolist()
     with torch.no_grad():
         last = model(torch.tensor([ids], device=next(model.parameters()).device))[0, -1].float().softmax(-1)
@@ -347,6 +326,38 @@ def icl_picture(
         caption,
         data,
     )
+
+
+def _icl_losses(
+    model: GPT, ids: list[int], data_tokens: np.ndarray | None, data: dict[str, Any]
+) -> tuple[Tensor, str, str]:
+    """The ICL picture's loss along the context (over windows of data_tokens, else over the prompt itself), what
+    the figure says it is, and the caption's sentence on it; data gets the numbers."""
+    config = model.config
+    if data_tokens is not None:
+        losses = measures.position_losses(model, data_tokens)
+        early, late = measures.early_late_losses(losses)
+        data.update(losses_over="data", icl_score=late - early, early_loss=early, late_loss=late)
+        source = f"mean over {measures.ICL_WINDOWS} windows of the data"
+        loss_note = (
+            f" The loss curve is the mean over {measures.ICL_WINDOWS} {config.block_size}-token windows "
+            f"of the data: ICL score {late - early:+.3f} (late loss {late:.3f} minus early loss "
+            f"{early:.3f}; negative when the model uses its context)."
+        )
+    else:
+        losses = measures.sequence_losses(model, ids) if len(ids) > 1 else torch.zeros(0)
+        data["losses_over"] = "prompt"
+        # Said on the figure too: one short text's per-token losses are mostly noise, read as a trend otherwise.
+        source = (
+            "the few-shot prompt itself: one short text, so mostly\nper-token noise on a small model; "
+            "--data averages windows of real text"
+        )
+        loss_note = (
+            " The loss curve is over the few-shot prompt itself, one short text, so on a small model it is mostly "
+            "the noise of single tokens (give --data for the mean over windows of real text and the ICL score): a "
+            "model that learns in context predicts later demonstrations better than the first."
+        )
+    return losses, source, loss_note
 
 
 def _induction_picture(model: GPT, tokens: Any | None) -> tuple[Figure, str, str, str, dict]:
