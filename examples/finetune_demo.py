@@ -9,8 +9,8 @@
    as `gptkit serve` answers /v1/chat/completions.
 
 Run: python examples/finetune_demo.py [--out DIR] [--quick]
-(--quick: 300 pre-training steps and 400 fine-tuning steps instead of 2,000 and 600, about 6 minutes on two cores:
-a weaker model, but one whose scores move.)
+(--quick: 300 pre-training steps and 400 fine-tuning steps instead of 2,000 and 600: a weaker model, but one whose
+scores move: 61.4% exact in full, 3.5% with LoRA, from 0.0%.)
 """
 
 from __future__ import annotations
@@ -159,7 +159,12 @@ def main() -> int:
     pretrain_steps, finetune_steps = (300, 400) if args.quick else (2000, 600)
     print(
         "expected: the base model reverses no held-out word; fine-tuned, "
-        + ("about 40% exactly and 70% of letters in place (--quick)" if args.quick else "99% (full) and 95% (LoRA)"),
+        + (
+            "fully about 60% (90% of letters in place), with LoRA a few % (30% of letters; LoRA needs the full "
+            "run's steps) (--quick)"
+            if args.quick
+            else "99% (full) and 95% (LoRA)"
+        ),
         flush=True,
     )
     started = time.perf_counter()
