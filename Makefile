@@ -6,7 +6,7 @@ BIN = $(VENV)/bin
 TORCH = torch==2.13.0
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test-deps browser compiler llama-converter lint run test test-all clean
+.PHONY: install test-deps browser compiler llama-converter llama-cpp lint run test test-all clean
 
 # What `make run` needs: gptkit and torch, no test tools. pip shows its progress (torch is a download of a few
 # hundred MB: minutes on a slow line).
@@ -45,18 +45,42 @@ run: install
 	$(BIN)/gptkit train --config configs/shakespeare-char-cpu.yaml $$(test -f $(RUN_DIR)/latest && echo --resume)
 	$(BIN)/gptkit generate $(RUN_DIR)/checkpoints/step-002000 --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --seed 1337
 
-# llama.cpp's own HF-to-GGUF converter, a reference the GGUF tests run: unpacked from the llama.cpp that the
-# llama-cpp-python source distribution on PyPI carries (nothing is built).
+# llama.cpp's own HF-to-GGUF converter and source, the reference the GGUF tests run: the llama.cpp tree that the
+# llama-cpp-python source distribution on PyPI carries, unpacked whole (the converter needs nothing built).
 LLAMA_CPP_PYTHON = llama-cpp-python==0.3.36
-CONVERTER = .cache/llama.cpp/convert_hf_to_gguf.py
-$(CONVERTER): | test-deps
-	rm -rf .cache/llama.cpp && mkdir -p .cache/llama.cpp/sdist
-	$(BIN)/pip download --quiet --no-deps --no-binary :all: $(LLAMA_CPP_PYTHON) -d .cache/llama.cpp/sdist
-	tar xzf .cache/llama.cpp/sdist/*.tar.gz -C .cache/llama.cpp --strip-components 3 --wildcards \
-		'*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
-	rm -rf .cache/llama.cpp/sdist
+LLAMA_CPP_DIR = .cache/llama.cpp
+CONVERTER = $(LLAMA_CPP_DIR)/convert_hf_to_gguf.py
+$(LLAMA_CPP_DIR)/CMakeLists.txt: | test-deps
+	rm -rf $(LLAMA_CPP_DIR) && mkdir -p $(LLAMA_CPP_DIR)/sdist
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: $(LLAMA_CPP_PYTHON) -d $(LLAMA_CPP_DIR)/sdist
+	tar xzf $(LLAMA_CPP_DIR)/sdist/*.tar.gz -C $(LLAMA_CPP_DIR) --strip-components 3 \
+		$(subst ==,-,$(subst -,_,$(LLAMA_CPP_PYTHON)))/vendor/llama.cpp
+	rm -rf $(LLAMA_CPP_DIR)/sdist
+
+$(CONVERTER): $(LLAMA_CPP_DIR)/CMakeLists.txt
 
 llama-converter: $(CONVERTER)
+
+# llama.cpp's CPU runtime, built from that tree: the tools the runtime tests and benchmarks/bench_generate.py run
+# (llama-bench, llama-perplexity, llama-simple) and gptkit's greedy driver (tests/formats/llama_greedy.cpp) linked
+# to its library. Release, this CPU's own instructions, no GPU, BLAS or network code. About 18 CPU-minutes (9 on 2
+# quiet cores), so `make test-all` builds it and `make test` only uses a build already there.
+LLAMA_CPP_BIN = $(LLAMA_CPP_DIR)/build/bin
+LLAMA_CPP_TOOLS = llama-bench llama-perplexity llama-simple
+$(LLAMA_CPP_BIN)/llama-bench: $(LLAMA_CPP_DIR)/CMakeLists.txt
+	@command -v cmake >/dev/null && command -v ninja >/dev/null || { $(SUDO) apt-get update -q && \
+		$(SUDO) apt-get install -y -q cmake ninja-build g++; }
+	cmake -S $(LLAMA_CPP_DIR) -B $(LLAMA_CPP_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DBUILD_SHARED_LIBS=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_OPENMP=ON \
+		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+		-DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON
+	cmake --build $(LLAMA_CPP_DIR)/build --target $(LLAMA_CPP_TOOLS)
+
+$(LLAMA_CPP_BIN)/llama-greedy: tests/formats/llama_greedy.cpp $(LLAMA_CPP_BIN)/llama-bench
+	$(CXX) -O2 -std=c++17 -I$(LLAMA_CPP_DIR)/include -I$(LLAMA_CPP_DIR)/ggml/include $< -o $@.tmp \
+		-L$(LLAMA_CPP_BIN) -lllama -lggml -lggml-base -Wl,-rpath,'$$ORIGIN' && mv $@.tmp $@
+
+llama-cpp: $(LLAMA_CPP_BIN)/llama-greedy
 
 LINTED = gptkit tests benchmarks examples
 
@@ -67,7 +91,7 @@ lint: test-deps
 test: test-deps browser compiler llama-converter lint
 	$(BIN)/python -m pytest -q
 
-test-all: test-deps browser compiler llama-converter
+test-all: test-deps browser compiler llama-converter llama-cpp
 	$(BIN)/python -m pytest -q -m ''
 
 clean:
