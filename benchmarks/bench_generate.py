@@ -54,8 +54,8 @@ from gptkit.config import ModelConfig
 from gptkit.decoding.api import complete
 from gptkit.decoding.options import DecodeOptions
 from gptkit.decoding.sampling import SamplingParams
-from gptkit.decoding.speculative import SpeculativeStats
 from gptkit.decoding.step import inference, new_cache, prefill
+from gptkit.decoding.verify import SpeculativeStats
 from gptkit.formats.hf import gpt_from_hf_model
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
