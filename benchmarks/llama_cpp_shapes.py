@@ -27,6 +27,7 @@ import torch
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import complete
 from gptkit.decoding.sampling import SamplingParams
+from gptkit.errors import ConfigError
 from gptkit.model import GPT
 from gptkit.moe import ExpertWeights
 from gptkit.presets import PRESETS
@@ -46,7 +47,10 @@ QWEN3_MOE = dict(
     n_experts=64,
     moe_ffn_hidden=256,
 )
-SHAPES = {"llama3.2-1b": PRESETS["llama3.2-1b"], "gemma3-1b": PRESETS["gemma3-1b"], "qwen3-moe": QWEN3_MOE}
+# Gemma 3's scores times 256^-0.5 are the default 1/sqrt(head_dim) at its heads of 256, which is how llama.cpp's
+# gemma3 computes them and how gptkit's GGUF writer takes them (attn_scale unset).
+GEMMA3 = dict(PRESETS["gemma3-1b"], attn_scale=None)
+SHAPES = {"llama3.2-1b": PRESETS["llama3.2-1b"], "gemma3-1b": GEMMA3, "qwen3-moe": QWEN3_MOE}
 FORMATS = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # gptkit's format -> the GGUF type llama.cpp runs
 
 
@@ -66,18 +70,22 @@ def shape_config(name: str, tiny: bool) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def formats_of(config: ModelConfig, wanted: list[str]) -> dict[str, GPT]:
-    """gptkit's models of one set of random weights (seeded) in each wanted format: bf16, and int8 and int4 over
-    fp32 activations."""
+def formats_of(config: ModelConfig, wanted: list[str]) -> tuple[dict[str, GPT], dict[str, str]]:
+    """gptkit's models of one set of random weights (seeded) in each wanted format (bf16, and int8 and int4 over fp32
+    activations), and the formats gptkit cannot quantise this model to, with quantize's reason: those keep the fp32
+    model, from which the GGUF writer makes llama.cpp's q8_0 or q4_0 alone."""
     torch.manual_seed(0)
     fp32 = GPT(config).eval()
-    models = {}
+    models, refused = {}, {}
     if "bf16" in wanted:
         models["bf16"] = copy.deepcopy(fp32).to(torch.bfloat16)
     for method in ("int8", "int4"):
         if method in wanted:
-            models[method] = quantize(copy.deepcopy(fp32), method)
-    return models
+            try:
+                models[method] = quantize(copy.deepcopy(fp32), method)
+            except ConfigError as refusal:  # a mixture of experts, until gptkit quantises expert stacks
+                models[method], refused[method] = fp32, str(refusal)
+    return models, refused
 
 
 def vocabulary_of(size: int) -> Any:
@@ -150,7 +158,7 @@ def compare_shape(name: str, args: argparse.Namespace, bandwidth: float, tmp: Pa
     """One row per format of the shape: gptkit's and llama.cpp's best decode rates, their ratio, and each side's
     share of its active-bytes bound."""
     config = shape_config(name, args.tiny_shapes)
-    models = formats_of(config, args.dtypes + args.quantized)
+    models, refused = formats_of(config, args.dtypes + args.quantized)
     ggufs = {}
     if args.llama_cpp:
         ggufs = {
@@ -161,38 +169,48 @@ def compare_shape(name: str, args: argparse.Namespace, bandwidth: float, tmp: Pa
     for round_index in range(args.rounds):
         print(f"[{name}] round {round_index + 1} of {args.rounds}", flush=True, file=sys.stderr)
         for label, model in models.items():
-            rate = gptkit_decode_rate(model, prompt.tolist(), args.new_tokens)
-            best[("gptkit", label)] = max(best.get(("gptkit", label), 0.0), rate)
+            if label not in refused:
+                rate = gptkit_decode_rate(model, prompt.tolist(), args.new_tokens)
+                best[("gptkit", label)] = max(best.get(("gptkit", label), 0.0), rate)
             if label in ggufs:
                 binary = Path(args.llama_cpp) / "llama-bench"
                 rate = llama_cpp_decode_rate(binary, ggufs[label], args.new_tokens, torch.get_num_threads())
                 best[("llama.cpp", label)] = max(best.get(("llama.cpp", label), 0.0), rate)
     rows = []
     for label, model in models.items():
-        ours = active_bytes(model)
-        row = dict(shape=name, format=label, gguf=FORMATS[label], gptkit=best[("gptkit", label)])
-        row |= dict(active_bytes=ours, bound=bandwidth / ours, gptkit_share=best[("gptkit", label)] * ours / bandwidth)
+        row: dict[str, Any] = dict(shape=name, format=label, gguf=FORMATS[label])
+        if label in refused:
+            row["gptkit_refused"] = refused[label]
+        else:
+            ours, rate = active_bytes(model), best[("gptkit", label)]
+            row |= dict(gptkit=rate, active_bytes=ours, bound=bandwidth / ours, gptkit_share=rate * ours / bandwidth)
         if label in ggufs:
-            theirs = gguf_active_bytes(ggufs[label], config)
-            row |= dict(llama_cpp=best[("llama.cpp", label)], llama_cpp_active_bytes=theirs)
-            row |= dict(
-                vs_llama_cpp=row["gptkit"] / row["llama_cpp"], llama_cpp_share=row["llama_cpp"] * theirs / bandwidth
-            )
+            theirs, rate = gguf_active_bytes(ggufs[label], config), best[("llama.cpp", label)]
+            row |= dict(llama_cpp=rate, llama_cpp_active_bytes=theirs, llama_cpp_bound=bandwidth / theirs)
+            row["llama_cpp_share"] = rate * theirs / bandwidth
+            if "gptkit" in row:
+                row["vs_llama_cpp"] = row["gptkit"] / rate
         rows.append(row)
     return rows
 
 
 def print_rows(rows: list[dict[str, Any]], bandwidth: float) -> None:
-    """The decode table: one line per shape and format, with its ratio and each side's share of the bound."""
+    """The decode table: one line per shape and format, with its ratio and each side's share of its bound (gptkit's
+    bound and active bytes where it runs the format, else llama.cpp's)."""
     print(f"batch-1 decode against llama.cpp's tg (tokens/s; bound: active weight bytes at {bandwidth / 1e9:.1f} GB/s)")
     print(
         f"{'shape':12} {'format':6} {'gguf':5} {'gptkit':>8} {'llama.cpp':>9} {'ratio':>6} {'bound':>7} "
         f"{'gptkit%':>7} {'llama%':>6} {'active MB':>9}"
     )
     for r in rows:
-        cell = lambda key, spec: format(r[key], spec) if key in r else ""  # noqa: E731
+        cell = lambda key, spec: format(r[key], spec) if key in r else "-"  # noqa: E731
+        bound = r.get("bound", r.get("llama_cpp_bound", 0.0))
+        active = r.get("active_bytes", r.get("llama_cpp_active_bytes", 0))
         print(
-            f"{r['shape']:12} {r['format']:6} {r['gguf']:5} {r['gptkit']:8.1f} {cell('llama_cpp', '.1f'):>9} "
-            f"{cell('vs_llama_cpp', '.2f'):>6} {r['bound']:7.1f} {cell('gptkit_share', '.0%'):>7} "
-            f"{cell('llama_cpp_share', '.0%'):>6} {r['active_bytes'] / 1e6:9.1f}"
+            f"{r['shape']:12} {r['format']:6} {r['gguf']:5} {cell('gptkit', '.1f'):>8} {cell('llama_cpp', '.1f'):>9} "
+            f"{cell('vs_llama_cpp', '.2f'):>6} {bound:7.1f} {cell('gptkit_share', '.0%'):>7} "
+            f"{cell('llama_cpp_share', '.0%'):>6} {active / 1e6:9.1f}"
         )
+    for r in rows:
+        if "gptkit_refused" in r:
+            print(f"{r['shape']} {r['format']}: gptkit: {r['gptkit_refused']}")

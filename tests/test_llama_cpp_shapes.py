@@ -25,7 +25,7 @@ def bench_module(name: str):
 def test_a_moe_models_active_bytes_are_the_same_counted_in_gptkit_and_in_its_gguf_file(tmp_path):
     shapes = bench_module("llama_cpp_shapes")
     config = shapes.shape_config("qwen3-moe", tiny=True)
-    model = shapes.formats_of(config, ["int8"])["int8"]
+    model = shapes.formats_of(config, ["bf16"])[0]["bf16"]
     path = shapes.write_gguf(model, tmp_path / "m.gguf", "f32")
     fp32_bytes = shapes.gguf_active_bytes(path, config)
     d, e, k = config.n_embd, config.n_experts, config.n_experts_per_token
@@ -33,8 +33,7 @@ def test_a_moe_models_active_bytes_are_the_same_counted_in_gptkit_and_in_its_ggu
     whole = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) > 1)
     embedding = config.vocab_size * d * 4  # looked up, not multiplied (the head is a tensor of its own)
     assert fp32_bytes == whole - embedding - experts + experts * k // e
-    # gptkit's int8 model: int8 matrices and their scales, and its experts in the type gptkit keeps them
-    assert 0 < shapes.active_bytes(model) < fp32_bytes
+    assert shapes.active_bytes(model) * 2 == fp32_bytes  # gptkit's own count, of its bf16 model
 
 
 def test_the_vocabulary_has_exactly_the_size_asked_past_every_byte_pair():
@@ -57,4 +56,7 @@ def test_the_decode_table_runs_against_llama_cpp_at_a_smoke_runs_size(capsys):
         ("qwen3-moe", "int8", "q8_0"),
         ("qwen3-moe", "int4", "q4_0"),
     ]
-    assert all(r["llama_cpp"] > 0 and r["vs_llama_cpp"] > 0 and 0 < r["llama_cpp_share"] for r in rows)
+    assert all(r["llama_cpp"] > 0 and 0 < r["llama_cpp_share"] for r in rows)
+    # gptkit decodes the bf16 one; its int8 and int4 of a mixture of experts are refused with quantize's reason
+    assert rows[0]["vs_llama_cpp"] > 0
+    assert all("vs_llama_cpp" in r or "mixture of experts" in r["gptkit_refused"] for r in rows)
