@@ -15,7 +15,8 @@
 
 Run: python examples/dpo_demo.py [--sft-out DIR] [--out DIR] [--quick]
 (--quick: from finetune_demo.py --quick's weaker model, 60 reference steps and 50 steps a method instead of 100
-and 100, scored on 200 of the held-out words: about 10 minutes on two cores, the scores moved but not as far.)
+and 100, scored on 200 of the held-out words: replies ending with "." go from 43.5% to 99-100%, and plain DPO
+keeps 49.5% of the reversals where the others keep 60-64%.)
 """
 
 from __future__ import annotations
@@ -147,9 +148,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     reference_steps, steps = (60, 50) if args.quick else (100, 100)
     print(
-        'expected: the reference ends about 30% of replies with "."; every method learns the preference (accuracy '
-        'near 100%) and ends most replies with "."; plain DPO, without the NLL term, stops reversing the words'
-        + (" (--quick: the same, less far)" if args.quick else ""),
+        'expected: every method learns the preference (accuracy near 100%) and ends nearly every reply with "."; '
+        "plain DPO, without the NLL term, also breaks reversals"
+        + (
+            ' (--quick: the reference ends about 45% of replies with "." and reverses about 60% of the words)'
+            if args.quick
+            else ' (the reference ends about 30% of replies with ".")'
+        ),
         flush=True,
     )
     started = time.perf_counter()
