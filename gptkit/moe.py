@@ -87,13 +87,24 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None, ends: Tensor,
 
 
 class ExpertWeights(nn.Module):
-    """E linear maps in_features -> out_features held as one (E, out, in) weight (HF's fused expert layout)."""
+    """E linear maps in_features -> out_features held as one (E, out, in) weight (HF's fused expert layout).
+
+    MoEFeedForward computes a stack through expert() and grouped() only, which gptkit.quantization's int8 and int4
+    stacks implement too."""
 
     def __init__(self, n_experts: int, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(n_experts, out_features)) if bias else None
         nn.init.normal_(self.weight, mean=0.0, std=0.02)  # GPT-2's init, as GPT.reset_parameters gives nn.Linear
+
+    def expert(self, x: Tensor, e: int) -> Tensor:
+        """x (M, in) through expert e alone: (M, out)."""
+        return linear(x, self.weight[e], None if self.bias is None else self.bias[e])
+
+    def grouped(self, x: Tensor, ends: Tensor, row_expert: Tensor) -> Tensor:
+        """grouped_linear over this stack: rows ends[e-1]:ends[e] of x (R, in) through expert e, (R, out)."""
+        return grouped_linear(x, self.weight, self.bias, ends, row_expert)
 
 
 class MoEFeedForward(nn.Module):
@@ -162,8 +173,8 @@ class MoEFeedForward(nn.Module):
         ends = torch.cat([starts[1:], starts.new_tensor([total])])  # (E,) where each expert's rows end
         row_expert = torch.bucketize(torch.arange(total, device=flat.device), ends, right=True)  # (total,) for biases
         buffer = flat.new_zeros(total, flat.size(1)).index_copy(0, rows, flat[order // k])  # (total, d)
-        h = grouped_linear(buffer, self.fc.weight, self.fc.bias, ends, row_expert)  # (total, fc width)
-        y = grouped_linear(activate(h, self.activation), self.proj.weight, self.proj.bias, ends, row_expert)
+        h = self.fc.grouped(buffer, ends, row_expert)  # (total, fc width)
+        y = self.proj.grouped(activate(h, self.activation), ends, row_expert)  # (total, d)
         slot_rows = torch.empty_like(rows).index_copy_(0, order, rows)  # each slot's row, slots in token order
         y = y[slot_rows].view(N, k, -1)  # (N, k, d)
         return (y * weights[..., None].to(y.dtype)).sum(dim=1)  # (N, d)
@@ -176,9 +187,8 @@ class MoEFeedForward(nn.Module):
         ys = []
         for token, expert in zip(torch.arange(N).repeat_interleave(k).tolist(), experts.reshape(-1).tolist()):
             x = flat[token : token + 1]  # (1, d)
-            h = linear(x, self.fc.weight[expert], None if self.fc.bias is None else self.fc.bias[expert])
-            h = activate(h, self.activation)  # (1, hidden)
-            ys.append(linear(h, self.proj.weight[expert], None if self.proj.bias is None else self.proj.bias[expert]))
+            h = activate(self.fc.expert(x, expert), self.activation)  # (1, hidden)
+            ys.append(self.proj.expert(h, expert))  # (1, d)
         y = torch.cat(ys).view(N, k, -1)  # (N * k, d) -> (N, k, d)
         return (y * weights[..., None].to(y.dtype)).sum(dim=1)  # (N, d)
 

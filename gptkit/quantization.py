@@ -3,7 +3,8 @@
 Each matmul reads one byte per weight (int8) or 18 bytes per 32 (int4: 4-bit values and one fp16 scale per block
 of 32) instead of two or four, which is what bounds decoding on a CPU. Activations stay in the model's float dtype
 (fp32 or bf16) between the products. The embedding table stays in float (a lookup reads a few rows only); a tied
-LM head gets its own quantised copy.
+LM head gets its own quantised copy. A mixture of experts' (E, out, in) expert stacks take the same formats per
+expert (Int8Experts, Int4Experts); its routers stay float, as llama.cpp keeps them.
 
 int4 is Q4_0 exactly (llama.cpp's ggml-quants.c, quantize_row_q4_0_ref): per block of 32 weights the one of largest
 magnitude m sets d = m / -8, each weight becomes q = min(15, floor(w / d + 8.5)) in 0..15, and w ~ d (q - 8); so
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
+from gptkit.moe import moe_layers
 from gptkit.native import library, ops
 
 QUANTIZATION_METHODS = ("int8", "int4")
@@ -326,18 +328,186 @@ def int4_or_int8(linear: nn.Linear) -> nn.Module:
     return Int4Linear.from_linear(linear)
 
 
+def _grouped_dequantized(stack: nn.Module, x: Tensor, ends: Tensor, row_expert: Tensor) -> Tensor:
+    """gptkit.moe.grouped_linear over a quantised stack for inference (prefill): rows ends[e-1]:ends[e] of x (R, in)
+    times expert e's dequantised weight, one expert at a time, so that only one expert's float copy exists at once."""
+    bounds = [0, *ends.tolist()]
+    parts = [
+        F.linear(x[start:end], stack.dequantized_expert(e, x.dtype))
+        for e, (start, end) in enumerate(zip(bounds, bounds[1:]))
+        if end > start  # an expert no row chose is not dequantised
+    ]
+    out = torch.cat(parts)  # (R, out)
+    return out if stack.bias is None else out + stack.bias.to(x.dtype)[row_expert]
+
+
+class Int8Experts(nn.Module):
+    """A MoE layer's expert stack (gptkit.moe.ExpertWeights) in int8: weight (E, out, in) with one scale per output
+    row (E, out), each expert as an Int8Linear would hold it; bias (E, out) in float."""
+
+    def __init__(
+        self, n_experts: int, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(n_experts, out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(n_experts, out_features, dtype=dtype))
+        self.register_buffer("bias", torch.zeros(n_experts, out_features, dtype=dtype) if bias else None)
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module) -> Int8Experts:
+        """The int8 copy of a float expert stack (same device; scales and bias in its dtype)."""
+        n, out, width = experts.weight.shape
+        dtype = experts.weight.dtype
+        module = cls(n, width, out, experts.bias is not None, dtype).to(experts.weight.device)
+        q, scales = quantize_weight(experts.weight.reshape(n * out, width))  # per row: per expert and output
+        module.weight.copy_(q.view(n, out, width))
+        module.scales.copy_(scales.view(n, out).to(dtype))
+        if experts.bias is not None:
+            module.bias.copy_(experts.bias.detach())
+        return module
+
+    def dequantized_expert(self, e: int, dtype: torch.dtype) -> Tensor:
+        """Expert e's (out, in) float weight."""
+        return _dequantized(self.weight[e], self.scales[e], dtype)
+
+    def expert(self, x: Tensor, e: int) -> Tensor:
+        """x (M, in) through expert e alone by the int8 kernel (Int8Linear's few-row product) where it runs."""
+        bias = None if self.bias is None else self.bias[e]
+        y = ops.int8_linear(x, self.weight[e], self.scales[e], bias)
+        if y is None:
+            y = F.linear(x, self.dequantized_expert(e, x.dtype), None if bias is None else bias.to(x.dtype))
+        return y
+
+    def grouped(self, x: Tensor, ends: Tensor, row_expert: Tensor) -> Tensor:
+        """ExpertWeights.grouped for inference: each expert's rows through its dequantised weight."""
+        return _grouped_dequantized(self, x, ends, row_expert)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.weight.size(0)}, in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class Int4Experts(nn.Module):
+    """A MoE layer's expert stack in Q4_0 (quantize_q4), each expert as an Int4Linear holds it: weight (E, groups,
+    blocks, 128) uint8 and fp16 scales (E, groups, blocks, 8) in groups of 8 rows, state dicts in plain rows (E, out,
+    in / 2) and (E, out, in / 32), the bits a GGUF file's q4_0 expert tensor holds."""
+
+    def __init__(
+        self, n_experts: int, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        if in_features % Q4_BLOCK:
+            raise ConfigError(f"int4 needs an input width that is a multiple of {Q4_BLOCK}, got {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        groups, blocks = -(-out_features // Q4_GROUP), in_features // Q4_BLOCK
+        self.register_buffer(
+            "weight", torch.zeros(n_experts, groups, blocks, Q4_GROUP * Q4_BLOCK // 2, dtype=torch.uint8)
+        )
+        self.register_buffer("scales", torch.zeros(n_experts, groups, blocks, Q4_GROUP, dtype=torch.float16))
+        self.register_buffer("bias", torch.zeros(n_experts, out_features, dtype=dtype) if bias else None)
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module) -> Int4Experts:
+        """The Q4_0 copy of a float expert stack (same device; bias in its dtype)."""
+        n, out, width = experts.weight.shape
+        module = cls(n, width, out, experts.bias is not None, experts.weight.dtype).to(experts.weight.device)
+        packed, scales = quantize_q4(experts.weight.reshape(n * out, width))  # (E * out, in / 2), (E * out, in / 32)
+        module._set_plain(packed.view(n, out, -1), scales.view(n, out, -1))
+        if experts.bias is not None:
+            module.bias.copy_(experts.bias.detach())
+        return module
+
+    def _set_plain(self, packed: Tensor, scales: Tensor) -> None:
+        """Hold plain rows (E, out, in / 2) and fp16 scales (E, out, in / 32) in groups of 8 rows."""
+        grouped = [group_q4(p, s.to(torch.float16)) for p, s in zip(packed, scales)]
+        self.weight = torch.stack([g[0] for g in grouped])  # (E, groups, blocks, 128)
+        self.scales = torch.stack([g[1] for g in grouped])  # (E, groups, blocks, 8)
+
+    def plain(self) -> tuple[Tensor, Tensor]:
+        """The blocks as rows: packed (E, out, in / 2) uint8 and fp16 scales (E, out, in / 32)."""
+        rows = [ungroup_q4(w, s, self.out_features) for w, s in zip(self.weight, self.scales)]
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+    def dequantized_expert(self, e: int, dtype: torch.dtype) -> Tensor:
+        """Expert e's (out, in) float weight."""
+        native = ops.dequantize_q4(self.weight[e], self.scales[e], self.out_features, dtype)
+        return (
+            native
+            if native is not None
+            else dequantize_q4(*ungroup_q4(self.weight[e], self.scales[e], self.out_features), dtype)
+        )
+
+    def expert(self, x: Tensor, e: int) -> Tensor:
+        """x (M, in) through expert e alone by the q4 kernel (Int4Linear's few-row product) where it runs."""
+        bias = None if self.bias is None else self.bias[e]
+        y = ops.q4_linear(x, self.weight[e], self.scales[e], bias, self.out_features)
+        if y is None:
+            y = F.linear(x, self.dequantized_expert(e, x.dtype), None if bias is None else bias.to(x.dtype))
+        return y
+
+    def grouped(self, x: Tensor, ends: Tensor, row_expert: Tensor) -> Tensor:
+        """ExpertWeights.grouped for inference: each expert's rows through its dequantised weight."""
+        return _grouped_dequantized(self, x, ends, row_expert)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"], destination[prefix + "scales"] = self.plain()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        weight, scales = state_dict.get(prefix + "weight"), state_dict.get(prefix + "scales")
+        n = self.weight.size(0)
+        plain = (n, self.out_features, self.in_features // 2), (n, self.out_features, self.in_features // Q4_BLOCK)
+        if weight is not None and scales is not None and (tuple(weight.shape), tuple(scales.shape)) == plain:
+            grouped = [group_q4(w, s.to(torch.float16)) for w, s in zip(weight, scales)]
+            state_dict[prefix + "weight"] = torch.stack([g[0] for g in grouped])
+            state_dict[prefix + "scales"] = torch.stack([g[1] for g in grouped])
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Int4Experts:
+        """Moved and cast as any module is, except the fp16 block scales, which move as their bits (Int4Linear's)."""
+        scales = self.scales
+        super()._apply(fn, recurse)
+        self.scales = fn(scales.view(torch.int16)).view(torch.float16)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"experts={self.weight.size(0)}, in_features={self.in_features}, out_features={self.out_features}, int4"
+
+
+QUANTIZED_EXPERTS = (Int8Experts, Int4Experts)
+
+
+def int4_or_int8_experts(experts: nn.Module) -> nn.Module:
+    """Int4Experts where the input width holds whole blocks of 32, else Int8Experts (as int4_or_int8)."""
+    if experts.weight.size(2) % Q4_BLOCK:
+        return Int8Experts.from_experts(experts)
+    return Int4Experts.from_experts(experts)
+
+
 def _check_method(method: str) -> None:
     if method not in QUANTIZATION_METHODS:
         raise ConfigError(f"unknown quantisation {method!r}; choose one of: {', '.join(QUANTIZATION_METHODS)}")
 
 
-def swap_linears(model: nn.Module, make: Any) -> None:
-    """Replace every nn.Linear below model by make(linear)."""
+def swap_linears(model: nn.Module, make: Any, keep: frozenset[int] = frozenset()) -> None:
+    """Replace every nn.Linear below model by make(linear), except those whose id is in keep."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, make(child))
+            if id(child) not in keep:
+                setattr(model, name, make(child))
         else:
-            swap_linears(child, make)
+            swap_linears(child, make, keep)
+
+
+def _quantize_experts(model: nn.Module, method: str) -> frozenset[int]:
+    """Quantise each MoE layer's expert stacks in place; the ids of its routers and shared gates, which stay float
+    (llama.cpp keeps routers in f32: a rounded router logit can change which experts a token takes)."""
+    make = Int8Experts.from_experts if method == "int8" else int4_or_int8_experts
+    keep = set()
+    for layer in moe_layers(model):
+        layer.fc, layer.proj = make(layer.fc), make(layer.proj)
+        keep |= {id(layer.router)} | ({id(layer.shared_gate)} if layer.shared_gate is not None else set())
+    return frozenset(keep)
 
 
 def dequantized_state(model: nn.Module) -> dict[str, Tensor]:
@@ -352,26 +522,32 @@ def dequantized_state(model: nn.Module) -> dict[str, Tensor]:
                 if isinstance(module, Int8Linear)
                 else module.dequantized()
             )
+        elif isinstance(module, QUANTIZED_EXPERTS):
+            del state[f"{name}.scales"]
+            experts = range(module.weight.size(0))
+            state[f"{name}.weight"] = torch.stack([module.dequantized_expert(e, torch.float32) for e in experts])
     return state
 
 
 def is_quantized(model: nn.Module) -> bool:
-    """Whether model holds any Int8Linear or Int4Linear."""
-    return any(isinstance(m, (Int8Linear, Int4Linear)) for m in getattr(model, "_orig_mod", model).modules())
+    """Whether model holds any Int8Linear or Int4Linear (or a quantised expert stack)."""
+    quantized = (Int8Linear, Int4Linear, *QUANTIZED_EXPERTS)
+    return any(isinstance(m, quantized) for m in getattr(model, "_orig_mod", model).modules())
 
 
 def quantization_method(model: nn.Module) -> str | None:
     """ "int4" where any layer is Int4Linear, "int8" where any is Int8Linear, else None."""
     modules = list(getattr(model, "_orig_mod", model).modules())
-    if any(isinstance(m, Int4Linear) for m in modules):
+    if any(isinstance(m, (Int4Linear, Int4Experts)) for m in modules):
         return "int4"
-    return "int8" if any(isinstance(m, Int8Linear) for m in modules) else None
+    return "int8" if any(isinstance(m, (Int8Linear, Int8Experts)) for m in modules) else None
 
 
 @torch.no_grad()
 def quantize(model: GPT, method: str = "int8", include_head: bool = True) -> GPT:
     """Quantise model's Linear weights in place (int8 per output channel, or int4 Q4_0 blocks) and return it, in
-    eval mode.
+    eval mode. A mixture of experts' expert stacks are quantised alike (Int8Experts, Int4Experts); its routers and
+    shared-expert gates stay float.
 
     include_head=False keeps the LM head in float (LoRA training over an int8 base: the fused loss reads it).
     """
@@ -379,11 +555,7 @@ def quantize(model: GPT, method: str = "int8", include_head: bool = True) -> GPT
     base = getattr(model, "_orig_mod", model)
     if is_quantized(base):
         raise ConfigError("this model is already quantised")
-    if base.config.n_experts is not None:
-        # Quantising only the router and attention would leave most of its weights (the expert stacks) in float.
-        raise ConfigError(
-            f"{method} quantisation does not cover a mixture of experts yet (its (E, out, in) expert stacks have no "
-            "quantised form); decode it in float32 or bfloat16"
-        )
-    swap_linears(base if include_head else base.blocks, Int8Linear.from_linear if method == "int8" else int4_or_int8)
+    keep = _quantize_experts(base, method)
+    make = Int8Linear.from_linear if method == "int8" else int4_or_int8
+    swap_linears(base if include_head else base.blocks, make, keep)
     return model.eval()

@@ -1,7 +1,9 @@
 // A mixture-of-experts feed-forward inside the fused decode step (step.cpp; gptkit.moe computes the same eagerly):
 // the router's product, softmax and top k (ties to the lower expert index, as gptkit.moe.route's stable sort), the
 // renormalised weights, then each routed expert's up and down products over only the rows routed to it, and each
-// row's weighted sum over its k experts in its top-k order.
+// row's weighted sum over its k experts in its top-k order. Each expert's slice of a stack is in any of weights.h's
+// formats (fp32, bf16, int8 with a scale per row, q4 in groups of 8 rows: gptkit.quantization's Int8Experts and
+// Int4Experts), its activations prepared as the dense products prepare theirs.
 //
 // Rows are grouped by expert (an expert's rows side by side, in row order), so that a weight row several rows route
 // to is read once per step, and an expert nobody chose is not read at all: at one row the step reads k experts, its

@@ -13,7 +13,7 @@ and its gate, each row reading only its routed experts' weights, csrc/moe_step.h
 norms per head or over the width, a score scale and soft-cap, sliding-window layers (their KV cache a ring), scaled
 embeddings and logits, soft-capped logits, biases anywhere, a tied or own LM head with or without a bias, a padded
 vocabulary (the step computes every row of the head; the padded logits are dropped); fp32 or bf16 weights, int8 or
-int4 layers; an fp32, bf16 or int8 KV cache;
+int4 layers and expert stacks; an fp32, bf16 or int8 KV cache;
 any number of rows; served LoRA adapters (gptkit.multi_lora's AdapterSet layers), each row its own. A model holding
 any module, parameter or buffer the step does not compute (a training adapter around a layer, a module or parameter
 added to a block) is refused by what it holds, whatever its configuration says.
@@ -44,7 +44,7 @@ from gptkit.multi_lora import AdapterSet, adapter_sets, adapters_version, row_ad
 from gptkit.native import library, ops
 from gptkit.native.choices import faster
 from gptkit.positions import layer_rope, scaled_frequencies, scaling_attention_factor
-from gptkit.quantization import Int4Linear, Int8Linear
+from gptkit.quantization import QUANTIZED_EXPERTS, Int4Experts, Int4Linear, Int8Experts, Int8Linear
 
 log = logging.getLogger("gptkit.decoding")
 
@@ -80,6 +80,8 @@ _COMPUTED = (
     AdapterSet,
     MoEFeedForward,
     ExpertWeights,
+    Int8Experts,
+    Int4Experts,
 )
 _NORM_TYPES = {"layernorm": nn.LayerNorm, "rmsnorm": RMSNorm}
 
@@ -226,13 +228,16 @@ def _dense_mlp(mlp: nn.Module) -> list[Tensor]:
 
 
 def _expert_tensors(model: GPT) -> list[Tensor]:
-    """Each MoE layer's router, expert stacks (weight, no scales, bias) and shared gate, in layer order (csrc's
-    kMoeTensors per MoE layer)."""
+    """Each MoE layer's router, expert stacks (weight, scales of an int8 or int4 stack, bias) and shared gate, in
+    layer order (csrc's kMoeTensors per MoE layer)."""
     tensors = []
     for block in model.blocks:
         mlp = block.mlp
         if isinstance(mlp, MoEFeedForward):
-            stacks = [[e.weight, _NONE, e.bias if e.bias is not None else _NONE] for e in (mlp.fc, mlp.proj)]
+            stacks = [
+                [e.weight, e.scales if isinstance(e, QUANTIZED_EXPERTS) else _NONE, _NONE if e.bias is None else e.bias]
+                for e in (mlp.fc, mlp.proj)
+            ]
             gate = _linear(mlp.shared_gate) if mlp.shared_gate is not None else [_NONE] * 3
             tensors += [*_linear(mlp.router), *stacks[0], *stacks[1], *gate]
     return tensors

@@ -159,7 +159,7 @@ def with_precision(model: nn.Module, precision: str) -> nn.Module:
     """The frozen base in the precision its adapters train over: float32, or the blocks' linear weights stored in
     bfloat16 or int8 (weight-only) and multiplied in float32; embeddings, norms and the head stay float (the fused
     loss reads the head's weight, and they are a small part of the weights). A mixture of experts' stacks (E, out, in)
-    stay float32 under bfloat16; int8 refuses a mixture of experts (no quantised stacks yet)."""
+    stay float32 under bfloat16 and become int8 stacks under int8 (gptkit.quantization.Int8Experts)."""
     from gptkit.moe import ExpertWeights
     from gptkit.quantization import Bfloat16Linear, quantize
 

@@ -1,6 +1,7 @@
 """gptkit's model directory holding a quantised model: config.json says "quantization": "int8" or "int4", and
 model.safetensors holds each layer's int8 weights with their per-row scales (gptkit.quantization.Int8Linear) or
-packed Q4_0 weights (uint8) with their per-block fp16 scales (Int4Linear); the weight's dtype says which.
+packed Q4_0 weights (uint8) with their per-block fp16 scales (Int4Linear), a mixture of experts' stacks the same per
+expert (Int8Experts, Int4Experts); the weight's dtype says which.
 
 It is a gptkit directory plus a field, so its config.json is read and written by gptkit.tensors, which the float
 directory (gptkit.formats.modeldir) uses too; this module imports no other format."""
@@ -14,7 +15,16 @@ from torch import Tensor, nn
 
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
-from gptkit.quantization import QUANTIZATION_METHODS, Int4Linear, Int8Linear, probe_kernels, quantization_method
+from gptkit.moe import ExpertWeights
+from gptkit.quantization import (
+    QUANTIZATION_METHODS,
+    Int4Experts,
+    Int4Linear,
+    Int8Experts,
+    Int8Linear,
+    probe_kernels,
+    quantization_method,
+)
 from gptkit.tensors import (
     WEIGHTS_FILE,
     ModelDirError,
@@ -98,11 +108,18 @@ def load_quantized_dir(
 
 def _quantized_layers(model: GPT, state: dict[str, Tensor]) -> None:
     """Replace each nn.Linear of model by the layer its saved weight's dtype names: int8 Int8Linear, uint8
-    Int4Linear, a float one stays (a model read from a GGUF file may keep some layers in float)."""
+    Int4Linear, a float one stays (a model read from a GGUF file may keep some layers in float); each expert stack
+    (ExpertWeights) alike by Int8Experts or Int4Experts."""
     layers = {torch.int8: Int8Linear, torch.uint8: Int4Linear}
+    stacks = {torch.int8: Int8Experts, torch.uint8: Int4Experts}
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             weight = state.get(f"{name}.{child_name}.weight".lstrip("."))
-            if isinstance(child, nn.Linear) and weight is not None and weight.dtype in layers:
+            if weight is None:
+                continue
+            if isinstance(child, nn.Linear) and weight.dtype in layers:
                 layer = layers[weight.dtype](child.in_features, child.out_features, child.bias is not None)
                 setattr(module, child_name, layer)
+            elif isinstance(child, ExpertWeights) and weight.dtype in stacks:
+                n, out, width = child.weight.shape
+                setattr(module, child_name, stacks[weight.dtype](n, width, out, child.bias is not None))

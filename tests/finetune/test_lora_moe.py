@@ -59,9 +59,15 @@ def test_adapters_train_over_a_bfloat16_moe_base_whose_experts_stay_float32():
     assert all(a.lora_A.grad is not None for a in adapters(model).values())
 
 
-def test_an_int8_moe_base_is_refused_in_one_line():
+def test_an_int8_moe_base_holds_int8_expert_stacks_and_trains_its_attention_adapters():
     from gptkit.formats.lora import with_precision
+    from gptkit.quantization import Int8Experts
 
+    torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, **moe_fields()))
-    with pytest.raises(ConfigError, match="int8 quantisation does not cover a mixture of experts yet"):
-        with_precision(model, "int8")
+    add_lora(with_precision(model, "int8"), rank=4, alpha=8.0, dropout=0.0, targets="attention")
+    assert type(model.blocks[0].mlp.fc) is Int8Experts and model.blocks[0].mlp.router.weight.dtype == torch.float32
+    model.train()
+    ids = torch.randint(0, 64, (2, 16))
+    model(ids, targets=ids).backward()  # the grouped path through the dequantised stacks carries x's gradient
+    assert all(a.lora_A.grad is not None for a in adapters(model).values())
