@@ -17,7 +17,8 @@ the int4 kernel rather than using PyTorch's: the ratio column is PyTorch's time 
 
 --shapes qwen3-moe times whole decode steps of a Qwen3-MoE-shaped model of random weights instead (issue 55: 16
 layers, 64 experts of hidden 256, top 8, 1024 wide; --quick: 2 layers, 256 wide, of 16 experts), fused and eager, at batch 1
-in fp32 and bf16 (the fused step where this machine chose it; GPTKIT_CPU_KERNELS=1 takes it without timing it
+in fp32, bf16, int8 and int4 (gptkit.quantization.quantize: the expert stacks too, the routers float; the
+fused step where this machine chose it; GPTKIT_CPU_KERNELS=1 takes it without timing it
 first): tokens/s, the weight bytes a token reads (gptkit.accounting.decode_weight_bytes: the routed
 experts only), the rate they stream at, and its share of this machine's read bandwidth (the best of a few passes
 summing a 1 GiB array), which bounds a memory-bound step:
@@ -45,7 +46,7 @@ from gptkit.decoding.step import decode_one_token, inference
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 from gptkit.native import library, ops
-from gptkit.quantization import group_q4, quantize_q4
+from gptkit.quantization import group_q4, quantize, quantize_q4
 
 SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072), (50257, 768)]  # (out, in): GPT-2 small's matrices
 Product = Callable[[], object]
@@ -169,14 +170,27 @@ def read_bandwidth(megabytes: int, rounds: int = 5) -> float:
     return x.numel() * 4 / best
 
 
+# The MoE rows: (name, the model's float dtype, weight bytes per multiplied parameter, quantize()'s method). int8
+# reads a byte per weight and an fp32 scale per row (4 / 1024 or 4 / 256 of a byte more, left out); int4 is Q4_0's
+# 18 bytes per 32 weights. The routers stay fp32 in both (a few per cent of the routed bytes at these shapes).
+MOE_PRECISIONS = (
+    ("float32", torch.float32, 4.0, None),
+    ("bfloat16", torch.bfloat16, 2.0, None),
+    ("int8", torch.float32, 1.0, "int8"),
+    ("int4", torch.float32, 18 / 32, "int4"),
+)
+
+
 def moe_steps(quick: bool, steps: int) -> list[dict]:
-    """Fused and eager decode steps of the Qwen3-MoE-shaped model at batch 1, in fp32 and bf16."""
+    """Fused and eager decode steps of the Qwen3-MoE-shaped model at batch 1, in fp32, bf16, int8 and int4."""
     config = ModelConfig(**dict(QWEN3_MOE, **(QUICK if quick else {})))
     bandwidth = read_bandwidth(64 if quick else 1024)
     results = []
-    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+    for name, dtype, size, method in MOE_PRECISIONS:
         torch.manual_seed(0)
         model = GPT(config).eval().to(dtype)
+        if method is not None:
+            model = quantize(model, method)
         fused_step = fused.step_for(model)
         ways = {"fused": fused_step, "eager": decode_one_token} if fused_step else {"eager": decode_one_token}
         nbytes = decode_weight_bytes(config, size)
@@ -192,7 +206,7 @@ def moe_steps(quick: bool, steps: int) -> list[dict]:
             rate = nbytes / seconds
             results.append(
                 {
-                    "dtype": str(dtype).removeprefix("torch."),
+                    "dtype": name,
                     "step": way,
                     "tokens_s": 1 / seconds,
                     "weight_bytes_per_token": nbytes,
