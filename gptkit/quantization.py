@@ -6,9 +6,7 @@ of 32) instead of two or four, which is what bounds decoding on a CPU. Activatio
 LM head gets its own quantised copy. A mixture of experts' (E, out, in) expert stacks take the same formats per
 expert (Int8Experts, Int4Experts); its routers stay float, as llama.cpp keeps them.
 
-int4 is Q4_0 exactly (llama.cpp's ggml-quants.c, quantize_row_q4_0_ref): per block of 32 weights the one of largest
-magnitude m sets d = m / -8, each weight becomes q = min(15, floor(w / d + 8.5)) in 0..15, and w ~ d (q - 8); so
-`gptkit convert --to-gguf --type q4_0` repacks these bits without rounding again. A layer whose input width is not a
+int4 is Q4_0 exactly (gptkit.q4_blocks: llama.cpp's ggml-quants.c, quantize_row_q4_0_ref), so `gptkit convert --to-gguf --type q4_0` repacks these bits without rounding again. A layer whose input width is not a
 multiple of 32 (no whole blocks) is quantised to int8 instead. The few-row int4 product (decoding) rounds its
 activations to int8 per block of 32 as llama.cpp does (native.ops.q4_linear); many rows run as a float GEMM over
 the dequantised weight.
@@ -30,6 +28,7 @@ from gptkit.errors import ConfigError
 from gptkit.model import GPT
 from gptkit.moe import moe_layers
 from gptkit.native import library, ops
+from gptkit.q4_blocks import Q4_BLOCK, Q4_GROUP, dequantize_q4, group_q4, quantize_q4, ungroup_q4
 
 QUANTIZATION_METHODS = ("int8", "int4")
 QUANT_MAX = 127  # symmetric int8: -127..127, so that negating a weight never overflows
@@ -197,54 +196,6 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
-Q4_BLOCK = 32  # weights per Q4_0 block (llama.cpp's QK4_0)
-Q4_GROUP = 8  # rows Int4Linear interleaves in memory (csrc/kernels.h's kQ4Group)
-
-
-def quantize_q4(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """llama.cpp's Q4_0 of a (N, K) weight, K a multiple of 32: (packed uint8 (N, K / 2), fp16 scales (N, K / 32)).
-
-    Byte j of a block's 16 holds element j in its low nibble and element j + 16 in its high one, as in GGUF.
-    """
-    n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // Q4_BLOCK, Q4_BLOCK)  # (N, blocks, 32)
-    largest = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))  # the first of largest magnitude, with its sign
-    d = largest / -8.0
-    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    q = (w * inverse + 8.5).floor().clamp(0, 15).to(torch.uint8)  # (N, blocks, 32)
-    packed = q[..., :16] | (q[..., 16:] << 4)  # (N, blocks, 16)
-    return packed.reshape(n, k // 2), d[..., 0].to(torch.float16)
-
-
-def dequantize_q4(packed: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The (N, K) weight d (q - 8) that quantize_q4's output stands for."""
-    n = packed.size(0)
-    blocks = packed.reshape(n, -1, Q4_BLOCK // 2)  # (N, blocks, 16)
-    q = torch.cat([blocks & 15, blocks >> 4], dim=-1).to(torch.float32) - 8.0  # (N, blocks, 32)
-    return (q * scales.float()[..., None]).reshape(n, -1).to(dtype)
-
-
-def group_q4(packed: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
-    """quantize_q4's (N, K / 2) and (N, K / 32) in groups of 8 rows, the q4 kernel's layout (csrc/kernels.h): bytes
-    (ceil(N / 8), K / 32, 128) and scales (ceil(N / 8), K / 32, 8), rows past N zero."""
-    n, half = packed.shape
-    pad, blocks = -n % Q4_GROUP, half // (Q4_BLOCK // 2)
-    packed = torch.cat([packed, packed.new_zeros(pad, half)])
-    scales = torch.cat([scales, scales.new_zeros(pad, blocks)])
-    groups = (n + pad) // Q4_GROUP
-    grouped = packed.view(groups, Q4_GROUP, blocks, 2, 8).permute(0, 2, 3, 1, 4)  # (G, blocks, half, row, byte)
-    grouped_scales = scales.view(groups, Q4_GROUP, blocks).transpose(1, 2)  # (G, blocks, row)
-    return grouped.reshape(groups, blocks, -1).contiguous(), grouped_scales.contiguous()
-
-
-def ungroup_q4(grouped: Tensor, grouped_scales: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-    """group_q4 undone: the first rows rows as (rows, K / 2) bytes and (rows, K / 32) scales."""
-    groups, blocks, _ = grouped.shape
-    packed = grouped.view(groups, blocks, 2, Q4_GROUP, 8).permute(0, 3, 1, 2, 4)  # (G, row, blocks, half, byte)
-    scales = grouped_scales.transpose(1, 2)  # (G, row, blocks)
-    return packed.reshape(-1, blocks * 16)[:rows].contiguous(), scales.reshape(-1, blocks)[:rows].contiguous()
-
-
 class Int4Linear(nn.Module):
     """y = x @ W^T + bias with W held as Q4_0 blocks (quantize_q4); the q4 kernel for few rows on a CPU.
 
@@ -387,6 +338,13 @@ class Int8Experts(nn.Module):
         return f"experts={self.weight.size(0)}, in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+def _grouped_stack(packed: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """group_q4 per expert: (E, out, in / 2) bytes and (E, out, in / 32) scales as (E, groups, blocks, 128) and fp16
+    (E, groups, blocks, 8)."""
+    grouped = [group_q4(p, s.to(torch.float16)) for p, s in zip(packed, scales)]
+    return torch.stack([g[0] for g in grouped]), torch.stack([g[1] for g in grouped])
+
+
 class Int4Experts(nn.Module):
     """A MoE layer's expert stack in Q4_0 (quantize_q4), each expert as an Int4Linear holds it: weight (E, groups,
     blocks, 128) uint8 and fp16 scales (E, groups, blocks, 8) in groups of 8 rows, state dicts in plain rows (E, out,
@@ -419,9 +377,7 @@ class Int4Experts(nn.Module):
 
     def _set_plain(self, packed: Tensor, scales: Tensor) -> None:
         """Hold plain rows (E, out, in / 2) and fp16 scales (E, out, in / 32) in groups of 8 rows."""
-        grouped = [group_q4(p, s.to(torch.float16)) for p, s in zip(packed, scales)]
-        self.weight = torch.stack([g[0] for g in grouped])  # (E, groups, blocks, 128)
-        self.scales = torch.stack([g[1] for g in grouped])  # (E, groups, blocks, 8)
+        self.weight, self.scales = _grouped_stack(packed, scales)
 
     def plain(self) -> tuple[Tensor, Tensor]:
         """The blocks as rows: packed (E, out, in / 2) uint8 and fp16 scales (E, out, in / 32)."""
@@ -458,9 +414,7 @@ class Int4Experts(nn.Module):
         n = self.weight.size(0)
         plain = (n, self.out_features, self.in_features // 2), (n, self.out_features, self.in_features // Q4_BLOCK)
         if weight is not None and scales is not None and (tuple(weight.shape), tuple(scales.shape)) == plain:
-            grouped = [group_q4(w, s.to(torch.float16)) for w, s in zip(weight, scales)]
-            state_dict[prefix + "weight"] = torch.stack([g[0] for g in grouped])
-            state_dict[prefix + "scales"] = torch.stack([g[1] for g in grouped])
+            state_dict[prefix + "weight"], state_dict[prefix + "scales"] = _grouped_stack(weight, scales)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Int4Experts:
