@@ -83,7 +83,7 @@ def formats_of(config: ModelConfig, wanted: list[str]) -> tuple[dict[str, GPT], 
         if method in wanted:
             try:
                 models[method] = quantize(copy.deepcopy(fp32), method)
-            except ConfigError as refusal:  # a mixture of experts, until gptkit quantises expert stacks
+            except ConfigError as refusal:  # a model quantize() refuses (none of these shapes today)
                 models[method], refused[method] = fp32, str(refusal)
     return models, refused
 
