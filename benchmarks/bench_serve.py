@@ -18,6 +18,11 @@ benchmarks/serve_workloads.py:
 
     .venv/bin/python benchmarks/bench_serve.py --llama-server LLAMA_CPP/build/bin
 
+--vllm PYTHON: gptkit serve against vLLM's CPU backend (PYTHON is the vLLM venv's, made by `make vllm`) on the same
+model as --llama-server's, exported to HF, both at their defaults (benchmarks/serve_vllm.py):
+
+    .venv/bin/python benchmarks/bench_serve.py --vllm .venv-vllm/bin/python --rounds 3
+
 --busy N: N neighbour processes each keep a core busy (a Python loop) while the clients run, as other programs on
 a shared machine do; the load average is printed with the figures:
 
@@ -188,7 +193,16 @@ def main() -> None:
         metavar="DIR",
         help="compare with llama.cpp's llama-server in DIR on the same weights (serve_workloads.py)",
     )
-    parser.add_argument("--rounds", type=int, default=1, help="with --llama-server or --adapters: interleaved rounds")
+    parser.add_argument(
+        "--vllm",
+        type=Path,
+        default=None,
+        metavar="PYTHON",
+        help="compare with vLLM's CPU backend run by PYTHON (make vllm: .venv-vllm/bin/python) (serve_vllm.py)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="with --llama-server, --vllm or --adapters: interleaved rounds"
+    )
     parser.add_argument(
         "--adapters",
         type=int,
@@ -213,6 +227,11 @@ def main() -> None:
         from serve_workloads import compare_with_llama_server
 
         compare_with_llama_server(args)
+        return
+    if args.vllm is not None:
+        from serve_vllm import compare_with_vllm
+
+        compare_with_vllm(args)
         return
     if args.adapters:
         from serve_lora import compare
