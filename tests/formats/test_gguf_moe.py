@@ -49,7 +49,12 @@ FAMILIES = {
         "qwen3moe",
         dict(SHAPE, num_experts=4, moe_intermediate_size=32, head_dim=24, norm_topk_prob=True),
     ),
-    "olmoe": ("OlmoeConfig", "olmoe", dict(SHAPE, num_experts=4, norm_topk_prob=False, eos_token_id=None)),
+    # llama.cpp's olmoe norms keys over the whole width: it loads no grouped-query OLMoE (gptkit refuses to write one)
+    "olmoe": (
+        "OlmoeConfig",
+        "olmoe",
+        dict(SHAPE, num_key_value_heads=4, num_experts=4, norm_topk_prob=False, eos_token_id=None),
+    ),
 }
 # Keys gptkit writes that llama.cpp's converter leaves to their defaults here (the same values).
 OUR_EXTRA_KEYS = {"vocab_size", "attention.key_length", "attention.value_length", "rope.dimension_count"}
@@ -167,7 +172,8 @@ CONFIGS = {
         LLAMA, attn_bias=True, moe_ffn_hidden=32, moe_shared_hidden=96, moe_shared_gate=True, moe_renormalize=False
     ),
     "qwen3moe": dict(LLAMA, qk_norm=True, head_dim=24, moe_ffn_hidden=32),
-    "olmoe": dict(LLAMA, qk_norm=True, qk_norm_scope="width", moe_renormalize=False),
+    # llama.cpp's olmoe norms keys over the model's width: no grouped-query keys (test_gguf_write: refused)
+    "olmoe": dict(LLAMA, n_kv_head=4, qk_norm=True, qk_norm_scope="width", moe_renormalize=False),
 }
 
 

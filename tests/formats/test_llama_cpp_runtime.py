@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from gptkit.decoding.api import generate_ids
-from gptkit.formats.gguf import export_gguf, load_gguf
+from gptkit.formats.gguf import GGUFError, export_gguf, load_gguf
 from gptkit.model import GPT
 from gptkit.tokenizer import ByteTokenizer
 from tests.formats.test_gguf_families import CONFIGS, LLAMA, random_model
 from tests.formats.test_gguf_moe import CONFIGS as MOE_CONFIGS
 from tests.formats.test_gguf_moe import random_model as random_moe_model
+from tests.formats.test_gguf_write import tiny_gemma3_preset
 
 gguf = pytest.importorskip("gguf")
 REPO = Path(__file__).resolve().parents[2]
@@ -29,16 +30,15 @@ PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]  # fixed ids of the byte vocabula
 NEW = 24  # prompt + new tokens = 32, the configs' block_size: past gemma's window of 4 and Llama 3's original 8
 
 # Mistral is llama.cpp's llama with a decoupled head size and no window (its converter drops Mistral v0.1's).
-# GPT-NeoX untied, as Pythia is: llama.cpp's gptneox requires an output tensor (a tied one: see the xfail below).
+# GPT-NeoX untied, as Pythia is (a tied one, its head written as a copy of the embedding: see below).
 FAMILIES = {
     **CONFIGS,
     "mistral": ("llama", dict(LLAMA, head_dim=12, rope_theta=1e6)),
     "gptneox": ("gptneox", dict(CONFIGS["gptneox"][1], tie_embeddings=False)),
 }
 # Mixtral's architecture is llama's with experts; OLMoE's k norm spans the whole width in llama.cpp, so its heads
-# are all query heads' own (no grouped-query attention, as in OLMoE; grouped ones: see the xfail below).
+# are all query heads' own (no grouped-query attention, as in OLMoE; grouped ones are refused: see below).
 MOE = {"llama-moe" if arch == "llama" else arch: fields for arch, fields in MOE_CONFIGS.items()}
-MOE["olmoe"] = dict(MOE["olmoe"], n_kv_head=MOE["olmoe"]["n_head"])
 # Where llama.cpp rounds more: its GELU (GPT-NeoX's, and Gemma's GeGLU) reads a table of f16 values. Measured here
 # (AVX2): at most 1.7e-6 for the others, 5.4e-3 for gemma3, 1.7e-3 for gemma2, 3.3e-4 for gptneox.
 F32_ATOL = 1e-5
@@ -146,13 +146,20 @@ def test_llama_cpp_decodes_a_bf16_q8_0_and_q4_0_file_as_gptkit_does(file_type, t
     check_same_decode(model, file_type, tmp_path, QUANTISED_ATOL[file_type])
 
 
-@pytest.mark.xfail(strict=True, reason="gptkit writes a tied gptneox without output.weight, which llama.cpp requires")
 def test_llama_cpp_loads_gptkits_file_of_a_tied_gpt_neox(tmp_path):
     llama_cpp_binary("llama-greedy")
-    check_same_decode(random_model(CONFIGS["gptneox"][1]), "f32", tmp_path, GELU_ATOL)
+    check_same_decode(random_model(dict(CONFIGS["gptneox"][1], tie_embeddings=True)), "f32", tmp_path, GELU_ATOL)
 
 
-@pytest.mark.xfail(strict=True, reason="llama.cpp's olmoe norms k over n_embd: gptkit writes grouped-query OLMoE")
-def test_llama_cpp_loads_gptkits_file_of_a_grouped_query_olmoe(tmp_path):
+def test_gptkit_refuses_a_grouped_query_olmoe_that_llama_cpp_cannot_load(tmp_path):
+    # llama.cpp's olmoe creates attn_k_norm as {n_embd} and multiplies the keys (n_kv_head * head_dim wide) by it
+    model = random_moe_model(dict(MOE_CONFIGS["olmoe"], n_kv_head=2))
+    with pytest.raises(GGUFError, match="n_kv_head 2 cannot be written as GGUF: llama.cpp's olmoe norms the keys"):
+        export_gguf(model, tmp_path / "m.gguf", ByteTokenizer(), "f32")
+
+
+def test_llama_cpp_decodes_a_tiny_gemma3_preset_with_its_attn_scale_as_gptkit_does(tmp_path):
     llama_cpp_binary("llama-greedy")
-    check_same_decode(random_moe_model(MOE_CONFIGS["olmoe"]), "f32", tmp_path, F32_ATOL)
+    fields = tiny_gemma3_preset()
+    assert fields["attn_scale"] == 256**-0.5 and fields["head_dim"] == 256
+    check_same_decode(random_model(fields), "f32", tmp_path, GELU_ATOL)

@@ -56,6 +56,9 @@ class Arch:
     rope_freqs: bool = False  # reads a rope_freqs tensor: per-frequency divisors (Llama 3's scaling)
     window_pattern: int = 0  # llama.cpp's default: layer i is sliding iff i % n < n - 1 (0: no sliding layers)
     extras: dict[str, Any] = field(default_factory=dict)  # per-architecture constants (tied: no output tensor)
+    # Whether llama.cpp's graph requires output.weight (it falls back to token_embd only where the tensor is
+    # optional): a tied model's head is then written as a copy of the embedding.
+    needs_output: bool = False
     # With experts: whether llama.cpp's graph divides the top-k weights by their sum (build_moe_ffn's norm_w, fixed
     # per architecture in src/models/*.cpp; no key says it) and gates a shared expert by sigmoid(x w) (Qwen2-MoE).
     renormalize: bool = True
@@ -71,6 +74,7 @@ ARCHS = {
             | {"attn_bias": True, "mlp_bias": True, "norm_bias": True},
             SHAPE_KEYS | {"attention.layer_norm_epsilon"},
             fused_qkv=True,
+            needs_output=True,  # optional in llama.cpp's gpt2, but its converter writes GPT-2's tied head twice
         ),
         Arch("llama", _LLAMA_FIXED, SHAPE_KEYS | ROPE_KEYS | RMS | EXPERT_KEYS, interleaved=True, rope_freqs=True),
         Arch("qwen2", _LLAMA_FIXED | {"attn_bias": True}, SHAPE_KEYS | ROPE_KEYS | RMS, no_proj_bias=True),
@@ -98,12 +102,14 @@ ARCHS = {
             | {"attn_bias": True, "mlp_bias": True, "norm_bias": True},
             SHAPE_KEYS | ROPE_KEYS | {"attention.layer_norm_epsilon", "use_parallel_residual"},
             fused_qkv=True,
+            needs_output=True,
         ),
         Arch(
             "olmo2",
             dict(_LLAMA_FIXED, norm_position="sublayer_post", qk_norm=True, qk_norm_scope="width"),
             SHAPE_KEYS | ROPE_KEYS | RMS | WINDOW_KEYS,
             window_pattern=4,
+            needs_output=True,
         ),
         Arch(
             "gemma2",
@@ -131,6 +137,7 @@ ARCHS = {
             no_proj_bias=True,
             renormalize=False,
             shared_expert=True,
+            needs_output=True,
         ),
         Arch("qwen3moe", _LLAMA_FIXED | {"qk_norm": True}, SHAPE_KEYS | ROPE_KEYS | RMS | QWEN_EXPERT_KEYS),
         Arch(
@@ -138,6 +145,8 @@ ARCHS = {
             _LLAMA_FIXED | {"qk_norm": True, "qk_norm_scope": "width"},
             SHAPE_KEYS | ROPE_KEYS | RMS | EXPERT_KEYS,
             renormalize=False,
+            needs_output=True,
+            extras={"model_wide_k_norm": True},  # attn_k_norm is {n_embd}: keys as wide as the model, no GQA
         ),
     )
 }

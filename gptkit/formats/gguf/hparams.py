@@ -243,6 +243,12 @@ def architecture(config: ModelConfig) -> Arch:
     for f in ("attn_bias", "mlp_bias"):
         if getattr(config, f) and not arch.fixed.get(f, False):
             raise GGUFError(f"{f} True cannot be written as GGUF: llama.cpp's {arch.name} has no such biases")
+    if arch.extras.get("model_wide_k_norm") and config.n_kv_head * config.head_dim != config.n_embd:
+        raise GGUFError(
+            f"n_kv_head {config.n_kv_head} cannot be written as GGUF: llama.cpp's {arch.name} norms the keys with a "
+            f"weight as wide as the model (n_embd {config.n_embd}), which grouped-query keys "
+            f"({config.n_kv_head} x {config.head_dim}) are not; set n_kv_head = n_head = n_embd / head_dim"
+        )
     return arch
 
 
@@ -250,6 +256,9 @@ def comparable(config: ModelConfig, divisors: list[float] | None) -> ModelConfig
     """config in the form reading a file gives: norm gains with their offset folded in, a default score scale
     implicit, Llama 3's rule as its divisors."""
     changes: dict[str, Any] = {"norm_gain_offset": 0.0}
+    # llama.cpp computes 1/sqrt(head_dim) in float32 when attention.scale is absent (Gemma 3's 256**-0.5 at
+    # head_dim 256, Llama's default): a scale equal to it up to double rounding is that default, anything else is
+    # compared as a field (and refused where the architecture cannot take it)
     if config.attn_scale is not None and math.isclose(config.attn_scale, 1 / math.sqrt(config.head_dim)):
         changes["attn_scale"] = None
     if divisors is not None:

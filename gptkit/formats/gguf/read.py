@@ -123,8 +123,8 @@ def _config(fields: dict[str, Any], tensors: dict[str, torch.Tensor], arch: Arch
     tie = "output.weight" not in tensors
     if not tie and arch.extras.get("tied"):
         raise GGUFError(f"{path} holds output.weight, which llama.cpp's {arch.name} never reads (it ties the output)")
-    if arch.name == "gpt2" and not tie and torch.equal(tensors["output.weight"], tensors["token_embd.weight"]):
-        tie = True  # llama.cpp's converter writes GPT-2's tied head a second time
+    if arch.needs_output and not tie and torch.equal(tensors["output.weight"], tensors["token_embd.weight"]):
+        tie = True  # a tied head written a second time because the graph requires output.weight: the same logits
 
     def get(key: str, default: Any = None) -> Any:
         value = fields.get(f"{arch.name}.{key}", default)

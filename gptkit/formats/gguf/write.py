@@ -47,7 +47,7 @@ def gguf_tensors(model: GPT, q4_blocks: bool = False, added_tokens: int = 0) -> 
                 packed, scales = module.plain()
                 state[f"{module_name}.weight"] = torch.from_numpy(q4_0_blocks(packed.cpu(), scales.cpu()))
     state = real_vocab_state(state, config)  # a padded vocabulary's extra rows are never used: not written
-    if config.tie_embeddings and arch.name != "gpt2" and not is_quantized(model):
+    if config.tie_embeddings and not arch.needs_output and not is_quantized(model):
         state.pop("lm_head.weight")  # llama.cpp reads the embedding as the output when output is absent
     for module_name, module in model.named_modules():
         if isinstance(module, RMSNorm) and config.norm_gain_offset:  # llama.cpp multiplies by the stored gain
