@@ -47,10 +47,7 @@ QWEN3_MOE = dict(
     n_experts=64,
     moe_ffn_hidden=256,
 )
-# Gemma 3's scores times 256^-0.5 are the default 1/sqrt(head_dim) at its heads of 256, which is how llama.cpp's
-# gemma3 computes them and how gptkit's GGUF writer takes them (attn_scale unset).
-GEMMA3 = dict(PRESETS["gemma3-1b"], attn_scale=None)
-SHAPES = {"llama3.2-1b": PRESETS["llama3.2-1b"], "gemma3-1b": GEMMA3, "qwen3-moe": QWEN3_MOE}
+SHAPES = {"llama3.2-1b": PRESETS["llama3.2-1b"], "gemma3-1b": PRESETS["gemma3-1b"], "qwen3-moe": QWEN3_MOE}
 FORMATS = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # gptkit's format -> the GGUF type llama.cpp runs
 
 
@@ -67,6 +64,8 @@ def shape_config(name: str, tiny: bool) -> ModelConfig:
             fields |= dict(n_experts=8, moe_ffn_hidden=32, n_experts_per_token=2)
         if fields.get("embedding_scale"):
             fields["embedding_scale"] = 8.0  # sqrt(64), as the preset's is sqrt of its width
+        if fields.get("attn_scale"):
+            fields["attn_scale"] = 16**-0.5  # Gemma 3's 1/sqrt(head_dim) at the tiny heads of 16
     return ModelConfig(**fields)
 
 
