@@ -79,10 +79,7 @@ class Experts {
     up_.resize(slots * (gated_ ? 2 : 1) * FE_);
     ffe_.resize(slots * FE_);
     ye_.resize(slots * D_);
-    xb_.resize(slots * widest);
-    xq_.resize(slots * widest);
-    dx_.resize(slots * (widest / gk::kQ4Block + 1));
-    dsum_.resize(slots * (widest / gk::kQ4Block + 1));
+    staging_.resize(int64_t(slots), int64_t(widest));
   }
 
   // Every thread of the step's parallel region: out (B, D) := each row's routed sum for the layer's input h (B, D);
@@ -90,8 +87,8 @@ class Experts {
   void run(const Layer& m, const float* h, int64_t B, float* out, int t, int nt) {
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
-      prepare(m.router, h, b);
-      if (m.gate.N) prepare(m.gate, h, b);
+      staging_.prepare(m.router, h, b);
+      if (m.gate.N) staging_.prepare(m.gate, h, b);
     }
     product(m.router, h, 0, B, logits_.data(), E_, t, nt);
     if (m.gate.N) product(m.gate, h, 0, B, gates_.data(), 1, t, nt);
@@ -106,14 +103,14 @@ class Experts {
 #pragma omp for
     for (int64_t r = 0; r < B * k_; ++r) {
       std::copy(h + row_of_[r] * D_, h + (row_of_[r] + 1) * D_, xe_.data() + r * D_);
-      prepare(m.fc[0], xe_.data(), r);
+      staging_.prepare(m.fc[0], xe_.data(), r);
     }
     const int64_t width = gated_ ? 2 * FE_ : FE_;
     for (size_t i = 0; i < active_.size(); ++i) {
       const int64_t e = active_[i], s0 = starts_[i], M = starts_[i + 1] - s0;
       int64_t lo, hi;
       gk::split(FE_, t, nt, 16, &lo, &hi);
-      const gk::Input in = gk::rows_from(input(xe_.data()), s0, D_);
+      const gk::Input in = gk::rows_from(staging_.input(xe_.data()), s0, D_);
       float* raw = up_.data() + s0 * width;
       gk::product_range(m.fc[e], in, M, raw, width, lo, hi);
       if (gated_) gk::product_range(m.fc[e], in, M, raw, width, FE_ + lo, FE_ + hi);
@@ -125,7 +122,7 @@ class Experts {
     }
 #pragma omp barrier
 #pragma omp for
-    for (int64_t r = 0; r < B * k_; ++r) prepare(m.down[0], ffe_.data(), r);
+    for (int64_t r = 0; r < B * k_; ++r) staging_.prepare(m.down[0], ffe_.data(), r);
     for (size_t i = 0; i < active_.size(); ++i) {
       const int64_t s0 = starts_[i];
       product(m.down[active_[i]], ffe_.data(), s0, starts_[i + 1] - s0, ye_.data() + s0 * D_, D_, t, nt);
@@ -191,40 +188,18 @@ class Experts {
     }
   }
 
-  // Row r of x (w.K values a row) in the form w's product reads (bf16, or rounded to int8 in blocks of 32).
-  void prepare(const gk::Weight& w, const float* x, int64_t r) {
-    const int64_t K = w.K;
-    if (w.format == gk::kBF16) {
-#if defined(__AVX512BF16__)
-      gk::to_bf16(x + r * K, xb_.data() + r * K, K);
-#endif
-    } else if (gk::rounds_activations(w)) {
-      const int64_t blocks = K / gk::kQ4Block;
-      gk::to_q8(x + r * K, xq_.data() + r * K, dx_.data() + r * blocks, dsum_.data() + r * blocks, K);
-    }
-  }
-
-  gk::Input input(const float* x) const {
-    gk::Input in;
-    in.x = x;
-    in.xb = xb_.data();
-    in.q8 = {xq_.data(), dx_.data(), dsum_.data()};
-    return in;
-  }
-
   // y (M, ldy) := rows m0.. of x (as prepared) times w, this thread's share of w's output rows.
   void product(const gk::Weight& w, const float* x, int64_t m0, int64_t M, float* y, int64_t ldy, int t, int nt) {
     int64_t lo, hi;
     gk::split(w.N, t, nt, 16, &lo, &hi);
-    gk::product_range(w, gk::rows_from(input(x), m0, w.K), M, y, ldy, lo, hi);
+    gk::product_range(w, gk::rows_from(staging_.input(x), m0, w.K), M, y, ldy, lo, hi);
   }
 
   int64_t E_ = 0, k_ = 0, FE_ = 0, act_ = 0, D_ = 0;
   bool renormalize_ = true, gated_ = false, round_logits_ = false;
-  std::vector<float> logits_, gates_, weights_, xe_, up_, ffe_, ye_, dx_, dsum_;
+  std::vector<float> logits_, gates_, weights_, xe_, up_, ffe_, ye_;
   std::vector<int64_t> chosen_, slot_of_, row_of_, active_, starts_;
-  std::vector<gk::bf16> xb_;
-  std::vector<int8_t> xq_;
+  gk::Staging staging_;  // the rows' activations as each product reads them
 };
 
 }  // namespace moestep

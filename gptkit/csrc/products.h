@@ -3,6 +3,8 @@
 // threads.
 #pragma once
 
+#include <vector>
+
 #include "row_products.h"
 
 namespace gk {
@@ -112,6 +114,48 @@ inline Input rows_from(const Input& in, int64_t m0, int64_t K) {
   if (in.q8.q) out.q8 = {in.q8.q + m0 * K, in.q8.d + m0 * blocks, in.q8.dsum + m0 * blocks};
   return out;
 }
+
+// Activation rows staged in the forms an Input points at beside the fp32 rows themselves: each row as the product
+// of a given weight reads it (bf16, or rounded to int8 in blocks of 32). Rows sit the weight's K values (K / 32
+// blocks) apart, so a row's staging is the same whichever weight staged the rows beside it.
+class Staging {
+ public:
+  // Room for `rows` rows of up to K values each.
+  void resize(int64_t rows, int64_t K) {
+    const size_t blocks = size_t(rows * (K / kQ4Block + 1));
+    xb_.resize(size_t(rows * K));
+    xq_.resize(size_t(rows * K));
+    d_.resize(blocks);
+    dsum_.resize(blocks);
+  }
+
+  // Row r of x (w.K values a row) in the form w's product reads; nothing for fp32 rows that it reads as they are.
+  void prepare(const Weight& w, const float* x, int64_t r) {
+    const int64_t K = w.K;
+    if (w.format == kBF16) {
+#if defined(__AVX512BF16__)
+      to_bf16(x + r * K, xb_.data() + r * K, K);
+#endif
+    } else if (rounds_activations(w)) {
+      const int64_t blocks = K / kQ4Block;
+      to_q8(x + r * K, xq_.data() + r * K, d_.data() + r * blocks, dsum_.data() + r * blocks, K);
+    }
+  }
+
+  // The rows of x, with their prepared forms.
+  Input input(const float* x) const {
+    Input in;
+    in.x = x;
+    in.xb = xb_.data();
+    in.q8 = {xq_.data(), d_.data(), dsum_.data()};
+    return in;
+  }
+
+ private:
+  std::vector<bf16> xb_;
+  std::vector<int8_t> xq_;
+  std::vector<float> d_, dsum_;
+};
 
 // Calls fn with (NR, MR) as compile-time constants, NR in 1..kTileN and MR in 1..kTileM. The tile's accumulators
 // (two chains each) and its loads fit the vector registers: 24 + 5 of AVX-512's 32, 12 + 3 of AVX2's 16.

@@ -153,9 +153,9 @@ class DecodeStep : public torch::CustomClassHolder {
 #pragma omp for
       for (int64_t b = 0; b < B; ++b) {
         normalize(x_.data() + b * D_, h_.data() + b * D_, normf_w_, normf_b_);
-        prepare(head_, h_.data(), b);
+        staging_.prepare(head_, h_.data(), b);
       }
-      product(head_, input(h_.data()), B, out, V_, false, t, nt, -1);
+      product(head_, staging_.input(h_.data()), B, out, V_, false, t, nt, -1);
       if (logit_scale_ != 1.0f || logit_softcap_ > 0.0f) {
 #pragma omp barrier
 #pragma omp for
@@ -201,10 +201,7 @@ class DecodeStep : public torch::CustomClassHolder {
       ff_.resize(rows * max_hidden_);
       moe_out_.resize(rows * D_);
       shared_.resize(rows * D_);
-      xb_.resize(rows * max_k_);
-      xq_.resize(rows * max_k_);
-      dx_.resize(rows * (max_k_ / gk::kQ4Block + 1));
-      dsum_.resize(rows * (max_k_ / gk::kQ4Block + 1));
+      staging_.resize(B, max_k_);
       rope_.resize(rows * HD_);
       if (parallel_) h2_.resize(rows * D_);
     }
@@ -238,10 +235,10 @@ class DecodeStep : public torch::CustomClassHolder {
       sublayer_input(x_.data() + b * D_, h_.data() + b * D_, layer.norm1_w, layer.norm1_b);
       if (parallel_) sublayer_input(x_.data() + b * D_, h2_.data() + b * D_, layer.norm2_w, layer.norm2_b);
       if (angles) parts::rope_angles(pos[b], layer.inv_freq, layer.rope_factor, rotary_, rope_.data() + b * HD_);
-      prepare(layer.qkv, h_.data(), b);
+      staging_.prepare(layer.qkv, h_.data(), b);
       adapters_.down(l * kAdapted + kQkv, h_.data(), D_, b);
     }
-    product(layer.qkv, input(h_.data()), B, qkv_.data(), qkv_width(), false, t, nt, l * kAdapted + kQkv);
+    product(layer.qkv, staging_.input(h_.data()), B, qkv_.data(), qkv_width(), false, t, nt, l * kAdapted + kQkv);
 #pragma omp barrier
     if (qk_norm_ != kNoQkNorm) {
 #pragma omp for
@@ -257,12 +254,12 @@ class DecodeStep : public torch::CustomClassHolder {
       for (int64_t hh = 0; hh < H_; ++hh) attend(layer, kv[l], kv[L_ + l], cache, b, hh, pos[b], t);
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
-      prepare(layer.proj, att_.data(), b);
+      staging_.prepare(layer.proj, att_.data(), b);
       adapters_.down(l * kAdapted + kProj, att_.data(), H_ * HD_, b);
     }
     // The attention's output goes to x (its residual add) or, to be normed or scaled first, to h.
     float* attn_out = direct_ ? x_.data() : h_.data();
-    product(layer.proj, input(att_.data()), B, attn_out, D_, direct_, t, nt, l * kAdapted + kProj);
+    product(layer.proj, staging_.input(att_.data()), B, attn_out, D_, direct_, t, nt, l * kAdapted + kProj);
 #pragma omp barrier
   }
 
@@ -273,17 +270,17 @@ class DecodeStep : public torch::CustomClassHolder {
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
       feed_forward_input(layer, b);
-      prepare(layer.fc, h_.data(), b);
+      staging_.prepare(layer.fc, h_.data(), b);
       adapters_.down(l * kAdapted + kFc, h_.data(), D_, b);
     }
     mlp_up(layer.fc, layer.hidden, B, t, nt, l * kAdapted + kFc);
 #pragma omp barrier
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
-      prepare(layer.down, ff_.data(), b);
+      staging_.prepare(layer.down, ff_.data(), b);
       adapters_.down(l * kAdapted + kDown, ff_.data(), layer.hidden, b);
     }
-    product(layer.down, input(ff_.data()), B, direct_ ? x_.data() : h_.data(), D_, direct_, t, nt,
+    product(layer.down, staging_.input(ff_.data()), B, direct_ ? x_.data() : h_.data(), D_, direct_, t, nt,
             l * kAdapted + kDown);
 #pragma omp barrier
     if (!direct_) {
@@ -300,15 +297,15 @@ class DecodeStep : public torch::CustomClassHolder {
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
       feed_forward_input(layer, b);
-      if (layer.hidden) prepare(layer.fc, h_.data(), b);
+      if (layer.hidden) staging_.prepare(layer.fc, h_.data(), b);
     }
     experts_.run(layer.experts, h_.data(), B, moe_out_.data(), t, nt);
     if (layer.hidden) {
       mlp_up(layer.fc, layer.hidden, B, t, nt, -1);
 #pragma omp barrier
 #pragma omp for
-      for (int64_t b = 0; b < B; ++b) prepare(layer.down, ff_.data(), b);
-      product(layer.down, input(ff_.data()), B, shared_.data(), D_, false, t, nt, -1);
+      for (int64_t b = 0; b < B; ++b) staging_.prepare(layer.down, ff_.data(), b);
+      product(layer.down, staging_.input(ff_.data()), B, shared_.data(), D_, false, t, nt, -1);
 #pragma omp barrier
     }
 #pragma omp for
@@ -372,27 +369,6 @@ class DecodeStep : public torch::CustomClassHolder {
       parts::rms_norm(x, y, D_, w, eps_);
   }
 
-  // Row b of x (K values of the weight's input width) in the form w's product reads.
-  void prepare(const gk::Weight& w, const float* x, int64_t b) {
-    const int64_t K = w.K;
-    if (w.format == gk::kBF16) {
-#if defined(__AVX512BF16__)
-      gk::to_bf16(x + b * K, xb_.data() + b * K, K);
-#endif
-    } else if (gk::rounds_activations(w)) {
-      const int64_t blocks = K / gk::kQ4Block;
-      gk::to_q8(x + b * K, xq_.data() + b * K, dx_.data() + b * blocks, dsum_.data() + b * blocks, K);
-    }
-  }
-
-  gk::Input input(const float* x) const {
-    gk::Input in;
-    in.x = x;
-    in.xb = xb_.data();
-    in.q8 = {xq_.data(), dx_.data(), dsum_.data()};
-    return in;
-  }
-
   // y[b, n] (= or +=) w[n] . x[b] for this thread's rows n, plus each row's adapter's update of layer `adapted`
   void product(const gk::Weight& w, const gk::Input& in, int64_t B, float* y, int64_t ldy, bool accumulate, int t,
                int nt, int64_t adapted) {
@@ -405,7 +381,7 @@ class DecodeStep : public torch::CustomClassHolder {
   // ff = act(h W_fc + b) over this thread's hidden units; a gated activation's fc holds the gate rows, then the up
   // rows (SwiGLU: silu(gate) * up; GeGLU: gelu_tanh(gate) * up).
   void mlp_up(const gk::Weight& fc, int64_t F, int64_t B, int t, int nt, int64_t adapted) {
-    const gk::Input in = input(h_.data());
+    const gk::Input in = staging_.input(h_.data());
     int64_t lo, hi;
     gk::split(F, t, nt, 16, &lo, &hi);
     if (gated()) {
@@ -472,10 +448,8 @@ class DecodeStep : public torch::CustomClassHolder {
   const float *normf_w_, *normf_b_;
   gk::Weight head_;
   std::vector<at::Tensor> keep_;  // every tensor the raw pointers above point into
-  std::vector<float> x_, h_, h2_, qkv_, att_, up_, ff_, dx_, rope_, scores_, moe_out_, shared_;
-  std::vector<gk::bf16> xb_;
-  std::vector<int8_t> xq_;
-  std::vector<float> dsum_;
+  std::vector<float> x_, h_, h2_, qkv_, att_, up_, ff_, rope_, scores_, moe_out_, shared_;
+  gk::Staging staging_;  // the rows' activations as each product reads them
   size_t scores_stride_ = 0;
   lowrank::Adapters adapters_;
   std::map<int64_t, std::vector<at::Tensor>> adapter_keep_;  // the tensors each adapter's pointers point into
