@@ -9,6 +9,7 @@ from helpers import TINY, VARIANTS
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import complete, generate_ids
 from gptkit.decoding.batch import BatchEngine
+from gptkit.decoding.options import DecodeOptions
 from gptkit.decoding.sampling import SamplingParams
 from gptkit.decoding.step import COMPILE_CACHE_MULTIPLE, cache_len
 from gptkit.model import GPT
@@ -31,14 +32,16 @@ def test_compiled_decode_matches_eager_and_is_reused(device):
     prompts = [[5, 6, 7], [9, 1]]
     params = SamplingParams(max_new_tokens=8, temperature=0)
     eager = complete(model, prompts, params)
-    compiled = complete(model, prompts, params, compile=True)
+    compiled = complete(model, prompts, params, options=DecodeOptions(compile=True))
     assert [[c.ids for c in r] for r in compiled.completions] == [[c.ids for c in r] for r in eager.completions]
     assert compiled.timing.compile_seconds is not None and eager.timing.compile_seconds is None
     assert "compile_seconds" in compiled.timing.to_dict()
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 1
     # A second request of another length within the same cache bucket reuses the compiled step.
-    again = complete(model, [[4, 4, 4, 4], [2]], SamplingParams(max_new_tokens=5, temperature=0), compile=True)
+    again = complete(
+        model, [[4, 4, 4, 4], [2]], SamplingParams(max_new_tokens=5, temperature=0), options=DecodeOptions(compile=True)
+    )
     assert counters["stats"]["unique_graphs"] == graphs
     assert [len(c.ids) for r in again.completions for c in r] == [5, 5]
 
@@ -57,7 +60,8 @@ def test_compiled_decode_matches_eager_more_variants(variant):
     model = sharpened(ModelConfig(**dict(VARIANTS[variant], block_size=512)))
     prompts = [[5, 6, 7]]
     params = SamplingParams(max_new_tokens=10, temperature=0)
-    assert complete(model, prompts, params, compile=True).completions == complete(model, prompts, params).completions
+    compiled = complete(model, prompts, params, options=DecodeOptions(compile=True))
+    assert compiled.completions == complete(model, prompts, params).completions
 
 
 def _agreeing_prefix(model: GPT, prompt: list[int], tokens: list[int], margin: float) -> int:
