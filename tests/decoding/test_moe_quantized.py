@@ -14,10 +14,15 @@ from gptkit.decoding.api import generate_ids
 from gptkit.decoding.step import inference
 from gptkit.errors import ConfigError
 from gptkit.formats.quantized import load_quantized_dir, save_quantized_dir
-from gptkit.kv_cache import KVCache
 from gptkit.native import library
 from gptkit.quantization import Int4Experts, Int8Experts, is_quantized, quantization_method, quantize
-from tests.decoding.test_moe_decode import MOE_FAMILIES, eager_and_fused, moe_model, needs_kernels
+from tests.decoding.test_moe_decode import (
+    MOE_FAMILIES,
+    assert_row_zero_alone_equals_beside_mates,
+    eager_and_fused,
+    moe_model,
+    needs_kernels,
+)
 
 STACKS = {"int8": Int8Experts, "int4": Int4Experts}
 
@@ -104,16 +109,7 @@ def test_a_rows_quantised_fused_logits_do_not_depend_on_the_rows_beside_it(metho
     assert step is not None
     config = model.config
     mates = torch.randint(0, config.vocab_size, (12, 7), generator=torch.Generator().manual_seed(3))
-    results = []
-    with inference(model):
-        for rows in (1, 3, 8):
-            cache = KVCache(config, rows, config.block_size)
-            logits = []
-            for t in range(12):
-                tokens = torch.cat([torch.tensor([[t % config.vocab_size]]), mates[t, : rows - 1, None]])
-                logits.append(step(model, tokens, cache, torch.full((rows,), t))[0])
-            results.append(torch.stack(logits))
-    assert all(torch.equal(r, results[0]) for r in results)
+    assert_row_zero_alone_equals_beside_mates(model, step, mates)
 
 
 @needs_kernels
