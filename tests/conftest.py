@@ -3,20 +3,41 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 from helpers import VARIANTS
 
 from gptkit.config import ModelConfig
-from gptkit.native import contention, library
+from gptkit.native import build, cache, contention, library
+from gptkit.native.cpu import isa_level
 
 # The models here are tiny: one thread beats two (no thread hand-offs per small op), and the subprocesses the
 # tests start inherit the setting through the environment.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 # A first decode builds gptkit's CPU kernels in the background and takes them once built: the tests take them built
-# (or ruled out) from the start, so that no test sees the switch between two of its calls.
+# (or ruled out) from the start, so that no test sees the switch between two of its calls. A build another process
+# runs (a parallel worker of this run, another run) is waited for too: a test collected while the library was
+# half-built would skip the kernels' tests as if the CPU had none.
+KERNEL_BUILD_WAIT_S = 600.0  # a build takes about a minute on 2 cores; ten beside other work
+
+
+def _await_another_build() -> None:
+    if os.environ.get(build.DISABLE_VARIABLE) == "0" or isa_level() is None:
+        return
+    deadline = time.monotonic() + KERNEL_BUILD_WAIT_S
+    while cache.verified_library(build.build_directory()) is None and cache.busy(build.build_directory()):
+        if time.monotonic() > deadline:
+            raise pytest.UsageError(
+                f"gptkit's CPU kernels were still being built by another process after "
+                f"{KERNEL_BUILD_WAIT_S:.0f} s ({build.build_directory()})"
+            )
+        time.sleep(1.0)
+
+
+_await_another_build()
 library.prepare()
 
 
