@@ -113,15 +113,25 @@ inline void row_bf16(const bf16* w, const float* x, const bf16* xb, int64_t K, f
   }
   (void)x;
 #else
-  V acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = vzero();
+  // row_f32's chains: one chain of widened bf16 multiply-adds waits on each one's latency while reading half the
+  // bytes an fp32 one does, so at batch 1 a single chain fell short of the bandwidth.
+  constexpr int C = chains<M>();
+  V acc[C][M];
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < M; ++m) acc[c][m] = vzero();
   int64_t k = 0;
+  for (; k + C * kLanes <= K; k += C * kLanes)
+    for (int c = 0; c < C; ++c) {
+      const V wv = vload_bf16(w + k + c * kLanes);
+      for (int m = 0; m < M; ++m) acc[c][m] = vfma(wv, vload(x + m * K + k + c * kLanes), acc[c][m]);
+    }
   for (; k + kLanes <= K; k += kLanes) {
     const V wv = vload_bf16(w + k);
-    for (int m = 0; m < M; ++m) acc[m] = vfma(wv, vload(x + m * K + k), acc[m]);
+    for (int m = 0; m < M; ++m) acc[0][m] = vfma(wv, vload(x + m * K + k), acc[0][m]);
   }
   for (int m = 0; m < M; ++m) {
-    float s = vsum(acc[m]);
+    for (int c = 1; c < C; ++c) acc[0][m] = vadd(acc[0][m], acc[c][m]);
+    float s = vsum(acc[0][m]);
     for (int64_t j = k; j < K; ++j) s += bf16_to_float(w[j]) * x[m * K + j];
     out[m] = s;
   }
