@@ -23,6 +23,22 @@ _LLAMA3 = dict(_LLAMA, vocab_size=128256, rope_theta=500000.0)
 _LLAMA3_ROPE = dict(
     rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
 )
+# Meta-Llama-3-8B's and Llama-3.1-8B's layers (the 3.1 model reads further by a longer context and RoPE scaling).
+_LLAMA3_8B = dict(_LLAMA3, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=14336)
+# Mistral-7B-v0.1's shape, which Mixtral-8x7B keeps with a mixture of experts for each layer's MLP.
+_MISTRAL_7B = dict(
+    _LLAMA, vocab_size=32000, block_size=32768, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=14336
+)
+# Qwen3's dense and mixture-of-experts models alike: heads 128 wide apart from the width, q/k norms, base 1e6.
+_QWEN3 = dict(
+    _LLAMA,
+    vocab_size=151936,
+    block_size=40960,
+    head_dim=128,
+    norm_eps=1e-6,
+    rope_theta=1000000.0,
+    qk_norm=True,
+)
 _NANOGPT_CHAR = dict(
     vocab_size=65,
     activation="gelu",
@@ -98,17 +114,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         layer_types=["full", "sliding"] * 6,
     ),
     # Meta Llama 3 (meta-llama/Meta-Llama-3-8B, Llama-3.1-8B, Llama-3.2-1B config.json): 128,256 tokens, base 500000.
-    "llama3-8b": dict(_LLAMA3, block_size=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=14336),
-    "llama3.1-8b": dict(
-        _LLAMA3,
-        block_size=131072,
-        n_layer=32,
-        n_head=32,
-        n_kv_head=8,
-        n_embd=4096,
-        ffn_hidden=14336,
-        rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
-    ),
+    "llama3-8b": dict(_LLAMA3_8B, block_size=8192),
+    "llama3.1-8b": dict(_LLAMA3_8B, block_size=131072, rope_scaling=dict(_LLAMA3_ROPE, factor=8.0)),
     "llama3.2-1b": dict(
         _LLAMA3,
         block_size=131072,
@@ -121,33 +128,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_scaling=dict(_LLAMA3_ROPE, factor=32.0),
     ),
     # mistralai/Mistral-7B-v0.1: every layer within a window of 4096.
-    "mistral-7b": dict(
-        _LLAMA,
-        vocab_size=32000,
-        block_size=32768,
-        n_layer=32,
-        n_head=32,
-        n_kv_head=8,
-        n_embd=4096,
-        ffn_hidden=14336,
-        sliding_window=4096,
-    ),
-    # Qwen/Qwen3-0.6B: heads 128 wide apart from the width, q/k norms, tied.
-    "qwen3-0.6b": dict(
-        _LLAMA,
-        vocab_size=151936,
-        block_size=40960,
-        n_layer=28,
-        n_head=16,
-        n_kv_head=8,
-        n_embd=1024,
-        head_dim=128,
-        ffn_hidden=3072,
-        norm_eps=1e-6,
-        rope_theta=1000000.0,
-        qk_norm=True,
-        tie_embeddings=True,
-    ),
+    "mistral-7b": dict(_MISTRAL_7B, sliding_window=4096),
+    # Qwen/Qwen3-0.6B: tied.
+    "qwen3-0.6b": dict(_QWEN3, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, ffn_hidden=3072, tie_embeddings=True),
     # google/gemma-3-1b-pt: 5 local layers (window 512, base 10000) to 1 global (base 1e6), sandwich norms with
     # gains 1 + w, GeGLU, embeddings times sqrt(1152), scores times query_pre_attn_scalar^-0.5 = 256^-0.5.
     "gemma3-1b": dict(
@@ -190,33 +173,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # Mixtures of experts (tests/fixtures/moe_configs.json holds the config.json fields these follow).
     # mistralai/Mixtral-8x7B-v0.1: 8 experts of hidden 14336 in every layer, top-2 renormalised.
-    "mixtral-8x7b": dict(
-        _LLAMA,
-        vocab_size=32000,
-        block_size=32768,
-        n_layer=32,
-        n_head=32,
-        n_kv_head=8,
-        n_embd=4096,
-        ffn_hidden=14336,
-        rope_theta=1000000.0,
-        n_experts=8,
-        n_experts_per_token=2,
-    ),
-    # Qwen/Qwen3-30B-A3B: 128 experts of hidden 768, top-8 renormalised (norm_topk_prob), heads 128 wide, q/k norms.
+    "mixtral-8x7b": dict(_MISTRAL_7B, rope_theta=1000000.0, n_experts=8, n_experts_per_token=2),
+    # Qwen/Qwen3-30B-A3B: 128 experts of hidden 768, top-8 renormalised (norm_topk_prob).
     "qwen3-30b-a3b": dict(
-        _LLAMA,
-        vocab_size=151936,
-        block_size=40960,
+        _QWEN3,
         n_layer=48,
         n_head=32,
         n_kv_head=4,
         n_embd=2048,
-        head_dim=128,
         ffn_hidden=6144,
-        norm_eps=1e-6,
-        rope_theta=1000000.0,
-        qk_norm=True,
         n_experts=128,
         n_experts_per_token=8,
         moe_ffn_hidden=768,
