@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -279,14 +280,34 @@ def test_each_floor_imports_nothing_above_it_hint_only_imports_included():
             assert not {m for m in graph[module] if _under(m, forbidden)}, module
 
 
-def test_importing_the_optimiser_loads_few_gptkit_modules():
-    """The optimiser needs its settings, not the method catalogue they were once composed with."""
-    script = "import sys, gptkit.optim; print(' '.join(m for m in sys.modules if m.split('.')[0] == 'gptkit'))"
+def _gptkit_modules_loaded_by(names: list[str]) -> dict[str, list[str]]:
+    """The gptkit modules that importing each of names loads, each imported first in a fresh set of gptkit modules
+    (one process: torch stays loaded to keep this quick)."""
+    script = (
+        "import importlib, json, sys\n"
+        "loaded = {}\n"
+        f"for name in {names!r}:\n"
+        "    for module in [m for m in sys.modules if m.split('.')[0] == 'gptkit']:\n"
+        "        del sys.modules[module]\n"
+        "    importlib.import_module(name)\n"
+        "    loaded[name] = sorted(m for m in sys.modules if m.split('.')[0] == 'gptkit')\n"
+        "print(json.dumps(loaded))\n"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=PACKAGE.parent)
     assert result.returncode == 0, result.stderr
-    loaded = result.stdout.split()
-    assert not [m for m in loaded if _under(m, ("gptkit.finetune", "gptkit.train", "gptkit.run_sources"))]
-    # Its settings, the LoRA adapters it leaves to AdamW, and what they import: not the model, whose layers load
-    # gptkit.native's kernels (optim and adapters import the model's classes where they look for them).
-    assert not [m for m in loaded if _under(m, ("gptkit.model", "gptkit.native"))]
-    assert len(loaded) <= 15
+    return json.loads(result.stdout)
+
+
+def test_importing_the_optimiser_or_the_model_loads_few_gptkit_modules():
+    """The optimiser needs its settings, not the method catalogue they were once composed with; the model needs its
+    layers and the products they call, not the kernels' build machinery (ops imports it on the first product)."""
+    loaded = _gptkit_modules_loaded_by(["gptkit.optim", "gptkit.model"])
+    optim, model = loaded["gptkit.optim"], loaded["gptkit.model"]
+    assert not [m for m in optim if _under(m, ("gptkit.finetune", "gptkit.train", "gptkit.run_sources"))]
+    # Its settings, the LoRA adapters it leaves to AdamW, and what they import: not the model, whose layers import
+    # gptkit.native.ops (optim and adapters import the model's classes where they look for them).
+    assert not [m for m in optim if _under(m, ("gptkit.model", "gptkit.native"))]
+    assert len(optim) <= 15
+    assert not [m for m in model if _under(m, ABOVE_THE_MODEL)]
+    assert [m for m in model if _under(m, ("gptkit.native",))] == ["gptkit.native", "gptkit.native.ops"]
+    assert len(model) <= 15  # 13 today: the model layer's ten, gptkit, and the two of gptkit.native

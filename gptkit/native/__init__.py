@@ -33,5 +33,12 @@ that importing one loads only what it needs):
 - choices: the timed choices (the kernels against PyTorch, once per machine);
 - library: whether the library is loaded in this process (load, prepare, building) and what it chose (choices,
   measured, capability);
-- ops: the products (linear, int8_linear, q4_linear, dequantize_q4) and huge pages.
+- ops: the products (linear, int8_linear, q4_linear, dequantize_q4) and huge pages. The model's layers import it,
+  so it imports library on the first CPU inference product, not when it is imported: building or training a model
+  loads none of the modules above.
 """
+
+# From this many rows on, a bf16 product may run faster in fp32 (weights converted on the fly) where bf16 matmul
+# has no hardware support: whether it does is measured (choices()["bf16_upcast"]). Here, because ops (which applies
+# it) must not import choices (which measures at this many rows) when it is imported.
+BF16_UPCAST_MIN_ROWS = 128

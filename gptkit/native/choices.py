@@ -17,15 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gptkit.native import build, cache, contention
+from gptkit.native import BF16_UPCAST_MIN_ROWS, build, cache, contention
 from gptkit.native.cpu import cpu_name
 
 log = logging.getLogger("gptkit.native")
 
 UPCAST_VARIABLE = "GPTKIT_BF16_UPCAST"  # 1 or 0: many-row bf16 products in fp32 or not, without measuring
-# From this many rows on, a bf16 product may run faster in fp32 (weights converted on the fly) where bf16 matmul
-# has no hardware support: whether it does is measured (choices()["bf16_upcast"]).
-BF16_UPCAST_MIN_ROWS = 128
 CHOICES_FILE = "choices.json"
 MEASURED = {"fp32", "bf16", "int8", "bf16_upcast"}  # what _measure decides; choices.json entries may hold more
 # An entry's mark that one of its choices was timed while other programs were busy: kept, so that a busy machine

@@ -4,12 +4,13 @@ runs on CPU inference only (autograd off); training, CUDA and MPS keep PyTorch's
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gptkit.native import library
-from gptkit.native.choices import BF16_UPCAST_MIN_ROWS
+from gptkit.native import BF16_UPCAST_MIN_ROWS
 
 GEMV_MAX_ROWS = 8  # above this many rows a product is no longer bound by reading the weights
 # Below this many rows a compiled graph keeps inductor's own int8 GEMM template (it prepacks the weights when it
@@ -19,6 +20,25 @@ GEMV_MAX_ROWS = 8  # above this many rows a product is no longer bound by readin
 COMPILED_INT8_MIN_ROWS = 5
 HUGE_PAGES_EXIT_WAIT_S = 30.0  # moving huge pages is about a second per GB
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+_LIBRARY: ModuleType | None = None  # gptkit.native.library, once _library() has imported it
+
+
+def _library() -> ModuleType:
+    """gptkit.native.library, imported by the first CPU inference product rather than with this module: the model's
+    layers import ops, and a model that only trains or is only built never needs the build machinery (the cache,
+    the builder process, the timed choices). Kept in _LIBRARY since every product asks."""
+    global _LIBRARY
+    if _LIBRARY is None:
+        from gptkit.native import library
+
+        _LIBRARY = library
+    return _LIBRARY
+
+
+def _loaded() -> bool:
+    """Whether the library is loaded (eager code only); where it is yet to come, loading starts in the background."""
+    library = _library()
+    return bool(library.STATE.get("library") or library.load(wait=False))
 
 
 def cpu_inference_rows(x: Tensor) -> int:
@@ -36,10 +56,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     name = _DTYPE_NAMES.get(weight.dtype)
     same = name is not None and x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype)
-    if same and rows <= GEMV_MAX_ROWS and weight.is_contiguous() and library.choices().get(name, False):
+    if same and rows <= GEMV_MAX_ROWS and weight.is_contiguous() and _library().choices().get(name, False):
         y = torch.ops.gptkit.gemv(x.reshape(rows, x.size(-1)).contiguous(), weight, bias)
         return y.view(*x.shape[:-1], weight.size(0))  # (rows, out) -> x's leading dimensions
-    if same and name == "bf16" and rows >= BF16_UPCAST_MIN_ROWS and library.choices().get("bf16_upcast", False):
+    if same and name == "bf16" and rows >= BF16_UPCAST_MIN_ROWS and _library().choices().get("bf16_upcast", False):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
     return F.linear(x, weight, bias)
 
@@ -51,7 +71,7 @@ def int8_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None
         not 1 <= rows <= GEMV_MAX_ROWS
         or not q.is_contiguous()
         or (torch.compiler.is_compiling() and rows < COMPILED_INT8_MIN_ROWS)
-        or not library.choices().get("int8", False)
+        or not _library().choices().get("int8", False)
     ):
         return None
     x2 = x.reshape(rows, x.size(-1)).float().contiguous()  # (rows, in)
@@ -64,7 +84,7 @@ def q4_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None, out_fea
     32) in x's dtype, or None where it does not apply (autograd, another device, more than GEMV_MAX_ROWS rows, the
     library not loaded): there is no PyTorch product to measure it against, so it runs wherever it can."""
     rows = cpu_inference_rows(x)
-    if not 1 <= rows <= GEMV_MAX_ROWS or not (library.STATE.get("library") or library.load(wait=False)):
+    if not 1 <= rows <= GEMV_MAX_ROWS or not _loaded():
         return None
     x2 = x.reshape(rows, x.size(-1)).float().contiguous()  # (rows, in)
     y = torch.ops.gptkit.gemv_q4(x2, q, scales, bias, out_features)
@@ -76,7 +96,7 @@ def dequantize_q4(q: Tensor, scales: Tensor, rows: int, dtype: torch.dtype) -> T
     native pass, the values PyTorch's ops give; None where the library is not loaded or q is not on a CPU."""
     if q.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    if not (library.STATE.get("library") or library.load(wait=False)):
+    if not _loaded():
         return None
     return torch.ops.gptkit.dequantize_q4(q, scales, rows, dtype)
 
@@ -85,6 +105,7 @@ def back_with_huge_pages(tensors: list[Tensor]) -> None:
     """Ask Linux to back the tensors' memory with 2 MiB pages (csrc/gemv.cpp's huge_pages says why: weights stream
     about 15% faster), in a daemon thread: moving a model's pages takes about a second per GB, and decoding goes
     on meanwhile (the call releases the GIL). A no-op without the library, or where the system refuses."""
+    library = _library()
     if library.STATE.get("library"):
         library.start_native_thread(
             lambda: torch.ops.gptkit.huge_pages(tensors), "gptkit-huge-pages", HUGE_PAGES_EXIT_WAIT_S
