@@ -22,13 +22,11 @@ import collections
 import json
 import math
 import re
-import shlex
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from demo_commands import PRETRAIN, gptkit_cli
 
 from gptkit.prepare import DEFAULT_CORPUS
 
@@ -46,26 +44,6 @@ PLAY_STARTS = [
 ]
 PLAYS = ["Coriolanus", "Romeo and Juliet", "The Winter's Tale", "The Taming of the Shrew"]
 MAX_CHARS = 120  # the model reads 128 bytes
-PRETRAIN = [
-    "--model.preset",
-    "shakespeare-char-cpu",
-    "--model.block_size",
-    "128",
-    "--train.batch_size",
-    "16",
-    "--optim.lr",
-    "2e-3",
-    "--optim.min_lr",
-    "2e-4",
-    "--optim.beta2",
-    "0.99",
-    "--train.eval_interval",
-    "500",
-    "--train.eval_iters",
-    "10",
-    "--train.checkpoint_interval",
-    "500",
-]
 # 300 steps (about 4 epochs): the 0.8M-parameter model memorises 2,000 speeches' plays by 500.
 CLASSIFY = [
     "--finetune.objective",
@@ -87,15 +65,6 @@ CLASSIFY = [
     "--train.checkpoint_interval",
     "1000",
 ]
-
-
-def gptkit_cli(*args: str, capture: bool = False) -> str:
-    """Run one gptkit command, showing it as a user would type it."""
-    print("$ gptkit " + shlex.join(args), flush=True)
-    done = subprocess.run(
-        [sys.executable, "-m", "gptkit", *args], check=True, text=True, stdout=subprocess.PIPE if capture else None
-    )
-    return done.stdout or ""
 
 
 def speeches() -> list[tuple[str, str, str]]:

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from finetune_demo import TASK, gptkit_cli, task_words, train_cli
+from demo_commands import gptkit_cli
+from finetune_demo import TASK, replies, task_words, train_cli
 
 import gptkit
-from gptkit.chat import eos_text, load_chat_template
 from gptkit.data import example_batches, load_examples, read_meta
 from gptkit.loss import row_logprobs
 
@@ -109,24 +109,6 @@ def completion_logprobs(model_dir: Path, pairs_dir: Path) -> np.ndarray:
     examples = load_examples(pairs_dir, "train", meta)
     out = [row_logprobs(model.eval()(b.x), b.y, "sum") for b in example_batches(examples, model.config.block_size, 32)]
     return torch.cat(out).view(-1, 2).numpy()
-
-
-@torch.no_grad()
-def replies(model_dir: Path, words: list[str]) -> list[str]:
-    """Greedy replies to each held-out prompt, rendered with the chat template as the server renders a chat."""
-    model, tokenizer = gptkit.load(model_dir)
-    template = load_chat_template(model_dir, eos_text(tokenizer))
-    prompts = [tokenizer.encode(template.render([{"role": "user", "content": TASK.format(word=w)}])) for w in words]
-    out = gptkit.generate_ids(
-        model,
-        prompts,
-        max_new_tokens=14,
-        temperature=0.0,
-        stop=list(template.stop),
-        eos_id=tokenizer.eos_ids,
-        tokenizer=tokenizer,
-    )
-    return [tokenizer.decode(ids).split("\n\nuser:")[0].strip() for ids in out]
 
 
 def main() -> int:
@@ -248,7 +230,7 @@ def main() -> int:
             checkpoint = run_dir / (run_dir / "latest").read_text().strip()
         policy = completion_logprobs(checkpoint, out / "held_out")
         margins = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
-        said = replies(checkpoint, held_out)
+        said = replies(checkpoint, held_out, max_new_tokens=14)
         results[name] = {
             "preference_accuracy": float(np.mean(margins > 0)),
             "ends_with_full_stop": float(np.mean([s.endswith(".") for s in said])),

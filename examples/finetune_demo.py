@@ -27,32 +27,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from demo_commands import PRETRAIN, gptkit_cli
 
 import gptkit
 from gptkit.chat import eos_text, load_chat_template
 from gptkit.prepare import DEFAULT_CORPUS
 
 TASK = "Reverse: {word}"
-PRETRAIN = [
-    "--model.preset",
-    "shakespeare-char-cpu",
-    "--model.block_size",
-    "128",
-    "--train.batch_size",
-    "16",
-    "--optim.lr",
-    "2e-3",
-    "--optim.min_lr",
-    "2e-4",
-    "--optim.beta2",
-    "0.99",
-    "--train.eval_interval",
-    "500",
-    "--train.eval_iters",
-    "10",
-    "--train.checkpoint_interval",
-    "500",
-]
 FINETUNE = [
     "--train.batch_size",
     "32",
@@ -67,12 +48,6 @@ FINETUNE = [
     "--train.checkpoint_interval",
     "1000",
 ]
-
-
-def gptkit_cli(*args: str) -> None:
-    """Run one gptkit command, showing it as a user would type it."""
-    print("$ gptkit " + shlex.join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "gptkit", *args], check=True)
 
 
 def train_cli(run_dir: Path, steps: int, *args: str, every: int = 50) -> None:
@@ -124,21 +99,27 @@ def conversation(word: str) -> dict:
 
 
 @torch.no_grad()
-def score(model_dir: Path, words: list[str]) -> Score:
-    """How well held-out words are reversed, answered as the server answers a chat request."""
+def replies(model_dir: Path, words: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy replies to the task's prompt for each word, rendered with the chat template as the server renders a
+    chat."""
     model, tokenizer = gptkit.load(model_dir)
     template = load_chat_template(model_dir, eos_text(tokenizer))
     prompts = [tokenizer.encode(template.render([{"role": "user", "content": TASK.format(word=w)}])) for w in words]
-    replies = gptkit.generate_ids(
+    out = gptkit.generate_ids(
         model,
         prompts,
-        max_new_tokens=12,
+        max_new_tokens=max_new_tokens,
         temperature=0.0,
         stop=list(template.stop),
         eos_id=tokenizer.eos_ids,
         tokenizer=tokenizer,
     )
-    answers = [tokenizer.decode(ids).split("\n\nuser:")[0].strip() for ids in replies]
+    return [tokenizer.decode(ids).split("\n\nuser:")[0].strip() for ids in out]
+
+
+def score(model_dir: Path, words: list[str]) -> Score:
+    """How well held-out words are reversed, answered as the server answers a chat request."""
+    answers = replies(model_dir, words, max_new_tokens=12)
     exact = sum(a == w[::-1] for a, w in zip(answers, words)) / len(words)
     # A graded measure beside exact match: it moves before whole words come out right.
     placed = sum(sum(x == y for x, y in zip(a, w[::-1])) for a, w in zip(answers, words))
