@@ -124,7 +124,9 @@ async def _messages(state: ServerState, body: Any, request: Request) -> Any:
     )
     reply = Reply(anthropic.model, plan, anthropic.stop_sequences or [])
     collector = Collector(stream=anthropic.stream)
-    sequences = submit(state, [plan.prompt], plan.params, None, collector, plan.grammar, anthropic.model)
+    sequences = submit(
+        state, [plan.prompt], plan.params, None, collector, plan.grammar, anthropic.model, anthropic.lookup
+    )
     if anthropic.stream:
         events = EventStream(reply, state.tokenizer, sequences[0])
         return sse_response(stream_events(state, sequences, collector, events.render, events.closing, events.opening()))

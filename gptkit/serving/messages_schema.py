@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gptkit.serving.schemas import ChatRequest, NullableFlag
+from gptkit.serving.schemas import ChatRequest, LookupField, NullableFlag
 from gptkit.serving.state import APIError
 
 # Fields of Anthropic's API that never change the output here: accepted and ignored.
@@ -46,6 +46,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=1)
     stream: NullableFlag = False
+    lookup: LookupField = None  # gptkit's extension, as on its OpenAI endpoints
 
 
 def error_message(err: APIError) -> str:

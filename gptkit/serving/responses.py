@@ -271,7 +271,7 @@ async def _responses(state: ServerState, body: ResponsesRequest, request: Reques
     )
     writer = ResponseWriter(state, body, plan)
     collector = Collector(stream=bool(body.stream))
-    sequences = submit(state, [plan.prompt], plan.params, None, collector, plan.grammar, body.model)
+    sequences = submit(state, [plan.prompt], plan.params, None, collector, plan.grammar, body.model, body.lookup)
     if body.stream:
         events = EventStream(writer)
         return sse_response(stream_events(state, sequences, collector, events.render, events.closing, events.opening()))

@@ -68,6 +68,11 @@ def _lookup_value(value: Any) -> Any:
     return value
 
 
+# The `lookup` field of every generating endpoint (chat, completions, Responses, Messages): true, false or settings;
+# None (absent) means the server's --lookup.
+LookupField = Annotated[bool | LookupSettings | None, BeforeValidator(_lookup_value)]
+
+
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -80,7 +85,8 @@ class ResponseFormat(_Request):
 
 
 class DecodingFields(_Request):
-    """The decoding fields every generating endpoint takes (OpenAI's names, plus top_k, min_p, repetition_penalty)."""
+    """The decoding fields every generating endpoint takes (OpenAI's names, plus top_k, min_p, repetition_penalty
+    and gptkit's lookup)."""
 
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range (the CLI allows more)
@@ -92,6 +98,7 @@ class DecodingFields(_Request):
     presence_penalty: float | None = None
     seed: int | None = None
     stream: NullableFlag = False
+    lookup: LookupField = None
 
 
 class SamplingFields(DecodingFields):
@@ -103,7 +110,6 @@ class SamplingFields(DecodingFields):
     stop: str | list[str] | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    lookup: Annotated[bool | LookupSettings | None, BeforeValidator(_lookup_value)] = None  # None: --lookup's
 
 
 def refused_field(body: SamplingFields) -> tuple[str, str] | None:
