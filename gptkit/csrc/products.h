@@ -157,51 +157,76 @@ class Staging {
   std::vector<float> d_, dsum_;
 };
 
-// Calls fn with (NR, MR) as compile-time constants, NR in 1..kTileN and MR in 1..kTileM. The tile's accumulators
-// (two chains each) and its loads fit the vector registers: 24 + 5 of AVX-512's 32, 12 + 3 of AVX2's 16.
-constexpr int64_t kTileN = kLanes == 16 ? 4 : 2, kTileM = 3;
-template <typename Fn>
-inline void with_tile(int64_t nr, int64_t mr, Fn&& fn) {
-  auto rows = [&](auto n) {
-    switch (mr) {
-      case 1: fn(n, std::integral_constant<int, 1>{}); break;
-      case 2: fn(n, std::integral_constant<int, 2>{}); break;
-      default: fn(n, std::integral_constant<int, 3>{}); break;
-    }
-  };
-  switch (nr) {
-    case 1: rows(std::integral_constant<int, 1>{}); break;
-    case 2: rows(std::integral_constant<int, 2>{}); break;
-    case 3: rows(std::integral_constant<int, 3>{}); break;
-    default: rows(std::integral_constant<int, 4>{}); break;
+// fp32 register tiles (tile_f32): kTileN weight rows by kTileM activation rows, one chain's accumulators with the
+// tile's activation vectors and a weight vector in the vector registers (AVX2: 12 + 2 + 1 of 16; AVX-512: 24 + 4 + 1
+// of 32). On AVX2, 5 or 6 by 2 streamed GPT-2 small's batch-8 products fastest of 3-7 by 1-3 (one core, AMD EPYC).
+constexpr int64_t kTileN = 6, kTileM = kLanes == 16 ? 4 : 2;
+// k runs in chunks of this many floats, an even number of vectors (so each chunk starts on chain 0): a chunk of every
+// activation row and of the tile's weight rows (8 + 6 rows of 2 KiB) stays in L1 while the tile's slices pass it.
+constexpr int64_t kTileChunk = 512;
+
+// Calls fn(std::integral_constant<int, v>) for v in First..Last (values past Last as Last).
+template <int First, int Last, typename Fn>
+inline void with_value(int64_t v, Fn&& fn) {
+  if constexpr (First >= Last)
+    fn(std::integral_constant<int, Last>{});
+  else if (v <= First)
+    fn(std::integral_constant<int, First>{});
+  else
+    with_value<First + 1, Last>(v, fn);
+}
+
+// From this many activation rows fp32 products run in register tiles; fewer go a row at a time (row_f32). AVX2: tiles
+// streamed GPT-2 small's products 1.07x as fast as rows at 2 rows, 1.12-1.23x at 3-7 and 1.25-1.3x at 8 (one core,
+// AMD EPYC). AVX-512: from 6 rows, where its earlier two-chain tiles were measured (2-core AVX-512 EPYC).
+constexpr int64_t kTilesFromRows = kLanes == 16 ? 6 : 2;
+
+// Both chains' sums of nr weight rows (w, K apart) against gm <= kMaxRows activation rows x: sums[c] holds slice m0's
+// (kTileM rows from m0) in [m0 * kTileN, ...), n * mr + (m - m0) within it. The tile's weight rows meet every
+// activation row chunk by chunk of k, while both are in L1.
+inline void tile_sums_f32(const float* w, const float* x, int64_t K, int64_t nr, int64_t gm,
+                          V (*sums)[kTileN * kMaxRows]) {
+  const int64_t whole = K / kLanes * kLanes;
+  for (int c = 0; c < 2; ++c)
+    for (int64_t i = 0; i < kTileN * kMaxRows; ++i) sums[c][i] = vzero();
+  for (int64_t k0 = 0; k0 < whole; k0 += kTileChunk) {
+    const int64_t k1 = k0 + kTileChunk < whole ? k0 + kTileChunk : whole;
+    for (int c = 0; c < 2; ++c)
+      for (int64_t m0 = 0; m0 < gm; m0 += kTileM) {
+        const int64_t mr = gm - m0 < kTileM ? gm - m0 : kTileM;
+        with_value<1, kTileN>(nr, [&](auto n) {
+          with_value<1, kTileM>(mr, [&](auto m) {
+            tile_f32<decltype(n)::value, decltype(m)::value>(w, x + m0 * K, K, k0 + c * kLanes, k1,
+                                                             sums[c] + m0 * kTileN);
+          });
+        });
+      }
   }
 }
 
-// From this many activation rows fp32 products run in register tiles: a GPT-2-small decode step of 6 rows took
-// 20-22 ms in tiles against 24-26 ms a row at a time, 4 rows 19 against 16-18 (2-core AVX-512 EPYC). Not measured
-// with AVX2's narrower tiles: there past kMaxRows only, as before.
-constexpr int64_t kTilesFromRows = kLanes == 16 ? 6 : kMaxRows + 1;
-
-// fp32 weight rows [n0, n1) against M activation rows in register tiles (tile_f32), each tile of weight rows passed
-// by every activation row while it is in cache.
+// fp32 weight rows [n0, n1) against M activation rows in register tiles: each tile of kTileN weight rows is read from
+// memory once and passed by up to kMaxRows activation rows at a time. (Prefetching the next tile in software made
+// GPT-2 small's batch-8 products slower on AVX2, 1.16x as fast as rows rather than 1.27x.)
 inline void product_tiles_f32(const Weight& w, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0,
                               int64_t n1, bool accumulate) {
-  const int64_t K = w.K;
-  float out[kTileM * kTileN];
+  const int64_t K = w.K, whole = K / kLanes * kLanes;
+  const float* data = static_cast<const float*>(w.data);
+  V sums[2][kTileN * kMaxRows];
   for (int64_t t0 = n0; t0 < n1; t0 += kTileN) {
     const int64_t nr = n1 - t0 < kTileN ? n1 - t0 : kTileN;
-    for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
-      const int64_t mr = M - m0 < kTileM ? M - m0 : kTileM;
-      with_tile(nr, mr, [&](auto n, auto m) {
-        tile_f32<decltype(n)::value, decltype(m)::value>(static_cast<const float*>(w.data) + t0 * K, x + m0 * K, K,
-                                                         out, kTileN);
-      });
-      for (int64_t m = 0; m < mr; ++m)
+    for (int64_t g0 = 0; g0 < M; g0 += kMaxRows) {
+      const int64_t gm = M - g0 < kMaxRows ? M - g0 : kMaxRows;
+      tile_sums_f32(data + t0 * K, x + g0 * K, K, nr, gm, sums);
+      for (int64_t m = 0; m < gm; ++m) {
+        const int64_t m0 = m - m % kTileM, mr = gm - m0 < kTileM ? gm - m0 : kTileM;
         for (int64_t n = 0; n < nr; ++n) {
-          float* dst = y + (m0 + m) * ldy + t0 + n;
-          const float b = w.bias ? w.bias[t0 + n] : 0.0f;
-          *dst = (accumulate ? *dst : 0.0f) + (out[m * kTileN + n] + b);
+          const int64_t i = m0 * kTileN + n * mr + (m - m0);
+          float s = vsum(vadd(sums[0][i], sums[1][i]));  // then row_f32's tail past the whole vectors
+          for (int64_t j = whole; j < K; ++j) s += data[(t0 + n) * K + j] * x[(g0 + m) * K + j];
+          float* dst = y + (g0 + m) * ldy + t0 + n;
+          *dst = (accumulate ? *dst : 0.0f) + (s + (w.bias ? w.bias[t0 + n] : 0.0f));
         }
+      }
     }
   }
 }

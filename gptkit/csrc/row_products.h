@@ -46,43 +46,28 @@ inline void row_f32(const float* w, const float* x, int64_t K, float* out) {
 // MR times; held once, a 32-row GPT-2-small decode step went from 61 to 52 ms (2-core AVX-512 EPYC).
 inline void in_register(V& v) { asm volatile("" : "+v"(v)); }
 
-// NR weight rows against MR activation rows (out[m * ldo + n] = row n . x[m]), for fp32 batches of kTilesFromRows
-// rows or more, where the products are bound by arithmetic rather than by reading the weights: each weight vector
-// loaded serves MR rows and each activation vector NR rows (row_f32 loads one activation vector per multiply-add).
-// Every (m, n) sum takes row_f32's operations in row_f32's order (two chains, then the tail), so its result is
-// row_f32's to the bit.
+// NR weight rows against MR activation rows, one of row_f32's two chains at a time: acc[n * MR + m] carries the sum
+// of row n . x[m] over the vectors k0, k0 + 2 kLanes, ... below k1 (k0's parity picks the chain: chain c sums the
+// vectors of parity c, as row_f32's do). One chain needs NR * MR accumulators where both would not fit the registers,
+// and each (n, m) sum still takes row_f32's operations in row_f32's order: its result is row_f32's to the bit. Each
+// weight vector loaded serves MR rows and each activation vector NR rows (row_f32 loads an activation vector per
+// multiply-add, which held GPT-2 small's batch-8 fp32 step to about 40% of the bandwidth bound on AVX2).
 template <int NR, int MR>
-inline void tile_f32(const float* w, const float* x, int64_t K, float* out, int64_t ldo) {
-  constexpr int C = chains<MR>();
-  V acc[C][NR][MR];
-  for (int c = 0; c < C; ++c)
-    for (int n = 0; n < NR; ++n)
-      for (int m = 0; m < MR; ++m) acc[c][n][m] = vzero();
-  int64_t k = 0;
-  for (; k + C * kLanes <= K; k += C * kLanes)
-    for (int c = 0; c < C; ++c) {
-      V wv[NR];
-      for (int n = 0; n < NR; ++n) {
-        wv[n] = vload(w + n * K + k + c * kLanes);
-        in_register(wv[n]);
-      }
-      for (int m = 0; m < MR; ++m) {
-        const V xv = vload(x + m * K + k + c * kLanes);
-        for (int n = 0; n < NR; ++n) acc[c][n][m] = vfma(wv[n], xv, acc[c][n][m]);
-      }
-    }
-  for (; k + kLanes <= K; k += kLanes)
-    for (int m = 0; m < MR; ++m) {
-      const V xv = vload(x + m * K + k);
-      for (int n = 0; n < NR; ++n) acc[0][n][m] = vfma(vload(w + n * K + k), xv, acc[0][n][m]);
-    }
+inline void tile_f32(const float* w, const float* x, int64_t K, int64_t k0, int64_t k1, V* acc) {
+  V a[NR][MR];
   for (int n = 0; n < NR; ++n)
-    for (int m = 0; m < MR; ++m) {
-      for (int c = 1; c < C; ++c) acc[0][n][m] = vadd(acc[0][n][m], acc[c][n][m]);
-      float s = vsum(acc[0][n][m]);
-      for (int64_t j = k; j < K; ++j) s += w[n * K + j] * x[m * K + j];
-      out[m * ldo + n] = s;
+    for (int m = 0; m < MR; ++m) a[n][m] = acc[n * MR + m];
+  for (int64_t k = k0; k + kLanes <= k1; k += 2 * kLanes) {
+    V xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = vload(x + m * K + k);
+    for (int n = 0; n < NR; ++n) {
+      V wv = vload(w + n * K + k);
+      in_register(wv);
+      for (int m = 0; m < MR; ++m) a[n][m] = vfma(wv, xv[m], a[n][m]);
     }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < MR; ++m) acc[n * MR + m] = a[n][m];
 }
 
 // bf16 weights: with AVX-512 BF16 against bf16 activations xb (pairs multiplied exactly, summed in fp32); else
