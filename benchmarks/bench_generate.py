@@ -323,6 +323,7 @@ def table_rows(
             if measure != "prefill":
                 batch = int(measure.split("b")[1])
                 row["bound_tokens_per_s"] = batch * bandwidth / weight_bytes_per_token(model)
+                row["share_of_bound"] = row["gptkit"] / row["bound_tokens_per_s"]
                 if (label + " compiled", measure) in best:
                     row["gptkit_compiled"] = best[(label + " compiled", measure)]
                 if ("hf compiled " + hf_label, measure) in best:
@@ -436,20 +437,21 @@ def print_table(rows: list[dict[str, Any]], spec_rows: list[dict[str, Any]], ban
     )
     print(
         f"{'shape':6} {'format':6} {'measure':11} {'HF':>8} {'HF comp':>8} {'gptkit':>8} {'/HF':>6} "
-        f"{'compiled':>8} {'llama.cpp':>9} {'/llama':>6} {'bound':>7} same"
+        f"{'compiled':>8} {'llama.cpp':>9} {'/llama':>6} {'bound':>7} {'%bound':>6} same"
     )
     for r in rows:
         cell = lambda key, width=8: f"{r[key]:{width}.1f}" if key in r else " " * width  # noqa: E731
         ratio = f"{r['vs_llama_cpp']:6.2f}" if "vs_llama_cpp" in r else " " * 6
         same = {True: "yes", False: "NO"}.get(r.get("same_tokens_as_hf"), "")
+        share = f"{100 * r['share_of_bound']:5.0f}%" if "share_of_bound" in r else " " * 6
         print(
             f"{r['shape']:6} {r['format']:6} {r['measure']:11} {cell('hf')} {cell('hf_compiled')} {cell('gptkit')} "
             f"{r['vs_hf']:6.2f} {cell('gptkit_compiled')} {cell('llama_cpp', 9)} {ratio} "
-            f"{cell('bound_tokens_per_s', 7)} {same}"
+            f"{cell('bound_tokens_per_s', 7)} {share} {same}"
         )
     print(
         "tokens/s; bound: if every weight byte a decode step multiplies were read once per step at the measured "
-        "bandwidth"
+        "bandwidth; %bound: gptkit's tokens/s as a share of it"
     )
     if any("llama_cpp" in r for r in rows):
         print("not timed alike:\n" + "\n".join(f"  - {note}" for note in TIMING_NOTES))
