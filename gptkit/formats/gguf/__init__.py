@@ -27,7 +27,8 @@ the change in its logits measured and stated, or refused when that change is lar
 
 Q4_0 is gptkit's int4 (gptkit.quantization.Int4Linear holds the same blocks): writing an int4 model as q4_0 repacks
 its bits, and reading a Q4_0 file keeps every layer whose weights are all Q4_0 as an Int4Linear (decoded by
-gptkit's int4 kernels); other tensors are dequantised. A quantised model keeps its own LM head (output.weight) and
+gptkit's int4 kernels), and every expert stack whose tensors are all Q4_0 as an Int4Experts (never a float copy);
+other tensors are dequantised, Q8_0 too (its scale per block of 32 has no place in gptkit's int8 scale per row). A quantised model keeps its own LM head (output.weight) and
 writes its embedding tables in f32, as gptkit holds them, so that llama.cpp computes what gptkit computes.
 
 The package by direction: archs (the architectures, tensor names), hparams (metadata <-> config), write, read,

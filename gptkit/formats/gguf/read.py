@@ -17,7 +17,8 @@ from gptkit.formats.gguf.hparams import config_from_keys
 from gptkit.formats.gguf.q4_0 import q4_0_parts
 from gptkit.formats.gguf.vocab import GGUFError, tokenizer_from_fields
 from gptkit.model import GPT
-from gptkit.quantization import Int4Linear
+from gptkit.q4_blocks import dequantize_q4
+from gptkit.quantization import Int4Experts, Int4Linear
 from gptkit.tokenizer import Tokenizer
 from gptkit.weights import load_state_into
 
@@ -26,7 +27,8 @@ def load_gguf(
     path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
 ) -> tuple[GPT, Tokenizer]:
     """(model, tokenizer) of a GGUF file of one of the llama.cpp architectures gptkit maps (archs.ARCHS): layers whose
-    weights are Q4_0 as Int4Linear, every other tensor dequantised."""
+    weights are Q4_0 as Int4Linear, expert stacks whose weights are Q4_0 as Int4Experts, every other tensor
+    dequantised (Q8_0 too: its scale per block of 32 has no place in Int8Linear's one scale per row)."""
     gguf = gguf_package()
     path = Path(path)
     reader = open_gguf(path)
@@ -40,7 +42,17 @@ def load_gguf(
     for tensor in reader.tensors:
         shape = tuple(int(n) for n in reversed(tensor.shape))
         data = np.asarray(tensor.data)
-        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0 and len(shape) == 2:  # experts' 3-D: dequantised
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0 and len(shape) == 3:
+            # an expert stack (E, out, in): kept as its blocks, never dequantised (a float copy is 7x the bytes);
+            # a meta tensor stands in for its shape until _int4_stacks puts the blocks in its place
+            packed, scales = q4_0_parts(data.reshape(shape[0] * shape[1], -1))  # (E * out, in / 32 * 18) bytes
+            q4[tensor.name] = (
+                packed.view(*shape[:2], -1),
+                scales.view(*shape[:2], -1),
+            )  # (E, out, in / 2), (E, out, in / 32)
+            tensors[tensor.name] = torch.empty(shape, device="meta")
+            continue
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0 and len(shape) == 2:
             q4[tensor.name] = q4_0_parts(data.reshape(shape[0], -1))
         if tensor.tensor_type != gguf.GGMLQuantizationType.F32:
             try:
@@ -55,11 +67,13 @@ def load_gguf(
         config = _config(fields, tensors, arch, path)
     except ConfigError as err:  # hyperparameters no model can have: say which file holds them
         raise GGUFError(f"{path}: {err}") from None
+    _dequantize_mixed_stacks(tensors, q4, config, arch)
     state = _gptkit_state(tensors, config, arch, path)
     if config.tie_embeddings:
         state.pop("lm_head.weight")  # load_state_into ties the head to the embedding
     with torch.device("meta"):
         model = GPT(config)
+        _int4_stacks(model, state, q4, arch)
     model = load_state_into(model, state, str(path))  # shapes, and NaN or infinite weights, refused by name
     model = model.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else model
     _int4_layers(model, q4, arch)
@@ -74,7 +88,10 @@ def _int4_layers(model: GPT, q4: dict[str, tuple[torch.Tensor, torch.Tensor]], a
     head = "output.weight" if not config.tie_embeddings else "token_embd.weight"
     parts: dict[str, list[tuple[str, int]]] = {"lm_head": [(head, 0)]}  # layer -> (GGUF tensor, heads to reorder)
     for i in range(config.n_layer):
-        for layer in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"):
+        dense = ("mlp.fc", "mlp.proj")
+        if config.is_moe_layer(i):  # its mlp.fc and mlp.proj are expert stacks (_int4_stacks); a shared expert is dense
+            dense = ("mlp.shared.fc", "mlp.shared.proj") if config.moe_shared_hidden is not None else ()
+        for layer in ("attn.qkv", "attn.proj", *dense):
             weight = f"blocks.{i}.{layer}.weight"
             pieces = [(names[weight], 0)] if weight in names else [(piece.name, piece.heads) for piece in split[weight]]
             parts[f"blocks.{i}.{layer}"] = pieces
@@ -90,6 +107,50 @@ def _int4_layers(model: GPT, q4: dict[str, tuple[torch.Tensor, torch.Tensor]], a
         old = getattr(parent, child)
         new = Int4Linear.from_q4(packed, scales, old.bias).to(old.weight.device)
         setattr(parent, child, new)
+
+
+def _expert_stacks(config: ModelConfig, arch: Arch) -> dict[str, list[str]]:
+    """Each expert stack's gptkit module name (blocks.{i}.mlp.fc, .proj) -> its GGUF tensors, stacked in order."""
+    names, split = tensor_names(config, arch), split_tensors(config, arch)
+    stacks = {}
+    for i in range(config.n_layer):
+        if config.is_moe_layer(i):
+            for stack in (f"blocks.{i}.mlp.fc", f"blocks.{i}.mlp.proj"):
+                weight = f"{stack}.weight"
+                stacks[stack] = [names[weight]] if weight in names else [piece.name for piece in split[weight]]
+    return stacks
+
+
+def _dequantize_mixed_stacks(
+    tensors: dict[str, torch.Tensor], q4: dict[str, tuple[torch.Tensor, torch.Tensor]], config: ModelConfig, arch: Arch
+) -> None:
+    """Dequantise the Q4_0 expert tensors of a stack whose other pieces are not Q4_0 (gate Q4_0 beside up Q8_0): the
+    stack is then read as floats, as any other tensor type is."""
+    for pieces in _expert_stacks(config, arch).values():
+        if all(name in q4 for name in pieces):
+            continue
+        for name in pieces:
+            if name in q4 and tensors[name].is_meta:
+                packed, scales = q4.pop(name)  # (E, out, in / 2), (E, out, in / 32)
+                rows = dequantize_q4(packed.flatten(0, 1), scales.flatten(0, 1))  # (E * out, in)
+                tensors[name] = rows.view(tensors[name].shape)  # (E, out, in)
+
+
+def _int4_stacks(
+    model: GPT, state: dict[str, torch.Tensor], q4: dict[str, tuple[torch.Tensor, torch.Tensor]], arch: Arch
+) -> None:
+    """Replace each expert stack (on the meta model) whose GGUF tensors are all Q4_0 by an Int4Experts, and its
+    state's float stand-in by those blocks, stacked as _gptkit_state stacks float pieces: the file's very bits."""
+    for stack, pieces in _expert_stacks(model.config, arch).items():
+        if not all(name in q4 for name in pieces):
+            continue
+        packed, scales = (torch.cat(column, dim=1) for column in zip(*(q4[name] for name in pieces)))
+        state[f"{stack}.weight"], state[f"{stack}.scales"] = packed, scales  # (E, out, in / 2), (E, out, in / 32)
+        parent_name, _, child = stack.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        n, out, width = old.weight.shape
+        setattr(parent, child, Int4Experts(n, width, out, old.bias is not None))
 
 
 def gguf_tokenizer(path: str | Path) -> Tokenizer:

@@ -20,7 +20,7 @@ from gptkit.formats.gguf.q4_0 import q4_0_blocks
 from gptkit.formats.gguf.vocab import GGUFError, inert_merge, tokenizer_vocab
 from gptkit.layers import RMSNorm
 from gptkit.model import GPT
-from gptkit.quantization import Int4Linear, dequantized_state, is_quantized, quantize_q4
+from gptkit.quantization import Int4Experts, Int4Linear, dequantized_state, is_quantized, quantize_q4
 from gptkit.tokenizer import Tokenizer
 from gptkit.weights import real_vocab_state
 
@@ -33,9 +33,9 @@ EMBEDDINGS = ("token_embd.weight", "position_embd.weight")
 def gguf_tensors(model: GPT, q4_blocks: bool = False, added_tokens: int = 0) -> dict[str, torch.Tensor]:
     """The model's weights under llama.cpp's names and layout (float32, on the CPU; quantised layers dequantised).
 
-    q4_blocks: int4 layers come as their own Q4_0 blocks instead (uint8, a row of bytes per weight row), so that
-    writing them is a repacking: quantising their dequantised values again would change weights whose scales
-    were fitted (llama-quantize with an importance matrix) rather than taken from each block's largest value.
+    q4_blocks: int4 layers and expert stacks come as their own Q4_0 blocks instead (uint8, a row of bytes per weight
+    row), so that writing them is a repacking: quantising their dequantised values again would change weights whose
+    scales were fitted (llama-quantize with an importance matrix) rather than taken from each block's largest value.
     added_tokens: zero rows appended to the embedding and the output for tokens the file adds (a zero output row
     gives its token the logit 0 whatever the input)."""
     config = model.config
@@ -46,6 +46,10 @@ def gguf_tensors(model: GPT, q4_blocks: bool = False, added_tokens: int = 0) -> 
             if isinstance(module, Int4Linear):
                 packed, scales = module.plain()
                 state[f"{module_name}.weight"] = torch.from_numpy(q4_0_blocks(packed.cpu(), scales.cpu()))
+            elif isinstance(module, Int4Experts):  # each expert's rows as Int4Linear's: (E, out, in / 32 * 18)
+                packed, scales = (t.cpu().flatten(0, 1) for t in module.plain())  # (E * out, in / 2), (E * out, ...)
+                rows = torch.from_numpy(q4_0_blocks(packed, scales))  # (E * out, in / 32 * 18)
+                state[f"{module_name}.weight"] = rows.view(module.weight.size(0), module.out_features, -1)
     state = real_vocab_state(state, config)  # a padded vocabulary's extra rows are never used: not written
     if config.tie_embeddings and not arch.needs_output and not is_quantized(model):
         state.pop("lm_head.weight")  # llama.cpp reads the embedding as the output when output is absent
