@@ -104,11 +104,17 @@ lint: test-deps
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/ruff check $(LINTED)
 
+# The suite on TEST_WORKERS processes (pytest-xdist), a test file to each at a time so that a module's fixtures are
+# built once; each runs torch on one thread (tests/conftest.py), so two workers fill two cores without
+# oversubscribing them. A developer's own `pytest tests/x.py` stays one process.
+TEST_WORKERS ?= 2
+PYTEST = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: test-deps browser compiler llama-converter lint
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-all: test-deps browser compiler llama-converter llama-cpp
-	$(BIN)/python -m pytest -q -m ''
+	$(PYTEST) -m ''
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .cache

@@ -14,7 +14,11 @@ from gptkit.native import build, cache, contention, library
 from gptkit.native.cpu import isa_level
 
 # The models here are tiny: one thread beats two (no thread hand-offs per small op), and the subprocesses the
-# tests start inherit the setting through the environment.
+# tests start inherit the setting through the environment. A worker of a parallel run (make test: pytest-xdist)
+# takes one thread whatever the shell set: two workers of several threads each on two cores slow each other
+# manyfold. A test that needs threads or processes of its own (DDP, FSDP, thread-count parity) still starts them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 # A first decode builds gptkit's CPU kernels in the background and takes them once built: the tests take them built

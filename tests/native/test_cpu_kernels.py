@@ -249,9 +249,12 @@ def test_other_programs_busy_are_counted_and_this_process_is_not_on_a_quiet_mach
     own = threading.Thread(target=lambda: [torch.randn(1500, 1500) @ torch.randn(1500, 1500) for _ in range(20)])
     own.start()
     try:
-        assert REAL_OTHERS_BUSY() < 0.5  # this process's own threads are subtracted
+        beside_own = REAL_OTHERS_BUSY()
     finally:
         own.join()
+    if beside_own >= 0.5 and (REAL_OTHERS_BUSY() or 0.0) > contention.BUSY_CORES:
+        pytest.skip("another program got busy during the reading (a parallel test worker): it cannot be told apart")
+    assert beside_own < 0.5  # this process's own threads are subtracted
 
 
 def test_the_choices_are_measured_once_and_kept(monkeypatch, tmp_path):
