@@ -45,11 +45,9 @@ def load_gguf(
         if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0 and len(shape) == 3:
             # an expert stack (E, out, in): kept as its blocks, never dequantised (a float copy is 7x the bytes);
             # a meta tensor stands in for its shape until _int4_stacks puts the blocks in its place
-            packed, scales = q4_0_parts(data.reshape(shape[0] * shape[1], -1))  # (E * out, in / 32 * 18) bytes
-            q4[tensor.name] = (
-                packed.view(*shape[:2], -1),
-                scales.view(*shape[:2], -1),
-            )  # (E, out, in / 2), (E, out, in / 32)
+            packed, scales = q4_0_parts(data.reshape(shape[0] * shape[1], -1))  # rows (E * out, in / 32 * 18)
+            # (E * out, in / 2) and (E * out, in / 32) -> (E, out, in / 2) and (E, out, in / 32)
+            q4[tensor.name] = packed.view(*shape[:2], -1), scales.view(*shape[:2], -1)
             tensors[tensor.name] = torch.empty(shape, device="meta")
             continue
         if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0 and len(shape) == 2:
