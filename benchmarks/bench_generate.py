@@ -59,7 +59,7 @@ from gptkit.decoding.verify import SpeculativeStats
 from gptkit.formats.hf import gpt_from_hf_model
 from gptkit.loss import next_token_loss
 from gptkit.model import GPT
-from gptkit.native import library
+from gptkit.native import library, ops
 from gptkit.quantization import Int4Linear, Int8Linear, quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -184,6 +184,7 @@ def decode_rate(
     first token), over every row; and row 0's new tokens. An untimed call first takes any one-off cost (a compile);
     warm_both also runs new_tokens untimed first (HF's static cache is sized by the length: one compile each)."""
     generate(1)
+    ops.await_huge_pages()  # gptkit's fused step starts moving its weights to 2 MiB pages on its first call
     if warm_both:
         generate(new_tokens)
     start = time.perf_counter()

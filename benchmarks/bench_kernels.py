@@ -199,6 +199,7 @@ def moe_steps(quick: bool, steps: int) -> list[dict]:
             tokens = torch.zeros(1, 1, dtype=torch.long)
             with inference(model):
                 step(model, tokens, cache, 0)  # warm-up: page faults, the plan's buffers
+                ops.await_huge_pages()  # the fused step's first call starts moving the weights to 2 MiB pages
                 start = time.perf_counter()
                 for position in range(1, steps + 1):
                     tokens = step(model, tokens, cache, position).argmax(-1, keepdim=True)  # (1, 1): greedy
