@@ -301,8 +301,8 @@ WIDE_FORMATS = ["fp32", "bf16", "int8", "int4", "int8 cache"]
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("form, rows", [(form, 19) for form in WIDE_FORMATS] + [("fp32", 7)])
 def test_a_wide_batch_gives_each_row_the_logits_it_gets_alone(form, rows, threads):
-    """19 rows (tiles of 3 rows and slices of 8 both end short; vocab 61 ends a tile of 4 weight rows short; fp32 also
-    at 7 rows, which go through its tiles too, kernels.h's kTilesFromRows) at their
+    """19 rows (fp32's tiles of 2 or 4 rows and slices of 8 both end short; vocab 61 ends a tile of 6 weight rows short;
+    fp32 also at 7 rows, which go through its tiles too, products.h's kTilesFromRows) at their
     own positions over caches of random keys: each row's logits and cache are the same to the bit as that row
     decoded alone (which the tests above hold to the eager step), and fp32's within TOLERANCE of the eager step's
     (past 8 rows the eager step's own int8 and bf16 products round activations to bf16, further from both)."""
