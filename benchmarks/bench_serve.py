@@ -32,6 +32,11 @@ a shared machine do; the load average is printed with the figures:
 (benchmarks/serve_lora.py):
 
     .venv/bin/python benchmarks/bench_serve.py --adapters 4 --rounds 3
+
+--max-batch-sizes 8,16,32: one server per `--max-batch-size` setting in turn, each run at every --concurrency, the
+median tokens/s of --rounds interleaved rounds, and each setting's KV cache (benchmarks/serve_batch_sizes.py):
+
+    .venv/bin/python benchmarks/bench_serve.py --max-batch-sizes 8,16,32 --concurrency 1 8 32 --rounds 3
 """
 
 from __future__ import annotations
@@ -201,7 +206,10 @@ def main() -> None:
         help="compare with vLLM's CPU backend run by PYTHON (make vllm: .venv-vllm/bin/python) (serve_vllm.py)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=1, help="with --llama-server, --vllm or --adapters: interleaved rounds"
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --llama-server, --vllm, --adapters or --max-batch-sizes: interleaved rounds",
     )
     parser.add_argument(
         "--adapters",
@@ -209,6 +217,12 @@ def main() -> None:
         default=0,
         metavar="N",
         help="compare N LoRA adapters served together with one merged model (serve_lora.py)",
+    )
+    parser.add_argument(
+        "--max-batch-sizes",
+        default=None,
+        metavar="N,N,...",
+        help="serve each --max-batch-size in turn (one server at a time) and compare tokens/s (serve_batch_sizes.py)",
     )
     parser.add_argument(
         "--only",
@@ -237,6 +251,12 @@ def main() -> None:
         from serve_lora import compare
 
         compare(args, build_model_dir, start_server, run_clients)
+        return
+    if args.max_batch_sizes is not None:
+        from serve_batch_sizes import batch_sizes, sweep
+
+        args.max_batch_sizes = batch_sizes(args.max_batch_sizes)
+        sweep(args, build_model_dir, run_clients)
         return
     show = (lambda *a, **k: None) if args.json else print  # noqa: E731
     rows = []
