@@ -164,10 +164,12 @@ QUICK = dict(
 
 
 def read_bandwidth(megabytes: int, rounds: int = 5) -> float:
-    """Bytes per second this machine reads: the best of a few passes summing an fp32 array of that size."""
+    """Bytes per second every thread together reads: gptkit's probe (threads pinned, the buffer on 2 MiB pages as the
+    fused step's weights are; bench_generate's bound takes the same), the best of `rounds`. A torch sum fell short:
+    18.4 GB/s on the quiet 2-core AVX2 machine that read 21.4 so, 5.6 on one busy core where the fp32 step ran 8.8."""
     x = torch.ones(megabytes * (1 << 20) // 4)
-    best = min(best_time([x.sum], 1) for _ in range(rounds))
-    return x.numel() * 4 / best
+    torch.ops.gptkit.huge_pages([x])
+    return torch.ops.gptkit.read_bandwidth(x, rounds)
 
 
 # The MoE rows: (name, the model's float dtype, weight bytes per multiplied parameter, quantize()'s method). int8
