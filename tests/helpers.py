@@ -1,5 +1,6 @@
 """Helpers the tests share (import them as `from helpers import ...`): tiny configurations of every architecture
-variant in docs/spec.md section 1, run-to-run tolerances, a char-level data directory. Fixtures: conftest.py files."""
+variant in docs/spec.md section 1, run-to-run tolerances, a char-level data directory, a random byte-tokenizer model
+directory and the JSONL rows the fine-tuning tests prepare. Fixtures: conftest.py files."""
 
 from __future__ import annotations
 
@@ -63,3 +64,66 @@ def write_char_data_dir(path: Path, characters: int) -> Path:
     }
     (path / "meta.json").write_text(json.dumps(meta))
     return path
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """One row a line: a dict as JSON, a string as written (a malformed row stays malformed)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def byte_model_dir(path: Path, **config) -> Path:
+    """A random tiny model with the byte tokenizer (and the default chat template)."""
+    from gptkit.config import ModelConfig
+    from gptkit.formats.modeldir import save_model_dir
+    from gptkit.model import GPT
+    from gptkit.tokenizer import ByteTokenizer
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=257, block_size=64, n_layer=2, n_head=4, n_embd=32) | config
+    return save_model_dir(GPT(ModelConfig(**fields)), path, tokenizer=ByteTokenizer())
+
+
+WORDS = ["apple", "river", "stone", "cloud", "night", "sword", "crown", "ghost", "honey", "lemon", "tiger", "music"]
+FRUIT = {"apple", "lemon", "honey"}
+
+
+def reversal_rows(count: int, seed: int = 0) -> list[dict]:
+    """Conversations asking for a word reversed, answered."""
+    rng = np.random.default_rng(seed)
+    words = [WORDS[i] for i in rng.integers(0, len(WORDS), count)]
+    return [
+        {"messages": [{"role": "user", "content": f"Reverse: {w}"}, {"role": "assistant", "content": w[::-1]}]}
+        for w in words
+    ]
+
+
+def addition_rows(count: int, seed: int = 0) -> list[dict]:
+    """Prompts of two one-digit numbers to add, with their answers (the RL tests' verifiable task)."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = torch.randint(0, 10, (count, 2), generator=generator).tolist()
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b), "id": i} for i, (a, b) in enumerate(pairs)]
+
+
+def preference_rows(count: int, seed: int = 0) -> list[dict]:
+    """Pairs whose chosen reply ends with a full stop and whose rejected one does not."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for w in (WORDS[i] for i in rng.integers(0, len(WORDS), count)):
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"Say {w}"}],
+                "chosen": [{"role": "assistant", "content": f"{w}."}],
+                "rejected": [{"role": "assistant", "content": w}],
+            }
+        )
+    return rows
+
+
+def labelled_rows(count: int, seed: int = 0) -> list[dict]:
+    """Texts labelled fruit or other by their word."""
+    rng = np.random.default_rng(seed)
+    words = [WORDS[i] for i in rng.integers(0, len(WORDS), count)]
+    return [
+        {"text": f"a {w} {'x' * int(rng.integers(0, 6))}", "label": "fruit" if w in FRUIT else "other"} for w in words
+    ]

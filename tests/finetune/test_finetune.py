@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import VARIANTS, same_run
+from helpers import VARIANTS, reversal_rows, same_run, write_jsonl
 
 from gptkit.adapters import adapters, adapters_disabled, add_lora, fingerprint, merge_lora
 from gptkit.chat import ChatTemplate, eos_text, load_chat_template
@@ -43,12 +43,6 @@ CONVERSATION = [
     {"role": "user", "content": "And of grass?"},
     {"role": "assistant", "content": "Green."},
 ]
-WORDS = ["apple", "river", "stone", "cloud", "night", "sword", "crown", "ghost", "honey", "lemon", "tiger", "music"]
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
 
 
 def chatml_dir(path: Path) -> Path:
@@ -60,22 +54,6 @@ def chatml_dir(path: Path) -> Path:
     config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
-
-
-def byte_model_dir(path: Path, **config) -> Path:
-    """A random tiny model with the byte tokenizer (and the default chat template)."""
-    torch.manual_seed(0)
-    fields = dict(vocab_size=257, block_size=64, n_layer=2, n_head=4, n_embd=32) | config
-    return save_model_dir(GPT(ModelConfig(**fields)), path, tokenizer=ByteTokenizer())
-
-
-def reversal_rows(count: int, seed: int = 0) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    words = [WORDS[i] for i in rng.integers(0, len(WORDS), count)]
-    return [
-        {"messages": [{"role": "user", "content": f"Reverse: {w}"}, {"role": "assistant", "content": w[::-1]}]}
-        for w in words
-    ]
 
 
 # ---------------------------------------------------------------- rendering and masks
@@ -417,17 +395,6 @@ def _run_config(data: Path, out: Path, base: Path | None, **finetune) -> object:
     model.update(finetune.pop("model", {}))
     optim = {"warmup_steps": 1, "lr": 3e-3, "decay_steps": 6}  # a shorter run keeps the schedule: resume is exact
     return from_sources(None, {"model": model, "optim": optim, "train": train_settings, "finetune": finetune})
-
-
-@pytest.fixture(scope="module")
-def sft(tmp_path_factory) -> tuple[Path, Path]:
-    """(a byte-tokenizer base model, reversal conversations prepared with its tokenizer)."""
-    root = tmp_path_factory.mktemp("sft")
-    base = byte_model_dir(root / "base", dropout=0.1)
-    data = root / "data"
-    rows = write_jsonl(root / "chat.jsonl", reversal_rows(60))
-    assert main(["prepare", "--input", str(rows), "--tokenizer", str(base), "--out", str(data)]) == 0
-    return base, data
 
 
 def _losses(run: Path) -> dict[int, float]:

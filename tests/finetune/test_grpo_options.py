@@ -17,8 +17,8 @@ from gptkit.loading import load
 from gptkit.loss import row_logprobs
 from gptkit.model import GPT
 from gptkit.train import Trainer, train
-from tests.finetune.test_finetune import _losses, _run_config, sft, write_jsonl  # noqa: F401 (sft: a fixture)
-from tests.finetune.test_rl import _grpo, _records, prompts  # noqa: F401 (prompts: a fixture)
+from tests.finetune.test_finetune import _losses, _run_config
+from tests.finetune.test_rl import _grpo, _records
 
 EPS, EPS_HIGH = 0.2, 0.28
 
@@ -140,7 +140,7 @@ def _user_reward(tmp_path, monkeypatch, body: str) -> str:
     return "judge:score"
 
 
-def test_weighted_rewards_sum_and_a_reward_returning_none_leaves_its_completions_out(prompts, tmp_path, monkeypatch):  # noqa: F811
+def test_weighted_rewards_sum_and_a_reward_returning_none_leaves_its_completions_out(prompts, tmp_path, monkeypatch):
     base, data = prompts
     # Applies to even ids only: the other prompts' completions are scored by no reward and train nothing.
     spec = _user_reward(tmp_path, monkeypatch, "return float(len(completion)) if row['id'] % 2 == 0 else None")
@@ -166,7 +166,7 @@ def test_weighted_rewards_sum_and_a_reward_returning_none_leaves_its_completions
     assert float(stats["reward_1"]) == pytest.approx(float(group.reward_parts[..., 0].nanmean()))
 
 
-def test_mask_truncated_leaves_cut_completions_out_of_the_loss(prompts, tmp_path, monkeypatch):  # noqa: F811
+def test_mask_truncated_leaves_cut_completions_out_of_the_loss(prompts, tmp_path, monkeypatch):
     base, data = prompts
     spec = _user_reward(tmp_path, monkeypatch, "return float(len(completion))")
     trainer = Trainer(_grpo(data, tmp_path / "run", base, reward=spec, mask_truncated=True), resume=False)
@@ -199,7 +199,7 @@ def test_mask_truncated_leaves_cut_completions_out_of_the_loss(prompts, tmp_path
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
-def test_grad_accum_weighs_micro_batches_as_the_loss_type_defines(loss_type, prompts, tmp_path, monkeypatch):  # noqa: F811
+def test_grad_accum_weighs_micro_batches_as_the_loss_type_defines(loss_type, prompts, tmp_path, monkeypatch):
     base, data = prompts
     spec = _user_reward(tmp_path, monkeypatch, "return float(len(completion) % 3)")
     one = Trainer(
@@ -245,7 +245,7 @@ def test_grad_accum_weighs_micro_batches_as_the_loss_type_defines(loss_type, pro
         assert float(loss_two) == pytest.approx(float(sum(per_micro) / 2), rel=1e-5, abs=1e-7)
 
 
-def test_num_iterations_two_reuses_each_sampling_and_resumes_between_iterations(prompts, tmp_path, device):  # noqa: F811
+def test_num_iterations_two_reuses_each_sampling_and_resumes_between_iterations(prompts, tmp_path, device):
     base, data = prompts
     settings = dict(
         num_iterations=2,
@@ -268,7 +268,7 @@ def test_num_iterations_two_reuses_each_sampling_and_resumes_between_iterations(
     torch.testing.assert_close(got, want, **same_run(device))
 
 
-def test_the_lora_reference_is_the_base_kl_zero_first_then_above(prompts, tmp_path, monkeypatch):  # noqa: F811
+def test_the_lora_reference_is_the_base_kl_zero_first_then_above(prompts, tmp_path, monkeypatch):
     base, data = prompts
     spec = _user_reward(tmp_path, monkeypatch, "return float(len(completion))")  # a spread: the adapters move
     run = train(
@@ -282,7 +282,7 @@ def test_the_lora_reference_is_the_base_kl_zero_first_then_above(prompts, tmp_pa
 
 
 @pytest.mark.parametrize("objective", ["lm", "grpo"])
-def test_fine_tuning_and_rl_runs_are_measured_on_the_bases_own_text(objective, sft, prompts, tmp_path, monkeypatch):  # noqa: F811
+def test_fine_tuning_and_rl_runs_are_measured_on_the_bases_own_text(objective, sft, prompts, tmp_path, monkeypatch):
     from gptkit.cli import main
 
     text = tmp_path / "text.txt"  # held-out text of the base's own kind, prepared with its tokenizer
@@ -305,7 +305,7 @@ def test_fine_tuning_and_rl_runs_are_measured_on_the_bases_own_text(objective, s
     assert len((run.run_dir / "insight.jsonl").read_text().splitlines()) == 3
 
 
-def test_observe_data_of_another_vocabulary_is_refused_in_one_line(sft, tmp_path):  # noqa: F811
+def test_observe_data_of_another_vocabulary_is_refused_in_one_line(sft, tmp_path):
     from gptkit.cli import main
 
     base, data = sft

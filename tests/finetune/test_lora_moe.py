@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import byte_model_dir, reversal_rows, write_jsonl
 
 from gptkit.adapters import adapters, add_lora
 from gptkit.cli import main
@@ -13,7 +14,7 @@ from gptkit.errors import ConfigError
 from gptkit.model import GPT
 from gptkit.tensors import load_tensors
 from gptkit.train import train
-from tests.finetune.test_finetune import _losses, _run_config, byte_model_dir, reversal_rows, write_jsonl
+from tests.finetune.test_finetune import _losses, _run_config
 
 
 def moe_fields() -> dict:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import VARIANTS, same_run
+from helpers import FRUIT, VARIANTS, labelled_rows, preference_rows, same_run, write_jsonl
 
 from gptkit.adapters import adapters
 from gptkit.cli import main
@@ -24,70 +24,7 @@ from gptkit.loss import IGNORE_INDEX, row_logprobs
 from gptkit.model import GPT
 from gptkit.tokenizer import ByteTokenizer
 from gptkit.train import Trainer, train
-from tests.finetune.test_finetune import WORDS, _losses, _run_config, byte_model_dir, write_jsonl
-
-FRUIT = {"apple", "lemon", "honey"}
-
-
-def preference_rows(count: int, seed: int = 0) -> list[dict]:
-    """Pairs whose chosen reply ends with a full stop and whose rejected one does not."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for w in (WORDS[i] for i in rng.integers(0, len(WORDS), count)):
-        rows.append(
-            {
-                "prompt": [{"role": "user", "content": f"Say {w}"}],
-                "chosen": [{"role": "assistant", "content": f"{w}."}],
-                "rejected": [{"role": "assistant", "content": w}],
-            }
-        )
-    return rows
-
-
-def labelled_rows(count: int, seed: int = 0) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    words = [WORDS[i] for i in rng.integers(0, len(WORDS), count)]
-    return [
-        {"text": f"a {w} {'x' * int(rng.integers(0, 6))}", "label": "fruit" if w in FRUIT else "other"} for w in words
-    ]
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """(a byte-tokenizer base model, preference pairs and labelled texts prepared with its tokenizer)."""
-    root = tmp_path_factory.mktemp("objectives")
-    base = byte_model_dir(root / "base")
-    pairs, texts = root / "pairs", root / "texts"
-    assert (
-        main(
-            [
-                "prepare",
-                "--input",
-                str(write_jsonl(root / "p.jsonl", preference_rows(40))),
-                "--tokenizer",
-                str(base),
-                "--out",
-                str(pairs),
-            ]
-        )
-        == 0
-    )
-    assert (
-        main(
-            [
-                "prepare",
-                "--input",
-                str(write_jsonl(root / "t.jsonl", labelled_rows(80))),
-                "--tokenizer",
-                str(base),
-                "--out",
-                str(texts),
-            ]
-        )
-        == 0
-    )
-    return base, pairs, texts
-
+from tests.finetune.test_finetune import _losses, _run_config
 
 # ---------------------------------------------------------------- data
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import same_run
+from helpers import preference_rows, same_run, write_jsonl
 
 from gptkit.cli import main
 from gptkit.data import load_examples, read_meta
@@ -19,8 +19,7 @@ from gptkit.finetune.orpo import orpo_loss
 from gptkit.loading import load
 from gptkit.loss import IGNORE_INDEX
 from gptkit.train import train
-from tests.finetune.test_finetune import _losses, _run_config, write_jsonl
-from tests.finetune.test_objectives import preference_rows, prepared  # noqa: F401 (prepared: a fixture)
+from tests.finetune.test_finetune import _losses, _run_config
 
 
 def _records(run) -> list[dict]:
@@ -63,7 +62,7 @@ def test_orpo_loss_equals_trls_formula():
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_orpo_learns_the_preference_and_resumes_exactly(method, prepared, tmp_path, device):  # noqa: F811
+def test_orpo_learns_the_preference_and_resumes_exactly(method, prepared, tmp_path, device):
     base, pairs, _ = prepared
     settings = dict(objective="orpo", method=method, lora_rank=4, train={"device": device.type})
     if method == "full":
@@ -81,13 +80,13 @@ def test_orpo_learns_the_preference_and_resumes_exactly(method, prepared, tmp_pa
         torch.testing.assert_close(got, want, **same_run(device))
 
 
-def test_orpo_with_beta_zero_is_refused_in_one_line(prepared, tmp_path):  # noqa: F811
+def test_orpo_with_beta_zero_is_refused_in_one_line(prepared, tmp_path):
     base, pairs, _ = prepared
     with pytest.raises(Exception, match=r"^finetune.orpo_beta must be > 0.0, got 0.0$"):
         _run_config(pairs, tmp_path / "r", base, objective="orpo", orpo_beta=0.0).validate()
 
 
-def test_orpo_nll_is_the_plain_next_token_loss_of_the_chosen_replies(prepared):  # noqa: F811
+def test_orpo_nll_is_the_plain_next_token_loss_of_the_chosen_replies(prepared):
     base, pairs, _ = prepared
     from gptkit.data import example_batches
 
@@ -113,7 +112,7 @@ def unpaired_rows(count: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def unpaired(prepared, tmp_path_factory) -> Path:  # noqa: F811
+def unpaired(prepared, tmp_path_factory) -> Path:
     base = prepared[0]
     root = tmp_path_factory.mktemp("kto")
     data = root / "data"
@@ -145,7 +144,7 @@ def test_unpaired_rows_are_stored_with_true_and_false_labels(unpaired):
 @pytest.mark.parametrize(
     "label, message", [("yes", "must be true or false, got a string"), (1, "must be true or false, got a number")]
 )
-def test_an_unpaired_label_that_is_not_a_boolean_is_one_line(label, message, prepared, tmp_path, capsys):  # noqa: F811
+def test_an_unpaired_label_that_is_not_a_boolean_is_one_line(label, message, prepared, tmp_path, capsys):
     rows = [{"prompt": "a", "completion": "b", "label": True}, {"prompt": "c", "completion": "d", "label": label}]
     code = main(
         [
@@ -189,7 +188,7 @@ def test_the_kl_estimate_pairs_each_prompt_with_the_next_completion():
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_kto_starts_at_half_learns_the_labels_and_resumes_exactly(method, prepared, unpaired, tmp_path, device):  # noqa: F811
+def test_kto_starts_at_half_learns_the_labels_and_resumes_exactly(method, prepared, unpaired, tmp_path, device):
     base = prepared[0]
     settings = dict(objective="kto", method=method, train={"device": device.type})
     if method == "lora":

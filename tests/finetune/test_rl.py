@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import same_run
+from helpers import addition_rows, byte_model_dir, same_run, write_jsonl
 
 from gptkit.checkpoint import latest_checkpoint
 from gptkit.cli import main
@@ -28,7 +28,7 @@ from gptkit.loading import load
 from gptkit.loss import IGNORE_INDEX, row_logprobs
 from gptkit.run_sources import from_sources
 from gptkit.train import Trainer, train
-from tests.finetune.test_finetune import _losses, _run_config, byte_model_dir, sft, write_jsonl  # noqa: F401 (sft: a fixture)
+from tests.finetune.test_finetune import _losses, _run_config
 from tests.train.test_train import _wait_for_step
 
 # ---------------------------------------------------------------- the loss
@@ -103,23 +103,6 @@ def test_pass_at_k_is_the_unbiased_estimate():
 
 
 # ---------------------------------------------------------------- runs
-
-
-def addition_rows(count: int, seed: int = 0) -> list[dict]:
-    generator = torch.Generator().manual_seed(seed)
-    pairs = torch.randint(0, 10, (count, 2), generator=generator).tolist()
-    return [{"prompt": f"{a}+{b}=", "answer": str(a + b), "id": i} for i, (a, b) in enumerate(pairs)]
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory) -> tuple[Path, Path]:
-    """(a byte-tokenizer base model, addition prompts prepared with its tokenizer)."""
-    root = tmp_path_factory.mktemp("rl")
-    base = byte_model_dir(root / "base")
-    data = root / "data"
-    rows = write_jsonl(root / "prompts.jsonl", addition_rows(40))
-    assert main(["prepare", "--input", str(rows), "--tokenizer", str(base), "--out", str(data)]) == 0
-    return base, data
 
 
 def _grpo(data: Path, out: Path, base: Path, **settings) -> object:
@@ -218,7 +201,7 @@ def test_eval_on_a_prompt_set_is_one_line_pointing_to_pass_at_k(prompts, capsys)
     assert "holds prompts" in err and "val_pass_at_1" in err and len(err.splitlines()) == 1
 
 
-def test_a_prompt_set_trains_only_grpo_and_grpo_only_on_prompts(prompts, sft, tmp_path):  # noqa: F811
+def test_a_prompt_set_trains_only_grpo_and_grpo_only_on_prompts(prompts, sft, tmp_path):
     base, data = prompts
     with pytest.raises(ConfigError, match="finetune.objective lm trains on examples .* use finetune.objective grpo"):
         Trainer(_run_config(data, tmp_path / "lm", base), resume=False)

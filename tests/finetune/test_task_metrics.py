@@ -20,8 +20,7 @@ from gptkit.finetune.objectives import exact_match, reply_of
 from gptkit.model import GPT
 from gptkit.observe.training import plot_run
 from gptkit.train import train
-from tests.finetune.test_finetune import _run_config, sft  # noqa: F401 (fixtures)
-from tests.finetune.test_objectives import prepared  # noqa: F401 (fixture)
+from tests.finetune.test_finetune import _run_config
 
 
 def _example(prompt: list[int], reply: list[int], tail: list[int] = ()) -> tuple[list[int], list[int]]:
@@ -67,7 +66,7 @@ def _evaluations(run: Path) -> list[dict]:
     return [r for r in records if "val_loss" in r]
 
 
-def test_supervised_runs_log_the_exact_match_of_their_replies(sft, tmp_path, capsys):  # noqa: F811
+def test_supervised_runs_log_the_exact_match_of_their_replies(sft, tmp_path, capsys):
     base, data = sft
     run = train(_run_config(data, tmp_path / "run", base, train={"eval_examples": 5, "plot": True}), progress=True)
     evaluations = _evaluations(run.run_dir)
@@ -80,7 +79,7 @@ def test_supervised_runs_log_the_exact_match_of_their_replies(sft, tmp_path, cap
 @pytest.mark.parametrize(
     "objective, metrics", [("classify", ("val_accuracy", "val_macro_f1")), ("dpo", ("val_accuracy", "val_margin"))]
 )
-def test_classification_and_dpo_runs_log_their_task_metrics(objective, metrics, prepared, tmp_path):  # noqa: F811
+def test_classification_and_dpo_runs_log_their_task_metrics(objective, metrics, prepared, tmp_path):
     base, pairs, texts = prepared
     data = texts if objective == "classify" else pairs
     run = train(_run_config(data, tmp_path / "run", base, objective=objective), progress=False)
@@ -118,11 +117,12 @@ def _first_reply(ids: np.ndarray, trained: np.ndarray) -> tuple[list[int], list[
     return ids[:start].tolist(), ids[start:end].tolist()
 
 
-def test_the_logged_exact_match_is_what_the_final_model_writes(sft, tmp_path):  # noqa: F811
+def test_the_logged_exact_match_is_what_the_final_model_writes(sft, tmp_path):
+    from helpers import WORDS, write_jsonl
+
     from gptkit.cli import main
     from gptkit.data import load_examples, read_meta
     from gptkit.loading import load
-    from tests.finetune.test_finetune import WORDS, write_jsonl
 
     base, _ = sft
     rows = [{"prompt": f"{w} {w[::-1]}?", "completion": " yes" if w[0] in "aeiou" else " no"} for w in WORDS * 8]
@@ -159,7 +159,7 @@ def test_the_logged_exact_match_is_what_the_final_model_writes(sft, tmp_path):  
     assert logged == pytest.approx(hits / 6) and hits > 0  # (0.83 here: some replies right, not all)
 
 
-def test_the_logged_dpo_margin_and_accuracy_are_the_final_models(prepared, tmp_path):  # noqa: F811
+def test_the_logged_dpo_margin_and_accuracy_are_the_final_models(prepared, tmp_path):
     from gptkit.data import load_examples, read_meta
     from gptkit.loading import load
 

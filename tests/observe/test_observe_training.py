@@ -243,8 +243,10 @@ def test_under_two_processes_rank_0_alone_samples_and_measures(data_dir, tmp_pat
 
 
 def test_supervised_examples_sample_their_validation_prompts(tmp_path):
+    from helpers import byte_model_dir, reversal_rows, write_jsonl
+
     from gptkit.cli import main
-    from tests.finetune.test_finetune import _run_config, byte_model_dir, reversal_rows, write_jsonl
+    from tests.finetune.test_finetune import _run_config
 
     base = byte_model_dir(tmp_path / "base")
     rows = write_jsonl(tmp_path / "chat.jsonl", reversal_rows(60))

@@ -239,8 +239,9 @@ def test_sliced_lm_head_loss_under_two_processes_matches_one(parallel, tmp_path)
 def test_two_processes_fine_tune_on_examples_as_one(method, parallel, tmp_path):
     """Micro-batches of examples hold different numbers of trained tokens: each rank weighs its own by the
     update's total, so 2 processes match 1 process with twice the accumulation."""
+    from helpers import byte_model_dir, reversal_rows, write_jsonl
+
     import gptkit.cli
-    from tests.finetune.test_finetune import byte_model_dir, reversal_rows, write_jsonl
 
     base = byte_model_dir(tmp_path / "base")
     data = tmp_path / "data"
