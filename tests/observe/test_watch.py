@@ -22,7 +22,6 @@ from gptkit.cli import main
 from gptkit.observe.run_reader import CONFIG_FILE, RUN_FILES, parse_records, read_config, read_from, read_run
 from gptkit.serving.watch import create_watch_app
 from tests.serving.servers import live_server
-from tests.serving.test_serve_playground import CHROMIUM, CHROMIUM_FLAGS, _need_browser
 
 LAYERS, HEADS, BLOCK = 2, 4, 16
 EVALUATIONS = (0, 100, 200)  # the steps the fake run evaluates at; the phase change is located at the third
@@ -304,14 +303,6 @@ def test_the_command_prints_its_url_and_serves_the_run(tmp_path):
 
 
 # ----- the page in Chromium
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with _need_browser()() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        yield chromium
-        chromium.close()
 
 
 def open_page(browser, url: str):

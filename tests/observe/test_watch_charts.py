@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from gptkit.serving.watch import create_watch_app
-from tests.observe.test_watch import browser, lines, open_page, wait_for, write_run  # noqa: F401 (a fixture)
+from tests.observe.test_watch import lines, open_page, wait_for, write_run
 from tests.serving.servers import live_server
 
 
@@ -16,7 +16,7 @@ def y_labels(page, chart: str) -> list[float]:
     return [float(t) for t in texts]
 
 
-def test_induction_scores_near_chance_are_drawn_near_zero_on_a_zero_to_one_axis(tmp_path, browser):  # noqa: F811
+def test_induction_scores_near_chance_are_drawn_near_zero_on_a_zero_to_one_axis(tmp_path, browser):
     run_dir = write_run(tmp_path / "run", up_to=200)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for record, score in zip([r for r in records if "induction_score" in r], (0.012, 0.017, 0.011)):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 from gptkit.serving.watch import create_watch_app
-from tests.observe.test_watch import browser, open_page, wait_for  # noqa: F401 (browser is a fixture)
+from tests.observe.test_watch import open_page, wait_for
 from tests.serving.servers import live_server
 
 
-def test_expert_load_panel(tmp_path, browser) -> None:  # noqa: F811
+def test_expert_load_panel(tmp_path, browser) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     dense = [{"step": s, "loss": 3.0, "lr": 1e-3, "val_loss": 3.1} for s in (0, 10)]
