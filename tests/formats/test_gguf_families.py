@@ -264,8 +264,8 @@ def test_each_familys_gptkit_export_reads_back_with_the_same_logits(family, tmp_
         ("qwen2", {}, "blocks.0.attn.proj.bias is not zero: llama.cpp's qwen2 has no output projection bias"),
         (
             "llama3",
-            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}},
-            "rope_scaling",
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+            "rope_scaling 'dynamic' cannot be written as GGUF: llama.cpp computes no dynamic NTK scaling",
         ),
         ("qwen3", {"qk_norm_scope": "width"}, "qk_norm_scope 'width' cannot be written as GGUF"),
     ],

@@ -75,7 +75,8 @@ def test_a_tensor_gptkit_does_not_map_is_refused_by_name_not_dropped(name, rows,
 @pytest.mark.parametrize(
     "key, value, kind",
     [
-        ("llama.rope.scaling.type", "yarn", "STRING"),
+        ("llama.rope.scaling.type", "longrope", "STRING"),  # Phi-3's: its rope_factors_long/short tensors
+        ("llama.rope.scaling.made_up", 1.0, "FLOAT32"),  # a key llama.cpp itself does not define
         ("llama.rope.scaling.attn_factor", 0.5, "FLOAT32"),
         ("llama.attention.sliding_window", 4, "UINT32"),
         ("llama.expert_shared_count", 1, "UINT32"),  # a key gptkit maps onto no model

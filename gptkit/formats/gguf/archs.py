@@ -21,7 +21,11 @@ SHAPE_KEYS = frozenset(
     {"context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count"}
     | {"attention.head_count_kv", "attention.key_length", "attention.value_length", "vocab_size"}
 )
-ROPE_KEYS = frozenset({"rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor"})
+ROPE_KEYS = frozenset(
+    {"rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor"}
+    | {"rope.scaling.original_context_length", "rope.scaling.attn_factor", "rope.scaling.yarn_attn_factor"}
+    | {"rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow", "rope.scaling.yarn_ext_factor"}
+)  # the yarn ones: gptkit.formats.gguf.rope reads them
 RMS = frozenset({"attention.layer_norm_rms_epsilon"})
 WINDOW_KEYS = frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})
 EXPERT_KEYS = frozenset({"expert_count", "expert_used_count"})

@@ -18,13 +18,14 @@ import torch
 
 from gptkit.config import ModelConfig, RopeScaling
 from gptkit.formats.gguf.archs import ARCHS, Arch
+from gptkit.formats.gguf.rope import read_scaling, rope_refusal, scaling_keys, yarn_as_read
 from gptkit.formats.gguf.vocab import GGUFError
 from gptkit.positions import base_frequencies, scaled_frequencies
 
 FLOAT_KEYS = frozenset(
     {"attention.layer_norm_epsilon", "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa"}
     | {"rope.scaling.factor", "attn_logit_softcapping", "final_logit_softcapping", "attention.scale"}
-    | {"embedding_scale", "residual_scale", "logit_scale"}
+    | {"embedding_scale", "residual_scale", "logit_scale", "rope.scaling.attn_factor"}
 )
 # Fields that do not change what a model computes (or that the file holds elsewhere): not compared.
 UNCOMPARED = ("dropout", "zero_init_proj", "vocab_multiple", "vocab_size", "attn_bias", "mlp_bias", "norm_bias")
@@ -39,6 +40,11 @@ WHY = {
 def decimal(value: Any) -> float:
     """A float32 from the file as the shortest decimal that rounds to it (1e-05, not 9.9999997e-06)."""
     return float(str(np.float32(value)))
+
+
+def decimal_or_value(value: Any) -> Any:
+    """A float as decimal gives it; any other value (a string, an integer) as it is."""
+    return decimal(value) if isinstance(value, float) else value
 
 
 def config_keys(config: ModelConfig, arch: Arch) -> dict[str, Any]:
@@ -59,8 +65,7 @@ def config_keys(config: ModelConfig, arch: Arch) -> dict[str, Any]:
     if config.position == "rope":
         keys["rope.freq_base"] = config.rope_theta
         keys["rope.dimension_count"] = config.rotary_dim
-        if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear":
-            keys["rope.scaling.type"], keys["rope.scaling.factor"] = "linear", config.rope_scaling.factor
+        keys.update(scaling_keys(config.rope_scaling, config.block_size))
     if config.rope_local_theta is not None:
         keys["rope.freq_base_swa"] = config.rope_local_theta
     if config.sliding_window is not None:
@@ -122,7 +127,8 @@ def config_from_keys(
 def _rope_fields(
     arch: Arch, get: Callable[..., Any], head_dim: int, block_size: int, divisors: list[float] | None
 ) -> dict[str, Any]:
-    """rope_theta, rotary_dim and rope_scaling (a linear factor, or a rope_freqs tensor's per-frequency divisors)."""
+    """rope_theta, rotary_dim and rope_scaling (linear or yarn keys, or a rope_freqs tensor's per-frequency
+    divisors)."""
     out: dict[str, Any] = {"rope_theta": decimal(get("rope.freq_base", 10000.0))}
     out["rotary_dim"] = int(get("rope.dimension_count", head_dim))
     if arch.interleaved and out["rotary_dim"] != head_dim:
@@ -130,14 +136,12 @@ def _rope_fields(
             f"'{arch.name}.rope.dimension_count' is {out['rotary_dim']}, not the head size {head_dim}: gptkit does not "
             "read partial rotary in llama.cpp's interleaved RoPE"
         )
-    kind, factor = get("rope.scaling.type", "linear"), decimal(get("rope.scaling.factor", 0.0))
-    if kind not in ("linear", "none"):
-        raise GGUFError(f"metadata '{arch.name}.rope.scaling.type' is {kind!r}; gptkit reads linear scaling (or none)")
-    if factor not in (0.0, 1.0):  # llama.cpp divides the frequencies by any factor given (src/llama-model.cpp)
-        out["rope_scaling"] = RopeScaling("linear", factor=factor)
+    scaling = read_scaling(arch, lambda key, default=None: decimal_or_value(get(key, default)), block_size)
+    if scaling is not None:
+        out["rope_scaling"] = scaling
     if divisors is not None:
         if "rope_scaling" in out:
-            raise GGUFError("the file has both rope_freqs.weight and a rope.scaling.type; gptkit reads one of them")
+            raise GGUFError("the file has both rope_freqs.weight and rope.scaling keys; gptkit reads one of them")
         factors = tuple(float(d) for d in divisors)  # llama.cpp divides each frequency by its factor, nothing else
         out["rope_scaling"] = RopeScaling("longrope", None, block_size, short_factor=factors, long_factor=factors)
         out["rope_scaling"] = dataclasses.replace(out["rope_scaling"], attention_factor=1.0)
@@ -231,6 +235,9 @@ def architecture(config: ModelConfig) -> Arch:
             raise GGUFError(f"no {arch.name}.{key}")
         return value
 
+    refusal = rope_refusal(config, arch)
+    if refusal is not None:
+        raise GGUFError(refusal)
     expected = config_from_keys(arch, get, config.vocab_size, config.tie_embeddings, divisors)
     ours = comparable(config, divisors)
     for f in dataclasses.fields(ModelConfig):
@@ -254,13 +261,15 @@ def architecture(config: ModelConfig) -> Arch:
 
 def comparable(config: ModelConfig, divisors: list[float] | None) -> ModelConfig:
     """config in the form reading a file gives: norm gains with their offset folded in, a default score scale
-    implicit, Llama 3's rule as its divisors."""
+    implicit, Llama 3's rule as its divisors, a yarn rule with its factor explicit."""
     changes: dict[str, Any] = {"norm_gain_offset": 0.0}
     # llama.cpp computes 1/sqrt(head_dim) in float32 when attention.scale is absent (Gemma 3's 256**-0.5 at
     # head_dim 256, Llama's default): a scale equal to it up to double rounding is that default, anything else is
     # compared as a field (and refused where the architecture cannot take it)
     if config.attn_scale is not None and math.isclose(config.attn_scale, 1 / math.sqrt(config.head_dim)):
         changes["attn_scale"] = None
+    if config.rope_scaling is not None and config.rope_scaling.rope_type == "yarn":
+        changes["rope_scaling"] = yarn_as_read(config.rope_scaling, config.block_size)
     if divisors is not None:
         factors = tuple(divisors)
         changes["rope_scaling"] = RopeScaling(
