@@ -50,10 +50,15 @@ ATTENTIONS = ("windowed", "full")
 KERNELS_OFF = ("GPTKIT_CPU_KERNELS", "0")
 
 
-def attention_shape(preset: str, attention: str = "windowed") -> ModelConfig:
+def attention_shape(preset: str, attention: str = "windowed", layers: int | None = None) -> ModelConfig:
     """preset's KV-cache shape with SHRUNK's width, feed-forward and vocabulary and one query head per kv head;
-    attention "full": no layer windowed."""
+    attention "full": no layer windowed; layers: only the first that many (each layer's cache is its own)."""
     config = ModelConfig.load(preset)
+    if layers is not None:
+        if not 1 <= layers <= config.n_layer:
+            raise SystemExit(f"bench_kv_memory: --layers must be 1 to {preset}'s {config.n_layer}, got {layers}")
+        types = config.layer_types[:layers] if config.layer_types is not None else None
+        config = dataclasses.replace(config, n_layer=layers, layer_types=types)
     if config.sliding_window is None:
         raise SystemExit(f"bench_kv_memory: {preset} has no sliding window; choose a windowed preset")
     if config.position == "learned" and config.block_size < LONG_CONTEXT:
@@ -106,9 +111,10 @@ def measure(config: ModelConfig, kv: str, decode_steps: int = DECODE_STEPS) -> d
     }
 
 
-def measure_in_child(preset: str, attention: str, kv: str) -> dict[str, Any]:
+def measure_in_child(preset: str, attention: str, kv: str, layers: int | None) -> dict[str, Any]:
     """measure() in a fresh process, so that no earlier measurement's freed memory hides this one's growth."""
     command = [sys.executable, __file__, "--child", preset, attention, kv]
+    command += ["--layers", str(layers)] if layers is not None else []
     result = subprocess.run(command, capture_output=True, text=True, env=os.environ | {KERNELS_OFF[0]: KERNELS_OFF[1]})
     if result.returncode != 0:
         raise SystemExit(f"bench_kv_memory: {preset} {attention} {kv} failed:\n{result.stderr}")
@@ -144,29 +150,37 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["gemma3-1b", "mistral-7b"], help="windowed presets")
     parser.add_argument("--kv", nargs="+", default=list(KV_SETTINGS), choices=list(KV_SETTINGS), help="KV settings")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep each preset's first N layers (default: all) for a quicker run; each layer's cache is its own",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--child", nargs=3, metavar=("PRESET", "ATTENTION", "KV"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         preset, attention, kv = args.child
-        print(json.dumps(measure(attention_shape(preset, attention), kv)))
+        print(json.dumps(measure(attention_shape(preset, attention, args.layers), kv)))
         return 0
     for preset in args.presets:
-        attention_shape(preset)  # a preset without a window stops here, before any measurement
+        attention_shape(preset, layers=args.layers)  # a preset without a window stops here, before any measurement
     rows = []
     for preset in args.presets:
         for kv in args.kv:
             for attention in ATTENTIONS:
                 rows.append(
-                    {"preset": preset, "attention": attention, "kv": kv} | measure_in_child(preset, attention, kv)
+                    {"preset": preset, "attention": attention, "kv": kv}
+                    | measure_in_child(preset, attention, kv, args.layers)
                 )
                 if not args.json:
                     print(f"measured {preset} {attention} {kv}", file=sys.stderr, flush=True)
     model = (
-        f"each preset's layers, kv heads, head_dim, window and windowed layers; width {SHRUNK['n_embd']}, ffn "
+        f"each preset's {f'first {args.layers} ' if args.layers else ''}layers, kv heads, head_dim, window and windowed layers; width {SHRUNK['n_embd']}, ffn "
         f"{SHRUNK['ffn_hidden']}, vocabulary {SHRUNK['vocab_size']} and one query head per kv head (the KV cache "
         f"depends on none of them); {LONG_CONTEXT} tokens, batch 1, the last {DECODE_STEPS} decoded one at a time"
     )

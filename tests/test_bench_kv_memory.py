@@ -63,3 +63,14 @@ def test_the_shrunk_models_keep_the_presets_kv_figures(preset):
 def test_a_preset_without_windows_is_refused():
     with pytest.raises(SystemExit, match="llama3.2-1b has no sliding window"):
         bench_module().attention_shape("llama3.2-1b")
+
+
+def test_the_first_layers_keep_the_presets_pattern_and_their_share_of_its_bytes():
+    bench = bench_module()
+    gemma = bench.attention_shape("gemma3-1b", layers=6)
+    assert [gemma.layer_window(i) for i in range(6)] == [512] * 5 + [None]  # five local layers to one global
+    mistral = bench.attention_shape("mistral-7b", layers=4)
+    real = describe("mistral-7b")[f"kv_cache_bytes_at_{LONG_CONTEXT}_tokens"]["float32"]
+    assert bench.info_kv_bytes(mistral, "float32") * 8 == real  # 4 of its 32 identical layers
+    with pytest.raises(SystemExit, match="--layers must be 1 to mistral-7b's 32, got 33"):
+        bench.attention_shape("mistral-7b", layers=33)
