@@ -19,9 +19,9 @@ the int4 kernel rather than using PyTorch's: the ratio column is PyTorch's time 
 layers, 64 experts of hidden 256, top 8, 1024 wide; --quick: 2 layers, 256 wide, of 16 experts), fused and eager, at batch 1
 in fp32, bf16, int8 and int4 (gptkit.quantization.quantize: the expert stacks too, the routers float; the
 fused step where this machine chose it; GPTKIT_CPU_KERNELS=1 takes it without timing it
-first): tokens/s, the weight bytes a token reads (gptkit.accounting.decode_weight_bytes: the routed
-experts only), the rate they stream at, and its share of this machine's read bandwidth (the best of a few passes
-summing a 1 GiB array), which bounds a memory-bound step:
+first): tokens/s, the weight bytes a token reads (gptkit.decoding.weight_bytes.step_weight_bytes: the routed
+experts only, each tensor at its own width), the rate they stream at, and its share of this machine's read
+bandwidth (the best of a few passes summing a 1 GiB array), which bounds a memory-bound step:
 
     .venv/bin/python benchmarks/bench_kernels.py --shapes qwen3-moe
     .venv/bin/python benchmarks/bench_kernels.py --shapes qwen3-moe --quick --json
@@ -39,10 +39,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from gptkit.accounting import decode_weight_bytes
 from gptkit.config import ModelConfig
 from gptkit.decoding import fused
 from gptkit.decoding.step import decode_one_token, inference
+from gptkit.decoding.weight_bytes import step_weight_bytes
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 from gptkit.native import library, ops
@@ -172,14 +172,12 @@ def read_bandwidth(megabytes: int, rounds: int = 5) -> float:
     return torch.ops.gptkit.read_bandwidth(x, rounds)
 
 
-# The MoE rows: (name, the model's float dtype, weight bytes per multiplied parameter, quantize()'s method). int8
-# reads a byte per weight and an fp32 scale per row (4 / 1024 or 4 / 256 of a byte more, left out); int4 is Q4_0's
-# 18 bytes per 32 weights. The routers stay fp32 in both (a few per cent of the routed bytes at these shapes).
+# The MoE rows: (name, the model's float dtype, quantize()'s method). The routers stay fp32 in int8 and int4.
 MOE_PRECISIONS = (
-    ("float32", torch.float32, 4.0, None),
-    ("bfloat16", torch.bfloat16, 2.0, None),
-    ("int8", torch.float32, 1.0, "int8"),
-    ("int4", torch.float32, 18 / 32, "int4"),
+    ("float32", torch.float32, None),
+    ("bfloat16", torch.bfloat16, None),
+    ("int8", torch.float32, "int8"),
+    ("int4", torch.float32, "int4"),
 )
 
 
@@ -188,14 +186,14 @@ def moe_steps(quick: bool, steps: int) -> list[dict]:
     config = ModelConfig(**dict(QWEN3_MOE, **(QUICK if quick else {})))
     bandwidth = read_bandwidth(64 if quick else 1024)
     results = []
-    for name, dtype, size, method in MOE_PRECISIONS:
+    for name, dtype, method in MOE_PRECISIONS:
         torch.manual_seed(0)
         model = GPT(config).eval().to(dtype)
         if method is not None:
             model = quantize(model, method)
         fused_step = fused.step_for(model)
         ways = {"fused": fused_step, "eager": decode_one_token} if fused_step else {"eager": decode_one_token}
-        nbytes = decode_weight_bytes(config, size)
+        nbytes = step_weight_bytes(model)
         for way, step in ways.items():
             cache = KVCache(config, 1, config.block_size, dtype=dtype)
             tokens = torch.zeros(1, 1, dtype=torch.long)

@@ -27,11 +27,11 @@ import torch
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import complete
 from gptkit.decoding.sampling import SamplingParams
+from gptkit.decoding.weight_bytes import step_weight_bytes
 from gptkit.errors import ConfigError
 from gptkit.model import GPT
-from gptkit.moe import ExpertWeights
 from gptkit.presets import PRESETS
-from gptkit.quantization import Int4Linear, Int8Linear, quantize
+from gptkit.quantization import quantize
 
 # A Qwen3-MoE-shaped model that fits 2 cores and 24 GiB (issue 55): Qwen3-30B-A3B's layer (q/k norms, top-8
 # renormalised, SwiGLU experts) at 16 layers, 1024 wide, 64 experts of hidden 256, heads of 64 (16 query, 4 kv).
@@ -114,23 +114,9 @@ def write_gguf(model: GPT, path: Path, kind: str) -> Path:
     return export_gguf(model, path, vocabulary_of(model.config.vocab_size), file_type=kind)
 
 
-def active_bytes(model: GPT) -> int:
-    """Bytes of weights one token's decode step reads: every matmul weight (the LM head included, not the embedding
-    rows looked up) and, of each expert tensor, the share of its n_experts_per_token routed experts."""
-    config, total = model.config, 0
-    for module in model.modules():
-        if isinstance(module, (Int8Linear, Int4Linear)):
-            total += module.weight.nbytes + module.scales.nbytes
-        elif isinstance(module, torch.nn.Linear):
-            total += module.weight.nbytes
-        elif isinstance(module, ExpertWeights):
-            total += module.weight.nbytes * config.n_experts_per_token // config.n_experts
-    return total
-
-
 def gguf_active_bytes(path: Path, config: ModelConfig) -> int:
-    """The same for a GGUF file: every matrix but the embedding (unless it is also the output), and of each expert
-    tensor (the 3-D ones, one matrix per expert) the routed share."""
+    """step_weight_bytes' count for a GGUF file: every matrix but the embedding (unless it is also the output), and of
+    each expert tensor (the 3-D ones, one matrix per expert) the routed share."""
     from gptkit.formats.gguf import open_gguf
 
     tensors = {t.name: (int(t.n_bytes), len(t.shape)) for t in open_gguf(path).tensors if len(t.shape) > 1}
@@ -181,7 +167,7 @@ def compare_shape(name: str, args: argparse.Namespace, bandwidth: float, tmp: Pa
         if label in refused:
             row["gptkit_refused"] = refused[label]
         else:
-            ours, rate = active_bytes(model), best[("gptkit", label)]
+            ours, rate = step_weight_bytes(model), best[("gptkit", label)]
             row |= dict(gptkit=rate, active_bytes=ours, bound=bandwidth / ours, gptkit_share=rate * ours / bandwidth)
         if label in ggufs:
             theirs, rate = gguf_active_bytes(ggufs[label], config), best[("llama.cpp", label)]

@@ -33,7 +33,17 @@ def test_a_moe_models_active_bytes_are_the_same_counted_in_gptkit_and_in_its_ggu
     whole = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) > 1)
     embedding = config.vocab_size * d * 4  # looked up, not multiplied (the head is a tensor of its own)
     assert fp32_bytes == whole - embedding - experts + experts * k // e
-    assert shapes.active_bytes(model) * 2 == fp32_bytes  # gptkit's own count, of its bf16 model
+    assert shapes.step_weight_bytes(model) * 2 == fp32_bytes  # gptkit's own count, of its bf16 model
+
+
+def test_an_int4_moe_model_reads_the_bytes_its_q4_0_file_does(tmp_path):
+    # The same Q4_0 blocks on both sides (routers f32 in the file as in gptkit): the int4 row counts its expert
+    # stacks too (issue 55: it counted the dense matrices only, 46 MB a token of the Qwen3-MoE shape's 104)
+    shapes = bench_module("llama_cpp_shapes")
+    config = shapes.shape_config("qwen3-moe", tiny=True)
+    model = shapes.formats_of(config, ["int4"])[0]["int4"]
+    path = shapes.write_gguf(model, tmp_path / "m.gguf", "q4_0")
+    assert shapes.step_weight_bytes(model) == shapes.gguf_active_bytes(path, config)
 
 
 def test_the_vocabulary_has_exactly_the_size_asked_past_every_byte_pair():
