@@ -21,7 +21,7 @@ in fp32, bf16, int8 and int4 (gptkit.quantization.quantize: the expert stacks to
 fused step where this machine chose it; GPTKIT_CPU_KERNELS=1 takes it without timing it
 first): tokens/s, the weight bytes a token reads (gptkit.decoding.weight_bytes.step_weight_bytes: the routed
 experts only, each tensor at its own width), the rate they stream at, and its share of this machine's read
-bandwidth (the best of a few passes summing a 1 GiB array), which bounds a memory-bound step:
+bandwidth (gptkit's probe over 1 GiB, as bench_generate's), which bounds a memory-bound step:
 
     .venv/bin/python benchmarks/bench_kernels.py --shapes qwen3-moe
     .venv/bin/python benchmarks/bench_kernels.py --shapes qwen3-moe --quick --json
