@@ -5,6 +5,7 @@ disk, a read-only directory, ...): one line naming the path and what was kept. T
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import glob
 import json
@@ -143,9 +144,6 @@ def default_dir_mode() -> int:
 
 def exchange(a: Path, b: Path) -> None:
     """Swap two paths in one atomic step (Linux renameat2, macOS renamex_np); OSError where that cannot be done."""
-    import ctypes
-    import errno
-
     libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith(("linux", "darwin")) else None
     if libc is not None and hasattr(libc, "renameat2"):  # Linux 3.15+, glibc 2.28+
         at_fdcwd, rename_exchange = -100, 2

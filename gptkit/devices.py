@@ -9,6 +9,7 @@ import math
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gptkit.errors import ConfigError
 
@@ -173,7 +174,6 @@ def attention_backends(device: torch.device) -> contextlib.AbstractContextManage
     """
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if "set_priority" not in inspect.signature(sdpa_kernel).parameters:  # PyTorch before 2.6 cannot order them
         return contextlib.nullcontext()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from gptkit.errors import ConfigError, GptkitError
 
@@ -228,7 +229,6 @@ def wrap(model: nn.Module, world: World, parallel: str, device: torch.device) ->
             fully_shard(block)
         fully_shard(model)
         return model
-    from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
@@ -236,8 +236,6 @@ def wrap(model: nn.Module, world: World, parallel: str, device: torch.device) ->
 
 def sync_context(wrapped: nn.Module, sync: bool) -> Any:
     """Gradient accumulation: a context that skips the gradient all-reduce unless sync (final micro-step)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if isinstance(wrapped, DistributedDataParallel) and not sync:
         return wrapped.no_sync()
     if hasattr(wrapped, "set_requires_gradient_sync"):  # an FSDP2 module
@@ -263,7 +261,7 @@ def full_module(model: torch.nn.Module) -> torch.nn.Module:
     """The model with whole weights: itself, or for an FSDP2-sharded GPT an unsharded copy (a collective)."""
     from torch.distributed.tensor import DTensor
 
-    from gptkit.model import GPT
+    from gptkit.model import GPT  # here: the launcher's helpers (world_from_env, leave_if_distributed) load no model
 
     module = getattr(model, "_orig_mod", model)
     state = module.state_dict()

@@ -33,7 +33,7 @@ GRAM_ROUNDS = 5
 def param_groups(model: nn.Module, weight_decay: float, exclude: set[nn.Parameter] = frozenset()) -> list[dict]:
     """Two AdamW groups: matrices (linear weights, embeddings, expert stacks) decay; vectors (biases, norm gains, and
     experts' stacked biases (E, out)) do not."""
-    from gptkit.moe import ExpertWeights
+    from gptkit.moe import ExpertWeights  # here: importing the optimiser loads no model (tests/test_imports.py)
 
     params = [p for p in model.parameters() if p.requires_grad and p not in exclude]  # a tied weight comes once
     vectors = {m.bias for m in model.modules() if isinstance(m, ExpertWeights) and m.bias is not None}
@@ -57,7 +57,7 @@ def block_matrices(model: nn.Module) -> list[nn.Parameter]:
     A mixture of experts' stack (E, out, in) is E matrices, each orthogonalised alone as E separate layers would be;
     its router (E, d) is a block matrix like any other, and its stacked biases (E, out) are vectors, AdamW's.
     """
-    from gptkit.model import GPT
+    from gptkit.model import GPT  # here, as in param_groups: importing the optimiser loads no model
     from gptkit.moe import ExpertWeights
 
     adapter_weights = {p for lora in adapters(model).values() for p in (lora.lora_A, lora.lora_B)}
@@ -194,7 +194,7 @@ def newton_schulz_dtype(device: torch.device) -> str:
     took 1.32 ms in bf16 and 1.88 in fp32, 384 x 128 1.16 and 1.79. A rule of the hardware rather than a timing, so
     that every process of a run (every rank of a DDP or FSDP job) chooses alike.
     """
-    from gptkit.native.cpu import cpu_flags
+    from gptkit.native.cpu import cpu_flags  # here: importing the optimiser loads nothing of gptkit.native
 
     if device.type != "cpu":
         return "bfloat16"

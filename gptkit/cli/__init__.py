@@ -11,6 +11,7 @@ from collections.abc import Collection
 from typing import NoReturn
 
 from gptkit import __version__
+from gptkit.atomic import STORAGE_ERRNOS
 from gptkit.errors import GptkitError
 
 # Sub-command modules in the order `gptkit --help` lists them.
@@ -93,8 +94,6 @@ def _run(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as err:  # a full disk, a read-only directory, a failing device: one line, as for a user error
-        from gptkit.atomic import STORAGE_ERRNOS
-
         if err.errno not in STORAGE_ERRNOS:
             raise
         where = f"{err.filename}: " if err.filename else ""

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from gptkit.errors import InputError
+
 # Shown by `gptkit --help`, which imports no command's dependencies.
 HELP = "label texts with a classifier (a model trained with --finetune.objective classify)"
 
@@ -32,8 +34,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def read_texts(path: Path | None) -> list[tuple[str, str]]:
     """(text, where) of each text: a JSONL file's "text" fields, a text file's or stdin's non-empty lines."""
-    from gptkit.errors import InputError
-
     if path is None:
         lines = sys.stdin.read().splitlines()
         return [(line, f"stdin line {n}") for n, line in enumerate(lines, 1) if line.strip()]
@@ -62,7 +62,6 @@ def read_texts(path: Path | None) -> list[tuple[str, str]]:
 def run(args: argparse.Namespace) -> int:
     """Classify the texts and print one line (or JSON object) per text."""
     from gptkit.devices import pick_device
-    from gptkit.errors import InputError
     from gptkit.finetune.heads import is_classifier_dir, load_head, predict
     from gptkit.loading import load, resolve_model_path
 

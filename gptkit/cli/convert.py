@@ -11,6 +11,7 @@ from pathlib import Path
 from gptkit.atomic import atomic_write_text, building_dir, reported
 from gptkit.chat import DEFAULT_JINJA, TOKENIZER_CONFIG, eos_text, load_chat_template, read_tokenizer_config
 from gptkit.errors import GptkitError
+from gptkit.tensors import read_config_json
 
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCE_KEPT = "the source is unchanged"  # said with every failed write: convert never writes to its source
@@ -209,8 +210,6 @@ def _import_gguf(source: Path, out: Path, dtype: object) -> int:
 
 def _remember_family(model_dir: Path, model_type: str) -> None:
     """Add the Hugging Face model_type an imported model came as to its config.json (HF_FAMILY_KEY)."""
-    from gptkit.tensors import read_config_json
-
     data = read_config_json(model_dir)
     data[HF_FAMILY_KEY] = model_type
     atomic_write_text(model_dir / MARKER, json.dumps(data, indent=2) + "\n")
@@ -218,8 +217,6 @@ def _remember_family(model_dir: Path, model_type: str) -> None:
 
 def imported_family(model_dir: Path) -> str | None:
     """The Hugging Face model_type a gptkit model directory was imported as, or None (trained here, or no config)."""
-    from gptkit.tensors import read_config_json
-
     try:
         family = read_config_json(model_dir).get(HF_FAMILY_KEY)
     except GptkitError:

@@ -8,7 +8,10 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from gptkit.cli.flags import add_dataclass_flags, dataclass_from_args
+from gptkit.errors import InputError
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
 HELP = "loss, perplexity and bits per byte of a text (sliding window; by position too); a classifier's accuracy"
@@ -67,8 +70,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _read_text(path: str) -> str:
     """The text of a UTF-8 file, or a one-line error naming what is wrong with it."""
-    from gptkit.errors import InputError
-
     file = Path(path)
     if not file.is_file():
         raise InputError(f"--input {path} does not exist (or is not a file)")
@@ -87,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
 
     from gptkit.data import is_examples, load_examples, read_meta
     from gptkit.devices import pick_device
-    from gptkit.errors import InputError
     from gptkit.evaluate import (
         EvalOptions,
         check_context,
@@ -167,7 +167,6 @@ def _positions_report(args: argparse.Namespace, model, ids, lengths, source: str
     """The overall metrics and the mean loss per bucket of window positions: one JSON object, or a table."""
     from tqdm import tqdm
 
-    from gptkit.errors import InputError
     from gptkit.evaluate import metrics, position_buckets, score_positions, scored_bytes, sliding_windows
 
     if args.by_position < 1:  # before the model runs; position_buckets says the same afterwards
@@ -208,7 +207,6 @@ def _report(args: argparse.Namespace, result, heading: str) -> int:
 
 def _icl_report(args: argparse.Namespace, model, ids, source: str, kv_cache: str | None) -> int:
     """The ICL score over windows of ids and the induction test: one JSON object, or a few lines."""
-    from gptkit.errors import InputError
     from gptkit.observe.measures import ICL_WINDOWS, icl_summary
 
     windows = args.icl_windows if args.icl_windows is not None else ICL_WINDOWS
@@ -247,11 +245,9 @@ def _icl_report(args: argparse.Namespace, model, ids, source: str, kv_cache: str
 
 def _classify_report(args: argparse.Namespace, model, meta: dict, batch_size: int) -> int:
     """A classifier on a labelled data set's validation texts: accuracy, macro-F1 and the confusion matrix."""
-    import numpy as np
     from tqdm import tqdm
 
     from gptkit.data import load_examples
-    from gptkit.errors import InputError
     from gptkit.evaluate import classification_scores
     from gptkit.finetune.heads import load_head, predict
 

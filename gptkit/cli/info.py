@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from gptkit.config import ModelConfig
-
+from gptkit.config import ModelConfig
+from gptkit.errors import GptkitError
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
 HELP = "parameter breakdown, FLOPs per token and KV-cache size of a model"
@@ -42,7 +41,6 @@ def describe(name: str, context: int | None = None) -> dict[str, Any]:
         param_breakdown,
         training_flops_per_token,
     )
-    from gptkit.config import ModelConfig
 
     config = ModelConfig.load(name)
     context = config.block_size if context is None else context
@@ -144,8 +142,6 @@ def _human_bytes(n: int) -> str:
 def run(args: argparse.Namespace) -> int:
     """Print the report for args.model."""
     if args.context is not None and args.context < 1:
-        from gptkit.errors import GptkitError
-
         raise GptkitError(f"--context must be >= 1, got {args.context}")
     report = describe(args.model, args.context)
     if args.json:

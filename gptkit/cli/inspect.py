@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from gptkit.atomic import building_dir
+from gptkit.errors import InputError
+
 # Shown by `gptkit --help`, which imports no command's dependencies.
 HELP = "pictures of what is inside a model (attention, hidden states, logit lens, induction heads, ...)"
 
@@ -55,9 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the pictures and print where index.html is."""
-    from gptkit.atomic import building_dir
     from gptkit.devices import pick_device
-    from gptkit.errors import InputError
     from gptkit.loading import load, resolve_model_path
     from gptkit.observe.report import write_report
 

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from gptkit.cli.flags import add_dataclass_flags, dataclass_from_args
+from gptkit.config import ModelConfig
 
 # Shown by `gptkit --help`, which imports no command's dependencies.
 HELP = "size a training run before it starts: FLOPs, compute-optimal tokens, memory, fit and wall time"
@@ -55,7 +56,6 @@ def _duration(seconds: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan for args.model."""
-    from gptkit.config import ModelConfig
     from gptkit.plan import PlanSettings, make_plan
 
     settings = dataclass_from_args(PlanSettings, args)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from gptkit.errors import ConfigError
 
 if TYPE_CHECKING:
     from gptkit.train_config import RunConfig
@@ -62,7 +65,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def build_config(args: argparse.Namespace) -> RunConfig:
     """The run's settings from the arguments; with --resume, the run directory's config.yaml is the base."""
     from gptkit.checkpoint import CHECKPOINTS
-    from gptkit.errors import ConfigError
     from gptkit.run_sources import flag_overrides, from_sources
 
     flags = flag_overrides(args)
@@ -97,7 +99,6 @@ def resumed_config(recipe: RunConfig, flags: dict[str, dict[str, Any]]) -> RunCo
     """A resumed run's settings: its own resolved config.yaml is the base (the recipe was baked into it); flags may
     extend the run (e.g. --train.max_steps) but not change the model it trains."""
     from gptkit.checkpoint import latest_checkpoint
-    from gptkit.errors import ConfigError
     from gptkit.finetune.catalogue import resume_may_change
     from gptkit.run_files import CONFIG_FILE
     from gptkit.run_sources import from_sources
@@ -156,7 +157,6 @@ def run(args: argparse.Namespace) -> int:
 def resume_command(run_dir: Path, env: dict[str, str] | None = None) -> str:
     """The command that resumes the run as it was launched: under torchrun, torchrun with the same processes (a
     resume on another count changes each process's grad_accum to keep the global batch)."""
-    import os
     import shlex
 
     env = dict(os.environ) if env is None else env

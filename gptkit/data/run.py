@@ -17,7 +17,7 @@ from gptkit.data.prompts import load_prompts
 from gptkit.data.tokens import load_tokens
 from gptkit.data_kinds import DATA_KINDS
 from gptkit.errors import ConfigError
-from gptkit.tokenizer import Tokenizer
+from gptkit.tokenizer import Tokenizer, tokenizer_or_none
 
 
 @dataclass
@@ -34,8 +34,6 @@ class RunData:
 
 def load_run_data(data_dir: str | None) -> RunData:
     """The splits of a prepared data directory, memory-mapped; errors name what is missing."""
-    from gptkit.tokenizer import tokenizer_or_none
-
     if data_dir is None:
         raise ConfigError("no data: pass --data DIR (a directory made by `gptkit prepare`) or set train.data_dir")
     meta = read_meta(data_dir)

@@ -160,6 +160,7 @@ def with_precision(model: nn.Module, precision: str) -> nn.Module:
     bfloat16 or int8 (weight-only) and multiplied in float32; embeddings, norms and the head stay float (the fused
     loss reads the head's weight, and they are a small part of the weights). A mixture of experts' stacks (E, out, in)
     stay float32 under bfloat16 and become int8 stacks under int8 (gptkit.quantization.Int8Experts)."""
+    # Here, not above: reading and writing adapter directories need neither the model's layers nor the quantised ones.
     from gptkit.moe import ExpertWeights
     from gptkit.quantization import Bfloat16Linear, quantize
 

@@ -29,7 +29,7 @@ from gptkit.tensors import (
     weight_files,
     write_config_and_tokenizer,
 )
-from gptkit.tokenizer import Tokenizer
+from gptkit.tokenizer import Tokenizer, tokenizer_or_none
 from gptkit.weights import load_state_into, model_state
 
 
@@ -60,8 +60,6 @@ def load_model_dir(path: str | Path, device: torch.device | str | None = None, d
 
 def load_model_tokenizer(path: str | Path) -> Any | None:
     """The tokenizer a gptkit model directory holds, with the model's own end ids; None when it holds none."""
-    from gptkit.tokenizer import tokenizer_or_none
-
     tokenizer = tokenizer_or_none(path)
     if tokenizer is None:
         return None

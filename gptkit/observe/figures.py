@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from matplotlib.colors import LogNorm, TwoSlopeNorm
 from matplotlib.figure import Figure
 from torch import Tensor
 
@@ -96,8 +97,6 @@ def draw_norms(norms: Tensor, state_names: Sequence[str], labels: Sequence[str])
     S, T = norms.shape
     fig = new_figure(max(6, 0.22 * T + 3), max(3, 0.3 * S + 2))
     ax = fig.add_subplot()
-    from matplotlib.colors import LogNorm
-
     # log colours: a final norm often has norms many times the residual stream's, which would flatten the rest
     image = ax.imshow(norms.clamp_min(1e-6).numpy(), aspect="auto", cmap="magma", norm=LogNorm())
     tick_labels(ax, labels, y=False)
@@ -233,8 +232,6 @@ def _layer_head_axes(ax: Axes, n_layer: int, n_head: int) -> None:
 def draw_induction(scores: Tensor, chance: float) -> Figure:
     """Layer x head heatmap of induction scores on a 0..1 scale that turns at the chance level (white): blue
     below it, red above, so that heads near chance stay apart; each cell annotated when there are few."""
-    from matplotlib.colors import TwoSlopeNorm
-
     L, H = scores.shape
     fig = new_figure(max(6, 0.6 * H + 3), max(3.5, 0.45 * L + 2))
     ax = fig.add_subplot()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from torch import Tensor
 
@@ -170,8 +171,6 @@ def load_history(history: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndar
 def draw_load_history(axes: Axes, history: Sequence[dict[str, Any]]) -> None:
     """Expert load per layer over training on a loss.png panel: a row per layer and expert, a column per
     evaluation, coloured by the expert's load relative to a balanced one (1; log scale from 1/4 to 4)."""
-    from matplotlib.colors import LogNorm
-
     steps, relative = load_history(history)
     S, L, E = relative.shape
     gaps = np.diff(steps) if S > 1 else np.ones(1)

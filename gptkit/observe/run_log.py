@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from gptkit.errors import ConfigError
 from gptkit.observe.training import plot_run
 
@@ -66,8 +68,6 @@ class RunLog:
 
     def open(self, tensorboard: bool, progress: bool, max_steps: int, step: int) -> None:
         """Open metrics.jsonl for appending (and TensorBoard), and the progress bar at step."""
-        from tqdm import tqdm
-
         if self.is_main:
             self.metrics = open(self.run_dir / METRICS_FILE, "a")
             if tensorboard:
@@ -127,7 +127,6 @@ class RunLog:
         if self.bar is None:
             yield
             return
-        from tqdm import tqdm
 
         bar = tqdm(desc=f"evaluating step {step}", unit=" passes", file=sys.stderr, leave=False, dynamic_ncols=True)
 

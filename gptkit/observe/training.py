@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from gptkit.atomic import atomic_write
 from gptkit.data import SPLIT_FILES, Examples, load_tokens, read_meta
@@ -329,7 +330,6 @@ def plot_run(history: list[dict[str, Any]], path: Path, task_metrics: dict[str, 
     training statistic task_metrics pairs it with), the ICL and induction scores when it logged them, and a mixture
     of experts' load per layer and expert."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
     losses = any(_points(history, key) for key in ("loss", "val_loss"))
     drawers = [lambda axes: _draw_losses(axes, history)] if losses else []

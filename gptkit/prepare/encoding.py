@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from gptkit.errors import InputError
 from gptkit.formats.gguf import gguf_tokenizer, is_gguf_file
@@ -158,8 +159,6 @@ def no_text(files: list[Path]) -> InputError:
 
 
 def progress_bar(total: int, desc: str, enabled: bool) -> Any:
-    from tqdm import tqdm
-
     return tqdm(
         total=total,
         desc=desc,

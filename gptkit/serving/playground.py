@@ -15,6 +15,8 @@ from gptkit.serving.schemas import AttentionRequest, LensRequest
 from gptkit.serving.sequences import check_prompt
 from gptkit.serving.state import APIError, ServerState
 
+# The routes below import gptkit.serving.inspection (and gptkit.observe under it) when first asked: a server that
+# is never asked to inspect loads none of it.
 if TYPE_CHECKING:
     from gptkit.serving.inspection import LensPosition
 

@@ -22,6 +22,7 @@ from gptkit.decoding.prefix_cache import PrefixCache, available_memory, parse_si
 from gptkit.devices import pick_device
 from gptkit.errors import GptkitError
 from gptkit.kv_cache import kv_dtype_of
+from gptkit.quantization import QUANTIZATION_METHODS, is_quantized, quantize
 from gptkit.serving.app import create_app
 from gptkit.serving.embeddings import POOLINGS
 from gptkit.serving.engine import Engine
@@ -177,7 +178,6 @@ class ServeOptions:
 def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
     """The app serving model_dir; its engine thread starts and stops with the app."""
     from gptkit.loading import chat_template, load
-    from gptkit.quantization import is_quantized, quantize
 
     _check_options(options)
     kv_dtype = kv_dtype_of(options.kv_cache)  # checked before the (slow) model load
@@ -243,8 +243,6 @@ def build_app(model_dir: str | Path, options: ServeOptions) -> FastAPI:
 
 def _check_options(options: ServeOptions) -> None:
     """A one-line error for a setting out of its range, before the (slow) model load."""
-    from gptkit.quantization import QUANTIZATION_METHODS
-
     if options.max_body_bytes < 1:
         raise GptkitError(f"--max-body-bytes must be >= 1, got {options.max_body_bytes}")
     Lookup(options.lookup_k, options.lookup_ngram)  # --lookup-k and --lookup-ngram: integers >= 1

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,6 @@ def _safetensors_loader(handle: Any, name: str, file: Path) -> Callable[[], Tens
 
 def _torch_load(file: Path) -> dict[str, Tensor]:
     """A pytorch_model.bin state dict, with weights_only=True so that no pickled code runs."""
-    import pickle
-
     try:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)

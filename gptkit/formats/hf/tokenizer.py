@@ -17,7 +17,7 @@ from typing import Any
 from gptkit.atomic import atomic_write_text
 from gptkit.chat import CHAT_TEMPLATE_FILE, eos_text, template_from_config
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import Tokenizer
+from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,6 @@ def hf_tokenizer(tokenizer: Tokenizer) -> Any:
     if kind == "bpe":
         return tokenizer.hf
     if kind == "byte":
-        from gptkit.tokenizer import BYTE_LEVEL_SYMBOLS
-
         vocab = {symbol: b for b, symbol in BYTE_LEVEL_SYMBOLS.items()}
         hf = Tokenizer(models.BPE(vocab=vocab, merges=[]))
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
