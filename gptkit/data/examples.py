@@ -14,7 +14,7 @@ import torch
 
 from gptkit.data.batch import Batch
 from gptkit.data.meta import EXAMPLE_FILES, DataMeta
-from gptkit.data.tokens import load_tokens, map_array
+from gptkit.data.tokens import load_tokens, map_array, stream_position
 from gptkit.data_kinds import DATA_KINDS
 from gptkit.errors import GptkitError, InputError
 from gptkit.loss import IGNORE_INDEX
@@ -218,12 +218,7 @@ class ExampleBatches:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position."""
-        try:
-            seed, step = int(state["seed"]), int(state["step"])
-        except (KeyError, TypeError, ValueError):
-            raise GptkitError(f"not an ExampleBatches state (needs integer 'seed' and 'step'): {state!r}") from None
-        if step < 0:
-            raise GptkitError(f"ExampleBatches state has a negative step {step}")
+        seed, step = stream_position(state, "ExampleBatches")
         if seed != self.seed:
             self.seed, self._epochs, self._epoch_starts, self._update = seed, {}, [0], (-1, 0)
         self.step = step

@@ -54,6 +54,19 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[t
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
+def stream_position(state: dict[str, Any], kind: str) -> tuple[int, int]:
+    """(seed, step) of a batch stream's saved state (TrainBatches', ExampleBatches'); a one-line error naming kind
+    where it is not one."""
+    try:
+        seed, step = int(state["seed"]), int(state["step"])
+    except (KeyError, TypeError, ValueError):
+        article = "an" if kind[0] in "AEIOU" else "a"
+        raise GptkitError(f"not {article} {kind} state (needs integer 'seed' and 'step'): {state!r}") from None
+    if step < 0:
+        raise GptkitError(f"{kind} state has a negative step {step}")
+    return seed, step
+
+
 class TrainBatches:
     """Random contiguous training windows, deterministic in (seed, rank, batch number) and resumable.
 
@@ -102,14 +115,7 @@ class TrainBatches:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position (any rank's state: all ranks advance in lockstep)."""
-        try:
-            seed, step = int(state["seed"]), int(state["step"])
-        except (KeyError, TypeError, ValueError):
-            raise GptkitError(f"not a TrainBatches state (needs integer 'seed' and 'step'): {state!r}") from None
-        if step < 0:
-            raise GptkitError(f"TrainBatches state has a negative step {step}")
-        self.seed = seed
-        self.step = step
+        self.seed, self.step = stream_position(state, "TrainBatches")
 
 
 def sequential_batches(
