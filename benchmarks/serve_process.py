@@ -10,8 +10,10 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 
 def free_port() -> int:
@@ -44,6 +46,14 @@ def start_server(
             break
         match = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
         if match:
+            # Keep reading what the server writes (a line per request): a full pipe would stall it mid-measurement.
+            threading.Thread(target=_discard, args=(proc.stdout,), daemon=True).start()
             return proc, match.group(1)
     proc.kill()
     raise SystemExit("bench_serve: the server did not start")
+
+
+def _discard(stream: IO[str]) -> None:
+    """Read a stream to its end, keeping nothing."""
+    for _ in stream:
+        pass
