@@ -1,22 +1,29 @@
-"""Prompt-lookup speculation in `gptkit serve`: tokens/s with and without --lookup, acceptance, and the cost on text
+"""Prompt-lookup speculation in `gptkit serve`: tokens/s with and without lookup, acceptance, and the cost on text
 that does not copy its prompt.
 
-Three workloads, each at 1 and 8 concurrent clients, greedy, against two `gptkit serve` processes on the same
-model (one plain, one with --lookup), in interleaved rounds (plain, lookup, lookup, plain, ...):
+Three workloads, each at 1 and 8 concurrent clients, greedy, against one `gptkit serve` whose requests say
+`"lookup": false` (plain) or give lookup's settings; `gptkit serve --lookup` builds the same engine and only sets a
+request's default, so one process measures both sides on the same cores and caches. Plain and each setting run in
+interleaved rounds (plain, setting 1, ..., setting n, then the reverse order):
 - editing: the prompt holds a passage and asks for it again with small changes; the reply mostly copies it;
 - code: the prompt is the start of a Python file whose later lines repeat its earlier names and shapes;
 - chat: a plain question; the reply copies little, so this row is the cost of lookup when little matches.
-Each row gives both servers' tokens/s, the speed-up, lookup's acceptance (accepted / proposed tokens, from the
-server's /metrics) and whether every reply was the same text (greedy output with lookup is the model's own).
+Each row (a workload, a client count, a setting) gives tokens/s without and with lookup, the speed-up, lookup's
+acceptance (accepted / proposed tokens, from the server's /metrics), tokens proposed per generated token, and
+whether every reply was the same text (greedy output with lookup is the model's own). --k and --ngram take
+comma-separated values and measure every pair: the way to choose the defaults.
 
 Speculation helps exactly as far as the model copies, so the model matters: a random-weight model never continues a
 copy. Without --model-dir the script trains one first (a byte-level model of the shakespeare-char-cpu shape with a
 512-byte context and rotary positions, on the bundled corpus with watch_it_learn's "copy documents" added, so that
-it learns to copy), --train-steps steps; --model-dir measures a model of your own (a trained checkpoint directory).
+it learns to copy), --train-steps steps, kept in --save-model's directory if given; --model-dir measures a trained
+checkpoint directory.
 
-    .venv/bin/python benchmarks/bench_speculation.py --json                        # trains 2,000 steps, then measures
-    .venv/bin/python benchmarks/bench_speculation.py --model-dir RUN/checkpoints/step-002000 --rounds 3
-    .venv/bin/python benchmarks/bench_speculation.py --smoke                       # a few steps and tokens: runs
+    .venv/bin/python benchmarks/bench_speculation.py --save-model spec-model --json   # trains 2,000 steps, measures
+    .venv/bin/python benchmarks/bench_speculation.py --model-dir spec-model --rounds 3
+    .venv/bin/python benchmarks/bench_speculation.py --model-dir spec-model --workloads editing chat \\
+        --k 2,4,8 --ngram 1,2,3                                                       # the defaults, chosen
+    .venv/bin/python benchmarks/bench_speculation.py --smoke                           # a few steps and tokens: runs
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import argparse
 import concurrent.futures
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,7 +43,11 @@ import httpx
 from serve_process import start_server
 from serve_workloads import cpu_line
 
+from gptkit.decoding.lookup import LOOKUP_K, LOOKUP_NGRAM
+
 MODEL = "model"
+WORKLOADS = ("editing", "code", "chat")
+WARM_TOKENS = 16  # a warm-up reply: long enough for lookup's checks to run at their sizes
 EDIT_PASSAGE_CHARS = 300  # with the instruction and the reply, within the 512-byte context trained
 CODE = """class Point:
     def __init__(self, x, y):
@@ -61,7 +73,7 @@ def workloads(corpus: str) -> dict[str, list[str]]:
         changed = passage.replace(" the ", " that ").replace(" and ", " & ")
         editing.append(f"Copy the text with 'the' as 'that' and 'and' as '&'.\n\n{passage}\n\n{changed[:60]}")
     code = [CODE + "        return Point(self.x * other.x, self.y * other.y)\n\n    def div(self, other):\n"] * 8
-    return {"editing": editing, "code": code, "chat": [CHAT] * 8}
+    return dict(zip(WORKLOADS, (editing, code, [CHAT] * 8)))
 
 
 def train_model(out: Path, steps: int) -> Path:
@@ -93,11 +105,14 @@ def counters(http: httpx.Client) -> tuple[int, int]:
     return read("draft_tokens"), read("accepted_tokens")
 
 
-def run_clients(url: str, prompts: list[str], clients: int, max_tokens: int) -> tuple[float, int, list[str]]:
-    """Every prompt once, `clients` at a time: (seconds, completion tokens, texts in prompt order)."""
+def run_clients(
+    url: str, prompts: list[str], clients: int, max_tokens: int, lookup: bool | dict
+) -> tuple[float, int, list[str]]:
+    """Every prompt once, `clients` at a time, with this `lookup` field: (seconds, completion tokens, texts in
+    prompt order)."""
 
     def one(prompt: str) -> tuple[int, str]:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "lookup": lookup}
         with httpx.Client(base_url=url, timeout=600) as http:
             reply = http.post("/v1/completions", json=body).raise_for_status().json()
         return reply["usage"]["completion_tokens"], reply["choices"][0]["text"]
@@ -110,92 +125,135 @@ def run_clients(url: str, prompts: list[str], clients: int, max_tokens: int) -> 
 
 
 def measure(model_dir: Path, args: argparse.Namespace) -> dict:
-    """The table: per workload and client count, both servers' tokens/s (best round), speed-up and acceptance."""
+    """The table: per workload, client count and lookup setting, tokens/s without and with lookup (best round),
+    speed-up and acceptance.
+
+    One server answers both sides, each request saying `"lookup": false` or its settings: `gptkit serve` and
+    `gptkit serve --lookup` build the same engine (--lookup only sets what a request without the field gets), so
+    one process gives both sides the same cores, memory and caches, and no second server sits beside the one
+    being timed."""
     from gptkit.prepare import DEFAULT_CORPUS
 
-    prompts = workloads(DEFAULT_CORPUS.read_text())
-    plain_proc, plain_url = start_server(model_dir, 8, args.threads, extra=("--model-name", MODEL))
-    lookup_flags = ("--model-name", MODEL, "--lookup", "--lookup-k", str(args.lookup_k))
-    lookup_proc, lookup_url = start_server(model_dir, 8, args.threads, extra=lookup_flags)
-    rows = []
+    prompts = {name: texts for name, texts in workloads(DEFAULT_CORPUS.read_text()).items() if name in args.workloads}
+    settings = [{"k": k, "ngram": n} for k in args.k for n in args.ngram]
+    flags = ("--model-name", MODEL, "--lookup-k", str(max(args.k)))
+    proc, url = start_server(model_dir, max(args.clients), args.threads, extra=flags)
     try:
-        with httpx.Client(base_url=lookup_url, timeout=60) as metrics:
-            for name, texts in prompts.items():
-                for clients in args.clients:
-                    rows.append(_row(name, texts, clients, plain_url, lookup_url, metrics, args))
+        with httpx.Client(base_url=url, timeout=60) as metrics:
+            rows = [
+                row
+                for name, texts in prompts.items()
+                for clients in args.clients
+                for row in _rows(name, texts, clients, settings, url, metrics, args)
+            ]
     finally:
-        for proc in (plain_proc, lookup_proc):
-            proc.terminate()
-            proc.wait(timeout=30)
-    return {"cpu": cpu_line(), "model_dir": str(model_dir), "lookup_k": args.lookup_k, "rows": rows}
+        proc.terminate()
+        proc.wait(timeout=30)
+    return {"cpu": cpu_line(), "model_dir": str(model_dir), "rows": rows}
 
 
-def _row(
+def _rows(
     name: str,
     prompts: list[str],
     clients: int,
-    plain_url: str,
-    lookup_url: str,
+    settings: list[dict],
+    url: str,
     metrics: httpx.Client,
     args: argparse.Namespace,
-) -> dict:
-    """One workload at one client count: interleaved rounds, the best of each server."""
-    best = {"plain": 0.0, "lookup": 0.0}
-    texts: dict[str, list[str]] = {}
-    proposed = accepted = 0
-    run_clients(plain_url, prompts, clients, 4)  # warm both (first-request costs are not the workload's)
-    run_clients(lookup_url, prompts, clients, 4)
+) -> list[dict]:
+    """One workload at one client count: plain decoding and each lookup setting in interleaved rounds (the order
+    reversed every other round), the best round of each; a row per setting."""
+    modes: list[bool | dict] = [False, *settings]
+    best, texts = [0.0] * len(modes), [[] for _ in modes]
+    proposed, accepted, tokens = [0] * len(modes), [0] * len(modes), [0] * len(modes)
+    for mode in modes:  # first-request costs and each setting's check shapes are not the workload's
+        run_clients(url, prompts, clients, WARM_TOKENS, mode)
     for r in range(args.rounds):
-        order = ("plain", "lookup") if r % 2 == 0 else ("lookup", "plain")
-        for mode in order:
-            before = counters(metrics)
-            seconds, tokens, texts[mode] = run_clients(
-                plain_url if mode == "plain" else lookup_url, prompts, clients, args.max_tokens
-            )
-            best[mode] = max(best[mode], tokens / seconds)
-            if mode == "lookup":
-                after = counters(metrics)
-                proposed, accepted = proposed + after[0] - before[0], accepted + after[1] - before[1]
-    return {
-        "workload": name,
-        "clients": clients,
-        "plain_tokens_per_s": best["plain"],
-        "lookup_tokens_per_s": best["lookup"],
-        "speedup": best["lookup"] / best["plain"],
-        "acceptance_rate": accepted / proposed if proposed else None,
-        "proposed_per_token": proposed / max(1, args.rounds * len(prompts) * args.max_tokens),
-        "same_text": texts["plain"] == texts["lookup"],
-    }
+        for i in range(len(modes)) if r % 2 == 0 else reversed(range(len(modes))):
+            before = counters(metrics)  # read between runs, outside the timed span
+            seconds, count, texts[i] = run_clients(url, prompts, clients, args.max_tokens, modes[i])
+            after = counters(metrics)
+            best[i] = max(best[i], count / seconds)
+            proposed[i], accepted[i] = proposed[i] + after[0] - before[0], accepted[i] + after[1] - before[1]
+            tokens[i] += count
+    if proposed[0]:
+        raise SystemExit(f"bench_speculation: {proposed[0]} tokens proposed for requests without lookup")
+    return [
+        {
+            "workload": name,
+            "clients": clients,
+            "k": setting["k"],
+            "ngram": setting["ngram"],
+            "plain_tokens_per_s": best[0],
+            "lookup_tokens_per_s": best[i],
+            "speedup": best[i] / best[0],
+            "acceptance_rate": accepted[i] / proposed[i] if proposed[i] else None,
+            "proposed_per_token": proposed[i] / max(1, tokens[i]),
+            "same_text": texts[i] == texts[0],
+        }
+        for i, setting in enumerate(modes[1:], start=1)
+    ]
+
+
+def save_model(checkpoint: Path, target: Path) -> None:
+    """The trained checkpoint copied to target (a new directory), whole or not at all, for --model-dir."""
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(checkpoint, partial)
+    partial.rename(target)
+
+
+def int_list(text: str) -> list[int]:
+    """An option's comma-separated integers, each at least 1."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 2,4,8)") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} holds a value below 1")
+    return values
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=None, help="a trained model to measure (default: train one)")
     parser.add_argument("--train-steps", type=int, default=2000, help="steps of the model trained without --model-dir")
+    parser.add_argument("--save-model", type=Path, default=None, help="keep the trained model here (a new directory)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per row (the best counts)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per reply")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrent clients per row")
-    parser.add_argument("--lookup-k", type=int, default=8, help="the lookup server's --lookup-k")
-    parser.add_argument("--threads", type=int, default=None, help="the servers' --threads (default: theirs)")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), help="which to run")
+    parser.add_argument("--k", type=int_list, default=[LOOKUP_K], help="lookup's k values to sweep, e.g. 2,4,8")
+    parser.add_argument("--ngram", type=int_list, default=[LOOKUP_NGRAM], help="lookup's ngram values, e.g. 1,2,3")
+    parser.add_argument("--threads", type=int, default=None, help="the server's --threads (default: its own)")
     parser.add_argument("--smoke", action="store_true", help="a few training steps, tokens and one round: it runs")
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args()
+    if args.save_model and (args.model_dir or args.save_model.exists()):
+        why = "--model-dir trains nothing" if args.model_dir else f"{args.save_model} exists; name a new directory"
+        parser.error(f"--save-model: {why}")
     if args.smoke:
         args.train_steps, args.rounds, args.max_tokens = 10, 1, 8
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or train_model(Path(tmp), args.train_steps)
+        if args.save_model:
+            save_model(model_dir, args.save_model)
+            model_dir = args.save_model
         table = measure(model_dir, args)
     if args.json:
         print(json.dumps(table, indent=1))
         return
-    print(f"cpu: {table['cpu']}  model: {table['model_dir']}  --lookup-k {table['lookup_k']}")
-    print(f"{'workload':<9} {'clients':>7} {'plain tok/s':>11} {'lookup tok/s':>12} {'speed-up':>8} {'accepted':>8}")
+    print(f"cpu: {table['cpu']}  model: {table['model_dir']}")
+    print(
+        f"{'workload':<9} {'clients':>7} {'k':>2} {'ngram':>5} {'plain tok/s':>11} {'lookup tok/s':>12} "
+        f"{'speed-up':>8} {'accepted':>8} {'proposed/tok':>12}"
+    )
     for row in table["rows"]:
         rate = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
         print(
-            f"{row['workload']:<9} {row['clients']:>7} {row['plain_tokens_per_s']:>11.1f} "
-            f"{row['lookup_tokens_per_s']:>12.1f} {row['speedup']:>7.2f}x {rate:>8}"
-            + ("" if row["same_text"] else "  (texts differ)")
+            f"{row['workload']:<9} {row['clients']:>7} {row['k']:>2} {row['ngram']:>5} "
+            f"{row['plain_tokens_per_s']:>11.1f} {row['lookup_tokens_per_s']:>12.1f} {row['speedup']:>7.2f}x "
+            f"{rate:>8} {row['proposed_per_token']:>12.2f}" + ("" if row["same_text"] else "  (texts differ)")
         )
 
 
