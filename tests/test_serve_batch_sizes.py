@@ -48,6 +48,15 @@ def test_a_rows_kv_bytes_are_the_block_size_of_the_model(tmp_path):
     assert sweep_module().row_bytes(model_dir) == (48, kv_cache_bytes(config, 1, 48, "float32"))
 
 
+def test_the_table_gives_each_settings_kv_cache_and_rates(capsys):
+    result = {"cpu": "a CPU", "model": "random", "block_size": 64, "kv_bytes_per_row": 2**20, "requests_per_client": 1}
+    result |= {"max_tokens": 4, "rounds_run": 3, "tokens_per_s": {8: {1: 10.0, 8: 50.0}, 16: {1: 9.5, 8: 61.25}}}
+    sweep_module().print_table(result, [1, 8])
+    lines = capsys.readouterr().out.splitlines()
+    assert "KV cache per batch row at block_size 64: 1.0 MiB (float32); median of 3 round(s)" in lines[1]
+    assert lines[3].split() == ["8", "8.0", "10.0", "50.0"] and lines[4].split() == ["16", "16.0", "9.5", "61.2"]
+
+
 @pytest.mark.slow  # two server starts of a few seconds each
 def test_two_batch_sizes_are_served_in_turn():
     command = [sys.executable, str(BENCH_SERVE), "--max-batch-sizes", "1,2", "--concurrency", "1", "2"]
