@@ -140,8 +140,12 @@ def test_llama_cpp_decodes_gptkits_yarn_file_as_gptkit_does(family, tmp_path):
         ("qwen3", {**YARN, "beta_fast": 16.0}, "rope_scaling.beta_fast 16.0 cannot be written as GGUF: llama.cpp's"),
         ("qwen3", {**YARN, "beta_slow": 2.0}, "rope_scaling.beta_slow 2.0 cannot be written as GGUF"),
         ("qwen3", {**YARN, "truncate": False}, "rope_scaling.truncate False cannot be written as GGUF"),
-        ("gemma3", YARN, "rope_scaling 'yarn' cannot be written as GGUF: llama.cpp's gemma3 scales its sliding"),
-        ("olmo2", {"rope_type": "linear", "factor": 2.0}, "llama.cpp's olmo2 leaves theirs unscaled"),
+        (
+            "gemma3",
+            YARN,
+            "rope_scaling 'yarn' cannot be written as GGUF: llama.cpp's gemma3 scales its sliding layers' cos",
+        ),
+        ("olmo2", {"rope_type": "linear", "factor": 2.0}, "llama.cpp's olmo2 leaves its sliding layers unscaled"),
         ("phi3", {**YARN, "rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}, "phi3"),
         (
             "llama3",
@@ -178,4 +182,16 @@ def test_a_yarn_key_llama_cpp_computes_otherwise_is_refused_by_name(added, messa
     source = tiny_llama_file(tmp_path)
     path = rewritten(source, tmp_path / "x.gguf", {k: (v, gguf.GGUFValueType[t]) for k, (v, t) in added.items()}, {})
     with pytest.raises(GGUFError, match=message):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("family, kind", [("olmo2", "linear"), ("gemma3", "yarn")])
+def test_a_file_whose_sliding_layers_llama_cpp_scales_otherwise_is_refused(family, kind, tmp_path):
+    fields = dict(CONFIGS[family][1])
+    if family == "olmo2":
+        fields.update(sliding_window=4, layer_types=["sliding", "full"] * 2)
+    source = export_gguf(random_model(fields), tmp_path / "m.gguf", ByteTokenizer(), "f32")
+    added = {f"{family}.rope.scaling.type": (kind, "STRING"), f"{family}.rope.scaling.factor": (2.0, "FLOAT32")}
+    path = rewritten(source, tmp_path / "x.gguf", {k: (v, gguf.GGUFValueType[t]) for k, (v, t) in added.items()}, {})
+    with pytest.raises(GGUFError, match=f"'{family}.rope.scaling.type' '{kind}' with sliding layers: llama.cpp's"):
         load_gguf(path)

@@ -18,7 +18,7 @@ import torch
 
 from gptkit.config import ModelConfig, RopeScaling
 from gptkit.formats.gguf.archs import ARCHS, Arch
-from gptkit.formats.gguf.rope import read_scaling, rope_refusal, scaling_keys, yarn_as_read
+from gptkit.formats.gguf.rope import read_scaling, rope_refusal, scaling_keys, sliding_refusal, yarn_as_read
 from gptkit.formats.gguf.vocab import GGUFError
 from gptkit.positions import base_frequencies, scaled_frequencies
 
@@ -119,6 +119,10 @@ def config_from_keys(
     if fields["position"] == "rope":
         fields.update(_rope_fields(arch, get, head_dim, fields["block_size"], divisors))
     fields.update(_window_fields(arch, get, n_layer))
+    scaling = fields.get("rope_scaling")
+    if scaling is not None and "sliding" in fields.get("layer_types", ()) and sliding_refusal(arch, scaling.rope_type):
+        why = sliding_refusal(arch, scaling.rope_type)
+        raise GGUFError(f"metadata '{arch.name}.rope.scaling.type' {scaling.rope_type!r} with sliding layers: {why}")
     fields.update(_arch_fields(arch, get, fields))
     fields.update(_expert_fields(arch, get, fields["ffn_hidden"]))
     return ModelConfig(**fields)

@@ -92,6 +92,15 @@ def read_scaling(arch: Arch, get: Callable[..., Any], block_size: int) -> RopeSc
     return plain if attn == 1.0 else dataclasses.replace(plain, attention_factor=attention)
 
 
+def sliding_refusal(arch: Arch, kind: str) -> str | None:
+    """Why llama.cpp's arch computes sliding layers' RoPE under this scaling rule otherwise than gptkit, or None."""
+    if arch.name == "olmo2":  # src/models/olmo2.cpp: sliding layers rotate with freq_scale 1 and no attn_factor
+        return "llama.cpp's olmo2 leaves its sliding layers unscaled"
+    if arch.name == "gemma3" and kind == "yarn":  # freq_scale_swa 1, but the cancelled yarn attn_factor applies
+        return "llama.cpp's gemma3 scales its sliding layers' cos and sin by 1 / (0.1 ln(factor) + 1)"
+    return None
+
+
 def rope_refusal(config: ModelConfig, arch: Arch) -> str | None:
     """Why config's RoPE scaling cannot be written as arch, or None: the rules and parameters llama.cpp's graph does
     not compute."""
@@ -111,12 +120,10 @@ def rope_refusal(config: ModelConfig, arch: Arch) -> str | None:
     if kind == "longrope" and scaling_attention_factor(scaling, config.block_size) != 1.0:
         why = f"llama.cpp's {arch.name} scales cos and sin by none with rope_freqs divisors (set attention_factor 1)"
         return f"rope_scaling 'longrope' cannot be written as GGUF: {why}"
-    if sliding and arch.name == "olmo2":  # src/models/olmo2.cpp: sliding layers rotate with freq_scale 1
-        return "rope_scaling cannot be written as GGUF with sliding layers: llama.cpp's olmo2 leaves theirs unscaled"
+    if sliding and sliding_refusal(arch, kind):
+        return f"rope_scaling {kind!r} cannot be written as GGUF: {sliding_refusal(arch, kind)}"
     if kind != "yarn":
         return None
-    if sliding and arch.name == "gemma3":  # its sliding layers keep freq_scale 1 but take the yarn attn_factor
-        return "rope_scaling 'yarn' cannot be written as GGUF: llama.cpp's gemma3 scales its sliding layers' RoPE too"
     for name, default in (("beta_fast", YARN_BETA_FAST), ("beta_slow", YARN_BETA_SLOW)):
         value = getattr(scaling, name)
         if value is not None and value != default:
