@@ -5,8 +5,8 @@ hyperparameters, tokenizer) and named tensors; the `gguf` package maintained wit
 it. gptkit writes and reads the llama.cpp architectures whose graph computes what a gptkit model computes (archs.py
 lists each one's fixed switches): gpt2, llama (Mistral too: llama.cpp's converter writes it as llama, without its
 window), qwen2, qwen3, smollm3, granite, phi3, gptneox, olmo2, gemma2 and gemma3, with their keys for head sizes,
-partial rotary, windows and their layer pattern, soft-caps, scales and RoPE scaling (linear, or Llama 3's rule as
-the rope_freqs tensor of per-frequency divisors); and the mixtures of experts llama (Mixtral), qwen2moe (with its
+partial rotary, windows and their layer pattern, soft-caps, scales and RoPE scaling (linear, YaRN (rope.py), or Llama
+3's rule as the rope_freqs tensor of per-frequency divisors); and the mixtures of experts llama (Mixtral), qwen2moe (with its
 shared expert), qwen3moe and olmoe: each layer's experts as three (E, out, in) stacks (ffn_gate_exps, ffn_up_exps,
 ffn_down_exps) beside the router ffn_gate_inp, which stays float32 in a quantised file, as llama.cpp's converter keeps
 it. Whether the top-k weights are renormalised is fixed per architecture in llama.cpp's graphs (llama and qwen3moe
