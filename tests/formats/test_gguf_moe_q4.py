@@ -177,3 +177,16 @@ def test_q8_0_expert_stacks_are_read_as_floats(tmp_path):
     assert type(stack) is ExpertWeights
     data = raw_tensors(path)["blk.1.ffn_down_exps.weight"][1]
     assert np.array_equal(stack.weight.detach().numpy(), gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0))
+
+
+def test_convert_from_gguf_keeps_the_int4_stacks_in_the_model_directory(tmp_path):
+    from gptkit.cli import main
+    from gptkit.formats.quantized import load_quantized_dir
+
+    path = q4_file("qwen3moe", tmp_path)
+    assert main(["convert", "--from-gguf", str(path), "--out", str(tmp_path / "model")]) == 0
+    saved, (read, _) = load_quantized_dir(tmp_path / "model"), load_gguf(path)
+    assert type(saved.blocks[0].mlp.fc) is Int4Experts
+    want = read.state_dict()
+    assert saved.state_dict().keys() == want.keys()
+    assert all(torch.equal(tensor, want[name]) for name, tensor in saved.state_dict().items())
