@@ -58,8 +58,10 @@ int main(int argc, char ** argv) {
     params.type_k = GGML_TYPE_F32;
     params.type_v = GGML_TYPE_F32;
     params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
-    params.n_threads = 2;
-    params.n_threads_batch = 2;
+    // One thread: the test models are tiny, and `make test` runs two test workers on two cores, where a second
+    // thread of ggml's (which spin-waits) would fight the other worker for its core.
+    params.n_threads = 1;
+    params.n_threads_batch = 1;
     llama_context * ctx = llama_init_from_model(model, params);
     if (ctx == nullptr) {
         fprintf(stderr, "llama-greedy: llama.cpp could not make a context for %s\n", argv[1]);
