@@ -13,6 +13,7 @@ from gptkit.errors import GptkitError
 # Shown by `gptkit --help`, which imports no command's dependencies.
 HELP = "parameter breakdown, FLOPs per token and KV-cache size of a model"
 LONG_CONTEXT = 8192  # the second context the KV cache's size is given at
+WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "int4": 18 / 32}  # bytes a weight
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +37,7 @@ def describe(name: str, context: int | None = None) -> dict[str, Any]:
     from gptkit.accounting import (
         DTYPE_BYTES,
         active_params,
+        decode_weight_bytes,
         forward_flops_per_token,
         kv_cache_bytes,
         param_breakdown,
@@ -56,6 +58,11 @@ def describe(name: str, context: int | None = None) -> dict[str, Any]:
             "context": context,
             "forward": forward_flops_per_token(config, context),
             "training": training_flops_per_token(config, context),
+        },
+        # What a batch-1 decode step streams: every weight it multiplies by, once (the routed experts only); int8
+        # leaves its per-row scales out, int4 counts llama.cpp's q4_0 blocks (18 bytes a 32 weights).
+        "weight_bytes_per_decoded_token": {
+            dtype: round(decode_weight_bytes(config, nbytes)) for dtype, nbytes in WEIGHT_BYTES.items()
         },
         "kv_cache_bytes_per_1024_tokens": {
             dtype: kv_cache_bytes(config, batch_size=1, context=1024, dtype=dtype) for dtype in DTYPE_BYTES
@@ -172,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {part.replace('_', ' '):<20} {count:>15,} {share}")
     if report["active"] != p["total"]:
         print(f"  {'active per token':<20} {report['active']:>15,} {100 * report['active'] / p['total']:5.1f}%")
+    streamed = ", ".join(f"{_human_bytes(n)} {dtype}" for dtype, n in report["weight_bytes_per_decoded_token"].items())
+    print(f"  weights read per decoded token (batch 1): {streamed}")
     f = report["flops_per_token"]
     print()
     print(

@@ -434,6 +434,10 @@ def test_info_gives_total_and_active_parameters() -> None:
     report = describe("olmoe-1b-7b")
     assert (report["total"], report["active"]) == (PUBLISHED["olmoe-1b-7b"]["parameters"], 1282017280)
     assert "64 experts of hidden 1024, top 8, on 16 of 16 layers" in report["switches"]
+    # a decoded token streams the active weights but the looked-up (untied) embedding rows: 50,304 x 2,048
+    streamed = report["weight_bytes_per_decoded_token"]
+    assert streamed["bfloat16"] == 2 * (1282017280 - 50304 * 2048)
+    assert streamed["float32"] == 2 * streamed["bfloat16"] and streamed["int4"] == round(streamed["bfloat16"] * 9 / 32)
 
 
 def test_the_fused_decode_step_covers_moe_models() -> None:
