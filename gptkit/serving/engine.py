@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from gptkit.accounting import kv_cache_bytes
+from gptkit.accounting import DTYPE_BYTES, kv_cache_bytes
 from gptkit.decoding.batch import BatchEngine
 from gptkit.decoding.lookup import Lookup
 from gptkit.decoding.prefix_cache import PrefixCache, available_memory
@@ -47,7 +47,7 @@ def default_max_batch(model: GPT, length: int, kv_dtype: torch.dtype | None) -> 
     """The batch rows a server decodes together when not told: DEFAULT_MAX_BATCH, fewer where their cache of length
     positions a row would not fit DEFAULT_BATCH_MEMORY_SHARE of the memory free now (never under 8)."""
     dtype = str(kv_dtype or next(model.parameters()).dtype).removeprefix("torch.")
-    per_row = kv_cache_bytes(model.config, 1, length, dtype if dtype in ("float32", "bfloat16", "float16") else "int8")
+    per_row = kv_cache_bytes(model.config, 1, length, dtype if dtype in DTYPE_BYTES else "float32")
     device = next(model.parameters()).device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
     rows = DEFAULT_MAX_BATCH

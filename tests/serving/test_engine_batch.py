@@ -4,6 +4,7 @@ its share of the free memory, never under the former default of 8; an explicit -
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gptkit.accounting import kv_cache_bytes
 from gptkit.config import ModelConfig
@@ -37,3 +38,11 @@ def test_a_batch_size_given_is_kept_whatever_the_memory(monkeypatch):
     assert engine.Engine(GPT(CONFIG), ByteTokenizer(), max_batch_size=3).max_batch_size == 3
     with pytest.raises(engine.GptkitError, match="--max-batch-size must be >= 1, got 0"):
         engine.Engine(GPT(CONFIG), ByteTokenizer(), max_batch_size=0)
+
+
+def test_an_int8_cache_is_sized_as_int8(monkeypatch):
+    # room for 32 rows of the int8 cache (a byte a value plus its scales), not for 32 of the fp32 one
+    int8_row = kv_cache_bytes(CONFIG, 1, CONFIG.block_size, "int8")
+    monkeypatch.setattr(engine, "available_memory", lambda: int(32 * int8_row / engine.DEFAULT_BATCH_MEMORY_SHARE))
+    assert engine.Engine(GPT(CONFIG), ByteTokenizer(), kv_dtype=torch.int8).max_batch_size == 32
+    assert engine.Engine(GPT(CONFIG), ByteTokenizer()).max_batch_size == 8
