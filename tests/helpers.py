@@ -10,6 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gptkit.decoding import fused
+from gptkit.decoding.api import generate_ids
+from gptkit.native import library
+
 TINY = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
 # One entry per variant worth telling apart; together they cover every value of every enum field.
@@ -127,3 +131,25 @@ def labelled_rows(count: int, seed: int = 0) -> list[dict]:
     return [
         {"text": f"a {w} {'x' * int(rng.integers(0, 6))}", "label": "fruit" if w in FRUIT else "other"} for w in words
     ]
+
+
+def greedy_with_and_without_fused_step(
+    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, monkeypatch
+) -> dict[bool, list[list[int]]]:
+    """Each prompt's greedy ids with the fused decode step chosen (True) and not (False); asserts that the fused step
+    ran exactly when chosen, so that equal runs are not the eager step compared with itself."""
+    runs = {}
+    for chosen in (False, True):
+        monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fused_step=chosen))
+        calls = []
+        real = fused.step_for
+
+        def spy(model, real=real, calls=calls):
+            step = real(model)
+            return None if step is None else (lambda *args: calls.append(1) or step(*args))
+
+        monkeypatch.setattr(fused, "step_for", spy)
+        runs[chosen] = [generate_ids(model, p, max_new_tokens=new_tokens, temperature=0) for p in prompts]
+        assert bool(calls) == chosen  # the fused step ran exactly when chosen
+        monkeypatch.setattr(fused, "step_for", real)
+    return runs

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import greedy_with_and_without_fused_step
 
 from gptkit import moe
 from gptkit.config import ModelConfig
 from gptkit.decoding import fused
-from gptkit.decoding.api import generate_ids
 from gptkit.decoding.step import decode_one_token, inference
 from gptkit.kv_cache import KVCache
 from gptkit.layers import activate
@@ -263,20 +263,7 @@ def test_a_rows_fused_logits_do_not_depend_on_the_rows_beside_it(name, fused_cho
 def test_greedy_tokens_through_the_fused_step_equal_the_eager_ones(name, monkeypatch) -> None:
     model = moe_model(name)
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
-    runs = {}
-    for chosen in (False, True):
-        monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fused_step=chosen))
-        calls = []
-        real = fused.step_for
-
-        def spy(model, real=real, calls=calls):
-            step = real(model)
-            return None if step is None else (lambda *args: calls.append(1) or step(*args))
-
-        monkeypatch.setattr(fused, "step_for", spy)
-        runs[chosen] = [generate_ids(model, p, max_new_tokens=32, temperature=0) for p in prompts]
-        assert bool(calls) == chosen  # the fused step ran exactly when chosen
-        monkeypatch.setattr(fused, "step_for", real)
+    runs = greedy_with_and_without_fused_step(model, prompts, 32, monkeypatch)
     assert runs[True] == runs[False]
 
 

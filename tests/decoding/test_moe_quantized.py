@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import greedy_with_and_without_fused_step
 
 from gptkit import moe
 from gptkit.decoding import fused
-from gptkit.decoding.api import generate_ids
 from gptkit.decoding.step import inference
 from gptkit.errors import ConfigError
 from gptkit.formats.quantized import load_quantized_dir, save_quantized_dir
@@ -119,21 +119,8 @@ def test_greedy_tokens_of_a_quantised_moe_model_through_the_fused_step_equal_the
     name, method, monkeypatch
 ) -> None:
     model = quantize(moe_model(name), method)
-    runs = {}
-    for chosen in (False, True):
-        monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fused_step=chosen))
-        calls = []
-        real = fused.step_for
-
-        def spy(model, real=real, calls=calls):
-            step = real(model)
-            return None if step is None else (lambda *args: calls.append(1) or step(*args))
-
-        monkeypatch.setattr(fused, "step_for", spy)
-        runs[chosen] = generate_ids(model, [1, 2, 3, 4], max_new_tokens=32, temperature=0)
-        assert bool(calls) == chosen  # the fused step ran exactly when chosen
-        monkeypatch.setattr(fused, "step_for", real)
-    assert runs[True] == runs[False] and len(runs[True]) >= 32
+    runs = greedy_with_and_without_fused_step(model, [[1, 2, 3, 4]], 32, monkeypatch)
+    assert runs[True] == runs[False] and len(runs[True][0]) >= 32
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

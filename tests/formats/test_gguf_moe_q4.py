@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import greedy_with_and_without_fused_step
 
 from gptkit.decoding import fused
-from gptkit.decoding.api import generate_ids
 from gptkit.decoding.step import inference
 from gptkit.formats.gguf import export_gguf, load_gguf, q4_0_blocks
 from gptkit.model import GPT
@@ -139,21 +139,8 @@ def test_the_q4_readings_logits_equal_the_float_readings(arch, tmp_path):
 def test_the_fused_step_decodes_the_read_stacks_to_the_eager_steps_greedy_tokens(arch, tmp_path, monkeypatch):
     model, _ = load_gguf(q4_file(arch, tmp_path))
     assert fused.uncovered(model) is None
-    runs = {}
-    for chosen in (False, True):
-        monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fused_step=chosen))
-        calls = []
-        real = fused.step_for
-
-        def spy(model, real=real, calls=calls):
-            step = real(model)
-            return None if step is None else (lambda *args: calls.append(1) or step(*args))
-
-        monkeypatch.setattr(fused, "step_for", spy)
-        runs[chosen] = generate_ids(model, [1, 2, 3, 4], max_new_tokens=24, temperature=0)
-        assert bool(calls) == chosen  # the fused step ran exactly when chosen
-        monkeypatch.setattr(fused, "step_for", real)
-    assert runs[True] == runs[False] and len(runs[True]) >= 24
+    runs = greedy_with_and_without_fused_step(model, [[1, 2, 3, 4]], 24, monkeypatch)
+    assert runs[True] == runs[False] and len(runs[True][0]) >= 24
 
 
 def test_a_stack_whose_pieces_are_not_all_q4_0_is_read_as_floats(tmp_path):
