@@ -10,9 +10,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gptkit.config import ModelConfig
 from gptkit.decoding import fused
 from gptkit.decoding.api import generate_ids
+from gptkit.formats.modeldir import save_model_dir
+from gptkit.model import GPT
 from gptkit.native import library
+from gptkit.tokenizer import CharTokenizer
 
 TINY = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
@@ -153,3 +157,19 @@ def greedy_with_and_without_fused_step(
         assert bool(calls) == chosen  # the fused step ran exactly when chosen
         monkeypatch.setattr(fused, "step_for", real)
     return runs
+
+
+def confident_char_model_dir(directory: Path, block_size: int) -> Path:
+    """A saved random RoPE model over lower-case characters, digits and punctuation whose greedy picks are clear-cut
+    (weights of std 0.5: top-2 logit gaps far above float rounding), for comparing decodes token for token."""
+    tokenizer = CharTokenizer.train(["abcdefghijklmnopqrstuvwxyz 0123456789,.:\n"], specials=["<|endoftext|>"])
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size, block_size=block_size, n_layer=2, n_head=4, n_embd=32, position="rope"
+    )
+    model = GPT(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5)
+    return save_model_dir(model, directory, tokenizer=tokenizer)

@@ -8,16 +8,12 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
+from helpers import confident_char_model_dir
 
-from gptkit.config import ModelConfig
 from gptkit.decoding.api import generate
-from gptkit.formats.modeldir import save_model_dir
 from gptkit.loading import load
-from gptkit.model import GPT
 from gptkit.serving.server import ServeOptions, build_app
-from gptkit.tokenizer import CharTokenizer
 
 MODEL = "lookup-served"
 # Each prompt repeats itself, so that its own tokens hold matches from the first step on.
@@ -26,17 +22,7 @@ PROMPTS = ["abc abd abc abd abc ", "the cat, the cat, the ", "1 2 3 1 2 3 1 2 ",
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    tokenizer = CharTokenizer.train(["abcdefghijklmnopqrstuvwxyz 0123456789,.:\n"], specials=["<|endoftext|>"])
-    torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size, block_size=128, n_layer=2, n_head=4, n_embd=32, position="rope"
-    )
-    model = GPT(config)
-    with torch.no_grad():  # std 0.5: top-2 logit gaps far above float rounding, so greedy picks are clear-cut
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.5)
-    return save_model_dir(model, tmp_path_factory.mktemp("lookup") / MODEL, tokenizer=tokenizer)
+    return confident_char_model_dir(tmp_path_factory.mktemp("lookup") / MODEL, block_size=128)
 
 
 @pytest.fixture(scope="module")

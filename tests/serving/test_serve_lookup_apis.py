@@ -8,14 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
+from helpers import confident_char_model_dir
 
-from gptkit.config import ModelConfig
-from gptkit.formats.modeldir import save_model_dir
-from gptkit.model import GPT
 from gptkit.serving.server import ServeOptions, build_app
-from gptkit.tokenizer import CharTokenizer
 
 MODEL = "lookup-apis"
 PROMPT = "the cat, the cat, the cat, the "  # repeats itself: matches from the first step on
@@ -23,17 +19,7 @@ PROMPT = "the cat, the cat, the cat, the "  # repeats itself: matches from the f
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    tokenizer = CharTokenizer.train(["abcdefghijklmnopqrstuvwxyz 0123456789,.:\n"], specials=["<|endoftext|>"])
-    torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size, block_size=256, n_layer=2, n_head=4, n_embd=32, position="rope"
-    )
-    model = GPT(config)
-    with torch.no_grad():  # std 0.5: top-2 logit gaps far above float rounding, so greedy picks are clear-cut
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.5)
-    return save_model_dir(model, tmp_path_factory.mktemp("lookup-apis") / MODEL, tokenizer=tokenizer)
+    return confident_char_model_dir(tmp_path_factory.mktemp("lookup-apis") / MODEL, block_size=256)
 
 
 def drafted(client: TestClient) -> int:
