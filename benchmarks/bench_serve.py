@@ -57,29 +57,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from serve_process import start_server
-
-
-def build_model_dir(path: Path, n_layer: int, n_embd: int, block_size: int) -> Path:
-    """A random GPT-2-style model with a byte tokenizer (its speed, not its text, is what is measured)."""
-    import torch
-
-    from gptkit.config import ModelConfig
-    from gptkit.formats.modeldir import save_model_dir
-    from gptkit.model import GPT
-    from gptkit.tokenizer import ByteTokenizer
-
-    tokenizer = ByteTokenizer(specials=())  # no end-of-text token: every request generates max_tokens
-    torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        block_size=block_size,
-        n_layer=n_layer,
-        n_head=max(1, n_embd // 64),
-        n_embd=n_embd,
-    )
-    return save_model_dir(GPT(config), path / "bench-model", tokenizer=tokenizer)
-
+from serve_process import build_model_dir, start_server
 
 # A chat template that renders normally, except for the message "loop", where it writes without end (the server
 # stops it at its size or time limit).

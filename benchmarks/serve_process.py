@@ -1,7 +1,8 @@
-"""Servers under test as child processes: `gptkit serve` on a free loopback port, and a free port for others.
+"""Servers under test as child processes: `gptkit serve` on a free loopback port, a free port for others, and the
+random model they serve when no model is given.
 
-The serving benchmarks (bench_serve.py, serve_workloads.py, serve_lora.py, bench_lm_eval.py) import from here, so
-none of them imports another benchmark script back.
+The serving benchmarks (bench_serve.py, serve_workloads.py, serve_lora.py, bench_lm_eval.py, bench_restart.py)
+import from here, so none of them imports another benchmark script back.
 """
 
 from __future__ import annotations
@@ -21,6 +22,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def build_model_dir(path: Path, n_layer: int, n_embd: int, block_size: int) -> Path:
+    """A random GPT-2-style model with a byte tokenizer (its speed, not its text, is what is measured)."""
+    import torch
+
+    from gptkit.config import ModelConfig
+    from gptkit.formats.modeldir import save_model_dir
+    from gptkit.model import GPT
+    from gptkit.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer(specials=())  # no end-of-text token: every request generates max_tokens
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        block_size=block_size,
+        n_layer=n_layer,
+        n_head=max(1, n_embd // 64),
+        n_embd=n_embd,
+    )
+    return save_model_dir(GPT(config), path / "bench-model", tokenizer=tokenizer)
 
 
 def start_server(
