@@ -245,6 +245,11 @@ class KVCache:
         """A one-row cache sharing this one's storage: row `index`, its first `length` positions (a ring: all)."""
         return self._part(slice(index, index + 1), length)
 
+    def rows(self, first: int, count: int, length: int) -> KVCache:
+        """A cache sharing this one's storage: rows first..first+count-1, their first `length` positions (a ring:
+        all)."""
+        return self._part(slice(first, first + count), length)
+
     def _part(self, rows: slice, length: int) -> KVCache:
         def part(tensors: list[Tensor]) -> list[Tensor]:
             return [t[rows, :, : length if w is None else None] for t, w in zip(tensors, self.windows)]

@@ -1,7 +1,9 @@
 """The batch engine: requests share one preallocated KV cache, one row each, and decode one token per step together.
 
-add() prefills new requests into free rows (each prompt in chunks of step.PREFILL_CHUNK tokens, alone: identical
-prompts run once, and blocks a prefix cache holds are copied in rather than computed) and picks their first tokens;
+add() prefills new requests into free rows (each prompt in chunks of step.PREFILL_CHUNK tokens, the whole chunks of
+the prompts admitted together run several rows a forward where that leaves every bit unchanged, prefill_waves:
+identical prompts and shared prefixes run once, and blocks a prefix cache holds are copied in rather than computed)
+and picks their first tokens;
 step() decodes one token for every request in one forward pass; a request that finishes leaves its row at once.
 Rows in use are always 0..k-1: when a row frees up, the last row's keys and values move into it, so an eager step
 runs the model on exactly k rows and attends over only the positions in use. A compiled step runs
@@ -32,6 +34,7 @@ from torch import Tensor
 from gptkit.decoding import fused
 from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.lookup import Lookup
+from gptkit.decoding.prefill_waves import Prompt, prefill_whole_chunks
 from gptkit.decoding.prefix_cache import PrefixCache, block_layout, model_fingerprint, namespace_for
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
@@ -162,6 +165,9 @@ class BatchEngine:
             outside = [token for token, _ in request.params.logit_bias if token >= self.vocab_size]
             if outside:
                 raise InputError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {self.vocab_size})")
+        # Longest first: the prompts due a chunk at each position then hold consecutive rows, which one forward
+        # prefills together (prefill_waves).
+        requests = sorted(requests, key=lambda r: -len(r.prompt))
         seqs: list[list[int]] = []
         keys: list[tuple[int, tuple[int, ...]]] = []  # (adapter, prompt): what one prefill serves
         sources: list[int] = []
@@ -178,7 +184,7 @@ class BatchEngine:
         rows = {source: first + i for i, source in reversed(list(enumerate(sources)))}  # each seq's first row
         owners = {source: requests[i] for i, source in reversed(list(enumerate(sources)))}
         with inference(self.model):
-            logits = torch.stack([self._prefill(rows[source], seq, owners[source]) for source, seq in enumerate(seqs)])
+            logits = self._prefill([Prompt(rows[i], seq, 0, owners[i].adapter) for i, seq in enumerate(seqs)], owners)
             for i, source in enumerate(sources):
                 if first + i != rows[source]:  # a prompt that runs once: its other rows copy the first
                     self.cache.move_row(first + i, rows[source], len(seqs[source]))
@@ -194,27 +200,40 @@ class BatchEngine:
         self._choose(list(requests), logits[torch.tensor(sources, device=self.device)])
         return self._retire()
 
-    def _prefill(self, row: int, seq: list[int], request: Request) -> Tensor:
-        """Fill a row with seq's keys and values, cached blocks copied and the rest computed; logits (V,) at its end."""
-        namespace = self.namespace(request.adapter_name) if self.prefix_cache is not None else ""
-        cached: list[list[Tensor]] = []
-        if self.prefix_cache is not None:  # a block read from disk must fit this cache (block_layout)
-            cached = self.prefix_cache.match(namespace, seq, block_layout(self.cache))
-        for b, block in enumerate(cached):
-            self.cache.write_span(row, b * PREFILL_CHUNK, block)
-        start = len(cached) * PREFILL_CHUNK
-        blocks: list[list[Tensor]] = []
+    def _prefill(self, prompts: list[Prompt], owners: dict[int, Request]) -> Tensor:
+        """Fill each prompt's row, cached blocks copied and the rest computed (whole chunks in waves across prompts,
+        then each last chunk alone); logits (len(prompts), V) at each prompt's end. owners[i]: prompt i's request."""
+        cache = self.prefix_cache
+        namespaces = [self.namespace(owners[i].adapter_name) if cache is not None else "" for i in range(len(prompts))]
+        found = [self._copy_cached(p, namespace) for p, namespace in zip(prompts, namespaces)]
+        for prompt, count in zip(prompts, found):
+            prompt.start = count * PREFILL_CHUNK
+        blocks: list[list[list[Tensor]]] = [[] for _ in prompts]
 
-        def keep(b: int) -> None:
+        def keep(i: int, b: int) -> None:
             # Read as soon as computed: a windowed layer's ring may overwrite the block later in the prompt.
-            blocks.append(self.cache.read_span(row, b * PREFILL_CHUNK, (b + 1) * PREFILL_CHUNK))
+            blocks[i].append(self.cache.read_span(prompts[i].row, b * PREFILL_CHUNK, (b + 1) * PREFILL_CHUNK))
 
         on_block = keep if self.prefix_cache is not None else None
-        with rows_using(self.model, [request.adapter]):
-            logits = prefill_chunks(self.model, self.cache, row, seq, start, on_block)
-        if self.prefix_cache is not None:
-            self.prefix_cache.insert(namespace, seq, len(cached), blocks)
-        return logits
+        prefill_whole_chunks(self.model, self.cache, prompts, on_block)
+        logits = []
+        for i, prompt in enumerate(prompts):
+            last_block = None if on_block is None else lambda b, i=i: keep(i, b)
+            with rows_using(self.model, [prompt.adapter]):
+                logits.append(prefill_chunks(self.model, self.cache, prompt.row, prompt.seq, prompt.last, last_block))
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(namespaces[i], prompt.seq, found[i], blocks[i])
+        return torch.stack(logits)
+
+    def _copy_cached(self, prompt: Prompt, namespace: str) -> int:
+        """Copy the prefix cache's blocks that begin prompt's tokens into its row; returns how many."""
+        if self.prefix_cache is None:
+            return 0
+        # A block read from disk must fit this cache (block_layout).
+        cached = self.prefix_cache.match(namespace, prompt.seq, block_layout(self.cache))
+        for b, block in enumerate(cached):
+            self.cache.write_span(prompt.row, b * PREFILL_CHUNK, block)
+        return len(cached)
 
     def namespace(self, adapter: str = "") -> str:
         """What names this engine's blocks in a prefix cache: its model (and a request's adapter), KV dtype and

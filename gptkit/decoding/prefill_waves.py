@@ -1,0 +1,103 @@
+"""Prefilling the prompts a batch admits together: their whole chunks in waves, several rows per forward.
+
+The chunks are step.prefill_chunks' (PREFILL_CHUNK tokens at positions that are multiples of it). Here every whole
+chunk before each prompt's last one runs in a wave per position: the prompts due a chunk at that position run as one
+forward of (rows, PREFILL_CHUNK) tokens, and prompts sharing every token up to the chunk's end (adapter included) run
+it once, the others copying its keys and values. Each prompt's last chunk, which computes its logits, then runs
+alone (prefill_chunks from that chunk on).
+
+The bits are those of prefilling each prompt alone: a row of the forward meets other rows only in the products x @ W.T
+(norms, activations and attention are per row), and PyTorch's CPU GEMM in fp32 gives a row the same bits whatever
+rows stand beside it (measured: K 768 and 3072, N 768 to 50,257, M 64 to 2,048 rows, 1 and 2 threads, on a 2-core
+AVX2 EPYC; tests/decoding/test_prefill_waves.py checks whole answers). Elsewhere (a GPU, whose GEMM chooses its
+kernels by M; bf16 or quantised weights; mixtures of experts, which group tokens by expert) that was not measured, and
+each chunk runs alone as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gptkit.decoding.step import PREFILL_CHUNK, base, device_dtype
+from gptkit.kv_cache import KVCache
+from gptkit.model import GPT
+from gptkit.multi_lora import rows_using
+from gptkit.quantization import is_quantized
+
+# Rows per forward at most: 32 chunks of 64 are 2,048 tokens, past which a larger GEMM gains little and the
+# activations (and attention scores) of one forward keep growing.
+MAX_WAVE_ROWS = 32
+
+
+@dataclass
+class Prompt:
+    """One prompt to prefill: its cache row, its tokens, the first position not yet in the row, its LoRA adapter."""
+
+    row: int
+    seq: Sequence[int]
+    start: int
+    adapter: int = 0
+
+    @property
+    def last(self) -> int:
+        """Where the chunk holding the prompt's last token begins."""
+        return (len(self.seq) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+
+
+def rows_per_forward(model: GPT) -> int:
+    """How many prompts' chunks may run in one forward for model: MAX_WAVE_ROWS where a row's bits were measured
+    not to depend on its neighbours (fp32 weights on a CPU, dense feed-forwards), else 1."""
+    device, dtype = device_dtype(model)
+    measured = device.type == "cpu" and dtype == torch.float32 and base(model).config.n_experts is None
+    return MAX_WAVE_ROWS if measured and not is_quantized(model) else 1
+
+
+def prefill_whole_chunks(
+    model: GPT,
+    cache: KVCache,
+    prompts: Sequence[Prompt],
+    on_block: Callable[[int, int], None] | None = None,
+) -> None:
+    """Compute each prompt's whole chunks from its start up to its last chunk (not included) into its row, one wave
+    per position; on_block(i, b) runs right after prompt i's chunk b is in its row (while a windowed ring holds it)."""
+    widest = rows_per_forward(model)
+    begins = sorted({b for p in prompts for b in range(p.start, p.last, PREFILL_CHUNK)})
+    for begin in begins:
+        due = [i for i, p in enumerate(prompts) if p.start <= begin < p.last]
+        end = begin + PREFILL_CHUNK
+        groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        for i in due:  # prompts equal up to this chunk's end share it
+            groups.setdefault((prompts[i].adapter, tuple(prompts[i].seq[:end])), []).append(i)
+        leaders = sorted((prompts[members[0]] for members in groups.values()), key=lambda p: p.row)
+        for run in _runs(leaders, widest):
+            _forward(model, cache, run, begin)
+        for members in groups.values():
+            if len(members) > 1:
+                span = cache.read_span(prompts[members[0]].row, begin, end)
+                for i in members[1:]:
+                    cache.write_span(prompts[i].row, begin, span)
+        if on_block is not None:
+            for i in due:
+                on_block(i, begin // PREFILL_CHUNK)
+
+
+def _runs(prompts: list[Prompt], widest: int) -> list[list[Prompt]]:
+    """prompts (by row) cut into runs of consecutive rows, at most widest each: what one forward's cache view holds."""
+    runs: list[list[Prompt]] = []
+    for prompt in prompts:
+        if runs and len(runs[-1]) < widest and runs[-1][-1].row + 1 == prompt.row:
+            runs[-1].append(prompt)
+        else:
+            runs.append([prompt])
+    return runs
+
+
+def _forward(model: GPT, cache: KVCache, run: list[Prompt], begin: int) -> None:
+    """The chunk at begin of each prompt in run (consecutive rows) in one forward: keys and values only."""
+    device, _ = device_dtype(model)
+    ids = torch.tensor([list(p.seq[begin : begin + PREFILL_CHUNK]) for p in run], device=device)  # (R, CHUNK)
+    with rows_using(model, [p.adapter for p in run]):
+        base(model).hidden(ids, cache.rows(run[0].row, len(run), begin + PREFILL_CHUNK), begin)

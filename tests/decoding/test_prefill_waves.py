@@ -1,0 +1,150 @@
+"""Prompts admitted together prefill their whole chunks in waves (gptkit.decoding.prefill_waves): several rows a
+forward, shared prefixes once, and every answer bit for bit what the prompt alone gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptkit.config import ModelConfig
+from gptkit.decoding import prefill_waves
+from gptkit.decoding.batch import BatchEngine
+from gptkit.decoding.prefill_waves import Prompt, prefill_whole_chunks, rows_per_forward
+from gptkit.decoding.prefix_cache import PrefixCache
+from gptkit.decoding.request import Request
+from gptkit.decoding.sampling import SamplingParams
+from gptkit.decoding.step import PREFILL_CHUNK, inference, new_cache
+from gptkit.model import GPT
+from gptkit.native import library
+from gptkit.quantization import quantize
+
+GPT2 = dict(vocab_size=256, block_size=512, n_layer=2, n_head=4, n_embd=64)
+LLAMA = dict(GPT2, norm="rmsnorm", activation="swiglu", position="rope", n_kv_head=2, attn_bias=False, mlp_bias=False)
+
+
+@pytest.fixture(autouse=True)
+def fused_chosen(monkeypatch):
+    """The fused step as if measured faster here: batch invariance is promised where it decodes."""
+    if library.load():
+        monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fused_step=True))
+
+
+def make_model(style: dict) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**style)).eval()
+    with torch.no_grad():
+        model.norm_f.weight.mul_(4.0)  # logits far apart: greedy choices away from ties
+    return model
+
+
+def tokens(length: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def request(prompt: list[int], greedy: bool = True) -> Request:
+    params = SamplingParams(max_new_tokens=6, temperature=0.0 if greedy else 1.0, seed=3)
+    return Request(list(prompt), params, seed=3, top_logprobs=2)
+
+
+def answer(req: Request) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
+    return req.generated, [t.logprob for t in req.logprobs], [t.top for t in req.logprobs]
+
+
+def finish(engine: BatchEngine, requests: list[Request]) -> None:
+    engine.add(requests)
+    while engine.rows:
+        engine.step()
+
+
+class Forwards:
+    """Counts the prompts of each wave's forward (a whole chunk of each)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.rows: list[int] = []
+        forward = prefill_waves._forward
+
+        def counted(model, cache, run, begin):
+            self.rows.append(len(run))
+            forward(model, cache, run, begin)
+
+        monkeypatch.setattr(prefill_waves, "_forward", counted)
+
+
+def mixed_prompts() -> list[list[int]]:
+    """Prompts of 1 to 4 whole chunks, two sharing a 130-token prefix, one repeated, one ending on a chunk's end."""
+    shared = tokens(130, 1)
+    return [
+        tokens(250, 2),
+        shared + tokens(60, 3),
+        tokens(40, 4),
+        shared + tokens(100, 5),
+        tokens(2 * PREFILL_CHUNK, 6),
+        tokens(250, 2),
+        tokens(170, 7),
+    ]
+
+
+@pytest.mark.parametrize("style", [GPT2, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "prefix-cache"])
+def test_prompts_admitted_together_answer_as_each_alone(style, cached, monkeypatch):
+    model = make_model(style)
+    prompts = mixed_prompts()
+    alone = [request(p, greedy=i % 3 != 1) for i, p in enumerate(prompts)]
+    for req in alone:
+        finish(BatchEngine(model, 1, 512), [req])
+    together = [request(p, greedy=i % 3 != 1) for i, p in enumerate(prompts)]
+    forwards = Forwards(monkeypatch)
+    engine = BatchEngine(model, 8, 512, prefix_cache=PrefixCache(1 << 30) if cached else None)
+    finish(engine, together)
+    assert max(forwards.rows) > 1  # whole chunks of several prompts ran in one forward
+    for a, b in zip(alone, together):
+        assert answer(a) == answer(b)  # tokens, logprobs and alternatives, exactly
+
+
+def test_a_prefix_shared_within_one_admission_runs_once_and_fills_the_prefix_cache(monkeypatch):
+    model = make_model(GPT2)
+    system = tokens(3 * PREFILL_CHUNK + 10, 8)  # three whole chunks shared, then each prompt's own
+    prompts = [system + tokens(70, 9 + i) for i in range(4)]
+    forwards = Forwards(monkeypatch)
+    cache = PrefixCache(1 << 30)
+    engine = BatchEngine(model, 4, 512, prefix_cache=cache)
+    together = [request(p) for p in prompts]
+    finish(engine, together)
+    # 3 shared chunks computed once, then the 4 prompts' fourth chunk (at 192..256) in one forward.
+    assert forwards.rows == [1, 1, 1, 4]
+    assert len(cache.blocks) == 3 + 4
+    later = request(prompts[2])
+    finish(engine, [later])
+    assert cache.stats.hit_tokens == 4 * PREFILL_CHUNK  # the next request finds every block kept
+    reference = request(prompts[2])
+    finish(BatchEngine(model, 1, 512), [reference])
+    assert answer(later) == answer(reference) == answer(together[2])
+
+
+@pytest.mark.parametrize("style", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_waves_write_the_same_bits_as_one_row_a_forward(style, monkeypatch):
+    model = make_model(style)
+    prompts = mixed_prompts()
+
+    def cache_after(widest: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(prefill_waves, "rows_per_forward", lambda model: widest)
+        cache = new_cache(model, len(prompts), 512)
+        with inference(model):
+            prefill_whole_chunks(model, cache, [Prompt(row, p, 0) for row, p in enumerate(prompts)])
+        return cache.tensors
+
+    for one, many in zip(cache_after(1), cache_after(32)):
+        assert torch.equal(one, many)
+
+
+def test_only_measured_weights_share_a_forward():
+    model = make_model(GPT2)
+    assert rows_per_forward(model) == prefill_waves.MAX_WAVE_ROWS
+    assert rows_per_forward(make_model(GPT2).to(torch.bfloat16)) == 1
+    assert rows_per_forward(quantize(make_model(GPT2), "int8")) == 1
+
+
+def test_runs_are_consecutive_rows_of_at_most_widest():
+    prompts = [Prompt(row, [1, 2], 0) for row in (0, 1, 2, 4, 5, 7)]
+    runs = prefill_waves._runs(prompts, widest=2)
+    assert [[p.row for p in run] for run in runs] == [[0, 1], [2], [4, 5], [7]]
