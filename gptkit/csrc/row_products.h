@@ -51,12 +51,13 @@ inline void in_register(V& v) { asm volatile("" : "+v"(v)); }
 // vectors of parity c, as row_f32's do). One chain needs NR * MR accumulators where both would not fit the registers,
 // and each (n, m) sum still takes row_f32's operations in row_f32's order: its result is row_f32's to the bit. Each
 // weight vector loaded serves MR rows and each activation vector NR rows (row_f32 loads an activation vector per
-// multiply-add, which held GPT-2 small's batch-8 fp32 step to about 40% of the bandwidth bound on AVX2).
+// multiply-add, which held GPT-2 small's batch-8 fp32 step to about 40% of the bandwidth bound on AVX2). fresh: the
+// sums start from zero rather than from acc (the chain's first chunk).
 template <int NR, int MR>
-inline void tile_f32(const float* w, const float* x, int64_t K, int64_t k0, int64_t k1, V* acc) {
+inline void tile_f32(const float* w, const float* x, int64_t K, int64_t k0, int64_t k1, V* acc, bool fresh) {
   V a[NR][MR];
   for (int n = 0; n < NR; ++n)
-    for (int m = 0; m < MR; ++m) a[n][m] = acc[n * MR + m];
+    for (int m = 0; m < MR; ++m) a[n][m] = fresh ? vzero() : acc[n * MR + m];
   for (int64_t k = k0; k + kLanes <= k1; k += 2 * kLanes) {
     V xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = vload(x + m * K + k);
