@@ -14,12 +14,16 @@ whether every reply was the same text (greedy output with lookup is the model's 
 comma-separated values and measure every pair: the way to choose the defaults.
 
 Speculation helps exactly as far as the model copies, so the model matters: a random-weight model never continues a
-copy. Without --model-dir the script trains one first (a byte-level model of the shakespeare-char-cpu shape with a
-512-byte context and rotary positions, on the bundled corpus with watch_it_learn's "copy documents" added, so that
-it learns to copy), --train-steps steps, kept in --save-model's directory if given; --model-dir measures a trained
-checkpoint directory.
+copy. Without --model-dir the script trains one first, --train-steps steps in two stages (STAGES), kept in
+--save-model's directory if given; --model-dir measures a trained checkpoint directory. The model is small so that
+one core trains it: bytes, 2 layers, 4 heads, 128 wide, rotary positions, untied embeddings, no biases. Stage one
+(57% of the steps) has a 64-byte context, batches of 32 and only watch_it_learn's copy documents (random strings
+written twice), the plainest copying signal; stage two starts from it with the 512-byte context and batches of 8
+on text shaped like the workloads (benchmarks/speculation_data.py: passages asked for again with other words
+swapped, small classes that repeat a method's shape, copy documents, plain speeches), never the corpus's last
+2,400 characters, which the editing prompts quote. Both at AdamW 1e-3 (warm-up, then wsd's cool-down to 1e-4).
 
-    .venv/bin/python benchmarks/bench_speculation.py --save-model spec-model --json   # trains 2,000 steps, measures
+    .venv/bin/python benchmarks/bench_speculation.py --save-model spec-model --json   # trains 1,400 steps, measures
     .venv/bin/python benchmarks/bench_speculation.py --model-dir spec-model --rounds 3
     .venv/bin/python benchmarks/bench_speculation.py --model-dir spec-model --workloads editing chat \\
         --k 2,4,8 --ngram 1,2,3                                                       # the defaults, chosen
@@ -42,6 +46,7 @@ from pathlib import Path
 import httpx
 from serve_process import start_server
 from serve_workloads import cpu_line
+from speculation_data import FIRST_SHARES, SHARES, training_text
 
 from gptkit.decoding.lookup import LOOKUP_K, LOOKUP_NGRAM
 
@@ -76,26 +81,43 @@ def workloads(corpus: str) -> dict[str, list[str]]:
     return dict(zip(WORKLOADS, (editing, code, [CHAT] * 8)))
 
 
-def train_model(out: Path, steps: int) -> Path:
-    """A byte-level model trained to copy (see the module's note); returns its last checkpoint's directory."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from watch_it_learn import with_copies
+# The trained model (see the module's note): two layers, 128 wide, rotary positions, bytes; each stage's context,
+# batch, data (speculation_data's shares) and share of the steps.
+MODEL_FLAGS = ["--model.n_layer", "2", "--model.n_head", "4", "--model.n_embd", "128", "--model.position", "rope"]
+MODEL_FLAGS += ["--model.dropout", "0.0", "--model.tie_embeddings", "false", "--model.attn_bias", "false"]
+MODEL_FLAGS += ["--model.mlp_bias", "false", "--model.norm_bias", "false"]
+STAGES = (  # share: of --train-steps; warm-up: of the stage's steps
+    {"name": "copy", "block": 64, "batch": 32, "share": 8 / 14, "warmup": 1 / 16, "chars": 2_000_000},
+    {"name": "full", "block": 512, "batch": 8, "share": 6 / 14, "warmup": 1 / 20, "chars": 4_000_000},
+)
+STAGE_SHARES = (FIRST_SHARES, SHARES)  # each stage's kinds of document (speculation_data)
+TRAIN_STEPS = 1400
 
+
+def train_model(out: Path, steps: int) -> Path:
+    """A byte-level model trained to copy (see the module's note) in `steps` steps over its two stages; returns
+    its last checkpoint's directory."""
     from gptkit.prepare import DEFAULT_CORPUS
 
-    source = out / "shakespeare_copies.txt"
-    source.write_text(with_copies(DEFAULT_CORPUS.read_text()))
     gptkit = [sys.executable, "-m", "gptkit"]
-    data = out / "data"
-    subprocess.run([*gptkit, "prepare", "--input", str(source), "--tokenizer", "byte", "--out", str(data)], check=True)
-    flags = ["--model.preset", "shakespeare-char-cpu", "--model.block_size", "512", "--model.position", "rope"]
-    flags += ["--train.batch_size", "8"]
-    flags += ["--optim.lr", "2e-3", "--optim.min_lr", "2e-4", "--optim.warmup_steps", str(max(1, steps // 20))]
-    flags += ["--train.eval_interval", str(steps), "--train.checkpoint_interval", str(steps)]
-    run = out / "run"
-    command = [*gptkit, "train", "--data", str(data), "--out", str(run), "--train.max_steps", str(steps), "--quiet"]
-    subprocess.run([*command, *flags], check=True)
-    return run / "checkpoints" / f"step-{steps:06d}"
+    corpus, start = DEFAULT_CORPUS.read_text(), []
+    first = max(1, round(steps * STAGES[0]["share"]))
+    for stage, shares, count in zip(STAGES, STAGE_SHARES, (first, max(1, steps - first))):
+        name = stage["name"]
+        source, data, run = out / f"{name}.txt", out / f"{name}-data", out / f"{name}-run"
+        source.write_text(training_text(corpus, stage["chars"], shares))
+        prepare = ["prepare", "--input", str(source), "--tokenizer", "byte", "--out", str(data)]
+        subprocess.run([*gptkit, *prepare], check=True)
+        flags = [*MODEL_FLAGS, *start, "--model.block_size", str(stage["block"])]
+        flags += ["--train.batch_size", str(stage["batch"]), "--optim.lr", "1e-3", "--optim.min_lr", "1e-4"]
+        flags += ["--optim.warmup_steps", str(max(1, round(count * stage["warmup"]))), "--optim.schedule", "wsd"]
+        flags += ["--train.eval_interval", str(max(1, count // 4)), "--train.eval_iters", "5"]
+        flags += ["--train.checkpoint_interval", str(count), "--train.eval_at_start", "false"]
+        command = [*gptkit, "train", "--data", str(data), "--out", str(run), "--train.max_steps", str(count)]
+        subprocess.run([*command, "--quiet", *flags], check=True)
+        checkpoint = run / "checkpoints" / f"step-{count:06d}"
+        start = ["--model.init_from", str(checkpoint)]
+    return checkpoint
 
 
 def counters(http: httpx.Client) -> tuple[int, int]:
@@ -217,7 +239,9 @@ def int_list(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=None, help="a trained model to measure (default: train one)")
-    parser.add_argument("--train-steps", type=int, default=2000, help="steps of the model trained without --model-dir")
+    parser.add_argument(
+        "--train-steps", type=int, default=TRAIN_STEPS, help="steps of the model trained without --model-dir"
+    )
     parser.add_argument("--save-model", type=Path, default=None, help="keep the trained model here (a new directory)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per row (the best counts)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per reply")

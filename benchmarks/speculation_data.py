@@ -1,0 +1,103 @@
+"""The training text of bench_speculation.py's model: documents that copy, shaped like the benchmark's workloads.
+
+A model learns to continue a copy only from text that copies, and a small one learns it in minutes only when much
+of its text does. Four kinds of document, separated by blank lines, in a shuffled order:
+- edits: a passage of the corpus, an instruction line, the passage again with a few words swapped (the editing
+  workload's form, with other words and other wording, so its prompts are not in the training text);
+- code: a small Python class whose methods repeat one shape with other names and operators (the code workload's
+  form, with other names);
+- copies: watch_it_learn's random strings written twice (the plainest copying signal);
+- speeches: the corpus as it is, so that text which does not copy stays language.
+The corpus's last HELD_OUT characters are never used: the editing workload's passages come from there.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+HELD_OUT = 8 * 300  # bench_speculation's editing passages: its 8 prompts of EDIT_PASSAGE_CHARS characters
+PASSAGE = (80, 320)  # an edit's passage, in characters
+SWAPS = [  # word pairs an edit may swap; never the editing workload's ("the" as "that", "and" as "&")
+    ("my", "our"),
+    ("you", "thee"),
+    ("is", "was"),
+    ("not", "never"),
+    ("of", "from"),
+    ("to", "unto"),
+    ("I", "we"),
+    ("a", "one"),
+    ("with", "by"),
+    ("in", "within"),
+    ("your", "thy"),
+    ("me", "us"),
+]
+ASKS = [  # how an edit's instruction line is worded
+    "Rewrite the text with {swaps}.",
+    "Repeat the passage, writing {swaps}.",
+    "Give the text again with {swaps}.",
+    "Copy this out with {swaps}.",
+]
+CLASSES = ["Vec", "Pair", "Size", "Range", "Money", "Color", "Box", "Span", "Grid", "Cell", "Frac", "Temp"]
+FIELDS = ["a", "b", "w", "h", "lo", "hi", "re", "im", "left", "right", "top", "red", "green", "blue", "n", "d"]
+METHODS = [("plus", "+"), ("minus", "-"), ("times", "*"), ("over", "/"), ("mod", "%"), ("power", "**")]
+METHODS += [("floor", "//"), ("both", "&"), ("either", "|"), ("shift", "<<")]
+# Shares of the characters written: the first stage (a short context) learns to copy on the plainest copies, the
+# second (the full context) on all four kinds.
+FIRST_SHARES = {"copies": 1.0}
+SHARES = {"edit": 0.35, "code": 0.15, "copies": 0.3, "speech": 0.2}
+
+
+def edit_document(speeches: list[str], rng: random.Random) -> str:
+    """An instruction, a passage of consecutive speeches, a blank line, and the passage with the words swapped."""
+    start = rng.randrange(len(speeches))
+    passage, length = [], rng.randint(*PASSAGE)
+    for speech in speeches[start:]:
+        passage.append(speech)
+        if sum(len(part) + 2 for part in passage) >= length:
+            break
+    text = "\n\n".join(passage)[:length]
+    swaps = rng.sample(SWAPS, rng.randint(1, 2))
+    changed = text
+    for old, new in swaps:
+        changed = changed.replace(f" {old} ", f" {new} ")
+    asked = rng.choice(ASKS).format(swaps=" and ".join(f"'{old}' as '{new}'" for old, new in swaps))
+    return f"{asked}\n\n{text}\n\n{changed}"
+
+
+def code_document(rng: random.Random) -> str:
+    """A class with a constructor over two or three fields and three to six methods of one shape."""
+    name, fields = rng.choice(CLASSES), rng.sample(FIELDS, rng.randint(2, 3))
+    lines = [f"class {name}:", f"    def __init__(self, {', '.join(fields)}):"]
+    lines += [f"        self.{field} = {field}" for field in fields]
+    for method, op in rng.sample(METHODS, rng.randint(3, 6)):
+        terms = ", ".join(f"self.{field} {op} other.{field}" for field in fields)
+        lines += ["", f"    def {method}(self, other):", f"        return {name}({terms})"]
+    return "\n".join(lines)
+
+
+def training_text(corpus: str, chars: int, shares: dict[str, float], seed: int = 0) -> str:
+    """About `chars` characters of documents of the kinds in `shares` (at those shares of the characters), from all
+    of the corpus but its last HELD_OUT characters."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from watch_it_learn import copy_document
+
+    kept = corpus[:-HELD_OUT]
+    speeches = [speech for speech in kept.split("\n\n") if speech.strip()]
+    alphabet = sorted(set(kept) - {"\n"})
+    rng = random.Random(seed)
+    make = {
+        "edit": lambda: edit_document(speeches, rng),
+        "code": lambda: code_document(rng),
+        "copies": lambda: copy_document(alphabet, rng),
+        "speech": lambda: speeches[rng.randrange(len(speeches))],
+    }
+    documents, written = [], {kind: 0 for kind in shares}
+    while sum(written.values()) < chars:
+        # the kind furthest below its share next, so the shares hold in characters, not documents
+        kind = min(shares, key=lambda k: written[k] / shares[k])
+        documents.append(make[kind]())
+        written[kind] += len(documents[-1]) + 2
+    rng.shuffle(documents)
+    return "\n\n".join(documents)
