@@ -130,6 +130,9 @@ def one_round(model_dir: Path, cache_dir: Path, prompts: list[str], args: argpar
     with Server(model_dir, cache_dir, args.threads) as warm_server:
         disk = [ask(warm_server.url, warm_server.model, p, args.max_tokens) for p in prompts]
         warm_cache = warm_server.cache()
+    # One folder per namespace: a second one means the restarted server named its blocks otherwise (another model,
+    # other kernels' sources or timed choices, another thread count) and so found none of the first server's.
+    namespaces = [path.name for path in cache_dir.iterdir() if path.is_dir()]
     return {
         "cold_start_s": cold_server.start_s,
         "warm_start_s": warm_server.start_s,
@@ -139,6 +142,7 @@ def one_round(model_dir: Path, cache_dir: Path, prompts: list[str], args: argpar
         "disk_reads": warm_cache["disk_hits"],
         "hit_tokens": warm_cache["hit_tokens"],
         "computed_tokens": warm_cache["computed_tokens"],
+        "namespaces": len(namespaces),
         "prompts": [
             {
                 "prompt_tokens": c.prompt_tokens,
@@ -250,7 +254,10 @@ def main() -> None:
     if not all(row["same_disk"] and row["same_ram"] for row in rows):
         raise SystemExit("bench_restart: a warm answer differs from the cold one")
     if any(r["hit_tokens"] < expected for r in rounds):
-        raise SystemExit("bench_restart: the restarted server computed tokens its cache directory held")
+        raise SystemExit(
+            "bench_restart: the restarted server computed tokens its cache directory held (a second namespace folder "
+            "there means the blocks' namespace changed between the two servers: the kernels rebuilt or retimed?)"
+        )
 
 
 if __name__ == "__main__":

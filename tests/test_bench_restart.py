@@ -22,5 +22,6 @@ def test_the_restarted_server_reads_every_block_from_disk_and_answers_the_same()
     assert [p["prompt_tokens"] for p in only["prompts"]] == [150, 300]
     assert out["expected_hit_tokens"] == only["hit_tokens"] == 6 * 64
     assert only["disk_reads"] == 6  # the restarted server started with nothing in RAM
+    assert only["namespaces"] == 1  # both servers named their blocks alike
     assert only["files_written"] == only["blocks_in_ram"] == 6  # every block the cold server kept reached the disk
     assert all(p["same_disk"] and p["same_ram"] for p in only["prompts"])
