@@ -35,6 +35,7 @@ from gptkit.decoding.kv_store import BlockLayout, KVStore, tensor_bytes
 from gptkit.decoding.step import PREFILL_CHUNK
 from gptkit.kv_cache import KVCache
 from gptkit.native import library
+from gptkit.native.choices import MEASURED
 
 FORMAT = "gptkit-prefix-cache-1"  # in every namespace: a change of block layout or hashing starts afresh
 
@@ -82,9 +83,17 @@ def namespace_for(fingerprint: str, kv_dtype: torch.dtype | None, adapter: str =
         str(kv_dtype),
         torch.__version__,
         str(torch.get_num_threads()),
-        json.dumps(library.choices(), sort_keys=True) if library.load(wait=False) else "no kernels",
+        _product_choices() if library.load(wait=False) else "no kernels",
     ]
     return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
+
+
+def _product_choices() -> str:
+    """The kernels' product choices, which decide a prefill's bits. Other modules' choices (the fused decode step's,
+    timed when a batch first reaches their size) decide no block's bits: hashing them moved a running server's
+    namespace the first time they were timed, and every block cached before was missed from then on."""
+    chosen = library.choices()
+    return json.dumps({name: chosen[name] for name in sorted(MEASURED) if name in chosen})
 
 
 def block_names(namespace: str, tokens: Sequence[int], count: int) -> list[bytes]:
