@@ -34,7 +34,7 @@ from torch import Tensor
 from gptkit.decoding import fused
 from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.lookup import Lookup
-from gptkit.decoding.prefill_waves import Prompt, prefill_whole_chunks
+from gptkit.decoding.prefill_waves import Prompt, prefill_last_chunks, prefill_whole_chunks
 from gptkit.decoding.prefix_cache import PrefixCache, block_layout, model_fingerprint, namespace_for
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
@@ -202,7 +202,8 @@ class BatchEngine:
 
     def _prefill(self, prompts: list[Prompt], owners: dict[int, Request]) -> Tensor:
         """Fill each prompt's row, cached blocks copied and the rest computed (whole chunks in waves across prompts,
-        then each last chunk alone); logits (len(prompts), V) at each prompt's end. owners[i]: prompt i's request."""
+        then the last chunks, those of one length together); logits (len(prompts), V) at each prompt's end.
+        owners[i]: prompt i's request."""
         cache = self.prefix_cache
         namespaces = [self.namespace(owners[i].adapter_name) if cache is not None else "" for i in range(len(prompts))]
         found = [self._copy_cached(p, namespace) for p, namespace in zip(prompts, namespaces)]
@@ -216,14 +217,11 @@ class BatchEngine:
 
         on_block = keep if self.prefix_cache is not None else None
         prefill_whole_chunks(self.model, self.cache, prompts, on_block)
-        logits = []
-        for i, prompt in enumerate(prompts):
-            last_block = None if on_block is None else lambda b, i=i: keep(i, b)
-            with rows_using(self.model, [prompt.adapter]):
-                logits.append(prefill_chunks(self.model, self.cache, prompt.row, prompt.seq, prompt.last, last_block))
-            if self.prefix_cache is not None:
-                self.prefix_cache.insert(namespaces[i], prompt.seq, found[i], blocks[i])
-        return torch.stack(logits)
+        logits = prefill_last_chunks(self.model, self.cache, prompts, on_block)
+        if cache is not None:
+            for i, prompt in enumerate(prompts):
+                cache.insert(namespaces[i], prompt.seq, found[i], blocks[i])
+        return logits
 
     def _copy_cached(self, prompt: Prompt, namespace: str) -> int:
         """Copy the prefix cache's blocks that begin prompt's tokens into its row; returns how many."""

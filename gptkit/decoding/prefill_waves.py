@@ -3,8 +3,8 @@
 The chunks are step.prefill_chunks' (PREFILL_CHUNK tokens at positions that are multiples of it). Here every whole
 chunk before each prompt's last one runs in a wave per position: the prompts due a chunk at that position run as one
 forward of (rows, PREFILL_CHUNK) tokens, and prompts sharing every token up to the chunk's end (adapter included) run
-it once, the others copying its keys and values. Each prompt's last chunk, which computes its logits, then runs
-alone (prefill_chunks from that chunk on).
+it once, the others copying its keys and values. Then each prompt's last chunk, which computes its logits: prompts of
+one length in consecutive rows together (every shape as alone), the others alone (prefill_chunks from that chunk on).
 
 The bits are those of prefilling each prompt alone: a row of the forward meets other rows only in the products x @ W.T
 (norms, activations and attention are per row), and PyTorch's CPU GEMM in fp32 gives a row the same bits whatever
@@ -16,12 +16,14 @@ each chunk runs alone as before.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from gptkit.decoding.step import PREFILL_CHUNK, base, device_dtype
+from gptkit.decoding.step import PREFILL_CHUNK, base, device_dtype, prefill_chunks
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 from gptkit.multi_lora import rows_using
@@ -101,3 +103,49 @@ def _forward(model: GPT, cache: KVCache, run: list[Prompt], begin: int) -> None:
     ids = torch.tensor([list(p.seq[begin : begin + PREFILL_CHUNK]) for p in run], device=device)  # (R, CHUNK)
     with rows_using(model, [p.adapter for p in run]):
         base(model).hidden(ids, cache.rows(run[0].row, len(run), begin + PREFILL_CHUNK), begin)
+
+
+def prefill_last_chunks(
+    model: GPT,
+    cache: KVCache,
+    prompts: Sequence[Prompt],
+    on_block: Callable[[int, int], None] | None = None,
+) -> Tensor:
+    """Each prompt's last chunk into its row (every earlier position already there); logits (len(prompts), V) at
+    each prompt's last token. Prompts of one length in consecutive rows run as one forward, so that every shape a
+    row meets is the one it meets alone; a chunk of one token runs alone (a one-row product takes another path)."""
+    logits: list[Tensor] = [torch.empty(0)] * len(prompts)
+    for run in _same_length_runs(prompts, rows_per_forward(model)):
+        if len(run) == 1:
+            p = prompts[run[0]]
+            last_block = None if on_block is None else functools.partial(on_block, run[0])
+            with rows_using(model, [p.adapter]):
+                logits[run[0]] = prefill_chunks(model, cache, p.row, p.seq, p.last, last_block)
+            continue
+        first, length, last = prompts[run[0]].row, len(prompts[run[0]].seq), prompts[run[0]].last
+        device, _ = device_dtype(model)
+        ids = torch.tensor([list(prompts[i].seq[last:]) for i in run], device=device)  # (R, T)
+        with rows_using(model, [prompts[i].adapter for i in run]):
+            x = base(model).hidden(ids, cache.rows(first, len(run), length), last)  # (R, T, d)
+        at = torch.tensor([length - last - 1], device=device)
+        for r, i in enumerate(run):
+            with rows_using(model, [prompts[i].adapter]):  # the LM head as prefill_chunks runs it: one row
+                logits[i] = base(model).logits(x[r : r + 1][torch.arange(1, device=device), at][:, None])[0, 0]
+            if on_block is not None and length % PREFILL_CHUNK == 0:
+                on_block(i, last // PREFILL_CHUNK)
+    return torch.stack(logits)
+
+
+def _same_length_runs(prompts: Sequence[Prompt], widest: int) -> list[list[int]]:
+    """Indices of prompts by row, cut into runs of consecutive rows whose prompts have one length (at most widest,
+    and alone where the last chunk is one token)."""
+    runs: list[list[int]] = []
+    for i in sorted(range(len(prompts)), key=lambda i: prompts[i].row):
+        p = prompts[i]
+        if runs and len(runs[-1]) < widest and len(p.seq) - p.last > 1:
+            q = prompts[runs[-1][-1]]
+            if q.row + 1 == p.row and len(q.seq) == len(p.seq):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs

@@ -71,7 +71,8 @@ class Forwards:
 
 
 def mixed_prompts() -> list[list[int]]:
-    """Prompts of 1 to 4 whole chunks, two sharing a 130-token prefix, one repeated, one ending on a chunk's end."""
+    """Prompts of 1 to 4 whole chunks, two sharing a 130-token prefix, one repeated; of one length: two ending on a
+    chunk's end, two with a last chunk of one token, two of 170 tokens."""
     shared = tokens(130, 1)
     return [
         tokens(250, 2),
@@ -81,6 +82,10 @@ def mixed_prompts() -> list[list[int]]:
         tokens(2 * PREFILL_CHUNK, 6),
         tokens(250, 2),
         tokens(170, 7),
+        tokens(2 * PREFILL_CHUNK, 10),
+        tokens(2 * PREFILL_CHUNK + 1, 11),
+        tokens(170, 12),
+        tokens(2 * PREFILL_CHUNK + 1, 13),
     ]
 
 
@@ -94,7 +99,7 @@ def test_prompts_admitted_together_answer_as_each_alone(style, cached, monkeypat
         finish(BatchEngine(model, 1, 512), [req])
     together = [request(p, greedy=i % 3 != 1) for i, p in enumerate(prompts)]
     forwards = Forwards(monkeypatch)
-    engine = BatchEngine(model, 8, 512, prefix_cache=PrefixCache(1 << 30) if cached else None)
+    engine = BatchEngine(model, 12, 512, prefix_cache=PrefixCache(1 << 30) if cached else None)
     finish(engine, together)
     assert max(forwards.rows) > 1  # whole chunks of several prompts ran in one forward
     for a, b in zip(alone, together):
@@ -148,3 +153,15 @@ def test_runs_are_consecutive_rows_of_at_most_widest():
     prompts = [Prompt(row, [1, 2], 0) for row in (0, 1, 2, 4, 5, 7)]
     runs = prefill_waves._runs(prompts, widest=2)
     assert [[p.row for p in run] for run in runs] == [[0, 1], [2], [4, 5], [7]]
+
+
+def test_last_chunks_of_one_length_in_consecutive_rows_share_a_forward():
+    prompts = [
+        Prompt(0, [1] * 170, 128),
+        Prompt(1, [2] * 170, 128),
+        Prompt(2, [3] * 129, 128),
+        Prompt(3, [4] * 129, 128),
+    ]
+    prompts += [Prompt(4, [5] * 170, 128), Prompt(6, [6] * 170, 128)]
+    runs = prefill_waves._same_length_runs(prompts, widest=32)
+    assert runs == [[0, 1], [2], [3], [4], [5]]  # a one-token last chunk runs alone; row 5 is not row 4's neighbour
