@@ -6,12 +6,13 @@ forward of (rows, PREFILL_CHUNK) tokens, and prompts sharing every token up to t
 it once, the others copying its keys and values. Then each prompt's last chunk, which computes its logits: prompts of
 one length in consecutive rows together (every shape as alone), the others alone (prefill_chunks from that chunk on).
 
-The bits are those of prefilling each prompt alone: a row of the forward meets other rows only in the products x @ W.T
-(norms, activations and attention are per row), and PyTorch's CPU GEMM in fp32 gives a row the same bits whatever
-rows stand beside it (measured: K 768 and 3072, N 768 to 50,257, M 64 to 2,048 rows, 1 and 2 threads, on a 2-core
-AVX2 EPYC; tests/decoding/test_prefill_waves.py checks whole answers). Elsewhere (a GPU, whose GEMM chooses its
-kernels by M; bf16 or quantised weights; mixtures of experts, which group tokens by expert) that was not measured, and
-each chunk runs alone as before.
+The bits are those of prefilling each prompt alone only where a row's products do not depend on its neighbours: a row
+of the forward meets other rows only in the products x @ W.T (norms, activations and attention are per row), and
+whether a GEMM gives a row the same bits beside other rows depends on the CPU, the thread count and the shapes (MKL
+and oneDNN choose kernels and thread splits by shape). So rows_per_forward asks wave_probe, which checks the model's
+own block products on this machine with this process's threads, once per model; where they fail, or where a chunk
+is known to meet its neighbours (a GPU, whose GEMM chooses its kernels by M; bf16 or quantised weights; mixtures of
+experts, which group tokens by expert), each chunk runs alone as before.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from gptkit.decoding.step import PREFILL_CHUNK, base, device_dtype, prefill_chunks
+from gptkit.decoding.wave_probe import rows_independent
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 from gptkit.multi_lora import rows_using
@@ -50,11 +52,13 @@ class Prompt:
 
 
 def rows_per_forward(model: GPT) -> int:
-    """How many prompts' chunks may run in one forward for model: MAX_WAVE_ROWS where a row's bits were measured
-    not to depend on its neighbours (fp32 weights on a CPU, dense feed-forwards), else 1."""
+    """How many prompts' chunks may run in one forward for model: MAX_WAVE_ROWS where fp32 weights on a CPU, dense
+    feed-forwards, pass wave_probe here (a row's bits do not depend on its neighbours), else 1."""
     device, dtype = device_dtype(model)
-    measured = device.type == "cpu" and dtype == torch.float32 and base(model).config.n_experts is None
-    return MAX_WAVE_ROWS if measured and not is_quantized(model) else 1
+    candidate = device.type == "cpu" and dtype == torch.float32 and base(model).config.n_experts is None
+    if not candidate or is_quantized(model):
+        return 1
+    return MAX_WAVE_ROWS if rows_independent(base(model), MAX_WAVE_ROWS) else 1
 
 
 def prefill_whole_chunks(

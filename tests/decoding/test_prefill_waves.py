@@ -37,6 +37,12 @@ def make_model(style: dict) -> GPT:
     return model
 
 
+def waves_here(model: GPT) -> None:
+    """Skip a test that needs several prompts a forward where the probe found this machine's products mix rows."""
+    if rows_per_forward(model) == 1:
+        pytest.skip("wave_probe: a row's product bits depend on its neighbours on this CPU/thread count; waves are off")
+
+
 def tokens(length: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -93,6 +99,7 @@ def mixed_prompts() -> list[list[int]]:
 @pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "prefix-cache"])
 def test_prompts_admitted_together_answer_as_each_alone(style, cached, monkeypatch):
     model = make_model(style)
+    waves_here(model)
     prompts = mixed_prompts()
     alone = [request(p, greedy=i % 3 != 1) for i, p in enumerate(prompts)]
     for req in alone:
@@ -108,6 +115,7 @@ def test_prompts_admitted_together_answer_as_each_alone(style, cached, monkeypat
 
 def test_a_prefix_shared_within_one_admission_runs_once_and_fills_the_prefix_cache(monkeypatch):
     model = make_model(GPT2)
+    waves_here(model)
     system = tokens(3 * PREFILL_CHUNK + 10, 8)  # three whole chunks shared, then each prompt's own
     prompts = [system + tokens(70, 9 + i) for i in range(4)]
     forwards = Forwards(monkeypatch)
@@ -129,6 +137,7 @@ def test_a_prefix_shared_within_one_admission_runs_once_and_fills_the_prefix_cac
 @pytest.mark.parametrize("style", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_waves_write_the_same_bits_as_one_row_a_forward(style, monkeypatch):
     model = make_model(style)
+    waves_here(model)  # forced waves differ where the probe found that rows meet
     prompts = mixed_prompts()
 
     def cache_after(widest: int) -> list[torch.Tensor]:
@@ -142,11 +151,12 @@ def test_waves_write_the_same_bits_as_one_row_a_forward(style, monkeypatch):
         assert torch.equal(one, many)
 
 
-def test_only_measured_weights_share_a_forward():
-    model = make_model(GPT2)
-    assert rows_per_forward(model) == prefill_waves.MAX_WAVE_ROWS
+def test_only_probed_fp32_weights_share_a_forward():
     assert rows_per_forward(make_model(GPT2).to(torch.bfloat16)) == 1
     assert rows_per_forward(quantize(make_model(GPT2), "int8")) == 1
+    model = make_model(GPT2)
+    waves_here(model)
+    assert rows_per_forward(model) == prefill_waves.MAX_WAVE_ROWS
 
 
 def test_runs_are_consecutive_rows_of_at_most_widest():
