@@ -4,7 +4,8 @@ The chunks are step.prefill_chunks' (PREFILL_CHUNK tokens at positions that are 
 chunk before each prompt's last one runs in a wave per position: the prompts due a chunk at that position run as one
 forward of (rows, PREFILL_CHUNK) tokens, and prompts sharing every token up to the chunk's end (adapter included) run
 it once, the others copying its keys and values. Then each prompt's last chunk, which computes its logits: prompts of
-one length in consecutive rows together (every shape as alone), the others alone (prefill_chunks from that chunk on).
+one length (SHORTEST_SHARED_LAST tokens or more in the last chunk) in consecutive rows together (every shape as alone), the
+others alone (prefill_chunks from that chunk on).
 
 The bits are those of prefilling each prompt alone only where a row's products do not depend on its neighbours: a row
 of the forward meets other rows only in the products x @ W.T (norms, activations and attention are per row), and
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from gptkit.decoding.step import PREFILL_CHUNK, base, device_dtype, prefill_chunks
-from gptkit.decoding.wave_probe import rows_independent
+from gptkit.decoding.wave_probe import SHORTEST_SHARED_LAST, rows_independent
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 from gptkit.multi_lora import rows_using
@@ -117,7 +118,8 @@ def prefill_last_chunks(
 ) -> Tensor:
     """Each prompt's last chunk into its row (every earlier position already there); logits (len(prompts), V) at
     each prompt's last token. Prompts of one length in consecutive rows run as one forward, so that every shape a
-    row meets is the one it meets alone; a chunk of one token runs alone (a one-row product takes another path)."""
+    row meets is the one it meets alone; a chunk under SHORTEST_SHARED_LAST tokens runs alone (alone, its products
+    may take another kernel than the rows together, whose sums are ordered otherwise)."""
     logits: list[Tensor] = [torch.empty(0)] * len(prompts)
     for run in _same_length_runs(prompts, rows_per_forward(model)):
         if len(run) == 1:
@@ -142,11 +144,11 @@ def prefill_last_chunks(
 
 def _same_length_runs(prompts: Sequence[Prompt], widest: int) -> list[list[int]]:
     """Indices of prompts by row, cut into runs of consecutive rows whose prompts have one length (at most widest,
-    and alone where the last chunk is one token)."""
+    and alone where the last chunk is under SHORTEST_SHARED_LAST tokens)."""
     runs: list[list[int]] = []
     for i in sorted(range(len(prompts)), key=lambda i: prompts[i].row):
         p = prompts[i]
-        if runs and len(runs[-1]) < widest and len(p.seq) - p.last > 1:
+        if runs and len(runs[-1]) < widest and len(p.seq) - p.last >= SHORTEST_SHARED_LAST:
             q = prompts[runs[-1][-1]]
             if q.row + 1 == p.row and len(q.seq) == len(p.seq):
                 runs[-1].append(i)

@@ -5,11 +5,13 @@ x @ W.T a chunk passes through gives its rows the bits they get alone. Whether i
 kernel and thread split for each shape, which differ between CPUs (AVX2, AVX-512, AMX) and thread counts, so it is
 checked here rather than assumed: each distinct linear layer of the blocks (LoRA updates included; the LM head is left
 out, waves never run it) multiplies a random chunk alone and the same chunk inside 2 and max_rows chunks, through the
-layer's own forward, and every bit must agree. The answer is kept on the model per thread count and served adapters.
+layer's own forward, and every bit must agree, for whole chunks and for the shortest last chunks that run together.
+The answer is kept on the model per thread count and served adapters.
 
-Cost: GPT-2 small's four products (15.5 GFLOP, nearly all of it in the 32-chunk products) took 1.2 to 1.5 s on one
-core of a 2-core AVX2 EPYC that three other processes shared (an fp32 GEMM ran at 16 GFLOP/s there; indicative only);
-a tiny test model, milliseconds. Once per model and thread count: a later call reads the stored answer.
+Cost: GPT-2 small's four products over 1 + 2 + 32 rows of 64 and of 17 tokens (40 GFLOP, most of it in the 32
+rows of 64) took 1.4 to 1.9 s on one core of a 2-core AVX2 EPYC that other processes shared (an fp32 GEMM of
+GPT-2's fc ran at 16 to 25 GFLOP/s there; indicative only); a tiny test model, milliseconds. Once per model and
+thread count: a later call reads the stored answer (microseconds).
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ from gptkit.multi_lora import AdapterSet, adapters_version
 
 log = logging.getLogger(__name__)
 
+# The shortest last chunk (tokens) that prefill_waves runs beside others. Alone, shorter ones may take another kernel
+# than the rows together: gptkit's GEMV up to native.ops.GEMV_MAX_ROWS (8) rows, and MKL's own small products, whose
+# bits for a chunk of 2, 3, 5-7 or 9-11 tokens changed beside other chunks with 2 threads on a 2-core AVX2 EPYC (none
+# from 12 to 64 tokens, GPT-2 small's shapes, 2 to 32 chunks); odd, as multiples of 4 and 8 passed where others did not.
+SHORTEST_SHARED_LAST = 17
+# The tokens a row of a wave holds that the probe checks: a whole chunk, and the shortest last chunk run together.
+LENGTHS = (PREFILL_CHUNK, SHORTEST_SHARED_LAST)
 _VERDICTS = "_gptkit_wave_probe"  # in the model's __dict__: {key: verdict}, so that it lives and dies with the model
 
 
@@ -86,12 +95,14 @@ def _layer_independent(layer: nn.Module, max_rows: int) -> bool:
     x = x.to(weight.device, weight.dtype)
     adapters = sorted(layer.updates) if isinstance(layer, AdapterSet) else [0]
     for adapter in adapters:
-        for rows in sorted({min(2, max_rows), max_rows} - {1}):
-            at = rows // 2  # not first: a kernel may treat the start of the buffer apart
-            alone = _forward(layer, x[at : at + 1], adapter)
-            beside = _forward(layer, x[:rows], adapter)[at : at + 1]
-            if not torch.equal(alone, beside):
-                return False
+        for length in LENGTHS:
+            chunks = x[:, :length].contiguous()  # (rows, length, in)
+            for rows in sorted({min(2, max_rows), max_rows} - {1}):
+                at = rows // 2  # not first: a kernel may treat the start of the buffer apart
+                alone = _forward(layer, chunks[at : at + 1], adapter)
+                beside = _forward(layer, chunks[:rows], adapter)[at : at + 1]
+                if not torch.equal(alone, beside):
+                    return False
     return True
 
 

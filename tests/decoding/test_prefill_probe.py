@@ -137,9 +137,10 @@ def test_the_probe_runs_once_per_model_and_thread_count(monkeypatch):
     try:
         torch.set_num_threads(threads + 1)
         rows_per_forward(model)
+        probed = len(calls)
         rows_per_forward(model)
     finally:
         torch.set_num_threads(threads)
-    assert len(calls) == 8  # another thread count, another kernel split: probed again, once
+    assert 4 < probed <= 8 and len(calls) == probed  # another thread count: probed again (up to a failing layer), once
     rows_per_forward(make_model())
-    assert len(calls) == 12  # another model
+    assert len(calls) == probed + 4  # another model

@@ -175,3 +175,22 @@ def test_last_chunks_of_one_length_in_consecutive_rows_share_a_forward():
     prompts += [Prompt(4, [5] * 170, 128), Prompt(6, [6] * 170, 128)]
     runs = prefill_waves._same_length_runs(prompts, widest=32)
     assert runs == [[0, 1], [2], [3], [4], [5]]  # a one-token last chunk runs alone; row 5 is not row 4's neighbour
+
+
+def test_short_last_chunks_of_one_length_run_alone(monkeypatch):
+    # Alone, a last chunk of 5 tokens takes gptkit's GEMV kernel where it is chosen (at most GEMV_MAX_ROWS rows);
+    # beside others the rows exceed it and take the GEMM, whose sums are ordered otherwise: it must run alone.
+    if not library.load():
+        pytest.skip("the native library (its GEMV kernel) is not built here")
+    monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fp32=True))
+    model = make_model(GPT2)
+    prompts = [tokens(2 * PREFILL_CHUNK + 5, seed) for seed in range(4)]
+    alone = [request(p) for p in prompts]
+    for req in alone:
+        finish(BatchEngine(model, 1, 512), [req])
+    together = [request(p) for p in prompts]
+    finish(BatchEngine(model, len(prompts), 512), together)
+    for a, b in zip(alone, together):
+        assert answer(a) == answer(b)
+    runs = prefill_waves._same_length_runs([Prompt(row, p, 2 * PREFILL_CHUNK) for row, p in enumerate(prompts)], 32)
+    assert runs == [[0], [1], [2], [3]]
