@@ -9,7 +9,7 @@ layer's own forward, and every bit must agree, for whole chunks and for the shor
 The answer is kept on the model per thread count and served adapters.
 
 Cost: GPT-2 small's four products over 1 + 2 + 32 rows of 64 and of 17 tokens (40 GFLOP, most of it in the 32
-rows of 64) took 1.4 to 1.9 s on one core of a 2-core AVX2 EPYC that other processes shared (an fp32 GEMM of
+rows of 64) took 0.75 to 1.9 s on one core of a 2-core AVX2 EPYC that other processes shared (an fp32 GEMM of
 GPT-2's fc ran at 16 to 25 GFLOP/s there; indicative only); a tiny test model, milliseconds. Once per model and
 thread count: a later call reads the stored answer (microseconds).
 """
