@@ -1,5 +1,6 @@
 """benchmarks/bench_restart.py --smoke: a restarted server on the cold one's --cache-dir answers every prompt as the
-cold server did, bit for bit, from blocks it read from disk (times are never asserted)."""
+cold server did, bit for bit, from blocks it read from disk (times are never asserted). Slow (two server processes,
+about 18 s): tests/decoding/test_prefix_cache.py's restart test keeps the behaviour in the default suite."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_restarted_server_reads_every_block_from_disk_and_answers_the_same() -> None:
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_restart.py"), "--smoke", "--json", "--threads", "1"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)

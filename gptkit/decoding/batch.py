@@ -34,7 +34,7 @@ from torch import Tensor
 from gptkit.decoding import fused
 from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.lookup import Lookup
-from gptkit.decoding.prefill_waves import Prompt, prefill_last_chunks, prefill_whole_chunks
+from gptkit.decoding.prefill_waves import Prompt, prefill_last_chunks, prefill_whole_chunks, rows_per_forward
 from gptkit.decoding.prefix_cache import PrefixCache, block_layout, model_fingerprint, namespace_for
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
@@ -131,12 +131,15 @@ class BatchEngine:
 
     @torch.no_grad()
     def warm_up(self) -> float:
-        """Run the decode step once on each shape it will see (compiling them); returns the seconds taken.
+        """Run the decode step once on each shape it will see (compiling them), and the probe that decides prefill
+        waves (prefill_waves.rows_per_forward: about a second for GPT-2 small, which the first admission would
+        otherwise wait for); returns the seconds taken.
 
         The dummy tokens go to the last cache position of each row, which a row overwrites before attending to it.
         """
         start = time.perf_counter()
         with inference(self.model):
+            rows_per_forward(self.model)
             for rows in self.row_buckets() if self.compile else [self.batch_size]:
                 self.decode_step(
                     self.model,

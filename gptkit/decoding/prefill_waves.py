@@ -70,7 +70,7 @@ def prefill_whole_chunks(
 ) -> None:
     """Compute each prompt's whole chunks from its start up to its last chunk (not included) into its row, one wave
     per position; on_block(i, b) runs right after prompt i's chunk b is in its row (while a windowed ring holds it)."""
-    widest = rows_per_forward(model)
+    widest = rows_per_forward(model) if len(prompts) > 1 else 1  # one prompt needs no probe
     begins = sorted({b for p in prompts for b in range(p.start, p.last, PREFILL_CHUNK)})
     for begin in begins:
         due = [i for i, p in enumerate(prompts) if p.start <= begin < p.last]
@@ -121,7 +121,8 @@ def prefill_last_chunks(
     row meets is the one it meets alone; a chunk under SHORTEST_SHARED_LAST tokens runs alone (alone, its products
     may take another kernel than the rows together, whose sums are ordered otherwise)."""
     logits: list[Tensor] = [torch.empty(0)] * len(prompts)
-    for run in _same_length_runs(prompts, rows_per_forward(model)):
+    widest = rows_per_forward(model) if len(prompts) > 1 else 1
+    for run in _same_length_runs(prompts, widest):
         if len(run) == 1:
             p = prompts[run[0]]
             last_block = None if on_block is None else functools.partial(on_block, run[0])

@@ -144,3 +144,15 @@ def test_the_probe_runs_once_per_model_and_thread_count(monkeypatch):
     assert 4 < probed <= 8 and len(calls) == probed  # another thread count: probed again (up to a failing layer), once
     rows_per_forward(make_model())
     assert len(calls) == probed + 4  # another model
+
+
+def test_the_engine_warm_up_runs_the_probe_before_the_first_admission(monkeypatch):
+    calls: list[str] = []
+    probe = wave_probe._layer_independent
+    monkeypatch.setattr(wave_probe, "_layer_independent", lambda layer, rows: (calls.append(1), probe(layer, rows))[1])
+    engine = BatchEngine(make_model(), 2, 512)
+    engine.warm_up()
+    probed = len(calls)
+    assert probed >= 1
+    engine.add([Request(tokens(2 * PREFILL_CHUNK + 3, 1), SamplingParams(max_new_tokens=2), seed=1)])
+    assert len(calls) == probed  # the admission read the warm-up's answer
