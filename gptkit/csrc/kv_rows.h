@@ -41,6 +41,13 @@ inline void check_slots(int64_t slots, int64_t window, int64_t longest, int64_t 
   TORCH_CHECK(window == 0 || slots <= window, "DecodeStep: a ring of more slots than its window (spare)");
 }
 
+// That rows sharing a cache row, at positions up to shared_end - 1, fit layer l's `slots` positions without wrapping:
+// in a windowed layer's ring a later row's write would overwrite a key an earlier row still reads.
+inline void check_shared(int64_t slots, int64_t shared_end, int64_t l) {
+  TORCH_CHECK(shared_end <= slots, "DecodeStep: rows sharing a cache row up to position ", shared_end - 1,
+              " would wrap the ring of layer ", l, " (", slots, " slots)");
+}
+
 inline CacheView view(const at::Tensor& t, const at::Tensor* scales, int64_t cache) {
   TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "DecodeStep: cache tensors (B, KV, S, head_dim) expected");
   CacheView v{t.data_ptr(), nullptr, t.stride(0), t.stride(1), t.stride(2), 0, 0, 0, t.size(2)};

@@ -1,11 +1,12 @@
 // One decode step of a whole GPT in one native call: gptkit.decoding.fused drives it.
 //
 // For B rows of one new token each (any number: kernels.h passes more than 8 over each tile of weights in slices),
-// at their own cache positions: embeddings (scaled), then per block the norm, the fused q/k/v product, q/k norms,
-// rotary positions (each layer its own frequencies, partial or none), the keys and values written into the cache,
-// attention over each row's cached positions (a sliding-window layer's ring: slot = position mod its size), the
-// output projection and residual, the norm, the MLP (GELU, GELU tanh, ReLU, SwiGLU or GeGLU) and residual; then the
-// final norm and the LM head (scaled, soft-capped). Norms sit before each sublayer, around it (sandwich) or after it
+// at their own cache positions, each in its cache row (several may share one at distinct positions): embeddings
+// (scaled), then per block the norm, the fused q/k/v product, q/k norms, rotary positions (each layer its own
+// frequencies, partial or none), the keys and values written into the cache, attention over each row's cached
+// positions (a sliding-window layer's ring: slot = position mod its size), the output projection and residual, the
+// norm, the MLP (GELU, GELU tanh, ReLU, SwiGLU or GeGLU) and residual; then the final norm and the LM head (scaled,
+// soft-capped). Norms sit before each sublayer, around it (sandwich) or after it
 // (sublayer_post); a sublayer's output may be scaled before its residual add, and both may read the same input
 // (parallel residual).
 // Weights may be fp32, bf16, int8 or q4 (kernels.h) layer by layer; the cache fp32, bf16 or int8 (one fp32 scale
@@ -110,9 +111,12 @@ class DecodeStep : public torch::CustomClassHolder {
                 "DecodeStep: heads of up to 512 values and an even rotary width expected");
   }
 
+  // slots: each row's cache row (int64, one per row), or empty for row b's own. Several rows may share one cache
+  // row at distinct positions (a proposal checked beside its request's own token, p, p + 1, ...): every row's keys
+  // and values are stored before any row attends, and a row attends only up to its own position.
   at::Tensor step(const at::Tensor& tokens, const at::Tensor& positions, std::vector<at::Tensor> keys,
                   std::vector<at::Tensor> values, std::vector<at::Tensor> key_scales,
-                  std::vector<at::Tensor> value_scales, const at::Tensor& adapters) {
+                  std::vector<at::Tensor> value_scales, const at::Tensor& adapters, const at::Tensor& slots) {
     const int64_t B = tokens.numel();
     TORCH_CHECK(B >= 1 && positions.numel() == B, "DecodeStep: tokens with one position each expected");
     TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && tokens.is_contiguous() &&
@@ -120,8 +124,7 @@ class DecodeStep : public torch::CustomClassHolder {
                 "DecodeStep: int64 tokens and positions expected");
     TORCH_CHECK(int64_t(keys.size()) == L_ && int64_t(values.size()) == L_, "DecodeStep: a cache of ", L_, " layers");
     const int64_t cache = kvrows::kind(keys[0], !key_scales.empty());
-    TORCH_CHECK(keys[0].size(0) >= B && keys[0].size(1) == KV_ && keys[0].size(3) == HD_,
-                "DecodeStep: the cache does not fit this model and batch");
+    TORCH_CHECK(keys[0].size(1) == KV_ && keys[0].size(3) == HD_, "DecodeStep: the cache does not fit this model");
     const int64_t* tok = tokens.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     int64_t longest = 0;
@@ -131,9 +134,11 @@ class DecodeStep : public torch::CustomClassHolder {
       TORCH_CHECK(position_ != kLearned || pos[b] < pos_emb_.size(0), "DecodeStep: position past block_size");
       longest = std::max(longest, pos[b] + 1);
     }
+    const int64_t shared_end = cache_rows(slots, pos, B, keys[0].size(0));
     std::vector<CacheView> kv(2 * L_);
     for (int64_t l = 0; l < L_; ++l) {
       kvrows::check_slots(keys[l].size(2), layers_[l].window, longest, l);
+      kvrows::check_shared(keys[l].size(2), shared_end, l);
       kv[l] = kvrows::view(keys[l], key_scales.empty() ? nullptr : &key_scales[l], cache);
       kv[L_ + l] = kvrows::view(values[l], value_scales.empty() ? nullptr : &value_scales[l], cache);
     }
@@ -189,6 +194,33 @@ class DecodeStep : public torch::CustomClassHolder {
 
  private:
   // ----- building -----
+
+  // Each row's cache row into rows_ (slots, or row b's own where slots is empty), checked: within the cache's
+  // `cached` rows, and no two rows at one position of one cache row. Returns one past the furthest position of a
+  // cache row that several rows share (0: none shared).
+  int64_t cache_rows(const at::Tensor& slots, const int64_t* pos, int64_t B, int64_t cached) {
+    rows_.resize(B);
+    if (slots.numel() == 0) {
+      TORCH_CHECK(cached >= B, "DecodeStep: ", B, " rows for a cache of ", cached);
+      for (int64_t b = 0; b < B; ++b) rows_[b] = b;
+      return 0;
+    }
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
+                "DecodeStep: one int64 cache row per row expected");
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    int64_t shared_end = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(slot[b] >= 0 && slot[b] < cached, "DecodeStep: cache row ", slot[b], " outside the cache's ",
+                  cached);
+      rows_[b] = slot[b];
+      for (int64_t c = 0; c < b; ++c) {
+        if (slot[c] != slot[b]) continue;
+        TORCH_CHECK(pos[c] != pos[b], "DecodeStep: two rows write position ", pos[b], " of cache row ", slot[b]);
+        shared_end = std::max(shared_end, std::max(pos[b], pos[c]) + 1);
+      }
+    }
+    return shared_end;
+  }
 
   void reserve(int64_t B, int T, int64_t longest) {
     const size_t rows = size_t(B);
@@ -246,6 +278,8 @@ class DecodeStep : public torch::CustomClassHolder {
         parts::qk_norm(qkv_.data() + b * qkv_width(), H_, KV_, HD_, qk_norm_ == kQkWidth, layer.q_norm,
                        layer.k_norm, eps_);
     }
+    // The loop's closing barrier (no nowait) is what lets rows share a cache row: every row's keys and values are
+    // stored before any row attends.
 #pragma omp for collapse(2)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < KV_; ++g) store(layer, kv[l], kv[L_ + l], cache, b, g, pos[b]);
@@ -413,15 +447,15 @@ class DecodeStep : public torch::CustomClassHolder {
     adapters_.choose(slots, B);
   }
 
-  // Key and value head g of row b into the cache at position p's slot (the key rotated first).
+  // Key and value head g of row b into its cache row at position p's slot (the key rotated first).
   void store(const Layer& layer, const CacheView& keys, const CacheView& values, int64_t cache, int64_t b, int64_t g,
              int64_t p) {
     float k[512];
     const float* qkv = qkv_.data() + b * qkv_width();
     std::copy(qkv + (H_ + g) * HD_, qkv + (H_ + g + 1) * HD_, k);
     if (layer.inv_freq) parts::rotate(k, rope_.data() + b * HD_, rotary_);
-    kvrows::write(keys, cache, HD_, b, g, p % keys.slots, k);
-    kvrows::write(values, cache, HD_, b, g, p % values.slots, qkv + (H_ + KV_ + g) * HD_);
+    kvrows::write(keys, cache, HD_, rows_[b], g, p % keys.slots, k);
+    kvrows::write(values, cache, HD_, rows_[b], g, p % values.slots, qkv + (H_ + KV_ + g) * HD_);
   }
 
   // Attention of query head hh of row b over the keys its layer holds for position p (softmax(q k * scale) v) into
@@ -435,7 +469,7 @@ class DecodeStep : public torch::CustomClassHolder {
     const int64_t g = hh / (H_ / KV_), S = std::min(p + 1, keys.slots);
     const float scale = attn_scale_ > 0.0f ? attn_scale_ : 1.0f / std::sqrt(float(HD_));
     float* scores = scores_.data() + size_t(t) * scores_stride_;
-    kvrows::attend(q, keys, values, cache, HD_, b, g, S, scale, attn_softcap_, scores,
+    kvrows::attend(q, keys, values, cache, HD_, rows_[b], g, S, scale, attn_softcap_, scores,
                    att_.data() + b * H_ * HD_ + hh * HD_);
   }
 
@@ -449,6 +483,7 @@ class DecodeStep : public torch::CustomClassHolder {
   gk::Weight head_;
   std::vector<at::Tensor> keep_;  // every tensor the raw pointers above point into
   std::vector<float> x_, h_, h2_, qkv_, att_, up_, ff_, rope_, scores_, moe_out_, shared_;
+  std::vector<int64_t> rows_;  // each row's cache row (step's slots)
   gk::Staging staging_;  // the rows' activations as each product reads them
   size_t scores_stride_ = 0;
   lowrank::Adapters adapters_;

@@ -13,10 +13,11 @@ through the fused step (gptkit.decoding.fused) where it covers the model and the
 fused.MAX_ROWS, more where measured faster), one native call a step; the first engine after a background build of
 gptkit's kernels switches to it at its next step.
 
-Lookup (gptkit.decoding.lookup): after each step, a row whose request asks for lookup (request.lookup_k) and whose
-tokens repeat an earlier n-gram runs the tokens that followed it through the model in one extra forward pass of its
-own (verify.take checks them): every step's first token is the batched step's, and a row without a match
-decodes exactly as without lookup.
+Lookup (gptkit.decoding.lookup): a row whose request asks for lookup (request.lookup_k) and whose tokens repeat an
+earlier n-gram proposes the tokens that followed it, and verify.take checks them. Where the step is the fused one, the
+proposed tokens ride in it as rows of their own at the next positions of the request's cache row (lookup_rows);
+elsewhere, after the step, one extra forward pass per row checks them. A row without a match decodes exactly as
+without lookup.
 
 Context: a model with learned positions sees at most its last block_size tokens (once a row is full, each further
 token re-prefills that row's last block_size tokens, exactly as an uncached model cropped to block_size would see
@@ -31,16 +32,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gptkit.decoding import fused
+from gptkit.decoding import fused, lookup_rows
 from gptkit.decoding.grammar import Grammar
 from gptkit.decoding.lookup import Lookup
+from gptkit.decoding.lookup_rows import StepRows
 from gptkit.decoding.prefill_waves import Prompt, prefill_last_chunks, prefill_whole_chunks, rows_per_forward
 from gptkit.decoding.prefix_cache import PrefixCache, block_layout, model_fingerprint, namespace_for
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
 from gptkit.decoding.step import (
     PREFILL_CHUNK,
-    Step,
     base,
     check_prompts,
     compiled,
@@ -53,7 +54,7 @@ from gptkit.decoding.step import (
     sync,
     window,
 )
-from gptkit.decoding.verify import SpeculativeStats, room, speculable, take
+from gptkit.decoding.verify import SpeculativeStats, room, take
 from gptkit.errors import InputError
 from gptkit.model import GPT
 from gptkit.multi_lora import rows_using
@@ -246,7 +247,7 @@ class BatchEngine:
         one wraps layers in AdapterSet layers, which the fused step must see)."""
         self.fused = None if self.compile else self._fused_step()
 
-    def _fused_step(self) -> Step | None:
+    def _fused_step(self) -> fused.FusedStep | None:
         """The fused step for this model, unless a ring holds spare slots (which the native step does not read)."""
         spare_rings = self.cache.spare and any(w is not None for w in self.cache.windows)
         return None if spare_rings else fused.step_for(self.model)
@@ -294,31 +295,56 @@ class BatchEngine:
         k = len(self.rows)
         windowed = [i for i, r in enumerate(self.rows) if r.position >= self.max_len]
         positions = [r.position if i not in windowed else 0 for i, r in enumerate(self.rows)]
-        tokens = [r.last_token for r in self.rows]
+        # Through the fused step the proposals ride in the step itself; elsewhere an eager pass per row checks them.
+        joined = self.lookup_k > 0 and self._fused_applies(k)
+        if joined:
+            rows = lookup_rows.plan(self.rows, positions, self.lookup_k, self.max_len, fused.row_limit(k))
+        else:
+            rows = StepRows([r.last_token for r in self.rows], positions, list(range(k)), list(range(k)))
         with inference(self.model):
-            with rows_using(self.model, [r.adapter for r in self.rows]):
-                logits = self._decode(tokens, positions)
+            logits = self._decode_rows(rows)
             if windowed:
                 # A full learned-position row: recompute its last `window` tokens at positions 0.. (after the
                 # batched step, which wrote a dummy token into this row).
                 for i in windowed:
                     with rows_using(self.model, [self.rows[i].adapter]):
-                        logits[i] = prefill_chunks(self.model, self.cache, i, self.rows[i].tokens[-self.max_len :])
-        for i, request in enumerate(self.rows):
-            request.position = self.max_len if i in windowed else request.position + 1
+                        last = prefill_chunks(self.model, self.cache, i, self.rows[i].tokens[-self.max_len :])
+                        logits[rows.first[i]] = last
+        plain = rows.plain()
+        for i in plain:
+            self.rows[i].position = self.max_len if i in windowed else self.rows[i].position + 1
         self.steps += 1
         self.max_rows_seen = max(self.max_rows_seen, k)
-        self._choose(self.rows, logits)
-        if self.lookup_k:
+        self._choose(
+            [self.rows[i] for i in plain], logits[[rows.first[i] for i in plain]] if rows.proposals else logits
+        )
+        self._take(rows, logits)
+        if self.lookup_k and not joined:
             self._look_up()
         return finished + self._retire()
+
+    def _decode_rows(self, rows: StepRows) -> Tensor:
+        """Logits (rows, V) of one step: rows 0..k-1 one each, or (fused) with proposals riding in their requests'
+        cache rows."""
+        if not rows.proposals:
+            with rows_using(self.model, [r.adapter for r in self.rows]):
+                return self._decode(rows.tokens, rows.positions)
+        ids = torch.tensor(rows.tokens)[:, None]
+        view = self.cache.view(len(self.rows), self.max_len)
+        with rows_using(self.model, [self.rows[slot].adapter for slot in rows.slots]):
+            return self.fused(self.model, ids, view, torch.tensor(rows.positions), torch.tensor(rows.slots))
+
+    def _take(self, rows: StepRows, logits: Tensor) -> None:
+        """Check each proposal that rode in the step on its request's rows of logits (verify.take)."""
+        for i, proposal in rows.proposals.items():
+            request, first = self.rows[i], rows.first[i]
+            accepted = take(logits[first : first + len(proposal.tokens) + 1], proposal, request, self.speculative)
+            request.position += accepted + 1  # the keys of the last token and the accepted ones are kept
 
     def _look_up(self) -> None:
         """Each row whose tokens repeat an earlier n-gram: one forward pass checks what followed it (lookup)."""
         for i, request in enumerate(self.rows):
-            if request.done or not request.lookup_k or request.constraint is not None:
-                continue
-            if request.top_logprobs is not None or not speculable(request.params):
+            if not lookup_rows.checks(request):
                 continue
             # The pass writes positions p .. p + n: they must fit the cache (a learned window slides past it,
             # token by token, in step()).
@@ -342,15 +368,22 @@ class BatchEngine:
             ids = torch.tensor(tokens + [0] * pad, device=self.device)[:, None]
             where = torch.tensor(positions + [self.max_len - 1] * pad, device=self.device)
             return self.decode_step(self.model, ids, self.cache.view(rows, self.max_len), where)[:k]
-        if self.fused_later and not library.building():  # the kernels' background build has ended
-            self.fused, self.fused_later = self._fused_step(), False
         ids = torch.tensor(tokens, device=self.device)[:, None]
-        if self.fused is not None and fused.covers(k):
+        if self._fused_applies(k):
             return self.fused(self.model, ids, self.cache.view(k, self.max_len), torch.tensor(positions))
         view = self.cache.view(k, max(positions) + 1)
         if len(set(positions)) == 1:  # an int position: attention reads the filled positions without a mask
             return decode_one_token(self.model, ids, view, positions[0])
         return decode_one_token(self.model, ids, view, torch.tensor(positions, device=self.device))
+
+    def _fused_applies(self, rows: int) -> bool:
+        """Whether a step of `rows` rows decodes through the fused step (switched to once a background build of the
+        kernels has ended)."""
+        if self.compile:
+            return False
+        if self.fused_later and not library.building():
+            self.fused, self.fused_later = self._fused_step(), False
+        return self.fused is not None and fused.covers(rows)
 
     def _choose(self, requests: list[Request], logits: Tensor) -> None:
         """Pick each request's next token from its row of logits (one host sync for all), then record it."""

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from gptkit.config import ModelConfig
-from gptkit.decoding.step import Step, base, decode_one_token, inference
+from gptkit.decoding.step import base, decode_one_token, inference
 from gptkit.errors import InputError
 from gptkit.kv_cache import KVCache
 from gptkit.model import GPT, Block, CausalSelfAttention, FeedForward, Linear, RMSNorm
@@ -146,7 +147,16 @@ def _layer_dtypes(model: GPT, dtype: torch.dtype) -> str | None:
     return None
 
 
-def step_for(model: GPT) -> Step | None:
+class FusedStep(Protocol):
+    """A Step that may also put several rows in one cache row (slots: each row's cache row, int64; None: row b's
+    own), at distinct positions: a lookup proposal checked beside its request's own token (csrc/step.cpp)."""
+
+    def __call__(
+        self, model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int, slots: Tensor | None = None
+    ) -> Tensor: ...
+
+
+def step_for(model: GPT) -> FusedStep | None:
     """decode_one_token through the fused step for model, or None where it does not apply on this machine now."""
     model = base(model)
     if not isinstance(model, GPT) or next(model.parameters()).device.type != "cpu":
@@ -164,16 +174,18 @@ def step_for(model: GPT) -> Step | None:
     plan, planned = _plan(model), adapters_version(model)
     vocab = model.config.vocab_size
 
-    def fused(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int) -> Tensor:
+    def fused(
+        model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int, slots: Tensor | None = None
+    ) -> Tensor:
         nonlocal plan, planned
         rows = tokens.size(0)
         if not covers(rows):
-            return decode_one_token(model, tokens, cache, positions)
+            return _eager(model, tokens, cache, positions, slots)
         if isinstance(positions, int):
             positions = torch.full((rows,), positions, dtype=torch.long)
         if adapters_version(model) != planned:  # an adapter served or removed since the plan
             if _misplaced_adapter(model) is not None:
-                return decode_one_token(model, tokens, cache, positions)
+                return _eager(model, tokens, cache, positions, slots)
             plan, planned = _plan(model), adapters_version(model)
         with torch.profiler.record_function("gptkit::fused_step"):  # one named entry in a profile (a few us)
             logits = plan.step(
@@ -184,10 +196,24 @@ def step_for(model: GPT) -> Step | None:
                 cache.key_scales,
                 cache.value_scales,
                 _row_adapters(model, rows),
+                _NO_SLOTS if slots is None else slots.to(torch.long).contiguous(),
             )
         return logits[:, :vocab] if logits.size(-1) != vocab else logits  # (rows, V): a padded head's rows dropped
 
     return fused
+
+
+def _eager(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int, slots: Tensor | None) -> Tensor:
+    """The eager step where the fused one does not take the rows (which must then each have a cache row of its own)."""
+    if slots is not None:
+        raise InputError(f"rows sharing cache rows need the fused step, which does not take these {tokens.size(0)}")
+    return decode_one_token(model, tokens, cache, positions)
+
+
+def row_limit(rows: int) -> int:
+    """The most rows a step of `rows` rows (which covers() takes) may grow to without timing another batch size:
+    MAX_ROWS, or the size of WIDE_ROWS that holds it."""
+    return next((wide for wide in (MAX_ROWS, *WIDE_ROWS) if wide >= rows), rows)
 
 
 def covers(rows: int) -> bool:
@@ -340,6 +366,7 @@ def _row_adapters(model: GPT, rows: int) -> Tensor:
 
 _NONE = torch.empty(0)
 _NO_ADAPTERS = torch.empty(0, dtype=torch.long)
+_NO_SLOTS = torch.empty(0, dtype=torch.long)  # each row its own cache row
 
 
 def _norm_tensors(norm: nn.Module | None, gains: bool) -> list[Tensor]:
@@ -375,7 +402,9 @@ def _faster_than_eager(rows: int = 1) -> bool:
     positions = [torch.full((rows,), p) for p in range(start, start + count)]
     with inference(model):
         return faster(
-            lambda: [plan.step(tokens[:, 0], p, cache.keys, cache.values, [], [], _NO_ADAPTERS) for p in positions],
+            lambda: [
+                plan.step(tokens[:, 0], p, cache.keys, cache.values, [], [], _NO_ADAPTERS, _NO_SLOTS) for p in positions
+            ],
             lambda: [decode_one_token(model, tokens, cache, p) for p in range(start, start + count)],
             rounds=3,
         )
