@@ -106,3 +106,25 @@ def test_greedy_output_with_proposals_in_the_fused_step_is_plain_greedy(config, 
     stats = looked.timing.speculative
     assert stats is not None and stats.accepted > 0 and fused_only["shared"] > 0
     assert stats.target_passes <= fused_only["shared"] * len(prompts)  # each check rode in a step
+
+
+def test_sampling_checks_each_proposal_on_the_models_logits_after_it(fused_only, monkeypatch):
+    """verify.take (tests/decoding/test_lookup.py checks its rule) gets, at the request's last token and at each
+    proposed one, the model's logits after it: the eager model over the whole sequence, within 1e-4 of the largest
+    logit (the fused step's agreement with the eager one, gptkit/decoding/fused.py)."""
+    model = sharpened(ModelConfig(**dict(ROPE, n_kv_head=2, activation="swiglu")), scale=3.0)
+    checked = []
+    take = batch.take
+
+    def kept(t_logits, proposal, request, stats):
+        checked.append((list(request.tokens), list(proposal.tokens), t_logits.clone()))
+        return take(t_logits, proposal, request, stats)
+
+    monkeypatch.setattr(batch, "take", kept)
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=3)
+    result = complete(model, [PROMPT, [7, 8, 7, 8, 7]], params, options=DecodeOptions(lookup=True, lookup_k=3))
+    assert len(checked) > 5 and result.timing.speculative.accepted > 0 and fused_only["shared"] > 0
+    with torch.no_grad():
+        for tokens, proposal, t_logits in checked:
+            want = model(torch.tensor([tokens + proposal]))[0, len(tokens) - 1 :]  # (n + 1, V)
+            assert (t_logits - want).abs().max() <= 1e-4 * want.abs().max()
