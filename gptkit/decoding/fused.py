@@ -14,7 +14,9 @@ norms per head or over the width, a score scale and soft-cap, sliding-window lay
 embeddings and logits, soft-capped logits, biases anywhere, a tied or own LM head with or without a bias, a padded
 vocabulary (the step computes every row of the head; the padded logits are dropped); fp32 or bf16 weights, int8 or
 int4 layers and expert stacks; an fp32, bf16 or int8 KV cache;
-any number of rows; served LoRA adapters (gptkit.multi_lora's AdapterSet layers), each row its own. A model holding
+any number of rows; served LoRA adapters (gptkit.multi_lora's AdapterSet layers), each row its own; rows sharing
+a cache row at distinct positions (slots: how lookup's proposals ride in a batch's step, gptkit.decoding.lookup_rows;
+refused where they would wrap a sliding-window ring). A model holding
 any module, parameter or buffer the step does not compute (a training adapter around a layer, a module or parameter
 added to a block) is refused by what it holds, whatever its configuration says.
 Anything else decodes with the eager step, and the reason is logged once. Like gptkit's CPU kernels it is used

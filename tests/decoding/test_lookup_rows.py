@@ -50,6 +50,13 @@ def test_proposals_are_cut_to_the_rows_and_cache_positions_left_and_skip_what_ca
     assert plan([full], [0], 8, 36, 8).proposals == {}
 
 
+def test_proposals_grow_a_step_only_within_the_batch_size_its_requests_already_take():
+    """A step's rows stay within fused.MAX_ROWS, or the size of WIDE_ROWS its requests were measured at: growing past
+    it would time another size in the middle of a step."""
+    assert [fused.row_limit(k) for k in (1, 8, 9, 16, 17, 128)] == [8, 8, 16, 16, 32, 128]
+    assert fused.row_limit(129) == 129  # (a batch the fused step never takes)
+
+
 def sharpened(config: ModelConfig, scale: float = 20.0) -> GPT:
     """A random model whose logits are scaled up, so that greedy choices are far from float ties."""
     torch.manual_seed(0)
