@@ -1,6 +1,6 @@
 // One layer's keys or values in the KV cache as the fused decode step (step.cpp) reads and writes them: fp32, bf16,
 // or int8 with one fp32 scale per row, head and position (gptkit.kv_cache's layout, quantised as it quantises);
-// and one query head's attention over them.
+// the cache row each of a step's rows uses; and one query head's attention over them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "kernels.h"
 #include "step_parts.h"
@@ -39,6 +40,33 @@ inline void check_slots(int64_t slots, int64_t window, int64_t longest, int64_t 
   TORCH_CHECK(longest <= slots || (window > 0 && slots >= window), "DecodeStep: position ", longest - 1,
               " outside the cache of layer ", l);
   TORCH_CHECK(window == 0 || slots <= window, "DecodeStep: a ring of more slots than its window (spare)");
+}
+
+// Each of the B rows' cache row into rows (slots, int64, or row b's own where slots is empty), checked: within the
+// cache's `cached` rows, and no two rows at one position of one cache row. Returns one past the furthest position of
+// a cache row that several rows share (0: none shared).
+inline int64_t cache_rows(const at::Tensor& slots, const int64_t* pos, int64_t B, int64_t cached,
+                          std::vector<int64_t>& rows) {
+  rows.resize(B);
+  if (slots.numel() == 0) {
+    TORCH_CHECK(cached >= B, "DecodeStep: ", B, " rows for a cache of ", cached);
+    for (int64_t b = 0; b < B; ++b) rows[b] = b;
+    return 0;
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
+              "DecodeStep: one int64 cache row per row expected");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  int64_t shared_end = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < cached, "DecodeStep: cache row ", slot[b], " outside the cache's ", cached);
+    rows[b] = slot[b];
+    for (int64_t c = 0; c < b; ++c) {
+      if (slot[c] != slot[b]) continue;
+      TORCH_CHECK(pos[c] != pos[b], "DecodeStep: two rows write position ", pos[b], " of cache row ", slot[b]);
+      shared_end = std::max(shared_end, std::max(pos[b], pos[c]) + 1);
+    }
+  }
+  return shared_end;
 }
 
 // That rows sharing a cache row, at positions up to shared_end - 1, fit layer l's `slots` positions without wrapping:

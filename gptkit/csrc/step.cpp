@@ -134,7 +134,7 @@ class DecodeStep : public torch::CustomClassHolder {
       TORCH_CHECK(position_ != kLearned || pos[b] < pos_emb_.size(0), "DecodeStep: position past block_size");
       longest = std::max(longest, pos[b] + 1);
     }
-    const int64_t shared_end = cache_rows(slots, pos, B, keys[0].size(0));
+    const int64_t shared_end = kvrows::cache_rows(slots, pos, B, keys[0].size(0), rows_);
     std::vector<CacheView> kv(2 * L_);
     for (int64_t l = 0; l < L_; ++l) {
       kvrows::check_slots(keys[l].size(2), layers_[l].window, longest, l);
@@ -194,33 +194,6 @@ class DecodeStep : public torch::CustomClassHolder {
 
  private:
   // ----- building -----
-
-  // Each row's cache row into rows_ (slots, or row b's own where slots is empty), checked: within the cache's
-  // `cached` rows, and no two rows at one position of one cache row. Returns one past the furthest position of a
-  // cache row that several rows share (0: none shared).
-  int64_t cache_rows(const at::Tensor& slots, const int64_t* pos, int64_t B, int64_t cached) {
-    rows_.resize(B);
-    if (slots.numel() == 0) {
-      TORCH_CHECK(cached >= B, "DecodeStep: ", B, " rows for a cache of ", cached);
-      for (int64_t b = 0; b < B; ++b) rows_[b] = b;
-      return 0;
-    }
-    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
-                "DecodeStep: one int64 cache row per row expected");
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    int64_t shared_end = 0;
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(slot[b] >= 0 && slot[b] < cached, "DecodeStep: cache row ", slot[b], " outside the cache's ",
-                  cached);
-      rows_[b] = slot[b];
-      for (int64_t c = 0; c < b; ++c) {
-        if (slot[c] != slot[b]) continue;
-        TORCH_CHECK(pos[c] != pos[b], "DecodeStep: two rows write position ", pos[b], " of cache row ", slot[b]);
-        shared_end = std::max(shared_end, std::max(pos[b], pos[c]) + 1);
-      }
-    }
-    return shared_end;
-  }
 
   void reserve(int64_t B, int T, int64_t longest) {
     const size_t rows = size_t(B);
