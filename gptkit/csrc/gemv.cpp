@@ -1,5 +1,6 @@
 // Few-row matrix products that stream the weights at memory speed, for decoding on a CPU (kernels.h has the math):
-//   gemv(x, w, bias):             y = x @ w^T (+ bias), fp32 or bf16 w (N, K), x (M, K) in w's dtype, y in x's dtype;
+//   gemv(x, w, bias):             y = x @ w^T (+ bias), fp32 or bf16 w (N, K), x (M, K) in w's dtype or fp32, y in
+//                                 x's dtype;
 //   gemv_int8(x, q, scales, bias) y = (x @ q^T) * scales (+ bias): fp32 x, int8 q (N, K), fp32 scales (N,), fp32 y
 //                                 (x rounded to int8 per block of 32 first where K is a multiple of 32: kernels.h);
 //   gemv_q4(x, q, scales, bias, rows)  the Q4_0 product of kernels.h over rows (N) in groups of 8: fp32 x (M, K),
@@ -80,9 +81,9 @@ at::Tensor run(const gk::Weight& w, const gk::Input& in, int64_t M, const at::Te
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   check_x(x, w, 1, "gemv");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+  TORCH_CHECK((x.scalar_type() == w.scalar_type() || x.scalar_type() == at::kFloat) &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "gemv: fp32 or bf16 x and w of one dtype expected");
+              "gemv: fp32 or bf16 w, and x in w's dtype or fp32, expected");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor b, x32;
   gk::Weight weight;
@@ -99,9 +100,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   weight.format = gk::kBF16;
   weight.data = w.data_ptr();
   x32 = x.to(at::kFloat);
+  const at::Tensor xb = x.to(at::kBFloat16);
   in.x = x32.data_ptr<float>();
-  in.xb = static_cast<const gk::bf16*>(x.data_ptr());
-  return run(weight, in, M, x.options()).to(at::kBFloat16);
+  in.xb = static_cast<const gk::bf16*>(xb.data_ptr());
+  const at::Tensor y = run(weight, in, M, x.options());
+  return x.scalar_type() == at::kFloat ? y : y.to(at::kBFloat16);  // (fp32 x: the sums as the fused step keeps them)
 }
 
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,

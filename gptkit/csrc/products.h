@@ -50,6 +50,27 @@ inline void product_q4(const Weight& w, const Input& in, float* y, int64_t ldy, 
   }
 }
 
+constexpr int kBf16Rows = 4;  // bf16 weight rows a batch-1 product reads side by side (rows_bf16)
+constexpr int64_t kBf16GroupsFromK = 2048;
+
+// product_rows' bf16 rows from n0 at one activation row, kBf16Rows at a time (the widening route only); returns the
+// first row not done.
+inline int64_t bf16_row_groups(const Weight& w, const Input& in, float* y, int64_t n0, int64_t n1, bool accumulate) {
+  int64_t n = n0;
+#if !defined(__AVX512BF16__)
+  for (float out[kBf16Rows]; n + kBf16Rows <= n1; n += kBf16Rows) {
+    rows_bf16<kBf16Rows>(static_cast<const bf16*>(w.data) + n * w.K, in.x, w.K, out);
+    for (int r = 0; r < kBf16Rows; ++r) {
+      const float b = w.bias ? w.bias[n + r] : 0.0f;
+      y[n + r] = (accumulate ? y[n + r] : 0.0f) + (out[r] + b);
+    }
+  }
+#else
+  (void)w, (void)in, (void)y, (void)n1, (void)accumulate;  // (vdpbf16ps rows go one at a time)
+#endif
+  return n;
+}
+
 // y[m * ldy + n] = w[n] . x[m] (+ bias[n]) for n in [n0, n1); with accumulate, added to what y holds
 template <int M>
 inline void product_rows(const Weight& w, const Input& in, float* y, int64_t ldy, int64_t n0, int64_t n1,
@@ -63,7 +84,9 @@ inline void product_rows(const Weight& w, const Input& in, float* y, int64_t ldy
   if (w.format == kI8 && K % kQ4Block == 0)
     for (int m = 0; m < M; ++m)
       for (int64_t b = 0; b < K / kQ4Block; ++b) offsets[m] += in.q8.dsum[m * (K / kQ4Block) + b];
-  for (int64_t n = n0; n < n1; ++n) {
+  const int64_t first =
+      M == 1 && w.format == kBF16 && w.K >= kBf16GroupsFromK ? bf16_row_groups(w, in, y, n0, n1, accumulate) : n0;
+  for (int64_t n = first; n < n1; ++n) {
     switch (w.format) {
       case kF32:
         row_f32<M>(static_cast<const float*>(w.data) + n * K, in.x, K, out);

@@ -125,6 +125,31 @@ inline void row_bf16(const bf16* w, const float* x, const bf16* xb, int64_t K, f
 #endif
 }
 
+// NR bf16 weight rows against one activation row (the widening route), each row's two chains in row_bf16<1>'s order,
+// so each result is row_bf16<1>'s to the bit: an activation vector loaded once serves NR rows. Four rows decoded the
+// Llama-3.2-1B shape 5-15% faster than one at a time on one AVX2 EPYC core (6 alternating runs, same tokens); two
+// and six were slower than one.
+template <int NR>
+inline void rows_bf16(const bf16* w, const float* x, int64_t K, float* out) {
+  V acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = vzero();
+  int64_t k = 0;
+  for (; k + 2 * kLanes <= K; k += 2 * kLanes)
+    for (int c = 0; c < 2; ++c) {
+      const V xv = vload(x + k + c * kLanes);
+      for (int r = 0; r < NR; ++r) acc[r][c] = vfma(vload_bf16(w + r * K + k + c * kLanes), xv, acc[r][c]);
+    }
+  for (; k + kLanes <= K; k += kLanes) {
+    const V xv = vload(x + k);
+    for (int r = 0; r < NR; ++r) acc[r][0] = vfma(vload_bf16(w + r * K + k), xv, acc[r][0]);
+  }
+  for (int r = 0; r < NR; ++r) {
+    float s = vsum(vadd(acc[r][0], acc[r][1]));
+    for (int64_t j = k; j < K; ++j) s += bf16_to_float(w[r * K + j]) * x[j];
+    out[r] = s;
+  }
+}
+
 template <int M>
 inline void row_i8(const int8_t* w, const float* x, int64_t K, float* out) {
   V acc[M];
