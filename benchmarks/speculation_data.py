@@ -1,12 +1,15 @@
 """The training text of bench_speculation.py's model: documents that copy, shaped like the benchmark's workloads.
 
 A model learns to continue a copy only from text that copies, and a small one learns it in minutes only when much
-of its text does. Four kinds of document, separated by blank lines, in a shuffled order:
+of its text does. Five kinds of document, separated by blank lines, in a shuffled order:
 - edits: a passage of the corpus, an instruction line, the passage again with a few words swapped (the editing
   workload's form, with other words and other wording, so its prompts are not in the training text);
 - code: a small Python class whose methods repeat one shape with other names and operators (the code workload's
   form, with other names);
 - copies: watch_it_learn's random strings written twice (the plainest copying signal);
+- long copies: one random string of 64-240 characters written twice, a copy from as far back as the editing
+  workload's (an induction head grown at a 64-byte context copies from at most about 64 bytes back until these
+  teach it further);
 - speeches: the corpus as it is, so that text which does not copy stays language.
 The corpus's last HELD_OUT characters are never used: the editing workload's passages come from there.
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 
 HELD_OUT = 8 * 300  # bench_speculation's editing passages: its 8 prompts of EDIT_PASSAGE_CHARS characters
 PASSAGE = (80, 320)  # an edit's passage, in characters
+LONG_SPAN = (64, 240)  # a long copy's string, in characters: both copies fit the 512-byte context
 SWAPS = [  # word pairs an edit may swap; never the editing workload's ("the" as "that", "and" as "&")
     ("my", "our"),
     ("you", "thee"),
@@ -43,27 +47,38 @@ CLASSES = ["Vec", "Pair", "Size", "Range", "Money", "Color", "Box", "Span", "Gri
 FIELDS = ["a", "b", "w", "h", "lo", "hi", "re", "im", "left", "right", "top", "red", "green", "blue", "n", "d"]
 METHODS = [("plus", "+"), ("minus", "-"), ("times", "*"), ("over", "/"), ("mod", "%"), ("power", "**")]
 METHODS += [("floor", "//"), ("both", "&"), ("either", "|"), ("shift", "<<")]
-# Shares of the characters written: the first stage (a short context) learns to copy on the plainest copies, the
-# second (the full context) on all four kinds.
-FIRST_SHARES = {"copies": 1.0}
-SHARES = {"edit": 0.35, "code": 0.15, "copies": 0.3, "speech": 0.2}
+# Shares of the characters written: the first stage (a short context) is watch_it_learn's data, half copies and half
+# speeches; the second (the full context) has all five kinds.
+FIRST_SHARES = {"copies": 0.5, "speech": 0.5}
+SHARES = {"edit": 0.3, "code": 0.15, "copies": 0.15, "long": 0.25, "speech": 0.15}
 
 
-def edit_document(speeches: list[str], rng: random.Random) -> str:
-    """An instruction, a passage of consecutive speeches, a blank line, and the passage with the words swapped."""
+def passage_of(speeches: list[str], bounds: tuple[int, int], rng: random.Random) -> str:
+    """Consecutive speeches from a random one, cut to a length within bounds (shorter at the corpus's end)."""
     start = rng.randrange(len(speeches))
-    passage, length = [], rng.randint(*PASSAGE)
+    passage, length = [], rng.randint(*bounds)
     for speech in speeches[start:]:
         passage.append(speech)
         if sum(len(part) + 2 for part in passage) >= length:
             break
-    text = "\n\n".join(passage)[:length]
+    return "\n\n".join(passage)[:length]
+
+
+def edit_document(speeches: list[str], rng: random.Random) -> str:
+    """An instruction, a passage of consecutive speeches, a blank line, and the passage with the words swapped."""
+    text = passage_of(speeches, PASSAGE, rng)
     swaps = rng.sample(SWAPS, rng.randint(1, 2))
     changed = text
     for old, new in swaps:
         changed = changed.replace(f" {old} ", f" {new} ")
     asked = rng.choice(ASKS).format(swaps=" and ".join(f"'{old}' as '{new}'" for old, new in swaps))
     return f"{asked}\n\n{text}\n\n{changed}"
+
+
+def long_copy_document(alphabet: list[str], rng: random.Random) -> str:
+    """One random string of the corpus's characters, LONG_SPAN long, written twice back to back."""
+    span = "".join(rng.choice(alphabet) for _ in range(rng.randint(*LONG_SPAN)))
+    return span + span
 
 
 def code_document(rng: random.Random) -> str:
@@ -91,6 +106,7 @@ def training_text(corpus: str, chars: int, shares: dict[str, float], seed: int =
         "edit": lambda: edit_document(speeches, rng),
         "code": lambda: code_document(rng),
         "copies": lambda: copy_document(alphabet, rng),
+        "long": lambda: long_copy_document(alphabet, rng),
         "speech": lambda: speeches[rng.randrange(len(speeches))],
     }
     documents, written = [], {kind: 0 for kind in shares}

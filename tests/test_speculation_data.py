@@ -47,3 +47,11 @@ def test_the_text_keeps_the_shares_and_never_the_held_out_end():
     assert own and not any(line in text for line in own)
     asks = sum(text.count(ask.split("{")[0]) for ask in data.ASKS)
     assert asks > 100  # edits at 35% of 200k characters, each under ~700
+
+
+def test_a_long_copy_is_one_string_twice_that_fits_the_context():
+    alphabet = sorted(set(CORPUS) - {"\n"})
+    document = data.long_copy_document(alphabet, random.Random(2))
+    half = len(document) // 2
+    assert document[:half] == document[half:]
+    assert data.LONG_SPAN[0] <= half <= data.LONG_SPAN[1] and len(document) <= 512  # bench_speculation's context
