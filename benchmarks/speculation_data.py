@@ -1,9 +1,13 @@
 """The training text of bench_speculation.py's model: documents that copy, shaped like the benchmark's workloads.
 
 A model learns to continue a copy only from text that copies, and a small one learns it in minutes only when much
-of its text does. Five kinds of document, separated by blank lines, in a shuffled order:
+of its text does. Seven kinds of document, separated by blank lines, in a shuffled order:
 - edits: a passage of the corpus, an instruction line, the passage again with a few words swapped (the editing
   workload's form, with other words and other wording, so its prompts are not in the training text);
+- small copies: a long copy over SMALL_ALPHABET symbols picked for the document, where one symbol matches too many
+  places and the model must match on several before it (as English, below, needs);
+- repeats: a passage of the corpus written twice (the plainest copying of English, where one byte of context
+  matches too many places);
 - code: a small Python class whose methods repeat one shape with other names and operators (the code workload's
   form, with other names);
 - copies: watch_it_learn's random strings written twice (the plainest copying signal);
@@ -23,6 +27,8 @@ from pathlib import Path
 HELD_OUT = 8 * 300  # bench_speculation's editing passages: its 8 prompts of EDIT_PASSAGE_CHARS characters
 PASSAGE = (80, 320)  # an edit's passage, in characters
 LONG_SPAN = (64, 240)  # a long copy's string, in characters: both copies fit the 512-byte context
+SMALL_ALPHABET = 8  # a small copy's symbols: a 240-character string holds each about 30 times
+REPEAT = (80, 240)  # a repeat's passage, in characters: both copies fit the 512-byte context
 SWAPS = [  # word pairs an edit may swap; never the editing workload's ("the" as "that", "and" as "&")
     ("my", "our"),
     ("you", "thee"),
@@ -48,9 +54,10 @@ FIELDS = ["a", "b", "w", "h", "lo", "hi", "re", "im", "left", "right", "top", "r
 METHODS = [("plus", "+"), ("minus", "-"), ("times", "*"), ("over", "/"), ("mod", "%"), ("power", "**")]
 METHODS += [("floor", "//"), ("both", "&"), ("either", "|"), ("shift", "<<")]
 # Shares of the characters written: the first stage (a short context) is watch_it_learn's data, half copies and half
-# speeches; the second (the full context) has all five kinds.
+# speeches; the second (the full context) carries copying to the full context on random strings; the third to English.
 FIRST_SHARES = {"copies": 0.5, "speech": 0.5}
 SHARES = {"edit": 0.3, "code": 0.15, "copies": 0.15, "long": 0.25, "speech": 0.15}
+THIRD_SHARES = {"small": 0.3, "repeat": 0.25, "edit": 0.2, "code": 0.1, "speech": 0.15}
 
 
 def passage_of(speeches: list[str], bounds: tuple[int, int], rng: random.Random) -> str:
@@ -62,6 +69,12 @@ def passage_of(speeches: list[str], bounds: tuple[int, int], rng: random.Random)
         if sum(len(part) + 2 for part in passage) >= length:
             break
     return "\n\n".join(passage)[:length]
+
+
+def repeat_document(speeches: list[str], rng: random.Random) -> str:
+    """A passage of consecutive speeches, a blank line, and the passage again."""
+    text = passage_of(speeches, REPEAT, rng)
+    return f"{text}\n\n{text}"
 
 
 def edit_document(speeches: list[str], rng: random.Random) -> str:
@@ -79,6 +92,11 @@ def long_copy_document(alphabet: list[str], rng: random.Random) -> str:
     """One random string of the corpus's characters, LONG_SPAN long, written twice back to back."""
     span = "".join(rng.choice(alphabet) for _ in range(rng.randint(*LONG_SPAN)))
     return span + span
+
+
+def small_copy_document(alphabet: list[str], rng: random.Random) -> str:
+    """A long copy (long_copy_document) over SMALL_ALPHABET of the corpus's characters."""
+    return long_copy_document(rng.sample(alphabet, SMALL_ALPHABET), rng)
 
 
 def code_document(rng: random.Random) -> str:
@@ -107,6 +125,8 @@ def training_text(corpus: str, chars: int, shares: dict[str, float], seed: int =
         "code": lambda: code_document(rng),
         "copies": lambda: copy_document(alphabet, rng),
         "long": lambda: long_copy_document(alphabet, rng),
+        "repeat": lambda: repeat_document(speeches, rng),
+        "small": lambda: small_copy_document(alphabet, rng),
         "speech": lambda: speeches[rng.randrange(len(speeches))],
     }
     documents, written = [], {kind: 0 for kind in shares}

@@ -55,3 +55,16 @@ def test_a_long_copy_is_one_string_twice_that_fits_the_context():
     half = len(document) // 2
     assert document[:half] == document[half:]
     assert data.LONG_SPAN[0] <= half <= data.LONG_SPAN[1] and len(document) <= 512  # bench_speculation's context
+
+
+def test_a_repeat_is_a_passage_of_the_corpus_twice():
+    document = data.repeat_document(CORPUS[: -data.HELD_OUT].split("\n\n"), random.Random(5))
+    half = (len(document) - 2) // 2
+    assert document[:half] == document[half + 2 :] and document[half : half + 2] == "\n\n"
+    assert document[:half] in CORPUS and half <= data.REPEAT[1]
+
+
+def test_a_small_copy_uses_few_symbols():
+    document = data.small_copy_document(sorted(set(CORPUS) - {"\n"}), random.Random(6))
+    assert len(set(document)) <= data.SMALL_ALPHABET
+    assert document[: len(document) // 2] == document[len(document) // 2 :]
