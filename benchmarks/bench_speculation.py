@@ -1,13 +1,15 @@
 """Prompt-lookup speculation in `gptkit serve`: tokens/s with and without lookup, acceptance, and the cost on text
 that does not copy its prompt.
 
-Three workloads, each at 1 and 8 concurrent clients, greedy, against one `gptkit serve` whose requests say
+Four workloads, each at 1 and 8 concurrent clients, greedy, against one `gptkit serve` whose requests say
 `"lookup": false` (plain) or give lookup's settings; `gptkit serve --lookup` builds the same engine and only sets a
 request's default, so one process measures both sides on the same cores and caches. Plain and each setting run in
 interleaved rounds (plain, setting 1, ..., setting n, then the reverse order):
 - editing: the prompt holds a passage and asks for it again with small changes; the reply mostly copies it;
 - code: the prompt is the start of a Python file whose later lines repeat its earlier names and shapes;
-- chat: a plain question; the reply copies little, so this row is the cost of lookup when little matches.
+- chat: a plain question; the reply copies little, so this row is the cost of lookup when little matches;
+- copy: a random string of the corpus's characters and its first 16 again; the reply continues the copy, which the
+  trained model does (its induction head), so this row is what the check costs and gains where the model copies.
 Each row (a workload, a client count, a setting) gives tokens/s without and with lookup, the speed-up, lookup's
 acceptance (accepted / proposed tokens, from the server's /metrics), tokens proposed per generated token, and
 whether every reply was the same text (greedy output with lookup is the model's own). --k and --ngram take
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import random
 import re
 import shutil
 import subprocess
@@ -58,7 +61,8 @@ from speculation_data import FIRST_SHARES, SHARES, THIRD_SHARES, training_text
 from gptkit.decoding.lookup import LOOKUP_K, LOOKUP_NGRAM
 
 MODEL = "model"
-WORKLOADS = ("editing", "code", "chat")
+WORKLOADS = ("editing", "code", "chat", "copy")
+COPY_CHARS, COPY_SHOWN = 240, 16  # a copy prompt's string, and how much of it the prompt repeats
 WARM_TOKENS = 16  # a warm-up reply: long enough for lookup's checks to run at their sizes
 EDIT_PASSAGE_CHARS = 300  # with the instruction and the reply, within the 512-byte context trained
 CODE = """class Point:
@@ -85,7 +89,10 @@ def workloads(corpus: str) -> dict[str, list[str]]:
         changed = passage.replace(" the ", " that ").replace(" and ", " & ")
         editing.append(f"Copy the text with 'the' as 'that' and 'and' as '&'.\n\n{passage}\n\n{changed[:60]}")
     code = [CODE + "        return Point(self.x * other.x, self.y * other.y)\n\n    def div(self, other):\n"] * 8
-    return dict(zip(WORKLOADS, (editing, code, [CHAT] * 8)))
+    rng, alphabet = random.Random(1), sorted(set(corpus) - {"\n"})
+    strings = ["".join(rng.choice(alphabet) for _ in range(COPY_CHARS)) for _ in range(8)]
+    copy = [text + text[:COPY_SHOWN] for text in strings]
+    return dict(zip(WORKLOADS, (editing, code, [CHAT] * 8, copy)))
 
 
 # The trained model (see the module's note): watch_it_learn's (configs/watch-it-learn.yaml: two layers, 128 wide, an
