@@ -190,7 +190,8 @@ def _cli_exit(args: list[str], seconds: float = 120) -> int | None:
     return codes[0] if codes else None
 
 
-@pytest.mark.parametrize("beside", [False, True], ids=["lora", "lora-beside"])
+# Beside the base (8 s) in the slow suite: the adapter is read the same way (CI's 10 minutes).
+@pytest.mark.parametrize("beside", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["lora", "lora-beside"])
 def test_a_fifo_as_an_adapters_weights_is_one_line_and_exit_2_at_start_up(tmp_path, beside):
     # In a process of its own: before the fix, the load blocked for ever in open(), beyond what pytest can stop.
     base = _base(tmp_path)
