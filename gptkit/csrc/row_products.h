@@ -127,7 +127,7 @@ inline void row_bf16(const bf16* w, const float* x, const bf16* xb, int64_t K, f
 
 // NR bf16 weight rows against one activation row (the widening route), each row's two chains in row_bf16<1>'s order,
 // so each result is row_bf16<1>'s to the bit: an activation vector loaded once serves NR rows. Four rows decoded the
-// Llama-3.2-1B shape 5-15% faster than one at a time on one AVX2 EPYC core (6 alternating runs, same tokens); two
+// Llama-3.2-1B shape 5-10% faster than one at a time on one AVX2 EPYC core (6 alternating runs, same tokens); two
 // and six were slower than one.
 template <int NR>
 inline void rows_bf16(const bf16* w, const float* x, int64_t K, float* out) {
