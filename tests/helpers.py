@@ -173,3 +173,12 @@ def confident_char_model_dir(directory: Path, block_size: int) -> Path:
             if p.dim() == 2:
                 p.normal_(0, 0.5)
     return save_model_dir(model, directory, tokenizer=tokenizer)
+
+
+def sharpened(config: ModelConfig, scale: float = 20.0) -> GPT:
+    """A random model whose logits are scaled up, so that greedy choices are far from float ties."""
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        model.norm_f.weight.mul_(scale)
+    return model

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers import sharpened
 
 from gptkit.cli import main
 from gptkit.config import ModelConfig
@@ -25,15 +26,6 @@ from gptkit.tokenizer import CharTokenizer
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0)
 ROPE = dict(vocab_size=32, block_size=128, n_layer=2, n_head=4, n_embd=32, norm="rmsnorm", position="rope")
 PROMPT = [5, 6, 7, 9, 10, 11, 12, 13] * 4 + [5, 6]  # repeats: lookup proposes from the first tokens on
-
-
-def sharpened(config: ModelConfig, scale: float = 20.0) -> GPT:
-    """A random model whose logits are scaled up, so that greedy choices are far from float ties."""
-    torch.manual_seed(0)
-    model = GPT(config).eval()
-    with torch.no_grad():
-        model.norm_f.weight.mul_(scale)
-    return model
 
 
 def test_the_most_recent_match_of_the_longest_ngram_wins():

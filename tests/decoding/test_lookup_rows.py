@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import sharpened
 
 from gptkit.config import ModelConfig
 from gptkit.decoding import batch, fused
@@ -13,7 +14,6 @@ from gptkit.decoding.lookup_rows import plan
 from gptkit.decoding.options import DecodeOptions
 from gptkit.decoding.request import Request
 from gptkit.decoding.sampling import SamplingParams
-from gptkit.model import GPT
 from gptkit.native import library
 
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0)
@@ -55,15 +55,6 @@ def test_proposals_grow_a_step_only_within_the_batch_size_its_requests_already_t
     it would time another size in the middle of a step."""
     assert [fused.row_limit(k) for k in (1, 8, 9, 16, 17, 128)] == [8, 8, 16, 16, 32, 128]
     assert fused.row_limit(129) == 129  # (a batch the fused step never takes)
-
-
-def sharpened(config: ModelConfig, scale: float = 20.0) -> GPT:
-    """A random model whose logits are scaled up, so that greedy choices are far from float ties."""
-    torch.manual_seed(0)
-    model = GPT(config).eval()
-    with torch.no_grad():
-        model.norm_f.weight.mul_(scale)
-    return model
 
 
 @pytest.fixture
