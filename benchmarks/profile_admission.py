@@ -5,9 +5,10 @@ model (4,096-token vocabulary), without the HTTP side: 32 prompts of 175-208 ran
 1,085-token system prompt with 43-55 tokens of their own; the first admitted alone (as a server admits the first
 arrival), the other 31 together, then greedy decode steps until each has 64 new tokens. Times are CPU seconds of
 this process (steadier than wall time on a shared machine; run it with one thread, pinned). --one-row runs every
-prefill forward on one prompt (prefill_waves' path where a row's bits were not measured), for an A/B:
+prefill forward on one prompt (prefill_waves' path where a row's bits were not measured), and --no-shares decodes
+every row from its own copy of a shared prefix (gptkit.decoding.shared_prefix off), each for an A/B:
 
-    OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/profile_admission.py [--one-row] [--quick]
+    OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/profile_admission.py [--one-row] [--no-shares] [--quick]
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from gptkit.model import GPT
 from gptkit.native import library
 
 
-def profile(name: str, model: GPT, prompts: list[list[int]], new_tokens: int) -> None:
+def profile(name: str, model: GPT, prompts: list[list[int]], new_tokens: int, shares: bool) -> None:
     """Prefill (first request, then the rest) and decode CPU seconds of one workload, printed as one line."""
     engine = BatchEngine(model, 32, 2048, prefix_cache=PrefixCache(1 << 32))
+    engine.shares_prefixes = shares
     requests = requests_for(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0.0))
     start = time.process_time()
     engine.add(requests[:1])
@@ -52,6 +54,7 @@ def profile(name: str, model: GPT, prompts: list[list[int]], new_tokens: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one-row", action="store_true", help="one prompt per prefill forward (the former path)")
+    parser.add_argument("--no-shares", action="store_true", help="rows read their own copy of a shared prefix")
     parser.add_argument("--quick", action="store_true", help="4 layers, 4 requests, 4 new tokens: a smoke run")
     args = parser.parse_args()
     if args.one_row:
@@ -63,10 +66,10 @@ def main() -> None:
     model = GPT(config).eval()
     rng = random.Random(0)
     fresh = [[rng.randrange(4096) for _ in range(rng.randint(175, 208))] for _ in range(count)]
-    profile(f"{count} clients", model, fresh, new_tokens)
+    profile(f"{count} clients", model, fresh, new_tokens, not args.no_shares)
     system = [rng.randrange(4096) for _ in range(1085)]
     shared = [system + [rng.randrange(4096) for _ in range(rng.randint(43, 55))] for _ in range(count)]
-    profile(f"{count} clients sharing a system prompt", model, shared, new_tokens)
+    profile(f"{count} clients sharing a system prompt", model, shared, new_tokens, not args.no_shares)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from gptkit.config import ModelConfig
 from gptkit.decoding import fused
 from gptkit.decoding.api import generate_ids
 from gptkit.formats.modeldir import save_model_dir
+from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 from gptkit.native import library
 from gptkit.tokenizer import CharTokenizer
@@ -182,3 +183,21 @@ def sharpened(config: ModelConfig, scale: float = 20.0) -> GPT:
     with torch.no_grad():
         model.norm_f.weight.mul_(scale)
     return model
+
+
+def filled_cache(model: GPT, stored: torch.dtype, rows: int = 2) -> KVCache:
+    """`rows` rows of `stored` values whose every position holds random keys and values (an int8 cache: random codes
+    and scales)."""
+    kv_dtype = torch.int8 if stored == torch.int8 else None
+    cache = KVCache(
+        model.config, rows, model.config.block_size, dtype=torch.float32 if kv_dtype else stored, kv_dtype=kv_dtype
+    )
+    g = torch.Generator().manual_seed(1)
+    for t in cache.tensors:
+        if t.dtype == torch.int8:
+            t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
+        elif t.dim() == 3:  # an int8 cache's scales, (rows, heads, positions)
+            t.copy_(0.001 + 0.02 * torch.rand(t.shape, generator=g))
+        else:
+            t.copy_(2.0 * torch.randn(t.shape, generator=g))
+    return cache

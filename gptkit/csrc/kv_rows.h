@@ -69,6 +69,36 @@ inline int64_t cache_rows(const at::Tensor& slots, const int64_t* pos, int64_t B
   return shared_end;
 }
 
+// Each of the B rows' shared prefix (shared: int64 pairs, a cache row and a length P, or empty for none) into
+// prefix_rows and prefix_lens: the row reads its positions below P from that cache row, whose positions there hold
+// the same bits as its own (the engine shares only spans it found equal, so reading either gives the same logits;
+// rows reading one span read it from cache rather than memory). Checked: within the cache's `cached` rows, P not
+// past the row's own position, no row of this step writing the prefix's cache row below P, no ring (a windowed layer).
+inline void shared_prefixes(const at::Tensor& shared, const int64_t* pos, const std::vector<int64_t>& rows,
+                            int64_t cached, bool rings, std::vector<int64_t>& prefix_rows,
+                            std::vector<int64_t>& prefix_lens) {
+  const int64_t B = int64_t(rows.size());
+  prefix_rows.assign(B, 0);
+  prefix_lens.assign(B, 0);
+  if (shared.numel() == 0) return;
+  TORCH_CHECK(shared.scalar_type() == at::kLong && shared.is_contiguous() && shared.numel() == 2 * B,
+              "DecodeStep: a cache row and a length per row expected in shared");
+  TORCH_CHECK(!rings, "DecodeStep: shared prefixes in a windowed layer's ring");
+  const int64_t* pair = shared.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t source = pair[2 * b], length = pair[2 * b + 1];
+    TORCH_CHECK(source >= 0 && source < cached, "DecodeStep: prefix cache row ", source, " outside the cache's ",
+                cached);
+    TORCH_CHECK(length >= 0 && length <= pos[b], "DecodeStep: a shared prefix of ", length,
+                " positions past row ", b, "'s position ", pos[b]);
+    prefix_rows[b] = source, prefix_lens[b] = length;
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = 0; c < B; ++c)
+      TORCH_CHECK(rows[c] != prefix_rows[b] || pos[c] >= prefix_lens[b], "DecodeStep: row ", c,
+                  " writes position ", pos[c], " of cache row ", rows[c], " inside the prefix row ", b, " reads");
+}
+
 // That rows sharing a cache row, at positions up to shared_end - 1, fit layer l's `slots` positions without wrapping:
 // in a windowed layer's ring a later row's write would overwrite a key an earlier row still reads.
 inline void check_shared(int64_t slots, int64_t shared_end, int64_t l) {
@@ -159,17 +189,43 @@ inline void weighted_sum_f32(const float* p, const float* v, int64_t ss, int64_t
   }
 }
 
-// softmax(q . k_s * scale, soft-capped at softcap: 0 none) over the S cached positions of (b, g), times their values,
-// into out (head_dim values). scores holds S + head_dim floats of scratch (the scores, then one converted row).
-inline void attend(const float* q, const CacheView& keys, const CacheView& values, int64_t cache, int64_t head_dim,
-                   int64_t b, int64_t g, int64_t S, float scale, float softcap, float* scores, float* out) {
-  float* row = scores + S;  // one dequantised key or value row
+// The scores q . k_s * scale of positions [from, to) of cache row b (fp32 keys read in place, others converted
+// through row).
+inline void scores_of(const float* q, const CacheView& keys, int64_t cache, int64_t head_dim, int64_t b, int64_t g,
+                      int64_t from, int64_t to, float scale, float* scores, float* row) {
+  if (from >= to) return;
+  if (cache == kCacheF32) {
+    scores_f32(q, cached(keys, cache, head_dim, b, g, from, row), keys.ss, head_dim, to - from, scale, scores + from);
+    return;
+  }
+  for (int64_t s = from; s < to; ++s) scores[s] = gk::dot(q, cached(keys, cache, head_dim, b, g, s, row), head_dim) * scale;
+}
+
+// out += the weights p[s] times the values of positions [from, to) of cache row b, in position order.
+inline void values_of(const float* p, const CacheView& values, int64_t cache, int64_t head_dim, int64_t b, int64_t g,
+                      int64_t from, int64_t to, float* out, float* row) {
+  if (from >= to) return;
   const bool f32 = cache == kCacheF32;
-  if (f32)
-    scores_f32(q, cached(keys, cache, head_dim, b, g, 0, row), keys.ss, head_dim, S, scale, scores);
+  const float* v0 = f32 ? cached(values, cache, head_dim, b, g, from, row) : nullptr;
+  if (f32 && head_dim % (8 * gk::kLanes) == 0)
+    weighted_sum_f32<8>(p + from, v0, values.ss, head_dim, to - from, out);
+  else if (f32 && head_dim % (4 * gk::kLanes) == 0)
+    weighted_sum_f32<4>(p + from, v0, values.ss, head_dim, to - from, out);
   else
-    for (int64_t s = 0; s < S; ++s)
-      scores[s] = gk::dot(q, cached(keys, cache, head_dim, b, g, s, row), head_dim) * scale;
+    for (int64_t j = from; j < to; ++j) gk::axpy(p[j], cached(values, cache, head_dim, b, g, j, row), out, head_dim);
+}
+
+// softmax(q . k_s * scale, soft-capped at softcap: 0 none) over the S cached positions of (b, g), times their values,
+// into out (head_dim values); positions below P read from cache row pb instead (a shared prefix: the same bits, and
+// each sum runs in the same order, so the result is the one reading row b alone gives). scores holds S + head_dim
+// floats of scratch (the scores, then one converted row).
+inline void attend(const float* q, const CacheView& keys, const CacheView& values, int64_t cache, int64_t head_dim,
+                   int64_t b, int64_t g, int64_t S, int64_t pb, int64_t P, float scale, float softcap, float* scores,
+                   float* out) {
+  float* row = scores + S;  // one dequantised key or value row
+  P = std::min(P, S);
+  scores_of(q, keys, cache, head_dim, pb, g, 0, P, scale, scores, row);
+  scores_of(q, keys, cache, head_dim, b, g, P, S, scale, scores, row);
   if (softcap > 0.0f) parts::soft_cap(scores, S, softcap);
   float top = -INFINITY;
   for (int64_t s = 0; s < S; ++s) top = std::fmax(top, scores[s]);
@@ -186,13 +242,8 @@ inline void attend(const float* q, const CacheView& keys, const CacheView& value
     sum += scores[s];
   }
   std::fill(out, out + head_dim, 0.0f);
-  const float* v0 = f32 ? cached(values, cache, head_dim, b, g, 0, row) : nullptr;
-  if (f32 && head_dim % (8 * gk::kLanes) == 0)
-    weighted_sum_f32<8>(scores, v0, values.ss, head_dim, S, out);
-  else if (f32 && head_dim % (4 * gk::kLanes) == 0)
-    weighted_sum_f32<4>(scores, v0, values.ss, head_dim, S, out);
-  else
-    for (int64_t j = 0; j < S; ++j) gk::axpy(scores[j], cached(values, cache, head_dim, b, g, j, row), out, head_dim);
+  values_of(scores, values, cache, head_dim, pb, g, 0, P, out, row);
+  values_of(scores, values, cache, head_dim, b, g, P, S, out, row);
   const float inv = 1.0f / sum;
   for (int64_t i = 0; i < head_dim; ++i) out[i] *= inv;
 }

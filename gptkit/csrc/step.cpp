@@ -113,10 +113,13 @@ class DecodeStep : public torch::CustomClassHolder {
 
   // slots: each row's cache row (int64, one per row), or empty for row b's own. Several rows may share one cache
   // row at distinct positions (a proposal checked beside its request's own token, p, p + 1, ...): every row's keys
-  // and values are stored before any row attends, and a row attends only up to its own position.
+  // and values are stored before any row attends, and a row attends only up to its own position. shared: each row's
+  // shared prefix, a cache row and a length (int64 pairs; empty: none), whose positions below that length the row
+  // reads there instead of in its own cache row (kvrows::shared_prefixes).
   at::Tensor step(const at::Tensor& tokens, const at::Tensor& positions, std::vector<at::Tensor> keys,
                   std::vector<at::Tensor> values, std::vector<at::Tensor> key_scales,
-                  std::vector<at::Tensor> value_scales, const at::Tensor& adapters, const at::Tensor& slots) {
+                  std::vector<at::Tensor> value_scales, const at::Tensor& adapters, const at::Tensor& slots,
+                  const at::Tensor& shared) {
     const int64_t B = tokens.numel();
     TORCH_CHECK(B >= 1 && positions.numel() == B, "DecodeStep: tokens with one position each expected");
     TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && tokens.is_contiguous() &&
@@ -135,6 +138,9 @@ class DecodeStep : public torch::CustomClassHolder {
       longest = std::max(longest, pos[b] + 1);
     }
     const int64_t shared_end = kvrows::cache_rows(slots, pos, B, keys[0].size(0), rows_);
+    bool rings = false;
+    for (const Layer& layer : layers_) rings = rings || layer.window > 0;
+    kvrows::shared_prefixes(shared, pos, rows_, keys[0].size(0), rings, prefix_rows_, prefix_lens_);
     std::vector<CacheView> kv(2 * L_);
     for (int64_t l = 0; l < L_; ++l) {
       kvrows::check_slots(keys[l].size(2), layers_[l].window, longest, l);
@@ -256,9 +262,11 @@ class DecodeStep : public torch::CustomClassHolder {
 #pragma omp for collapse(2)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < KV_; ++g) store(layer, kv[l], kv[L_ + l], cache, b, g, pos[b]);
+    // Head by head, so that rows reading one shared prefix read each head's part of it while it is in cache (at
+    // 32 rows sharing 1,085 positions of GPT-2 small, a step took about a tenth less than row by row).
 #pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t hh = 0; hh < H_; ++hh) attend(layer, kv[l], kv[L_ + l], cache, b, hh, pos[b], t);
+    for (int64_t hh = 0; hh < H_; ++hh)
+      for (int64_t b = 0; b < B; ++b) attend(layer, kv[l], kv[L_ + l], cache, b, hh, pos[b], t);
 #pragma omp for
     for (int64_t b = 0; b < B; ++b) {
       staging_.prepare(layer.proj, att_.data(), b);
@@ -442,8 +450,8 @@ class DecodeStep : public torch::CustomClassHolder {
     const int64_t g = hh / (H_ / KV_), S = std::min(p + 1, keys.slots);
     const float scale = attn_scale_ > 0.0f ? attn_scale_ : 1.0f / std::sqrt(float(HD_));
     float* scores = scores_.data() + size_t(t) * scores_stride_;
-    kvrows::attend(q, keys, values, cache, HD_, rows_[b], g, S, scale, attn_softcap_, scores,
-                   att_.data() + b * H_ * HD_ + hh * HD_);
+    kvrows::attend(q, keys, values, cache, HD_, rows_[b], g, S, prefix_rows_[b], prefix_lens_[b], scale,
+                   attn_softcap_, scores, att_.data() + b * H_ * HD_ + hh * HD_);
   }
 
   int64_t L_, D_, H_, KV_, HD_, F_, V_, norm_, act_, position_, max_k_, max_hidden_, norm_position_, qk_norm_, rotary_;
@@ -457,6 +465,7 @@ class DecodeStep : public torch::CustomClassHolder {
   std::vector<at::Tensor> keep_;  // every tensor the raw pointers above point into
   std::vector<float> x_, h_, h2_, qkv_, att_, up_, ff_, rope_, scores_, moe_out_, shared_;
   std::vector<int64_t> rows_;  // each row's cache row (step's slots)
+  std::vector<int64_t> prefix_rows_, prefix_lens_;  // each row's shared prefix (step's shared; length 0: none)
   gk::Staging staging_;  // the rows' activations as each product reads them
   size_t scores_stride_ = 0;
   lowrank::Adapters adapters_;

@@ -13,6 +13,10 @@ through the fused step (gptkit.decoding.fused) where it covers the model and the
 fused.MAX_ROWS, more where measured faster), one native call a step; the first engine after a background build of
 gptkit's kernels switches to it at its next step.
 
+Shared prefixes (gptkit.decoding.shared_prefix): where the fused step decodes, a row admitted with whole chunks in
+common with a row already in the batch (bit for bit) reads them from that row's cache, so that one copy of a shared
+system prompt is read each step rather than one per row.
+
 Lookup (gptkit.decoding.lookup): a row whose request asks for lookup (request.lookup_k) and whose tokens repeat an
 earlier n-gram proposes the tokens that followed it, and verify.take checks them. Where the step is the fused one, the
 proposed tokens ride in it as rows of their own at the next positions of the request's cache row (lookup_rows);
@@ -40,6 +44,7 @@ from gptkit.decoding.prefill_waves import Prompt, prefill_last_chunks, prefill_w
 from gptkit.decoding.prefix_cache import PrefixCache, block_layout, model_fingerprint, namespace_for
 from gptkit.decoding.request import Decode, Request, TokenLogprob, seeded
 from gptkit.decoding.sampling import SamplingParams, row_seed, sample
+from gptkit.decoding.shared_prefix import SharedPrefixes
 from gptkit.decoding.step import (
     PREFILL_CHUNK,
     base,
@@ -104,6 +109,9 @@ class BatchEngine:
         self.prefix_cache, self.adapter = prefix_cache, adapter
         self.fingerprint = model_fingerprint(base(model)) if prefix_cache is not None else ""
         self.rows: list[Request] = []  # cache row i belongs to rows[i]
+        # Rows whose prompts begin alike read that prefix from one cache row in the fused step (not in a ring).
+        self.shared = SharedPrefixes()
+        self.shares_prefixes = all(w is None for w in self.cache.windows)
         self.steps = 0  # decode steps run
         self.max_rows_seen = 0  # the most rows one decode step ran
 
@@ -201,6 +209,8 @@ class BatchEngine:
             if request.params.frequency_penalty or request.params.presence_penalty:
                 request.counts = torch.zeros(self.vocab_size, device=self.device)  # filled by accept()
             self.rows.append(request)
+        if self.shares_prefixes and self.fused is not None:
+            self.shared.admit(requests, self.rows, self.cache)
         self._choose(list(requests), logits[torch.tensor(sources, device=self.device)])
         return self._retire()
 
@@ -259,6 +269,7 @@ class BatchEngine:
 
     def _release(self, row: int) -> None:
         """Free a row; the last row moves into it so that rows 0..k-1 stay in use."""
+        self.shared.leave(self.rows[row])
         last = len(self.rows) - 1
         if row != last:
             moved = self.rows[last]
@@ -294,6 +305,8 @@ class BatchEngine:
             return finished
         k = len(self.rows)
         windowed = [i for i, r in enumerate(self.rows) if r.position >= self.max_len]
+        for i in windowed:  # its step writes a dummy at position 0, then its row is written anew
+            self.shared.rewrite(self.rows[i])
         positions = [r.position if i not in windowed else 0 for i, r in enumerate(self.rows)]
         # Through the fused step the proposals ride in the step itself; elsewhere an eager pass per row checks them.
         joined = self.lookup_k > 0 and self._fused_applies(k)
@@ -331,8 +344,9 @@ class BatchEngine:
                 return self._decode(rows.tokens, rows.positions)
         ids = torch.tensor(rows.tokens)[:, None]
         view = self.cache.view(len(self.rows), self.max_len)
+        shared = self.shared.pairs(self.rows, rows.slots)
         with rows_using(self.model, [self.rows[slot].adapter for slot in rows.slots]):
-            return self.fused(self.model, ids, view, torch.tensor(rows.positions), torch.tensor(rows.slots))
+            return self.fused(self.model, ids, view, torch.tensor(rows.positions), torch.tensor(rows.slots), shared)
 
     def _take(self, rows: StepRows, logits: Tensor) -> None:
         """Check each proposal that rode in the step on its request's rows of logits (verify.take)."""
@@ -370,7 +384,8 @@ class BatchEngine:
             return self.decode_step(self.model, ids, self.cache.view(rows, self.max_len), where)[:k]
         ids = torch.tensor(tokens, device=self.device)[:, None]
         if self._fused_applies(k):
-            return self.fused(self.model, ids, self.cache.view(k, self.max_len), torch.tensor(positions))
+            shared = self.shared.pairs(self.rows, range(k))
+            return self.fused(self.model, ids, self.cache.view(k, self.max_len), torch.tensor(positions), None, shared)
         view = self.cache.view(k, max(positions) + 1)
         if len(set(positions)) == 1:  # an int position: attention reads the filled positions without a mask
             return decode_one_token(self.model, ids, view, positions[0])

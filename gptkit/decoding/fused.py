@@ -151,10 +151,18 @@ def _layer_dtypes(model: GPT, dtype: torch.dtype) -> str | None:
 
 class FusedStep(Protocol):
     """A Step that may also put several rows in one cache row (slots: each row's cache row, int64; None: row b's
-    own), at distinct positions: a lookup proposal checked beside its request's own token (csrc/step.cpp)."""
+    own), at distinct positions: a lookup proposal checked beside its request's own token; and may read each row's
+    first positions from another cache row that holds the same bits there (shared: (rows, 2) int64, a cache row and
+    a length per row; None: none), so that rows sharing a prompt's prefix read one copy of it (csrc/step.cpp)."""
 
     def __call__(
-        self, model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int, slots: Tensor | None = None
+        self,
+        model: GPT,
+        tokens: Tensor,
+        cache: KVCache,
+        positions: Tensor | int,
+        slots: Tensor | None = None,
+        shared: Tensor | None = None,
     ) -> Tensor: ...
 
 
@@ -177,7 +185,12 @@ def step_for(model: GPT) -> FusedStep | None:
     vocab = model.config.vocab_size
 
     def fused(
-        model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int, slots: Tensor | None = None
+        model: GPT,
+        tokens: Tensor,
+        cache: KVCache,
+        positions: Tensor | int,
+        slots: Tensor | None = None,
+        shared: Tensor | None = None,
     ) -> Tensor:
         nonlocal plan, planned
         rows = tokens.size(0)
@@ -199,6 +212,7 @@ def step_for(model: GPT) -> FusedStep | None:
                 cache.value_scales,
                 _row_adapters(model, rows),
                 _NO_SLOTS if slots is None else slots.to(torch.long).contiguous(),
+                _NO_SLOTS if shared is None else shared.to(torch.long).contiguous(),
             )
         return logits[:, :vocab] if logits.size(-1) != vocab else logits  # (rows, V): a padded head's rows dropped
 
@@ -206,7 +220,8 @@ def step_for(model: GPT) -> FusedStep | None:
 
 
 def _eager(model: GPT, tokens: Tensor, cache: KVCache, positions: Tensor | int, slots: Tensor | None) -> Tensor:
-    """The eager step where the fused one does not take the rows (which must then each have a cache row of its own)."""
+    """The eager step where the fused one does not take the rows (which must then each have a cache row of its own;
+    a shared prefix is read from the row itself, which holds the same bits)."""
     if slots is not None:
         raise InputError(f"rows sharing cache rows need the fused step, which does not take these {tokens.size(0)}")
     return decode_one_token(model, tokens, cache, positions)
@@ -368,7 +383,7 @@ def _row_adapters(model: GPT, rows: int) -> Tensor:
 
 _NONE = torch.empty(0)
 _NO_ADAPTERS = torch.empty(0, dtype=torch.long)
-_NO_SLOTS = torch.empty(0, dtype=torch.long)  # each row its own cache row
+_NO_SLOTS = torch.empty(0, dtype=torch.long)  # each row its own cache row (slots), no shared prefix (shared)
 
 
 def _norm_tensors(norm: nn.Module | None, gains: bool) -> list[Tensor]:
@@ -405,7 +420,8 @@ def _faster_than_eager(rows: int = 1) -> bool:
     with inference(model):
         return faster(
             lambda: [
-                plan.step(tokens[:, 0], p, cache.keys, cache.values, [], [], _NO_ADAPTERS, _NO_SLOTS) for p in positions
+                plan.step(tokens[:, 0], p, cache.keys, cache.values, [], [], _NO_ADAPTERS, _NO_SLOTS, _NO_SLOTS)
+                for p in positions
             ],
             lambda: [decode_one_token(model, tokens, cache, p) for p in range(start, start + count)],
             rounds=3,

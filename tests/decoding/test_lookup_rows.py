@@ -70,9 +70,9 @@ def fused_only(monkeypatch):
     def counted(model):
         step = step_for(model)
 
-        def counting(model, tokens, cache, positions, slots=None):
+        def counting(model, tokens, cache, positions, slots=None, shared=None):
             calls["shared"] += slots is not None
-            return step(model, tokens, cache, positions, slots)
+            return step(model, tokens, cache, positions, slots, shared)
 
         return counting if step is not None else None
 

@@ -39,8 +39,8 @@ def test_tiles_of_every_row_count_give_each_row_its_single_row_sum(k, threads):
 
 
 def _step(plan: torch.ScriptObject, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    none = torch.empty(0, dtype=torch.long)  # no adapters; each row its own cache row
-    return plan.step(tokens, positions, cache.keys, cache.values, [], [], none, none)
+    none = torch.empty(0, dtype=torch.long)  # no adapters; each row its own cache row; no shared prefix
+    return plan.step(tokens, positions, cache.keys, cache.values, [], [], none, none, none)
 
 
 @needs_kernels

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY, VARIANTS
+from helpers import TINY, VARIANTS, filled_cache
 
 from gptkit.config import ModelConfig
 from gptkit.decoding import fused
 from gptkit.decoding.step import inference
-from gptkit.kv_cache import KVCache
 from gptkit.model import GPT
 from gptkit.native import library
 
@@ -25,24 +24,6 @@ ROWS = [(0, 4), (0, 5), (1, 9), (0, 6)]
 def fused_chosen(monkeypatch):
     """The fused step as if measured faster here (it is chosen per machine; these tests check what it computes)."""
     monkeypatch.setitem(library.STATE, "choices", dict(library.choices(), fused_step=True))
-
-
-def filled_cache(model: GPT, stored: torch.dtype) -> KVCache:
-    """Two rows of `stored` values whose every position holds random keys and values (an int8 cache: random codes
-    and scales)."""
-    kv_dtype = torch.int8 if stored == torch.int8 else None
-    cache = KVCache(
-        model.config, 2, model.config.block_size, dtype=torch.float32 if kv_dtype else stored, kv_dtype=kv_dtype
-    )
-    g = torch.Generator().manual_seed(1)
-    for t in cache.tensors:
-        if t.dtype == torch.int8:
-            t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
-        elif t.dim() == 3:  # an int8 cache's scales, (rows, heads, positions)
-            t.copy_(0.001 + 0.02 * torch.rand(t.shape, generator=g))
-        else:
-            t.copy_(2.0 * torch.randn(t.shape, generator=g))
-    return cache
 
 
 def joined_and_single(config: dict, stored: torch.dtype, rows: list[tuple[int, int]], threads: int = 1):
