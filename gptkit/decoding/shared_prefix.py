@@ -62,7 +62,11 @@ class SharedPrefixes:
         waiting = {id(r) for r in new}  # a new request leads only those admitted after it (no chains)
         for request in new:
             waiting.discard(id(request))
-            leaders = [r for r in rows if r is not request and id(r) not in waiting and self._may_lead(r)]
+            leaders = [
+                r
+                for r in rows
+                if r is not request and r.adapter == request.adapter and id(r) not in waiting and self._may_lead(r)
+            ]
             best = max(leaders, key=lambda r: common_chunks(r.prompt, request.prompt), default=None)
             length = 0 if best is None else common_chunks(best.prompt, request.prompt)
             if length and same_span(cache, index[id(best)], index[id(request)], length):
