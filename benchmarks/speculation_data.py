@@ -1,13 +1,14 @@
 """The training text of bench_speculation.py's model: documents that copy, shaped like the benchmark's workloads.
 
 A model learns to continue a copy only from text that copies, and a small one learns it in minutes only when much
-of its text does. Seven kinds of document, separated by blank lines, in a shuffled order:
+of its text does. Eight kinds of document, separated by blank lines, in a shuffled order:
 - edits: a passage of the corpus, an instruction line, the passage again with a few words swapped (the editing
   workload's form, with other words and other wording, so its prompts are not in the training text);
 - small copies: a long copy over SMALL_ALPHABET symbols picked for the document, where one symbol matches too many
   places and the model must match on several before it (as English, below, needs);
 - repeats: a passage of the corpus written twice (the plainest copying of English, where one byte of context
-  matches too many places);
+  matches too many places); long repeats are the same with passages as long as the editing workload's, so the
+  second copy reads from 150-320 bytes back;
 - code: a small Python class whose methods repeat one shape with other names and operators (the code workload's
   form, with other names);
 - copies: watch_it_learn's random strings written twice (the plainest copying signal);
@@ -29,6 +30,7 @@ PASSAGE = (80, 320)  # an edit's passage, in characters
 LONG_SPAN = (64, 240)  # a long copy's string, in characters: both copies fit the 512-byte context
 SMALL_ALPHABET = 8  # a small copy's symbols: a 240-character string holds each about 30 times
 REPEAT = (80, 240)  # a repeat's passage, in characters: both copies fit the 512-byte context
+LONG_REPEAT = (150, 320)  # a long repeat's: the editing workload's 300 (a window holds the start of its copy)
 SWAPS = [  # word pairs an edit may swap; never the editing workload's ("the" as "that", "and" as "&")
     ("my", "our"),
     ("you", "thee"),
@@ -54,10 +56,20 @@ FIELDS = ["a", "b", "w", "h", "lo", "hi", "re", "im", "left", "right", "top", "r
 METHODS = [("plus", "+"), ("minus", "-"), ("times", "*"), ("over", "/"), ("mod", "%"), ("power", "**")]
 METHODS += [("floor", "//"), ("both", "&"), ("either", "|"), ("shift", "<<")]
 # Shares of the characters written: the first stage (a short context) is watch_it_learn's data, half copies and half
-# speeches; the second (the full context) carries copying to the full context on random strings; the third to English.
+# speeches; the second (the full context) carries copying to the full context on random strings; the third to English;
+# the fourth makes English copying the bulk, from as far back as the editing workload copies.
 FIRST_SHARES = {"copies": 0.5, "speech": 0.5}
 SHARES = {"edit": 0.3, "code": 0.15, "copies": 0.15, "long": 0.25, "speech": 0.15}
 THIRD_SHARES = {"small": 0.3, "repeat": 0.25, "edit": 0.2, "code": 0.1, "speech": 0.15}
+FOURTH_SHARES = {  # the keys' order breaks ties between kinds, so it fixes the text (and bench_speculation's model)
+    "long repeat": 0.4,
+    "repeat": 0.1,
+    "edit": 0.25,
+    "small": 0.05,
+    "long": 0.05,
+    "code": 0.05,
+    "speech": 0.1,
+}
 
 
 def passage_of(speeches: list[str], bounds: tuple[int, int], rng: random.Random) -> str:
@@ -71,9 +83,9 @@ def passage_of(speeches: list[str], bounds: tuple[int, int], rng: random.Random)
     return "\n\n".join(passage)[:length]
 
 
-def repeat_document(speeches: list[str], rng: random.Random) -> str:
-    """A passage of consecutive speeches, a blank line, and the passage again."""
-    text = passage_of(speeches, REPEAT, rng)
+def repeat_document(speeches: list[str], rng: random.Random, bounds: tuple[int, int] = REPEAT) -> str:
+    """A passage of consecutive speeches (its length within bounds), a blank line, and the passage again."""
+    text = passage_of(speeches, bounds, rng)
     return f"{text}\n\n{text}"
 
 
@@ -126,6 +138,7 @@ def training_text(corpus: str, chars: int, shares: dict[str, float], seed: int =
         "copies": lambda: copy_document(alphabet, rng),
         "long": lambda: long_copy_document(alphabet, rng),
         "repeat": lambda: repeat_document(speeches, rng),
+        "long repeat": lambda: repeat_document(speeches, rng, LONG_REPEAT),
         "small": lambda: small_copy_document(alphabet, rng),
         "speech": lambda: speeches[rng.randrange(len(speeches))],
     }

@@ -68,3 +68,20 @@ def test_a_small_copy_uses_few_symbols():
     document = data.small_copy_document(sorted(set(CORPUS) - {"\n"}), random.Random(6))
     assert len(set(document)) <= data.SMALL_ALPHABET
     assert document[: len(document) // 2] == document[len(document) // 2 :]
+
+
+def test_a_long_repeat_copies_from_as_far_back_as_the_editing_workload():
+    speeches = CORPUS[: -data.HELD_OUT].split("\n\n")
+    halves = []
+    for seed in range(20):
+        document = data.repeat_document(speeches, random.Random(seed), data.LONG_REPEAT)
+        half = (len(document) - 2) // 2
+        assert document[:half] == document[half + 2 :] and half <= data.LONG_REPEAT[1]
+        halves.append(half)
+    assert max(halves) >= 300  # the editing workload's passages are 300 characters
+
+
+def test_every_stage_names_kinds_the_text_makes():
+    for shares in (data.FIRST_SHARES, data.SHARES, data.THIRD_SHARES, data.FOURTH_SHARES):
+        assert abs(sum(shares.values()) - 1) < 1e-9
+        assert data.training_text(CORPUS, 5_000, shares)
