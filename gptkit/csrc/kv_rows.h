@@ -198,7 +198,8 @@ inline void scores_of(const float* q, const CacheView& keys, int64_t cache, int6
     scores_f32(q, cached(keys, cache, head_dim, b, g, from, row), keys.ss, head_dim, to - from, scale, scores + from);
     return;
   }
-  for (int64_t s = from; s < to; ++s) scores[s] = gk::dot(q, cached(keys, cache, head_dim, b, g, s, row), head_dim) * scale;
+  for (int64_t s = from; s < to; ++s)
+    scores[s] = gk::dot(q, cached(keys, cache, head_dim, b, g, s, row), head_dim) * scale;
 }
 
 // out += the weights p[s] times the values of positions [from, to) of cache row b, in position order.
