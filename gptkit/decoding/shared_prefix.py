@@ -67,10 +67,10 @@ class SharedPrefixes:
                 for r in rows
                 if r is not request and r.adapter == request.adapter and id(r) not in waiting and self._may_lead(r)
             ]
-            best = max(leaders, key=lambda r: common_chunks(r.prompt, request.prompt), default=None)
-            length = 0 if best is None else common_chunks(best.prompt, request.prompt)
-            if length and same_span(cache, index[id(best)], index[id(request)], length):
-                self._shares[id(request)] = Share(request, best, length)
+            offers = [(common_chunks(r.prompt, request.prompt), i) for i, r in enumerate(leaders)]
+            length, best = max(offers, key=lambda offer: offer[0], default=(0, -1))  # the first of equals
+            if length and same_span(cache, index[id(leaders[best])], index[id(request)], length):
+                self._shares[id(request)] = Share(request, leaders[best], length)
 
     def leave(self, request: Request) -> None:
         """Drop the shares request takes part in: it leaves its row (finished or cancelled)."""
