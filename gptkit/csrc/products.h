@@ -183,11 +183,12 @@ class Staging {
 };
 
 // fp32 register tiles (tile_f32): kTileN weight rows by kTileM activation rows, one chain's accumulators with the
-// tile's activation vectors and a weight vector in the vector registers (AVX2: 12 + 2 + 1 of 16; AVX-512: 24 + 4 + 1
-// of 32). On AVX2, 5 or 6 by 2 streamed GPT-2 small's batch-8 products fastest of 3-7 by 1-3 (one core, AMD EPYC).
-constexpr int64_t kTileN = 6, kTileM = kLanes == 16 ? 4 : 2;
+// tile's activation vectors and a weight vector in the vector registers (AVX2: 12 + 3 + 1 of 16; AVX-512: 24 + 4 + 1
+// of 32). On AVX2, 4 by 3 loads 7 vectors for 12 multiply-adds where 6 by 2 loads 8: with the spread prefetch, the
+// batch-8 products of product_tiles_f32's comment took 29.7 ms (median 35.7) in 4 by 3 tiles and 33.5 (37.0) in 6 by 2.
+constexpr int64_t kTileN = kLanes == 16 ? 6 : 4, kTileM = kLanes == 16 ? 4 : 3;
 // k runs in chunks of this many floats, an even number of vectors (so each chunk starts on chain 0): a chunk of every
-// activation row and of the tile's weight rows (8 + 6 rows of 2 KiB) stays in L1 while the tile's slices pass it.
+// activation row and of the tile's weight rows (AVX2: 8 + 4 rows of 2 KiB) stays in L1 while the tile's slices pass it.
 constexpr int64_t kTileChunk = 512;
 
 // Calls fn(std::integral_constant<int, v>) for v in First..Last (values past Last as Last).
@@ -206,28 +207,9 @@ inline void with_value(int64_t v, Fn&& fn) {
 // AMD EPYC). AVX-512: from 6 rows, where its earlier two-chain tiles were measured (2-core AVX-512 EPYC).
 constexpr int64_t kTilesFromRows = kLanes == 16 ? 6 : 2;
 
-// The next tile's weight rows, brought into L2 while the tile's passes compute from L1. Memory is otherwise idle
-// through all but the first pass over each chunk, and a batch-8 step's products read the weights and compute one
-// after the other: spread over the passes, the reads overlap them (GPT-2 small's batch-8 fp32 products went from
-// 72.7 to 57.7 ms a step, best of 6 interleaved rounds on one AVX2 EPYC core; the M = 1 products take 47 ms).
-struct Ahead {
-  const char* at = nullptr;
-  const char* end = nullptr;
-  int64_t lines = 0;  // cache lines per pass
-
-  Ahead(const float* from, const float* to, int64_t passes)
-      : at(reinterpret_cast<const char*>(from)), end(reinterpret_cast<const char*>(to)) {
-    lines = passes > 0 ? ((end - at) / 64 + passes) / passes : 0;
-  }
-
-  void burst() {
-    for (int64_t i = 0; i < lines && at < end; ++i, at += 64) _mm_prefetch(at, _MM_HINT_T1);
-  }
-};
-
 // Both chains' sums of nr weight rows (w, K apart) against gm <= kMaxRows activation rows x: sums[c] holds slice m0's
 // (kTileM rows from m0) in [m0 * kTileN, ...), n * mr + (m - m0) within it. The tile's weight rows meet every
-// activation row chunk by chunk of k, while both are in L1; each pass prefetches its share of `ahead`.
+// activation row chunk by chunk of k, while both are in L1; each step of k steps ahead (tile_f32).
 inline void tile_sums_f32(const float* w, const float* x, int64_t K, int64_t nr, int64_t gm,
                           V (*sums)[kTileN * kMaxRows], Ahead& ahead) {
   const int64_t whole = K / kLanes * kLanes;
@@ -239,11 +221,10 @@ inline void tile_sums_f32(const float* w, const float* x, int64_t K, int64_t nr,
     for (int c = 0; c < 2; ++c)
       for (int64_t m0 = 0; m0 < gm; m0 += kTileM) {
         const int64_t mr = gm - m0 < kTileM ? gm - m0 : kTileM;
-        ahead.burst();
         with_value<1, kTileN>(nr, [&](auto n) {
           with_value<1, kTileM>(mr, [&](auto m) {
             tile_f32<decltype(n)::value, decltype(m)::value>(w, x + m0 * K, K, k0 + c * kLanes, k1,
-                                                             sums[c] + m0 * kTileN, k0 == 0);
+                                                             sums[c] + m0 * kTileN, k0 == 0, ahead);
           });
         });
       }
@@ -251,7 +232,11 @@ inline void tile_sums_f32(const float* w, const float* x, int64_t K, int64_t nr,
 }
 
 // fp32 weight rows [n0, n1) against M activation rows in register tiles: each tile of kTileN weight rows is read from
-// memory once and passed by up to kMaxRows activation rows at a time, while the next tile is prefetched (Ahead).
+// memory once and passed by up to kMaxRows activation rows at a time. Through the first group's passes, the steps of
+// k prefetch the next tile line by line, so that it arrives while this one computes. Bursts of prefetches at each
+// pass's start did less: the 49 products of GPT-2 small's batch-8 fp32 step, every weight streamed from 2 MiB pages
+// on 2 threads and timed alone in a C++ loop, took 40.7 ms (best of 6 interleaved rounds; median 45.2) with bursts and
+// 37.5 (39.2) spread, where reading the same bytes with no arithmetic took 24.4 (26.0); one 2-core AVX2 EPYC.
 inline void product_tiles_f32(const Weight& w, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0,
                               int64_t n1, bool accumulate) {
   const int64_t K = w.K, whole = K / kLanes * kLanes;
@@ -261,9 +246,12 @@ inline void product_tiles_f32(const Weight& w, const float* x, int64_t M, float*
     const int64_t nr = n1 - t0 < kTileN ? n1 - t0 : kTileN;
     for (int64_t g0 = 0; g0 < M; g0 += kMaxRows) {
       const int64_t gm = M - g0 < kMaxRows ? M - g0 : kMaxRows;
+      // The next tile's bytes over this group's steps of k (each slice steps through half the vectors per chain); a
+      // later group finds the tile in cache and asks for nothing.
       const int64_t next = t0 + nr + kTileN < n1 ? t0 + nr + kTileN : n1;
-      const int64_t passes = (whole + kTileChunk - 1) / kTileChunk * 2 * ((gm + kTileM - 1) / kTileM);
-      Ahead ahead(data + (t0 + nr) * K, data + next * K, g0 == 0 ? passes : 0);  // (the next group: from cache)
+      const int64_t steps = (whole / kLanes + 1) * ((gm + kTileM - 1) / kTileM);
+      const char* from = reinterpret_cast<const char*>(data + (t0 + nr) * K);
+      Ahead ahead{from, from, g0 == 0 ? ((next - t0 - nr) * K * 4 + steps - 1) / steps : 0};
       tile_sums_f32(data + t0 * K, x + g0 * K, K, nr, gm, sums, ahead);
       for (int64_t m = 0; m < gm; ++m) {
         const int64_t m0 = m - m % kTileM, mr = gm - m0 < kTileM ? gm - m0 : kTileM;

@@ -46,19 +46,34 @@ inline void row_f32(const float* w, const float* x, int64_t K, float* out) {
 // MR times; held once, a 32-row GPT-2-small decode step went from 61 to 52 ms (2-core AVX-512 EPYC).
 inline void in_register(V& v) { asm volatile("" : "+v"(v)); }
 
+// Lines of weights to come, asked for a few at a time through a tile's arithmetic (products.h's product_tiles_f32):
+// each step of k moves the goal on by stride bytes and prefetches every line up to it.
+struct Ahead {
+  const char* at = nullptr;
+  const char* goal = nullptr;
+  int64_t stride = 0;
+};
+
 // NR weight rows against MR activation rows, one of row_f32's two chains at a time: acc[n * MR + m] carries the sum
 // of row n . x[m] over the vectors k0, k0 + 2 kLanes, ... below k1 (k0's parity picks the chain: chain c sums the
 // vectors of parity c, as row_f32's do). One chain needs NR * MR accumulators where both would not fit the registers,
 // and each (n, m) sum still takes row_f32's operations in row_f32's order: its result is row_f32's to the bit. Each
 // weight vector loaded serves MR rows and each activation vector NR rows (row_f32 loads an activation vector per
 // multiply-add, which held GPT-2 small's batch-8 fp32 step to about 40% of the bandwidth bound on AVX2). fresh: the
-// sums start from zero rather than from acc (the chain's first chunk).
+// sums start from zero rather than from acc (the chain's first chunk). Each step of k also steps ahead, so that the
+// reads of the next tile overlap this one's arithmetic.
 template <int NR, int MR>
-inline void tile_f32(const float* w, const float* x, int64_t K, int64_t k0, int64_t k1, V* acc, bool fresh) {
+inline void tile_f32(const float* w, const float* x, int64_t K, int64_t k0, int64_t k1, V* acc, bool fresh,
+                     Ahead& ahead) {
   V a[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) a[n][m] = fresh ? vzero() : acc[n * MR + m];
+  // In registers through the loop: kept in memory, each step waited on the last one's store of them.
+  const char *at = ahead.at, *goal = ahead.goal;
+  const int64_t stride = ahead.stride;
   for (int64_t k = k0; k + kLanes <= k1; k += 2 * kLanes) {
+    goal += stride;
+    for (; at < goal; at += 64) _mm_prefetch(at, _MM_HINT_T0);
     V xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = vload(x + m * K + k);
     for (int n = 0; n < NR; ++n) {
@@ -69,6 +84,7 @@ inline void tile_f32(const float* w, const float* x, int64_t K, int64_t k0, int6
   }
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) acc[n * MR + m] = a[n][m];
+  ahead.at = at, ahead.goal = goal;
 }
 
 // bf16 weights: with AVX-512 BF16 against bf16 activations xb (pairs multiplied exactly, summed in fp32); else

@@ -21,8 +21,8 @@ needs_kernels = pytest.mark.skipif(not kernels.load(), reason="this CPU has neit
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("k", [5, 16, 24, 771])
 def test_tiles_of_every_row_count_give_each_row_its_single_row_sum(k, threads):
-    """97 output rows (16 tiles of 6 and one of 1; two threads split them at 48, mid-tile), K shorter than one
-    vector (no tile pass at all), of one or two AVX-512 vectors (one chain's pass finds nothing to add), of 24
+    """97 output rows (tiles of 4 on AVX2 and 6 on AVX-512, then a short one; two threads split them at 48), K shorter
+    than one vector (no tile pass at all), of one or two AVX-512 vectors (one chain's pass finds nothing to add), of 24
     (an odd number of AVX2 vectors) and 771 (two chunks and a scalar tail): at 2 to 8 rows the product equals, to
     the bit, each row's product alone."""
     before = torch.get_num_threads()
