@@ -261,7 +261,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self.wakeup:
+                waited = False
                 while self.running and not (self.waiting or self.active or self.jobs):
+                    waited = True
                     self.wakeup.wait()
                 if not self.running:
                     break
@@ -270,6 +272,8 @@ class Engine:
             for fn, future in jobs:
                 self._run_job(fn, future)
             if self.governor is not None:
+                if waited:
+                    self.governor.resume()
                 self.governor.adjust()
             self._step()
         for request in self.active + list(self.waiting):

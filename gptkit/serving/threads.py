@@ -6,8 +6,9 @@ with a load of 7, two threads took 60 ms for each product that one thread did in
 tokens/s, far below the share of the machine it had. One thread never waits for another; it gets its share of a
 core and decodes in proportion to it. So ThreadGovernor looks at /proc/stat between decode steps, every CHECK_S
 seconds, and sets the engine thread's torch thread count to the cores the other programs left idle since the last
-look (at least 1, at most the count the server started with). A thread count changes only the order of a few sums,
-not the tokens a seeded request draws beyond float rounding, as any --threads does.
+look (at least 1, at most the count the server started with); a look's window starts again when decoding resumes
+after the engine sat idle, so that only load beside decoding counts. A thread count changes only the order of a few
+sums, not the tokens a seeded request draws beyond float rounding, as any --threads does.
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ class ThreadGovernor:
             self._set(others)
         self.last = self._reading()
         return self.threads
+
+    def resume(self) -> None:
+        """Start the next look's window now: called when decoding resumes after the engine sat idle. What other
+        programs did while it waited did not contend with its decoding, and read at the first step it took a thread
+        for a second: served one client at a time beside llama-server, each turn began on one thread ("other
+        programs use 1.9 of 2 cores": llama-server's turn just before)."""
+        self.last = self._reading()
 
     def adjust(self) -> int:
         """Look at the load if CHECK_S passed since the last look, set the thread count it allows; return the count

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -79,6 +80,58 @@ def test_without_proc_stat_the_count_stays(machine, monkeypatch, tmp_path):
     governor = ThreadGovernor(most=2, clock=machine.clock)
     machine.busy(cores=2.0)
     assert governor.adjust() == 2 and torch.get_num_threads() == 2
+
+
+def test_a_window_restarted_when_decoding_resumes_counts_only_load_beside_decoding(machine):
+    stale = ThreadGovernor(most=2, clock=machine.clock)
+    fresh = ThreadGovernor(most=2, clock=machine.clock)
+    machine.busy(cores=2.0)  # while the engine waited, another program used both cores, then stopped
+    fresh.resume()
+    assert fresh.adjust() == 2  # no second of decoding has passed: nothing read
+    assert stale.adjust() == 1  # read over the wait, the other program's turn takes a thread
+    machine.busy(cores=0.0)
+    assert fresh.adjust() == 2
+    fresh.resume()
+    machine.busy(cores=1.0)  # load that goes on beside decoding still takes its thread
+    assert fresh.adjust() == 1
+
+
+def test_the_engine_restarts_the_window_only_after_waiting():
+    from gptkit.decoding.request import Request
+    from gptkit.decoding.sampling import SamplingParams
+    from gptkit.serving.engine import Engine
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def resume(self) -> None:
+            self.calls.append("resume")
+
+        def adjust(self) -> int:
+            self.calls.append("adjust")
+            return 1
+
+    tokenizer = ByteTokenizer(specials=())
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16)
+    engine = Engine(GPT(config), tokenizer, max_batch_size=2)
+    engine.governor = Recorder()
+    engine.start()
+    try:
+        for _ in range(2):  # two requests, the engine idle before each
+            done = threading.Event()
+            params = SamplingParams(max_new_tokens=6, temperature=0)
+            request = Request(tokenizer.encode("ab"), params, tokenizer.eos_ids, tokenizer.decode)
+            engine.submit([(request, lambda delta: delta.finish_reason and done.set())])
+            assert done.wait(timeout=60)
+            time.sleep(0.05)  # the engine goes back to waiting
+    finally:
+        engine.stop()
+    calls = engine.governor.calls
+    # every step looks (adjust), and only the first step after each wait starts the window again (resume)
+    second = calls.index("resume", 1)
+    assert calls[0] == "resume" and calls[second + 1] == "adjust" and calls.count("resume") == 2, calls
+    assert calls[1:second].count("adjust") >= 2 and "resume" not in calls[1:second], calls
 
 
 def test_the_server_logs_one_line_with_its_url_once_it_listens(caplog):
