@@ -25,6 +25,13 @@ bandwidth (gptkit's probe over 1 GiB, as bench_generate's), which bounds a memor
 
     .venv/bin/python benchmarks/bench_kernels.py --shapes qwen3-moe
     .venv/bin/python benchmarks/bench_kernels.py --shapes qwen3-moe --quick --json
+
+--shapes gpt2-streamed times gptkit's fp32 products over the matrices of a whole GPT-2-small decode step instead, each
+layer's its own (0.5 GB on 2 MiB pages: every pass streams them from memory, as decoding does; --quick: one layer and
+a 4,096-row head), at each --rows: the milliseconds a pass takes, the rate the weights stream at, and the time the
+probe's bandwidth needs to read the same bytes as a share of it (issue 59's batch-8 bound counts those bytes):
+
+    .venv/bin/python benchmarks/bench_kernels.py --shapes gpt2-streamed --rounds 7
 """
 
 from __future__ import annotations
@@ -219,14 +226,64 @@ def moe_steps(quick: bool, steps: int) -> list[dict]:
     return results
 
 
+def streamed(rows: list[int], rounds: int, quick: bool) -> list[dict]:
+    """The fp32 products of a GPT-2-small decode step, every layer's matrices its own, at each row count (rounds
+    interleaved, each count scored by its best), against the time to read their bytes at the probe's bandwidth."""
+    layers, vocab = (1, 4096) if quick else (12, 50257)
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k) * 0.02 for _ in range(layers) for n, k in SHAPES[:4]] + [
+        torch.randn(vocab, 768) * 0.02
+    ]
+    torch.ops.gptkit.huge_pages(weights)
+    nbytes = sum(w.numel() * 4 for w in weights)
+    read_s = nbytes / read_bandwidth(64 if quick else 1024)
+    inputs = {r: {k: torch.randn(r, k) for k in (768, 3072)} for r in rows}
+    best = dict.fromkeys(rows, float("inf"))
+    for _ in range(rounds + 1):  # the first pass warms up (page faults, the kernels' buffers); it counts too
+        for r in rows:
+            start = time.perf_counter()
+            for w in weights:
+                torch.ops.gptkit.gemv(inputs[r][w.size(1)], w, None)
+            best[r] = min(best[r], time.perf_counter() - start)
+    return [
+        {
+            "rows": r,
+            "ms": best[r] * 1e3,
+            "gb_s": nbytes / best[r] / 1e9,
+            "read_ms": read_s * 1e3,
+            "of_read": read_s / best[r],
+        }
+        for r in rows
+    ]
+
+
+def report_streamed(results: list[dict], as_json: bool) -> int:
+    """Print the streamed products' figures (a table, or one JSON object)."""
+    if as_json:
+        print(json.dumps({"cpu": library.capability(), "threads": torch.get_num_threads(), "results": results}))
+        return 0
+    print(f"cpu: {library.capability()}; threads: {torch.get_num_threads()}")
+    print(f"{'rows':>4} {'ms':>7} {'GB/s':>6} {'read ms':>8} {'read share':>10}")
+    for r in results:
+        print(f"{r['rows']:4d} {r['ms']:7.2f} {r['gb_s']:6.1f} {r['read_ms']:8.2f} {100 * r['of_read']:9.0f}%")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8", help="comma-separated activation row counts (1 to 8)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; each side scored by its best")
     p.add_argument("--calls", type=int, default=20, help="passes over the five products per round")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--shapes", choices=("gpt2", "qwen3-moe"), default="gpt2", help="products, or MoE decode steps")
-    p.add_argument("--quick", action="store_true", help="qwen3-moe: a 2-layer model of 16 experts (a smoke run)")
+    p.add_argument(
+        "--shapes",
+        choices=("gpt2", "gpt2-streamed", "qwen3-moe"),
+        default="gpt2",
+        help="products, a whole step's products streamed from memory, or MoE decode steps",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke run: qwen3-moe 2 layers of 16 experts; gpt2-streamed 1 layer"
+    )
     p.add_argument("--steps", type=int, default=32, help="qwen3-moe: decode steps timed per way")
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
@@ -241,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.shapes == "qwen3-moe":
         return report_moe(moe_steps(args.quick, args.steps), args.json)
+    if args.shapes == "gpt2-streamed":
+        return report_streamed(streamed(rows, args.rounds, args.quick), args.json)
     results = measure(rows, args.rounds, args.calls)
     if args.json:
         print(json.dumps({"cpu": library.capability(), "threads": torch.get_num_threads(), "results": results}))

@@ -288,6 +288,19 @@ def test_bench_kernels_smoke_run_times_every_format_on_both_sides():
     assert all(r["torch"]["us"] > 0 and r["gptkit"]["gb_s"] > 0 for r in report["results"])
 
 
+def test_bench_kernels_streamed_smoke_run_times_each_row_count_against_reading():
+    from gptkit.native import library
+
+    if not library.load():
+        pytest.skip("gptkit's CPU kernels are not built on this machine")
+    command = [sys.executable, str(BENCH_DIR / "bench_kernels.py"), "--shapes", "gpt2-streamed", "--quick"]
+    result = subprocess.run([*command, "--rows", "1,8", "--rounds", "1", "--json"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [r["rows"] for r in report["results"]] == [1, 8]
+    assert all(r["ms"] > 0 and r["of_read"] == pytest.approx(r["read_ms"] / r["ms"]) for r in report["results"])
+
+
 def test_bench_quantization_smoke_run_scores_every_setting(tmp_path):
     import torch
 
