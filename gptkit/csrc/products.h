@@ -250,8 +250,8 @@ inline void product_tiles_f32(const Weight& w, const float* x, int64_t M, float*
       // later group finds the tile in cache and asks for nothing.
       const int64_t next = t0 + nr + kTileN < n1 ? t0 + nr + kTileN : n1;
       const int64_t steps = (whole / kLanes + 1) * ((gm + kTileM - 1) / kTileM);
-      const char* from = reinterpret_cast<const char*>(data + (t0 + nr) * K);
-      Ahead ahead{from, from, g0 == 0 ? ((next - t0 - nr) * K * 4 + steps - 1) / steps : 0};
+      const uintptr_t from = reinterpret_cast<uintptr_t>(data + (t0 + nr) * K);
+      Ahead ahead{from, from, g0 == 0 ? uintptr_t(((next - t0 - nr) * K * 4 + steps - 1) / steps) : 0};
       tile_sums_f32(data + t0 * K, x + g0 * K, K, nr, gm, sums, ahead);
       for (int64_t m = 0; m < gm; ++m) {
         const int64_t m0 = m - m % kTileM, mr = gm - m0 < kTileM ? gm - m0 : kTileM;

@@ -47,11 +47,12 @@ inline void row_f32(const float* w, const float* x, int64_t K, float* out) {
 inline void in_register(V& v) { asm volatile("" : "+v"(v)); }
 
 // Lines of weights to come, asked for a few at a time through a tile's arithmetic (products.h's product_tiles_f32):
-// each step of k moves the goal on by stride bytes and prefetches every line up to it.
+// each step of k moves the goal on by stride bytes and prefetches every line up to it. Addresses as integers: the goal
+// may pass the end of the weights by less than a stride, and a prefetch there is harmless where a pointer would not be.
 struct Ahead {
-  const char* at = nullptr;
-  const char* goal = nullptr;
-  int64_t stride = 0;
+  uintptr_t at = 0;
+  uintptr_t goal = 0;
+  uintptr_t stride = 0;
 };
 
 // NR weight rows against MR activation rows, one of row_f32's two chains at a time: acc[n * MR + m] carries the sum
@@ -69,11 +70,11 @@ inline void tile_f32(const float* w, const float* x, int64_t K, int64_t k0, int6
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) a[n][m] = fresh ? vzero() : acc[n * MR + m];
   // In registers through the loop: kept in memory, each step waited on the last one's store of them.
-  const char *at = ahead.at, *goal = ahead.goal;
-  const int64_t stride = ahead.stride;
+  uintptr_t at = ahead.at, goal = ahead.goal;
+  const uintptr_t stride = ahead.stride;
   for (int64_t k = k0; k + kLanes <= k1; k += 2 * kLanes) {
     goal += stride;
-    for (; at < goal; at += 64) _mm_prefetch(at, _MM_HINT_T0);
+    for (; at < goal; at += 64) _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
     V xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = vload(x + m * K + k);
     for (int n = 0; n < NR; ++n) {
