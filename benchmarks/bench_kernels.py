@@ -257,12 +257,20 @@ def streamed(rows: list[int], rounds: int, quick: bool) -> list[dict]:
     ]
 
 
-def report_streamed(results: list[dict], as_json: bool) -> int:
-    """Print the streamed products' figures (a table, or one JSON object)."""
+def printed_as_json(results: list[dict], as_json: bool) -> bool:
+    """With as_json, print the results with the CPU and thread count as one JSON object and return True; else print
+    the table's CPU line and return False (the caller prints the table)."""
     if as_json:
         print(json.dumps({"cpu": library.capability(), "threads": torch.get_num_threads(), "results": results}))
-        return 0
+        return True
     print(f"cpu: {library.capability()}; threads: {torch.get_num_threads()}")
+    return False
+
+
+def report_streamed(results: list[dict], as_json: bool) -> int:
+    """Print the streamed products' figures (a table, or one JSON object)."""
+    if printed_as_json(results, as_json):
+        return 0
     print(f"{'rows':>4} {'ms':>7} {'GB/s':>6} {'read ms':>8} {'read share':>10}")
     for r in results:
         print(f"{r['rows']:4d} {r['ms']:7.2f} {r['gb_s']:6.1f} {r['read_ms']:8.2f} {100 * r['of_read']:9.0f}%")
@@ -301,10 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.shapes == "gpt2-streamed":
         return report_streamed(streamed(rows, args.rounds, args.quick), args.json)
     results = measure(rows, args.rounds, args.calls)
-    if args.json:
-        print(json.dumps({"cpu": library.capability(), "threads": torch.get_num_threads(), "results": results}))
+    if printed_as_json(results, args.json):
         return 0
-    print(f"cpu: {library.capability()}; threads: {torch.get_num_threads()}")
     print(f"{'rows':>4} {'format':6} {'torch us':>9} {'GB/s':>6} {'gptkit us':>9} {'GB/s':>6} {'torch/gptkit':>12}")
     for r in results:
         print(
@@ -316,10 +322,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report_moe(results: list[dict], as_json: bool) -> int:
     """Print the MoE decode steps' figures (a table, or one JSON object)."""
-    if as_json:
-        print(json.dumps({"cpu": library.capability(), "threads": torch.get_num_threads(), "results": results}))
+    if printed_as_json(results, as_json):
         return 0
-    print(f"cpu: {library.capability()}; threads: {torch.get_num_threads()}")
     print(f"{'dtype':9} {'step':6} {'tokens/s':>9} {'MB/token':>9} {'GB/s':>6} {'of bound':>8}")
     for r in results:
         print(
