@@ -18,10 +18,13 @@ import pytest
 import torch
 
 from gptkit.config import ModelConfig
+from gptkit.decoding.request import Request
+from gptkit.decoding.sampling import SamplingParams
 from gptkit.formats.modeldir import save_model_dir
 from gptkit.model import GPT
 from gptkit.native import contention
 from gptkit.serving import threads
+from gptkit.serving.engine import Engine
 from gptkit.serving.threads import ThreadGovernor
 from gptkit.tokenizer import ByteTokenizer
 
@@ -97,10 +100,6 @@ def test_a_window_restarted_when_decoding_resumes_counts_only_load_beside_decodi
 
 
 def test_the_engine_restarts_the_window_only_after_waiting():
-    from gptkit.decoding.request import Request
-    from gptkit.decoding.sampling import SamplingParams
-    from gptkit.serving.engine import Engine
-
     class Recorder:
         def __init__(self) -> None:
             self.calls: list[str] = []
