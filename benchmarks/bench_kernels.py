@@ -32,6 +32,13 @@ a 4,096-row head), at each --rows: the milliseconds a pass takes, the rate the w
 probe's bandwidth needs to read the same bytes as a share of it (issue 59's batch-8 bound counts those bytes):
 
     .venv/bin/python benchmarks/bench_kernels.py --shapes gpt2-streamed --rounds 7
+
+--shapes gpt2-prefill times the fp32 products of a whole GPT-2-small prefill forward instead, the LM head left out
+(the last token's only), each layer's matrices its own on 2 MiB pages, at each --prefill-rows: F.linear (MKL in
+PyTorch's CPU wheel) against gptkit's many-row kernel (csrc/gemm.h), interleaved rounds, each scored by its best:
+milliseconds, GFLOP/s and PyTorch's time over gptkit's. 64 rows is the server's prefill chunk:
+
+    .venv/bin/python benchmarks/bench_kernels.py --shapes gpt2-prefill --prefill-rows 16,64,180
 """
 
 from __future__ import annotations
@@ -257,6 +264,47 @@ def streamed(rows: list[int], rounds: int, quick: bool) -> list[dict]:
     ]
 
 
+def prefill_products(rows: list[int], rounds: int, quick: bool) -> list[dict]:
+    """F.linear against gptkit's many-row fp32 kernel over a GPT-2-small prefill forward's products (12 layers' own
+    weights, 1 with --quick) at each row count: rounds interleaved, each side scored by its best."""
+    layers = 1 if quick else 12
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k) * 0.02 for _ in range(layers) for n, k in SHAPES[:4]]
+    torch.ops.gptkit.huge_pages(weights)
+    flops = {r: sum(2 * r * w.numel() for w in weights) for r in rows}
+    inputs = {r: {k: torch.randn(r, k) for k in (768, 3072)} for r in rows}
+    sides = {"torch": F.linear, "gptkit": lambda x, w: torch.ops.gptkit.gemm(x, w, None)}
+    best = {(r, side): float("inf") for r in rows for side in sides}
+    for _ in range(rounds + 1):  # the first pass warms up
+        for r in rows:
+            for side, product in sides.items():
+                start = time.perf_counter()
+                for w in weights:
+                    product(inputs[r][w.size(1)], w)
+                best[r, side] = min(best[r, side], time.perf_counter() - start)
+    return [
+        {
+            "rows": r,
+            **{side: {"ms": best[r, side] * 1e3, "gflop_s": flops[r] / best[r, side] / 1e9} for side in sides},
+            "ratio": best[r, "torch"] / best[r, "gptkit"],
+        }
+        for r in rows
+    ]
+
+
+def report_prefill(results: list[dict], as_json: bool) -> int:
+    """Print the prefill products' figures (a table, or one JSON object)."""
+    if printed_as_json(results, as_json):
+        return 0
+    print(f"{'rows':>4} {'torch ms':>9} {'GFLOP/s':>8} {'gptkit ms':>9} {'GFLOP/s':>8} {'torch/gptkit':>12}")
+    for r in results:
+        t, g = r["torch"], r["gptkit"]
+        print(
+            f"{r['rows']:4d} {t['ms']:9.1f} {t['gflop_s']:8.1f} {g['ms']:9.1f} {g['gflop_s']:8.1f} {r['ratio']:11.2f}x"
+        )
+    return 0
+
+
 def printed_as_json(results: list[dict], as_json: bool) -> bool:
     """With as_json, print the results with the CPU and thread count as one JSON object and return True; else print
     the table's CPU line and return False (the caller prints the table)."""
@@ -277,6 +325,12 @@ def report_streamed(results: list[dict], as_json: bool) -> int:
     return 0
 
 
+def _counts(text: str) -> list[int]:
+    """Comma-separated whole numbers; [] where any is not one."""
+    parts = text.split(",")
+    return [int(p) for p in parts] if all(p.strip().isdigit() for p in parts) else []
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8", help="comma-separated activation row counts (1 to 8)")
@@ -285,19 +339,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(
         "--shapes",
-        choices=("gpt2", "gpt2-streamed", "qwen3-moe"),
+        choices=("gpt2", "gpt2-streamed", "gpt2-prefill", "qwen3-moe"),
         default="gpt2",
-        help="products, a whole step's products streamed from memory, or MoE decode steps",
+        help="products, a whole step's products streamed from memory, a prefill's products, or MoE decode steps",
     )
     p.add_argument(
-        "--quick", action="store_true", help="a smoke run: qwen3-moe 2 layers of 16 experts; gpt2-streamed 1 layer"
+        "--quick",
+        action="store_true",
+        help="a smoke run: qwen3-moe 2 layers of 16 experts; gpt2-streamed and gpt2-prefill 1 layer",
     )
+    p.add_argument("--prefill-rows", default="64", help="gpt2-prefill: comma-separated row counts (9 or more)")
     p.add_argument("--steps", type=int, default=32, help="qwen3-moe: decode steps timed per way")
     args = p.parse_args(argv)
-    rows = [int(r) for r in args.rows.split(",")]
-    if not all(1 <= r <= ops.GEMV_MAX_ROWS for r in rows) or args.rounds < 1 or args.calls < 1:
+    rows, prefill_rows = _counts(args.rows), _counts(args.prefill_rows)
+    if (
+        not rows
+        or not all(1 <= r <= ops.GEMV_MAX_ROWS for r in rows)
+        or args.rounds < 1
+        or args.calls < 1
+        or not prefill_rows
+        or min(prefill_rows) <= ops.GEMV_MAX_ROWS
+    ):
         print(
-            f"bench_kernels: --rows must lie in 1..{ops.GEMV_MAX_ROWS}; --rounds and --calls >= 1",
+            f"bench_kernels: --rows must lie in 1..{ops.GEMV_MAX_ROWS}, --prefill-rows above it; --rounds and --calls "
+            ">= 1",
             file=sys.stderr,
         )
         return 2
@@ -306,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.shapes == "qwen3-moe":
         return report_moe(moe_steps(args.quick, args.steps), args.json)
+    if args.shapes == "gpt2-prefill":
+        return report_prefill(prefill_products(prefill_rows, args.rounds, args.quick), args.json)
     if args.shapes == "gpt2-streamed":
         return report_streamed(streamed(rows, args.rounds, args.quick), args.json)
     results = measure(rows, args.rounds, args.calls)

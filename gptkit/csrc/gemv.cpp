@@ -5,12 +5,14 @@
 //                                 (x rounded to int8 per block of 32 first where K is a multiple of 32: kernels.h);
 //   gemv_q4(x, q, scales, bias, rows)  the Q4_0 product of kernels.h over rows (N) in groups of 8: fp32 x (M, K),
 //                                 uint8 q (ceil(N / 8), K / 32, 128), fp16 scales (ceil(N / 8), K / 32, 8), fp32 y;
+//   gemm(x, w, bias):             y = x @ w^T (+ bias) for fp32 x (M, K) of any M and fp32 w (N, K): a prefill's
+//                                 products (gemm.h: each output's bits depend on its own rows of x and w only);
 //   dequantize_q4(q, scales, rows, dtype)  gemv_q4's weight as a float (rows, K) matrix, fp32 or bf16;
 //   isa()                         the instruction set the library was built for;
 //   read_bandwidth(buffer, rounds) bytes/s that all threads stream from the buffer, each pinned to its own CPU for
 //                                 the probe, the best of the rounds (a benchmark's ceiling for weight-bound decoding);
 //   huge_pages(tensors)           asks Linux to back the tensors' memory with 2 MiB pages (bytes now so backed).
-// M is 1 to 8: each weight row is read once for all M rows of x. Each thread takes one contiguous range of rows,
+// gemv's M is 1 to 8: each weight row is read once for all M rows of x. Each thread takes one contiguous range of rows,
 // so that it streams one run of memory.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -105,6 +107,35 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   in.xb = static_cast<const gk::bf16*>(xb.data_ptr());
   const at::Tensor y = run(weight, in, M, x.options());
   return x.scalar_type() == at::kFloat ? y : y.to(at::kBFloat16);  // (fp32 x: the sums as the fused step keeps them)
+}
+
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemm: x (M, K) and w (N, K) expected");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "gemm: contiguous tensors expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "gemm: fp32 x and w expected");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor keep;
+  const float* b = bias_data(bias, N, keep);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t panel_count = (M + gk::kPanelRows - 1) / gk::kPanelRows;
+  at::Tensor panels = at::empty({panel_count, K, gk::kPanelRows}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *pp = panels.data_ptr<float>(), *yp = y.data_ptr<float>();
+  at::parallel_for(0, panel_count, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      gk::pack_panel(xp, K, p * gk::kPanelRows, std::min(gk::kPanelRows, M - p * gk::kPanelRows),
+                     pp + p * K * gk::kPanelRows);
+  });
+  const int T = at::get_num_threads();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t lo, hi;
+      gk::split(N, int(t), T, gk::kGemmRows, &lo, &hi);
+      if (lo < hi) gk::gemm_rows(wp, K, lo, hi, pp, panel_count, M, b, yp, N);
+    }
+  });
+  return y;
 }
 
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
@@ -281,6 +312,7 @@ int64_t isa() {
 
 TORCH_LIBRARY(gptkit, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("gemv_int8(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor");
   m.def("gemv_q4(Tensor x, Tensor q, Tensor scales, Tensor? bias, int rows) -> Tensor");
   m.def("dequantize_q4(Tensor q, Tensor scales, int rows, ScalarType dtype) -> Tensor");
@@ -290,6 +322,7 @@ TORCH_LIBRARY(gptkit, m) {
 }
 TORCH_LIBRARY_IMPL(gptkit, CPU, m) {
   m.impl("gemv", TORCH_FN(gemv));
+  m.impl("gemm", TORCH_FN(gemm));
   m.impl("gemv_int8", TORCH_FN(gemv_int8));
   m.impl("gemv_q4", TORCH_FN(gemv_q4));
   m.impl("dequantize_q4", TORCH_FN(dequantize_q4));

@@ -72,6 +72,7 @@ def _load_library(library: Path) -> None:
 def _register_shape_functions() -> None:
     """Tell torch.compile the ops' output shapes (once per process; a second registration is an error)."""
     torch.library.register_fake("gptkit::gemv")(lambda x, w, bias: x.new_empty(x.size(0), w.size(0)))
+    torch.library.register_fake("gptkit::gemm")(lambda x, w, bias: x.new_empty(x.size(0), w.size(0)))
     torch.library.register_fake("gptkit::gemv_int8")(lambda x, q, scales, bias: x.new_empty(x.size(0), q.size(0)))
     torch.library.register_fake("gptkit::gemv_q4")(lambda x, q, scales, bias, rows: x.new_empty(x.size(0), rows))
     torch.library.register_fake("gptkit::dequantize_q4")(

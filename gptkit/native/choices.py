@@ -1,6 +1,6 @@
-"""The timed choices: whether each of gptkit's products (fp32, bf16, int8 weights at one row) beats PyTorch's here,
-whether many-row bf16 runs faster in fp32, and other modules' choices (the fused decode step), each timed once per
-machine and kept in choices.json beside the built library. A CPU flag says what can run, never what is faster.
+"""The timed choices: whether each of gptkit's products (fp32, bf16, int8 weights at one row; fp32 over a prefill
+chunk's rows) beats PyTorch's here, whether many-row bf16 runs faster in fp32, and other modules' choices (the fused
+decode step), each timed once per machine and kept in choices.json beside the built library. A CPU flag says what can run, never what is faster.
 
 A choice timed while other programs kept more than a quarter of a core busy is kept all the same, marked so, with a
 log line (contention.timed_choice): a busy machine does not time it again at every start, and the first process
@@ -24,10 +24,12 @@ log = logging.getLogger("gptkit.native")
 
 UPCAST_VARIABLE = "GPTKIT_BF16_UPCAST"  # 1 or 0: many-row bf16 products in fp32 or not, without measuring
 CHOICES_FILE = "choices.json"
-MEASURED = {"fp32", "bf16", "int8", "bf16_upcast"}  # what _measure decides; choices.json entries may hold more
+# what _measure decides; choices.json entries may hold more
+MEASURED = {"fp32", "bf16", "int8", "bf16_upcast", "fp32_rows"}
 # An entry's mark that one of its choices was timed while other programs were busy: kept, so that a busy machine
 # does not time it again at every start, and timed again by the first process that finds the machine quiet.
 TIMED_BUSY = "timed_while_busy"
+PREFILL_ROWS = 64  # rows of the many-row fp32 product's timing: a prefill chunk (decoding.step.PREFILL_CHUNK)
 
 
 def record(name: str, measure: Callable[[], bool]) -> bool:
@@ -51,7 +53,7 @@ def decide(loaded: bool) -> dict[str, bool]:
     forced = os.environ.get(build.DISABLE_VARIABLE)
     upcast = os.environ.get(UPCAST_VARIABLE)
     if forced in ("0", "1") or not loaded:
-        chosen = dict.fromkeys(("fp32", "bf16", "int8"), forced == "1" and loaded)
+        chosen = dict.fromkeys(("fp32", "bf16", "int8", "fp32_rows"), forced == "1" and loaded)
         chosen["bf16_upcast"] = upcast == "1" if upcast in ("0", "1") else _faster_in_fp32()
         return chosen
     path = build.build_directory() / CHOICES_FILE
@@ -101,7 +103,8 @@ def _weights(dtype: torch.dtype, megabytes: int = 64) -> list[Tensor]:
 
 @torch.no_grad()
 def _measure() -> dict[str, bool]:
-    """Time one decode row through the kernels and through PyTorch over matrices that do not fit in cache."""
+    """Time one decode row (and a prefill chunk's rows in fp32) through the kernels and through PyTorch over
+    matrices that do not fit in cache."""
     chosen = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         ws = _weights(dtype)
@@ -117,6 +120,11 @@ def _measure() -> dict[str, bool]:
         lambda: [_torch_int8(x, q, scales) for q in qs],
     )
     chosen["bf16_upcast"] = _faster_in_fp32()
+    ws = _weights(torch.float32)
+    x = torch.randn(PREFILL_ROWS, 768)
+    chosen["fp32_rows"] = faster(
+        lambda: [torch.ops.gptkit.gemm(x, w, None) for w in ws], lambda: [F.linear(x, w) for w in ws], rounds=3
+    )
     return chosen
 
 

@@ -137,7 +137,8 @@ def capability() -> str:
 
 def choices() -> dict[str, bool]:
     """Which products this machine runs faster: {"fp32", "bf16", "int8": the kernel beats PyTorch at one row;
-    "bf16_upcast": many-row bf16 products run faster in fp32}. Measured once per machine (eager code only); while
+    "fp32_rows": the many-row fp32 kernel beats it over a prefill chunk; "bf16_upcast": many-row bf16 products run
+    faster in fp32}. Measured once per machine (eager code only); while
     the library is still to come, or this process measures in the background, nothing is chosen yet."""
     if "choices" not in STATE and not torch.compiler.is_compiling() and (load(wait=False) or "library" in STATE):
         if _BUILDING.acquire(blocking=False):

@@ -19,6 +19,11 @@ GEMV_MAX_ROWS = 8  # above this many rows a product is no longer bound by readin
 # small, compiled, fp32 activations, tokens/s template vs kernel: batch 1 72 vs 58, 2 131 vs 109, 4 195 vs 180,
 # 6 156 vs 242, 8 185 vs 233.
 COMPILED_INT8_MIN_ROWS = 5
+# Weights under this many values keep F.linear over many rows. At 64 rows with the weights in cache, MKL's F.linear
+# took 0.68x of gptkit's kernel's time at 256 x 128 and 0.88x at 768 x 256, and the two were level at 512 x 512
+# (0.98x) and 768 x 768 (1.02x); with the weights read from memory, as a prefill reads them, the kernel led
+# (bench_kernels.py --shapes gpt2-prefill). 2-core AVX2 EPYC, best of 30 interleaved rounds.
+GEMM_MIN_WEIGHT = 512 * 512
 HUGE_PAGES_EXIT_WAIT_S = 30.0  # moving huge pages is about a second per GB
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 _LIBRARY: ModuleType | None = None  # gptkit.native.library, once _library() has imported it
@@ -51,8 +56,8 @@ def cpu_inference_rows(x: Tensor) -> int:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear; for fp32 and bf16 inference on a CPU, by the GEMV kernel (few rows) where it is the faster, and
-    bf16 over many rows in fp32 where that is the faster."""
+    """F.linear; for fp32 and bf16 inference on a CPU, by the GEMV kernel (few rows) or the many-row fp32 kernel
+    where each is the faster, and bf16 over many rows in fp32 where that is the faster."""
     rows = cpu_inference_rows(x)
     if not rows:
         return F.linear(x, weight, bias)
@@ -62,8 +67,27 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         y = torch.ops.gptkit.gemv(x.reshape(rows, x.size(-1)).contiguous(), weight, bias)
         return y.view(*x.shape[:-1], weight.size(0))  # (rows, out) -> x's leading dimensions
     if same and name == "bf16" and rows >= BF16_UPCAST_MIN_ROWS and _library().choices().get("bf16_upcast", False):
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+        return _many_rows_f32(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+    if same and name == "fp32":
+        return _many_rows_f32(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _many_rows_f32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear over fp32 rows past GEMV_MAX_ROWS: by the many-row kernel (csrc/gemm.h) for weights of at least
+    GEMM_MIN_WEIGHT values where it was measured the faster, outside a graph being compiled (inductor's frozen
+    weights have their own prepacked GEMM)."""
+    rows = x.numel() // x.size(-1)
+    if (
+        rows <= GEMV_MAX_ROWS
+        or weight.numel() < GEMM_MIN_WEIGHT
+        or not weight.is_contiguous()
+        or torch.compiler.is_compiling()
+        or not _library().choices().get("fp32_rows", False)
+    ):
+        return F.linear(x, weight, bias)
+    y = torch.ops.gptkit.gemm(x.reshape(rows, x.size(-1)).contiguous(), weight, bias)
+    return y.view(*x.shape[:-1], weight.size(0))  # (rows, out) -> x's leading dimensions
 
 
 def int8_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor | None:

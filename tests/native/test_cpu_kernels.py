@@ -31,7 +31,7 @@ from gptkit.quantization import Int8Linear, quantize_weight
 REAL_OTHERS_BUSY = contention.others_busy  # (conftest's _quiet_machine replaces it within each test)
 
 needs_kernels = pytest.mark.skipif(not kernels.load(), reason="this CPU has neither AVX2 nor AVX-512")
-ALL = {"fp32": True, "bf16": True, "int8": True, "bf16_upcast": False}
+ALL = {"fp32": True, "bf16": True, "int8": True, "bf16_upcast": False, "fp32_rows": True}
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ def test_many_bf16_rows_run_in_fp32_where_measured_faster(monkeypatch, chosen, u
     dtypes = []
     real_linear = F.linear
     monkeypatch.setattr(ops.F, "linear", lambda *a: dtypes.append(a[0].dtype) or real_linear(*a))
-    chosen(bf16_upcast=upcast)
+    chosen(bf16_upcast=upcast, fp32_rows=False)  # (with the many-row kernel, the fp32 product is test_gemm's)
     x, w, b = _inputs(choices.BF16_UPCAST_MIN_ROWS, 64, 48, torch.bfloat16, True)
     with torch.no_grad():
         y = ops.linear(x.view(2, -1, 64), w, b)
@@ -290,7 +290,7 @@ def test_a_failed_build_logs_once_and_falls_back(monkeypatch, cache, caplog):
     assert torch.equal(y1, F.linear(x, w, b)) and torch.equal(y2, y1)
     [said] = [r.getMessage() for r in caplog.records]
     assert "did not build" in said and "Error building extension 'gptkit_gemv'" in said and "build.log" in said
-    assert kernels.choices() == {"fp32": False, "bf16": False, "int8": False, "bf16_upcast": False}
+    assert kernels.choices() == {"fp32": False, "bf16": False, "int8": False, "bf16_upcast": False, "fp32_rows": False}
 
 
 @pytest.mark.parametrize("flags", [set(), {"avx", "sse4_2"}, {"avx512f", "avx2"}])
@@ -348,8 +348,9 @@ def test_the_avx2_variant_computes_the_same_on_a_wider_cpu():
             str(tests / "native" / "test_cpu_kernels.py"),
             str(tests / "decoding" / "test_fused.py"),
             str(tests / "decoding" / "test_moe_decode.py"),
+            str(tests / "native" / "test_gemm.py"),
             "-k",
-            "gemv or fused_step_gives or every_weight_and_cache or long_positions or takes_moe_layers",
+            "gemv or gemm or fused_step_gives or every_weight_and_cache or long_positions or takes_moe_layers",
         ],
         capture_output=True,
         text=True,
