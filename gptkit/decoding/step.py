@@ -37,7 +37,9 @@ COMPILED_VERSIONS = 64  # compiled steps (models x shapes) kept before dynamo wo
 # cache: a chunk's keys and values depend only on the tokens up to its end, so a row whose first chunks were copied
 # from an earlier request computes the rest exactly as it would have computed them all. Smaller chunks reuse more of
 # a shared prefix, larger ones prefill faster: a 1,024-token prompt, GPT-2 small in fp32 on a 2-core AVX2 EPYC,
-# prefilled at 355 tokens/s in chunks of 64, 414 in 128, 513 in 256 and 580 in one forward.
+# prefilled at 355 tokens/s in chunks of 64, 414 in 128, 513 in 256 and 580 in one forward through F.linear. gptkit's
+# many-row kernel (csrc/gemm.h) narrowed the gap: in a slower hour of the same machine, 342 tokens/s in chunks of 64
+# and 417 in one forward, against F.linear's 225 and 407 (GPTKIT_CPU_KERNELS=0) in that hour.
 PREFILL_CHUNK = 64
 
 
