@@ -58,8 +58,9 @@ inline void pack_panel(const float* x, int64_t K, int64_t m0, int64_t rows, floa
   }
 }
 
-// R weight rows (w, K apart) against PV vectors of a panel over k in [k0, k1): acc[r * kPanelVectors + v] carries the sums
-// (from zero where fresh). With `next`, the tile after this one is asked for line by line on the way.
+// R weight rows (w, K apart) against PV vectors of a panel over k in [k0, k1): acc[r * kPanelVectors + v] carries
+// the sums (from zero where fresh). With `next`, the tile after this one is asked for line by line on the way, as
+// integer addresses: a last tile of fewer rows ends before R rows do, harmless for a prefetch, not for a pointer.
 template <int R, int PV>
 inline void gemm_tile(const float* w, int64_t K, const float* panel, int64_t k0, int64_t k1, V* acc, bool fresh,
                       const float* next) {
@@ -68,7 +69,9 @@ inline void gemm_tile(const float* w, int64_t K, const float* panel, int64_t k0,
     for (int v = 0; v < PV; ++v) a[r][v] = fresh ? vzero() : acc[r * kPanelVectors + v];
   for (int64_t k = k0; k < k1; ++k) {
     if (next && (k & 15) == 0)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T0);
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(next) + uintptr_t((r * K + k) * 4)),
+                     _MM_HINT_T0);
     V p[PV];
     for (int v = 0; v < PV; ++v) p[v] = vload(panel + k * kPanelRows + v * kLanes);
     for (int r = 0; r < R; ++r) {
@@ -81,9 +84,9 @@ inline void gemm_tile(const float* w, int64_t K, const float* panel, int64_t k0,
 }
 
 // y[m * N + n] = x[m] . w[n] (+ bias[n]) for the weight rows [n0, n1) and the M rows of x packed in `panel_count`
-// panels (at most kGemmPanels: gemm_rows' blocks). A group of kGemmTiles tiles is done before the next: block by block of k, each panel's block meets every
-// tile of the group while it sits in L1, and the group's weights stay in L2 from one panel to the next; the first
-// panel's pass also asks for the next tile's weights line by line.
+// panels (at most kGemmPanels: gemm_rows' blocks). A group of kGemmTiles tiles is done before the next: block by
+// block of k, each panel's block meets every tile of the group while it sits in L1, and the group's weights stay in
+// L2 from one panel to the next; the first panel's pass also asks for the next tile's weights line by line.
 inline void gemm_block(const float* w, int64_t K, int64_t n0, int64_t n1, const float* panels, int64_t panel_count,
                        int64_t M, const float* bias, float* y, int64_t N) {
   constexpr int64_t per = kGemmRows * kPanelVectors;  // vectors of sums per (tile, panel)
@@ -112,7 +115,8 @@ inline void gemm_block(const float* w, int64_t K, int64_t n0, int64_t n1, const 
     for (int64_t n = g0; n < g1; ++n) {
       const float b = bias ? bias[n] : 0.0f;
       for (int64_t p = 0; p < panel_count; ++p) {
-        const V* acc = sums.data() + ((n - g0) / kGemmRows * panel_count + p) * per + (n - g0) % kGemmRows * kPanelVectors;
+        const int64_t tile = (n - g0) / kGemmRows, row = (n - g0) % kGemmRows;
+        const V* acc = sums.data() + (tile * panel_count + p) * per + row * kPanelVectors;
         for (int v = 0; v < kPanelVectors; ++v) vstore(lanes + v * kLanes, acc[v]);
         const int64_t m0 = p * kPanelRows, rows = M - m0 < kPanelRows ? M - m0 : kPanelRows;
         for (int64_t i = 0; i < rows; ++i) y[(m0 + i) * N + n] = lanes[i] + b;
