@@ -301,23 +301,23 @@ def test_bench_kernels_streamed_smoke_run_times_each_row_count_against_reading()
     assert all(r["ms"] > 0 and r["of_read"] == pytest.approx(r["read_ms"] / r["ms"]) for r in report["results"])
 
 
-def test_bench_kernels_prefill_smoke_run_times_both_products_at_each_row_count():
+def test_bench_kernels_prefill_smoke_run_times_both_products_at_each_row_count(capsys, monkeypatch):
     from gptkit.native import library
 
     if not library.load():
         pytest.skip("gptkit's CPU kernels are not built on this machine")
-    command = [sys.executable, str(BENCH_DIR / "bench_kernels.py"), "--shapes", "gpt2-prefill", "--quick"]
-    result = subprocess.run(
-        [*command, "--prefill-rows", "9,64", "--rounds", "1", "--json"], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    import bench_kernels  # in-process: the streamed smoke run above already starts the script as a program
+
+    quick = ["--shapes", "gpt2-prefill", "--quick", "--rounds", "1"]
+    assert bench_kernels.main([*quick, "--prefill-rows", "9,64", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert [r["rows"] for r in report["results"]] == [9, 64]
     for r in report["results"]:
         assert r["ratio"] == pytest.approx(r["torch"]["ms"] / r["gptkit"]["ms"])
         assert r["gptkit"]["gflop_s"] == pytest.approx(2 * r["rows"] * 7_077_888 / r["gptkit"]["ms"] / 1e6)
-    bad = subprocess.run([*command, "--prefill-rows", "8"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--prefill-rows above it" in bad.stderr
+    assert bench_kernels.main([*quick, "--prefill-rows", "8"]) == 2
+    assert "--prefill-rows above it" in capsys.readouterr().err
 
 
 def test_bench_quantization_smoke_run_scores_every_setting(tmp_path):
