@@ -83,6 +83,22 @@ inline void gemm_tile(const float* w, int64_t K, const float* panel, int64_t k0,
     for (int v = 0; v < PV; ++v) acc[r * kPanelVectors + v] = a[r][v];
 }
 
+// gemm_tile for a last panel of kLanes rows or fewer (one vector), R <= 2 kGemmRows weight rows at a time: one vector
+// gives a tile of 6 only 6 chains of multiply-adds, too few to hide their latency, so two tiles go together; rows
+// from kGemmRows on carry their sums in the next tile's place (acc + next_tile).
+template <int R>
+inline void gemm_tile_narrow(const float* w, int64_t K, const float* panel, int64_t k0, int64_t k1, V* acc,
+                             int64_t next_tile, bool fresh) {
+  auto sum = [&](int r) -> V& { return acc[(r < kGemmRows ? 0 : next_tile) + r % kGemmRows * kPanelVectors]; };
+  V a[R];
+  for (int r = 0; r < R; ++r) a[r] = fresh ? vzero() : sum(r);
+  for (int64_t k = k0; k < k1; ++k) {
+    const V p = vload(panel + k * kPanelRows);
+    for (int r = 0; r < R; ++r) a[r] = vfma(vset(w[r * K + k]), p, a[r]);
+  }
+  for (int r = 0; r < R; ++r) sum(r) = a[r];
+}
+
 // y[m * N + n] = x[m] . w[n] (+ bias[n]) for the weight rows [n0, n1) and the M rows of x packed in `panel_count`
 // panels (at most kGemmPanels: gemm_rows' blocks). A group of kGemmTiles tiles is done before the next: block by
 // block of k, each panel's block meets every tile of the group while it sits in L1, and the group's weights stay in
@@ -98,6 +114,15 @@ inline void gemm_block(const float* w, int64_t K, int64_t n0, int64_t n1, const 
       const int64_t k1 = k0 + kGemmDepth < K ? k0 + kGemmDepth : K;
       for (int64_t p = 0; p < panel_count; ++p) {
         const float* panel = panels + p * K * kPanelRows;
+        if (p + 1 == panel_count && p > 0 && last_rows <= kLanes) {
+          for (int64_t n = g0; n < g1; n += 2 * kGemmRows) {
+            V* acc = sums.data() + ((n - g0) / kGemmRows * panel_count + p) * per;
+            with_value<1, 2 * kGemmRows>(g1 - n, [&](auto r) {
+              gemm_tile_narrow<decltype(r)::value>(w + n * K, K, panel, k0, k1, acc, panel_count * per, k0 == 0);
+            });
+          }
+          continue;
+        }
         for (int64_t n = g0; n < g1; n += kGemmRows) {
           const int64_t nr = g1 - n < kGemmRows ? g1 - n : kGemmRows;
           const float* next = p == 0 && n + nr < g1 ? w + (n + nr) * K : nullptr;
@@ -111,15 +136,14 @@ inline void gemm_block(const float* w, int64_t K, int64_t n0, int64_t n1, const 
         }
       }
     }
-    alignas(64) float lanes[kPanelRows];
-    for (int64_t n = g0; n < g1; ++n) {
-      const float b = bias ? bias[n] : 0.0f;
-      for (int64_t p = 0; p < panel_count; ++p) {
+    // Row by row of y, so that each row's stores run along n; lane i of a panel's sums is that panel's row i.
+    const float* lanes = reinterpret_cast<const float*>(sums.data());
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t p = m / kPanelRows, v = m % kPanelRows / kLanes, lane = m % kLanes;
+      for (int64_t n = g0; n < g1; ++n) {
         const int64_t tile = (n - g0) / kGemmRows, row = (n - g0) % kGemmRows;
-        const V* acc = sums.data() + (tile * panel_count + p) * per + row * kPanelVectors;
-        for (int v = 0; v < kPanelVectors; ++v) vstore(lanes + v * kLanes, acc[v]);
-        const int64_t m0 = p * kPanelRows, rows = M - m0 < kPanelRows ? M - m0 : kPanelRows;
-        for (int64_t i = 0; i < rows; ++i) y[(m0 + i) * N + n] = lanes[i] + b;
+        const int64_t at = ((tile * panel_count + p) * per + row * kPanelVectors + v) * kLanes + lane;
+        y[m * N + n] = lanes[at] + (bias ? bias[n] : 0.0f);
       }
     }
   }
