@@ -12,8 +12,8 @@
 //   read_bandwidth(buffer, rounds) bytes/s that all threads stream from the buffer, each pinned to its own CPU for
 //                                 the probe, the best of the rounds (a benchmark's ceiling for weight-bound decoding);
 //   huge_pages(tensors)           asks Linux to back the tensors' memory with 2 MiB pages (bytes now so backed).
-// gemv's M is 1 to 8: each weight row is read once for all M rows of x. Each thread takes one contiguous range of rows,
-// so that it streams one run of memory.
+// gemv's M is 1 to 8: each weight row is read once for all M rows of x. Each thread takes one contiguous range of
+// rows, so that it streams one run of memory.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -1,6 +1,7 @@
 """The timed choices: whether each of gptkit's products (fp32, bf16, int8 weights at one row; fp32 over a prefill
 chunk's rows) beats PyTorch's here, whether many-row bf16 runs faster in fp32, and other modules' choices (the fused
-decode step), each timed once per machine and kept in choices.json beside the built library. A CPU flag says what can run, never what is faster.
+decode step), each timed once per machine and kept in choices.json beside the built library. A CPU flag says what
+can run, never what is faster.
 
 A choice timed while other programs kept more than a quarter of a core busy is kept all the same, marked so, with a
 log line (contention.timed_choice): a busy machine does not time it again at every start, and the first process
@@ -24,8 +25,7 @@ log = logging.getLogger("gptkit.native")
 
 UPCAST_VARIABLE = "GPTKIT_BF16_UPCAST"  # 1 or 0: many-row bf16 products in fp32 or not, without measuring
 CHOICES_FILE = "choices.json"
-# what _measure decides; choices.json entries may hold more
-MEASURED = {"fp32", "bf16", "int8", "bf16_upcast", "fp32_rows"}
+MEASURED = {"fp32", "bf16", "int8", "bf16_upcast", "fp32_rows"}  # _measure's; choices.json entries may hold more
 # An entry's mark that one of its choices was timed while other programs were busy: kept, so that a busy machine
 # does not time it again at every start, and timed again by the first process that finds the machine quiet.
 TIMED_BUSY = "timed_while_busy"
@@ -112,6 +112,13 @@ def _measure() -> dict[str, bool]:
         chosen[name] = faster(
             lambda: [torch.ops.gptkit.gemv(x, w, None) for w in ws], lambda: [F.linear(x, w) for w in ws]
         )
+        if dtype == torch.float32:  # the same matrices under a prefill chunk's rows
+            rows = torch.randn(PREFILL_ROWS, 768)
+            chosen["fp32_rows"] = faster(
+                lambda: [torch.ops.gptkit.gemm(rows, w, None) for w in ws],
+                lambda: [F.linear(rows, w) for w in ws],
+                rounds=3,
+            )
     qs = [w.to(torch.int8) for w in _weights(torch.int8)]
     scales = torch.ones(2304)
     x = torch.randn(1, 768)
@@ -120,11 +127,6 @@ def _measure() -> dict[str, bool]:
         lambda: [_torch_int8(x, q, scales) for q in qs],
     )
     chosen["bf16_upcast"] = _faster_in_fp32()
-    ws = _weights(torch.float32)
-    x = torch.randn(PREFILL_ROWS, 768)
-    chosen["fp32_rows"] = faster(
-        lambda: [torch.ops.gptkit.gemm(x, w, None) for w in ws], lambda: [F.linear(x, w) for w in ws], rounds=3
-    )
     return chosen
 
 
