@@ -201,3 +201,14 @@ def filled_cache(model: GPT, stored: torch.dtype, rows: int = 2) -> KVCache:
         else:
             t.copy_(2.0 * torch.randn(t.shape, generator=g))
     return cache
+
+
+def product_inputs(
+    rows: int, k: int, n: int, dtype: torch.dtype = torch.float32, bias: bool = True, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A product's operands from one seed: activations x (rows, k), weights w (n, k), a bias (n,) or None."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import VARIANTS
+from helpers import VARIANTS, product_inputs
 
 from gptkit.config import ModelConfig
 from gptkit.decoding.api import generate_ids
@@ -44,20 +44,12 @@ def chosen(monkeypatch):
     return choose
 
 
-def _inputs(rows: int, k: int, n: int, dtype: torch.dtype, bias: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=g).to(dtype)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    b = torch.randn(n, generator=g).to(dtype) if bias else None
-    return x, w, b
-
-
 @needs_kernels
 @pytest.mark.parametrize("rows", range(1, ops.GEMV_MAX_ROWS + 1))
 @pytest.mark.parametrize("k", [17, 64, 100])  # 17 and 100 end in a partial vector of every width
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_equals_f_linear_at_every_row_count(rows, k, dtype):
-    x, w, b = _inputs(rows, k, 37, dtype, bias=rows % 2 == 1)  # 37 output rows: every thread gets a ragged end
+    x, w, b = product_inputs(rows, k, 37, dtype, bias=rows % 2 == 1)  # 37 output rows: every thread gets a ragged end
     got = torch.ops.gptkit.gemv(x, w, b)
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
     assert got.dtype == dtype and got.shape == (rows, 37)
@@ -139,7 +131,7 @@ def test_linear_uses_the_kernel_for_few_rows_without_autograd_where_chosen(monke
     calls = []
     real = torch.ops.gptkit.gemv
     monkeypatch.setattr(torch.ops.gptkit, "gemv", lambda *a: calls.append(tuple(a[0].shape)) or real(*a))
-    x, w, b = _inputs(8, 64, 48, dtype, True)
+    x, w, b = product_inputs(8, 64, 48, dtype, True)
     chosen()
     with torch.no_grad():
         y = ops.linear(x.view(8, 1, 64), w, b)  # decode's (B, 1, C) with B = 8
@@ -158,7 +150,7 @@ def test_many_bf16_rows_run_in_fp32_where_measured_faster(monkeypatch, chosen, u
     real_linear = F.linear
     monkeypatch.setattr(ops.F, "linear", lambda *a: dtypes.append(a[0].dtype) or real_linear(*a))
     chosen(bf16_upcast=upcast, fp32_rows=False)  # (with the many-row kernel, the fp32 product is test_gemm's)
-    x, w, b = _inputs(choices.BF16_UPCAST_MIN_ROWS, 64, 48, torch.bfloat16, True)
+    x, w, b = product_inputs(choices.BF16_UPCAST_MIN_ROWS, 64, 48, torch.bfloat16, True)
     with torch.no_grad():
         y = ops.linear(x.view(2, -1, 64), w, b)
     assert dtypes == [torch.float32 if upcast else torch.bfloat16] and y.dtype == torch.bfloat16
@@ -282,7 +274,7 @@ def test_a_failed_build_logs_once_and_falls_back(monkeypatch, cache, caplog):
 
     monkeypatch.setattr(cpp_extension, "load", broken_build)
     monkeypatch.delenv(build.DISABLE_VARIABLE)  # chosen by measuring: nothing is, without the library
-    x, w, b = _inputs(1, 64, 16, torch.float32, True)
+    x, w, b = product_inputs(1, 64, 16, torch.float32, True)
     with caplog.at_level(logging.WARNING, logger="gptkit.native"), torch.no_grad():
         y1 = ops.linear(x, w, b)  # the first product does not wait for the build: PyTorch's product
         kernels.prepare()  # (waits for this process's build)

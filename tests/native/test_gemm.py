@@ -6,15 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import product_inputs
 
 from gptkit.native import library, ops
 
 needs_kernels = pytest.mark.skipif(not library.load(), reason="this CPU has neither AVX2 nor AVX-512")
-
-
-def _inputs(rows: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
 
 
 def _sequential(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -31,7 +27,7 @@ def _sequential(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
 @pytest.mark.parametrize("k", [1, 19, 300])  # 300: past one block of k (256), so a sum goes on from memory
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_adds_each_outputs_products_in_order_from_zero(rows, k, bias):
-    x, w, b = _inputs(rows, k, 13)  # 13 weight rows: tiles of 6, 6 and 1, split between threads mid-tile
+    x, w, b = product_inputs(rows, k, 13)  # 13 weight rows: tiles of 6, 6 and 1, split between threads mid-tile
     b = b if bias else None
     assert torch.equal(torch.ops.gptkit.gemm(x, w, b), _sequential(x, w, b))
 
@@ -39,7 +35,7 @@ def test_gemm_adds_each_outputs_products_in_order_from_zero(rows, k, bias):
 @needs_kernels
 def test_an_outputs_bits_depend_on_its_own_rows_only():
     # what lets a prefill chunk's keys and values be the same whatever else the forward held
-    x, w, b = _inputs(70, 100, 50, seed=1)
+    x, w, b = product_inputs(70, 100, 50, seed=1)
     whole = torch.ops.gptkit.gemm(x, w, b)
     assert torch.equal(torch.ops.gptkit.gemm(x[5:30].contiguous(), w, b), whole[5:30])
     assert torch.equal(torch.ops.gptkit.gemm(x[3:4].contiguous(), w, b), whole[3:4])
@@ -59,7 +55,7 @@ def test_linear_takes_the_many_row_kernel_for_fp32_prefill_rows_where_chosen(mon
     real = torch.ops.gptkit.gemm
     monkeypatch.setattr(torch.ops.gptkit, "gemm", lambda *a: calls.append(tuple(a[0].shape)) or real(*a))
     monkeypatch.setitem(library.STATE, "choices", {"fp32": True, "fp32_rows": True})
-    x, w, b = _inputs(80, 512, ops.GEMM_MIN_WEIGHT // 512)
+    x, w, b = product_inputs(80, 512, ops.GEMM_MIN_WEIGHT // 512)
     with torch.no_grad():
         y = ops.linear(x.view(2, 40, 512), w, b)  # a prefill's (B, T, C)
         assert y.shape == (2, 40, w.size(0)) and calls == [(80, 512)]
